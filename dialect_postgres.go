@@ -1,0 +1,65 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// postgresDialect holds all SQL text for PostgreSQL.
+type postgresDialect struct{}
+
+func (postgresDialect) Name() string { return "postgres" }
+
+func (postgresDialect) quoteIdent(part string) string { return `"` + part + `"` }
+
+func (postgresDialect) insertOutbox(table string, rows int) string {
+	var b strings.Builder
+	b.Grow(64 + rows*50)
+	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	valuesList(&b, rows, outboxColumnCount, func(n int) string { return "$" + strconv.Itoa(n) })
+	// A retried transaction adds the same id again: one row, no error.
+	b.WriteString(" ON CONFLICT (id) DO NOTHING")
+	return b.String()
+}
+
+func (postgresDialect) timeArg(t time.Time) any { return t }
+
+// migrationLockKey is an arbitrary constant shared by every process that
+// migrates: pg_advisory_xact_lock makes the second one wait for the first.
+const migrationLockKey = 0x6163656d71 // "acemq"
+
+func (postgresDialect) withMigrationLock(ctx context.Context, conn *sql.Conn, fn func(execQuerier) error) error {
+	// DDL is transactional on PostgreSQL: the lock, the schema and the record
+	// of it commit together, and a failure leaves nothing half-made.
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+func (postgresDialect) createMigrationsTable() string {
+	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
+    version    integer        PRIMARY KEY,
+    name       varchar(255)   NOT NULL,
+    applied_at timestamptz(6) NOT NULL DEFAULT now()
+)`
+}
+
+func (postgresDialect) selectMigrations() string {
+	return "SELECT version FROM acemq_schema_migrations"
+}
+
+func (postgresDialect) insertMigration() string {
+	return "INSERT INTO acemq_schema_migrations (version, name) VALUES ($1, $2)"
+}

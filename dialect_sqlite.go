@@ -1,0 +1,59 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"strings"
+	"time"
+)
+
+// sqliteDialect holds all SQL text for SQLite (mattn/go-sqlite3).
+type sqliteDialect struct{}
+
+func (sqliteDialect) Name() string { return "sqlite" }
+
+func (sqliteDialect) quoteIdent(part string) string { return `"` + part + `"` }
+
+func (sqliteDialect) insertOutbox(table string, rows int) string {
+	var b strings.Builder
+	b.Grow(64 + rows*30)
+	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	valuesList(&b, rows, outboxColumnCount, questionMark)
+	b.WriteString(" ON CONFLICT (id) DO NOTHING")
+	return b.String()
+}
+
+// timeArg sends fixed-width UTC text (timeLayout), so text order is time
+// order. The driver's own time.Time encoding trims trailing zeros and would
+// not sort.
+func (sqliteDialect) timeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
+
+func (sqliteDialect) withMigrationLock(ctx context.Context, conn *sql.Conn, fn func(execQuerier) error) error {
+	// The first DDL statement takes SQLite's write lock for the rest of the
+	// transaction; a second process waits on its busy timeout.
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+func (sqliteDialect) createMigrationsTable() string {
+	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
+    version    INTEGER  NOT NULL PRIMARY KEY,
+    name       TEXT     NOT NULL,
+    applied_at DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now'))
+)`
+}
+
+func (sqliteDialect) selectMigrations() string {
+	return "SELECT version FROM acemq_schema_migrations"
+}
+
+func (sqliteDialect) insertMigration() string {
+	return "INSERT INTO acemq_schema_migrations (version, name) VALUES (?, ?)"
+}

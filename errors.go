@@ -1,0 +1,48 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+)
+
+var (
+	// ErrPublisherClosed is returned by Publish after Close.
+	ErrPublisherClosed = errors.New("outbox: publisher is closed")
+
+	// ErrTxDone is returned by Publish when the publisher's transaction was
+	// already committed or rolled back: the message could not join it.
+	ErrTxDone = errors.New("outbox: transaction already committed or rolled back")
+
+	// ErrInvalidMessage matches every *InvalidMessageError with errors.Is.
+	ErrInvalidMessage = errors.New("outbox: invalid message")
+
+	// ErrInvalidConfig matches every *ConfigError with errors.Is.
+	ErrInvalidConfig = errors.New("outbox: invalid configuration")
+)
+
+// InvalidMessageError says which message of a Publish call was refused and
+// why. Nothing of that call was written.
+type InvalidMessageError struct {
+	Index     int    // position of the message in the Publish call
+	MessageID string // as given, possibly empty or too long
+	Field     string // "id", "topic", "exchange", "routing key", "content type", "metadata"
+	Reason    string
+}
+
+func (e *InvalidMessageError) Error() string {
+	return fmt.Sprintf("outbox: message %d (id %.80q): %s %s", e.Index, e.MessageID, e.Field, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrInvalidMessage) true.
+func (e *InvalidMessageError) Is(target error) bool { return target == ErrInvalidMessage }
+
+// ConfigError names the option or field whose value was refused.
+type ConfigError struct {
+	Field  string
+	Reason string
+}
+
+func (e *ConfigError) Error() string { return fmt.Sprintf("outbox: %s: %s", e.Field, e.Reason) }
+
+// Is makes errors.Is(err, ErrInvalidConfig) true.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }

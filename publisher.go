@@ -1,0 +1,449 @@
+package outbox
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jmoiron/sqlx"
+)
+
+// Metadata keys a message may carry to steer its own row. They stay in the
+// message's metadata (and so in its headers) like any other key.
+const (
+	// MetadataExchange overrides the exchange the topic maps to.
+	MetadataExchange = "outbox_exchange"
+	// MetadataRoutingKey overrides the routing key the topic maps to.
+	MetadataRoutingKey = "outbox_routing_key"
+	// MetadataContentType sets the row's content_type (the AMQP
+	// content_type property); without it the publisher's default is used.
+	MetadataContentType = "content_type"
+)
+
+// Body encodings, the values of the body_encoding column.
+const (
+	BodyUTF8   = "utf-8"
+	BodyBase64 = "base64"
+)
+
+// Limits of the columns, checked before anything is written so that no
+// database ever truncates a value (MySQL outside strict mode would).
+const (
+	maxIDLen       = 64  // id varchar(64)
+	maxNameLen     = 255 // exchange_name, routing_key, content_type: AMQP shortstr
+	maxRowsPerStmt = 1000
+	// maxBytesPerStmt bounds the bodies one INSERT carries, so a call with
+	// many large messages does not exceed MySQL's max_allowed_packet (16 MiB
+	// by default on MariaDB). A single larger body still goes alone.
+	maxBytesPerStmt = 4 << 20
+)
+
+// DefaultContentType is the content_type of a message whose metadata names none.
+const DefaultContentType = "application/octet-stream"
+
+// TopicMapper maps a Watermill topic to the AMQP exchange and routing key of
+// its row. The default keeps the configured exchange and uses the topic as
+// the routing key.
+type TopicMapper func(topic string) (exchange, routingKey string)
+
+// PublisherOption configures a TxPublisher.
+type PublisherOption func(*publisherConfig)
+
+type publisherConfig struct {
+	dialect     Dialect
+	table       string
+	exchange    string
+	contentType string
+	mapper      TopicMapper
+}
+
+// WithDialect sets the database dialect. Required with a *sql.Tx or a
+// watermill-sql Tx; a *sqlx.Tx reports its own.
+func WithDialect(d Dialect) PublisherOption { return func(c *publisherConfig) { c.dialect = d } }
+
+// WithTable sets the outbox table, "name" or "schema.name" (default
+// acemq_outbox). It is validated as an identifier and quoted.
+func WithTable(name string) PublisherOption { return func(c *publisherConfig) { c.table = name } }
+
+// WithExchange sets the exchange every topic maps to (default "", the AMQP
+// default exchange, which routes to the queue named by the routing key: the
+// convention of watermill-amqp's durable queue config).
+func WithExchange(name string) PublisherOption { return func(c *publisherConfig) { c.exchange = name } }
+
+// WithContentType sets the content_type of messages whose metadata names none
+// (default DefaultContentType).
+func WithContentType(ct string) PublisherOption {
+	return func(c *publisherConfig) { c.contentType = ct }
+}
+
+// WithTopicMapper replaces the default topic → (exchange, routing key) map.
+// A message's MetadataExchange and MetadataRoutingKey still override it.
+func WithTopicMapper(m TopicMapper) PublisherOption {
+	return func(c *publisherConfig) { c.mapper = m }
+}
+
+// execFunc runs one statement on the caller's transaction.
+type execFunc func(ctx context.Context, query string, args ...any) error
+
+// TxPublisher is a Watermill message.Publisher bound to one database
+// transaction. Publish writes each message as a row of the outbox table
+// through that transaction and does nothing else: the row exists if and only
+// if the caller commits, and the Forwarder is what sends it to the broker.
+//
+// A TxPublisher lives as long as its transaction. It is safe for concurrent
+// use, as far as the transaction itself is.
+type TxPublisher struct {
+	exec        execFunc
+	dialect     Dialect
+	table       string // quoted
+	exchange    string
+	contentType string
+	mapper      TopicMapper
+
+	mu     sync.RWMutex // Close waits for the Publish calls in flight
+	closed bool
+}
+
+var _ message.Publisher = (*TxPublisher)(nil)
+
+// NewTxPublisher returns a publisher that writes into tx, which is a
+// *sqlx.Tx, a *sql.Tx, or a watermill-sql Tx (sql.TxFromStdSQL, or
+// sql.TxFromPgx for pgx without database/sql). With anything but a *sqlx.Tx,
+// pass WithDialect.
+func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
+	cfg := publisherConfig{table: DefaultTable, contentType: DefaultContentType}
+	var exec execFunc
+	switch t := tx.(type) {
+	case *sqlx.Tx:
+		if t == nil {
+			break
+		}
+		if d, err := DialectForDriver(t.DriverName()); err == nil {
+			cfg.dialect = d
+		}
+		exec = stdExec(t.Tx)
+	case *sql.Tx:
+		if t != nil {
+			exec = stdExec(t)
+		}
+	case wsql.Tx:
+		exec = func(ctx context.Context, query string, args ...any) error {
+			_, err := t.ExecContext(ctx, query, args...)
+			return err
+		}
+	default:
+		return nil, &ConfigError{Field: "tx", Reason: fmt.Sprintf("%T is not a transaction this publisher can write through; pass a *sqlx.Tx, a *sql.Tx or a watermill-sql Tx", tx)}
+	}
+	if exec == nil {
+		return nil, &ConfigError{Field: "tx", Reason: "nil transaction"}
+	}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	if cfg.dialect == nil {
+		return nil, &ConfigError{Field: "WithDialect", Reason: "the dialect cannot be told from this transaction; pass outbox.WithDialect(outbox.Postgres), MySQL or SQLite"}
+	}
+	table, err := quoteTable(cfg.dialect, cfg.table)
+	if err != nil {
+		return nil, &ConfigError{Field: "WithTable", Reason: err.Error()}
+	}
+	if err := checkName(cfg.exchange); err != nil {
+		return nil, &ConfigError{Field: "WithExchange", Reason: err.Error()}
+	}
+	if err := checkName(cfg.contentType); err != nil {
+		return nil, &ConfigError{Field: "WithContentType", Reason: err.Error()}
+	}
+	return &TxPublisher{
+		exec:        exec,
+		dialect:     cfg.dialect,
+		table:       table,
+		exchange:    cfg.exchange,
+		contentType: cfg.contentType,
+		mapper:      cfg.mapper,
+	}, nil
+}
+
+func stdExec(tx *sql.Tx) execFunc {
+	return func(ctx context.Context, query string, args ...any) error {
+		_, err := tx.ExecContext(ctx, query, args...)
+		return err
+	}
+}
+
+// Publish writes one outbox row per message into the transaction, in one
+// statement (a call with more than 1,000 messages or 4 MiB of bodies takes
+// several, under a savepoint, so that it still writes all or nothing). The
+// statement runs with the first message's context.
+//
+// Every message is checked before anything is written; an invalid one
+// fails the whole call with an *InvalidMessageError. A message whose id is
+// already in the table (the caller retrying its transaction) is skipped
+// without error.
+func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.closed {
+		return ErrPublisherClosed
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	rows := make([]outboxRow, len(msgs))
+	for i, msg := range msgs {
+		if err := p.buildRow(&rows[i], i, topic, msg); err != nil {
+			return err
+		}
+	}
+	// Stamps are strictly increasing within the process, so the relay's
+	// ORDER BY created_at, id keeps the order the messages were given in,
+	// within this call and across calls.
+	base := reserveStamps(len(rows))
+	for i := range rows {
+		rows[i].createdAt = p.dialect.timeArg(base.Add(time.Duration(i) * time.Microsecond))
+	}
+
+	ctx := msgs[0].Context()
+	chunks := splitRows(rows)
+	if len(chunks) == 1 {
+		return p.wrapExecErr(p.insert(ctx, chunks[0]))
+	}
+	return p.wrapExecErr(p.insertUnderSavepoint(ctx, chunks))
+}
+
+func (p *TxPublisher) insert(ctx context.Context, rows []outboxRow) error {
+	args := make([]any, 0, len(rows)*outboxColumnCount)
+	for i := range rows {
+		r := &rows[i]
+		args = append(args, r.id, r.exchange, r.routingKey, r.body, r.bodyEncoding, r.contentType, r.headers, r.createdAt)
+	}
+	return p.exec(ctx, p.dialect.insertOutbox(p.table, len(rows)), args...)
+}
+
+// insertUnderSavepoint writes several statements all or nothing: on MySQL
+// and SQLite a failed statement does not undo the ones before it, and the
+// caller may still commit its transaction after our error.
+func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]outboxRow) error {
+	if err := p.exec(ctx, "SAVEPOINT acemq_outbox_publish"); err != nil {
+		return err
+	}
+	for _, c := range chunks {
+		if err := p.insert(ctx, c); err != nil {
+			rbErr := p.exec(context.WithoutCancel(ctx), "ROLLBACK TO SAVEPOINT acemq_outbox_publish")
+			return errors.Join(err, rbErr)
+		}
+	}
+	return p.exec(ctx, "RELEASE SAVEPOINT acemq_outbox_publish")
+}
+
+func (p *TxPublisher) wrapExecErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
+		return fmt.Errorf("%w: %w", ErrTxDone, err)
+	default:
+		return fmt.Errorf("outbox: insert into %s: %w", p.table, err)
+	}
+}
+
+// Close makes further Publish calls fail with ErrPublisherClosed, after the
+// calls in flight have finished. It does not touch the transaction, which
+// belongs to the caller. Calling it again does nothing.
+func (p *TxPublisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	return nil
+}
+
+// outboxRow is one row's arguments, in outboxColumns order.
+type outboxRow struct {
+	id, exchange, routingKey string
+	body, bodyEncoding       string
+	contentType, headers     string
+	createdAt                any
+}
+
+func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.Message) error {
+	invalid := func(field, reason string) error {
+		return &InvalidMessageError{Index: i, MessageID: msgID(msg), Field: field, Reason: reason}
+	}
+	if msg == nil {
+		return invalid("message", "is nil")
+	}
+	if err := checkID(msg.UUID); err != nil {
+		return invalid("id", err.Error())
+	}
+	if topic == "" {
+		return invalid("topic", "is empty")
+	}
+	exchange, routingKey := p.exchange, topic
+	if p.mapper != nil {
+		exchange, routingKey = p.mapper(topic)
+	}
+	if v, ok := msg.Metadata[MetadataExchange]; ok {
+		exchange = v
+	}
+	if v, ok := msg.Metadata[MetadataRoutingKey]; ok {
+		routingKey = v
+	}
+	contentType := p.contentType
+	if v, ok := msg.Metadata[MetadataContentType]; ok && v != "" {
+		contentType = v
+	}
+	if err := checkName(exchange); err != nil {
+		return invalid("exchange", err.Error())
+	}
+	if err := checkName(routingKey); err != nil {
+		return invalid("routing key", err.Error())
+	}
+	if err := checkName(contentType); err != nil {
+		return invalid("content type", err.Error())
+	}
+	headers, err := encodeHeaders(msg.Metadata)
+	if err != nil {
+		return invalid("metadata", err.Error())
+	}
+	body, encoding := encodeBody(msg.Payload)
+	*r = outboxRow{
+		id: msg.UUID, exchange: exchange, routingKey: routingKey,
+		body: body, bodyEncoding: encoding,
+		contentType: contentType, headers: headers,
+	}
+	return nil
+}
+
+func msgID(msg *message.Message) string {
+	if msg == nil {
+		return ""
+	}
+	return msg.UUID
+}
+
+// checkID accepts 1 to 64 printable ASCII characters without spaces: what
+// fits varchar(64) under every collation unchanged, and what AMQP's
+// message_id and any log line carry without escaping. Watermill's UUIDs,
+// ULIDs and the ids of the other AceMQ libraries all qualify.
+func checkID(id string) error {
+	if id == "" {
+		return errors.New("is empty")
+	}
+	if len(id) > maxIDLen {
+		return fmt.Errorf("is %d bytes, over the %d the id column holds", len(id), maxIDLen)
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c <= ' ' || c > '~' {
+			return fmt.Errorf("has byte 0x%02x at %d; want printable ASCII without spaces", c, i)
+		}
+	}
+	return nil
+}
+
+// checkName accepts what an AMQP short string and a varchar(255) column both
+// hold unchanged: valid UTF-8 of at most 255 bytes, without NUL (which
+// PostgreSQL text refuses).
+func checkName(s string) error {
+	if len(s) > maxNameLen {
+		return fmt.Errorf("is %d bytes, over the %d AMQP allows", len(s), maxNameLen)
+	}
+	if !utf8.ValidString(s) {
+		return errors.New("is not valid UTF-8")
+	}
+	if bytes.IndexByte([]byte(s), 0) >= 0 {
+		return errors.New("contains a NUL byte")
+	}
+	return nil
+}
+
+// encodeHeaders renders metadata as a JSON object of strings. It refuses what
+// JSON would alter: invalid UTF-8 becomes U+FFFD under encoding/json.
+func encodeHeaders(md message.Metadata) (string, error) {
+	if len(md) == 0 {
+		return "{}", nil
+	}
+	for k, v := range md {
+		if !utf8.ValidString(k) {
+			return "", fmt.Errorf("key %q is not valid UTF-8", k)
+		}
+		if !utf8.ValidString(v) {
+			return "", fmt.Errorf("value of %q is not valid UTF-8", k)
+		}
+	}
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false) // the table is read by people during incidents
+	if err := enc.Encode(map[string]string(md)); err != nil {
+		return "", err
+	}
+	return string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), nil
+}
+
+// encodeBody stores text as text and anything else base64. NUL is valid UTF-8
+// but PostgreSQL text refuses it, so a body holding one goes base64 on every
+// database, and the table means the same thing everywhere.
+func encodeBody(payload []byte) (body, encoding string) {
+	if utf8.Valid(payload) && bytes.IndexByte(payload, 0) < 0 {
+		return string(payload), BodyUTF8
+	}
+	return base64.StdEncoding.EncodeToString(payload), BodyBase64
+}
+
+// DecodeBody returns the bytes a row's body and body_encoding stand for.
+func DecodeBody(body, encoding string) ([]byte, error) {
+	switch encoding {
+	case BodyUTF8, "":
+		return []byte(body), nil
+	case BodyBase64:
+		return base64.StdEncoding.DecodeString(body)
+	}
+	return nil, fmt.Errorf("outbox: unknown body_encoding %q", encoding)
+}
+
+// splitRows cuts rows into statements of at most maxRowsPerStmt rows and
+// maxBytesPerStmt bytes of body.
+func splitRows(rows []outboxRow) [][]outboxRow {
+	var (
+		chunks [][]outboxRow
+		start  int
+		size   int
+	)
+	for i := range rows {
+		n := len(rows[i].body) + len(rows[i].headers)
+		if i > start && (i-start >= maxRowsPerStmt || size+n > maxBytesPerStmt) {
+			chunks = append(chunks, rows[start:i])
+			start, size = i, 0
+		}
+		size += n
+	}
+	return append(chunks, rows[start:])
+}
+
+// lastStamp is the last created_at handed out, in Unix microseconds.
+var lastStamp atomic.Int64
+
+// reserveStamps returns the first of n consecutive microsecond stamps, all
+// later than any stamp this process handed out before: the wall clock,
+// unless it stands still or steps back.
+func reserveStamps(n int) time.Time {
+	for {
+		last := lastStamp.Load()
+		now := time.Now().UnixMicro()
+		if now <= last {
+			now = last + 1
+		}
+		if lastStamp.CompareAndSwap(last, now+int64(n)-1) {
+			return time.UnixMicro(now).UTC()
+		}
+	}
+}

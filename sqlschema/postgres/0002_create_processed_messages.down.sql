@@ -1,0 +1,1 @@
+DROP TABLE IF EXISTS processed_messages;

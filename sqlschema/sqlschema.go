@@ -1,0 +1,126 @@
+// Package sqlschema holds the SQL migrations of watermill-outbox, one folder
+// per dialect: postgres, mysql (MySQL 8 and MariaDB 10.6+) and sqlite.
+//
+// Each folder holds numbered NNNN_name.up.sql and NNNN_name.down.sql files in
+// golang-migrate's layout, usable as they are by golang-migrate and atlas.
+// Every up file also carries goose's "-- +goose Up" annotation; goose users
+// pass [Goose] (the up files alone) to goose.NewProvider, since goose wants
+// one file per version. Every statement is idempotent (IF NOT EXISTS), so a
+// database migrated by one tool can later be migrated by another.
+//
+// Applications that use no migration tool call outbox.Migrate, which applies
+// these same files under a lock and records them.
+package sqlschema
+
+import (
+	"embed"
+	"fmt"
+	"io/fs"
+	"strings"
+)
+
+//go:embed postgres/*.sql mysql/*.sql sqlite/*.sql
+var FS embed.FS
+
+// Dialects are the folder names of FS.
+var Dialects = []string{"postgres", "mysql", "sqlite"}
+
+// Dir returns the migrations of one dialect ("postgres", "mysql", "sqlite"),
+// both up and down files, rooted at the dialect's folder.
+func Dir(dialect string) (fs.FS, error) {
+	for _, d := range Dialects {
+		if d == dialect {
+			return fs.Sub(FS, dialect)
+		}
+	}
+	return nil, fmt.Errorf("sqlschema: unknown dialect %q (want one of %s)", dialect, strings.Join(Dialects, ", "))
+}
+
+// Goose returns the up migrations of one dialect only, the layout goose reads.
+func Goose(dialect string) (fs.FS, error) {
+	dir, err := Dir(dialect)
+	if err != nil {
+		return nil, err
+	}
+	return upOnly{dir}, nil
+}
+
+// Migration is one numbered step of a dialect's schema.
+type Migration struct {
+	Version int
+	Name    string
+	Up      string
+	Down    string
+}
+
+// Migrations returns a dialect's migrations in version order.
+func Migrations(dialect string) ([]Migration, error) {
+	dir, err := Dir(dialect)
+	if err != nil {
+		return nil, err
+	}
+	ups, err := fs.Glob(dir, "*.up.sql")
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Migration, 0, len(ups)) // Glob sorts, and the names are zero-padded.
+	for _, up := range ups {
+		base := strings.TrimSuffix(up, ".up.sql")
+		var version int
+		if _, err := fmt.Sscanf(base, "%04d_", &version); err != nil {
+			return nil, fmt.Errorf("sqlschema: %s/%s: name does not start with a version: %w", dialect, up, err)
+		}
+		upSQL, err := fs.ReadFile(dir, up)
+		if err != nil {
+			return nil, err
+		}
+		downSQL, err := fs.ReadFile(dir, base+".down.sql")
+		if err != nil {
+			return nil, fmt.Errorf("sqlschema: %s/%s has no down file: %w", dialect, up, err)
+		}
+		out = append(out, Migration{Version: version, Name: base, Up: string(upSQL), Down: string(downSQL)})
+	}
+	return out, nil
+}
+
+// Statements splits a migration file into the statements a driver without
+// multi-statement support executes one by one. A statement ends with a ";"
+// at the end of a line; "--" comment lines are dropped.
+func Statements(sqlText string) []string {
+	var (
+		out []string
+		cur strings.Builder
+	)
+	for _, line := range strings.Split(sqlText, "\n") {
+		trimmed := strings.TrimSpace(line)
+		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
+			continue
+		}
+		cur.WriteString(line)
+		cur.WriteByte('\n')
+		if strings.HasSuffix(trimmed, ";") {
+			out = append(out, strings.TrimSpace(cur.String()))
+			cur.Reset()
+		}
+	}
+	if rest := strings.TrimSpace(cur.String()); rest != "" {
+		out = append(out, rest)
+	}
+	return out
+}
+
+type upOnly struct{ fs.FS }
+
+func (u upOnly) ReadDir(name string) ([]fs.DirEntry, error) {
+	entries, err := fs.ReadDir(u.FS, name)
+	if err != nil {
+		return nil, err
+	}
+	kept := entries[:0]
+	for _, e := range entries {
+		if strings.HasSuffix(e.Name(), ".up.sql") {
+			kept = append(kept, e)
+		}
+	}
+	return kept, nil
+}
