@@ -1,0 +1,672 @@
+package outbox_test
+
+import (
+	"bytes"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/sqlschema"
+)
+
+// migrated returns an isolated database of every kind with the schema applied.
+func eachMigrated(t *testing.T, fn func(t *testing.T, db *testdb.DB, d outbox.Dialect)) {
+	t.Helper()
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := dialectOf(t, db)
+		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+			t.Fatalf("migrate: %v", err)
+		}
+		fn(t, db, d)
+	})
+}
+
+func dialectOf(t testing.TB, db *testdb.DB) outbox.Dialect {
+	t.Helper()
+	d, err := outbox.DialectForDriver(db.DriverName())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// row is an acemq_outbox row as read back.
+type row struct {
+	ID           string         `db:"id"`
+	Exchange     string         `db:"exchange_name"`
+	RoutingKey   string         `db:"routing_key"`
+	Body         string         `db:"body"`
+	BodyEncoding string         `db:"body_encoding"`
+	ContentType  string         `db:"content_type"`
+	Headers      string         `db:"headers"`
+	CreatedAt    time.Time      `db:"created_at"`
+	PublishedAt  sql.NullTime   `db:"published_at"`
+	Attempts     int            `db:"attempts"`
+	LastError    sql.NullString `db:"last_error"`
+	LockedBy     sql.NullString `db:"locked_by"`
+	LockedUntil  sql.NullTime   `db:"locked_until"`
+	ProcessedAt  sql.NullTime   `db:"processed_at"`
+}
+
+func readRows(t testing.TB, db *testdb.DB) []row {
+	t.Helper()
+	var rows []row
+	if err := db.Select(&rows, "SELECT * FROM acemq_outbox ORDER BY created_at, id"); err != nil {
+		t.Fatalf("reading acemq_outbox: %v", err)
+	}
+	return rows
+}
+
+func countRows(t testing.TB, db *testdb.DB) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_outbox"); err != nil {
+		t.Fatalf("counting acemq_outbox: %v", err)
+	}
+	return n
+}
+
+// publishInTx publishes msgs on topic in one transaction and commits it.
+func publishInTx(t testing.TB, db *testdb.DB, topic string, msgs []*message.Message, opts ...outbox.PublisherOption) {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish(topic, msgs...); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+}
+
+func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":42,"name":"Zoë <&>"}`))
+		msg.Metadata.Set("tenant", "acme")
+		msg.Metadata.Set("trace", `a"b\c`)
+		msg.Metadata.Set(outbox.MetadataContentType, "application/json")
+
+		before := time.Now().UTC().Add(-time.Millisecond)
+		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.WithExchange("shop-events"))
+		after := time.Now().UTC().Add(time.Millisecond)
+
+		rows := readRows(t, db)
+		if len(rows) != 1 {
+			t.Fatalf("rows = %d, want 1", len(rows))
+		}
+		r := rows[0]
+		want := row{
+			ID: msg.UUID, Exchange: "shop-events", RoutingKey: "order.placed",
+			Body: `{"order":42,"name":"Zoë <&>"}`, BodyEncoding: "utf-8",
+			ContentType: "application/json", CreatedAt: r.CreatedAt, Headers: r.Headers,
+		}
+		if r != want {
+			t.Errorf("row =\n %+v\nwant\n %+v", r, want)
+		}
+		var headers map[string]string
+		if err := json.Unmarshal([]byte(r.Headers), &headers); err != nil {
+			t.Fatalf("headers %q are not a JSON object of strings: %v", r.Headers, err)
+		}
+		if fmt.Sprint(headers) != fmt.Sprint(map[string]string(msg.Metadata)) {
+			t.Errorf("headers = %v, want the metadata %v", headers, msg.Metadata)
+		}
+		if r.CreatedAt.Before(before) || r.CreatedAt.After(after) {
+			t.Errorf("created_at = %v, want between %v and %v (now, UTC)", r.CreatedAt, before, after)
+		}
+	})
+}
+
+func TestTxPublisher_CreatedAt_KeepsMicrosecondsAndCallOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		var msgs []*message.Message
+		for i := 0; i < 5; i++ {
+			// Ids in reverse order: ORDER BY created_at, id must still give
+			// the order of the call, not of the ids.
+			msgs = append(msgs, message.NewMessage(fmt.Sprintf("id-%d", 9-i), []byte(fmt.Sprint(i))))
+		}
+		publishInTx(t, db, "t", msgs)
+		publishInTx(t, db, "t", []*message.Message{message.NewMessage("id-0", []byte("5"))})
+
+		rows := readRows(t, db)
+		if len(rows) != 6 {
+			t.Fatalf("rows = %d, want 6", len(rows))
+		}
+		subMilli := false
+		for i, r := range rows {
+			if r.Body != fmt.Sprint(i) {
+				t.Errorf("row %d has body %q: the relay would send the messages out of the order they were given", i, r.Body)
+			}
+			if i > 0 && !r.CreatedAt.After(rows[i-1].CreatedAt) {
+				t.Errorf("created_at not strictly increasing: %v then %v", rows[i-1].CreatedAt, r.CreatedAt)
+			}
+			if r.CreatedAt.Nanosecond()%int(time.Millisecond) != 0 {
+				subMilli = true
+			}
+		}
+		if !subMilli {
+			t.Errorf("no created_at has sub-millisecond digits: %v; the column lost precision", rows[0].CreatedAt)
+		}
+	})
+}
+
+func TestTxPublisher_Rollback_LeavesNoRow(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := outbox.NewTxPublisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("order.placed", message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		if n := countRows(t, db); n != 0 {
+			t.Fatalf("rows after rollback = %d, want 0", n)
+		}
+	})
+}
+
+func TestTxPublisher_SameIDTwice_LeavesOneRowAndNoError(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		id := watermill.NewUUID()
+		first := message.NewMessage(id, []byte("first"))
+		// A retried transaction: the same id in a second transaction, and
+		// twice in one call.
+		publishInTx(t, db, "t", []*message.Message{first})
+		publishInTx(t, db, "t", []*message.Message{message.NewMessage(id, []byte("retry")), message.NewMessage(id, []byte("again"))})
+
+		rows := readRows(t, db)
+		if len(rows) != 1 {
+			t.Fatalf("rows = %d, want 1", len(rows))
+		}
+		if rows[0].Body != "first" {
+			t.Errorf("body = %q, want the first write kept", rows[0].Body)
+		}
+	})
+}
+
+func TestTxPublisher_IDsDifferingOnlyInCase_AreTwoRows(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		publishInTx(t, db, "t", []*message.Message{message.NewMessage("abc", []byte("1")), message.NewMessage("ABC", []byte("2"))})
+		if n := countRows(t, db); n != 2 {
+			t.Fatalf("rows = %d, want 2: a case-insensitive id column dropped a message as a duplicate", n)
+		}
+	})
+}
+
+func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
+	binary := make([]byte, 64<<10)
+	for i := range binary {
+		binary[i] = byte(i*7 + i/256) // invalid UTF-8 throughout
+	}
+	cases := []struct {
+		name     string
+		body     []byte
+		encoding string
+	}{
+		{"64KiB non-UTF-8", binary, outbox.BodyBase64},
+		{"valid UTF-8 with NUL", []byte("a\x00b"), outbox.BodyBase64},
+		{"empty", []byte{}, outbox.BodyUTF8},
+		{"4-byte UTF-8", []byte("🦀 payment.captured"), outbox.BodyUTF8},
+		{"6MiB text", bytes.Repeat([]byte("order line ü\n"), 6<<20/14), outbox.BodyUTF8},
+		{"5MiB binary", bytes.Repeat(binary, 80), outbox.BodyBase64},
+	}
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, c := range cases {
+			t.Run(c.name, func(t *testing.T) {
+				id := watermill.NewUUID()
+				publishInTx(t, db, "t", []*message.Message{message.NewMessage(id, c.body)})
+				var r row
+				if err := db.Get(&r, "SELECT * FROM acemq_outbox WHERE id = "+placeholder(db, 1), id); err != nil {
+					t.Fatal(err)
+				}
+				if r.BodyEncoding != c.encoding {
+					t.Errorf("body_encoding = %q, want %q", r.BodyEncoding, c.encoding)
+				}
+				got, err := outbox.DecodeBody(r.Body, r.BodyEncoding)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(got, c.body) {
+					t.Errorf("body read back differs: %d bytes, want %d", len(got), len(c.body))
+				}
+			})
+		}
+	})
+}
+
+func placeholder(db *testdb.DB, n int) string {
+	if db.Kind == testdb.Postgres {
+		return fmt.Sprintf("$%d", n)
+	}
+	return "?"
+}
+
+func TestTxPublisher_BadInput_TypedErrorAndNothingOfTheCallWritten(t *testing.T) {
+	long := func(n int) string { return strings.Repeat("x", n) }
+	withMeta := func(k, v string) *message.Message {
+		m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		m.Metadata.Set(k, v)
+		return m
+	}
+	cases := []struct {
+		name  string
+		topic string
+		bad   *message.Message
+		field string
+	}{
+		{"empty id", "t", message.NewMessage("", []byte("x")), "id"},
+		{"65-character id", "t", message.NewMessage(long(65), []byte("x")), "id"},
+		{"id with a space", "t", message.NewMessage("a b", []byte("x")), "id"},
+		{"id with non-ASCII", "t", message.NewMessage("zoë", []byte("x")), "id"},
+		{"empty topic", "", message.NewMessage(watermill.NewUUID(), []byte("x")), "topic"},
+		{"256-byte routing key", long(256), message.NewMessage(watermill.NewUUID(), []byte("x")), "routing key"},
+		{"invalid UTF-8 topic", "a\xffb", message.NewMessage(watermill.NewUUID(), []byte("x")), "routing key"},
+		{"256-byte exchange in metadata", "t", withMeta(outbox.MetadataExchange, long(256)), "exchange"},
+		{"256-byte routing key in metadata", "t", withMeta(outbox.MetadataRoutingKey, long(256)), "routing key"},
+		{"256-byte content type", "t", withMeta(outbox.MetadataContentType, long(256)), "content type"},
+		{"invalid UTF-8 metadata value", "t", withMeta("k", "\xff"), "metadata"},
+		{"invalid UTF-8 metadata key", "t", withMeta("\xfe", "v"), "metadata"},
+		{"nil message", "t", nil, "message"},
+	}
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, c := range cases {
+			t.Run(c.name, func(t *testing.T) {
+				tx, err := db.Beginx()
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = tx.Rollback() }()
+				pub, err := outbox.NewTxPublisher(tx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				good := message.NewMessage(watermill.NewUUID(), []byte("fine"))
+				err = pub.Publish(c.topic, good, c.bad)
+				var invalid *outbox.InvalidMessageError
+				if !errors.As(err, &invalid) || !errors.Is(err, outbox.ErrInvalidMessage) {
+					t.Fatalf("err = %v, want an *InvalidMessageError", err)
+				}
+				wantIndex := 1
+				if c.topic != "t" {
+					wantIndex = 0 // the topic fails the first message already
+				}
+				if invalid.Field != c.field || invalid.Index != wantIndex {
+					t.Errorf("error names field %q index %d, want %q index %d: %v", invalid.Field, invalid.Index, c.field, wantIndex, err)
+				}
+				// The caller may still commit: nothing of the call may be in it.
+				if err := tx.Commit(); err != nil {
+					t.Fatal(err)
+				}
+				if n := countRows(t, db); n != 0 {
+					t.Fatalf("rows = %d after a refused call, want 0 (not even the valid message)", n)
+				}
+			})
+		}
+	})
+}
+
+func TestTxPublisher_FinishedTransaction_ErrTxDone(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, finish := range []string{"commit", "rollback"} {
+			t.Run(finish, func(t *testing.T) {
+				tx, err := db.Beginx()
+				if err != nil {
+					t.Fatal(err)
+				}
+				pub, err := outbox.NewTxPublisher(tx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if finish == "commit" {
+					err = tx.Commit()
+				} else {
+					err = tx.Rollback()
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				err = pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("late")))
+				if !errors.Is(err, outbox.ErrTxDone) {
+					t.Fatalf("err = %v, want ErrTxDone", err)
+				}
+				if n := countRows(t, db); n != 0 {
+					t.Fatalf("rows = %d, want 0", n)
+				}
+			})
+		}
+	})
+}
+
+func TestTxPublisher_CanceledMessageContext_NoRow(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, err := outbox.NewTxPublisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		msg.SetContext(ctx)
+		if err := pub.Publish("t", msg); !errors.Is(err, context.Canceled) {
+			t.Fatalf("err = %v, want context.Canceled: the message's context must govern the statement", err)
+		}
+		_ = tx.Rollback()
+		if n := countRows(t, db); n != 0 {
+			t.Fatalf("rows = %d, want 0", n)
+		}
+	})
+}
+
+func TestTxPublisher_Close_IdempotentConcurrentAndRefusesPublish(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, err := outbox.NewTxPublisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		for i := 0; i < 10; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := pub.Close(); err != nil {
+					t.Errorf("Close: %v", err)
+				}
+			}()
+		}
+		wg.Wait()
+		err = pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("x")))
+		if !errors.Is(err, outbox.ErrPublisherClosed) {
+			t.Fatalf("err = %v, want ErrPublisherClosed", err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if n := countRows(t, db); n != 0 {
+			t.Fatalf("rows = %d, want 0", n)
+		}
+	})
+}
+
+func TestTxPublisher_FiftyConcurrentTransactions_AllRows(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		const n = 50
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		for i := 0; i < n; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs <- func() error {
+					tx, err := db.Beginx()
+					if err != nil {
+						return err
+					}
+					defer func() { _ = tx.Rollback() }()
+					pub, err := outbox.NewTxPublisher(tx)
+					if err != nil {
+						return err
+					}
+					if err := pub.Publish("t", message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
+						return err
+					}
+					return tx.Commit()
+				}()
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Error(err)
+			}
+		}
+		if got := countRows(t, db); got != n {
+			t.Fatalf("rows = %d, want %d", got, n)
+		}
+	})
+}
+
+func TestTxPublisher_ManyMessagesInOneCall_AllRows(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		var msgs []*message.Message
+		for i := 0; i < 2500; i++ { // three statements' worth
+			msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprint(i))))
+		}
+		publishInTx(t, db, "t", msgs)
+		rows := readRows(t, db)
+		if len(rows) != len(msgs) {
+			t.Fatalf("rows = %d, want %d", len(rows), len(msgs))
+		}
+		for i, r := range rows {
+			if r.Body != fmt.Sprint(i) {
+				t.Fatalf("row %d has body %q: order lost across statements", i, r.Body)
+			}
+		}
+	})
+}
+
+// A database refusal in the third statement of a call must undo the first
+// two, even on MySQL and SQLite where a failed statement does not abort the
+// transaction and the caller may commit after our error.
+func TestTxPublisher_FailureInLaterStatement_WritesNothingOfTheCall(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		refuse := map[string][]string{
+			testdb.Postgres: {
+				`CREATE FUNCTION refuse_boom() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'boom refused'; END $$ LANGUAGE plpgsql`,
+				`CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW WHEN (NEW.id = 'boom') EXECUTE FUNCTION refuse_boom()`,
+			},
+			testdb.MySQL: {
+				"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW BEGIN IF NEW.id = 'boom' THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'boom refused'; END IF; END",
+			},
+			testdb.SQLite: {
+				"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox WHEN NEW.id = 'boom' BEGIN SELECT RAISE(ABORT, 'boom refused'); END",
+			},
+		}
+		for _, stmt := range refuse[db.Kind] {
+			if _, err := db.Exec(stmt); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var msgs []*message.Message
+		for i := 0; i < 2100; i++ {
+			msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
+		}
+		msgs = append(msgs, message.NewMessage("boom", []byte("x")))
+
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES ('before', '', 't', 'x', 'utf-8', '', '{}', '2026-01-01 00:00:00')"); err != nil {
+			t.Fatal(err)
+		}
+		pub, err := outbox.NewTxPublisher(tx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("t", msgs...); err == nil || !strings.Contains(err.Error(), "boom refused") {
+			t.Fatalf("err = %v, want the trigger's refusal", err)
+		}
+		if db.Kind == testdb.Postgres {
+			return // the failed statement aborted the transaction: nothing can commit
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		if err := db.Select(&ids, "SELECT id FROM acemq_outbox"); err != nil {
+			t.Fatal(err)
+		}
+		if len(ids) != 1 || ids[0] != "before" {
+			t.Fatalf("%d rows committed, want only the caller's own earlier row: the call was half written", len(ids))
+		}
+	})
+}
+
+func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	cases := []struct {
+		name  string
+		tx    any
+		opts  []outbox.PublisherOption
+		field string
+	}{
+		{"*sql.Tx without dialect", tx.Tx, nil, "WithDialect"},
+		{"not a transaction", db.DB, nil, "tx"},
+		{"nil *sql.Tx", (*sql.Tx)(nil), nil, "tx"},
+		{"table with a quote", tx, []outbox.PublisherOption{outbox.WithTable(`x"; DROP TABLE y; --`)}, "WithTable"},
+		{"table with two dots", tx, []outbox.PublisherOption{outbox.WithTable("a.b.c")}, "WithTable"},
+		{"exchange over 255 bytes", tx, []outbox.PublisherOption{outbox.WithExchange(strings.Repeat("e", 256))}, "WithExchange"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := outbox.NewTxPublisher(c.tx, c.opts...)
+			var cfgErr *outbox.ConfigError
+			if !errors.As(err, &cfgErr) || cfgErr.Field != c.field {
+				t.Fatalf("err = %v, want a *ConfigError naming %s", err, c.field)
+			}
+		})
+	}
+}
+
+func TestNewTxPublisher_SQLTxWithDialect_AndCustomTable(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		create := map[string]string{
+			testdb.Postgres: "CREATE TABLE custom_outbox (LIKE acemq_outbox INCLUDING ALL)",
+			testdb.MySQL:    "CREATE TABLE custom_outbox LIKE acemq_outbox",
+		}[db.Kind]
+		if db.Kind == testdb.SQLite {
+			migs, err := sqlschema.Migrations("sqlite")
+			if err != nil {
+				t.Fatal(err)
+			}
+			create = strings.ReplaceAll(migs[0].Up, "acemq_outbox", "custom_outbox")
+		}
+		if _, err := db.Exec(create); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := db.DB.DB.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, err := outbox.NewTxPublisher(tx, outbox.WithDialect(d), outbox.WithTable("custom_outbox"),
+			outbox.WithTopicMapper(func(topic string) (string, string) { return "ex-" + topic, "rk-" + topic }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("orders", message.NewMessage("m1", []byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var got struct {
+			Exchange   string `db:"exchange_name"`
+			RoutingKey string `db:"routing_key"`
+		}
+		if err := db.Get(&got, "SELECT exchange_name, routing_key FROM custom_outbox WHERE id = 'm1'"); err != nil {
+			t.Fatal(err)
+		}
+		if got.Exchange != "ex-orders" || got.RoutingKey != "rk-orders" {
+			t.Errorf("destination = %+v, want the mapper's", got)
+		}
+		if n := countRows(t, db); n != 0 {
+			t.Errorf("acemq_outbox has %d rows, want 0: WithTable was ignored", n)
+		}
+	})
+}
+
+func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	ctx := context.Background()
+	if err := outbox.Migrate(ctx, db.DB.DB, outbox.Postgres); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgx.Connect(ctx, db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	pgxTx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := outbox.NewTxPublisher(wsql.TxFromPgx(pgxTx), outbox.WithDialect(outbox.Postgres))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", message.NewMessage("via-pgx", []byte("\xff binary"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgxTx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", message.NewMessage("late", []byte("x"))); !errors.Is(err, outbox.ErrTxDone) {
+		t.Errorf("publish on a committed pgx tx: err = %v, want ErrTxDone", err)
+	}
+
+	stdTx, err := db.DB.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err = outbox.NewTxPublisher(wsql.TxFromStdSQL(stdTx), outbox.WithDialect(outbox.Postgres))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", message.NewMessage("via-std", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := stdTx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	if err := db.Select(&ids, "SELECT id FROM acemq_outbox ORDER BY id"); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(ids) != "[via-pgx via-std]" {
+		t.Fatalf("ids = %v, want [via-pgx via-std]", ids)
+	}
+}
