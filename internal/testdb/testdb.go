@@ -138,7 +138,7 @@ func openMySQL(ctx context.Context, database string) (*DB, error) {
 	}
 	defer admin.Close()
 	if _, err := admin.ExecContext(ctx, "CREATE DATABASE "+database); err != nil {
-		return nil, fmt.Errorf("testdb: mysql at %s: %w", MySQLDSN(), err)
+		return nil, fmt.Errorf("testdb: mysql at %s: %w", redact(MySQLDSN()), err)
 	}
 	cfg, err := mysql.ParseDSN(MySQLDSN())
 	if err != nil {
@@ -168,7 +168,7 @@ func openMySQL(ctx context.Context, database string) (*DB, error) {
 // rather than failing; and BEGIN IMMEDIATE, so a transaction takes the write
 // lock when it starts and two writers never deadlock on the upgrade.
 func SQLiteDSN(path string) string {
-	return "file:" + path + "?_journal_mode=WAL&_busy_timeout=10000&_txlock=immediate&_foreign_keys=on"
+	return "file:" + path + "?_journal_mode=WAL&_busy_timeout=10000&_txlock=immediate&_foreign_keys=on&_stmt_cache_size=32"
 }
 
 func openSQLite(path string) (*DB, error) {
@@ -279,7 +279,16 @@ func randomHex(n int) string {
 	return hex.EncodeToString(b)
 }
 
+// redact hides the password of a URL DSN (PostgreSQL, AMQP) or of a
+// go-sql-driver/mysql DSN (user:pass@tcp(host)/db).
 func redact(dsn string) string {
+	if cfg, err := mysql.ParseDSN(dsn); err == nil && !strings.Contains(dsn, "://") {
+		if cfg.Passwd == "" {
+			return dsn
+		}
+		cfg.Passwd = "***"
+		return cfg.FormatDSN()
+	}
 	u, err := url.Parse(dsn)
 	if err != nil || u.User == nil {
 		return dsn
