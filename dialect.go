@@ -27,6 +27,13 @@ type Dialect interface {
 	// withMigrationLock runs fn while no other process migrates the same
 	// database, on one connection.
 	withMigrationLock(ctx context.Context, conn *sql.Conn, fn func(execQuerier) error) error
+	// rebind turns the "?" placeholders of portable SQL into the dialect's.
+	rebind(query string) string
+	// leases: claims are leases in locked_by/locked_until, committed before
+	// publishing, rather than row locks held by an open transaction.
+	leases() bool
+	// purgePublished deletes at most ? rows published before ?.
+	purgePublished(table string) string
 	createMigrationsTable() string
 	selectMigrations() string
 	insertMigration() string

@@ -33,6 +33,19 @@ func (mysqlDialect) insertOutbox(table string, rows int) string {
 // store local wall-clock times in a table other services read as UTC.
 func (mysqlDialect) timeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
 
+func (mysqlDialect) rebind(q string) string { return q }
+
+// leases: MySQL 8 and MariaDB 10.6 have FOR UPDATE SKIP LOCKED, so a claim
+// is a row lock held by the relay's transaction, released at once if the
+// relay dies.
+func (mysqlDialect) leases() bool { return false }
+
+// purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …
+// LIMIT instead.
+func (mysqlDialect) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?"
+}
+
 // migrationLockTimeout is how long a second migrating process waits for the
 // first, in seconds; past it Migrate fails rather than hanging a deploy.
 const migrationLockTimeout = 60

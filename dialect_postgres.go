@@ -27,6 +27,18 @@ func (postgresDialect) insertOutbox(table string, rows int) string {
 
 func (postgresDialect) timeArg(t time.Time) any { return t }
 
+func (postgresDialect) rebind(q string) string { return rebindDollar(q) }
+
+// leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
+// held by the relay's transaction. A relay that dies releases it with its
+// connection, at once; a second relay skips the locked rows.
+func (postgresDialect) leases() bool { return false }
+
+func (postgresDialect) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+}
+
 // migrationLockKey is an arbitrary constant shared by every process that
 // migrates: pg_advisory_xact_lock makes the second one wait for the first.
 const migrationLockKey = 0x6163656d71 // "acemq"

@@ -28,6 +28,18 @@ func (sqliteDialect) insertOutbox(table string, rows int) string {
 // not sort.
 func (sqliteDialect) timeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
 
+func (sqliteDialect) rebind(q string) string { return q }
+
+// leases: SQLite has no row locks, so a claim writes a lease into
+// locked_by/locked_until and commits before publishing. A relay that dies
+// leaves its rows until the lease expires.
+func (sqliteDialect) leases() bool { return true }
+
+func (sqliteDialect) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+}
+
 func (sqliteDialect) withMigrationLock(ctx context.Context, conn *sql.Conn, fn func(execQuerier) error) error {
 	// The first DDL statement takes SQLite's write lock for the rest of the
 	// transaction; a second process waits on its busy timeout.

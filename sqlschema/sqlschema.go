@@ -85,20 +85,25 @@ func Migrations(dialect string) ([]Migration, error) {
 
 // Statements splits a migration file into the statements a driver without
 // multi-statement support executes one by one. A statement ends with a ";"
-// at the end of a line; "--" comment lines are dropped.
+// at the end of a line outside a $$-quoted body (a PostgreSQL function);
+// "--" comment lines are dropped.
 func Statements(sqlText string) []string {
 	var (
-		out []string
-		cur strings.Builder
+		out      []string
+		cur      strings.Builder
+		inDollar bool
 	)
 	for _, line := range strings.Split(sqlText, "\n") {
 		trimmed := strings.TrimSpace(line)
-		if trimmed == "" || strings.HasPrefix(trimmed, "--") {
+		if !inDollar && (trimmed == "" || strings.HasPrefix(trimmed, "--")) {
 			continue
 		}
 		cur.WriteString(line)
 		cur.WriteByte('\n')
-		if strings.HasSuffix(trimmed, ";") {
+		if strings.Count(line, "$$")%2 == 1 {
+			inDollar = !inDollar
+		}
+		if !inDollar && strings.HasSuffix(trimmed, ";") {
 			out = append(out, strings.TrimSpace(cur.String()))
 			cur.Reset()
 		}

@@ -271,6 +271,9 @@ func Each(t *testing.T, fn func(t *testing.T, db *DB)) {
 	}
 }
 
+// RandomName is a fresh name part for a test's own schema, queue or table.
+func RandomName() string { return randomHex(6) }
+
 func randomHex(n int) string {
 	b := make([]byte, n)
 	if _, err := rand.Read(b); err != nil {

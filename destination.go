@@ -1,0 +1,102 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// ErrNotSent is the result of a record a Destination did not send because an
+// earlier record of the batch failed: the records behind a failure wait for
+// it, so the relay never steps over a record.
+var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
+
+// Destination is where a Forwarder publishes records.
+//
+// Publish sends the records in their order and returns one result per
+// record: nil once the broker has confirmed it (and only then), an error
+// wrapping ErrNotSent for a record it did not send, any other error for a
+// record whose publish failed. After the first failure it sends nothing
+// more. Publish is not called concurrently.
+//
+// [AMQPDestination] is the one built for RabbitMQ; [NewPublisherDestination]
+// adapts any Watermill publisher.
+type Destination interface {
+	Publish(ctx context.Context, records []Record) []error
+}
+
+// Connector is a Destination that can tell, before any row is claimed,
+// whether its broker is reachable. The Forwarder claims nothing while the
+// broker is down, so an outage counts no attempts against any record.
+type Connector interface {
+	Connect(ctx context.Context) error
+}
+
+// PublisherDestination publishes records through a Watermill publisher, one
+// at a time: for brokers other than RabbitMQ (Kafka, NATS, …). A record
+// becomes a message with the record's id as UUID, its headers as metadata
+// (plus x-acemq-id) and its body as payload, published to the topic that
+// TopicFor gives.
+type PublisherDestination struct {
+	pub      message.Publisher
+	topicFor func(Record) string
+}
+
+// NewPublisherDestination adapts pub. topicFor maps a record to the topic to
+// publish on; nil uses the routing key, which by default is the topic given to
+// TxPublisher.
+func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string) *PublisherDestination {
+	if topicFor == nil {
+		topicFor = func(r Record) string { return r.RoutingKey }
+	}
+	return &PublisherDestination{pub: pub, topicFor: topicFor}
+}
+
+// Publish publishes the records one at a time, in order, and stops at the
+// first failure. A Watermill publisher's Publish returning nil is taken as
+// the broker's confirmation: how strong that is depends on the publisher.
+func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
+	results := make([]error, len(records))
+	for i, r := range records {
+		msg := message.NewMessage(r.ID, r.Body)
+		for k, v := range r.Headers {
+			msg.Metadata.Set(k, v)
+		}
+		msg.Metadata.Set(HeaderID, r.ID)
+		msg.SetContext(ctx)
+		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
+			results[i] = err
+			for j := i + 1; j < len(records); j++ {
+				results[j] = ErrNotSent
+			}
+			return results
+		}
+	}
+	return results
+}
+
+// Close closes the Watermill publisher.
+func (d *PublisherDestination) Close() error { return d.pub.Close() }
+
+// PublishError is a record's failure, with where it was going: what the
+// Forwarder reports and stores (as last_error) for it.
+type PublishError struct {
+	Dest ErrorContext
+	Err  error
+}
+
+func (e *PublishError) Error() string {
+	return fmt.Sprintf("outbox: message %s to exchange %q routing key %q: %v", e.Dest.MessageID, e.Dest.Exchange, e.Dest.RoutingKey, e.Err)
+}
+
+func (e *PublishError) Unwrap() error { return e.Err }
+
+// ErrorContext says where a failed message was going. For a failure of the
+// relay as a whole (database or broker unreachable) MessageID is empty.
+type ErrorContext struct {
+	Exchange   string
+	RoutingKey string
+	MessageID  string
+}

@@ -1,0 +1,5 @@
+package outbox
+
+// SetAfterPublishHook installs fn to run between the broker's confirms and
+// the marks of every sweep: the window in which a relay's death duplicates.
+func SetAfterPublishHook(f *Forwarder, fn func(published []string)) { f.afterPublish = fn }

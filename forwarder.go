@@ -1,0 +1,432 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// ForwarderConfig configures a Forwarder. The zero value of every field but
+// Dialect (needed unless the handle is a *sqlx.DB) is a working default.
+type ForwarderConfig struct {
+	Dialect Dialect
+	// Table is the outbox table. Default acemq_outbox.
+	Table string
+
+	// BatchSize is how many rows one sweep claims. Default 100, at most 1000.
+	BatchSize int
+	// MaxAttempts: see StoreConfig. Default 10.
+	MaxAttempts int
+	// PollInterval is how long the relay waits for new rows when nothing
+	// woke it. Default 1 s. On PostgreSQL LISTEN/NOTIFY wakes it at commit,
+	// and Notify wakes it from the same process, so the poll only bounds
+	// the latency of what those miss.
+	PollInterval time.Duration
+	// PublishTimeout bounds the wait for the broker's confirms of one batch.
+	// Past it the unconfirmed records count as failed, and the connection is
+	// dropped and opened again. Default 15 s.
+	PublishTimeout time.Duration
+	// Lease is how long a claim holds rows on SQLite, where a claim is a
+	// lease rather than a row lock: a relay killed mid-batch leaves its rows
+	// for this long. It must outlast a sweep (twice PublishTimeout).
+	// Default 60 s.
+	Lease time.Duration
+	// RetryMin and RetryMax bound the backoff after a failed sweep (the
+	// broker or the database unreachable, or a record refused): the delay
+	// doubles from RetryMin up to RetryMax and resets after a good sweep.
+	// Defaults 100 ms and 10 s.
+	RetryMin, RetryMax time.Duration
+	// DisableListen turns LISTEN/NOTIFY off on PostgreSQL.
+	DisableListen bool
+	// RelayID names this relay in locked_by. Default host-pid-random.
+	RelayID string
+
+	// OnError is called for every failed record, with where it was going,
+	// and for every failed sweep (with an empty MessageID). By default the
+	// error is logged.
+	OnError func(err error, dest ErrorContext)
+	Logger  watermill.LoggerAdapter
+}
+
+func (c *ForwarderConfig) setDefaults() {
+	if c.BatchSize == 0 {
+		c.BatchSize = 100
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Second
+	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = 15 * time.Second
+	}
+	if c.Lease == 0 {
+		c.Lease = 60 * time.Second
+	}
+	if c.RetryMin == 0 {
+		c.RetryMin = 100 * time.Millisecond
+	}
+	if c.RetryMax == 0 {
+		c.RetryMax = 10 * time.Second
+	}
+	if c.RelayID == "" {
+		host, _ := os.Hostname()
+		if len(host) > 40 {
+			host = host[:40]
+		}
+		c.RelayID = host + "-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatUint(rand.Uint64()%1e8, 36)
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+func (c ForwarderConfig) validate() error {
+	switch {
+	case c.BatchSize < 1 || c.BatchSize > 1000:
+		return &ConfigError{Field: "BatchSize", Reason: fmt.Sprintf("%d; want 1 to 1000", c.BatchSize)}
+	case c.PollInterval < 0:
+		return &ConfigError{Field: "PollInterval", Reason: "negative"}
+	case c.PublishTimeout < 0:
+		return &ConfigError{Field: "PublishTimeout", Reason: "negative"}
+	case c.Lease < 2*c.PublishTimeout:
+		return &ConfigError{Field: "Lease", Reason: fmt.Sprintf("%s is shorter than a sweep can take (2 × PublishTimeout = %s): a second relay would publish rows still in flight", c.Lease, 2*c.PublishTimeout)}
+	case c.RetryMin <= 0 || c.RetryMax < c.RetryMin:
+		return &ConfigError{Field: "RetryMin", Reason: fmt.Sprintf("want 0 < RetryMin (%s) <= RetryMax (%s)", c.RetryMin, c.RetryMax)}
+	case len(c.RelayID) > 64:
+		return &ConfigError{Field: "RelayID", Reason: "longer than the 64 characters locked_by holds"}
+	}
+	return nil
+}
+
+// Forwarder is the relay: the only thing in a service that publishes outbox
+// messages to the broker. It claims pending rows, publishes them to its
+// Destination, and marks each published only after the broker confirmed it.
+// At-least-once, on purpose: a relay that dies between the confirm and the
+// mark publishes the row again, and consumers dedupe by message id.
+//
+// One relay is enough and two are safe: claims are exclusive (FOR UPDATE
+// SKIP LOCKED on PostgreSQL and MySQL, a lease on SQLite).
+type Forwarder struct {
+	store *Store
+	dest  Destination
+	cfg   ForwarderConfig
+	log   watermill.LoggerAdapter
+
+	sweepMu sync.Mutex // one batch at a time
+	wake    chan struct{}
+
+	mu        sync.Mutex
+	runCalled bool
+	running   chan struct{} // closed once Run works
+	closing   chan struct{} // closed by Close
+	done      chan struct{} // closed when Run returns
+	closeOnce sync.Once
+	closeErr  error
+
+	// afterPublish, when set (tests), runs between the broker's confirms and
+	// the marks: the window in which a relay's death duplicates a message.
+	afterPublish func(published []string)
+}
+
+// NewForwarder returns a relay over db (a *sql.DB or *sqlx.DB) that
+// publishes to dest. The Forwarder owns dest from here on: Close closes it
+// if it has a Close method.
+func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, error) {
+	if dest == nil {
+		return nil, &ConfigError{Field: "dest", Reason: "nil destination"}
+	}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	store, err := NewStore(db, StoreConfig{Dialect: cfg.Dialect, Table: cfg.Table, MaxAttempts: cfg.MaxAttempts})
+	if err != nil {
+		return nil, err
+	}
+	cfg.Dialect, cfg.MaxAttempts = store.dialect, store.cfg.MaxAttempts
+	return &Forwarder{
+		store:   store,
+		dest:    dest,
+		cfg:     cfg,
+		log:     cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID}),
+		wake:    make(chan struct{}, 1),
+		running: make(chan struct{}),
+		closing: make(chan struct{}),
+		done:    make(chan struct{}),
+	}, nil
+}
+
+// Store returns the store of the forwarder's table: pending count, stuck
+// rows, retry, purge.
+func (f *Forwarder) Store() *Store { return f.store }
+
+// Running is closed once Run is at work.
+func (f *Forwarder) Running() chan struct{} { return f.running }
+
+// Notify wakes the relay now rather than at its next poll. Call it after
+// committing a transaction that published, in a process that also runs the
+// forwarder; it never blocks.
+func (f *Forwarder) Notify() {
+	select {
+	case f.wake <- struct{}{}:
+	default:
+	}
+}
+
+// ErrForwarderClosed is returned by Run after Close, and by Run called twice.
+var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
+
+// Run relays until ctx ends or Close is called, then finishes the batch in
+// flight and returns. Failed sweeps are reported through OnError and retried
+// with backoff; Run returns nil when stopped.
+func (f *Forwarder) Run(ctx context.Context) error {
+	f.mu.Lock()
+	if f.runCalled {
+		f.mu.Unlock()
+		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
+	}
+	f.runCalled = true
+	f.mu.Unlock()
+	defer close(f.done)
+
+	select {
+	case <-f.closing:
+		return ErrForwarderClosed
+	default:
+	}
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-f.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+
+	var listener sync.WaitGroup
+	if f.store.dialect == Postgres && !f.cfg.DisableListen {
+		listener.Add(1)
+		go func() {
+			defer listener.Done()
+			f.listen(ctx)
+		}()
+	}
+	defer listener.Wait()
+
+	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
+	close(f.running)
+
+	delay := time.Duration(0)
+	for {
+		// The batch is not cut short by ctx or Close: a stopping relay
+		// finishes what it claimed, bounded by the publish timeout.
+		sweepCtx, cancelSweep := context.WithTimeout(context.WithoutCancel(ctx), 2*f.cfg.PublishTimeout)
+		n, err := f.sweep(sweepCtx, true)
+		cancelSweep()
+
+		var wait time.Duration
+		switch {
+		case err != nil:
+			delay = f.nextDelay(delay)
+			wait = delay
+		case n == f.cfg.BatchSize:
+			delay, wait = 0, 0 // more are waiting
+		default:
+			delay, wait = 0, f.cfg.PollInterval
+		}
+		if wait == 0 {
+			select {
+			case <-ctx.Done():
+				return nil
+			default:
+				continue
+			}
+		}
+		timer := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			f.log.Info("Outbox forwarder stopped", nil)
+			return nil
+		case <-f.wake:
+			timer.Stop()
+			if err != nil {
+				// A wake-up does not cut a backoff short: the failure is
+				// still there, and each try of a refused record counts.
+				if !f.sleep(ctx, delay) {
+					return nil
+				}
+			}
+		case <-timer.C:
+		}
+	}
+}
+
+func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+func (f *Forwarder) nextDelay(prev time.Duration) time.Duration {
+	if prev == 0 {
+		return f.cfg.RetryMin
+	}
+	return min(2*prev, f.cfg.RetryMax)
+}
+
+// Close stops Run, waits for the batch in flight, and closes the
+// destination. Calling it again does nothing and returns the same error.
+func (f *Forwarder) Close() error {
+	f.closeOnce.Do(func() {
+		close(f.closing)
+		f.mu.Lock()
+		started := f.runCalled
+		f.mu.Unlock()
+		if started {
+			<-f.done
+		}
+		f.sweepMu.Lock() // a Sweep called directly finishes too
+		defer f.sweepMu.Unlock()
+		if c, ok := f.dest.(io.Closer); ok {
+			f.closeErr = c.Close()
+		}
+	})
+	return f.closeErr
+}
+
+// Sweep publishes one batch now and returns how many records went out. It
+// returns the errors of the sweep and of every failed record (joined),
+// rather than reporting them: for tests, and for a request that wants its
+// message on the broker before it answers.
+func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
+	select {
+	case <-f.closing:
+		return 0, ErrForwarderClosed
+	default:
+	}
+	return f.sweep(ctx, false)
+}
+
+func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
+	f.sweepMu.Lock()
+	defer f.sweepMu.Unlock()
+
+	fail := func(err error) (int, error) {
+		if report {
+			f.reportError(err, ErrorContext{})
+		}
+		return 0, err
+	}
+	// Claim nothing while the broker is down: an outage must not count
+	// attempts against records, nor hold their locks.
+	if c, ok := f.dest.(Connector); ok {
+		if err := c.Connect(ctx); err != nil {
+			return fail(err)
+		}
+	}
+	cl, err := f.store.claimBatch(ctx, f.cfg.BatchSize, f.cfg.RelayID, f.cfg.Lease)
+	if err != nil {
+		return fail(err)
+	}
+	if len(cl.rows) == 0 {
+		return 0, f.store.abandon(ctx, cl)
+	}
+
+	var (
+		records  = make([]Record, 0, len(cl.rows))
+		failures []failure
+		errs     []error
+	)
+	attempts := make(map[string]int, len(cl.rows))
+	for _, row := range cl.rows {
+		attempts[row.id] = row.attempts
+		rec, err := decodeRecord(row)
+		if err != nil {
+			// A malformed row fails alone and at once: no retry mends it,
+			// and it stands in nobody's way.
+			perr := &PublishError{Dest: ErrorContext{row.exchange, row.routingKey, row.id}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
+			failures = append(failures, failure{id: row.id, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
+			errs = append(errs, perr)
+			continue
+		}
+		records = append(records, rec)
+	}
+
+	var published []string
+	if len(records) > 0 {
+		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
+		results := f.dest.Publish(pubCtx, records)
+		cancel()
+		if len(results) != len(records) {
+			_ = f.store.abandon(context.WithoutCancel(ctx), cl)
+			return fail(fmt.Errorf("outbox: destination returned %d results for %d records", len(results), len(records)))
+		}
+		failedOne := false
+		for i, err := range results {
+			rec := records[i]
+			switch {
+			case err == nil:
+				published = append(published, rec.ID)
+			case errors.Is(err, ErrNotSent):
+				// Waits behind the failure; the claim's end frees it.
+			case failedOne:
+				// Failed in the same window as an earlier record: it is
+				// behind that one, and its attempt is not counted.
+			default:
+				failedOne = true
+				n := attempts[rec.ID] + 1
+				if IsPermanent(err) {
+					n = max(n, f.cfg.MaxAttempts)
+				}
+				perr := &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err}
+				failures = append(failures, failure{id: rec.ID, attempts: n, reason: err.Error()})
+				errs = append(errs, perr)
+			}
+		}
+	}
+	if f.afterPublish != nil {
+		f.afterPublish(published)
+	}
+	// The marks are not cut short either: the broker has the messages.
+	if err := f.store.finish(context.WithoutCancel(ctx), cl, published, failures); err != nil {
+		// Published but not marked: sent again later, and deduped by the
+		// consumers. Nothing is lost.
+		return fail(err)
+	}
+	for _, err := range errs {
+		if report {
+			var perr *PublishError
+			errors.As(err, &perr)
+			f.reportError(err, perr.Dest)
+		}
+	}
+	if len(published) > 0 {
+		f.log.Debug("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(failures)})
+	}
+	return len(published), errors.Join(errs...)
+}
+
+func (f *Forwarder) reportError(err error, dest ErrorContext) {
+	if f.cfg.OnError != nil {
+		f.cfg.OnError(err, dest)
+		return
+	}
+	f.log.Error("Outbox relay failed", err, watermill.LogFields{
+		"exchange": dest.Exchange, "routing_key": dest.RoutingKey, "message_id": dest.MessageID,
+	})
+}

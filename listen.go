@@ -1,0 +1,79 @@
+package outbox
+
+import (
+	"context"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// notifyChannel is the channel the acemq_outbox trigger notifies on commit
+// (sqlschema/postgres/0003_notify_acemq_outbox.up.sql).
+const notifyChannel = "acemq_outbox"
+
+// listen wakes the relay on every NOTIFY of the outbox trigger until ctx
+// ends. It holds one connection of the pool for LISTEN, and reconnects with
+// backoff when it is lost. Only pgx's database/sql driver can wait for
+// notifications; with another driver it says so once and leaves the relay
+// to its poll interval.
+func (f *Forwarder) listen(ctx context.Context) {
+	delay := time.Duration(0)
+	for {
+		heard, err := f.listenOnce(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errNotPgx) {
+			f.log.Info("LISTEN/NOTIFY needs the pgx driver (github.com/jackc/pgx/v5/stdlib); the relay polls", watermill.LogFields{"poll_interval": f.cfg.PollInterval})
+			return
+		}
+		f.log.Error("Outbox LISTEN connection lost; the relay polls until it is back", err, nil)
+		// Rows committed while nobody listened would wait for the poll.
+		f.Notify()
+		if heard {
+			delay = 0
+		}
+		delay = f.nextDelay(delay)
+		if !f.sleep(ctx, delay) {
+			return
+		}
+	}
+}
+
+var errNotPgx = fmt.Errorf("outbox: not a pgx connection")
+
+// listenOnce listens on one connection until it fails or ctx ends, and
+// reports whether it heard anything.
+func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
+	conn, err := f.store.db.Conn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close()
+	err = conn.Raw(func(driverConn any) error {
+		sc, ok := driverConn.(*stdlib.Conn)
+		if !ok {
+			return errNotPgx
+		}
+		pc := sc.Conn()
+		if _, err := pc.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+			return err
+		}
+		// Anything committed before LISTEN took effect is found by this
+		// first sweep.
+		f.Notify()
+		for {
+			if _, err := pc.WaitForNotification(ctx); err != nil {
+				// Never hand a listening connection back to the pool.
+				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
+			}
+			heard = true
+			f.Notify()
+		}
+	})
+	return heard, err
+}

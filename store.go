@@ -1,0 +1,455 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+)
+
+// StoreConfig configures a Store.
+type StoreConfig struct {
+	// Dialect of the database. Optional when the handle is a *sqlx.DB.
+	Dialect Dialect
+	// Table is the outbox table, "name" or "schema.name". Default acemq_outbox.
+	Table string
+	// MaxAttempts is the number of failed publishes after which a record is
+	// left alone ("stuck") until an operator retries it. Default 10. Without
+	// a ceiling one record nothing can publish would be claimed for ever and
+	// hold the records behind it.
+	MaxAttempts int
+	// PurgeBatch is how many rows one DELETE of PurgePublished removes, so a
+	// purge of millions of rows never holds long locks. Default 1000.
+	PurgeBatch int
+}
+
+// DefaultMaxAttempts is StoreConfig.MaxAttempts's default.
+const DefaultMaxAttempts = 10
+
+func (c *StoreConfig) setDefaults() {
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.PurgeBatch == 0 {
+		c.PurgeBatch = 1000
+	}
+}
+
+func (c StoreConfig) validate() error {
+	if c.Dialect == nil {
+		return &ConfigError{Field: "Dialect", Reason: "required unless the handle is a *sqlx.DB; use outbox.Postgres, MySQL or SQLite"}
+	}
+	if c.MaxAttempts < 1 {
+		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("%d; want at least 1", c.MaxAttempts)}
+	}
+	if c.PurgeBatch < 1 {
+		return &ConfigError{Field: "PurgeBatch", Reason: fmt.Sprintf("%d; want at least 1", c.PurgeBatch)}
+	}
+	return nil
+}
+
+// Store is the relay's side of the outbox table: claiming and marking rows
+// for a Forwarder, and the questions an operator asks (pending, stuck, retry,
+// purge). It holds no state of its own beyond the database handle.
+type Store struct {
+	db      *sql.DB
+	dialect Dialect
+	table   string // quoted
+	cfg     StoreConfig
+	q       storeQueries
+}
+
+// NewStore returns the Store of the outbox table in db, a *sql.DB or *sqlx.DB.
+func NewStore(db any, cfg StoreConfig) (*Store, error) {
+	var std *sql.DB
+	switch h := db.(type) {
+	case *sqlx.DB:
+		if h != nil {
+			std = h.DB
+			if cfg.Dialect == nil {
+				d, err := DialectForDriver(h.DriverName())
+				if err != nil {
+					return nil, err
+				}
+				cfg.Dialect = d
+			}
+		}
+	case *sql.DB:
+		std = h
+	default:
+		return nil, &ConfigError{Field: "db", Reason: fmt.Sprintf("%T; want a *sql.DB or *sqlx.DB", db)}
+	}
+	if std == nil {
+		return nil, &ConfigError{Field: "db", Reason: "nil database handle"}
+	}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	table, err := quoteTable(cfg.Dialect, cfg.Table)
+	if err != nil {
+		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
+	}
+	return &Store{db: std, dialect: cfg.Dialect, table: table, cfg: cfg, q: newStoreQueries(cfg.Dialect, table)}, nil
+}
+
+// DB returns the database handle the store works on.
+func (s *Store) DB() *sql.DB { return s.db }
+
+// Dialect returns the store's dialect.
+func (s *Store) Dialect() Dialect { return s.dialect }
+
+// MaxAttempts returns the attempt ceiling the store was configured with.
+func (s *Store) MaxAttempts() int { return s.cfg.MaxAttempts }
+
+// claimedRow is one row as the relay reads it, before decoding.
+type claimedRow struct {
+	id, exchange, routingKey string
+	body, bodyEncoding       string
+	contentType, headers     string
+	createdAt                time.Time
+	attempts                 int
+}
+
+// claim is a batch of rows one relay holds: under row locks of an open
+// transaction (PostgreSQL, MySQL) or under a lease (SQLite).
+type claim struct {
+	rows  []claimedRow
+	tx    *sql.Tx // locking claims; nil for leases
+	lease string  // leasing claims: the relay id in locked_by
+}
+
+// failure is a row whose publish failed: attempts becomes attempts, and the
+// reason is stored in last_error.
+type failure struct {
+	id       string
+	attempts int
+	reason   string
+}
+
+// claimBatch claims up to n claimable rows in created_at, id order:
+// unpublished, under MaxAttempts, not under a live lease.
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration) (*claim, error) {
+	now := time.Now()
+	if s.dialect.leases() {
+		return s.claimLease(ctx, n, relayID, now, lease)
+	}
+	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
+	// business transaction that inserts an outbox row wait for the relay's
+	// batch to finish.
+	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	rows, err := tx.QueryContext(ctx, s.q.claimLocked, s.cfg.MaxAttempts, s.dialect.timeArg(now), n)
+	if err != nil {
+		_ = tx.Rollback()
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	claimed, err := scanClaimed(rows)
+	if err != nil {
+		_ = tx.Rollback()
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	return &claim{rows: claimed, tx: tx}, nil
+}
+
+func (s *Store) claimLease(ctx context.Context, n int, relayID string, now time.Time, lease time.Duration) (*claim, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	// The update is conditional on the rows still being free, so of two
+	// relays the second claims other rows, or none.
+	rows, err := tx.QueryContext(ctx, s.q.claimLease,
+		relayID, s.dialect.timeArg(now.Add(lease)), s.cfg.MaxAttempts, s.dialect.timeArg(now), n)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	claimed, err := scanClaimed(rows)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	// Committed before anything is published: SQLite has one writer, and the
+	// services' own transactions must not wait for the broker.
+	if err := tx.Commit(); err != nil {
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	sortClaimed(claimed) // RETURNING promises no order
+	return &claim{rows: claimed, lease: relayID}, nil
+}
+
+func scanClaimed(rows *sql.Rows) ([]claimedRow, error) {
+	defer rows.Close()
+	var out []claimedRow
+	for rows.Next() {
+		var r claimedRow
+		var created timeScanner
+		if err := rows.Scan(&r.id, &r.exchange, &r.routingKey, &r.body, &r.bodyEncoding,
+			&r.contentType, &r.headers, &created, &r.attempts); err != nil {
+			return nil, err
+		}
+		r.createdAt = created.t
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+func sortClaimed(rows []claimedRow) {
+	// Insertion sort: a batch is small and usually sorted already.
+	for i := 1; i < len(rows); i++ {
+		for j := i; j > 0 && claimedLess(rows[j], rows[j-1]); j-- {
+			rows[j], rows[j-1] = rows[j-1], rows[j]
+		}
+	}
+}
+
+func claimedLess(a, b claimedRow) bool {
+	if !a.createdAt.Equal(b.createdAt) {
+		return a.createdAt.Before(b.createdAt)
+	}
+	return a.id < b.id
+}
+
+// finish marks the published rows (one statement), records the failures,
+// releases whatever else the claim held, and ends the claim.
+func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
+	if c.tx != nil {
+		err := s.mark(ctx, c.tx, time.Now(), published, failures)
+		if err != nil {
+			_ = c.tx.Rollback()
+			return err
+		}
+		if err := c.tx.Commit(); err != nil {
+			return fmt.Errorf("outbox: commit marks: %w", err)
+		}
+		return nil
+	}
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("outbox: mark: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := s.mark(ctx, tx, time.Now(), published, failures); err != nil {
+		return err
+	}
+	// Rows claimed but neither published nor failed (not sent, behind a
+	// failure) are free for the next sweep at once, not at lease expiry.
+	if _, err := tx.ExecContext(ctx, s.q.releaseLease, c.lease); err != nil {
+		return fmt.Errorf("outbox: release lease: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("outbox: commit marks: %w", err)
+	}
+	return nil
+}
+
+// abandon gives a claim up without marking anything: the rows are claimable
+// again at once.
+func (s *Store) abandon(ctx context.Context, c *claim) error {
+	if c.tx != nil {
+		return c.tx.Rollback()
+	}
+	_, err := s.db.ExecContext(ctx, s.q.releaseLease, c.lease)
+	return err
+}
+
+func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
+	if len(published) > 0 {
+		args := make([]any, 0, len(published)+1)
+		args = append(args, s.dialect.timeArg(now))
+		for _, id := range published {
+			args = append(args, id)
+		}
+		if _, err := tx.ExecContext(ctx, s.q.markPublished(len(published)), args...); err != nil {
+			return fmt.Errorf("outbox: mark published: %w", err)
+		}
+	}
+	for _, f := range failures {
+		if _, err := tx.ExecContext(ctx, s.q.markFailed, f.attempts, truncateError(f.reason), f.id); err != nil {
+			return fmt.Errorf("outbox: mark failed: %w", err)
+		}
+	}
+	return nil
+}
+
+// maxLastError is the size of the last_error column.
+const maxLastError = 1000
+
+// truncateError cuts a reason to what last_error holds, on a rune boundary.
+func truncateError(s string) string {
+	if len([]rune(s)) <= maxLastError {
+		return s
+	}
+	return string([]rune(s)[:maxLastError-1]) + "…"
+}
+
+// Stats is the state of the outbox at one moment.
+type Stats struct {
+	// Pending rows: not yet published and under MaxAttempts.
+	Pending int64
+	// Stuck rows: not published, at MaxAttempts; left alone until retried.
+	Stuck int64
+	// OldestPending is the created_at of the oldest pending row (zero if none).
+	OldestPending time.Time
+}
+
+// Stats counts pending and stuck rows.
+func (s *Store) Stats(ctx context.Context) (Stats, error) {
+	var (
+		st     Stats
+		oldest timeScanner
+	)
+	max := s.cfg.MaxAttempts
+	err := s.db.QueryRowContext(ctx, s.q.stats, max, max, max).Scan(&st.Pending, &st.Stuck, &oldest)
+	if err != nil {
+		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
+	}
+	st.OldestPending = oldest.t
+	return st, nil
+}
+
+// PendingCount is the backlog: rows not yet published and under MaxAttempts.
+// One that goes up and stays up is a relay that is down or a broker that
+// refuses.
+func (s *Store) PendingCount(ctx context.Context) (int64, error) {
+	st, err := s.Stats(ctx)
+	return st.Pending, err
+}
+
+// StuckRecord is a row the relay gave up on, with why.
+type StuckRecord struct {
+	ID         string
+	Exchange   string
+	RoutingKey string
+	Attempts   int
+	LastError  string
+	CreatedAt  time.Time
+}
+
+// Stuck lists up to limit rows at MaxAttempts, oldest first.
+func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
+	rows, err := s.db.QueryContext(ctx, s.q.stuck, s.cfg.MaxAttempts, limit)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: stuck: %w", err)
+	}
+	defer rows.Close()
+	var out []StuckRecord
+	for rows.Next() {
+		var (
+			r       StuckRecord
+			lastErr sql.NullString
+			created timeScanner
+		)
+		if err := rows.Scan(&r.ID, &r.Exchange, &r.RoutingKey, &r.Attempts, &lastErr, &created); err != nil {
+			return nil, fmt.Errorf("outbox: stuck: %w", err)
+		}
+		r.LastError, r.CreatedAt = lastErr.String, created.t
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// Retry makes the given unpublished rows pending again, attempts reset, and
+// returns how many it changed. last_error is kept until the next failure.
+func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	args := make([]any, len(ids))
+	for i, id := range ids {
+		args[i] = id
+	}
+	res, err := s.db.ExecContext(ctx, s.q.retry(len(ids)), args...)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: retry: %w", err)
+	}
+	return res.RowsAffected()
+}
+
+// RetryAllStuck makes every stuck row pending again and returns how many.
+func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
+	res, err := s.db.ExecContext(ctx, s.q.retryStuck, s.cfg.MaxAttempts)
+	if err != nil {
+		return 0, fmt.Errorf("outbox: retry stuck: %w", err)
+	}
+	return res.RowsAffected()
+}
+
+// PurgePublished deletes rows published longer than olderThan ago, in
+// batches of PurgeBatch, and returns how many. Pending and stuck rows are
+// never touched. Nothing else removes published rows, and a table that only
+// grows costs disk and slows everything that scans it.
+func (s *Store) PurgePublished(ctx context.Context, olderThan time.Duration) (int64, error) {
+	if olderThan < 0 {
+		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
+	}
+	cutoff := s.dialect.timeArg(time.Now().Add(-olderThan))
+	var total int64
+	for {
+		res, err := s.db.ExecContext(ctx, s.q.purge, cutoff, s.cfg.PurgeBatch)
+		if err != nil {
+			return total, fmt.Errorf("outbox: purge: %w", err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return total, err
+		}
+		total += n
+		if n < int64(s.cfg.PurgeBatch) {
+			return total, nil
+		}
+	}
+}
+
+// timeScanner reads a timestamp however the driver delivers it: a time.Time,
+// or text when the DSN asks for no parsing (MySQL without parseTime=true).
+type timeScanner struct{ t time.Time }
+
+func (ts *timeScanner) Scan(v any) error {
+	switch x := v.(type) {
+	case nil:
+		ts.t = time.Time{}
+	case time.Time:
+		ts.t = x.UTC()
+	case []byte:
+		return ts.parse(string(x))
+	case string:
+		return ts.parse(x)
+	default:
+		return fmt.Errorf("outbox: cannot read %T as a timestamp", v)
+	}
+	return nil
+}
+
+func (ts *timeScanner) parse(s string) error {
+	for _, layout := range []string{timeLayout, "2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05", time.RFC3339Nano} {
+		if t, err := time.Parse(layout, s); err == nil {
+			ts.t = t.UTC()
+			return nil
+		}
+	}
+	return fmt.Errorf("outbox: cannot read %q as a timestamp", s)
+}
+
+var _ interface{ Scan(any) error } = (*timeScanner)(nil)
+
+// isBadConn reports a connection the pool will not reuse.
+func isBadConn(err error) bool { return errors.Is(err, driver.ErrBadConn) }
+
+// placeholders returns "?, ?, …" for n arguments.
+func placeholders(n int) string {
+	if n <= 0 {
+		return ""
+	}
+	return strings.Repeat("?, ", n-1) + "?"
+}
