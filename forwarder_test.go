@@ -144,4 +144,3 @@ func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testi
 		}
 	})
 }
-
