@@ -1,9 +1,12 @@
 // Package testamqp gives tests a RabbitMQ topology of their own: an exchange
 // and durable queues with unique names, deleted when the test ends, and a
-// way to read what arrived.
+// way to read what arrived. Every operation dials afresh, so a test that
+// closes the broker's connections under the code it tests still reads its
+// queues afterwards.
 package testamqp
 
 import (
+	"os/exec"
 	"testing"
 	"time"
 
@@ -12,38 +15,46 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// Broker is a connection for a test's own use, beside the code under test.
+// Broker is a test's own corner of the test broker.
 type Broker struct {
-	t    testing.TB
-	Conn *amqp.Connection
-	Ch   *amqp.Channel
+	t testing.TB
 	// Exchange is a durable direct exchange of the test's own.
 	Exchange string
 }
 
-// New connects to the test broker, and declares the test's exchange.
+// New declares the test's exchange, deleted when the test ends.
 func New(t testing.TB) *Broker {
 	t.Helper()
 	testdb.Require(t, "amqp")
-	conn, err := amqp.Dial(testdb.AMQPURL())
-	if err != nil {
-		t.Fatalf("testamqp: %v", err)
-	}
-	ch, err := conn.Channel()
-	if err != nil {
-		t.Fatalf("testamqp: %v", err)
-	}
-	b := &Broker{t: t, Conn: conn, Ch: ch, Exchange: "test-ex-" + testdb.RandomName()}
-	if err := ch.ExchangeDeclare(b.Exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
-		t.Fatalf("testamqp: declare exchange: %v", err)
-	}
+	b := &Broker{t: t, Exchange: "test-ex-" + testdb.RandomName()}
+	b.With(func(ch *amqp.Channel) error {
+		return ch.ExchangeDeclare(b.Exchange, amqp.ExchangeDirect, true, false, false, false, nil)
+	})
 	t.Cleanup(func() {
-		if ch, err := conn.Channel(); err == nil {
-			_ = ch.ExchangeDelete(b.Exchange, false, false)
-		}
-		_ = conn.Close()
+		b.try(func(ch *amqp.Channel) error { return ch.ExchangeDelete(b.Exchange, false, false) })
 	})
 	return b
+}
+
+// With runs fn on a channel of a fresh connection, failing the test on error.
+func (b *Broker) With(fn func(ch *amqp.Channel) error) {
+	b.t.Helper()
+	if err := b.try(fn); err != nil {
+		b.t.Fatalf("testamqp: %v", err)
+	}
+}
+
+func (b *Broker) try(fn func(ch *amqp.Channel) error) error {
+	conn, err := amqp.Dial(testdb.AMQPURL())
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	return fn(ch)
 }
 
 // Queue declares a durable queue of the test's own, bound to the test's
@@ -51,59 +62,73 @@ func New(t testing.TB) *Broker {
 func (b *Broker) Queue(routingKeys ...string) string {
 	b.t.Helper()
 	name := "test-q-" + testdb.RandomName()
-	if _, err := b.Ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
-		b.t.Fatalf("testamqp: declare queue: %v", err)
-	}
-	for _, rk := range routingKeys {
-		if err := b.Ch.QueueBind(name, rk, b.Exchange, false, nil); err != nil {
-			b.t.Fatalf("testamqp: bind queue: %v", err)
+	b.With(func(ch *amqp.Channel) error {
+		if _, err := ch.QueueDeclare(name, true, false, false, false, nil); err != nil {
+			return err
 		}
-	}
+		for _, rk := range routingKeys {
+			if err := ch.QueueBind(name, rk, b.Exchange, false, nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
 	b.t.Cleanup(func() {
-		if ch, err := b.Conn.Channel(); err == nil {
-			_, _ = ch.QueueDelete(name, false, false, false)
-			_ = ch.Close()
-		}
+		_ = b.try(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
 	})
 	return name
 }
 
-// Drain reads from queue until want messages arrived or the timeout passed
-// with nothing new, and acks them. It returns what arrived.
+// Bind binds queue to the test's exchange for routingKey.
+func (b *Broker) Bind(queue, routingKey string) {
+	b.t.Helper()
+	b.With(func(ch *amqp.Channel) error { return ch.QueueBind(queue, routingKey, b.Exchange, false, nil) })
+}
+
+// Drain reads from queue until at least want messages arrived (or timeout
+// passed) and then until the queue is empty, acking them. It returns what
+// arrived: a duplicate or a message that should not exist is in it too.
 func (b *Broker) Drain(queue string, want int, timeout time.Duration) []amqp.Delivery {
 	b.t.Helper()
-	ch, err := b.Conn.Channel()
-	if err != nil {
-		b.t.Fatalf("testamqp: %v", err)
-	}
-	defer ch.Close()
 	var got []amqp.Delivery
-	deadline := time.Now().Add(timeout)
-	for len(got) < want && time.Now().Before(deadline) {
-		d, ok, err := ch.Get(queue, true)
-		if err != nil {
-			b.t.Fatalf("testamqp: get from %s: %v", queue, err)
-		}
-		if !ok {
+	b.With(func(ch *amqp.Channel) error {
+		deadline := time.Now().Add(timeout)
+		for {
+			d, ok, err := ch.Get(queue, true)
+			if err != nil {
+				return err
+			}
+			if ok {
+				got = append(got, d)
+				continue
+			}
+			if len(got) >= want || time.Now().After(deadline) {
+				return nil
+			}
 			time.Sleep(10 * time.Millisecond) // polling the broker, not synchronising goroutines
-			continue
 		}
-		got = append(got, d)
-	}
+	})
 	return got
 }
 
 // Count is how many messages wait in queue.
 func (b *Broker) Count(queue string) int {
 	b.t.Helper()
-	ch, err := b.Conn.Channel()
+	var n int
+	b.With(func(ch *amqp.Channel) error {
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		n = q.Messages
+		return err
+	})
+	return n
+}
+
+// CloseAllConnections makes the broker close every client connection, as a
+// broker restart or a network cut would.
+func CloseAllConnections(t testing.TB) {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "close_all_connections", "outbox test: connection closed on purpose").CombinedOutput()
 	if err != nil {
-		b.t.Fatalf("testamqp: %v", err)
+		t.Fatalf("rabbitmqctl close_all_connections: %v: %s", err, out)
 	}
-	defer ch.Close()
-	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
-	if err != nil {
-		b.t.Fatalf("testamqp: inspect %s: %v", queue, err)
-	}
-	return q.Messages
 }

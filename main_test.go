@@ -1,0 +1,58 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// TestMain doubles as a relay process that a test can kill for real: with
+// OUTBOX_RELAY_PROCESS set, the test binary runs one sweep of a forwarder and
+// SIGKILLs itself in the window the test names, instead of running tests.
+func TestMain(m *testing.M) {
+	if os.Getenv("OUTBOX_RELAY_PROCESS") != "" {
+		os.Exit(relayProcess())
+	}
+	os.Exit(m.Run())
+}
+
+// relayProcess sweeps once and dies by SIGKILL between the broker's confirms
+// and the marks. Reaching the end is a failure (exit 3).
+func relayProcess() int {
+	db, err := sqlx.Open(os.Getenv("OUTBOX_RELAY_DRIVER"), os.Getenv("OUTBOX_RELAY_DSN"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	f, err := outbox.NewForwarder(db, dest, killableRelayConfig)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	outbox.SetAfterPublishHook(f, func(published []string) {
+		if len(published) > 0 {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {} // the signal is on its way
+		}
+	})
+	n, err := f.Sweep(context.Background())
+	fmt.Fprintf(os.Stderr, "relay process survived its sweep: %d published, %v\n", n, err)
+	return 3
+}
+
+// killableRelayConfig keeps the SQLite lease of a killed relay short, so the
+// test that kills one does not wait a minute for its rows.
+var killableRelayConfig = outbox.ForwarderConfig{PublishTimeout: time.Second, Lease: 2 * time.Second}
