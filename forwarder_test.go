@@ -7,13 +7,17 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
@@ -383,4 +387,468 @@ func killConnections(t testing.TB, killer *sql.Conn, kind string) int {
 		}
 		return len(ids)
 	}
+}
+
+// insertRaw writes a row as another library or a person might, bypassing
+// TxPublisher's checks.
+func insertRaw(t testing.TB, db *testdb.DB, id, exchange, routingKey, headers, bodyEncoding string) {
+	t.Helper()
+	q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES (?, ?, ?, 'x', ?, 'text/plain', ?, ?)")
+	var created any = time.Now().UTC()
+	if db.Kind != testdb.Postgres {
+		created = time.Now().UTC().Format("2006-01-02 15:04:05.000000")
+	}
+	if _, err := db.Exec(q, id, exchange, routingKey, bodyEncoding, headers, created); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// publishOrdered commits one message per (id, routing key), in this order,
+// in one transaction.
+func publishOrdered(t testing.TB, db *testdb.DB, exchange string, idKeys ...[2]string) {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ik := range idKeys {
+		if err := pub.Publish(ik[1], message.NewMessage(ik[0], []byte(ik[0]))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// An unroutable message (no queue bound for its key) and one to a missing
+// exchange each fail alone: attempts and last_error counted, reported with
+// their destination, left alone at MaxAttempts and listed as stuck, and the
+// other rows flow.
+func TestForwarder_UnroutableAndMissingExchange_CountedStuckOthersFlow(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		publishOrdered(t, db, b.Exchange, [2]string{"ok-1", "ok"}, [2]string{"unroutable", "nobody.listens"}, [2]string{"ok-2", "ok"})
+		publishOrdered(t, db, "no-such-exchange-"+testdb.RandomName(), [2]string{"lost-exchange", "ok"})
+		publishOrdered(t, db, b.Exchange, [2]string{"ok-3", "ok"})
+
+		var reported []outbox.ErrorContext
+		const maxAttempts = 3
+		f := newForwarder(t, db, outbox.ForwarderConfig{MaxAttempts: maxAttempts})
+		for i := 0; i < 3*maxAttempts; i++ {
+			_, err := f.Sweep(context.Background())
+			var perr *outbox.PublishError
+			if errors.As(err, &perr) {
+				reported = append(reported, perr.Dest)
+			}
+		}
+		for _, id := range []string{"ok-1", "ok-2", "ok-3"} {
+			if s := stateOf(t, db, id); !s.Published {
+				t.Errorf("%s not published: %+v", id, s)
+			}
+		}
+		for id, want := range map[string]string{"unroutable": "unroutable", "lost-exchange": "does not exist"} {
+			s := stateOf(t, db, id)
+			if s.Published || s.Attempts != maxAttempts || !strings.Contains(s.LastError, want) {
+				t.Errorf("%s: %+v, want unpublished at %d attempts with last_error about %q", id, s, maxAttempts, want)
+			}
+		}
+		seen := countIDs(b.Drain(queue, 3, 5*time.Second))
+		if seen["ok-1"] != 1 || seen["ok-2"] != 1 || seen["ok-3"] != 1 || len(seen) != 3 {
+			t.Errorf("queue received %v, want ok-1, ok-2, ok-3 once each", seen)
+		}
+		var gotMissing bool
+		for _, r := range reported {
+			if r.MessageID == "lost-exchange" && strings.HasPrefix(r.Exchange, "no-such-exchange-") && r.RoutingKey == "ok" {
+				gotMissing = true
+			}
+		}
+		if !gotMissing {
+			t.Errorf("no error reported the missing exchange with its destination: %+v", reported)
+		}
+
+		st, err := f.Store().Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Stuck != 2 || st.Pending != 0 {
+			t.Errorf("stats %+v, want 2 stuck and 0 pending", st)
+		}
+		stuck, err := f.Store().Stuck(context.Background(), 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(stuck) != 2 || stuck[0].ID != "unroutable" || stuck[1].ID != "lost-exchange" || stuck[0].LastError == "" {
+			t.Errorf("stuck = %+v, want unroutable then lost-exchange, with last_error", stuck)
+		}
+
+		// Left alone: more sweeps neither publish nor count it.
+		if n, err := f.Sweep(context.Background()); n != 0 || err != nil {
+			t.Errorf("sweep over stuck rows: %d, %v; want 0, nil", n, err)
+		}
+		if s := stateOf(t, db, "unroutable"); s.Attempts != maxAttempts {
+			t.Errorf("a stuck row was tried again: attempts %d", s.Attempts)
+		}
+
+		// An operator binds the queue and retries: it goes.
+		b.Bind(queue, "nobody.listens")
+		if n, err := f.Store().Retry(context.Background(), "unroutable"); n != 1 || err != nil {
+			t.Fatalf("retry: %d, %v", n, err)
+		}
+		if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+			t.Fatalf("sweep after retry: %d, %v; want 1", n, err)
+		}
+		if n, err := f.Store().RetryAllStuck(context.Background()); n != 1 || err != nil {
+			t.Fatalf("retry all stuck: %d, %v; want 1 (lost-exchange)", n, err)
+		}
+	})
+}
+
+// With Window 1 nothing is in flight behind a record when it fails: the
+// rows behind it are not published before it.
+func TestForwarder_FailingRecord_RowsBehindItNotPublishedBeforeIt(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		publishOrdered(t, db, b.Exchange, [2]string{"first", "ok"}, [2]string{"refused", "nobody.listens"}, [2]string{"behind", "ok"})
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{}, outbox.AMQPConfig{Window: 1})
+		n, err := f.Sweep(context.Background())
+		if n != 1 || err == nil {
+			t.Fatalf("sweep: %d, %v; want 1 published and the refusal", n, err)
+		}
+		if s := stateOf(t, db, "behind"); s.Published || s.Attempts != 0 {
+			t.Fatalf("the row behind the failure: %+v; want it pending, its attempts untouched", s)
+		}
+		if got := b.Count(queue); got != 1 {
+			t.Fatalf("queue holds %d, want only the first", got)
+		}
+		// Once the failing one goes, the rest follow, in order.
+		b.Bind(queue, "nobody.listens")
+		sweepAll(t, f)
+		var order []string
+		for _, d := range b.Drain(queue, 3, 5*time.Second) {
+			order = append(order, d.MessageId)
+		}
+		if strings.Join(order, ",") != "first,refused,behind" {
+			t.Errorf("arrival order %v, want first, refused, behind", order)
+		}
+	})
+}
+
+// Rows another library or a person wrote badly (headers that are not a JSON
+// object of strings, an unknown body encoding) fail alone and at once, and
+// the relay goes on with the rest in the same sweep.
+func TestForwarder_PoisonRows_FailAloneStuckAtOnce_RelayGoesOn(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		insertRaw(t, db, "bad-json", b.Exchange, "ok", "{not json", "utf-8")
+		insertRaw(t, db, "bad-value", b.Exchange, "ok", `{"retries": 3}`, "utf-8")
+		insertRaw(t, db, "bad-encoding", b.Exchange, "ok", `{}`, "rot13")
+		insertRaw(t, db, "good", b.Exchange, "ok", `{"k":"v"}`, "utf-8")
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		n, err := f.Sweep(context.Background())
+		if n != 1 {
+			t.Fatalf("sweep published %d (%v), want the good row in the same sweep", n, err)
+		}
+		if !outbox.IsPermanent(err) {
+			t.Errorf("sweep error %v, want permanent failures", err)
+		}
+		for id, want := range map[string]string{"bad-json": "headers are not a JSON object", "bad-value": `header "retries"`, "bad-encoding": "body_encoding"} {
+			s := stateOf(t, db, id)
+			if s.Published || s.Attempts != outbox.DefaultMaxAttempts || !strings.Contains(s.LastError, want) {
+				t.Errorf("%s: %+v, want stuck at once with last_error about %q", id, s, want)
+			}
+		}
+		if d := b.Drain(queue, 1, 5*time.Second); len(d) != 1 || d[0].MessageId != "good" || d[0].Headers["k"] != "v" {
+			t.Errorf("queue received %d messages, want only the good one", len(d))
+		}
+	})
+}
+
+// Two relays on 5,000 rows: every id published exactly once.
+func TestForwarder_TwoRelays_EveryRowPublishedExactlyOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("order.placed")
+		const n = 5000
+		var msgs []*message.Message
+		for i := 0; i < n; i++ {
+			msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
+		}
+		publishInTx(t, db, "order.placed", msgs, outbox.WithExchange(b.Exchange))
+
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		var relays []*outbox.Forwarder
+		done := make(chan error, 2)
+		for i := 0; i < 2; i++ {
+			// Each relay with a pool of its own, as two processes have.
+			pool := sqlx.MustOpen(db.DriverName(), db.DSN)
+			t.Cleanup(func() { _ = pool.Close() })
+			f := newForwarder(t, &testdb.DB{DB: pool, Kind: db.Kind}, outbox.ForwarderConfig{BatchSize: 50})
+			relays = append(relays, f)
+			go func() { done <- f.Run(ctx) }()
+		}
+		waitFor(t, 60*time.Second, "every row published", func() bool { return pendingCount(t, relays[0]) == 0 })
+		cancel()
+		for range relays {
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+		}
+		seen := countIDs(b.Drain(queue, n, 10*time.Second))
+		dups := 0
+		for _, c := range seen {
+			if c > 1 {
+				dups++
+			}
+		}
+		if len(seen) != n || dups != 0 {
+			t.Fatalf("%d distinct ids arrived (want %d), %d of them more than once (want 0)", len(seen), n, dups)
+		}
+	})
+}
+
+// Close during a batch waits for it: the batch in flight is marked, and no
+// goroutine of the forwarder survives.
+func TestForwarder_CloseDuringBatch_WaitsForItNoGoroutineLeft(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), ignorePools)
+		b := testamqp.New(t)
+		b.Queue("t")
+		ids := publishN(t, db, b.Exchange, "t", 3)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		inBatch, release := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		outbox.SetAfterPublishHook(f, func([]string) {
+			once.Do(func() {
+				close(inBatch)
+				<-release
+			})
+		})
+		go func() { _ = f.Run(context.Background()) }()
+		<-inBatch
+
+		closed := make(chan error, 1)
+		go func() { closed <- f.Close() }()
+		select {
+		case err := <-closed:
+			t.Fatalf("Close returned (%v) while the batch was in flight", err)
+		case <-time.After(200 * time.Millisecond): // long enough for a Close that does not wait to return
+		}
+		close(release)
+		if err := <-closed; err != nil {
+			t.Fatal(err)
+		}
+		for _, id := range ids {
+			if !stateOf(t, db, id).Published {
+				t.Errorf("%s not marked: Close did not let the batch finish", id)
+			}
+		}
+		if err := f.Close(); err != nil {
+			t.Errorf("second Close: %v", err)
+		}
+		if err := f.Run(context.Background()); !errors.Is(err, outbox.ErrForwarderClosed) {
+			t.Errorf("Run after Close: %v, want ErrForwarderClosed", err)
+		}
+	})
+}
+
+// On PostgreSQL the relay wakes at commit through LISTEN/NOTIFY, with no
+// poll for an hour.
+func TestForwarder_Postgres_ListenNotify_WakesAtCommit(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.Postgres); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour})
+	go func() { _ = f.Run(context.Background()) }()
+	<-f.Running()
+	// The first sweep ran on start; wait until the listener is in place.
+	waitFor(t, 10*time.Second, "LISTEN", func() bool {
+		var n int
+		_ = db.Get(&n, "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN acemq_outbox' AND datname = current_database()")
+		return n > 0
+	})
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		publishN(t, db, b.Exchange, "t", 1)
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+			t.Fatalf("message %d did not arrive within 10 s: the relay was not woken by the commit", i)
+		}
+		t.Logf("commit to broker: %s", time.Since(start))
+	}
+}
+
+// With a relay in the same process, Notify wakes it without a poll.
+func TestForwarder_Notify_WakesRelayInProcess(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, DisableListen: true})
+		go func() { _ = f.Run(context.Background()) }()
+		<-f.Running()
+		publishN(t, db, b.Exchange, "t", 1)
+		f.Notify()
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+			t.Fatal("Notify did not wake the relay")
+		}
+	})
+}
+
+func TestStore_PurgePublished_BoundedBatchesNeverPending(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		ids := publishN(t, db, "", "t", 7)
+		mark := db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE id = ?")
+		old := time.Now().Add(-48 * time.Hour).UTC()
+		var oldArg any = old
+		if db.Kind != testdb.Postgres {
+			oldArg = old.Format("2006-01-02 15:04:05.000000")
+		}
+		for _, id := range ids[:5] {
+			if _, err := db.Exec(mark, oldArg, id); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var recentArg any = time.Now().UTC()
+		if db.Kind != testdb.Postgres {
+			recentArg = time.Now().UTC().Format("2006-01-02 15:04:05.000000")
+		}
+		if _, err := db.Exec(mark, recentArg, ids[5]); err != nil {
+			t.Fatal(err)
+		}
+		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{PurgeBatch: 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := store.PurgePublished(context.Background(), 24*time.Hour)
+		if err != nil || n != 5 {
+			t.Fatalf("purged %d (%v), want the 5 published over a day ago", n, err)
+		}
+		var left []string
+		if err := db.Select(&left, "SELECT id FROM acemq_outbox ORDER BY created_at"); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Join(left, ",") != ids[5]+","+ids[6] {
+			t.Fatalf("left %v, want the recent published row and the pending one", left)
+		}
+		st, err := store.Stats(context.Background())
+		if err != nil || st.Pending != 1 || st.OldestPending.IsZero() {
+			t.Fatalf("stats %+v, %v; want 1 pending with its age", st, err)
+		}
+	})
+}
+
+func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	dest := outbox.NewPublisherDestination(gochannel.NewGoChannel(gochannel.Config{}, nil), nil)
+	cases := map[string]outbox.ForwarderConfig{
+		"BatchSize":   {BatchSize: 5000},
+		"Lease":       {PublishTimeout: time.Minute, Lease: time.Minute},
+		"RetryMin":    {RetryMin: time.Second, RetryMax: time.Millisecond},
+		"MaxAttempts": {MaxAttempts: -1},
+		"Table":       {Table: "bad-name"},
+		"RelayID":     {RelayID: strings.Repeat("r", 65)},
+	}
+	for field, cfg := range cases {
+		_, err := outbox.NewForwarder(db.DB, dest, cfg)
+		var cerr *outbox.ConfigError
+		if !errors.As(err, &cerr) || cerr.Field != field {
+			t.Errorf("%s: err = %v, want a *ConfigError naming it", field, err)
+		}
+	}
+	if _, err := outbox.NewForwarder(db.DB.DB, dest, outbox.ForwarderConfig{}); err == nil {
+		t.Error("a *sql.DB without Dialect was accepted")
+	}
+	if _, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: "http://nope"}); err == nil {
+		t.Error("a non-AMQP URL was accepted")
+	}
+}
+
+// A Watermill subscriber (watermill-amqp, default marshaler) receives the
+// UUID, metadata and payload given to NewTxPublisher.
+func TestForwarder_WatermillAMQPSubscriber_ReceivesSameUUIDMetadataPayload(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		testdb.Require(t, "amqp")
+		topic := "wm-" + testdb.RandomName()
+		sub, err := wamqp.NewSubscriber(wamqp.NewDurableQueueConfig(testdb.AMQPURL()), watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		msgs, err := sub.Subscribe(ctx, topic) // declares the durable queue
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(topic, false, false, false); return err })
+
+		sent := message.NewMessage(watermill.NewUUID(), []byte("\x00\xffpayload"))
+		sent.Metadata.Set("tenant", "acme")
+		sent.Metadata.Set("trace", "abc")
+		publishInTx(t, db, topic, []*message.Message{sent}) // default exchange, routing key = topic
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		if n := sweepAll(t, f); n != 1 {
+			t.Fatalf("published %d", n)
+		}
+		select {
+		case got := <-msgs:
+			got.Ack()
+			if got.UUID != sent.UUID || string(got.Payload) != string(sent.Payload) {
+				t.Errorf("received uuid %q payload %q, want %q %q", got.UUID, got.Payload, sent.UUID, sent.Payload)
+			}
+			for k, v := range sent.Metadata {
+				if got.Metadata.Get(k) != v {
+					t.Errorf("metadata %s = %q, want %q", k, got.Metadata.Get(k), v)
+				}
+			}
+			if got.Metadata.Get(outbox.HeaderID) != sent.UUID {
+				t.Errorf("x-acemq-id = %q", got.Metadata.Get(outbox.HeaderID))
+			}
+		case <-ctx.Done():
+			t.Fatal("the subscriber received nothing")
+		}
+	})
+}
+
+// Any Watermill publisher can be the destination, one message at a time.
+func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		ch := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10, Persistent: true}, nil)
+		ids := publishN(t, db, "", "orders", 3)
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(ch, nil), outbox.ForwarderConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if n := sweepAll(t, f); n != 3 {
+			t.Fatalf("published %d", n)
+		}
+		out, err := ch.Subscribe(context.Background(), "orders")
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := map[string]bool{ids[0]: true, ids[1]: true, ids[2]: true}
+		for range ids {
+			m := <-out
+			m.Ack()
+			if !want[m.UUID] || m.Metadata.Get(outbox.HeaderID) != m.UUID {
+				t.Fatalf("got %s (x-acemq-id %q), want one of %v once", m.UUID, m.Metadata.Get(outbox.HeaderID), ids)
+			}
+			delete(want, m.UUID)
+		}
+	})
 }
