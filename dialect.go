@@ -34,6 +34,11 @@ type Dialect interface {
 	leases() bool
 	// purgePublished deletes at most ? rows published before ?.
 	purgePublished(table string) string
+	// insertProcessed records (consumer_name, message_id, processed_at) and
+	// affects no row when the key is there already.
+	insertProcessed(table string) string
+	// purgeProcessed deletes at most ? inbox rows processed before ?.
+	purgeProcessed(table string) string
 	createMigrationsTable() string
 	selectMigrations() string
 	insertMigration() string

@@ -82,3 +82,16 @@ func (mysqlDialect) selectMigrations() string {
 func (mysqlDialect) insertMigration() string {
 	return "INSERT INTO acemq_schema_migrations (version, name) VALUES (?, ?)"
 }
+
+// insertProcessed uses INSERT IGNORE, whose affected-row count tells a
+// duplicate (0) from an insert (1) whatever the DSN's clientFoundRows says;
+// ON DUPLICATE KEY UPDATE reports 1 for both under clientFoundRows=true.
+// IGNORE's other effect, turning bad values into warnings, cannot reach this
+// statement: the Inbox checks both values' lengths before it runs.
+func (mysqlDialect) insertProcessed(table string) string {
+	return "INSERT IGNORE INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"
+}
+
+func (mysqlDialect) purgeProcessed(table string) string {
+	return "DELETE FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?"
+}

@@ -75,3 +75,11 @@ func (postgresDialect) selectMigrations() string {
 func (postgresDialect) insertMigration() string {
 	return "INSERT INTO acemq_schema_migrations (version, name) VALUES ($1, $2)"
 }
+
+func (postgresDialect) insertProcessed(table string) string {
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+}
+
+func (postgresDialect) purgeProcessed(table string) string {
+	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+}

@@ -69,3 +69,11 @@ func (sqliteDialect) selectMigrations() string {
 func (sqliteDialect) insertMigration() string {
 	return "INSERT INTO acemq_schema_migrations (version, name) VALUES (?, ?)"
 }
+
+func (sqliteDialect) insertProcessed(table string) string {
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+}
+
+func (sqliteDialect) purgeProcessed(table string) string {
+	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+}

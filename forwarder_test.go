@@ -852,3 +852,8 @@ func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *
 		}
 	})
 }
+
+func testamqpDeleteQueue(t testing.TB, name string) {
+	t.Helper()
+	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
+}

@@ -1,0 +1,407 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// effectsTable is the handler's business table: no key, so a second effect
+// of one message would show as a second row.
+func createEffects(t testing.TB, db *testdb.DB) {
+	t.Helper()
+	if _, err := db.Exec("CREATE TABLE effects (message_id varchar(64) NOT NULL, note varchar(255) NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func countEffects(t testing.TB, db *testdb.DB, id string) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM effects WHERE message_id = ?"), id); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func countProcessed(t testing.TB, db *testdb.DB, id string) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM processed_messages WHERE message_id = ?"), id); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// writeEffect is a handler that makes its effect in the inbox's transaction.
+func writeEffect(t testing.TB, db *testdb.DB, ran *atomic.Int32) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ran.Add(1)
+		tx, ok := outbox.TxFromContext(msg.Context())
+		if !ok {
+			return nil, errors.New("no transaction in the message context")
+		}
+		_, err := tx.ExecContext(msg.Context(), db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, string(msg.Payload))
+		return nil, err
+	}
+}
+
+func newInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.Inbox {
+	t.Helper()
+	if cfg.ConsumerName == "" {
+		cfg.ConsumerName = "fulfilment"
+	}
+	in, err := outbox.NewInbox(db.DB, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return in
+}
+
+func TestInbox_Duplicate_AckedHandlerNotRun(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+		for i := 0; i < 3; i++ {
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatalf("delivery %d: %v, want nil (ack)", i+1, err)
+			}
+		}
+		if ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 || countProcessed(t, db, msg.UUID) != 1 {
+			t.Fatalf("handler ran %d times, %d effects, %d keys; want 1 each", ran.Load(), countEffects(t, db, msg.UUID), countProcessed(t, db, msg.UUID))
+		}
+	})
+}
+
+// The case Watermill's Deduplicator loses: it records the key before the
+// handler runs, so the retry of a failed handler is dropped as a duplicate.
+func TestInbox_HandlerFailsOnceThenSucceeds_EffectExactlyOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		effect := writeEffect(t, db, &ran)
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			if _, err := effect(msg); err != nil {
+				return nil, err
+			}
+			if ran.Load() == 1 {
+				return nil, errors.New("payment service timed out")
+			}
+			return nil, nil
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if _, err := h(msg.Copy()); err == nil {
+			t.Fatal("first delivery: want the handler's error (nack)")
+		}
+		if countEffects(t, db, msg.UUID) != 0 || countProcessed(t, db, msg.UUID) != 0 {
+			t.Fatal("a failed handler left its effect or its key")
+		}
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatalf("redelivery: %v", err)
+		}
+		if ran.Load() != 2 || countEffects(t, db, msg.UUID) != 1 {
+			t.Fatalf("handler ran %d times with %d effects; want the retry run, one effect", ran.Load(), countEffects(t, db, msg.UUID))
+		}
+	})
+}
+
+func TestInbox_HandlerPanics_RolledBackErrorReturned(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		effect := writeEffect(t, db, &ran)
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			_, _ = effect(msg)
+			panic("nil map in the handler")
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if _, err := h(msg); err == nil || !strings.Contains(err.Error(), "panicked") {
+			t.Fatalf("err = %v, want the panic as an error", err)
+		}
+		if countEffects(t, db, msg.UUID) != 0 || countProcessed(t, db, msg.UUID) != 0 {
+			t.Fatal("a panicking handler left its effect or its key")
+		}
+	})
+}
+
+// A commit that fails stores neither the key nor the effect, and nacks.
+func TestInbox_CommitFails_NeitherKeyNorEffectStored(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		// PostgreSQL and SQLite check a deferred foreign key at commit; MySQL
+		// has none, so there the handler's connection dies before the commit.
+		switch db.Kind {
+		case testdb.Postgres:
+			db.MustExec("CREATE TABLE parents (id varchar(64) PRIMARY KEY)")
+			db.MustExec("CREATE TABLE children (parent_id varchar(64) REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)")
+		case testdb.SQLite:
+			db.MustExec("CREATE TABLE parents (id varchar(64) PRIMARY KEY)")
+			db.MustExec("CREATE TABLE children (parent_id varchar(64) REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)")
+		}
+		var ran atomic.Int32
+		effect := writeEffect(t, db, &ran)
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			if _, err := effect(msg); err != nil {
+				return nil, err
+			}
+			tx, _ := outbox.TxFromContext(msg.Context())
+			if db.Kind == testdb.MySQL {
+				var id int64
+				if err := tx.Get(&id, "SELECT CONNECTION_ID()"); err != nil {
+					return nil, err
+				}
+				_, err := db.Exec(fmt.Sprintf("KILL %d", id))
+				return nil, err
+			}
+			_, err := tx.Exec("INSERT INTO children (parent_id) VALUES ('no such parent')")
+			return nil, err // the violation waits for the commit
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		_, err := h(msg)
+		if err == nil || !strings.Contains(err.Error(), "commit") {
+			t.Fatalf("err = %v, want the commit's failure (nack)", err)
+		}
+		if countEffects(t, db, msg.UUID) != 0 || countProcessed(t, db, msg.UUID) != 0 {
+			t.Fatal("a failed commit left the effect or the key")
+		}
+	})
+}
+
+// Two deliveries of one id at once (two consumers, a redelivery racing the
+// original): the effect happens once.
+func TestInbox_ConcurrentDuplicates_OneEffect(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		const deliveries = 8
+		var wg sync.WaitGroup
+		errs := make(chan error, deliveries)
+		start := make(chan struct{})
+		for i := 0; i < deliveries; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, err := h(msg.Copy())
+				errs <- err
+			}()
+		}
+		close(start)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Errorf("delivery: %v", err)
+			}
+		}
+		if n := countEffects(t, db, msg.UUID); n != 1 {
+			t.Fatalf("%d effects of %d concurrent deliveries, want 1", n, deliveries)
+		}
+	})
+}
+
+// A consumer that also produces: what it publishes through NewTxPublisher
+// on the inbox's transaction commits with its effect, and a failure after
+// the publish leaves neither.
+func TestInbox_ConsumerPublishesThenFails_NeitherEffectNorOutgoingMessage(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		effect := writeEffect(t, db, &ran)
+		fail := true
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			if _, err := effect(msg); err != nil {
+				return nil, err
+			}
+			tx, _ := outbox.TxFromContext(msg.Context())
+			pub, err := outbox.NewTxPublisher(tx)
+			if err != nil {
+				return nil, err
+			}
+			if err := pub.Publish("order.shipped", message.NewMessage("shipped-"+msg.UUID[:8], []byte("x"))); err != nil {
+				return nil, err
+			}
+			if fail {
+				return nil, errors.New("carrier API down")
+			}
+			return nil, nil
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if _, err := h(msg.Copy()); err == nil {
+			t.Fatal("want the failure")
+		}
+		if countEffects(t, db, msg.UUID) != 0 || countRows(t, db) != 0 {
+			t.Fatalf("after the failure: %d effects, %d outgoing rows; want none", countEffects(t, db, msg.UUID), countRows(t, db))
+		}
+		fail = false
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatal(err)
+		}
+		if countEffects(t, db, msg.UUID) != 1 || countRows(t, db) != 1 {
+			t.Fatalf("after the retry: %d effects, %d outgoing rows; want 1 and 1", countEffects(t, db, msg.UUID), countRows(t, db))
+		}
+	})
+}
+
+// A service consuming its own events marks the outbox record processed in
+// the same transaction; with the option off, the outbox is not touched.
+func TestInbox_MarkOutboxProcessed_SetsProcessedAtOnlyWhenConfigured(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		ids := publishN(t, db, "", "order.placed", 2)
+		var ran atomic.Int32
+		marking := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+		plain := newInbox(t, db, outbox.InboxConfig{ConsumerName: "other"}).Middleware(writeEffect(t, db, &ran))
+		if _, err := marking(message.NewMessage(ids[0], []byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := plain(message.NewMessage(ids[1], []byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		processed := func(id string) bool {
+			var p bool
+			if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		if !processed(ids[0]) {
+			t.Error("the record was not marked processed")
+		}
+		if processed(ids[1]) {
+			t.Error("an inbox without MarkOutboxProcessed touched the outbox")
+		}
+	})
+}
+
+func TestInbox_MessageWithoutID_RefusedUnlessAllowed(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil }
+	if _, err := newInbox(t, db, outbox.InboxConfig{}).Middleware(h)(message.NewMessage("", nil)); !errors.Is(err, outbox.ErrNoMessageID) || ran != 0 {
+		t.Fatalf("err = %v, ran %d; want ErrNoMessageID and the handler not run", err, ran)
+	}
+	if _, err := newInbox(t, db, outbox.InboxConfig{AllowMissingID: true}).Middleware(h)(message.NewMessage("", nil)); err != nil || ran != 1 {
+		t.Fatalf("err = %v, ran %d; want it passed through", err, ran)
+	}
+}
+
+func TestInbox_PurgeProcessed_OldKeysOnlyInBatches(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		in := newInbox(t, db, outbox.InboxConfig{PurgeBatch: 2})
+		old := time.Now().Add(-30 * 24 * time.Hour).UTC()
+		var oldArg any = old
+		if db.Kind != testdb.Postgres {
+			oldArg = old.Format("2006-01-02 15:04:05.000000")
+		}
+		for i := 0; i < 5; i++ {
+			db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES ('c', ?, ?)"), fmt.Sprint("old-", i), oldArg)
+		}
+		h := in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+		if _, err := h(message.NewMessage("fresh", nil)); err != nil {
+			t.Fatal(err)
+		}
+		n, err := in.PurgeProcessed(context.Background(), 7*24*time.Hour)
+		if err != nil || n != 5 {
+			t.Fatalf("purged %d (%v), want 5", n, err)
+		}
+		if countProcessed(t, db, "fresh") != 1 {
+			t.Fatal("a fresh key was purged")
+		}
+	})
+}
+
+// Through a real router and RabbitMQ: the consumer name defaults to the
+// handler's name, and a crash after the commit and before the ack (the broker
+// redelivers) is acked without a second effect.
+func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		testdb.Require(t, "amqp")
+		createEffects(t, db)
+		topic := "inbox-" + testdb.RandomName()
+		amqpCfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
+		sub, err := wamqp.NewSubscriber(amqpCfg, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := wamqp.NewPublisher(amqpCfg, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pub.Close()
+
+		router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{}) // consumer name: the handler's
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ran, deliveries atomic.Int32
+		done := make(chan struct{})
+		// Outside the inbox: the first delivery "crashes" after the inbox
+		// committed, so the broker gets a nack and redelivers.
+		crashAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := h(msg)
+				if deliveries.Add(1) == 1 {
+					return nil, errors.New("process died before the ack")
+				}
+				if err == nil {
+					close(done)
+				}
+				return out, err
+			}
+		}
+		effect := writeEffect(t, db, &ran)
+		handler := router.AddConsumerHandler("fulfil-orders", topic, sub, func(msg *message.Message) error {
+			_, err := effect(msg)
+			return err
+		})
+		handler.AddMiddleware(crashAfterCommit, in.Middleware)
+
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() { _ = router.Run(ctx) }()
+		<-router.Running()
+		defer router.Close()
+
+		msg := message.NewMessage(watermill.NewUUID(), []byte("order 7"))
+		if err := pub.Publish(topic, msg); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("the redelivery was not acked (%d deliveries)", deliveries.Load())
+		}
+		if ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 {
+			t.Fatalf("handler ran %d times, %d effects; want 1 and 1", ran.Load(), countEffects(t, db, msg.UUID))
+		}
+		var consumer string
+		if err := db.Get(&consumer, db.Rebind("SELECT consumer_name FROM processed_messages WHERE message_id = ?"), msg.UUID); err != nil || consumer != "fulfil-orders" {
+			t.Fatalf("consumer_name = %q (%v), want the handler's name", consumer, err)
+		}
+		testamqpDeleteQueue(t, topic)
+	})
+}
