@@ -36,7 +36,10 @@ type scenarioFunc func(ctx context.Context, cfg config, out *reporter) error
 // scenarios maps -scenario to its function; a new scenario (relay, latency,
 // inbox) is a file plus a line here.
 var scenarios = map[string]scenarioFunc{
-	"txpublish": runTxPublish,
+	"txpublish":    runTxPublish,
+	"relay":        runRelay,
+	"latency":      runLatency,
+	"pendingquery": runPendingQuery,
 }
 
 // config is what the flags say, shared by every scenario.

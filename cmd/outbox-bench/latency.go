@@ -1,0 +1,401 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// latency: how long a committed message takes to reach a consumer, with a
+// relay running as a service runs it.
+//
+// A Forwarder runs (Run, library defaults unless -batch / -window), a
+// consumer reads the bench's queue (amqp091-go, no-ack), and the bench
+// commits -rate transactions a second, one message each (NewTxPublisher on
+// the transaction, Publish, Commit). A message's latency is from Commit
+// returning to the consumer receiving it, both on this process's monotonic
+// clock. The publisher keeps to a schedule (message i at start + i/rate),
+// so a slow commit does not lower the load the relay sees.
+//
+//	commit_to_broker_p50/p99_postgres:        LISTEN/NOTIFY wakes the relay (the default)
+//	commit_to_broker_p50/p99_postgres_poll:   DisableListen: the relay polls every PollInterval
+//	commit_to_broker_p50/p99_<db>_nudge:      mysql, sqlite: Forwarder.Notify() after each
+//	                                          commit, from the same process
+//
+// -n is the number of measured messages of the main (postgres LISTEN) run;
+// the other runs send half as many. A few warm-up messages precede each run
+// (the LISTEN connection, the relay's and the consumer's), discarded.
+var (
+	latencyRate = flag.Int("rate", 500, "latency: messages committed per second")
+	latencyCSV  = flag.String("latency-csv", "", "latency: write every measured message (variant, commit offset, latency) to this CSV file")
+)
+
+const (
+	latencyDefaultN = 5000 // 10 s at 500/s
+	latencyWarmup   = 25
+	latencyPayload  = 256
+	latencyDrain    = 15 * time.Second // the longest a run waits for its last deliveries
+)
+
+type latencyVariant struct {
+	kind   string
+	suffix string // of the metric names
+	listen bool   // false: DisableListen
+	nudge  bool   // Notify after each commit
+	n      int
+}
+
+func runLatency(ctx context.Context, cfg config, out *reporter) error {
+	n := cfg.n
+	if n == 0 {
+		n = latencyDefaultN
+	}
+	if *latencyRate < 1 {
+		return errors.New("-rate must be at least 1")
+	}
+	var variants []latencyVariant
+	for _, kind := range cfg.kinds {
+		switch kind {
+		case testdb.Postgres:
+			variants = append(variants,
+				latencyVariant{kind: kind, listen: true, n: n},
+				latencyVariant{kind: kind, suffix: "_poll", n: max(n/2, 1)})
+		default:
+			variants = append(variants, latencyVariant{kind: kind, suffix: "_nudge", nudge: true, n: max(n/2, 1)})
+		}
+	}
+
+	q, err := openBenchQueue("latency")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if closeErr := q.close(); closeErr != nil {
+			note("latency: %v", closeErr)
+		}
+	}()
+	rec := newLatencyRecorder()
+	stopConsumer, err := consumeQueue(q, rec)
+	if err != nil {
+		return err
+	}
+	defer stopConsumer()
+
+	var csv *os.File
+	if *latencyCSV != "" {
+		if csv, err = os.Create(*latencyCSV); err != nil {
+			return err
+		}
+		defer csv.Close()
+		fmt.Fprintln(csv, "variant,commit_ms,latency_ms")
+	}
+
+	payload := benchPayload(latencyPayload)
+	note("latency: queue %s, %d msg/s, batch %s, window %s", q.name, *latencyRate, orDefault(*relayBatch), orDefault(*relayWindow))
+	for _, v := range variants {
+		var lat, at []time.Duration
+		name := v.kind + v.suffix
+		err := q.undisturbed("latency "+name, func() (err error) {
+			lat, at, err = latencyRun(ctx, cfg, q, rec, v, payload)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("latency %s: %w", name, err)
+		}
+		out.metric("commit_to_broker_p50_"+name, millis(quantile(lat, 0.5)), "ms")
+		out.metric("commit_to_broker_p99_"+name, millis(quantile(lat, 0.99)), "ms")
+		if csv != nil {
+			for i := range lat {
+				fmt.Fprintf(csv, "%s,%.3f,%.3f\n", name, millis(at[i]), millis(lat[i]))
+			}
+		}
+		note("latency %s: %d messages; p90 %.1f ms, max %.1f ms", name, len(lat), millis(quantile(lat, 0.9)), millis(quantile(lat, 1)))
+	}
+	return nil
+}
+
+// latencyRun runs one variant on a fresh database and returns the
+// latencies of its measured messages.
+func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyRecorder, v latencyVariant, payload []byte) (lat, at []time.Duration, err error) {
+	if err := q.purge(); err != nil {
+		return nil, nil, err
+	}
+	err = withDatabase(ctx, v.kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
+		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: *amqpURL, Window: *relayWindow, ConnectionName: "outbox-bench latency relay"})
+		if err != nil {
+			return err
+		}
+		var (
+			errMu    sync.Mutex
+			relayErr []error
+		)
+		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
+			Dialect:       d,
+			BatchSize:     *relayBatch,
+			DisableListen: !v.listen,
+			OnError: func(err error, _ outbox.ErrorContext) {
+				errMu.Lock()
+				defer errMu.Unlock()
+				if len(relayErr) < 10 {
+					relayErr = append(relayErr, err)
+				}
+			},
+		})
+		if err != nil {
+			_ = dest.Close()
+			return err
+		}
+		runCtx, cancel := context.WithCancel(ctx)
+		runErr := make(chan error, 1)
+		go func() { runErr <- f.Run(runCtx) }()
+		defer func() {
+			cancel()
+			if e := <-runErr; e != nil {
+				err = errors.Join(err, fmt.Errorf("Run: %w", e))
+			}
+			err = errors.Join(err, f.Close())
+			errMu.Lock()
+			defer errMu.Unlock()
+			if len(relayErr) > 0 {
+				err = errors.Join(append([]error{err, fmt.Errorf("the relay reported %d+ errors", len(relayErr))}, relayErr...)...)
+			}
+		}()
+		select {
+		case <-f.Running():
+		case e := <-runErr:
+			runErr <- e
+			return fmt.Errorf("Run returned at once: %v", e)
+		}
+
+		send := func(count int) ([]string, error) {
+			return latencySend(ctx, db, q.name, f, v.nudge, count, payload, rec)
+		}
+		// Warm-up: connections, the LISTEN, the statement caches.
+		rec.reset()
+		ids, err := send(latencyWarmup)
+		if err == nil {
+			_, _, err = rec.wait(ctx, ids, latencyDrain, time.Now())
+		}
+		if err != nil {
+			return fmt.Errorf("warm-up: %w", err)
+		}
+
+		rec.reset()
+		cpu := readCPU()
+		start := time.Now()
+		ids, err = send(v.n)
+		if err != nil {
+			return err
+		}
+		sendTook, busy := time.Since(start), cpu.busySince()
+		lat, at, err = rec.wait(ctx, ids, latencyDrain, start)
+		if err != nil {
+			return err
+		}
+		note("latency %s%s: %d messages committed in %s (%.0f msg/s, machine CPU %.0f%% busy)", v.kind, v.suffix, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook), 100*busy)
+		return nil
+	})
+	return lat, at, err
+}
+
+// latencySend commits count transactions on schedule, one message each, and
+// records each commit's time. It returns the ids in commit order.
+func latencySend(ctx context.Context, db *testdb.DB, queue string, f *outbox.Forwarder, nudge bool, count int, payload []byte, rec *latencyRecorder) ([]string, error) {
+	interval := time.Second / time.Duration(*latencyRate)
+	ids := make([]string, 0, count)
+	start := time.Now()
+	for i := 0; i < count; i++ {
+		if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
+			select {
+			case <-ctx.Done():
+				return ids, ctx.Err()
+			case <-time.After(wait):
+			}
+		}
+		id := watermill.NewUUID()
+		msg := message.NewMessage(id, payload)
+		msg.SetContext(ctx)
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			return ids, fmt.Errorf("begin: %w", err)
+		}
+		pub, err := outbox.NewTxPublisher(tx)
+		if err == nil {
+			err = pub.Publish(queue, msg)
+		}
+		if err != nil {
+			_ = tx.Rollback()
+			return ids, fmt.Errorf("publish: %w", err)
+		}
+		if err := tx.Commit(); err != nil {
+			return ids, fmt.Errorf("commit: %w", err)
+		}
+		rec.committed(id, time.Now())
+		if nudge {
+			f.Notify()
+		}
+		ids = append(ids, id)
+	}
+	return ids, nil
+}
+
+// latencyRecorder pairs each message's commit time with its delivery time.
+type latencyRecorder struct {
+	mu        sync.Mutex
+	commit    map[string]time.Time
+	delivered map[string]time.Time
+	dups      int
+}
+
+func newLatencyRecorder() *latencyRecorder {
+	r := &latencyRecorder{}
+	r.reset()
+	return r
+}
+
+func (r *latencyRecorder) reset() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.commit, r.delivered, r.dups = map[string]time.Time{}, map[string]time.Time{}, 0
+}
+
+func (r *latencyRecorder) committed(id string, at time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.commit[id] = at
+}
+
+func (r *latencyRecorder) received(id string, at time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.delivered[id]; ok {
+		r.dups++
+		return
+	}
+	r.delivered[id] = at
+}
+
+// wait waits until every id was delivered, then returns their latencies and
+// their commit times as offsets from start.
+func (r *latencyRecorder) wait(ctx context.Context, ids []string, within time.Duration, start time.Time) (lat, at []time.Duration, err error) {
+	deadline := time.Now().Add(within)
+	for {
+		r.mu.Lock()
+		missing := 0
+		for _, id := range ids {
+			if _, ok := r.delivered[id]; !ok {
+				missing++
+			}
+		}
+		if missing == 0 {
+			lat, at = make([]time.Duration, len(ids)), make([]time.Duration, len(ids))
+			for i, id := range ids {
+				lat[i] = r.delivered[id].Sub(r.commit[id])
+				at[i] = r.commit[id].Sub(start)
+			}
+			dups := r.dups
+			r.mu.Unlock()
+			if dups > 0 {
+				note("latency: %d messages were delivered twice", dups)
+			}
+			return lat, at, nil
+		}
+		r.mu.Unlock()
+		if time.Now().After(deadline) {
+			return nil, nil, fmt.Errorf("VERIFY FAILED: %d of %d messages not delivered within %s of the last commit", missing, len(ids), within)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, nil, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// consumeQueue reads the queue on a connection of its own and records each
+// delivery's arrival, until stop is called. A consumer closed from outside
+// is opened again (the run it disturbed is repeated: see undisturbed).
+func consumeQueue(q *benchQueue, rec *latencyRecorder) (stop func(), err error) {
+	open := func() (*amqp.Connection, <-chan amqp.Delivery, error) {
+		conn, err := q.dial(q.name + " consumer")
+		if err != nil {
+			return nil, nil, err
+		}
+		ch, err := conn.Channel()
+		if err != nil {
+			_ = conn.Close()
+			return nil, nil, err
+		}
+		deliveries, err := ch.Consume(q.name, "", true, false, false, false, nil)
+		if err != nil {
+			_ = conn.Close()
+			return nil, nil, fmt.Errorf("consuming %s: %w", q.name, err)
+		}
+		return conn, deliveries, nil
+	}
+	conn, deliveries, err := open()
+	if err != nil {
+		return nil, err
+	}
+	var (
+		mu      sync.Mutex
+		current = conn
+		stopped bool
+		done    = make(chan struct{})
+		wg      sync.WaitGroup
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			for d := range deliveries {
+				rec.received(d.MessageId, time.Now())
+			}
+			select {
+			case <-done:
+				return
+			default:
+			}
+			for {
+				c, ds, err := open()
+				if err == nil {
+					mu.Lock()
+					if stopped {
+						mu.Unlock()
+						_ = c.Close()
+						return
+					}
+					current, deliveries = c, ds
+					mu.Unlock()
+					break
+				}
+				select {
+				case <-done:
+					return
+				case <-time.After(200 * time.Millisecond):
+				}
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		mu.Lock()
+		stopped = true
+		_ = current.Close()
+		mu.Unlock()
+		wg.Wait()
+	}, nil
+}
+
+func millis(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

@@ -1,0 +1,557 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// relay: how fast the Forwarder drains a backlog into RabbitMQ, against what
+// the broker takes from a client that does nothing but publish.
+//
+//	raw_amqp_pipelined:       amqp091-go publishes n persistent messages to a
+//	                          durable queue on a confirm channel, keeping
+//	                          -inflight unconfirmed: the broker's ceiling. The
+//	                          mean of all raw runs.
+//	relay_throughput_<db>:    n pending rows committed beforehand; a Forwarder
+//	                          (Run, library defaults unless -batch / -window)
+//	                          drains them into the same queue. Timed from Run
+//	                          to the first Stats with Pending == 0: every row
+//	                          published and marked. (Stats is polled once the
+//	                          destination has had n records confirmed, so the
+//	                          polling does not load the database meanwhile.)
+//	relay_vs_raw_<db>:        the relay over the mean of the two raw runs on
+//	                          either side of it: raw, relay-postgres, raw,
+//	                          relay-mysql, raw, … so that drift and noise of
+//	                          this machine fall on both.
+//	relay_publish_share_<db>: the fraction of the drain spent inside the
+//	                          destination's Publish (publishes + waiting for
+//	                          confirms); the rest is the database's (claim,
+//	                          decode, mark, commit), which the relay does in
+//	                          series with the broker's.
+//
+// Then (-relay-extras) figures that say where the relay's time goes:
+//
+//	raw_amqp_batched_<b>:        the raw client publishing in batches of the
+//	                             relay's BatchSize, waiting for each batch's
+//	                             confirms before the next, as the relay does,
+//	                             but with no database.
+//	relay_throughput_sweep_<db>: the same drain by calling Sweep in a loop.
+//	relay_db_only_<db>:          the same drain (Run) with a destination that
+//	                             confirms every record at once: the claim +
+//	                             mark ceiling of the database alone.
+//
+// -relays runs that many Forwarders on the same table at once. Every drain
+// ends by checking that the queue holds exactly n messages. Other processes
+// that close every RabbitMQ connection (the library's tests do) disturb a
+// run; such a run is repeated.
+var (
+	rawInflight = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
+	relayCount  = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
+	relayExtras = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
+)
+
+const (
+	relayDefaultN    = 20000
+	relayPayloadSize = 256
+	relayFillPerTx   = 5000             // messages per fill transaction; Publish chunks them
+	relayPollEvery   = time.Millisecond // Stats, once every record is confirmed
+	relayDrainLimit  = 5 * time.Minute
+)
+
+type relayMode int
+
+const (
+	relayRun    relayMode = iota // f.Run in a goroutine, Stats polled
+	relaySweep                   // f.Sweep in a loop
+	relayDBOnly                  // f.Run with a destination that confirms at once
+)
+
+func (m relayMode) String() string {
+	return [...]string{"run", "sweep", "db-only"}[m]
+}
+
+// relayResult is one drain.
+type relayResult struct {
+	took    time.Duration
+	batches int           // calls of the destination's Publish
+	publish time.Duration // time inside Publish, per relay
+	first   time.Duration // from the start to the first Publish: the first claim
+}
+
+func runRelay(ctx context.Context, cfg config, out *reporter) error {
+	n := cfg.n
+	if n == 0 {
+		n = relayDefaultN
+	}
+	if *rawInflight < 1 {
+		return errors.New("-inflight must be at least 1")
+	}
+	if *relayCount < 1 {
+		return errors.New("-relays must be at least 1")
+	}
+	q, err := openBenchQueue("relay")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if closeErr := q.close(); closeErr != nil {
+			note("relay: %v", closeErr)
+		}
+	}()
+	payload := benchPayload(relayPayloadSize)
+	note("relay: queue %s, %d messages of %d bytes per run; batch %s, window %s, raw in flight %d",
+		q.name, n, len(payload), orDefault(*relayBatch), orDefault(*relayWindow), *rawInflight)
+
+	var raws []float64
+	raw := func() (float64, error) {
+		ids := make([]string, n)
+		for i := range ids {
+			ids[i] = watermill.NewUUID()
+		}
+		var r float64
+		err := q.undisturbed("relay: raw", func() error {
+			if err := q.purge(); err != nil {
+				return err
+			}
+			cpu := readCPU()
+			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0)
+			if err != nil {
+				return err
+			}
+			busy := cpu.busySince()
+			if got, err := q.waitCount(ctx, n, 5*time.Second); err != nil || got != n {
+				return fmt.Errorf("VERIFY FAILED: raw: queue holds %d messages, want %d (%v)", got, n, err)
+			}
+			r = rate(n, took)
+			note("relay: raw_amqp_pipelined %.0f msg/s (%s, machine CPU %.0f%% busy)", r, took.Round(time.Millisecond), 100*busy)
+			return q.purge()
+		})
+		raws = append(raws, r)
+		return r, err
+	}
+	drain := func(kind string, mode relayMode) (res relayResult, err error) {
+		err = q.undisturbed(fmt.Sprintf("relay %s (%s)", kind, mode), func() error {
+			res, err = relayDrain(ctx, cfg, kind, q, n, payload, mode)
+			return err
+		})
+		return res, err
+	}
+
+	// Warm-up: the broker's queue process, its message store and this
+	// client's connection, discarded.
+	warm := make([]string, min(n, 2000))
+	for i := range warm {
+		warm[i] = watermill.NewUUID()
+	}
+	if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0); err != nil {
+		return err
+	}
+
+	before, err := raw()
+	if err != nil {
+		return err
+	}
+	for _, kind := range cfg.kinds {
+		res, err := drain(kind, relayRun)
+		if err != nil {
+			return err
+		}
+		after, err := raw()
+		if err != nil {
+			return err
+		}
+		r := rate(n, res.took)
+		out.metric("relay_throughput_"+kind, r, "msg/s")
+		out.metric("relay_vs_raw_"+kind, r/mean(before, after), "ratio")
+		out.metric("relay_publish_share_"+kind, float64(res.publish)/float64(res.took), "ratio")
+		perRelay := float64(*relayCount) / float64(res.batches)
+		note("relay %s: %d batches, %.0f us per batch of which %.0f us in Publish; first claim %s",
+			kind, res.batches, micros(res.took)*perRelay, micros(res.publish)*perRelay, res.first.Round(time.Microsecond))
+		before = after
+	}
+	out.metric("raw_amqp_pipelined", mean(raws...), "msg/s")
+	note("relay: raw runs %v msg/s; each ratio is over the mean of the raw runs on either side", roundAll(raws))
+
+	if !*relayExtras {
+		return nil
+	}
+	// The relay's publish pattern without the relay: batches of BatchSize,
+	// each waiting for its confirms before the next is sent.
+	batch := *relayBatch
+	if batch == 0 {
+		batch = 100 // ForwarderConfig's default
+	}
+	if *relayWindow > 0 && *relayWindow < batch {
+		batch = *relayWindow
+	}
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = watermill.NewUUID()
+	}
+	var batched float64
+	err = q.undisturbed("relay: raw batched", func() error {
+		if err := q.purge(); err != nil {
+			return err
+		}
+		took, err := rawPublish(ctx, q, ids, payload, *rawInflight, batch)
+		if err != nil {
+			return err
+		}
+		if got, err := q.waitCount(ctx, n, 5*time.Second); err != nil || got != n {
+			return fmt.Errorf("VERIFY FAILED: raw batched: queue holds %d messages, want %d (%v)", got, n, err)
+		}
+		batched = rate(n, took)
+		return q.purge()
+	})
+	if err != nil {
+		return err
+	}
+	out.metric(fmt.Sprintf("raw_amqp_batched_%d", batch), batched, "msg/s")
+	out.metric(fmt.Sprintf("raw_amqp_batched_%d_vs_raw", batch), batched/mean(raws...), "ratio")
+	for _, kind := range cfg.kinds {
+		for _, mode := range []relayMode{relaySweep, relayDBOnly} {
+			res, err := drain(kind, mode)
+			if err != nil {
+				return err
+			}
+			name := "relay_throughput_sweep_" + kind
+			if mode == relayDBOnly {
+				name = "relay_db_only_" + kind
+			}
+			out.metric(name, rate(n, res.took), "msg/s")
+		}
+	}
+	return nil
+}
+
+// relayDrain fills a fresh database with n pending rows, then times
+// -relays Forwarders draining them in the given mode, and checks the queue.
+func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n int, payload []byte, mode relayMode) (res relayResult, err error) {
+	if err := q.purge(); err != nil {
+		return res, err
+	}
+	err = withDatabase(ctx, kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
+		fillStart := time.Now()
+		if err := relayFill(ctx, db, q.name, n, payload); err != nil {
+			return err
+		}
+		fillTook := time.Since(fillStart)
+
+		var (
+			sent     = newSentCounter(n)
+			errMu    sync.Mutex
+			relayErr []error
+			fs       []*outbox.Forwarder
+			timed    []*timedDest
+		)
+		defer func() {
+			for _, f := range fs {
+				if closeErr := f.Close(); closeErr != nil {
+					err = errors.Join(err, closeErr)
+				}
+			}
+		}()
+		for range *relayCount {
+			t := &timedDest{inner: instantDest{}, sent: sent}
+			if mode != relayDBOnly {
+				amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: *amqpURL, Window: *relayWindow, ConnectionName: "outbox-bench relay"})
+				if err != nil {
+					return err
+				}
+				t.inner = amqpDest
+			}
+			f, err := outbox.NewForwarder(db.DB, t, outbox.ForwarderConfig{
+				Dialect:   d,
+				BatchSize: *relayBatch,
+				OnError: func(err error, _ outbox.ErrorContext) {
+					errMu.Lock()
+					defer errMu.Unlock()
+					if len(relayErr) < 10 {
+						relayErr = append(relayErr, err)
+					}
+				},
+			})
+			if err != nil {
+				_ = t.Close()
+				return err
+			}
+			fs, timed = append(fs, f), append(timed, t)
+			// Connected before the clock starts: a relay at work has its
+			// connection open, and so has the raw client.
+			if err := t.Connect(ctx); err != nil {
+				return err
+			}
+		}
+		st, err := fs[0].Store().Stats(ctx)
+		if err != nil {
+			return err
+		}
+		if st.Pending != int64(n) {
+			return fmt.Errorf("VERIFY FAILED: %d rows pending after the fill, want %d", st.Pending, n)
+		}
+		note("relay %s (%s): %d rows committed in %s; draining", kind, mode, n, fillTook.Round(time.Millisecond))
+
+		cpu := readCPU()
+		start := time.Now()
+		for _, t := range timed {
+			t.start = start
+		}
+		switch mode {
+		case relaySweep:
+			err = drainBySweep(ctx, fs)
+		default:
+			err = drainByRun(ctx, fs, sent.all)
+		}
+		res.took = time.Since(start)
+		busy := cpu.busySince()
+		for i, t := range timed {
+			res.batches += t.batches
+			res.publish += t.publish
+			if i == 0 || t.first < res.first {
+				res.first = t.first
+			}
+		}
+		res.publish /= time.Duration(len(timed))
+		errMu.Lock()
+		if len(relayErr) > 0 {
+			err = errors.Join(append([]error{err, fmt.Errorf("the relay reported %d+ errors", len(relayErr))}, relayErr...)...)
+		}
+		errMu.Unlock()
+		if err != nil {
+			return err
+		}
+		note("relay %s (%s): drained in %s: %.0f msg/s (machine CPU %.0f%% busy)", kind, mode, res.took.Round(time.Millisecond), rate(n, res.took), 100*busy)
+
+		st, err = fs[0].Store().Stats(ctx)
+		if err != nil {
+			return err
+		}
+		if st.Pending != 0 || st.Stuck != 0 {
+			return fmt.Errorf("VERIFY FAILED: %d rows pending and %d stuck after the drain", st.Pending, st.Stuck)
+		}
+		if mode != relayDBOnly {
+			if got, err := q.waitCount(ctx, n, 5*time.Second); err != nil || got != n {
+				return fmt.Errorf("VERIFY FAILED: the queue holds %d messages after the drain, want %d (%v)", got, n, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return res, fmt.Errorf("relay (%s): %w", mode, err)
+	}
+	return res, q.purge()
+}
+
+// relayFill commits n pending rows routed to queue, relayFillPerTx per
+// transaction, all of one transaction in one Publish call.
+func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte) error {
+	for done := 0; done < n; {
+		m := min(relayFillPerTx, n-done)
+		msgs := make([]*message.Message, m)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(watermill.NewUUID(), payload)
+		}
+		msgs[0].SetContext(ctx)
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			return fmt.Errorf("fill: begin: %w", err)
+		}
+		pub, err := outbox.NewTxPublisher(tx)
+		if err == nil {
+			err = pub.Publish(queue, msgs...)
+		}
+		if err != nil {
+			_ = tx.Rollback()
+			return fmt.Errorf("fill: %w", err)
+		}
+		if err := tx.Commit(); err != nil {
+			return fmt.Errorf("fill: commit: %w", err)
+		}
+		done += m
+	}
+	return nil
+}
+
+// drainByRun runs the relays as a service does until every record is
+// confirmed (sent), then polls Stats until nothing is pending: the last
+// batch is then published and marked.
+func drainByRun(ctx context.Context, fs []*outbox.Forwarder, sent <-chan struct{}) error {
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	runErr := make(chan error, len(fs))
+	for _, f := range fs {
+		go func() { runErr <- f.Run(runCtx) }()
+	}
+	defer func() {
+		cancel()
+		for range fs {
+			<-runErr
+		}
+	}()
+	deadline := time.Now().Add(relayDrainLimit)
+	limit := time.NewTimer(relayDrainLimit)
+	defer limit.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case err := <-runErr:
+		runErr <- err // for the deferred wait
+		return fmt.Errorf("Run returned early: %v", err)
+	case <-limit.C:
+	case <-sent:
+	}
+	tick := time.NewTicker(relayPollEvery)
+	defer tick.Stop()
+	for {
+		st, err := fs[0].Store().Stats(ctx)
+		if err != nil {
+			return err
+		}
+		if st.Pending == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("still %d rows pending after %s", st.Pending, relayDrainLimit)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case err := <-runErr:
+			runErr <- err
+			return fmt.Errorf("Run returned early: %v", err)
+		case <-tick.C:
+		}
+	}
+}
+
+// drainBySweep calls Sweep on each relay, each in a goroutine of its own,
+// until a sweep finds nothing.
+func drainBySweep(ctx context.Context, fs []*outbox.Forwarder) error {
+	deadline := time.Now().Add(relayDrainLimit)
+	errs := make(chan error, len(fs))
+	for _, f := range fs {
+		go func() {
+			for {
+				n, err := f.Sweep(ctx)
+				if err != nil || n == 0 {
+					errs <- err
+					return
+				}
+				if time.Now().After(deadline) {
+					errs <- fmt.Errorf("still sweeping after %s", relayDrainLimit)
+					return
+				}
+			}
+		}()
+	}
+	var all []error
+	for range fs {
+		all = append(all, <-errs)
+	}
+	return errors.Join(all...)
+}
+
+// timedDest wraps the relay's destination and times its Publish calls: the
+// broker's share of a sweep. The rest of a sweep is the database's.
+type timedDest struct {
+	inner   outbox.Destination
+	start   time.Time
+	batches int
+	publish time.Duration
+	first   time.Duration
+	calls   atomic.Int32 // Publish is never called concurrently; this checks it
+	sent    *sentCounter
+}
+
+// sentCounter counts the records the destinations of a drain confirmed, and
+// says when all are: then only the last marks are left, and the drain polls
+// Stats for them. Polling Stats through the whole drain would load the
+// database the relay is working on.
+type sentCounter struct {
+	n    atomic.Int64
+	want int64
+	once sync.Once
+	all  chan struct{}
+}
+
+func newSentCounter(want int) *sentCounter {
+	return &sentCounter{want: int64(want), all: make(chan struct{})}
+}
+
+func (c *sentCounter) add(results []error) {
+	ok := 0
+	for _, err := range results {
+		if err == nil {
+			ok++
+		}
+	}
+	if c.n.Add(int64(ok)) >= c.want {
+		c.once.Do(func() { close(c.all) })
+	}
+}
+
+func (t *timedDest) Publish(ctx context.Context, records []outbox.Record) []error {
+	if t.calls.Add(1) != 1 {
+		panic("outbox-bench: the Forwarder called Publish concurrently")
+	}
+	defer t.calls.Add(-1)
+	begin := time.Now()
+	if t.batches == 0 && !t.start.IsZero() {
+		t.first = begin.Sub(t.start)
+	}
+	res := t.inner.Publish(ctx, records)
+	t.publish += time.Since(begin)
+	t.batches++
+	if t.sent != nil {
+		t.sent.add(res)
+	}
+	return res
+}
+
+func (t *timedDest) Connect(ctx context.Context) error {
+	if c, ok := t.inner.(outbox.Connector); ok {
+		return c.Connect(ctx)
+	}
+	return nil
+}
+
+func (t *timedDest) Close() error {
+	if c, ok := t.inner.(interface{ Close() error }); ok {
+		return c.Close()
+	}
+	return nil
+}
+
+// instantDest confirms every record at once: what is left of a sweep is the
+// database's work.
+type instantDest struct{}
+
+func (instantDest) Publish(_ context.Context, records []outbox.Record) []error {
+	return make([]error, len(records))
+}
+
+func orDefault(v int) string {
+	if v == 0 {
+		return "default"
+	}
+	return fmt.Sprint(v)
+}
+
+func roundAll(xs []float64) []float64 {
+	out := make([]float64, len(xs))
+	for i, x := range xs {
+		out[i] = float64(int64(x + 0.5))
+	}
+	return out
+}
