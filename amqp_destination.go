@@ -11,10 +11,14 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 )
 
-// maxWindow bounds the unconfirmed publishes of one window. The channel that
-// receives basic.return is buffered to it, so the client's reader never
-// blocks on a return while the relay waits for confirms.
-const maxWindow = 1024
+// returnsBuffer is the capacity of the channel that receives basic.return.
+// It holds every message of two batches of the largest size, the most that
+// can be unconfirmed at once, so the client's reader never blocks on a
+// return while the relay waits for confirms.
+const returnsBuffer = 2 * maxBatchSize
+
+// maxWindow bounds AMQPConfig.Window.
+const maxWindow = maxBatchSize
 
 // AMQPConfig configures an AMQPDestination.
 type AMQPConfig struct {
@@ -24,11 +28,13 @@ type AMQPConfig struct {
 	// A zero Dial gets a 10 s connection timeout.
 	AMQP amqp.Config
 	// Window is how many publishes may wait for the broker's confirm at once.
-	// 0 sends all of a batch, then waits (at most 1024). Records already in
-	// flight when an earlier one fails are on the broker and are marked
-	// published; Window 1 waits for each confirm before the next publish, so
-	// that no record ever reaches the broker ahead of one that failed before
-	// it, at the cost of a round trip per message.
+	// 0 (the default) sends all of a batch and, under Forwarder.Run, the
+	// next batch too before the first one's confirms are in, so the broker
+	// never waits for the database. Records already in flight when an
+	// earlier one fails are on the broker and are marked published; Window 1
+	// waits for each confirm before the next publish, so that no record ever
+	// reaches the broker ahead of one that failed before it, at the cost of a
+	// round trip per message.
 	Window int
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "watermill-outbox relay".
@@ -82,7 +88,9 @@ type AMQPDestination struct {
 	conn      *amqp.Connection
 	ch        *amqp.Channel
 	returns   chan amqp.Return
+	returned  map[string]amqp.Return // drained, not yet claimed by a wait
 	chClosed  chan *amqp.Error
+	gen       uint64          // counts channels opened, so a window knows its own
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
 }
@@ -133,9 +141,10 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 			_ = ch.Close()
 			return fmt.Errorf("outbox: enable publisher confirms: %w", err)
 		}
-		d.returns = ch.NotifyReturn(make(chan amqp.Return, maxWindow))
+		d.returns = ch.NotifyReturn(make(chan amqp.Return, returnsBuffer))
 		d.chClosed = ch.NotifyClose(make(chan *amqp.Error, 1))
 		d.ch = ch
+		d.gen++
 	}
 	return nil
 }
@@ -152,6 +161,7 @@ func (d *AMQPDestination) dropLocked() {
 		d.conn = nil
 	}
 	d.exchanges = nil
+	d.returned = nil
 }
 
 // Close closes the connection. Publish and Connect fail afterwards. Calling it
@@ -188,59 +198,75 @@ func (e *MissingExchangeError) Error() string {
 // Publish sends the records in windows, waits for each window's confirms,
 // and stops at the first failure. See Destination.
 func (d *AMQPDestination) Publish(ctx context.Context, records []Record) []error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	results := make([]error, len(records))
-	if err := d.ensure(ctx); err != nil {
-		fillNotSent(results, 0, err)
-		return results
-	}
 	window := d.cfg.Window
-	if window == 0 || window > maxWindow {
-		window = maxWindow
+	if window == 0 {
+		window = len(records)
 	}
+	results := make([]error, 0, len(records))
 	for start := 0; start < len(records); start += window {
 		end := min(start+window, len(records))
-		if d.publishWindow(ctx, records[start:end], results[start:end]) {
-			fillNotSent(results, end, nil)
+		res := d.wait(ctx, d.send(ctx, records[start:end]))
+		results = append(results, res...)
+		if failedAny(res) {
+			for len(results) < len(records) {
+				results = append(results, ErrNotSent)
+			}
 			break
 		}
 	}
 	return results
 }
 
-// fillNotSent sets every result from i on to ErrNotSent; the first to first
-// if it is not nil.
-func fillNotSent(results []error, i int, first error) {
-	for j := i; j < len(results); j++ {
-		results[j] = ErrNotSent
+// pipelined: with no Window set, the Forwarder's Run sends the next batch
+// before waiting for the confirms of the one before, so the broker's
+// confirm pipeline never runs dry between batches.
+func (d *AMQPDestination) pipelined() bool { return d.cfg.Window == 0 }
+
+func failedAny(res []error) bool {
+	for _, err := range res {
+		if err != nil {
+			return true
+		}
 	}
-	if first != nil && i < len(results) {
-		results[i] = first
-	}
+	return false
 }
 
-// publishWindow publishes recs and waits for their confirms, filling res.
-// It reports whether any record failed.
-func (d *AMQPDestination) publishWindow(ctx context.Context, recs []Record, res []error) (failed bool) {
+// sent is a window of records published and not yet confirmed.
+type sent struct {
+	recs     []Record
+	res      []error // failures known at send time
+	confirms []*amqp.DeferredConfirmation
+	gen      uint64 // the channel they went out on
+}
+
+func (p *sent) records() []Record { return p.recs }
+
+// send publishes recs without waiting for their confirms. It stops at the
+// first record it cannot publish; the records after it are not sent.
+func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p := &sent{recs: recs, res: make([]error, len(recs))}
+	if err := d.ensure(ctx); err != nil {
+		fillNotSent(p.res, 0, err)
+		return p
+	}
+	p.gen = d.gen
 	// Exchanges first, on a side channel: publishing to a missing one would
 	// close the confirm channel and fail every message in flight with it.
 	limit := len(recs)
 	for i, r := range recs {
 		if err := d.checkExchange(r.Exchange); err != nil {
-			res[i] = err
+			p.res[i] = err
 			limit = i
 			break
 		}
 	}
-
 	// A broker that stops reading (a memory alarm) blocks the socket write;
 	// closing the connection when the context ends is what unblocks it.
 	conn := d.conn
 	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
 	defer stop()
-
-	confirms := make([]*amqp.DeferredConfirmation, 0, limit)
 	for i := 0; i < limit; i++ {
 		dc, err := d.ch.PublishWithDeferredConfirmWithContext(ctx, recs[i].Exchange, recs[i].RoutingKey, true, false, publishing(recs[i]))
 		if err != nil {
@@ -249,24 +275,43 @@ func (d *AMQPDestination) publishWindow(ctx context.Context, recs []Record, res 
 				// encode): no retry will change that.
 				err = Permanent(err)
 			}
-			res[i] = fmt.Errorf("publish: %w", err)
+			p.res[i] = fmt.Errorf("publish: %w", err)
 			limit = i
 			break
 		}
-		confirms = append(confirms, dc)
+		p.confirms = append(p.confirms, dc)
 	}
+	for i := len(p.confirms); i < len(recs); i++ {
+		if p.res[i] == nil {
+			p.res[i] = ErrNotSent
+		}
+	}
+	return p
+}
 
+// wait collects the confirms and returns of a sent window, one result per
+// record.
+func (d *AMQPDestination) wait(ctx context.Context, pb pendingBatch) []error {
+	p := pb.(*sent)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	res := p.res
 	broken := false
-	for i, dc := range confirms {
+	for i, dc := range p.confirms {
 		acked, err := dc.WaitContext(ctx)
 		switch {
+		case acked:
+		case p.gen != d.gen:
+			// The channel was dropped over an earlier window's failure: this
+			// one is not at fault, and counts no attempt.
+			res[i] = fmt.Errorf("%w: the channel was closed over an earlier failure", ErrNotSent)
 		case err != nil:
 			res[i] = fmt.Errorf("no confirm from the broker: %w", err)
 			broken = true
-		case !acked && d.ch.IsClosed():
+		case d.ch == nil || d.ch.IsClosed():
 			res[i] = fmt.Errorf("channel closed before the broker confirmed: %v", d.closeReason())
 			broken = true
-		case !acked:
+		default:
 			res[i] = errors.New("nacked by the broker")
 		}
 	}
@@ -274,40 +319,39 @@ func (d *AMQPDestination) publishWindow(ctx context.Context, recs []Record, res 
 	// RabbitMQ sends basic.return before the basic.ack of the same message,
 	// and the client delivers frames in order, so every return of this
 	// window is in the buffer once its confirms are in.
-	returned := map[string]amqp.Return{}
-drain:
-	for {
-		select {
-		case ret, ok := <-d.returns:
-			if !ok {
-				break drain
+	d.drainReturns()
+	for i := range p.confirms {
+		id := p.recs[i].ID
+		if ret, ok := d.returned[id]; ok {
+			delete(d.returned, id)
+			if res[i] == nil {
+				res[i] = &UnroutableError{Exchange: ret.Exchange, RoutingKey: ret.RoutingKey, ReplyCode: ret.ReplyCode, ReplyText: ret.ReplyText}
 			}
-			returned[ret.MessageId] = ret
-		default:
-			break drain
 		}
 	}
-	for i := range confirms {
-		if ret, ok := returned[recs[i].ID]; ok && res[i] == nil {
-			res[i] = &UnroutableError{Exchange: ret.Exchange, RoutingKey: ret.RoutingKey, ReplyCode: ret.ReplyCode, ReplyText: ret.ReplyText}
-		}
-	}
-
-	if broken || d.ch.IsClosed() {
+	if broken && p.gen == d.gen {
 		// Late confirms of a timed-out window must not be read as confirms
 		// of the next: a fresh channel restarts the delivery tags.
 		d.dropLocked()
 	}
-	for i := range recs {
-		if res[i] != nil {
-			failed = true
-		}
-		if i >= limit && res[i] == nil {
-			res[i] = ErrNotSent
-			failed = true
+	return res
+}
+
+func (d *AMQPDestination) drainReturns() {
+	if d.returned == nil {
+		d.returned = map[string]amqp.Return{}
+	}
+	for {
+		select {
+		case ret, ok := <-d.returns:
+			if !ok {
+				return
+			}
+			d.returned[ret.MessageId] = ret
+		default:
+			return
 		}
 	}
-	return failed
 }
 
 func (d *AMQPDestination) closeReason() string {
@@ -381,4 +425,15 @@ func Permanent(err error) error {
 func IsPermanent(err error) bool {
 	var p *permanentError
 	return errors.As(err, &p)
+}
+
+// fillNotSent sets every result from i on to ErrNotSent, and the i-th to
+// first if it is not nil.
+func fillNotSent(results []error, i int, first error) {
+	for j := i; j < len(results); j++ {
+		results[j] = ErrNotSent
+	}
+	if first != nil && i < len(results) {
+		results[i] = first
+	}
 }

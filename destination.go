@@ -27,6 +27,19 @@ type Destination interface {
 	Publish(ctx context.Context, records []Record) []error
 }
 
+// pipeliner is a Destination that can send a batch and collect its confirms
+// later, so that Run overlaps the broker's work on one batch with the
+// database's on the next. Unexported: a destination that gets this wrong
+// marks rows it has not seen confirmed.
+type pipeliner interface {
+	pipelined() bool
+	send(ctx context.Context, records []Record) pendingBatch
+	wait(ctx context.Context, p pendingBatch) []error
+}
+
+// pendingBatch is a batch a pipeliner sent and has not confirmed yet.
+type pendingBatch interface{ records() []Record }
+
 // Connector is a Destination that can tell, before any row is claimed,
 // whether its broker is reachable. The Forwarder claims nothing while the
 // broker is down, so an outage counts no attempts against any record.

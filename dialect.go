@@ -29,6 +29,8 @@ type Dialect interface {
 	withMigrationLock(ctx context.Context, conn *sql.Conn, fn func(execQuerier) error) error
 	// rebind turns the "?" placeholders of portable SQL into the dialect's.
 	rebind(query string) string
+	// claimSetup, if not empty, runs first in a locking claim's transaction.
+	claimSetup() string
 	// leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	leases() bool

@@ -95,3 +95,5 @@ func (mysqlDialect) insertProcessed(table string) string {
 func (mysqlDialect) purgeProcessed(table string) string {
 	return "DELETE FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?"
 }
+
+func (mysqlDialect) claimSetup() string { return "" }

@@ -34,6 +34,15 @@ func (postgresDialect) rebind(q string) string { return rebindDollar(q) }
 // connection, at once; a second relay skips the locked rows.
 func (postgresDialect) leases() bool { return false }
 
+// claimSetup makes the planner walk the pending index in order, which is the
+// only good plan for the claim. Statistics gathered while the table was
+// small (a new table, or a quiet one before an outage's backlog) make it
+// believe a handful of rows are pending, and it then fetches all of them
+// and sorts them: 9 ms per claim over 20,000 pending rows, 165 ms over
+// 200,000, against a fraction of a millisecond. SET LOCAL ends with the
+// claim's transaction.
+func (postgresDialect) claimSetup() string { return "SET LOCAL enable_sort = off" }
+
 func (postgresDialect) purgePublished(table string) string {
 	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
 		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"

@@ -77,3 +77,5 @@ func (sqliteDialect) insertProcessed(table string) string {
 func (sqliteDialect) purgeProcessed(table string) string {
 	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
 }
+
+func (sqliteDialect) claimSetup() string { return "" }

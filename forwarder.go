@@ -56,6 +56,10 @@ type ForwarderConfig struct {
 	Logger  watermill.LoggerAdapter
 }
 
+// maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
+// flight stay of a size every database and the broker take in their stride.
+const maxBatchSize = 1000
+
 func (c *ForwarderConfig) setDefaults() {
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
@@ -89,8 +93,8 @@ func (c *ForwarderConfig) setDefaults() {
 
 func (c ForwarderConfig) validate() error {
 	switch {
-	case c.BatchSize < 1 || c.BatchSize > 1000:
-		return &ConfigError{Field: "BatchSize", Reason: fmt.Sprintf("%d; want 1 to 1000", c.BatchSize)}
+	case c.BatchSize < 1 || c.BatchSize > maxBatchSize:
+		return &ConfigError{Field: "BatchSize", Reason: fmt.Sprintf("%d; want 1 to %d", c.BatchSize, maxBatchSize)}
 	case c.PollInterval < 0:
 		return &ConfigError{Field: "PollInterval", Reason: "negative"}
 	case c.PublishTimeout < 0:
@@ -225,50 +229,105 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
 
-	delay := time.Duration(0)
+	pipe, pipelined := f.dest.(pipeliner)
+	pipelined = pipelined && pipe.pipelined()
+	var (
+		delay    time.Duration
+		inflight *batch  // sent, its confirms not yet collected
+		after    *cursor // where the next claim of a drain starts
+	)
 	for {
-		// The batch is not cut short by ctx or Close: a stopping relay
+		// The batches are not cut short by ctx or Close: a stopping relay
 		// finishes what it claimed, bounded by the publish timeout.
-		sweepCtx, cancelSweep := context.WithTimeout(context.WithoutCancel(ctx), 2*f.cfg.PublishTimeout)
-		n, err := f.sweep(sweepCtx, true)
-		cancelSweep()
+		work := context.WithoutCancel(ctx)
+		stopping := ctx.Err() != nil
+
+		f.sweepMu.Lock()
+		var (
+			next     *batch
+			claimErr error
+		)
+		if !stopping {
+			next, claimErr = f.claimNext(work, after)
+			if claimErr != nil {
+				f.reportError(claimErr, ErrorContext{})
+			}
+		}
+		if next != nil && len(next.records) > 0 {
+			next.deadline = time.Now().Add(f.cfg.PublishTimeout)
+			sendCtx, cancel := context.WithDeadline(work, next.deadline)
+			if pipelined {
+				// Sent now, settled on the next turn: the broker works on this
+				// batch while the database marks the one before and claims
+				// the one after.
+				next.pending = pipe.send(sendCtx, next.records)
+			} else {
+				next.results = f.dest.Publish(sendCtx, next.records)
+			}
+			cancel()
+		}
+		failed := claimErr != nil
+		if inflight != nil {
+			failed = f.settleSent(work, pipe, inflight) || failed
+		}
+		inflight = nil
+		if next != nil && (next.pending == nil || failed || stopping) {
+			// Not pipelined, or the relay is about to back off or stop:
+			// nothing stays in flight.
+			failed = f.settleSent(work, pipe, next) || failed
+		} else {
+			inflight = next
+		}
+		f.sweepMu.Unlock()
+
+		// A drain resumes after the last row claimed; anything that failed
+		// or was left behind sends the next claim back to the head.
+		after = nil
+		if !failed && next.full(f.cfg.BatchSize) {
+			after = next.last()
+		}
 
 		var wait time.Duration
 		switch {
-		case err != nil:
+		case stopping:
+			f.log.Info("Outbox forwarder stopped", nil)
+			return nil
+		case failed:
 			delay = f.nextDelay(delay)
 			wait = delay
-		case n == f.cfg.BatchSize:
-			delay, wait = 0, 0 // more are waiting
+		case inflight != nil || next.full(f.cfg.BatchSize):
+			delay = 0
+			continue // more are waiting, or a batch is in flight
 		default:
 			delay, wait = 0, f.cfg.PollInterval
-		}
-		if wait == 0 {
-			select {
-			case <-ctx.Done():
-				return nil
-			default:
-				continue
-			}
 		}
 		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			timer.Stop()
-			f.log.Info("Outbox forwarder stopped", nil)
-			return nil
 		case <-f.wake:
 			timer.Stop()
-			if err != nil {
+			if failed {
 				// A wake-up does not cut a backoff short: the failure is
 				// still there, and each try of a refused record counts.
-				if !f.sleep(ctx, delay) {
-					return nil
-				}
+				f.sleep(ctx, delay)
 			}
 		case <-timer.C:
 		}
 	}
+}
+
+// settleSent collects a batch's confirms, if they are still out, and
+// settles it. It reports whether anything failed.
+func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch) bool {
+	if b.pending != nil {
+		waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
+		b.results = pipe.wait(waitCtx, b.pending)
+		cancel()
+		b.pending = nil
+	}
+	_, failed, err := f.settle(ctx, b, true)
+	return failed || err != nil
 }
 
 func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
@@ -325,100 +384,134 @@ func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
 func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	f.sweepMu.Lock()
 	defer f.sweepMu.Unlock()
-
-	fail := func(err error) (int, error) {
-		if report {
+	b, err := f.claimNext(ctx, nil)
+	if err != nil || b == nil {
+		if err != nil && report {
 			f.reportError(err, ErrorContext{})
 		}
 		return 0, err
 	}
-	// Claim nothing while the broker is down: an outage must not count
-	// attempts against records, nor hold their locks.
+	if len(b.records) > 0 {
+		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
+		b.results = f.dest.Publish(pubCtx, b.records)
+		cancel()
+	}
+	n, _, err := f.settle(ctx, b, report)
+	return n, err
+}
+
+// batch is one claim on its way through the relay.
+type batch struct {
+	claim    *claim
+	records  []Record       // the decodable rows, in order
+	failures []failure      // malformed rows, failed at once
+	errs     []error        // their errors, then the publish failures
+	attempts map[string]int // attempts before this batch, by id
+	pending  pendingBatch   // sent, confirms not yet collected (pipelined)
+	deadline time.Time      // for the confirms of pending
+	results  []error        // one per record once known
+}
+
+// full reports whether the claim took as many rows as it asked for: more
+// are probably waiting.
+func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
+
+// last is the cursor after the batch's last row.
+func (b *batch) last() *cursor {
+	r := b.claim.rows[len(b.claim.rows)-1]
+	return &cursor{createdAt: r.createdAt, id: r.id}
+}
+
+// claimNext claims the next batch and decodes it. It returns nil when there
+// is nothing to claim, and claims nothing while the broker is down: an
+// outage must not count attempts against records, nor hold their locks.
+func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
 		if err := c.Connect(ctx); err != nil {
-			return fail(err)
+			return nil, err
 		}
 	}
-	cl, err := f.store.claimBatch(ctx, f.cfg.BatchSize, f.cfg.RelayID, f.cfg.Lease)
+	cl, err := f.store.claimBatch(ctx, f.cfg.BatchSize, f.cfg.RelayID, f.cfg.Lease, after)
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
 	if len(cl.rows) == 0 {
-		return 0, f.store.abandon(ctx, cl)
+		return nil, f.store.abandon(ctx, cl)
 	}
-
-	var (
-		records  = make([]Record, 0, len(cl.rows))
-		failures []failure
-		errs     []error
-	)
-	attempts := make(map[string]int, len(cl.rows))
+	b := &batch{claim: cl, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
 	for _, row := range cl.rows {
-		attempts[row.id] = row.attempts
+		b.attempts[row.id] = row.attempts
 		rec, err := decodeRecord(row)
 		if err != nil {
 			// A malformed row fails alone and at once: no retry mends it,
 			// and it stands in nobody's way.
 			perr := &PublishError{Dest: ErrorContext{row.exchange, row.routingKey, row.id}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
-			failures = append(failures, failure{id: row.id, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
-			errs = append(errs, perr)
+			b.failures = append(b.failures, failure{id: row.id, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
+			b.errs = append(b.errs, perr)
 			continue
 		}
-		records = append(records, rec)
+		b.records = append(b.records, rec)
 	}
+	return b, nil
+}
 
-	var published []string
-	if len(records) > 0 {
-		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
-		results := f.dest.Publish(pubCtx, records)
-		cancel()
-		if len(results) != len(records) {
-			_ = f.store.abandon(context.WithoutCancel(ctx), cl)
-			return fail(fmt.Errorf("outbox: destination returned %d results for %d records", len(results), len(records)))
+// settle marks what the broker confirmed, records the first failure, frees
+// the rest, and ends the claim. It returns how many went out, and whether a
+// record failed.
+func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, bool, error) {
+	if len(b.results) != len(b.records) {
+		_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
+		err := fmt.Errorf("outbox: destination returned %d results for %d records", len(b.results), len(b.records))
+		if report {
+			f.reportError(err, ErrorContext{})
 		}
-		failedOne := false
-		for i, err := range results {
-			rec := records[i]
-			switch {
-			case err == nil:
-				published = append(published, rec.ID)
-			case errors.Is(err, ErrNotSent):
-				// Waits behind the failure; the claim's end frees it.
-			case failedOne:
-				// Failed in the same window as an earlier record: it is
-				// behind that one, and its attempt is not counted.
-			default:
-				failedOne = true
-				n := attempts[rec.ID] + 1
-				if IsPermanent(err) {
-					n = max(n, f.cfg.MaxAttempts)
-				}
-				perr := &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err}
-				failures = append(failures, failure{id: rec.ID, attempts: n, reason: err.Error()})
-				errs = append(errs, perr)
+		return 0, false, err
+	}
+	var published []string
+	failedOne := false
+	for i, err := range b.results {
+		rec := b.records[i]
+		switch {
+		case err == nil:
+			published = append(published, rec.ID)
+		case errors.Is(err, ErrNotSent):
+			// Waits behind the failure; the claim's end frees it.
+		case failedOne:
+			// Failed in the same window as an earlier record: it is behind
+			// that one, and its attempt is not counted.
+		default:
+			failedOne = true
+			n := b.attempts[rec.ID] + 1
+			if IsPermanent(err) {
+				n = max(n, f.cfg.MaxAttempts)
 			}
+			b.failures = append(b.failures, failure{id: rec.ID, attempts: n, reason: err.Error()})
+			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		}
 	}
 	if f.afterPublish != nil {
 		f.afterPublish(published)
 	}
-	// The marks are not cut short either: the broker has the messages.
-	if err := f.store.finish(context.WithoutCancel(ctx), cl, published, failures); err != nil {
+	// The marks are not cut short: the broker has the messages.
+	if err := f.store.finish(context.WithoutCancel(ctx), b.claim, published, b.failures); err != nil {
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.
-		return fail(err)
-	}
-	for _, err := range errs {
 		if report {
+			f.reportError(err, ErrorContext{})
+		}
+		return 0, true, err
+	}
+	if report {
+		for _, err := range b.errs {
 			var perr *PublishError
 			errors.As(err, &perr)
 			f.reportError(err, perr.Dest)
 		}
 	}
 	if len(published) > 0 {
-		f.log.Debug("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(failures)})
+		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
-	return len(published), errors.Join(errs...)
+	return len(published), len(b.failures) > 0, errors.Join(b.errs...)
 }
 
 func (f *Forwarder) reportError(err error, dest ErrorContext) {

@@ -239,30 +239,41 @@ func TestForwarder_RelayKilledAfterConfirm_PublishesAgainNothingLost(t *testing.
 // The broker closes every connection while the relay drains: it reconnects,
 // and every row arrives, none marked without its confirm.
 func TestForwarder_BrokerConnectionsClosedMidStream_ReconnectsEveryRowArrives(t *testing.T) {
+	for _, window := range []int{1, 0} {
+		t.Run(fmt.Sprintf("window=%d", window), func(t *testing.T) {
+			brokerClosedMidStream(t, window)
+		})
+	}
+}
+
+func brokerClosedMidStream(t *testing.T, window int) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), ignorePools)
 		b := testamqp.New(t)
 		queue := b.Queue("order.placed")
-		const n = 1500
+		n := 1500
+		if window == 0 {
+			n = 8000 // the pipelined relay is fast
+		}
 		var msgs []*message.Message
 		for i := 0; i < n; i++ {
 			msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
 		}
 		publishInTx(t, db, "order.placed", msgs, outbox.WithExchange(b.Exchange))
 
-		// Window 1 keeps a message in flight nearly all the time, so the
-		// close lands mid-batch.
-		var brokerErrors atomic.Int32
+		// Window 1 keeps a message in flight nearly all the time, and the
+		// default window keeps a whole batch in flight while the one before
+		// is marked, so the close lands mid-batch.
+		connects := &countingLogger{LoggerAdapter: watermill.NopLogger{}, match: "Connected to RabbitMQ"}
 		f := newForwarder(t, db, outbox.ForwarderConfig{
 			BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond,
-			OnError: func(err error, _ outbox.ErrorContext) { brokerErrors.Add(1) },
-		}, outbox.AMQPConfig{Window: 1})
+		}, outbox.AMQPConfig{Window: window, Logger: connects})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- f.Run(ctx) }()
 		<-f.Running()
 
-		waitFor(t, 30*time.Second, "the relay to be under way", func() bool { p := pendingCount(t, f); return p >= 0 && p < n })
+		waitFor(t, 30*time.Second, "the relay to be under way", func() bool { p := pendingCount(t, f); return p >= 0 && p < int64(n) })
 		testamqp.CloseAllConnections(t)
 		if pendingCount(t, f) == 0 {
 			t.Fatal("the relay finished before the broker closed its connection: the test proved nothing")
@@ -275,8 +286,8 @@ func TestForwarder_BrokerConnectionsClosedMidStream_ReconnectsEveryRowArrives(t 
 		if err := f.Close(); err != nil {
 			t.Fatal(err)
 		}
-		if brokerErrors.Load() == 0 {
-			t.Fatal("the relay saw no failure: the close did not reach it mid-stream")
+		if connects.n.Load() < 2 {
+			t.Fatalf("the relay connected %d times: the close did not reach it", connects.n.Load())
 		}
 		seen := countIDs(b.Drain(queue, n, 10*time.Second))
 		for _, m := range msgs {
@@ -856,4 +867,50 @@ func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *
 func testamqpDeleteQueue(t testing.TB, name string) {
 	t.Helper()
 	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
+}
+
+// countingLogger counts the Info messages that equal match.
+type countingLogger struct {
+	watermill.LoggerAdapter
+	match string
+	n     atomic.Int32
+}
+
+func (l *countingLogger) Info(msg string, fields watermill.LogFields) {
+	if msg == l.match {
+		l.n.Add(1)
+	}
+}
+
+func (l *countingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// Under Run, with batches pipelined: a refused record is counted and left
+// stuck, and every other row flows.
+func TestForwarder_Run_PipelinedBatchesWithAFailure_OthersFlowFailureStuck(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		var keys [][2]string
+		for i := 0; i < 120; i++ {
+			rk := "ok"
+			if i == 30 {
+				rk = "nobody.listens"
+			}
+			keys = append(keys, [2]string{fmt.Sprintf("m-%03d", i), rk})
+		}
+		publishOrdered(t, db, b.Exchange, keys...)
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, MaxAttempts: 3, RetryMin: time.Millisecond, RetryMax: 10 * time.Millisecond})
+		go func() { _ = f.Run(context.Background()) }()
+		waitFor(t, 30*time.Second, "the outbox to drain", func() bool {
+			st, err := f.Store().Stats(context.Background())
+			return err == nil && st.Pending == 0 && st.Stuck == 1
+		})
+		if s := stateOf(t, db, "m-030"); s.Attempts != 3 || !strings.Contains(s.LastError, "unroutable") {
+			t.Errorf("the refused record: %+v", s)
+		}
+		seen := countIDs(b.Drain(queue, 119, 10*time.Second))
+		if len(seen) != 119 {
+			t.Errorf("%d distinct messages arrived, want 119", len(seen))
+		}
+	})
 }

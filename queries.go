@@ -10,16 +10,15 @@ import (
 // rebinds it and supplies what differs (the claim, the purge) from its own
 // file.
 type storeQueries struct {
-	d            Dialect
-	table        string
-	claimLocked  string // PostgreSQL, MySQL: rows locked in an open transaction
-	claimLease   string // SQLite: rows leased in locked_by/locked_until
-	markFailed   string
-	releaseLease string
-	stats        string
-	stuck        string
-	retryStuck   string
-	purge        string
+	d           Dialect
+	table       string
+	claimLocked [2]string // PostgreSQL, MySQL: rows locked in an open transaction; [1] after a cursor
+	claimLease  [2]string // SQLite: rows leased in locked_by/locked_until; [1] after a cursor
+	markFailed  string
+	stats       string
+	stuck       string
+	retryStuck  string
+	purge       string
 }
 
 // claimColumns are read by scanClaimed, in this order.
@@ -30,15 +29,24 @@ const claimColumns = "id, exchange_name, routing_key, body, body_encoding, conte
 // language). Arguments: max attempts, now.
 const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
 
+// afterCursor resumes a drain after the last row claimed, rather than at the
+// head of the pending index, where the entries of rows just marked published
+// linger until MySQL's purge or PostgreSQL's vacuum removes them: scanning
+// them on every claim makes a long drain quadratic. Written as a range on
+// created_at plus a filter so that MySQL's range optimizer uses the index.
+// Arguments: created_at, created_at, id.
+const afterCursor = "created_at >= ? AND (created_at > ? OR id > ?)"
+
 func newStoreQueries(d Dialect, table string) storeQueries {
 	q := storeQueries{d: d, table: table}
 	r := d.rebind
-	q.claimLocked = r("SELECT " + claimColumns + " FROM " + table + " WHERE " + claimable +
-		" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED")
-	q.claimLease = r("UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
-		" WHERE " + claimable + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns)
+	for i, cond := range []string{claimable, claimable + " AND " + afterCursor} {
+		q.claimLocked[i] = r("SELECT " + claimColumns + " FROM " + table + " WHERE " + cond +
+			" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED")
+		q.claimLease[i] = r("UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
+			" WHERE " + cond + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns)
+	}
 	q.markFailed = r("UPDATE " + table + " SET attempts = ?, last_error = ?, locked_by = NULL, locked_until = NULL WHERE id = ?")
-	q.releaseLease = r("UPDATE " + table + " SET locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND published_at IS NULL")
 	q.stats = r("SELECT COALESCE(SUM(CASE WHEN attempts < ? THEN 1 ELSE 0 END), 0), " +
 		"COALESCE(SUM(CASE WHEN attempts >= ? THEN 1 ELSE 0 END), 0), " +
 		"MIN(CASE WHEN attempts < ? THEN created_at END) FROM " + table + " WHERE published_at IS NULL")
@@ -53,6 +61,14 @@ func newStoreQueries(d Dialect, table string) storeQueries {
 // markPublished marks n rows published. Arguments: published_at, then the ids.
 func (q storeQueries) markPublished(n int) string {
 	return q.d.rebind("UPDATE " + q.table + " SET published_at = ?, locked_by = NULL, locked_until = NULL WHERE id IN (" +
+		placeholders(n) + ")")
+}
+
+// releaseLease frees n leased rows that were neither published nor failed.
+// Arguments: the relay id, then the ids. By id, not by relay: a release by
+// locked_by alone scans every pending row.
+func (q storeQueries) releaseLease(n int) string {
+	return q.d.rebind("UPDATE " + q.table + " SET locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND id IN (" +
 		placeholders(n) + ")")
 }
 

@@ -3,8 +3,6 @@ package outbox
 import (
 	"context"
 	"database/sql"
-	"database/sql/driver"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -135,12 +133,25 @@ type failure struct {
 	reason   string
 }
 
+// cursor is the (created_at, id) of the last row a drain claimed.
+type cursor struct {
+	createdAt time.Time
+	id        string
+}
+
 // claimBatch claims up to n claimable rows in created_at, id order:
-// unpublished, under MaxAttempts, not under a live lease.
-func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration) (*claim, error) {
+// unpublished, under MaxAttempts, not under a live lease, and after the
+// cursor if there is one.
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *cursor) (*claim, error) {
 	now := time.Now()
+	variant, cursorArgs := 0, []any(nil)
+	if after != nil {
+		at := s.dialect.timeArg(after.createdAt)
+		variant, cursorArgs = 1, []any{at, at, after.id}
+	}
 	if s.dialect.leases() {
-		return s.claimLease(ctx, n, relayID, now, lease)
+		args := append([]any{relayID, s.dialect.timeArg(now.Add(lease)), s.cfg.MaxAttempts, s.dialect.timeArg(now)}, cursorArgs...)
+		return s.claimLease(ctx, s.q.claimLease[variant], append(args, n), relayID)
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
@@ -149,7 +160,14 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	rows, err := tx.QueryContext(ctx, s.q.claimLocked, s.cfg.MaxAttempts, s.dialect.timeArg(now), n)
+	if setup := s.dialect.claimSetup(); setup != "" {
+		if _, err := tx.ExecContext(ctx, setup); err != nil {
+			_ = tx.Rollback()
+			return nil, fmt.Errorf("outbox: claim: %w", err)
+		}
+	}
+	args := append([]any{s.cfg.MaxAttempts, s.dialect.timeArg(now)}, cursorArgs...)
+	rows, err := tx.QueryContext(ctx, s.q.claimLocked[variant], append(args, n)...)
 	if err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -162,7 +180,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	return &claim{rows: claimed, tx: tx}, nil
 }
 
-func (s *Store) claimLease(ctx context.Context, n int, relayID string, now time.Time, lease time.Duration) (*claim, error) {
+func (s *Store) claimLease(ctx context.Context, query string, args []any, relayID string) (*claim, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -170,8 +188,7 @@ func (s *Store) claimLease(ctx context.Context, n int, relayID string, now time.
 	defer func() { _ = tx.Rollback() }()
 	// The update is conditional on the rows still being free, so of two
 	// relays the second claims other rows, or none.
-	rows, err := tx.QueryContext(ctx, s.q.claimLease,
-		relayID, s.dialect.timeArg(now.Add(lease)), s.cfg.MaxAttempts, s.dialect.timeArg(now), n)
+	rows, err := tx.QueryContext(ctx, query, args...)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
@@ -244,8 +261,8 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 	}
 	// Rows claimed but neither published nor failed (not sent, behind a
 	// failure) are free for the next sweep at once, not at lease expiry.
-	if _, err := tx.ExecContext(ctx, s.q.releaseLease, c.lease); err != nil {
-		return fmt.Errorf("outbox: release lease: %w", err)
+	if err := s.release(ctx, tx, c, published, failures); err != nil {
+		return err
 	}
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("outbox: commit marks: %w", err)
@@ -259,8 +276,31 @@ func (s *Store) abandon(ctx context.Context, c *claim) error {
 	if c.tx != nil {
 		return c.tx.Rollback()
 	}
-	_, err := s.db.ExecContext(ctx, s.q.releaseLease, c.lease)
-	return err
+	return s.release(ctx, s.db, c, nil, nil)
+}
+
+// release frees the leased rows of c that are neither published nor failed.
+func (s *Store) release(ctx context.Context, q execQuerier, c *claim, published []string, failures []failure) error {
+	done := make(map[string]bool, len(published)+len(failures))
+	for _, id := range published {
+		done[id] = true
+	}
+	for _, f := range failures {
+		done[f.id] = true
+	}
+	args := []any{c.lease}
+	for _, r := range c.rows {
+		if !done[r.id] {
+			args = append(args, r.id)
+		}
+	}
+	if len(args) == 1 {
+		return nil
+	}
+	if _, err := q.ExecContext(ctx, s.q.releaseLease(len(args)-1), args...); err != nil {
+		return fmt.Errorf("outbox: release lease: %w", err)
+	}
+	return nil
 }
 
 func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
@@ -442,9 +482,6 @@ func (ts *timeScanner) parse(s string) error {
 }
 
 var _ interface{ Scan(any) error } = (*timeScanner)(nil)
-
-// isBadConn reports a connection the pool will not reuse.
-func isBadConn(err error) bool { return errors.Is(err, driver.ErrBadConn) }
 
 // placeholders returns "?, ?, …" for n arguments.
 func placeholders(n int) string {
