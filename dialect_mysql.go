@@ -19,12 +19,13 @@ func (mysqlDialect) quoteIdent(part string) string { return "`" + part + "`" }
 func (mysqlDialect) insertOutbox(table string, rows int) string {
 	var b strings.Builder
 	b.Grow(64 + rows*30)
-	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	// IGNORE, for its affected-row count: inserted rows only, whatever the
+	// DSN's clientFoundRows says, which is how a duplicate id is noticed.
+	// Its other effect, storing a truncated or altered value with a warning
+	// where strict mode would refuse it, cannot reach this statement: every
+	// value was checked against its column before it was built.
+	b.WriteString("INSERT IGNORE INTO " + table + " (" + outboxColumns + ") VALUES ")
 	valuesList(&b, rows, outboxColumnCount, questionMark)
-	// Not INSERT IGNORE: it also turns truncation and bad values into
-	// warnings, which would store an altered message without an error. This
-	// no-op update swallows the duplicate key and nothing else.
-	b.WriteString(" ON DUPLICATE KEY UPDATE id = id")
 	return b.String()
 }
 

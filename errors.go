@@ -46,3 +46,29 @@ func (e *ConfigError) Error() string { return fmt.Sprintf("outbox: %s: %s", e.Fi
 
 // Is makes errors.Is(err, ErrInvalidConfig) true.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// ErrDuplicateID matches every *DuplicateIDError with errors.Is.
+var ErrDuplicateID = errors.New("outbox: message id already in the outbox for another destination")
+
+// DuplicateIDError is a message whose id is already in the outbox for
+// another exchange or routing key: a copy of one message published to a
+// second topic (Watermill's Copy keeps the UUID). The id is the row's key
+// and the consumers' dedupe key, so that copy would be lost; instead the
+// whole Publish call is refused and nothing of it written. Give each copy
+// its own UUID. The same message to the same place again (a retried
+// transaction) is not an error: it leaves one row.
+type DuplicateIDError struct {
+	ID                           string
+	Exchange, RoutingKey         string // where the row already in the table goes
+	WantExchange, WantRoutingKey string // where this call wanted it to go
+}
+
+func (e *DuplicateIDError) Error() string {
+	return fmt.Sprintf("outbox: message id %q is already in the outbox for exchange %q routing key %q; it cannot also go to exchange %q routing key %q: give each copy its own UUID",
+		e.ID, e.Exchange, e.RoutingKey, e.WantExchange, e.WantRoutingKey)
+}
+
+// Is makes errors.Is(err, ErrDuplicateID) and errors.Is(err, ErrInvalidMessage) true.
+func (e *DuplicateIDError) Is(target error) bool {
+	return target == ErrDuplicateID || target == ErrInvalidMessage
+}

@@ -93,8 +93,46 @@ func WithTopicMapper(m TopicMapper) PublisherOption {
 	return func(c *publisherConfig) { c.mapper = m }
 }
 
-// execFunc runs one statement on the caller's transaction.
-type execFunc func(ctx context.Context, query string, args ...any) error
+// txConn is the caller's transaction, whatever its type.
+type txConn interface {
+	// exec runs a statement and returns the rows it affected.
+	exec(ctx context.Context, query string, args ...any) (int64, error)
+	query(ctx context.Context, query string, args ...any) (rowsScanner, error)
+}
+
+type rowsScanner interface {
+	Next() bool
+	Scan(dest ...any) error
+	Close() error
+}
+
+type stdTx struct{ tx *sql.Tx }
+
+func (t stdTx) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (t stdTx) query(ctx context.Context, q string, args ...any) (rowsScanner, error) {
+	return t.tx.QueryContext(ctx, q, args...)
+}
+
+type watermillTx struct{ tx wsql.Tx }
+
+func (t watermillTx) exec(ctx context.Context, q string, args ...any) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q, args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+func (t watermillTx) query(ctx context.Context, q string, args ...any) (rowsScanner, error) {
+	return t.tx.QueryContext(ctx, q, args...)
+}
 
 // TxPublisher is a Watermill message.Publisher bound to one database
 // transaction. Publish writes each message as a row of the outbox table
@@ -104,7 +142,7 @@ type execFunc func(ctx context.Context, query string, args ...any) error
 // A TxPublisher lives as long as its transaction. It is safe for concurrent
 // use, as far as the transaction itself is.
 type TxPublisher struct {
-	exec        execFunc
+	tx          txConn
 	dialect     Dialect
 	table       string // quoted
 	exchange    string
@@ -123,7 +161,7 @@ var _ message.Publisher = (*TxPublisher)(nil)
 // pass WithDialect.
 func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
 	cfg := publisherConfig{table: DefaultTable, contentType: DefaultContentType}
-	var exec execFunc
+	var conn txConn
 	switch t := tx.(type) {
 	case *sqlx.Tx:
 		if t == nil {
@@ -132,20 +170,19 @@ func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
 		if d, err := DialectForDriver(t.DriverName()); err == nil {
 			cfg.dialect = d
 		}
-		exec = stdExec(t.Tx)
+		conn = stdTx{t.Tx}
 	case *sql.Tx:
 		if t != nil {
-			exec = stdExec(t)
+			conn = stdTx{t}
 		}
 	case wsql.Tx:
-		exec = func(ctx context.Context, query string, args ...any) error {
-			_, err := t.ExecContext(ctx, query, args...)
-			return err
+		if t != nil {
+			conn = watermillTx{t}
 		}
 	default:
 		return nil, &ConfigError{Field: "tx", Reason: fmt.Sprintf("%T is not a transaction this publisher can write through; pass a *sqlx.Tx, a *sql.Tx or a watermill-sql Tx", tx)}
 	}
-	if exec == nil {
+	if conn == nil {
 		return nil, &ConfigError{Field: "tx", Reason: "nil transaction"}
 	}
 	for _, o := range opts {
@@ -165,20 +202,13 @@ func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
 		return nil, &ConfigError{Field: "WithContentType", Reason: err.Error()}
 	}
 	return &TxPublisher{
-		exec:        exec,
+		tx:          conn,
 		dialect:     cfg.dialect,
 		table:       table,
 		exchange:    cfg.exchange,
 		contentType: cfg.contentType,
 		mapper:      cfg.mapper,
 	}, nil
-}
-
-func stdExec(tx *sql.Tx) execFunc {
-	return func(ctx context.Context, query string, args ...any) error {
-		_, err := tx.ExecContext(ctx, query, args...)
-		return err
-	}
 }
 
 // Publish writes one outbox row per message into the transaction, in one
@@ -205,12 +235,16 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 			return err
 		}
 	}
+	if err := checkCallDuplicates(rows); err != nil {
+		return err
+	}
 	// Stamps are strictly increasing within the process, so the relay's
 	// ORDER BY created_at, id keeps the order the messages were given in,
 	// within this call and across calls.
 	base := reserveStamps(len(rows))
 	for i := range rows {
-		rows[i].createdAt = p.dialect.timeArg(base.Add(time.Duration(i) * time.Microsecond))
+		rows[i].stamp = base.Add(time.Duration(i) * time.Microsecond)
+		rows[i].createdAt = p.dialect.timeArg(rows[i].stamp)
 	}
 
 	ctx := msgs[0].Context()
@@ -227,29 +261,123 @@ func (p *TxPublisher) insert(ctx context.Context, rows []outboxRow) error {
 		r := &rows[i]
 		args = append(args, r.id, r.exchange, r.routingKey, r.body, r.bodyEncoding, r.contentType, r.headers, r.createdAt)
 	}
-	return p.exec(ctx, p.dialect.insertOutbox(p.table, len(rows)), args...)
+	inserted, err := p.tx.exec(ctx, p.dialect.insertOutbox(p.table, len(rows)), args...)
+	if err != nil {
+		return err
+	}
+	if inserted < int64(distinctIDs(rows)) {
+		// Some ids were there already: a retried transaction (the same
+		// message again, harmless) or the same id sent somewhere else, which
+		// would lose that copy without a word.
+		return p.checkConflicts(ctx, rows)
+	}
+	return nil
+}
+
+// checkConflicts compares the rows already in the table under the ids of
+// rows with where rows were going. A different destination is an error, and
+// the rows this statement inserted are taken out again, so that nothing of
+// the call stays.
+func (p *TxPublisher) checkConflicts(ctx context.Context, rows []outboxRow) error {
+	args := make([]any, len(rows))
+	want := make(map[string]*outboxRow, len(rows))
+	for i := range rows {
+		args[i] = rows[i].id
+		want[rows[i].id] = &rows[i]
+	}
+	found, err := p.tx.query(ctx, p.dialect.rebind("SELECT id, exchange_name, routing_key, created_at FROM "+p.table+
+		" WHERE id IN ("+placeholders(len(rows))+")"), args...)
+	if err != nil {
+		return err
+	}
+	var (
+		conflict *DuplicateIDError
+		ours     []any
+	)
+	for found.Next() {
+		var (
+			id, exchange, routingKey string
+			created                  timeScanner
+		)
+		if err := found.Scan(&id, &exchange, &routingKey, &created); err != nil {
+			_ = found.Close()
+			return err
+		}
+		r := want[id]
+		switch {
+		case created.t.UnixMicro() == r.stamp.UnixMicro():
+			ours = append(ours, id) // inserted by this statement
+		case (exchange != r.exchange || routingKey != r.routingKey) && conflict == nil:
+			conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.exchange, WantRoutingKey: r.routingKey}
+		}
+	}
+	if err := found.Close(); err != nil {
+		return err
+	}
+	if conflict == nil {
+		return nil
+	}
+	if len(ours) > 0 {
+		if _, err := p.tx.exec(ctx, p.dialect.rebind("DELETE FROM "+p.table+" WHERE id IN ("+placeholders(len(ours))+")"), ours...); err != nil {
+			return errors.Join(conflict, err)
+		}
+	}
+	return conflict
+}
+
+func distinctIDs(rows []outboxRow) int {
+	seen := make(map[string]struct{}, len(rows))
+	for i := range rows {
+		seen[rows[i].id] = struct{}{}
+	}
+	return len(seen)
+}
+
+// checkCallDuplicates refuses one id sent to two destinations in one call;
+// the same message twice to the same place is one row.
+func checkCallDuplicates(rows []outboxRow) error {
+	if len(rows) < 2 {
+		return nil
+	}
+	first := make(map[string]int, len(rows))
+	for i := range rows {
+		j, ok := first[rows[i].id]
+		if !ok {
+			first[rows[i].id] = i
+			continue
+		}
+		if rows[j].exchange != rows[i].exchange || rows[j].routingKey != rows[i].routingKey {
+			return &InvalidMessageError{Index: i, MessageID: rows[i].id, Field: "id",
+				Reason: fmt.Sprintf("is also message %d of this call, to exchange %q routing key %q; the id is the outbox row's key, so each destination needs a message of its own id", j, rows[j].exchange, rows[j].routingKey)}
+		}
+	}
+	return nil
 }
 
 // insertUnderSavepoint writes several statements all or nothing: on MySQL
 // and SQLite a failed statement does not undo the ones before it, and the
 // caller may still commit its transaction after our error.
 func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]outboxRow) error {
-	if err := p.exec(ctx, "SAVEPOINT acemq_outbox_publish"); err != nil {
+	if _, err := p.tx.exec(ctx, "SAVEPOINT acemq_outbox_publish"); err != nil {
 		return err
 	}
 	for _, c := range chunks {
 		if err := p.insert(ctx, c); err != nil {
-			rbErr := p.exec(context.WithoutCancel(ctx), "ROLLBACK TO SAVEPOINT acemq_outbox_publish")
+			_, rbErr := p.tx.exec(context.WithoutCancel(ctx), "ROLLBACK TO SAVEPOINT acemq_outbox_publish")
 			return errors.Join(err, rbErr)
 		}
 	}
-	return p.exec(ctx, "RELEASE SAVEPOINT acemq_outbox_publish")
+	_, err := p.tx.exec(ctx, "RELEASE SAVEPOINT acemq_outbox_publish")
+	return err
 }
 
 func (p *TxPublisher) wrapExecErr(err error) error {
+	var dup *DuplicateIDError
 	switch {
 	case err == nil:
 		return nil
+	case errors.As(err, &dup):
+		return err
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
 	default:
@@ -272,7 +400,8 @@ type outboxRow struct {
 	id, exchange, routingKey string
 	body, bodyEncoding       string
 	contentType, headers     string
-	createdAt                any
+	createdAt                any       // the stamp, as the driver takes it
+	stamp                    time.Time // the stamp
 }
 
 func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.Message) error {

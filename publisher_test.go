@@ -670,3 +670,56 @@ func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
 		t.Fatalf("ids = %v, want [via-pgx via-std]", ids)
 	}
 }
+
+// A copy of a message (Watermill's Copy keeps the UUID) published to a
+// second topic would be dropped as a "retry" and lost without a word: it is
+// refused instead, and nothing of that call is written.
+func TestTxPublisher_SameIDToAnotherDestination_DuplicateIDErrorNothingWritten(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		publishInTx(t, db, "topic-a", []*message.Message{msg})
+
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, _ := outbox.NewTxPublisher(tx)
+		fresh := message.NewMessage(watermill.NewUUID(), []byte("other"))
+		err = pub.Publish("topic-b", fresh, msg.Copy())
+		var dup *outbox.DuplicateIDError
+		if !errors.As(err, &dup) || !errors.Is(err, outbox.ErrDuplicateID) || dup.RoutingKey != "topic-a" || dup.WantRoutingKey != "topic-b" {
+			t.Fatalf("err = %v, want a *DuplicateIDError naming topic-a and topic-b", err)
+		}
+		// The caller may still commit: nothing of the refused call is in it.
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		rows := readRows(t, db)
+		if len(rows) != 1 || rows[0].RoutingKey != "topic-a" {
+			t.Fatalf("rows %+v, want only the first message: nothing of the refused call", rows)
+		}
+
+		// In one call, too.
+		tx2, _ := db.Beginx()
+		defer func() { _ = tx2.Rollback() }()
+		pub2, _ := outbox.NewTxPublisher(tx2)
+		m := message.NewMessage(watermill.NewUUID(), []byte("y"))
+		err = pub2.Publish("t", m)
+		if err == nil {
+			err = pub2.Publish("t", m.Copy()) // the same place again: fine
+		}
+		if err != nil {
+			t.Fatalf("the same message to the same place again: %v", err)
+		}
+		withKey := m.Copy()
+		withKey.Metadata.Set(outbox.MetadataRoutingKey, "elsewhere")
+		if err := pub2.Publish("t", message.NewMessage(watermill.NewUUID(), nil), withKey); !errors.Is(err, outbox.ErrDuplicateID) {
+			t.Fatalf("err = %v, want ErrDuplicateID", err)
+		}
+		var invalid *outbox.InvalidMessageError
+		if err := pub2.Publish("t", m, withKey); !errors.As(err, &invalid) || invalid.Field != "id" {
+			t.Fatalf("err = %v, want an *InvalidMessageError on the id within one call", err)
+		}
+	})
+}
