@@ -34,6 +34,11 @@ type InboxConfig struct {
 	// OutboxTable is the outbox table MarkOutboxProcessed updates. Default
 	// acemq_outbox.
 	OutboxTable string
+	// Track, with MarkOutboxProcessed, limits the marking to messages that
+	// arrived on a tracked topic (the router's subscribe topic), the topics
+	// a Republisher resends. Another topic costs one map lookup and no
+	// database call. Nil marks every message.
+	Track *TrackedTopics
 	// Isolation of the handler's transaction. Default: the database's.
 	Isolation sql.IsolationLevel
 	// AllowMissingID lets a message without a UUID through, undeduplicated
@@ -209,7 +214,7 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) (out []*mes
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer})
 		return nil, nil
 	}
-	if in.cfg.MarkOutboxProcessed {
+	if in.cfg.MarkOutboxProcessed && (in.cfg.Track == nil || in.cfg.Track.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		if _, err := tx.ExecContext(ctx, in.markOutbox, now, msg.UUID); err != nil {
 			return nil, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", msg.UUID, err)
 		}

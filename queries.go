@@ -78,6 +78,15 @@ func (q storeQueries) retry(n int) string {
 		" WHERE published_at IS NULL AND id IN (" + placeholders(n) + ")")
 }
 
+// republish makes published, unprocessed records of n routing keys pending
+// again. Arguments: the published-before cutoff, then the routing keys. The
+// conditions are re-checked on the row the update locks, so a record two
+// instances race for is made pending once.
+func (q storeQueries) republish(n int) string {
+	return q.d.rebind("UPDATE " + q.table + " SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL" +
+		" WHERE published_at IS NOT NULL AND published_at < ? AND processed_at IS NULL AND routing_key IN (" + placeholders(n) + ")")
+}
+
 // rebindDollar turns "?" placeholders into PostgreSQL's $1, $2, ….
 func rebindDollar(q string) string {
 	var b strings.Builder
