@@ -265,16 +265,19 @@ func brokerClosedMidStream(t *testing.T, window int) {
 		// default window keeps a whole batch in flight while the one before
 		// is marked, so the close lands mid-batch.
 		connects := &countingLogger{LoggerAdapter: watermill.NopLogger{}, match: "Connected to RabbitMQ"}
+		name := "outbox-test-relay-" + testdb.RandomName()
 		f := newForwarder(t, db, outbox.ForwarderConfig{
 			BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond,
-		}, outbox.AMQPConfig{Window: window, Logger: connects})
+		}, outbox.AMQPConfig{Window: window, Logger: connects, ConnectionName: name})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- f.Run(ctx) }()
 		<-f.Running()
 
 		waitFor(t, 30*time.Second, "the relay to be under way", func() bool { p := pendingCount(t, f); return p >= 0 && p < int64(n) })
-		testamqp.CloseAllConnections(t)
+		if testamqp.CloseConnections(t, name) == 0 {
+			t.Fatal("no relay connection to close")
+		}
 		if pendingCount(t, f) == 0 {
 			t.Fatal("the relay finished before the broker closed its connection: the test proved nothing")
 		}
@@ -316,8 +319,14 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 			}
 			publishInTx(t, db, "order.placed", msgs, outbox.WithExchange(b.Exchange))
 
-			// The relay has a pool of its own, as its own process would.
-			relayDB := sqlx.MustOpen(db.DriverName(), db.DSN)
+			// The relay has a pool of its own, as its own process would,
+			// named on PostgreSQL so that only its connections are killed:
+			// other packages' tests share the server.
+			relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
+			if kind == testdb.Postgres {
+				relayDSN += "&application_name=" + appName
+			}
+			relayDB := sqlx.MustOpen(db.DriverName(), relayDSN)
 			defer relayDB.Close()
 			relay := &testdb.DB{DB: relayDB, Kind: kind, DSN: db.DSN}
 			f := newForwarder(t, relay, outbox.ForwarderConfig{BatchSize: 50, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond})
@@ -340,7 +349,7 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 					break
 				}
 				waitFor(t, 30*time.Second, "progress", func() bool { p := pendingCount(t, f); return p >= 0 && p < before })
-				killed += killConnections(t, killer, kind)
+				killed += killConnections(t, killer, kind, appName)
 			}
 			waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, f) == 0 })
 			cancel()
@@ -360,16 +369,15 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 	}
 }
 
-// killConnections kills every other connection to the test's database, as a
-// failover or a DBA would, and returns how many.
-func killConnections(t testing.TB, killer *sql.Conn, kind string) int {
+// killConnections kills the relay's connections, as a failover or a DBA
+// would, and returns how many: on PostgreSQL those of its application name,
+// on MySQL every other connection to the test's own database.
+func killConnections(t testing.TB, killer *sql.Conn, kind, appName string) int {
 	t.Helper()
 	ctx := context.Background()
-	var q string
 	switch kind {
 	case testdb.Postgres:
-		q = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-		rows, err := killer.QueryContext(ctx, q)
+		rows, err := killer.QueryContext(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", appName)
 		if err != nil {
 			t.Fatal(err)
 		}

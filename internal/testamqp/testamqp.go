@@ -7,6 +7,7 @@ package testamqp
 
 import (
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -123,12 +124,28 @@ func (b *Broker) Count(queue string) int {
 	return n
 }
 
-// CloseAllConnections makes the broker close every client connection, as a
-// broker restart or a network cut would.
-func CloseAllConnections(t testing.TB) {
+// CloseConnections makes the broker close every client connection named
+// connectionName (amqp091-go's connection_name client property), as a
+// broker restart or a network cut would, and returns how many. Only those:
+// the tests of other packages share the broker and run at the same time.
+func CloseConnections(t testing.TB, connectionName string) int {
 	t.Helper()
-	out, err := exec.Command("rabbitmqctl", "close_all_connections", "outbox test: connection closed on purpose").CombinedOutput()
+	out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "pid", "client_properties").CombinedOutput()
 	if err != nil {
-		t.Fatalf("rabbitmqctl close_all_connections: %v: %s", err, out)
+		t.Fatalf("rabbitmqctl list_connections: %v: %s", err, out)
 	}
+	marker := `{"connection_name","` + connectionName + `"}`
+	closed := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		pid, props, ok := strings.Cut(line, "\t")
+		if !ok || !strings.Contains(props, marker) {
+			continue
+		}
+		if out, err := exec.Command("rabbitmqctl", "-q", "close_connection", pid, "outbox test: connection closed on purpose").CombinedOutput(); err != nil {
+			t.Logf("rabbitmqctl close_connection %s: %v: %s", pid, err, out) // it may be gone already
+			continue
+		}
+		closed++
+	}
+	return closed
 }
