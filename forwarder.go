@@ -54,6 +54,13 @@ type ForwarderConfig struct {
 	// error is logged.
 	OnError func(err error, dest ErrorContext)
 	Logger  watermill.LoggerAdapter
+
+	// Metrics, if set, counts what the relay publishes and fails, times its
+	// batches, and sets the pending, oldest-pending and stuck gauges every
+	// StatsInterval (default 15 s; each reading is one COUNT over the
+	// pending index).
+	Metrics       *Metrics
+	StatsInterval time.Duration
 }
 
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
@@ -88,6 +95,9 @@ func (c *ForwarderConfig) setDefaults() {
 	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
+	}
+	if c.StatsInterval == 0 {
+		c.StatsInterval = 15 * time.Second
 	}
 }
 
@@ -232,11 +242,16 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	pipe, pipelined := f.dest.(pipeliner)
 	pipelined = pipelined && pipe.pipelined()
 	var (
-		delay    time.Duration
-		inflight *batch  // sent, its confirms not yet collected
-		after    *cursor // where the next claim of a drain starts
+		delay     time.Duration
+		inflight  *batch  // sent, its confirms not yet collected
+		after     *cursor // where the next claim of a drain starts
+		lastStats time.Time
 	)
 	for {
+		if f.cfg.Metrics != nil && time.Since(lastStats) >= f.cfg.StatsInterval {
+			f.refreshStats(ctx)
+			lastStats = time.Now()
+		}
 		// The batches are not cut short by ctx or Close: a stopping relay
 		// finishes what it claimed, bounded by the publish timeout.
 		work := context.WithoutCancel(ctx)
@@ -315,6 +330,16 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
+}
+
+// refreshStats sets the metrics' gauges from one Stats reading.
+func (f *Forwarder) refreshStats(ctx context.Context) {
+	st, err := f.store.Stats(ctx)
+	if err != nil {
+		f.log.Error("Outbox stats for metrics failed", err, nil)
+		return
+	}
+	f.cfg.Metrics.stats(st, time.Now())
 }
 
 // settleSent collects a batch's confirms, if they are still out, and
@@ -402,14 +427,15 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 
 // batch is one claim on its way through the relay.
 type batch struct {
-	claim    *claim
-	records  []Record       // the decodable rows, in order
-	failures []failure      // malformed rows, failed at once
-	errs     []error        // their errors, then the publish failures
-	attempts map[string]int // attempts before this batch, by id
-	pending  pendingBatch   // sent, confirms not yet collected (pipelined)
-	deadline time.Time      // for the confirms of pending
-	results  []error        // one per record once known
+	claim     *claim
+	claimedAt time.Time
+	records   []Record       // the decodable rows, in order
+	failures  []failure      // malformed rows, failed at once
+	errs      []error        // their errors, then the publish failures
+	attempts  map[string]int // attempts before this batch, by id
+	pending   pendingBatch   // sent, confirms not yet collected (pipelined)
+	deadline  time.Time      // for the confirms of pending
+	results   []error        // one per record once known
 }
 
 // full reports whether the claim took as many rows as it asked for: more
@@ -431,6 +457,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error
 			return nil, err
 		}
 	}
+	started := time.Now()
 	cl, err := f.store.claimBatch(ctx, f.cfg.BatchSize, f.cfg.RelayID, f.cfg.Lease, after)
 	if err != nil {
 		return nil, err
@@ -438,7 +465,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error
 	if len(cl.rows) == 0 {
 		return nil, f.store.abandon(ctx, cl)
 	}
-	b := &batch{claim: cl, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
+	b := &batch{claim: cl, claimedAt: started, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
 	for _, row := range cl.rows {
 		b.attempts[row.id] = row.attempts
 		rec, err := decodeRecord(row)
@@ -446,7 +473,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error
 			// A malformed row fails alone and at once: no retry mends it,
 			// and it stands in nobody's way.
 			perr := &PublishError{Dest: ErrorContext{row.exchange, row.routingKey, row.id}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
-			b.failures = append(b.failures, failure{id: row.id, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
+			b.failures = append(b.failures, failure{id: row.id, exchange: row.exchange, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
 			b.errs = append(b.errs, perr)
 			continue
 		}
@@ -467,13 +494,17 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		}
 		return 0, false, err
 	}
-	var published []string
+	var (
+		published    []string
+		publishedRec []Record
+	)
 	failedOne := false
 	for i, err := range b.results {
 		rec := b.records[i]
 		switch {
 		case err == nil:
 			published = append(published, rec.ID)
+			publishedRec = append(publishedRec, rec)
 		case errors.Is(err, ErrNotSent):
 			// Waits behind the failure; the claim's end frees it.
 		case failedOne:
@@ -485,7 +516,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			if IsPermanent(err) {
 				n = max(n, f.cfg.MaxAttempts)
 			}
-			b.failures = append(b.failures, failure{id: rec.ID, attempts: n, reason: err.Error()})
+			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: n, reason: err.Error()})
 			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		}
 	}
@@ -501,6 +532,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		}
 		return 0, true, err
 	}
+	f.cfg.Metrics.batch(b.claimedAt, publishedRec, b.failures)
 	if report {
 		for _, err := range b.errs {
 			var perr *PublishError

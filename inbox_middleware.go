@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // DefaultInboxTable is the inbox table's name in every AceMQ library.
@@ -45,6 +46,14 @@ type InboxConfig struct {
 	// and outside any transaction. By default such a message fails with
 	// ErrNoMessageID: without an id there is no way to tell a duplicate.
 	AllowMissingID bool
+	// Metrics, if set, counts processed, duplicate and failed messages by
+	// consumer.
+	Metrics *Metrics
+	// Propagator, if set, restores the trace context a TxPublisher with
+	// WithPropagator stored in the message's metadata into the message's
+	// context before the handler runs, so that one trace spans commit,
+	// relay and handler. Nil costs nothing.
+	Propagator propagation.TextMapPropagator
 	// PurgeBatch is how many rows one DELETE of PurgeProcessed removes.
 	// Default 1000.
 	PurgeBatch int
@@ -168,31 +177,48 @@ func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) (out []*message.Message, err error) {
+func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+	out, outcome, consumer, err := in.process(h, msg)
+	if consumer != "" {
+		in.cfg.Metrics.inbox(consumer, outcome)
+	}
+	return out, err
+}
+
+// process runs one message through the inbox, and says what became of it
+// and for which consumer ("" before the consumer is known).
+func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*message.Message, outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
+	if in.cfg.Propagator != nil {
+		// The publisher's trace, carried in the metadata through the row and
+		// the broker, becomes the parent of the handler's work.
+		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
+	}
 	if msg.UUID == "" {
 		if in.cfg.AllowMissingID {
-			return h(msg)
+			msg.SetContext(ctx)
+			out, err := h(msg)
+			return out, inboxProcessed, "", err
 		}
-		return nil, ErrNoMessageID
+		return nil, inboxFailed, "", ErrNoMessageID
 	}
 	if err := checkID(msg.UUID); err != nil {
-		return nil, fmt.Errorf("outbox: inbox: message id %.80q %v", msg.UUID, err)
+		return nil, inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", msg.UUID, err)
 	}
-	consumer := in.cfg.ConsumerName
+	consumer = in.cfg.ConsumerName
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 	}
 	if consumer == "" {
-		return nil, &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
+		return nil, inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
 	}
 	if err := checkName(consumer); err != nil {
-		return nil, &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
+		return nil, inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
 	}
 
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
-		return nil, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	committed := false
 	defer func() {
@@ -204,33 +230,34 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) (out []*mes
 	now := in.dialect.timeArg(time.Now())
 	res, err := tx.ExecContext(ctx, in.insert, consumer, msg.UUID, now)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: inbox: record %s for %s: %w", msg.UUID, consumer, err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: record %s for %s: %w", msg.UUID, consumer, err)
 	}
 	if n, err := res.RowsAffected(); err != nil {
-		return nil, fmt.Errorf("outbox: inbox: %w", err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: %w", err)
 	} else if n == 0 {
 		// Processed before, by a delivery whose transaction committed: ack
 		// without running the handler again.
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer})
-		return nil, nil
+		return nil, inboxDuplicate, consumer, nil
 	}
 	if in.cfg.MarkOutboxProcessed && (in.cfg.Track == nil || in.cfg.Track.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		if _, err := tx.ExecContext(ctx, in.markOutbox, now, msg.UUID); err != nil {
-			return nil, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", msg.UUID, err)
+			return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", msg.UUID, err)
 		}
 	}
 
+	orig := msg.Context()
 	msg.SetContext(context.WithValue(ctx, txKey{}, tx))
-	defer msg.SetContext(ctx)
+	defer msg.SetContext(orig)
 	out, err = runRecovering(h, msg)
 	if err != nil {
-		return nil, err
+		return nil, inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("outbox: inbox: commit %s for %s: %w", msg.UUID, consumer, err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", msg.UUID, consumer, err)
 	}
 	committed = true
-	return out, nil
+	return out, inboxProcessed, consumer, nil
 }
 
 // runRecovering runs h, turning a panic into an error so that the

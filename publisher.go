@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // Metadata keys a message may carry to steer its own row. They stay in the
@@ -61,6 +62,7 @@ type TopicMapper func(topic string) (exchange, routingKey string)
 type PublisherOption func(*publisherConfig)
 
 type publisherConfig struct {
+	propagator  propagation.TextMapPropagator
 	dialect     Dialect
 	table       string
 	exchange    string
@@ -85,6 +87,15 @@ func WithExchange(name string) PublisherOption { return func(c *publisherConfig)
 // (default DefaultContentType).
 func WithContentType(ct string) PublisherOption {
 	return func(c *publisherConfig) { c.contentType = ct }
+}
+
+// WithPropagator stores the trace context of each message's context (its
+// traceparent, with propagation.TraceContext{}) in the row's headers, where
+// the relay carries it to the broker and an Inbox with the same Propagator
+// restores it for the handler. Without it nothing is added and nothing
+// costs.
+func WithPropagator(p propagation.TextMapPropagator) PublisherOption {
+	return func(c *publisherConfig) { c.propagator = p }
 }
 
 // WithTopicMapper replaces the default topic → (exchange, routing key) map.
@@ -148,6 +159,7 @@ type TxPublisher struct {
 	exchange    string
 	contentType string
 	mapper      TopicMapper
+	propagator  propagation.TextMapPropagator
 
 	mu     sync.RWMutex // Close waits for the Publish calls in flight
 	closed bool
@@ -208,6 +220,7 @@ func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
 		exchange:    cfg.exchange,
 		contentType: cfg.contentType,
 		mapper:      cfg.mapper,
+		propagator:  cfg.propagator,
 	}, nil
 }
 
@@ -440,7 +453,16 @@ func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.M
 	if err := checkName(contentType); err != nil {
 		return invalid("content type", err.Error())
 	}
-	headers, err := encodeHeaders(msg.Metadata)
+	md := msg.Metadata
+	if p.propagator != nil {
+		// Into a copy: the caller's message is not ours to change.
+		md = make(message.Metadata, len(msg.Metadata)+2)
+		for k, v := range msg.Metadata {
+			md[k] = v
+		}
+		p.propagator.Inject(msg.Context(), metadataCarrier(md))
+	}
+	headers, err := encodeHeaders(md)
 	if err != nil {
 		return invalid("metadata", err.Error())
 	}

@@ -129,6 +129,7 @@ type claim struct {
 // reason is stored in last_error.
 type failure struct {
 	id       string
+	exchange string
 	attempts int
 	reason   string
 }

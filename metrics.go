@@ -1,0 +1,130 @@
+package outbox
+
+import (
+	"errors"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the relay's and the inbox's figures for Prometheus. Create one
+// with NewMetrics on the registry of your choice and hand it to
+// ForwarderConfig.Metrics and InboxConfig.Metrics. Without it nothing is
+// counted and nothing costs.
+type Metrics struct {
+	published     *prometheus.CounterVec
+	failed        *prometheus.CounterVec
+	batchDuration prometheus.Histogram
+	pending       prometheus.Gauge
+	oldestPending prometheus.Gauge
+	stuck         prometheus.Gauge
+
+	inboxProcessed *prometheus.CounterVec
+	inboxDuplicate *prometheus.CounterVec
+	inboxFailed    *prometheus.CounterVec
+}
+
+// NewMetrics creates the metrics and registers them with reg. Their names
+// start with "outbox_". Registering twice on one registry fails, as
+// Prometheus does for any collector.
+func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	m := &Metrics{
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_forwarder_published_total",
+			Help: "Outbox records the broker confirmed and the relay marked published, by exchange.",
+		}, []string{"exchange"}),
+		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_forwarder_failed_total",
+			Help: "Outbox records whose publish failed (attempt counted), by exchange.",
+		}, []string{"exchange"}),
+		batchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "outbox_forwarder_batch_duration_seconds",
+			Help:    "Time from claiming a batch to marking it.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14), // 1 ms to 8 s
+		}),
+		pending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_pending",
+			Help: "Outbox records not yet published and under the attempt ceiling.",
+		}),
+		oldestPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_oldest_pending_age_seconds",
+			Help: "Age of the oldest pending outbox record; 0 when none is pending.",
+		}),
+		stuck: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_stuck",
+			Help: "Outbox records at the attempt ceiling, left alone until an operator retries them.",
+		}),
+		inboxProcessed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_processed_total",
+			Help: "Messages the inbox ran the handler for and committed, by consumer.",
+		}, []string{"consumer"}),
+		inboxDuplicate: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_duplicates_total",
+			Help: "Messages the inbox acked without running the handler, already processed, by consumer.",
+		}, []string{"consumer"}),
+		inboxFailed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_failed_total",
+			Help: "Messages whose handler or commit failed, rolled back and nacked, by consumer.",
+		}, []string{"consumer"}),
+	}
+	var errs []error
+	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed} {
+		errs = append(errs, reg.Register(c))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// batch records one settled batch of the relay: what was marked published
+// and what had an attempt counted.
+func (m *Metrics) batch(started time.Time, published []Record, failures []failure) {
+	if m == nil {
+		return
+	}
+	m.batchDuration.Observe(time.Since(started).Seconds())
+	for _, r := range published {
+		m.published.WithLabelValues(r.Exchange).Inc()
+	}
+	for _, f := range failures {
+		m.failed.WithLabelValues(f.exchange).Inc()
+	}
+}
+
+// stats sets the gauges from a Stats reading.
+func (m *Metrics) stats(st Stats, now time.Time) {
+	if m == nil {
+		return
+	}
+	m.pending.Set(float64(st.Pending))
+	m.stuck.Set(float64(st.Stuck))
+	if st.OldestPending.IsZero() {
+		m.oldestPending.Set(0)
+	} else {
+		m.oldestPending.Set(max(0, now.Sub(st.OldestPending).Seconds()))
+	}
+}
+
+func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {
+	if m == nil {
+		return
+	}
+	switch outcome {
+	case inboxProcessed:
+		m.inboxProcessed.WithLabelValues(consumer).Inc()
+	case inboxDuplicate:
+		m.inboxDuplicate.WithLabelValues(consumer).Inc()
+	case inboxFailed:
+		m.inboxFailed.WithLabelValues(consumer).Inc()
+	}
+}
+
+type inboxOutcome int
+
+const (
+	inboxProcessed inboxOutcome = iota
+	inboxDuplicate
+	inboxFailed
+)

@@ -1,0 +1,170 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// metricValue reads one sample of reg: the metric name and, for a vector,
+// its one label's value.
+func metricValue(t testing.TB, reg *prometheus.Registry, name, label string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			if label != "" && (len(m.GetLabel()) != 1 || m.GetLabel()[0].GetValue() != label) {
+				continue
+			}
+			return sampleValue(m)
+		}
+	}
+	return 0
+}
+
+func sampleValue(m *dto.Metric) float64 {
+	switch {
+	case m.Counter != nil:
+		return m.Counter.GetValue()
+	case m.Gauge != nil:
+		return m.Gauge.GetValue()
+	case m.Histogram != nil:
+		return float64(m.Histogram.GetSampleCount())
+	}
+	return 0
+}
+
+func TestMetrics_KnownSequence_ExactValues(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+		t.Fatal(err)
+	}
+	createEffects(t, db)
+	b := testamqp.New(t)
+	queue := b.Queue("ok")
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := outbox.NewMetrics(reg); err == nil {
+		t.Error("registering the metrics twice on one registry was accepted")
+	}
+
+	publishOrdered(t, db, b.Exchange, [2]string{"a", "ok"}, [2]string{"b", "ok"}, [2]string{"c", "ok"})
+	publishOrdered(t, db, b.Exchange, [2]string{"lost", "nobody.listens"})
+	publishOrdered(t, db, "", [2]string{"via-default-exchange", queue})
+	insertRaw(t, db, "malformed", b.Exchange, "ok", "{", "utf-8")
+
+	f := newForwarder(t, db, outbox.ForwarderConfig{MaxAttempts: 1, Metrics: m, StatsInterval: time.Millisecond, PollInterval: 10 * time.Millisecond})
+	go func() { _ = f.Run(context.Background()) }()
+	waitFor(t, 20*time.Second, "the gauges to show the drained outbox", func() bool {
+		return metricValue(t, reg, "outbox_stuck", "") == 2 && metricValue(t, reg, "outbox_pending", "") == 0
+	})
+	if got := metricValue(t, reg, "outbox_forwarder_published_total", b.Exchange); got != 3 {
+		t.Errorf("published to %s = %v, want 3", b.Exchange, got)
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_published_total", ""); got != 1 {
+		t.Errorf("published to the default exchange = %v, want 1", got)
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_failed_total", b.Exchange); got != 2 {
+		t.Errorf("failed on %s = %v, want 2 (the unroutable and the malformed row)", b.Exchange, got)
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_batch_duration_seconds", ""); got < 1 {
+		t.Errorf("batch duration observed %v times, want at least 1", got)
+	}
+	if got := metricValue(t, reg, "outbox_oldest_pending_age_seconds", ""); got != 0 {
+		t.Errorf("oldest pending age %v with nothing pending, want 0", got)
+	}
+
+	var ran atomic.Int32
+	effect := writeEffect(t, db, &ran)
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "billing", Metrics: m})
+	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if string(msg.Payload) == "fail" {
+			return nil, errors.New("refused")
+		}
+		return effect(msg)
+	})
+	msg := message.NewMessage("m1", []byte("ok"))
+	_, _ = h(msg.Copy())
+	_, _ = h(msg.Copy())
+	_, _ = h(message.NewMessage("m2", []byte("fail")))
+	for name, want := range map[string]float64{"outbox_inbox_processed_total": 1, "outbox_inbox_duplicates_total": 1, "outbox_inbox_failed_total": 1} {
+		if got := metricValue(t, reg, name, "billing"); got != want {
+			t.Errorf("%s{consumer=billing} = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// A trace id that goes in at publish comes out in the handler: the
+// traceparent rides in the row's headers, through the relay and the broker,
+// and the inbox restores it.
+func TestTrace_TraceparentAtPublish_RestoredInHandler(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		testdb.Require(t, "amqp")
+		createEffects(t, db)
+		topic := "traced-" + testdb.RandomName()
+		sub, err := wamqp.NewSubscriber(wamqp.NewDurableQueueConfig(testdb.AMQPURL()), watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer testamqpDeleteQueue(t, topic)
+		in := newInbox(t, db, outbox.InboxConfig{Propagator: propagation.TraceContext{}})
+		router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan trace.SpanContext, 1)
+		router.AddConsumerHandler("traced", topic, sub, func(msg *message.Message) error {
+			got <- trace.SpanContextFromContext(msg.Context())
+			return nil
+		}).AddMiddleware(in.Middleware)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		go func() { _ = router.Run(ctx) }()
+		defer router.Close()
+		<-router.Running()
+
+		traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+		spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+		sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		msg.SetContext(trace.ContextWithSpanContext(context.Background(), sc))
+		publishInTx(t, db, topic, []*message.Message{msg}, outbox.WithPropagator(propagation.TraceContext{}))
+		if msg.Metadata.Get("traceparent") != "" {
+			t.Error("the publisher wrote the traceparent into the caller's message")
+		}
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		sweepAll(t, f)
+		select {
+		case sc := <-got:
+			if sc.TraceID() != traceID || !sc.IsRemote() {
+				t.Fatalf("handler's span context %v, want trace %s from the publisher", sc, traceID)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("the handler never ran")
+		}
+	})
+}
