@@ -40,6 +40,7 @@ var scenarios = map[string]scenarioFunc{
 	"relay":        runRelay,
 	"latency":      runLatency,
 	"pendingquery": runPendingQuery,
+	"inbox":        runInbox,
 }
 
 // config is what the flags say, shared by every scenario.
