@@ -239,8 +239,13 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
 
-	pipe, pipelined := f.dest.(pipeliner)
-	pipelined = pipelined && pipe.pipelined()
+	// Only the AMQP destination itself pipelines: a wrapper that embeds it
+	// would otherwise be skipped, its own Publish never called.
+	var pipe pipeliner
+	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() {
+		pipe = d
+	}
+	pipelined := pipe != nil
 	var (
 		delay     time.Duration
 		inflight  *batch  // sent, its confirms not yet collected

@@ -922,3 +922,42 @@ func TestForwarder_Run_PipelinedBatchesWithAFailure_OthersFlowFailureStuck(t *te
 		}
 	})
 }
+
+// embeddingDest wraps the AMQP destination by embedding it, as a user adding
+// a hook might.
+type embeddingDest struct {
+	*outbox.AMQPDestination
+	calls atomic.Int32
+}
+
+func (d *embeddingDest) Publish(ctx context.Context, records []outbox.Record) []error {
+	d.calls.Add(1)
+	return d.AMQPDestination.Publish(ctx, records)
+}
+
+// A destination that embeds AMQPDestination has its own Publish called under
+// Run: the relay's pipelining must not go around it.
+func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	b.Queue("t")
+	publishN(t, db, b.Exchange, "t", 3)
+	inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dest := &embeddingDest{AMQPDestination: inner}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	go func() { _ = f.Run(context.Background()) }()
+	waitFor(t, 10*time.Second, "the rows to be published", func() bool { return pendingCount(t, f) == 0 })
+	if dest.calls.Load() == 0 {
+		t.Fatal("the wrapper's Publish was never called: Run went around it")
+	}
+}
