@@ -1,0 +1,195 @@
+// Package demo is what the example programs share and what is not the point
+// of any of them: opening the database a -db flag names (SQLite in a
+// temporary file when it names none), checking that RabbitMQ answers before
+// anything starts, a durable topic subscription, and waiting for a condition
+// with a deadline.
+package demo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/go-sql-driver/mysql"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
+	"github.com/jmoiron/sqlx"
+	_ "github.com/mattn/go-sqlite3" // registers "sqlite3"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
+
+// DefaultAMQPURL is the broker of `docker compose up -d rabbitmq`.
+const DefaultAMQPURL = "amqp://guest:guest@localhost:5672/"
+
+// sqliteParams: BEGIN IMMEDIATE and a busy timeout, so that the relay, the
+// consumer and the program's own writes wait for each other instead of
+// failing with SQLITE_BUSY; WAL, so that readers do not block the writer.
+const sqliteParams = "_txlock=immediate&_busy_timeout=5000&_journal_mode=WAL"
+
+// DB is the database of an example.
+type DB struct {
+	*sqlx.DB
+	Dialect outbox.Dialect
+	// DSN opens the same database again, from another process.
+	DSN string
+	// Where names it for people, without its password.
+	Where string
+	tmp   string // the temporary directory of a default SQLite database
+}
+
+// OpenDB opens the database dsn names: a PostgreSQL URL (postgres://…), a
+// MySQL DSN (user@tcp(host:port)/db) or an SQLite file (file:….db). An empty
+// dsn is a new SQLite database in a temporary directory, named file, which
+// Close removes.
+func OpenDB(ctx context.Context, dsn, file string) (*DB, error) {
+	db := &DB{DSN: dsn}
+	driver := ""
+	switch {
+	case dsn == "":
+		dir, err := os.MkdirTemp("", strings.TrimSuffix(file, filepath.Ext(file))+"-")
+		if err != nil {
+			return nil, err
+		}
+		path := filepath.Join(dir, file)
+		driver, db.Dialect, db.tmp = "sqlite3", outbox.SQLite, dir
+		db.DSN, db.Where = "file:"+path+"?"+sqliteParams, "SQLite "+path+" (temporary)"
+	case strings.HasPrefix(dsn, "postgres://"), strings.HasPrefix(dsn, "postgresql://"):
+		driver, db.Dialect, db.Where = "pgx", outbox.Postgres, "PostgreSQL "+RedactURL(dsn)
+	case strings.HasPrefix(dsn, "file:"), strings.HasSuffix(dsn, ".db"), strings.HasSuffix(dsn, ".sqlite"):
+		if !strings.HasPrefix(dsn, "file:") {
+			db.DSN = "file:" + dsn
+		}
+		if !strings.Contains(db.DSN, "?") {
+			db.DSN += "?" + sqliteParams
+		}
+		driver, db.Dialect, db.Where = "sqlite3", outbox.SQLite, "SQLite "+strings.TrimPrefix(strings.SplitN(db.DSN, "?", 2)[0], "file:")
+	case strings.Contains(dsn, "@tcp("), strings.Contains(dsn, "@unix("), strings.HasPrefix(dsn, "tcp("), strings.HasPrefix(dsn, "unix("):
+		cfg, err := mysql.ParseDSN(dsn)
+		if err != nil {
+			return nil, fmt.Errorf("-db: %w", err)
+		}
+		cfg.ParseTime = true
+		db.DSN = cfg.FormatDSN()
+		if cfg.Passwd != "" {
+			cfg.Passwd = "***"
+		}
+		driver, db.Dialect, db.Where = "mysql", outbox.MySQL, "MySQL "+cfg.FormatDSN()
+	default:
+		return nil, fmt.Errorf("-db %q: want a PostgreSQL URL (postgres://user@host:5432/db), a MySQL DSN (user@tcp(host:3306)/db) or an SQLite file (file:/path/to/shop.db)", dsn)
+	}
+	var err error
+	if db.DB, err = sqlx.Open(driver, db.DSN); err != nil {
+		_ = db.Close()
+		return nil, err
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := db.PingContext(pingCtx); err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("no database at %s (%v)", db.Where, err)
+	}
+	return db, nil
+}
+
+// Close closes the pool, and removes a temporary database.
+func (db *DB) Close() error {
+	var err error
+	if db.DB != nil {
+		err = db.DB.Close()
+	}
+	if db.tmp != "" {
+		err = errors.Join(err, os.RemoveAll(db.tmp))
+	}
+	return err
+}
+
+// CheckBroker dials RabbitMQ once, with a short timeout, so that a program
+// without a broker says so in one line instead of retrying in the
+// background.
+func CheckBroker(amqpURL string) error {
+	conn, err := amqp.DialConfig(amqpURL, amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
+	if err != nil {
+		var netErr net.Error
+		if errors.As(err, &netErr) {
+			return fmt.Errorf("no RabbitMQ at %s (%v); start one with: docker compose up -d rabbitmq", RedactURL(amqpURL), err)
+		}
+		return fmt.Errorf("RabbitMQ at %s refused the connection (%v)", RedactURL(amqpURL), err)
+	}
+	return conn.Close()
+}
+
+// RedactURL hides the password of a URL.
+func RedactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		return "(a URL that does not parse)"
+	}
+	if _, ok := u.User.Password(); !ok {
+		return s
+	}
+	return strings.Replace(s, u.User.String()+"@", u.User.Username()+":***@", 1)
+}
+
+// Subscriber consumes from the durable queue, bound to the durable topic
+// exchange with the router handler's topic as the routing key. It declares
+// all three when the router subscribes, so they exist before anything is
+// published.
+func Subscriber(amqpURL, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
+	cfg := wamqp.NewDurableTopicConfig(amqpURL, exchange, queue)
+	cfg.Exchange.Durable = true // NewDurableTopicConfig leaves the exchange transient
+	return wamqp.NewSubscriber(cfg, logger)
+}
+
+// WaitFor asks cond every 50 ms until it reports true or fails, or timeout
+// passes (context.DeadlineExceeded).
+func WaitFor(ctx context.Context, timeout time.Duration, cond func(context.Context) (bool, error)) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		ok, err := cond(ctx)
+		if err != nil || ok {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+	}
+}
+
+// Logger is Watermill's standard logger on w when verbose, else silence.
+func Logger(w io.Writer, verbose bool) watermill.LoggerAdapter {
+	if !verbose {
+		return watermill.NopLogger{}
+	}
+	return watermill.NewStdLoggerWithOut(w, false, false)
+}
+
+// SyncWriter serialises writes to w: the relay, the router and the program
+// all report to the same stderr.
+func SyncWriter(w io.Writer) io.Writer { return &syncWriter{w: w} }
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}

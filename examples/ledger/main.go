@@ -1,0 +1,556 @@
+// Command ledger is the payments side of the outbox pattern: a capture
+// commits the payment's new status and its payment.captured message
+// together, the relay publishes the message, and the ledger consumer posts
+// its entry and its processed_messages row in one transaction.
+//
+// With -kill-relay the first relay is a child process that kills itself with
+// SIGKILL after the broker confirmed its messages and before it marked them
+// published: the one window in which the outbox sends a message twice. A
+// second relay publishes the same rows again, and the inbox absorbs the
+// copies: the ledger still has one entry per capture.
+//
+//	go run ./examples/ledger -kill-relay
+//	go run ./examples/ledger -kill-relay -db 'postgres://postgres@localhost:5432/test?sslmode=disable'
+//
+// It needs RabbitMQ (docker compose up -d rabbitmq), at -amqp.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/examples/internal/demo"
+)
+
+const (
+	prog     = "examples/ledger"
+	exchange = "payments"         // a durable topic exchange
+	topic    = "payment.captured" // the routing key
+	queue    = "ledger"           // the ledger consumer's durable queue
+)
+
+// The killed relay's timings. On SQLite a claim is a lease: the rows of a
+// relay that died stay claimed until it expires, so it is short here, and
+// the second relay waits for it. (PostgreSQL and MySQL hold claims as row
+// locks, released the moment the dead relay's connection drops.)
+const (
+	killedRelayPublishTimeout = 2 * time.Second
+	killedRelayLease          = 2 * killedRelayPublishTimeout // the least the Forwarder accepts
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	stderr = demo.SyncWriter(stderr)
+	flags := flag.NewFlagSet(prog, flag.ContinueOnError)
+	flags.SetOutput(stderr)
+	var (
+		captures  = flags.Int("captures", 5, "how many payments to capture (1 to 100)")
+		dsn       = flags.String("db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
+		amqpURL   = flags.String("amqp", demo.DefaultAMQPURL, "the RabbitMQ URL")
+		killRelay = flags.Bool("kill-relay", false, "run the first relay as a child process that dies after the broker's confirm and before the mark")
+		timeout   = flags.Duration("timeout", 30*time.Second, "how long to wait for each step")
+		verbose   = flags.Bool("v", false, "log what Watermill and the relay do, to stderr")
+	)
+	hideFlags(flags)
+	role := flags.String("role", "", "") // hidden: "relay" is the child process of -kill-relay
+	if err := flags.Parse(args); err != nil {
+		return 2
+	}
+	if *captures < 1 || *captures > 100 {
+		// At most one relay batch (100 rows), so that the killed relay has
+		// published every capture when it dies.
+		fmt.Fprintf(stderr, "%s: -captures %d: want 1 to 100\n", prog, *captures)
+		return 2
+	}
+	logger := demo.Logger(stderr, *verbose)
+
+	switch *role {
+	case "":
+	case "relay":
+		if err := runKilledRelay(ctx, *dsn, *amqpURL, *timeout, stdout, logger); err != nil {
+			fmt.Fprintf(stderr, "%s: relay: %v\n", prog, err)
+		}
+		return 1 // this relay was to die by SIGKILL, not to return
+	default:
+		fmt.Fprintf(stderr, "%s: -role %q: the only role is relay\n", prog, *role)
+		return 2
+	}
+
+	if err := demo.CheckBroker(*amqpURL); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	db, err := demo.OpenDB(ctx, *dsn, "payments.db")
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", prog, db.Where, demo.RedactURL(*amqpURL))
+
+	l := &ledger{db: db, amqpURL: *amqpURL, stderr: stderr, log: logger, timeout: *timeout, tally: newTally()}
+	err = l.run(ctx, *captures, *killRelay, stdout)
+	err = errors.Join(err, db.Close())
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	return 0
+}
+
+// hideFlags makes -h list the flags defined so far and no later ones.
+func hideFlags(flags *flag.FlagSet) {
+	shown := flag.NewFlagSet(flags.Name(), flag.ContinueOnError)
+	flags.VisitAll(func(f *flag.Flag) { shown.Var(f.Value, f.Name, f.Usage) })
+	flags.Usage = func() {
+		fmt.Fprintf(flags.Output(), "Usage of %s:\n", flags.Name())
+		shown.SetOutput(flags.Output())
+		shown.PrintDefaults()
+	}
+}
+
+// schema is the service's own tables; the outbox's and the inbox's come
+// from outbox.Migrate. IF NOT EXISTS and ids unique to each payment, so
+// that a second run against the same database works and counts only its own.
+var schema = []string{
+	`CREATE TABLE IF NOT EXISTS payments (
+    id           varchar(64) NOT NULL PRIMARY KEY,
+    status       varchar(16) NOT NULL,
+    amount_cents bigint      NOT NULL,
+    currency     char(3)     NOT NULL
+)`,
+	// No key on payment_id, on purpose: the inbox is what keeps the ledger
+	// to one entry per capture, and a copy that got through would show here
+	// as a second entry.
+	`CREATE TABLE IF NOT EXISTS ledger_entries (
+    payment_id   varchar(64) NOT NULL,
+    amount_cents bigint      NOT NULL,
+    currency     char(3)     NOT NULL,
+    message_id   varchar(64) NOT NULL
+)`,
+}
+
+// captured is the payment.captured message's payload.
+type captured struct {
+	PaymentID   string `json:"payment_id"`
+	AmountCents int64  `json:"amount_cents"`
+	Currency    string `json:"currency"`
+}
+
+// amounts cycle, so that every run captures the same payments.
+var amounts = []int64{4250, 1999, 12000, 350, 7800}
+
+type ledger struct {
+	db      *demo.DB
+	amqpURL string
+	stderr  io.Writer
+	log     watermill.LoggerAdapter
+	timeout time.Duration
+	tally   *tally
+}
+
+func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) (err error) {
+	if err := outbox.Migrate(ctx, l.db.DB.DB, l.db.Dialect); err != nil {
+		return err
+	}
+	for _, ddl := range schema {
+		if _, err := l.db.ExecContext(ctx, ddl); err != nil {
+			return fmt.Errorf("create the service's tables: %w", err)
+		}
+	}
+	// The consumer first: subscribing declares the exchange, the queue and
+	// the binding, so no relay publishes to a route that is not there.
+	stopConsumer, err := l.startConsumer(ctx)
+	if err != nil {
+		return err
+	}
+	stopRelay := func() error { return nil }
+	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
+
+	var payments, messageIDs []string
+	var shown []string
+	for i := range n {
+		p := captured{PaymentID: watermill.NewUUID(), AmountCents: amounts[i%len(amounts)], Currency: "GBP"}
+		if err := l.authorize(ctx, p); err != nil {
+			return err
+		}
+		id, err := l.capture(ctx, p)
+		if err != nil {
+			return err
+		}
+		payments, messageIDs = append(payments, p.PaymentID), append(messageIDs, id)
+		l.tally.expect(id)
+		shown = append(shown, fmt.Sprintf("%s %d.%02d", p.Currency, p.AmountCents/100, p.AmountCents%100))
+	}
+	fmt.Fprintf(stdout, "captured %d payments: %s\n", n, strings.Join(shown, ", "))
+
+	var first []string // ours that the killed relay had confirmed
+	if killRelay {
+		if first, err = l.killedRelay(ctx, messageIDs, stdout); err != nil {
+			return err
+		}
+	}
+
+	var second confirmed
+	stop, err := l.startRelay(ctx, &second)
+	if err != nil {
+		return err
+	}
+	stopRelay = stop
+	if killRelay {
+		wait := ""
+		if l.db.Dialect == outbox.SQLite {
+			wait = fmt.Sprintf(", once relay 1's %s SQLite lease has expired", killedRelayLease)
+		}
+		fmt.Fprintf(stdout, "relay 2 (in this process%s) publishes the pending rows again\n", wait)
+	}
+
+	// Done when every capture's message is marked published and every copy
+	// the relays published has been delivered and acked.
+	var published int
+	err = demo.WaitFor(ctx, l.timeout+killedRelayLease, func(ctx context.Context) (bool, error) {
+		var err error
+		if published, err = l.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+			return false, err
+		}
+		sent := len(first) + len(second.ours(messageIDs))
+		return published == len(messageIDs) && l.tally.acked() >= sent, nil
+	})
+	if errors.Is(err, context.DeadlineExceeded) {
+		err = fmt.Errorf("after %s, %d of %d messages published, %d deliveries acked", l.timeout+killedRelayLease, published, len(messageIDs), l.tally.acked())
+	}
+	return errors.Join(err, l.report(ctx, stdout, payments, messageIDs, first, second.ours(messageIDs), killRelay))
+}
+
+// authorize records the payment as authorized: no message yet.
+func (l *ledger) authorize(ctx context.Context, p captured) error {
+	_, err := l.db.ExecContext(ctx, l.db.Rebind("INSERT INTO payments (id, status, amount_cents, currency) VALUES (?, 'authorized', ?, ?)"),
+		p.PaymentID, p.AmountCents, p.Currency)
+	return err
+}
+
+// capture is the business transaction: the payment becomes captured and its
+// payment.captured message is written, together or not at all.
+func (l *ledger) capture(ctx context.Context, p captured) (messageID string, err error) {
+	tx, err := l.db.BeginTxx(ctx, nil)
+	if err != nil {
+		return "", err
+	}
+	defer tx.Rollback() // after Commit, does nothing
+
+	res, err := tx.ExecContext(ctx, tx.Rebind("UPDATE payments SET status = 'captured' WHERE id = ? AND status = 'authorized'"), p.PaymentID)
+	if err != nil {
+		return "", err
+	}
+	if n, err := res.RowsAffected(); err != nil || n != 1 {
+		return "", errors.Join(err, fmt.Errorf("payment %s is not authorized", p.PaymentID))
+	}
+	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
+	if err != nil {
+		return "", err
+	}
+	payload, err := json.Marshal(p)
+	if err != nil {
+		return "", err
+	}
+	msg := message.NewMessage(watermill.NewUUID(), payload)
+	msg.SetContext(ctx)
+	if err := pub.Publish(topic, msg); err != nil {
+		return "", err
+	}
+	return msg.UUID, tx.Commit()
+}
+
+// killedRelay runs relay 1 as a child process of this very program, which
+// kills itself after the broker's confirm and before the mark, and shows
+// what it leaves: rows still pending in the outbox, messages already on the
+// broker. It returns the ids of ours that the broker confirmed.
+func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Writer) ([]string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	childCtx, cancel := context.WithTimeout(ctx, l.timeout)
+	defer cancel()
+	// The child writes the ids the broker confirmed to its stdout, one a
+	// line, just before it dies; its stderr is ours.
+	var confirmedOut bytes.Buffer
+	child := exec.CommandContext(childCtx, self, "-role", "relay", "-db", l.db.DSN, "-amqp", l.amqpURL, "-timeout", l.timeout.String())
+	child.Stdout, child.Stderr = &confirmedOut, l.stderr
+	err = child.Run()
+
+	var first []string
+	for sc := bufio.NewScanner(&confirmedOut); sc.Scan(); {
+		first = append(first, sc.Text())
+	}
+	first = intersect(first, ours)
+	var exit *exec.ExitError
+	switch {
+	case childCtx.Err() != nil:
+		return nil, fmt.Errorf("relay 1 (pid %d) did not die within %s (%v); killed it", child.Process.Pid, l.timeout, err)
+	case !errors.As(err, &exit) || len(first) == 0:
+		return nil, fmt.Errorf("relay 1 was to die by SIGKILL after the broker confirmed our messages; it ended with %v, having confirmed %d of them", err, len(first))
+	}
+	fmt.Fprintf(stdout, "relay 1 (child process %d): the broker confirmed %d messages, then the relay died (%v) before marking them published\n",
+		child.Process.Pid, len(first), exit)
+
+	pending, err := l.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND id IN (?)", first)
+	if err != nil {
+		return nil, err
+	}
+	// The consumer is running: the broker had the messages if they arrive
+	// with no relay alive.
+	err = demo.WaitFor(ctx, l.timeout, func(context.Context) (bool, error) { return l.tally.acked() >= len(first), nil })
+	if err != nil {
+		return nil, fmt.Errorf("the messages relay 1 saw confirmed did not reach the ledger consumer: %d of %d within %s", l.tally.acked(), len(first), l.timeout)
+	}
+	fmt.Fprintf(stdout, "outbox: %d of them still pending, while the ledger consumer has received all %d from the broker\n", pending, len(first))
+	return first, nil
+}
+
+// startRelay runs relay 2 in this process, counting what the broker
+// confirmed for it.
+func (l *ledger) startRelay(ctx context.Context, confirmedIDs *confirmed) (stop func() error, err error) {
+	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: l.amqpURL, ConnectionName: prog + " relay 2", Logger: l.log})
+	if err != nil {
+		return nil, err
+	}
+	fwd, err := outbox.NewForwarder(l.db.DB, &watchConfirms{dest: amqpDest, confirmed: confirmedIDs.add}, outbox.ForwarderConfig{
+		PollInterval: 200 * time.Millisecond, // no Notify after the captures: they were committed before this relay started
+		Logger:       l.log,
+		OnError: func(err error, _ outbox.ErrorContext) {
+			fmt.Fprintf(l.stderr, "%s: relay 2: %v\n", prog, err)
+		},
+	})
+	if err != nil {
+		_ = amqpDest.Close()
+		return nil, err
+	}
+	done := make(chan error, 1)
+	go func() { done <- fwd.Run(ctx) }()
+	return func() error { return errors.Join(fwd.Close(), <-done) }, nil
+}
+
+// startConsumer runs the ledger consumer: a Watermill router whose handler
+// sits behind the inbox, with a counter outside the inbox that sees every
+// delivery, duplicates included.
+func (l *ledger) startConsumer(ctx context.Context) (stop func() error, err error) {
+	inbox, err := outbox.NewInbox(l.db.DB, outbox.InboxConfig{Logger: l.log}) // consumer name: the handler's, "ledger"
+	if err != nil {
+		return nil, err
+	}
+	sub, err := demo.Subscriber(l.amqpURL, exchange, queue, l.log)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe: %w", err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, l.log)
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	router.AddConsumerHandler("ledger", topic, sub, l.post).AddMiddleware(l.tally.middleware, inbox.Middleware)
+
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	stop = func() error {
+		err := router.Close() // waits for the handlers, closes the subscriber
+		return errors.Join(err, <-done, sub.Close())
+	}
+	select {
+	case <-router.Running():
+		return stop, nil
+	case err := <-done:
+		done <- err
+		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
+	}
+}
+
+// post is the ledger's handler: the entry goes through the inbox's
+// transaction, so it commits with the (consumer, message id) key or not at
+// all, and the message is acked only after.
+func (l *ledger) post(msg *message.Message) error {
+	var c captured
+	if err := json.Unmarshal(msg.Payload, &c); err != nil {
+		return fmt.Errorf("payment.captured %s: %w", msg.UUID, err)
+	}
+	tx, ok := outbox.TxFromContext(msg.Context())
+	if !ok {
+		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
+	}
+	if _, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO ledger_entries (payment_id, amount_cents, currency, message_id) VALUES (?, ?, ?, ?)"),
+		c.PaymentID, c.AmountCents, c.Currency, msg.UUID); err != nil {
+		return err
+	}
+	l.tally.ran(msg)
+	return nil
+}
+
+// report prints the summary and fails unless every capture has exactly one
+// ledger entry.
+func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, messageIDs, first, second []string, killRelay bool) error {
+	entries := map[string]int{}
+	q, args, err := sqlx.In("SELECT payment_id, COUNT(*) FROM ledger_entries WHERE payment_id IN (?) GROUP BY payment_id", payments)
+	if err != nil {
+		return err
+	}
+	rows, err := l.db.QueryxContext(ctx, l.db.Rebind(q), args...)
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var id string
+		var n int
+		if err := rows.Scan(&id, &n); err != nil {
+			_ = rows.Close()
+			return err
+		}
+		entries[id] = n
+	}
+	if err := rows.Close(); err != nil {
+		return err
+	}
+	processed, err := l.count(ctx, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'ledger' AND message_id IN (?)", messageIDs)
+	if err != nil {
+		return err
+	}
+	total, once := 0, 0
+	for _, id := range payments {
+		total += entries[id]
+		if entries[id] == 1 {
+			once++
+		}
+	}
+
+	deliveries, duplicates := l.tally.counts()
+	fmt.Fprintln(stdout)
+	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "captures\t%d\n", len(payments))
+	if killRelay {
+		fmt.Fprintf(w, "published by relay 1\t%d\t(confirmed, never marked)\n", len(first))
+		fmt.Fprintf(w, "published by relay 2\t%d\n", len(second))
+	} else {
+		fmt.Fprintf(w, "published\t%d\n", len(second))
+	}
+	fmt.Fprintf(w, "deliveries\t%d\n", deliveries)
+	fmt.Fprintf(w, "duplicates absorbed\t%d\n", duplicates)
+	fmt.Fprintf(w, "processed_messages\t%d\n", processed)
+	fmt.Fprintf(w, "ledger entries\t%d\t(%d of %d captures with exactly one)\n", total, once, len(payments))
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	if once != len(payments) || total != len(payments) {
+		return fmt.Errorf("%d ledger entries for %d captures; want exactly one each", total, len(payments))
+	}
+	return nil
+}
+
+// count runs a COUNT(*) query whose one "IN (?)" takes ids.
+func (l *ledger) count(ctx context.Context, query string, ids []string) (int, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	q, args, err := sqlx.In(query, ids)
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	err = l.db.GetContext(ctx, &n, l.db.Rebind(q), args...)
+	return n, err
+}
+
+// tally counts, outside the inbox, the deliveries of this run's messages
+// that were acked, and how many of them the inbox acked without running the
+// handler: the duplicates it absorbed.
+type tally struct {
+	mu         sync.Mutex
+	ours       map[string]bool
+	ranFor     map[*message.Message]bool // deliveries whose handler ran
+	deliveries int
+	duplicates int
+}
+
+func newTally() *tally {
+	return &tally{ours: map[string]bool{}, ranFor: map[*message.Message]bool{}}
+}
+
+// expect adds a message id of this run; the queue may hold other runs'.
+func (t *tally) expect(id string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.ours[id] = true
+}
+
+// ran is called by the handler: this delivery got through the inbox.
+func (t *tally) ran(msg *message.Message) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.ranFor[msg] = true
+}
+
+func (t *tally) middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		out, err := h(msg)
+		t.mu.Lock()
+		defer t.mu.Unlock()
+		ran := t.ranFor[msg]
+		delete(t.ranFor, msg)
+		if err == nil && t.ours[msg.UUID] {
+			t.deliveries++
+			if !ran {
+				t.duplicates++
+			}
+		}
+		return out, err
+	}
+}
+
+func (t *tally) acked() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.deliveries
+}
+
+func (t *tally) counts() (deliveries, duplicates int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.deliveries, t.duplicates
+}
+
+func intersect(ids, with []string) []string {
+	in := make(map[string]bool, len(with))
+	for _, id := range with {
+		in[id] = true
+	}
+	var out []string
+	for _, id := range ids {
+		if in[id] {
+			out = append(out, id)
+			delete(in, id)
+		}
+	}
+	return out
+}

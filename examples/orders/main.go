@@ -1,0 +1,422 @@
+// Command orders is the shop of the outbox pattern, in one process: placing
+// an order inserts the order and its order.placed message in one
+// transaction, a stock reservation that fails rolls both back, a relay
+// publishes what committed to RabbitMQ, and a fulfilment consumer behind the
+// inbox processes each order once.
+//
+//	go run ./examples/orders                     # SQLite in a temporary file
+//	go run ./examples/orders -db 'postgres://postgres@localhost:5432/test?sslmode=disable'
+//	go run ./examples/orders -db 'root@tcp(localhost:3306)/test'
+//
+// It needs RabbitMQ (docker compose up -d rabbitmq), at -amqp.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/examples/internal/demo"
+)
+
+const (
+	prog     = "examples/orders"
+	exchange = "shop-events"  // a durable topic exchange
+	topic    = "order.placed" // the routing key
+	queue    = "fulfilment"   // the consumer's durable queue
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	stderr = demo.SyncWriter(stderr)
+	flags := flag.NewFlagSet(prog, flag.ContinueOnError)
+	flags.SetOutput(stderr)
+	var (
+		orders  = flags.Int("orders", 10, "how many orders to place (1 to 1000); those the stock cannot cover are rejected")
+		dsn     = flags.String("db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
+		amqpURL = flags.String("amqp", demo.DefaultAMQPURL, "the RabbitMQ URL")
+		timeout = flags.Duration("timeout", 30*time.Second, "how long to wait for every placed order to be fulfilled")
+		verbose = flags.Bool("v", false, "log what Watermill and the relay do, to stderr")
+	)
+	if err := flags.Parse(args); err != nil {
+		return 2
+	}
+	if *orders < 1 || *orders > 1000 {
+		fmt.Fprintf(stderr, "%s: -orders %d: want 1 to 1000\n", prog, *orders)
+		return 2
+	}
+	if err := demo.CheckBroker(*amqpURL); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	db, err := demo.OpenDB(ctx, *dsn, "shop.db")
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", prog, db.Where, demo.RedactURL(*amqpURL))
+
+	s := &shop{db: db, amqpURL: *amqpURL, stderr: stderr, log: demo.Logger(stderr, *verbose), stock: newInventory()}
+	err = s.run(ctx, *orders, *timeout, stdout)
+	err = errors.Join(err, db.Close())
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
+		return 1
+	}
+	return 0
+}
+
+// schema is the shop's own tables; the outbox's come from outbox.Migrate.
+// IF NOT EXISTS and ids unique to each order, so that a second run against
+// the same database works and counts only its own orders.
+var schema = []string{
+	`CREATE TABLE IF NOT EXISTS orders (
+    id          varchar(64) NOT NULL PRIMARY KEY,
+    sku         varchar(32) NOT NULL,
+    quantity    integer     NOT NULL,
+    total_cents bigint      NOT NULL
+)`,
+	// No key on order_id, on purpose: the inbox is what keeps fulfilment to
+	// one row per order, and a second delivery that got through would show
+	// here as a second row.
+	`CREATE TABLE IF NOT EXISTS fulfilments (
+    order_id   varchar(64) NOT NULL,
+    sku        varchar(32) NOT NULL,
+    quantity   integer     NOT NULL,
+    message_id varchar(64) NOT NULL
+)`,
+}
+
+type shop struct {
+	db      *demo.DB
+	amqpURL string
+	stderr  io.Writer
+	log     watermill.LoggerAdapter
+	stock   *inventory
+	fwd     *outbox.Forwarder
+}
+
+// order is also the order.placed message's payload.
+type order struct {
+	ID         string `json:"order_id"`
+	SKU        string `json:"sku"`
+	Quantity   int    `json:"quantity"`
+	TotalCents int64  `json:"total_cents"`
+}
+
+// attempt is one order the program tried to place, and what became of it.
+type attempt struct {
+	n         int
+	order     order
+	messageID string
+	rejected  error // the reservation's failure: order and message rolled back
+}
+
+func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) (err error) {
+	if err := outbox.Migrate(ctx, s.db.DB.DB, s.db.Dialect); err != nil {
+		return err
+	}
+	for _, ddl := range schema {
+		if _, err := s.db.ExecContext(ctx, ddl); err != nil {
+			return fmt.Errorf("create the shop's tables: %w", err)
+		}
+	}
+
+	// The consumer first: subscribing declares the exchange, the queue and
+	// the binding, so the relay never publishes to a route that is not there.
+	stopConsumer, err := s.startConsumer(ctx)
+	if err != nil {
+		return err
+	}
+	stopRelay := func() error { return nil }
+	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
+	stop, err := s.startRelay(ctx)
+	if err != nil {
+		return err
+	}
+	stopRelay = stop
+
+	attempts := make([]*attempt, n)
+	for i := range attempts {
+		a := &attempt{n: i + 1, order: newOrder(i)}
+		attempts[i] = a
+		a.messageID, a.rejected = s.placeOrder(ctx, a.order)
+		switch {
+		case errors.Is(a.rejected, errOutOfStock):
+		case a.rejected != nil:
+			return fmt.Errorf("order %d: %w", a.n, a.rejected)
+		default:
+			s.fwd.Notify() // committed: wake the relay rather than wait for its poll
+		}
+	}
+
+	waitErr := s.waitFulfilled(ctx, attempts, timeout)
+	if err := s.report(ctx, stdout, attempts); err != nil {
+		return err
+	}
+	return waitErr
+}
+
+// placeOrder is the business transaction: the order row, its order.placed
+// message, and the stock reservation commit together, or none of them does.
+func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err error) {
+	tx, err := s.db.BeginTxx(ctx, nil)
+	if err != nil {
+		return "", err
+	}
+	defer tx.Rollback() // after Commit, does nothing
+
+	if _, err := tx.ExecContext(ctx, tx.Rebind("INSERT INTO orders (id, sku, quantity, total_cents) VALUES (?, ?, ?, ?)"),
+		o.ID, o.SKU, o.Quantity, o.TotalCents); err != nil {
+		return "", fmt.Errorf("insert the order: %w", err)
+	}
+
+	// Where the service published to RabbitMQ, it publishes into its own
+	// transaction: a row of acemq_outbox, and nothing on the network.
+	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
+	if err != nil {
+		return "", err
+	}
+	payload, err := json.Marshal(o)
+	if err != nil {
+		return "", err
+	}
+	msg := message.NewMessage(watermill.NewUUID(), payload)
+	msg.SetContext(ctx)
+	if err := pub.Publish(topic, msg); err != nil {
+		return "", err
+	}
+
+	// The message is written, and still goes nowhere: a failure from here
+	// on rolls it back with the order.
+	if err := s.stock.reserve(o.SKU, o.Quantity); err != nil {
+		return msg.UUID, err
+	}
+	if err := tx.Commit(); err != nil {
+		s.stock.release(o.SKU, o.Quantity)
+		return msg.UUID, fmt.Errorf("commit: %w", err)
+	}
+	return msg.UUID, nil
+}
+
+// startRelay runs the Forwarder in this process: the only thing that
+// publishes the outbox's rows to RabbitMQ.
+func (s *shop) startRelay(ctx context.Context) (stop func() error, err error) {
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.amqpURL, ConnectionName: prog + " relay", Logger: s.log})
+	if err != nil {
+		return nil, err
+	}
+	s.fwd, err = outbox.NewForwarder(s.db.DB, dest, outbox.ForwarderConfig{
+		Logger: s.log,
+		OnError: func(err error, _ outbox.ErrorContext) {
+			fmt.Fprintf(s.stderr, "%s: relay: %v\n", prog, err)
+		},
+	})
+	if err != nil {
+		_ = dest.Close()
+		return nil, err
+	}
+	done := make(chan error, 1)
+	go func() { done <- s.fwd.Run(ctx) }()
+	return func() error {
+		closeErr := s.fwd.Close() // finishes the batch in flight, closes the destination
+		return errors.Join(closeErr, <-done)
+	}, nil
+}
+
+// startConsumer runs a Watermill router whose fulfilment handler sits
+// behind the inbox: each order.placed message is fulfilled once, however
+// often it is delivered.
+func (s *shop) startConsumer(ctx context.Context) (stop func() error, err error) {
+	inbox, err := outbox.NewInbox(s.db.DB, outbox.InboxConfig{Logger: s.log}) // consumer name: the handler's, "fulfilment"
+	if err != nil {
+		return nil, err
+	}
+	sub, err := demo.Subscriber(s.amqpURL, exchange, queue, s.log)
+	if err != nil {
+		return nil, fmt.Errorf("subscribe: %w", err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, s.log)
+	if err != nil {
+		_ = sub.Close()
+		return nil, err
+	}
+	router.AddConsumerHandler("fulfilment", topic, sub, fulfil).AddMiddleware(inbox.Middleware)
+
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	stop = func() error {
+		err := router.Close() // waits for the handlers, closes the subscriber
+		return errors.Join(err, <-done, sub.Close())
+	}
+	select {
+	case <-router.Running():
+		return stop, nil
+	case err := <-done:
+		done <- err
+		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
+	}
+}
+
+// fulfil is the consumer's handler. Its effect goes through the inbox's
+// transaction, so the fulfilment row and the (consumer, message id) key
+// commit together, and only then is the message acked.
+func fulfil(msg *message.Message) error {
+	var o order
+	if err := json.Unmarshal(msg.Payload, &o); err != nil {
+		return fmt.Errorf("order.placed %s: %w", msg.UUID, err)
+	}
+	tx, ok := outbox.TxFromContext(msg.Context())
+	if !ok {
+		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
+	}
+	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO fulfilments (order_id, sku, quantity, message_id) VALUES (?, ?, ?, ?)"),
+		o.ID, o.SKU, o.Quantity, msg.UUID)
+	return err
+}
+
+// waitFulfilled waits until every placed order has its fulfilment and its
+// message is marked published. The consumer can finish before the relay
+// marks the last batch, so both are waited for.
+func (s *shop) waitFulfilled(ctx context.Context, attempts []*attempt, timeout time.Duration) error {
+	var orderIDs, messageIDs []string
+	for _, a := range attempts {
+		if a.rejected == nil {
+			orderIDs = append(orderIDs, a.order.ID)
+			messageIDs = append(messageIDs, a.messageID)
+		}
+	}
+	if len(orderIDs) == 0 {
+		return nil
+	}
+	var fulfilled, published int
+	err := demo.WaitFor(ctx, timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		if fulfilled, err = s.count(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
+			return false, err
+		}
+		if published, err = s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+			return false, err
+		}
+		return fulfilled == len(orderIDs) && published == len(messageIDs), nil
+	})
+	if errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("after %s, %d of %d placed orders fulfilled and %d published", timeout, fulfilled, len(orderIDs), published)
+	}
+	return err
+}
+
+// report prints every order and the totals, and fails if an order was
+// fulfilled twice or a rejected order left a row behind.
+func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt) error {
+	var placedIDs, placedMsgs, rejectedIDs, rejectedMsgs []string
+	for _, a := range attempts {
+		if a.rejected == nil {
+			placedIDs, placedMsgs = append(placedIDs, a.order.ID), append(placedMsgs, a.messageID)
+		} else {
+			rejectedIDs, rejectedMsgs = append(rejectedIDs, a.order.ID), append(rejectedMsgs, a.messageID)
+		}
+	}
+	perOrder := map[string]int{}
+	if len(placedIDs) > 0 {
+		q, args, err := sqlx.In("SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
+		if err != nil {
+			return err
+		}
+		rows, err := s.db.QueryxContext(ctx, s.db.Rebind(q), args...)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var id string
+			var n int
+			if err := rows.Scan(&id, &n); err != nil {
+				_ = rows.Close()
+				return err
+			}
+			perOrder[id] = n
+		}
+		if err := rows.Close(); err != nil {
+			return err
+		}
+	}
+	published, err := s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
+	if err != nil {
+		return err
+	}
+	leftOrders, err := s.count(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
+	if err != nil {
+		return err
+	}
+	leftMessages, err := s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
+	if err != nil {
+		return err
+	}
+
+	var problems []error
+	fulfilled := 0
+	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "order\tproduct\tqty\t total\toutcome")
+	for _, a := range attempts {
+		p := products[a.order.SKU]
+		outcome := ""
+		switch n := perOrder[a.order.ID]; {
+		case a.rejected != nil:
+			outcome = "rejected: " + a.rejected.Error()
+		case n == 1:
+			outcome = "fulfilled once"
+			fulfilled++
+		case n == 0:
+			outcome = "not fulfilled"
+		default:
+			outcome = fmt.Sprintf("fulfilled %d times", n)
+			problems = append(problems, fmt.Errorf("order %d was fulfilled %d times", a.n, n))
+		}
+		fmt.Fprintf(w, "%d\t%s\t%d\t%3d.%02d\t%s\n", a.n, p.name, a.order.Quantity, a.order.TotalCents/100, a.order.TotalCents%100, outcome)
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "placed\t%d\n", len(placedIDs))
+	fmt.Fprintf(w, "rejected\t%d\t(left %d order rows, %d outbox rows)\n", len(rejectedIDs), leftOrders, leftMessages)
+	fmt.Fprintf(w, "published\t%d\n", published)
+	fmt.Fprintf(w, "fulfilled\t%d\t(each once)\n", fulfilled)
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	if leftOrders+leftMessages > 0 {
+		problems = append(problems, fmt.Errorf("rejected orders left %d order rows and %d outbox rows", leftOrders, leftMessages))
+	}
+	return errors.Join(problems...)
+}
+
+// count runs a COUNT(*) query whose one "IN (?)" takes ids.
+func (s *shop) count(ctx context.Context, query string, ids []string) (int, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	q, args, err := sqlx.In(query, ids)
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	err = s.db.GetContext(ctx, &n, s.db.Rebind(q), args...)
+	return n, err
+}
