@@ -253,7 +253,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		lastStats time.Time
 	)
 	for {
-		if f.cfg.Metrics != nil && time.Since(lastStats) >= f.cfg.StatsInterval {
+		if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(lastStats) >= f.cfg.StatsInterval {
 			f.refreshStats(ctx)
 			lastStats = time.Now()
 		}
