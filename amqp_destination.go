@@ -30,11 +30,13 @@ type AMQPConfig struct {
 	// Window is how many publishes may wait for the broker's confirm at once.
 	// 0 (the default) sends all of a batch and, under Forwarder.Run, the
 	// next batch too before the first one's confirms are in, so the broker
-	// never waits for the database. Records already in flight when an
-	// earlier one fails are on the broker and are marked published; Window 1
-	// waits for each confirm before the next publish, so that no record ever
-	// reaches the broker ahead of one that failed before it, at the cost of a
-	// round trip per message.
+	// never waits for the database. When a record fails, the records behind
+	// it that were already in flight are not marked published: they are
+	// sent again after it, and the consumers' inbox absorbs that copy. A
+	// record that failed before is always sent alone, and confirmed before
+	// anything behind it is sent. Window 1 waits for each confirm before the
+	// next publish, so that even the first failure of a record is not
+	// overtaken on the broker, at the cost of a round trip per message.
 	Window int
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "watermill-outbox relay".
@@ -198,13 +200,9 @@ func (e *MissingExchangeError) Error() string {
 // Publish sends the records in windows, waits for each window's confirms,
 // and stops at the first failure. See Destination.
 func (d *AMQPDestination) Publish(ctx context.Context, records []Record) []error {
-	window := d.cfg.Window
-	if window == 0 {
-		window = len(records)
-	}
 	results := make([]error, 0, len(records))
-	for start := 0; start < len(records); start += window {
-		end := min(start+window, len(records))
+	for start := 0; start < len(records); {
+		end := d.windowEnd(records, start)
 		res := d.wait(ctx, d.send(ctx, records[start:end]))
 		results = append(results, res...)
 		if failedAny(res) {
@@ -213,8 +211,29 @@ func (d *AMQPDestination) Publish(ctx context.Context, records []Record) []error
 			}
 			break
 		}
+		start = end
 	}
 	return results
+}
+
+// windowEnd is where the window starting at start ends: at Window records,
+// and before any record that failed before, which goes alone and is
+// confirmed before anything behind it is sent, so that nothing overtakes a
+// record on its retry.
+func (d *AMQPDestination) windowEnd(records []Record, start int) int {
+	if records[start].Attempts > 0 {
+		return start + 1
+	}
+	limit := len(records)
+	if d.cfg.Window > 0 {
+		limit = min(limit, start+d.cfg.Window)
+	}
+	for i := start + 1; i < limit; i++ {
+		if records[i].Attempts > 0 {
+			return i
+		}
+	}
+	return limit
 }
 
 // pipelined: with no Window set, the Forwarder's Run sends the next batch

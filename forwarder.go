@@ -276,25 +276,29 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if next != nil && len(next.records) > 0 {
 			next.deadline = time.Now().Add(f.cfg.PublishTimeout)
 			sendCtx, cancel := context.WithDeadline(work, next.deadline)
-			if pipelined {
+			if pipelined && !hasRetries(next.records) {
 				// Sent now, settled on the next turn: the broker works on this
 				// batch while the database marks the one before and claims
-				// the one after.
+				// the one after. A batch holding a record that failed before
+				// goes through Publish, which sends that record alone.
 				next.pending = pipe.send(sendCtx, next.records)
 			} else {
 				next.results = f.dest.Publish(sendCtx, next.records)
 			}
 			cancel()
 		}
-		failed := claimErr != nil
+		failed, settled := claimErr != nil, false
 		if inflight != nil {
-			failed = f.settleSent(work, pipe, inflight) || failed
+			failed = f.settleSent(work, pipe, inflight, false) || failed
+			settled = true
 		}
 		inflight = nil
 		if next != nil && (next.pending == nil || failed || stopping) {
 			// Not pipelined, or the relay is about to back off or stop:
-			// nothing stays in flight.
-			failed = f.settleSent(work, pipe, next) || failed
+			// nothing stays in flight. A batch sent while the one before
+			// it failed is behind that failure: none of it is marked.
+			failed = f.settleSent(work, pipe, next, failed) || failed
+			settled = true
 		} else {
 			inflight = next
 		}
@@ -316,7 +320,9 @@ func (f *Forwarder) Run(ctx context.Context) error {
 			delay = f.nextDelay(delay)
 			wait = delay
 		case inflight != nil || next.full(f.cfg.BatchSize):
-			delay = 0
+			if settled {
+				delay = 0 // a batch went through: the failure is over
+			}
 			continue // more are waiting, or a batch is in flight
 		default:
 			delay, wait = 0, f.cfg.PollInterval
@@ -349,15 +355,28 @@ func (f *Forwarder) refreshStats(ctx context.Context) {
 
 // settleSent collects a batch's confirms, if they are still out, and
 // settles it. It reports whether anything failed.
-func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch) bool {
+func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch, behindFailure bool) bool {
 	if b.pending != nil {
 		waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
 		b.results = pipe.wait(waitCtx, b.pending)
 		cancel()
 		b.pending = nil
 	}
+	if behindFailure {
+		b.holdBack()
+	}
 	_, failed, err := f.settle(ctx, b, true)
 	return failed || err != nil
+}
+
+// hasRetries reports whether any record failed before.
+func hasRetries(records []Record) bool {
+	for i := range records {
+		if records[i].Attempts > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
@@ -443,6 +462,14 @@ type batch struct {
 	results   []error        // one per record once known
 }
 
+// holdBack turns every result into not-sent: the batch went out while an
+// earlier one failed, and nothing behind a failure is published before it.
+func (b *batch) holdBack() {
+	for i := range b.results {
+		b.results[i] = fmt.Errorf("%w: sent while an earlier record failed", ErrNotSent)
+	}
+}
+
 // full reports whether the claim took as many rows as it asked for: more
 // are probably waiting.
 func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
@@ -507,20 +534,24 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	for i, err := range b.results {
 		rec := b.records[i]
 		switch {
+		case failedOne:
+			// Behind a failure: not published before it, even if it was
+			// in flight and confirmed. It is sent again after the failed
+			// record (the consumers' inbox absorbs the copy), and no attempt
+			// is counted against it.
 		case err == nil:
 			published = append(published, rec.ID)
 			publishedRec = append(publishedRec, rec)
 		case errors.Is(err, ErrNotSent):
-			// Waits behind the failure; the claim's end frees it.
-		case failedOne:
-			// Failed in the same window as an earlier record: it is behind
-			// that one, and its attempt is not counted.
+			// Not sent; the claim's end frees it.
+		case IsPermanent(err):
+			// No retry mends it: it is stuck at once, and holds nobody
+			// back, as a malformed row does not.
+			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: max(b.attempts[rec.ID]+1, f.cfg.MaxAttempts), reason: err.Error()})
+			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		default:
 			failedOne = true
 			n := b.attempts[rec.ID] + 1
-			if IsPermanent(err) {
-				n = max(n, f.cfg.MaxAttempts)
-			}
 			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: n, reason: err.Error()})
 			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		}
