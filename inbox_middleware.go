@@ -80,6 +80,7 @@ type Inbox struct {
 	insert     string
 	markOutbox string
 	purge      string
+	table      string // quoted
 	log        watermill.LoggerAdapter
 }
 
@@ -143,6 +144,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 		insert:     d.rebind(d.insertProcessed(table)),
 		markOutbox: d.rebind("UPDATE " + outboxTable + " SET processed_at = ? WHERE id = ? AND processed_at IS NULL"),
 		purge:      d.rebind(d.purgeProcessed(table)),
+		table:      table,
 		log:        cfg.Logger,
 	}, nil
 }
@@ -296,4 +298,35 @@ func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (i
 			return total, nil
 		}
 	}
+}
+
+// Check asks the database whether the inbox table is there and readable,
+// reading no row.
+func (in *Inbox) Check(ctx context.Context) error {
+	rows, err := in.db.QueryContext(ctx, "SELECT 1 FROM "+in.table+" WHERE 1 = 0")
+	if err != nil {
+		return fmt.Errorf("outbox: %s: %w", in.table, err)
+	}
+	return rows.Close()
+}
+
+// Count counts the inbox's rows, all consumers: a scan of its key, about a
+// second per few million rows on PostgreSQL.
+func (in *Inbox) Count(ctx context.Context) (int64, error) {
+	var n int64
+	if err := in.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+in.table).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: count %s: %w", in.table, err)
+	}
+	return n, nil
+}
+
+// ProcessedBefore counts the inbox rows processed before t: what
+// PurgeProcessed with that cutoff deletes.
+func (in *Inbox) ProcessedBefore(ctx context.Context, t time.Time) (int64, error) {
+	var n int64
+	q := in.dialect.rebind("SELECT COUNT(*) FROM " + in.table + " WHERE processed_at < ?")
+	if err := in.db.QueryRowContext(ctx, q, in.dialect.timeArg(t)).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: count %s: %w", in.table, err)
+	}
+	return n, nil
 }

@@ -19,6 +19,9 @@ type storeQueries struct {
 	stuck       string
 	retryStuck  string
 	purge       string
+	probe       string
+	countSince  string
+	countBefore string
 }
 
 // claimColumns are read by scanClaimed, in this order.
@@ -55,6 +58,9 @@ func newStoreQueries(d Dialect, table string) storeQueries {
 	q.retryStuck = r("UPDATE " + table + " SET attempts = 0, locked_by = NULL, locked_until = NULL" +
 		" WHERE published_at IS NULL AND attempts >= ?")
 	q.purge = r(d.purgePublished(table))
+	q.probe = "SELECT 1 FROM " + table + " WHERE 1 = 0"
+	q.countSince = r("SELECT COUNT(*) FROM " + table + " WHERE published_at IS NOT NULL AND published_at >= ?")
+	q.countBefore = r("SELECT COUNT(*) FROM " + table + " WHERE published_at IS NOT NULL AND published_at < ?")
 	return q
 }
 

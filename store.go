@@ -452,6 +452,45 @@ func (s *Store) PurgePublished(ctx context.Context, olderThan time.Duration) (in
 	}
 }
 
+// Check asks the database whether the outbox table is there and readable,
+// reading no row. Its error is the driver's: a missing table, an
+// unreachable server, a refused login.
+func (s *Store) Check(ctx context.Context) error {
+	rows, err := s.db.QueryContext(ctx, s.q.probe)
+	if err != nil {
+		return fmt.Errorf("outbox: %s: %w", s.table, err)
+	}
+	return rows.Close()
+}
+
+// PublishedSince counts the rows published at or after t ("published in the
+// last hour").
+func (s *Store) PublishedSince(ctx context.Context, t time.Time) (int64, error) {
+	return s.count(ctx, s.q.countSince, t)
+}
+
+// PublishedBefore counts the rows published before t: what PurgePublished
+// with that cutoff deletes.
+func (s *Store) PublishedBefore(ctx context.Context, t time.Time) (int64, error) {
+	return s.count(ctx, s.q.countBefore, t)
+}
+
+func (s *Store) count(ctx context.Context, query string, t time.Time) (int64, error) {
+	var n int64
+	if err := s.db.QueryRowContext(ctx, query, s.dialect.timeArg(t)).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: count %s: %w", s.table, err)
+	}
+	return n, nil
+}
+
+// ValidTableName reports whether name can be a table of this library,
+// "name" or "schema.name" of letters, digits and underscores; the error
+// says why not.
+func ValidTableName(name string) error {
+	_, err := quoteTable(Postgres, name)
+	return err
+}
+
 // timeScanner reads a timestamp however the driver delivers it: a time.Time,
 // or text when the DSN asks for no parsing (MySQL without parseTime=true).
 type timeScanner struct{ t time.Time }

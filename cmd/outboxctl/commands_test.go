@@ -1,0 +1,426 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"regexp"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// fixture is an outbox in every state an operator meets, ages relative to
+// the moment it was made.
+type fixture struct {
+	db                 *testdb.DB
+	pending            []string // pending[0] was created 40 days ago
+	stuck              []string // at 10 attempts; stuck[0] was created 50 days ago
+	publishedRecent    []string // published 10 minutes ago
+	publishedYesterday []string // published 2 days ago
+	publishedOld       []string // published 10 days ago
+}
+
+const (
+	fixtureOldInbox    = 3 // processed 40 days ago
+	fixtureRecentInbox = 2 // processed a day ago
+)
+
+func newFixture(t *testing.T, kind string) *fixture {
+	t.Helper()
+	db := migrated(t, kind)
+	ids := publish(t, db, 12, "orders")
+	f := &fixture{db: db, pending: ids[0:3], stuck: ids[3:5], publishedRecent: ids[5:7],
+		publishedYesterday: ids[7:8], publishedOld: ids[8:12]}
+	now := time.Now()
+	day := 24 * time.Hour
+	execSQL(t, db, "UPDATE acemq_outbox SET created_at = ? WHERE id = ?", ts(kind, now.Add(-40*day)), f.pending[0])
+	execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10, last_error = ?, created_at = ? WHERE id = ?",
+		"connection reset\nby peer", ts(kind, now.Add(-50*day)), f.stuck[0])
+	execSQL(t, db, "UPDATE acemq_outbox SET attempts = 12, last_error = ? WHERE id = ?", "unroutable", f.stuck[1])
+	for _, set := range []struct {
+		ids []string
+		at  time.Time
+	}{{f.publishedRecent, now.Add(-10 * time.Minute)}, {f.publishedYesterday, now.Add(-2 * day)}, {f.publishedOld, now.Add(-10 * day)}} {
+		for _, id := range set.ids {
+			execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", ts(kind, set.at), id)
+		}
+	}
+	for i := 0; i < fixtureOldInbox+fixtureRecentInbox; i++ {
+		at := now.Add(-day)
+		if i < fixtureOldInbox {
+			at = now.Add(-40 * day)
+		}
+		execSQL(t, db, "INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)",
+			"billing", ids[i], ts(kind, at))
+	}
+	return f
+}
+
+func decodeJSON(t *testing.T, s string) map[string]any {
+	t.Helper()
+	var m map[string]any
+	if err := json.Unmarshal([]byte(s), &m); err != nil {
+		t.Fatalf("not JSON: %v\n%s", err, s)
+	}
+	return m
+}
+
+func keys(m map[string]any) []string {
+	var k []string
+	for key := range m {
+		k = append(k, key)
+	}
+	sort.Strings(k)
+	return k
+}
+
+func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+
+		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
+		wantKeys := []string{"database", "inbox_table", "max_attempts", "oldest_pending_age_seconds", "oldest_pending_at",
+			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
+		if !slices.Equal(keys(got), wantKeys) {
+			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
+		}
+		for field, want := range map[string]any{
+			"database": kind, "table": "acemq_outbox", "inbox_table": "processed_messages", "max_attempts": 10.0,
+			"pending": 3.0, "stuck": 2.0, "published_last_hour": 2.0, "processed_messages": 5.0,
+		} {
+			if got[field] != want {
+				t.Errorf("%s = %v, want %v", field, got[field], want)
+			}
+		}
+		age, _ := got["oldest_pending_age_seconds"].(float64)
+		if want := (40 * 24 * time.Hour).Seconds(); math.Abs(age-want) > 120 {
+			t.Errorf("oldest_pending_age_seconds = %v, want about %v (the 40-day-old pending row; stuck rows do not count)", age, want)
+		}
+		if at, err := time.Parse(time.RFC3339Nano, got["oldest_pending_at"].(string)); err != nil || time.Since(at) < 39*24*time.Hour {
+			t.Errorf("oldest_pending_at = %v (%v), want 40 days ago", got["oldest_pending_at"], err)
+		}
+
+		human := mustCtl(t, "status", "--db", f.db.DSN)
+		for _, line := range []string{
+			`^table\s+acemq_outbox \(` + kind + `\)$`,
+			`^pending\s+3$`,
+			`^oldest pending age\s+40d0h \(created \S+Z\)$`,
+			`^stuck\s+2 \(at 10 attempts; see outboxctl stuck\)$`,
+			`^published in the last hour\s+2$`,
+			`^processed_messages\s+5 rows$`,
+		} {
+			if !regexp.MustCompile(`(?m)` + line).MatchString(human) {
+				t.Errorf("status output has no line matching %s:\n%s", line, human)
+			}
+		}
+
+		// The ceiling is the operator's: at 20 attempts nothing is stuck yet.
+		got = decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json", "--max-attempts", "20"))
+		if got["pending"] != 5.0 || got["stuck"] != 0.0 {
+			t.Errorf("with --max-attempts 20: pending %v stuck %v, want 5 and 0", got["pending"], got["stuck"])
+		}
+	})
+}
+
+func TestStatus_InboxElsewhere_ReportsNoTableRatherThanFailing(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "DROP TABLE processed_messages")
+		got := decodeJSON(t, mustCtl(t, "status", "--db", db.DSN, "--json"))
+		if v, ok := got["processed_messages"]; !ok || v != nil {
+			t.Errorf("processed_messages = %v (present %v), want null", v, ok)
+		}
+		if human := mustCtl(t, "status", "--db", db.DSN); !strings.Contains(human, "no such table") {
+			t.Errorf("status does not say the inbox table is absent:\n%s", human)
+		}
+	})
+}
+
+func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+
+		var got stuckReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", f.db.DSN, "--json")), &got); err != nil {
+			t.Fatal(err)
+		}
+		if got.Total != 2 || got.MaxAttempts != 10 || len(got.Rows) != 2 {
+			t.Fatalf("stuck --json: %+v, want total 2 of max 10 with both rows", got)
+		}
+		first := got.Rows[0] // oldest first
+		if first.ID != f.stuck[0] || first.Exchange != "" || first.RoutingKey != "orders" || first.Attempts != 10 ||
+			first.LastError != "connection reset\nby peer" {
+			t.Errorf("first stuck row %+v, want %s to (default) / orders at 10 attempts with its error", first, f.stuck[0])
+		}
+		if got.Rows[1].ID != f.stuck[1] || got.Rows[1].Attempts != 12 {
+			t.Errorf("second stuck row %+v, want %s at 12 attempts", got.Rows[1], f.stuck[1])
+		}
+		raw := decodeJSON(t, mustCtl(t, "stuck", "--db", f.db.DSN, "--json", "--limit", "1"))
+		if want := []string{"max_attempts", "rows", "total"}; !slices.Equal(keys(raw), want) {
+			t.Errorf("JSON fields %v, want %v", keys(raw), want)
+		}
+		row := raw["rows"].([]any)[0].(map[string]any)
+		if want := []string{"attempts", "created_at", "exchange", "id", "last_error", "routing_key"}; !slices.Equal(keys(row), want) {
+			t.Errorf("row fields %v, want %v", keys(row), want)
+		}
+
+		human := mustCtl(t, "stuck", "--db", f.db.DSN)
+		line := regexp.MustCompile(`(?m)^` + f.stuck[0] + `\s+\(default\) / orders\s+10\s+\S+ \S+Z\s+connection reset by peer$`)
+		if !line.MatchString(human) {
+			t.Errorf("stuck output has no line for %s with destination, attempts and the error on one line:\n%s", f.stuck[0], human)
+		}
+		if strings.Contains(human, f.pending[0]) {
+			t.Errorf("stuck lists a pending row:\n%s", human)
+		}
+
+		limited := mustCtl(t, "stuck", "--db", f.db.DSN, "--limit", "1")
+		if !strings.Contains(limited, "1 of 2 stuck rows shown") || strings.Contains(limited, f.stuck[1]) {
+			t.Errorf("stuck --limit 1 should show one row and say there are two:\n%s", limited)
+		}
+		ctl(t, nil, "stuck", "--db", f.db.DSN, "--limit", "0").wantFailure(t, 2, "--limit: 0")
+	})
+}
+
+func TestStuck_NoneStuck_SaysSo(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	if out := mustCtl(t, "stuck", "--db", db.DSN); !strings.HasPrefix(out, "no stuck rows") {
+		t.Errorf("stuck on an empty outbox: %q", out)
+	}
+}
+
+func TestRetry_ByIDAndAllStuck_ResetsAttempts(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+
+		// Flags after the ids work as well as before.
+		out := mustCtl(t, "retry", f.stuck[0], "--db", db.DSN)
+		if out != "1 row made pending again (attempts reset to 0)\n" {
+			t.Errorf("retry one id: %q", out)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND attempts = 0 AND published_at IS NULL", f.stuck[0]); n != 1 {
+			t.Errorf("%s not pending at 0 attempts after retry", f.stuck[0])
+		}
+
+		out = mustCtl(t, "--db", db.DSN, "retry", f.publishedOld[0], "no-such-id")
+		if !strings.HasPrefix(out, "0 rows made pending again") || !strings.Contains(out, "2 of the 2 ids given") {
+			t.Errorf("retry of a published and an unknown id: %q", out)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND published_at IS NOT NULL", f.publishedOld[0]); n != 1 {
+			t.Errorf("retry made a published row pending again")
+		}
+
+		got := decodeJSON(t, mustCtl(t, "retry", "--all-stuck", "--db", db.DSN, "--json"))
+		if got["retried"] != 1.0 {
+			t.Errorf("retry --all-stuck --json: %v, want retried 1 (the other one was retried already)", got)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE attempts >= 10"); n != 0 {
+			t.Errorf("%d rows still at the ceiling after retry --all-stuck", n)
+		}
+		if out := mustCtl(t, "retry", "--all-stuck", "--db", db.DSN); out != "0 rows made pending again (attempts reset to 0)\n" {
+			t.Errorf("retry --all-stuck with nothing stuck: %q", out)
+		}
+	})
+}
+
+func TestRetry_WithoutIDsOrWithBoth_IsAUsageError(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ctl(t, nil, "retry", "--db", db.DSN).wantFailure(t, 2, "give the ids to retry")
+	ctl(t, nil, "retry", "--db", db.DSN, "--all-stuck", "some-id").wantFailure(t, 2, "not both")
+}
+
+func TestPurge_DeletesOldPublishedAndProcessedInBatches_NeverPending(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+
+		out := mustCtl(t, "purge", "--db", db.DSN, "--published-older-than", "7d", "--processed-older-than", "30d", "--batch-size", "3")
+		want := "acemq_outbox: deleted 4 rows published more than 7d ago\n" +
+			"processed_messages: deleted 3 rows processed more than 30d ago\n"
+		if out != want {
+			t.Errorf("purge printed\n%s\nwant\n%s", out, want)
+		}
+		for _, id := range append(append(append([]string{}, f.pending...), f.stuck...), append(f.publishedRecent, f.publishedYesterday...)...) {
+			if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ?", id); n != 1 {
+				t.Errorf("purge deleted %s, which is pending, stuck or published recently", id)
+			}
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox"); n != 8 {
+			t.Errorf("%d rows left, want 8", n)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM processed_messages"); n != fixtureRecentInbox {
+			t.Errorf("%d inbox rows left, want %d", n, fixtureRecentInbox)
+		}
+
+		// Hours and days combined; --json for cron jobs; only one purge asked.
+		got := decodeJSON(t, mustCtl(t, "purge", "--db", db.DSN, "--published-older-than", "1d12h", "--json"))
+		if got["published_deleted"] != 1.0 || got["processed_deleted"] != nil {
+			t.Errorf("purge --published-older-than 1d12h --json: %v, want 1 deleted and processed null", got)
+		}
+		got = decodeJSON(t, mustCtl(t, "purge", "--db", db.DSN, "--processed-older-than", "90m", "--json"))
+		if got["processed_deleted"] != 2.0 || got["published_deleted"] != nil {
+			t.Errorf("purge --processed-older-than 90m --json: %v, want 2 deleted", got)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL"); n != 5 {
+			t.Errorf("%d unpublished rows left, want all 5", n)
+		}
+	})
+}
+
+func TestPurge_BadInput_IsAUsageErrorNamingTheFlag(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--published-older-than", "7x"}, `--published-older-than: "7x" is not a duration like 7d, 36h or 90m`},
+		{[]string{"--processed-older-than", "30"}, `--processed-older-than: "30" is not a duration like 7d, 36h or 90m`},
+		{[]string{"--published-older-than", "-7d"}, `--published-older-than: "-7d" is not a duration`},
+		{[]string{"--published-older-than", "7d", "--batch-size", "0"}, "--batch-size: 0"},
+		{nil, "give --published-older-than, --processed-older-than, or both"},
+		{[]string{"--published-older-than", "7d", "extra"}, `unexpected argument "extra"`},
+	} {
+		ctl(t, nil, append([]string{"purge", "--db", db.DSN}, tc.args...)...).wantFailure(t, 2, tc.want)
+	}
+}
+
+func TestPurge_InboxOnlyDatabase_PurgesProcessedWithoutAnOutbox(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	execSQL(t, db, "DROP TABLE acemq_outbox")
+	execSQL(t, db, "INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)",
+		"billing", "m1", ts(db.Kind, time.Now().Add(-40*24*time.Hour)))
+	if out := mustCtl(t, "purge", "--db", db.DSN, "--processed-older-than", "30d"); out != "processed_messages: deleted 1 row processed more than 30d ago\n" {
+		t.Errorf("purge of an inbox-only database: %q", out)
+	}
+	ctl(t, nil, "purge", "--db", db.DSN, "--processed-older-than", "30d", "--published-older-than", "7d").
+		wantFailure(t, 1, "acemq_outbox does not exist: run `outboxctl migrate`")
+}
+
+func TestPurge_InboxTableMissing_GivesTheMigrateHint(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, "DROP TABLE processed_messages")
+	ctl(t, nil, "purge", "--db", db.DSN, "--processed-older-than", "30d").
+		wantFailure(t, 1, "processed_messages does not exist: run `outboxctl migrate`")
+}
+
+func TestMigrate_CreatesTheSchemaAndIsIdempotent(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := testdb.New(t, kind)
+		for i := 0; i < 2; i++ {
+			out := mustCtl(t, "migrate", "--db", db.DSN)
+			if !strings.HasPrefix(out, "acemq_outbox and processed_messages are up to date in the "+kind+" database") {
+				t.Errorf("migrate #%d: %q", i+1, out)
+			}
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox"); n != 0 {
+			t.Errorf("fresh outbox has %d rows", n)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM processed_messages"); n != 0 {
+			t.Errorf("fresh inbox has %d rows", n)
+		}
+		ctl(t, nil, "migrate", "--db", db.DSN, "--table", "other_outbox").wantFailure(t, 2, "migrate creates acemq_outbox and processed_messages only")
+	})
+}
+
+func TestMigrate_SQLitePath_CreatesTheFile(t *testing.T) {
+	path := t.TempDir() + "/new.db"
+	ctl(t, nil, "status", "--db", path).wantFailure(t, 1, "the sqlite database "+path+" does not exist (outboxctl migrate creates it)")
+	mustCtl(t, "migrate", "--db", path)
+	if out := mustCtl(t, "status", "--db", path); !strings.Contains(out, "pending") {
+		t.Errorf("status after migrate: %q", out)
+	}
+}
+
+func TestEveryCommand_MissingTable_SaysRunMigrate(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := testdb.New(t, kind)
+		execSQL(t, db, "CREATE TABLE unrelated (x INTEGER)") // the database exists, the outbox does not
+		for _, args := range [][]string{
+			{"status"}, {"status", "--json"}, {"stuck"}, {"retry", "--all-stuck"}, {"retry", "some-id"},
+			{"purge", "--published-older-than", "7d"}, {"relay", "--amqp", "amqp://guest:guest@127.0.0.1:5672/"},
+		} {
+			r := ctl(t, nil, append(args, "--db", db.DSN)...)
+			r.wantFailure(t, 1, "outboxctl: acemq_outbox does not exist: run `outboxctl migrate`")
+		}
+		ctl(t, nil, "status", "--db", db.DSN, "--table", "myschema.other").
+			wantFailure(t, 1, "myschema.other does not exist in the database")
+	})
+}
+
+func TestUnreachableDatabase_OneLineNamingItWithoutThePassword(t *testing.T) {
+	for _, tc := range []struct{ dsn, want string }{
+		{"postgres://postgres@127.0.0.1:1/x", "cannot connect to the postgres database at postgres://postgres@127.0.0.1:1/x: dial tcp 127.0.0.1:1"},
+		{"postgres://app:s3cret@127.0.0.1:1/x?sslmode=disable", "cannot connect to the postgres database at postgres://app:xxxxx@127.0.0.1:1/x?sslmode=disable: dial tcp"},
+		{"app:s3cret@tcp(127.0.0.1:1)/x", "cannot connect to the mysql database at app:xxxxx@tcp(127.0.0.1:1)/x: dial tcp 127.0.0.1:1"},
+		{"mysql://app:s3cret@127.0.0.1:1/x", "cannot connect to the mysql database at mysql://app:xxxxx@127.0.0.1:1/x: dial tcp"},
+	} {
+		t.Run(tc.dsn, func(t *testing.T) {
+			t.Parallel()
+			for _, cmd := range [][]string{{"status"}, {"migrate"}, {"purge", "--processed-older-than", "1d"}} {
+				r := ctl(t, nil, append(cmd, "--db", tc.dsn)...)
+				r.wantFailure(t, 1, tc.want)
+				if strings.Contains(r.stderr, "s3cret") {
+					t.Errorf("the password is in the message: %s", r.stderr)
+				}
+			}
+		})
+	}
+}
+
+func TestCommandLine_Mistakes_AreUsageErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"frobnicate"}, nil, `unknown command "frobnicate"; want one of status, stuck, retry, purge, relay, migrate`},
+		{[]string{"status"}, nil, "no database: pass --db or set OUTBOX_DB"},
+		{[]string{"status", "--bogus"}, nil, "flag provided but not defined: -bogus"},
+		{[]string{"status", "--db", "redis://x"}, nil, "redis:// is not a database outboxctl knows"},
+		{[]string{"status", "--db", "x.db", "--table", "drop table;"}, nil, `--table: "drop table;"`},
+		{[]string{"status", "--db", "x.db", "--max-attempts", "0"}, nil, "--max-attempts: 0"},
+		{[]string{"relay", "--db", "x.db"}, nil, "no broker: pass --amqp or set OUTBOX_AMQP_URL"},
+		{[]string{"relay", "--db", "x.db", "--amqp", "amqp://x/", "--batch-size", "5000"}, nil, "--batch-size: 5000; want 1 to 1000"},
+		{[]string{"relay", "--amqp", "amqp://x/"}, map[string]string{"OUTBOX_DB": "x.db"}, "the sqlite database x.db does not exist"},
+	} {
+		r := ctl(t, tc.env, tc.args...)
+		code := 2
+		if strings.Contains(tc.want, "does not exist") {
+			code = 1 // the environment was read: a database was named
+		}
+		r.wantFailure(t, code, tc.want)
+	}
+	if r := ctl(t, nil); r.code != 2 || !strings.Contains(r.stderr, "Commands:") {
+		t.Errorf("no command: exit %d, stderr %q; want 2 and the usage", r.code, r.stderr)
+	}
+	if r := ctl(t, nil, "--db", "postgres://app:s3cret@db/x", "status", "-h"); r.code != 0 || strings.Contains(r.stdout, "s3cret") {
+		t.Errorf("status -h after --db: exit %d, and the password must not be shown as a default:\n%s", r.code, r.stdout)
+	}
+	for _, args := range [][]string{{"-h"}, {"help"}, {"purge", "-h"}} {
+		if r := ctl(t, nil, args...); r.code != 0 || !strings.Contains(r.stdout, "Usage:") {
+			t.Errorf("%v: exit %d, stdout %q; want 0 and the usage", args, r.code, r.stdout)
+		}
+	}
+}
+
+func TestEnvironment_NamesTheDatabase_FlagWins(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	if r := ctl(t, map[string]string{"OUTBOX_DB": db.DSN}, "status", "--json"); r.code != 0 {
+		t.Errorf("OUTBOX_DB: exit %d: %s", r.code, r.stderr)
+	}
+	r := ctl(t, map[string]string{"OUTBOX_DB": "postgres://postgres@127.0.0.1:1/x"}, "status", "--db", db.DSN)
+	if r.code != 0 {
+		t.Errorf("--db should win over OUTBOX_DB: exit %d: %s", r.code, r.stderr)
+	}
+}
+
+func TestRelay_UnreachableBroker_ExitsOneNamingIt(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", "")
+	r.wantFailure(t, 1, "cannot connect to RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1/: dial tcp 127.0.0.1:1")
+}

@@ -1,0 +1,400 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5/pgconn"
+	_ "github.com/jackc/pgx/v5/stdlib" // registers "pgx"
+	_ "github.com/mattn/go-sqlite3"    // registers "sqlite3"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
+
+// connectTimeout bounds the first contact with the database and the broker:
+// an address that drops packets fails the command after this long rather
+// than after the operating system's TCP timeout of minutes.
+const connectTimeout = 10 * time.Second
+
+// Kinds of database, named as the dialects are.
+const (
+	kindPostgres = "postgres"
+	kindMySQL    = "mysql"
+	kindSQLite   = "sqlite"
+)
+
+// target is the database a command works on, as the operator named it.
+type target struct {
+	kind    string
+	driver  string
+	dsn     string // what the driver opens
+	shown   string // the DSN as given, password hidden: for messages
+	path    string // sqlite: the file; "" for an in-memory database
+	dialect outbox.Dialect
+}
+
+// sqliteParams make concurrent writers (the relay, the services, this tool)
+// wait for each other rather than fail with SQLITE_BUSY, and take the write
+// lock at BEGIN so that two of them never deadlock on the upgrade.
+var sqliteParams = [][2]string{{"_txlock", "immediate"}, {"_busy_timeout", "5000"}, {"_journal_mode", "WAL"}}
+
+// parseTarget tells the database from the form of --db.
+func parseTarget(raw string) (target, error) {
+	switch {
+	case raw == "":
+		return target{}, usagef("no database: pass --db or set OUTBOX_DB (a postgres:// URL, a MySQL DSN user:pass@tcp(host:port)/db, or an SQLite path)")
+	case strings.HasPrefix(raw, "postgres://"), strings.HasPrefix(raw, "postgresql://"):
+		return postgresTarget(raw)
+	case strings.HasPrefix(raw, "mysql://"):
+		return mysqlURLTarget(raw)
+	case strings.Contains(raw, "@tcp("), strings.Contains(raw, "@unix("),
+		strings.HasPrefix(raw, "tcp("), strings.HasPrefix(raw, "unix("):
+		return mysqlTarget(raw)
+	case strings.HasPrefix(raw, "file:"):
+		return sqliteTarget(raw)
+	case strings.Contains(raw, "://"):
+		scheme, _, _ := strings.Cut(raw, "://")
+		return target{}, usagef("--db: %s:// is not a database outboxctl knows; want a postgres:// URL, a MySQL DSN user:pass@tcp(host:port)/db, or an SQLite path", scheme)
+	}
+	return sqliteTarget(raw)
+}
+
+func postgresTarget(raw string) (target, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return target{}, usagef("--db: %v", err)
+	}
+	q := u.Query()
+	if q.Get("application_name") == "" {
+		// Names the sessions in pg_stat_activity.
+		q.Set("application_name", "outboxctl")
+		u.RawQuery = q.Encode()
+	}
+	return target{kind: kindPostgres, driver: "pgx", dsn: u.String(), shown: redactURL(raw), dialect: outbox.Postgres}, nil
+}
+
+// mysqlURLTarget turns mysql://user:pass@host:port/db?params into the
+// driver's DSN.
+func mysqlURLTarget(raw string) (target, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return target{}, usagef("--db: %v", err)
+	}
+	host := u.Host
+	if u.Port() == "" {
+		host += ":3306"
+	}
+	cfg, err := mysql.ParseDSN("tcp(" + host + ")" + u.EscapedPath() + "?" + u.RawQuery)
+	if err != nil {
+		return target{}, usagef("--db %s: %v", redactURL(raw), err)
+	}
+	if u.User != nil {
+		cfg.User = u.User.Username()
+		cfg.Passwd, _ = u.User.Password()
+	}
+	return mysqlConfigTarget(cfg, redactURL(raw))
+}
+
+func mysqlTarget(raw string) (target, error) {
+	cfg, err := mysql.ParseDSN(raw)
+	if err != nil {
+		return target{}, usagef("--db %s: %v", redactMySQL(raw), err)
+	}
+	return mysqlConfigTarget(cfg, redactMySQL(raw))
+}
+
+func mysqlConfigTarget(cfg *mysql.Config, shown string) (target, error) {
+	if cfg.DBName == "" {
+		return target{}, usagef("--db %s: no database name; want user:pass@tcp(host:port)/db", shown)
+	}
+	// Timestamps come back as time.Time rather than text.
+	cfg.ParseTime = true
+	return target{kind: kindMySQL, driver: "mysql", dsn: cfg.FormatDSN(), shown: shown, dialect: outbox.MySQL}, nil
+}
+
+func sqliteTarget(raw string) (target, error) {
+	path, query, _ := strings.Cut(raw, "?")
+	dsn := raw
+	if !strings.HasPrefix(raw, "file:") {
+		// mattn/go-sqlite3 cuts the parameters off a plain path and opens
+		// the rest as a file name, so a path needs no URI escaping.
+		if strings.Contains(raw, "?") {
+			return target{}, usagef("--db %q: an SQLite path with parameters must be a file: URI", raw)
+		}
+		query = ""
+	} else {
+		path = strings.TrimPrefix(path, "file:")
+		if strings.HasPrefix(path, "//") { // file:///abs/path or file://host/path
+			if u, err := url.Parse(raw); err == nil {
+				path = u.Path
+			}
+		}
+		if p, err := url.PathUnescape(path); err == nil {
+			path = p
+		}
+	}
+	values, err := url.ParseQuery(query)
+	if err != nil {
+		return target{}, usagef("--db %q: %v", raw, err)
+	}
+	var add []string
+	for _, p := range sqliteParams {
+		if !values.Has(p[0]) {
+			add = append(add, p[0]+"="+p[1])
+		}
+	}
+	if len(add) > 0 {
+		sep := "?"
+		if strings.Contains(dsn, "?") {
+			sep = "&"
+		}
+		dsn += sep + strings.Join(add, "&")
+	}
+	if path == ":memory:" || values.Get("mode") == "memory" {
+		path = ""
+	}
+	return target{kind: kindSQLite, driver: "sqlite3", dsn: dsn, shown: redactQuery(raw), path: path, dialect: outbox.SQLite}, nil
+}
+
+// redactURL hides a URL's password, in the user part or in a parameter.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	if _, ok := u.User.Password(); ok {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	q := u.Query()
+	changed := false
+	for k := range q {
+		if isSecretParam(k) {
+			q.Set(k, "xxxxx")
+			changed = true
+		}
+	}
+	if changed {
+		u.RawQuery = q.Encode()
+	}
+	return u.String()
+}
+
+// redactMySQL hides the password of user:pass@tcp(host)/db. The driver
+// takes the password verbatim, up to the last @ before the database.
+func redactMySQL(raw string) string {
+	slash := strings.LastIndex(raw, "/")
+	if slash < 0 {
+		slash = len(raw)
+	}
+	at := strings.LastIndex(raw[:slash], "@")
+	if at < 0 {
+		return redactQuery(raw)
+	}
+	creds := raw[:at]
+	if colon := strings.IndexByte(creds, ':'); colon >= 0 {
+		raw = creds[:colon+1] + "xxxxx" + raw[at:]
+	}
+	return redactQuery(raw)
+}
+
+// redactQuery hides password parameters of a DSN's query string.
+func redactQuery(raw string) string {
+	base, query, ok := strings.Cut(raw, "?")
+	if !ok {
+		return raw
+	}
+	parts := strings.Split(query, "&")
+	for i, p := range parts {
+		if k, _, ok := strings.Cut(p, "="); ok && isSecretParam(k) {
+			parts[i] = k + "=xxxxx"
+		}
+	}
+	return base + "?" + strings.Join(parts, "&")
+}
+
+func isSecretParam(k string) bool {
+	k = strings.ToLower(k)
+	return strings.Contains(k, "pass") || strings.Contains(k, "secret")
+}
+
+// database is an open, answering database.
+type database struct {
+	*target
+	db  *sql.DB
+	cli *cli
+}
+
+// open opens --db and makes sure it answers. An SQLite file must exist
+// unless create is set (migrate): opening a mistyped path would otherwise
+// create an empty database and report its outbox as missing.
+func (c *cli) open(create bool) (*database, error) {
+	t, err := parseTarget(c.g.db)
+	if err != nil {
+		return nil, err
+	}
+	if t.kind == kindSQLite && t.path != "" && !create {
+		if _, err := os.Stat(t.path); err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("the sqlite database %s does not exist (outboxctl migrate creates it)", t.shown)
+			}
+			return nil, fmt.Errorf("cannot open the sqlite database %s: %v", t.shown, err)
+		}
+	}
+	db, err := sql.Open(t.driver, t.dsn)
+	if err != nil {
+		return nil, fmt.Errorf("cannot open the %s database at %s: %v", t.kind, t.shown, err)
+	}
+	ctx, cancel := context.WithTimeout(c.ctx, connectTimeout)
+	defer cancel()
+	if err := db.PingContext(ctx); err != nil {
+		_ = db.Close()
+		if t.kind == kindSQLite {
+			return nil, fmt.Errorf("cannot open the sqlite database %s: %v", t.shown, err)
+		}
+		return nil, fmt.Errorf("cannot connect to the %s database at %s: %v", t.kind, t.shown, connectError(err))
+	}
+	return &database{target: &t, db: db, cli: c}, nil
+}
+
+func (d *database) Close() error { return d.db.Close() }
+
+// connectError is the part of a failed connection a person acts on: the
+// network's refusal rather than pgx's account of every address and TLS mode
+// it tried, and the server's answer otherwise.
+func connectError(err error) error {
+	var netErr *net.OpError
+	if errors.As(err, &netErr) {
+		return netErr
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr
+	}
+	return err
+}
+
+// requireTable fails with the migrate hint unless table exists.
+func (d *database) requireTable(ctx context.Context, table string) error {
+	var check func(context.Context) error
+	if table == d.cli.g.inboxTable {
+		in, err := d.cli.inbox(d, 0)
+		if err != nil {
+			return err
+		}
+		check = in.Check
+	} else {
+		s, err := d.cli.store(d, 0)
+		if err != nil {
+			return err
+		}
+		check = s.Check
+	}
+	return d.explain(check(ctx), table)
+}
+
+// hasTable says whether table exists; other failures are errors.
+func (d *database) hasTable(ctx context.Context, table string) (bool, error) {
+	err := d.requireTable(ctx, table)
+	var missing *missingTableError
+	if errors.As(err, &missing) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// missingTableError is a table the statement needed that is not there.
+type missingTableError struct {
+	table string
+	db    string
+}
+
+func (e *missingTableError) Error() string {
+	if e.table == outbox.DefaultTable || e.table == outbox.DefaultInboxTable {
+		return fmt.Sprintf("%s does not exist: run `outboxctl migrate` (database %s)", e.table, e.db)
+	}
+	return fmt.Sprintf("%s does not exist in the database %s: check --table/--inbox-table (outboxctl migrate creates %s and %s)",
+		e.table, e.db, outbox.DefaultTable, outbox.DefaultInboxTable)
+}
+
+// explain turns the error of a statement on table into the migrate hint when
+// the table is missing, and adds where it happened otherwise.
+func (d *database) explain(err error, table string) error {
+	if err == nil {
+		return nil
+	}
+	if isMissingTable(err) {
+		return &missingTableError{table: table, db: d.shown}
+	}
+	return err
+}
+
+// isMissingTable recognises "no such table" per database: by SQLSTATE on
+// PostgreSQL, by error number on MySQL, and by the message on SQLite, whose
+// code for it is the generic SQLITE_ERROR.
+func isMissingTable(err error) bool {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code == "42P01" || pg.Code == "3F000" // undefined_table, invalid_schema_name
+	}
+	var my *mysql.MySQLError
+	if errors.As(err, &my) {
+		return my.Number == 1146 || my.Number == 1049 // ER_NO_SUCH_TABLE, ER_BAD_DB_ERROR
+	}
+	msg := err.Error()
+	return strings.Contains(msg, "no such table") || strings.Contains(msg, "unknown database")
+}
+
+// inbox is the library's Inbox over the inbox table, for its questions and
+// its purge.
+func (c *cli) inbox(d *database, purgeBatch int) (*outbox.Inbox, error) {
+	in, err := outbox.NewInbox(d.db, outbox.InboxConfig{Dialect: d.dialect, Table: c.g.inboxTable, PurgeBatch: purgeBatch})
+	if err != nil {
+		return nil, usagef("%v", err)
+	}
+	return in, nil
+}
+
+// store is the library's Store of the outbox table.
+func (c *cli) store(d *database, purgeBatch int) (*outbox.Store, error) {
+	s, err := outbox.NewStore(d.db, outbox.StoreConfig{
+		Dialect: d.dialect, Table: c.g.table, MaxAttempts: c.g.maxAttempts, PurgeBatch: purgeBatch,
+	})
+	if err != nil {
+		return nil, usagef("%v", err)
+	}
+	return s, nil
+}
+
+// openOutbox opens --db and checks the outbox table, the start of every
+// command but migrate.
+func (c *cli) openOutbox() (*database, error) { return c.openChecked(true) }
+
+// openChecked opens --db after checking the table names, and checks that the
+// outbox table exists if the command needs it.
+func (c *cli) openChecked(needOutbox bool) (*database, error) {
+	if err := outbox.ValidTableName(c.g.table); err != nil {
+		return nil, usagef("--table: %v", err)
+	}
+	if err := outbox.ValidTableName(c.g.inboxTable); err != nil {
+		return nil, usagef("--inbox-table: %v", err)
+	}
+	d, err := c.open(false)
+	if err != nil {
+		return nil, err
+	}
+	if needOutbox {
+		if err := d.requireTable(c.ctx, c.g.table); err != nil {
+			_ = d.Close()
+			return nil, err
+		}
+	}
+	return d, nil
+}

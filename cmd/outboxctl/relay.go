@@ -1,0 +1,179 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
+
+// shutdownTimeout bounds the wait for /metrics and /healthz requests in
+// progress when the relay stops; the relay's own batch is not bounded by it.
+const shutdownTimeout = 5 * time.Second
+
+func (c *cli) relay(args []string) error {
+	fs := c.flagSet("relay")
+	batch := fs.Int("batch-size", 100, "rows one claim takes, 1 to 1000")
+	poll := fs.Duration("poll-interval", time.Second, "how long the relay waits for new rows when nothing woke it (PostgreSQL's NOTIFY wakes it at commit)")
+	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
+	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
+	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
+	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL] [--batch-size N] [--poll-interval D] [--listen ADDR]")
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	switch {
+	case *batch < 1 || *batch > 1000:
+		return usagef("--batch-size: %d; want 1 to 1000", *batch)
+	case *poll <= 0:
+		return usagef("--poll-interval: %s; want more than 0", *poll)
+	case *stats <= 0:
+		return usagef("--stats-interval: %s; want more than 0", *stats)
+	case len(*relayID) > 64:
+		return usagef("--relay-id: longer than the 64 characters locked_by holds")
+	case c.g.amqp == "":
+		return usagef("relay: no broker: pass --amqp or set OUTBOX_AMQP_URL (amqp://user:pass@host:5672/vhost)")
+	}
+	amqpShown := redactURL(c.g.amqp)
+
+	log := slog.New(slog.NewTextHandler(c.stderr, nil))
+	wlog := watermill.NewSlogLogger(log)
+
+	d, err := c.openOutbox()
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: c.g.amqp, ConnectionName: "outboxctl relay", Logger: wlog})
+	if err != nil {
+		return usagef("--amqp %s: %v", amqpShown, err)
+	}
+	// A broker that is down when the relay starts is an operator's to fix;
+	// one lost later is the relay's to wait out (it backs off and claims
+	// nothing meanwhile).
+	connectCtx, cancel := context.WithTimeout(c.ctx, connectTimeout)
+	err = dest.Connect(connectCtx)
+	cancel()
+	if err != nil {
+		_ = dest.Close()
+		var amqpErr *amqp.Error
+		if errors.As(err, &amqpErr) {
+			return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, amqpErr)
+		}
+		return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, connectError(err))
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		collectors.NewDBStatsCollector(d.db, "outbox"),
+	)
+	metrics, err := outbox.NewMetrics(reg)
+	if err != nil {
+		_ = dest.Close()
+		return err
+	}
+	fwd, err := outbox.NewForwarder(d.db, dest, outbox.ForwarderConfig{
+		Dialect:       d.dialect,
+		Table:         c.g.table,
+		BatchSize:     *batch,
+		MaxAttempts:   c.g.maxAttempts,
+		PollInterval:  *poll,
+		RelayID:       *relayID,
+		Logger:        wlog,
+		Metrics:       metrics,
+		StatsInterval: *stats,
+	})
+	if err != nil {
+		_ = dest.Close() // the forwarder owns it only once made
+		return usagef("%v", err)
+	}
+
+	// healthy: 200 on /healthz while the forwarder runs, 503 before it
+	// starts and from the moment it is told to stop.
+	var healthy atomic.Bool
+	var srv *http.Server
+	served := make(chan error, 1)
+	if *listen != "" {
+		ln, err := net.Listen("tcp", *listen)
+		if err != nil {
+			_ = fwd.Close()
+			return fmt.Errorf("--listen %s: %v", *listen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+			if healthy.Load() {
+				fmt.Fprintln(w, "ok")
+				return
+			}
+			http.Error(w, "not running", http.StatusServiceUnavailable)
+		})
+		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go func() { served <- srv.Serve(ln) }()
+		log.Info("Serving /metrics and /healthz", "addr", ln.Addr().String())
+	}
+
+	ran := make(chan error, 1)
+	go func() { ran <- fwd.Run(c.ctx) }()
+	var runErr error
+	select {
+	case <-fwd.Running():
+		healthy.Store(true)
+		log.Info("Relay running", "db", d.shown, "amqp", amqpShown, "table", c.g.table)
+		select {
+		case <-c.ctx.Done():
+		case runErr = <-ran:
+			ran = nil
+		}
+	case <-c.ctx.Done():
+	case runErr = <-ran:
+		ran = nil
+	}
+	healthy.Store(false)
+	if c.ctx.Err() != nil {
+		log.Info("Stop requested: finishing the batch in flight")
+	}
+	closeErr := fwd.Close() // waits for Run to finish the batch, then closes the connection
+	if ran != nil {
+		runErr = <-ran
+		if c.ctx.Err() != nil && errors.Is(runErr, outbox.ErrForwarderClosed) {
+			runErr = nil // stopped before Run had begun
+		}
+	}
+	if srv != nil {
+		shutCtx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+		_ = srv.Shutdown(shutCtx)
+		cancel()
+		<-served
+	}
+	if closeErr != nil {
+		// Nothing is lost: the rows were marked before the connection closed.
+		log.Warn("Closing the RabbitMQ connection failed", "error", closeErr)
+	}
+	if runErr != nil {
+		return fmt.Errorf("relay stopped: %w", runErr)
+	}
+	if c.ctx.Err() == nil {
+		return errors.New("relay stopped on its own")
+	}
+	log.Info("Relay stopped")
+	return nil
+}

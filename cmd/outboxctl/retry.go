@@ -1,0 +1,76 @@
+package main
+
+import "fmt"
+
+const retryChunk = 1000
+
+func (c *cli) retry(args []string) error {
+	fs := c.flagSet("retry")
+	all := fs.Bool("all-stuck", false, "retry every stuck row instead of the ids given")
+	asJSON := fs.Bool("json", false, `print {"retried": N}, for scripts`)
+	ids, err := c.parse(fs, args, "outboxctl retry ID... | outboxctl retry --all-stuck")
+	if err != nil {
+		return err
+	}
+	switch {
+	case *all && len(ids) > 0:
+		return usagef("retry: give ids or --all-stuck, not both")
+	case !*all && len(ids) == 0:
+		return usagef("retry: give the ids to retry (see outboxctl stuck), or --all-stuck")
+	}
+	seen := make(map[string]bool, len(ids))
+	unique := ids[:0]
+	for _, id := range ids {
+		if id == "" {
+			return usagef("retry: an empty id")
+		}
+		if !seen[id] {
+			seen[id] = true
+			unique = append(unique, id)
+		}
+	}
+	ids = unique
+	d, err := c.openOutbox()
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	s, err := c.store(d, 0)
+	if err != nil {
+		return err
+	}
+	var n int64
+	if *all {
+		n, err = s.RetryAllStuck(c.ctx)
+	} else {
+		// In chunks: one statement's placeholders are bounded (65,535 on
+		// PostgreSQL), and a list of ids pasted from stuck may be long.
+		for start := 0; start < len(ids) && err == nil; start += retryChunk {
+			var m int64
+			m, err = s.Retry(c.ctx, ids[start:min(start+retryChunk, len(ids))]...)
+			n += m
+		}
+	}
+	if err != nil {
+		return d.explain(err, c.g.table)
+	}
+	if *asJSON {
+		return writeJSON(c.stdout, map[string]int64{"retried": n})
+	}
+	fmt.Fprintf(c.stdout, "%s made pending again (attempts reset to 0)\n", rows(n))
+	if !*all && n < int64(len(ids)) {
+		// MySQL counts changed rows only, so a row pending at 0 attempts
+		// already is among these too.
+		fmt.Fprintf(c.stdout, "%d of the %d ids given: published already, pending already, or not in %s\n",
+			int64(len(ids))-n, len(ids), c.g.table)
+	}
+	return nil
+}
+
+// rows is "1 row" or "n rows".
+func rows(n int64) string {
+	if n == 1 {
+		return "1 row"
+	}
+	return fmt.Sprintf("%d rows", n)
+}

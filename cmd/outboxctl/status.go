@@ -1,0 +1,103 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"text/tabwriter"
+	"time"
+)
+
+// statusReport is status --json. The field names are a contract with the
+// scripts and dashboards that read them: add fields, never rename one.
+type statusReport struct {
+	Database          string     `json:"database"` // postgres, mysql, sqlite
+	Table             string     `json:"table"`
+	Pending           int64      `json:"pending"`
+	OldestPendingAt   *time.Time `json:"oldest_pending_at"` // null when nothing is pending
+	OldestPendingAge  float64    `json:"oldest_pending_age_seconds"`
+	Stuck             int64      `json:"stuck"`
+	MaxAttempts       int        `json:"max_attempts"`
+	PublishedLastHour int64      `json:"published_last_hour"`
+	InboxTable        string     `json:"inbox_table"`
+	Processed         *int64     `json:"processed_messages"` // null when the inbox table is not in this database
+}
+
+func (c *cli) status(args []string) error {
+	fs := c.flagSet("status")
+	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
+	rest, err := c.parse(fs, args, "outboxctl status [--json]")
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	d, err := c.openOutbox()
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	s, err := c.store(d, 0)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	st, err := s.Stats(c.ctx)
+	if err != nil {
+		return d.explain(err, c.g.table)
+	}
+	r := statusReport{
+		Database: d.kind, Table: c.g.table, Pending: st.Pending, Stuck: st.Stuck,
+		MaxAttempts: c.g.maxAttempts, InboxTable: c.g.inboxTable,
+	}
+	if !st.OldestPending.IsZero() {
+		at := st.OldestPending
+		r.OldestPendingAt = &at
+		r.OldestPendingAge = math.Round(max(0, now.Sub(at).Seconds())*1000) / 1000
+	}
+	if r.PublishedLastHour, err = s.PublishedSince(c.ctx, now.Add(-time.Hour)); err != nil {
+		return d.explain(err, c.g.table)
+	}
+	// The inbox may live in the consumers' database rather than this one.
+	if ok, err := d.hasTable(c.ctx, c.g.inboxTable); err != nil {
+		return err
+	} else if ok {
+		in, err := c.inbox(d, 0)
+		if err != nil {
+			return err
+		}
+		n, err := in.Count(c.ctx)
+		if err != nil {
+			return d.explain(err, c.g.inboxTable)
+		}
+		r.Processed = &n
+	}
+	if *asJSON {
+		return writeJSON(c.stdout, r)
+	}
+	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "table\t%s (%s)\n", r.Table, r.Database)
+	fmt.Fprintf(tw, "pending\t%d\n", r.Pending)
+	if r.OldestPendingAt == nil {
+		fmt.Fprintf(tw, "oldest pending age\t-\n")
+	} else {
+		fmt.Fprintf(tw, "oldest pending age\t%s (created %s)\n",
+			formatAge(time.Duration(r.OldestPendingAge*float64(time.Second))), r.OldestPendingAt.UTC().Format(time.RFC3339))
+	}
+	fmt.Fprintf(tw, "stuck\t%d (at %d attempts; see outboxctl stuck)\n", r.Stuck, r.MaxAttempts)
+	fmt.Fprintf(tw, "published in the last hour\t%d\n", r.PublishedLastHour)
+	if r.Processed == nil {
+		fmt.Fprintf(tw, "%s\t- (no such table in this database)\n", r.InboxTable)
+	} else {
+		fmt.Fprintf(tw, "%s\t%s\n", r.InboxTable, rows(*r.Processed))
+	}
+	return tw.Flush()
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}

@@ -1,0 +1,100 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode"
+)
+
+// stuckReport is stuck --json; like status, its names do not change.
+type stuckReport struct {
+	MaxAttempts int        `json:"max_attempts"`
+	Total       int64      `json:"total"` // all stuck rows, of which rows holds up to --limit
+	Rows        []stuckRow `json:"rows"`
+}
+
+type stuckRow struct {
+	ID         string    `json:"id"`
+	Exchange   string    `json:"exchange"`
+	RoutingKey string    `json:"routing_key"`
+	Attempts   int       `json:"attempts"`
+	LastError  string    `json:"last_error"`
+	CreatedAt  time.Time `json:"created_at"`
+}
+
+func (c *cli) stuck(args []string) error {
+	fs := c.flagSet("stuck")
+	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
+	limit := fs.Int("limit", 100, "list at most this many rows, oldest first")
+	rest, err := c.parse(fs, args, "outboxctl stuck [--limit N] [--json]")
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	if *limit < 1 {
+		return usagef("--limit: %d; want at least 1", *limit)
+	}
+	d, err := c.openOutbox()
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	s, err := c.store(d, 0)
+	if err != nil {
+		return err
+	}
+	recs, err := s.Stuck(c.ctx, *limit)
+	if err != nil {
+		return d.explain(err, c.g.table)
+	}
+	st, err := s.Stats(c.ctx)
+	if err != nil {
+		return d.explain(err, c.g.table)
+	}
+	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(st.Stuck, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
+	for i, rec := range recs {
+		r.Rows[i] = stuckRow{ID: rec.ID, Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
+			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
+	}
+	if *asJSON {
+		return writeJSON(c.stdout, r)
+	}
+	if len(r.Rows) == 0 {
+		fmt.Fprintf(c.stdout, "no stuck rows (none unpublished at %d attempts)\n", r.MaxAttempts)
+		return nil
+	}
+	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tDESTINATION (EXCHANGE / ROUTING KEY)\tATTEMPTS\tCREATED\tLAST ERROR")
+	for _, row := range r.Rows {
+		exchange := row.Exchange
+		if exchange == "" {
+			exchange = "(default)"
+		}
+		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s\n", printable(row.ID), printable(exchange), printable(row.RoutingKey),
+			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), printable(row.LastError))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if r.Total > int64(len(r.Rows)) {
+		fmt.Fprintf(c.stdout, "%d of %d stuck rows shown (--limit %d)\n", len(r.Rows), r.Total, *limit)
+	}
+	fmt.Fprintln(c.stdout, "outboxctl retry ID... or outboxctl retry --all-stuck makes them pending again")
+	return nil
+}
+
+// printable keeps a value written by any library, or a broker's error
+// text, on its line of the table and out of the terminal's control: tabs,
+// newlines and escapes become spaces.
+func printable(s string) string {
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, s)
+}
