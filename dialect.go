@@ -31,6 +31,9 @@ type Dialect interface {
 	rebind(query string) string
 	// claimSetup, if not empty, runs first in a locking claim's transaction.
 	claimSetup() string
+	// overlappingClaims: a relay may hold the claim of one batch while it
+	// marks the batch before, which is what pipelining does.
+	overlappingClaims() bool
 	// leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	leases() bool

@@ -79,3 +79,7 @@ func (sqliteDialect) purgeProcessed(table string) string {
 }
 
 func (sqliteDialect) claimSetup() string { return "" }
+
+// overlappingClaims: a claim is a committed lease; no lock is held while a
+// batch is in flight.
+func (sqliteDialect) overlappingClaims() bool { return true }

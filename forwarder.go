@@ -242,7 +242,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	// Only the AMQP destination itself pipelines: a wrapper that embeds it
 	// would otherwise be skipped, its own Publish never called.
 	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() {
+	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && f.store.dialect.overlappingClaims() {
 		pipe = d
 	}
 	pipelined := pipe != nil

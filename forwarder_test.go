@@ -251,7 +251,7 @@ func brokerClosedMidStream(t *testing.T, window int) {
 		defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), ignorePools)
 		b := testamqp.New(t)
 		queue := b.Queue("order.placed")
-		n := 1500
+		n := 3000
 		if window == 0 {
 			n = 8000 // the pipelined relay is fast
 		}
@@ -274,7 +274,8 @@ func brokerClosedMidStream(t *testing.T, window int) {
 		go func() { done <- f.Run(ctx) }()
 		<-f.Running()
 
-		waitFor(t, 30*time.Second, "the relay to be under way", func() bool { p := pendingCount(t, f); return p >= 0 && p < int64(n) })
+		// rabbitmqctl takes a second or two to start: called at once, its
+		// close lands while the relay is at work.
 		if testamqp.CloseConnections(t, name) == 0 {
 			t.Fatal("no relay connection to close")
 		}
