@@ -1,0 +1,225 @@
+package integration_test
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// relaySupervisor starts relay processes (re-executions of this test
+// binary, see relayMain), kills them, and tells a relay's death by its own
+// hand from a crash. It is used by one goroutine at a time: the chaos
+// goroutine while it runs, the test's before and after.
+type relaySupervisor struct {
+	t       *testing.T
+	env     []string
+	out     *lockedBuffer
+	cur     *relayChild
+	started int
+	// deaths counts, per point (dieAfterConfirm, dieHoldingClaim), the
+	// relays that SIGKILLed themselves there, as they were told to.
+	deaths map[string]int
+}
+
+// dieSpec tells a relay where to kill itself; the zero value never.
+type dieSpec struct {
+	point string // dieAfterConfirm or dieHoldingClaim
+	batch int    // at its batch-th batch
+}
+
+func (d dieSpec) String() string {
+	if d.point == "" {
+		return "-"
+	}
+	return fmt.Sprintf("%s at batch %d", d.point, d.batch)
+}
+
+type relayChild struct {
+	n     int
+	die   dieSpec
+	cmd   *exec.Cmd
+	ready chan struct{} // closed when the relay said relayReady
+	done  chan struct{} // closed when it exited
+	err   error         // of Wait, once done is closed
+}
+
+func newRelaySupervisor(t *testing.T, driver, dsn, connName string) *relaySupervisor {
+	s := &relaySupervisor{t: t, out: &lockedBuffer{}, deaths: map[string]int{}, env: []string{
+		envRelay + "=1", envRelayDriver + "=" + driver, envRelayDSN + "=" + dsn,
+		envRelayAMQP + "=" + testdb.AMQPURL(), envRelayConn + "=" + connName,
+	}}
+	t.Cleanup(func() {
+		s.kill() // no relay outlives its test
+		if t.Failed() {
+			t.Logf("relay processes' output (last 300 lines):\n%s", s.out.tail(300))
+		}
+	})
+	return s
+}
+
+// start starts a relay, which kills itself where die says.
+func (s *relaySupervisor) start(die dieSpec) {
+	s.started++
+	c := &relayChild{n: s.started, die: die, ready: make(chan struct{}), done: make(chan struct{})}
+	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
+	c.cmd.Env = append(os.Environ(), s.env...)
+	if die.point != "" {
+		c.cmd.Env = append(c.cmd.Env, envRelayDie+"="+die.point+":"+strconv.Itoa(die.batch))
+	}
+	fmt.Fprintf(s.out, "=== relay #%d (dies: %s)\n", c.n, die)
+	c.cmd.Stdout = &readyWriter{out: s.out, ready: c.ready}
+	c.cmd.Stderr = s.out
+	if err := c.cmd.Start(); err != nil {
+		s.t.Errorf("start relay process: %v", err)
+		return
+	}
+	go func() {
+		c.err = c.cmd.Wait()
+		close(c.done)
+	}()
+	s.cur = c
+}
+
+// kill SIGKILLs the current relay, if one runs, waits for it, and returns
+// its number (0 if none was running).
+func (s *relaySupervisor) kill() int {
+	c := s.cur
+	if c == nil {
+		return 0
+	}
+	s.cur = nil
+	select {
+	case <-c.done:
+		s.judge(c) // it had died on its own
+		return 0
+	default:
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGKILL)
+	<-c.done
+	return c.n
+}
+
+// reap returns the number of the current relay if it has died on its own
+// (0 if it runs, or none does). Dying where it was told to is counted; any
+// other death fails the test.
+func (s *relaySupervisor) reap() int {
+	c := s.cur
+	if c == nil {
+		return 0
+	}
+	select {
+	case <-c.done:
+	default:
+		return 0
+	}
+	s.cur = nil
+	s.judge(c)
+	return c.n
+}
+
+func (s *relaySupervisor) judge(c *relayChild) {
+	if !s.diedAsTold(c) {
+		s.t.Errorf("relay #%d exited on its own: %v (exit status 66 is the race detector's); see its output", c.n, c.err)
+	}
+}
+
+// diedAsTold counts and reports an exited relay that SIGKILLed itself where
+// it was told to.
+func (s *relaySupervisor) diedAsTold(c *relayChild) bool {
+	var exit *exec.ExitError
+	if c.die.point != "" && errors.As(c.err, &exit) {
+		if ws, ok := exit.Sys().(syscall.WaitStatus); ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL {
+			s.deaths[c.die.point]++
+			return true
+		}
+	}
+	return false
+}
+
+// stop asks the current relay to stop with SIGTERM, once it is ready to
+// take it, and expects a clean exit within timeout. A relay that dies by
+// its own hand meanwhile, as it was told to, is counted as such.
+func (s *relaySupervisor) stop(timeout time.Duration) error {
+	c := s.cur
+	if c == nil {
+		return errors.New("no relay running")
+	}
+	s.cur = nil
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	select {
+	case <-c.ready:
+		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	case <-c.done:
+	case <-deadline.C:
+	}
+	select {
+	case <-c.done:
+		if c.err != nil && s.diedAsTold(c) {
+			return nil
+		}
+		return c.err
+	case <-deadline.C:
+		_ = c.cmd.Process.Signal(syscall.SIGKILL)
+		<-c.done
+		return fmt.Errorf("relay #%d still running %s after it was started; killed", c.n, timeout)
+	}
+}
+
+// readyWriter passes a relay's stdout on, and closes ready when the relay
+// says relayReady.
+type readyWriter struct {
+	out   *lockedBuffer
+	ready chan struct{}
+	seen  []byte // stdout so far, until the line is seen
+	done  bool
+}
+
+func (w *readyWriter) Write(p []byte) (int, error) {
+	if !w.done {
+		w.seen = append(w.seen, p...)
+		if bytes.Contains(w.seen, []byte(relayReady+"\n")) {
+			w.done, w.seen = true, nil
+			close(w.ready)
+		}
+	}
+	return w.out.Write(p)
+}
+
+// lockedBuffer collects the output of the relay processes.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) tail(n int) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var lines []string
+	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+	}
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
