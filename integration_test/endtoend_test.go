@@ -128,12 +128,27 @@ func TestEndToEnd_ChaosOnRelayBrokerAndDatabase_EveryCommittedOrderExactlyOneEff
 }
 
 // say logs to the test log and to stdout, so that the numbers show in CI
-// output run with -v.
+// output run with -v, and appends to the file OUTBOX_E2E_REPORT names, which
+// .ci/run prints after the README's test command (without -v, go test shows
+// nothing of a passing package).
 func say(t *testing.T, format string, args ...any) {
 	t.Helper()
 	t.Logf(format, args...)
 	fmt.Printf(format+"\n", args...)
+	if path := os.Getenv("OUTBOX_E2E_REPORT"); path != "" {
+		reportMu.Lock()
+		defer reportMu.Unlock()
+		f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			t.Errorf("OUTBOX_E2E_REPORT: %v", err)
+			return
+		}
+		defer f.Close()
+		fmt.Fprintf(f, format+"\n", args...)
+	}
 }
+
+var reportMu sync.Mutex
 
 // run is one database's end-to-end run.
 type run struct {
