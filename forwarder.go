@@ -63,6 +63,12 @@ type ForwarderConfig struct {
 	StatsInterval time.Duration
 }
 
+// pipelineDepth is how many batches Run keeps in flight beyond the one it
+// is sending: enough that the broker always has a batch to confirm while
+// the relay marks one and claims the next. Each holds a claim (a
+// connection and its row locks on PostgreSQL) until it is settled.
+const pipelineDepth = 2
+
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
 // flight stay of a size every database and the broker take in their stride.
 const maxBatchSize = 1000
@@ -248,8 +254,8 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	pipelined := pipe != nil
 	var (
 		delay     time.Duration
-		inflight  *batch  // sent, its confirms not yet collected
-		after     *cursor // where the next claim of a drain starts
+		queue     []*batch // sent, their confirms not yet collected, oldest first
+		after     *cursor  // where the next claim of a drain starts
 		lastStats time.Time
 	)
 	for {
@@ -288,19 +294,24 @@ func (f *Forwarder) Run(ctx context.Context) error {
 			cancel()
 		}
 		failed, settled := claimErr != nil, false
-		if inflight != nil {
-			failed = f.settleSent(work, pipe, inflight, false) || failed
+		if next != nil && next.pending != nil && !stopping {
+			queue = append(queue, next)
+		}
+		// Collect confirms oldest first: when the pipeline is full, and
+		// all of it when a batch went synchronously (its marks must come
+		// after theirs), when nothing more was claimed, or when the relay
+		// is about to back off or stop, so that nothing stays in flight. A
+		// batch sent while one before it failed is behind that failure:
+		// none of it is marked.
+		for len(queue) > 0 && (len(queue) > pipelineDepth || failed || stopping || next == nil || next.pending == nil) {
+			b := queue[0]
+			queue = queue[1:]
+			failed = f.settleSent(work, pipe, b, failed) || failed
 			settled = true
 		}
-		inflight = nil
-		if next != nil && (next.pending == nil || failed || stopping) {
-			// Not pipelined, or the relay is about to back off or stop:
-			// nothing stays in flight. A batch sent while the one before
-			// it failed is behind that failure: none of it is marked.
+		if next != nil && next.pending == nil {
 			failed = f.settleSent(work, pipe, next, failed) || failed
 			settled = true
-		} else {
-			inflight = next
 		}
 		f.sweepMu.Unlock()
 
@@ -319,7 +330,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		case failed:
 			delay = f.nextDelay(delay)
 			wait = delay
-		case inflight != nil || next.full(f.cfg.BatchSize):
+		case len(queue) > 0 || next.full(f.cfg.BatchSize):
 			if settled {
 				delay = 0 // a batch went through: the failure is over
 			}
