@@ -35,7 +35,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -234,7 +233,7 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 	var published int
 	err = demo.WaitFor(ctx, l.timeout+killedRelayLease, func(ctx context.Context) (bool, error) {
 		var err error
-		if published, err = l.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = l.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
 			return false, err
 		}
 		sent := len(first) + len(second.ours(messageIDs))
@@ -318,7 +317,7 @@ func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Write
 	fmt.Fprintf(stdout, "relay 1 (child process %d): the broker confirmed %d messages, then the relay died (%v) before marking them published\n",
 		child.Process.Pid, len(first), exit)
 
-	pending, err := l.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND id IN (?)", first)
+	pending, err := l.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND id IN (?)", first)
 	if err != nil {
 		return nil, err
 	}
@@ -412,28 +411,11 @@ func (l *ledger) post(msg *message.Message) error {
 // report prints the summary and fails unless every capture has exactly one
 // ledger entry.
 func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, messageIDs, first, second []string, killRelay bool) error {
-	entries := map[string]int{}
-	q, args, err := sqlx.In("SELECT payment_id, COUNT(*) FROM ledger_entries WHERE payment_id IN (?) GROUP BY payment_id", payments)
+	entries, err := l.db.CountPerID(ctx, "SELECT payment_id, COUNT(*) FROM ledger_entries WHERE payment_id IN (?) GROUP BY payment_id", payments)
 	if err != nil {
 		return err
 	}
-	rows, err := l.db.QueryxContext(ctx, l.db.Rebind(q), args...)
-	if err != nil {
-		return err
-	}
-	for rows.Next() {
-		var id string
-		var n int
-		if err := rows.Scan(&id, &n); err != nil {
-			_ = rows.Close()
-			return err
-		}
-		entries[id] = n
-	}
-	if err := rows.Close(); err != nil {
-		return err
-	}
-	processed, err := l.count(ctx, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'ledger' AND message_id IN (?)", messageIDs)
+	processed, err := l.db.CountIn(ctx, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'ledger' AND message_id IN (?)", messageIDs)
 	if err != nil {
 		return err
 	}
@@ -466,20 +448,6 @@ func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, message
 		return fmt.Errorf("%d ledger entries for %d captures; want exactly one each", total, len(payments))
 	}
 	return nil
-}
-
-// count runs a COUNT(*) query whose one "IN (?)" takes ids.
-func (l *ledger) count(ctx context.Context, query string, ids []string) (int, error) {
-	if len(ids) == 0 {
-		return 0, nil
-	}
-	q, args, err := sqlx.In(query, ids)
-	if err != nil {
-		return 0, err
-	}
-	var n int
-	err = l.db.GetContext(ctx, &n, l.db.Rebind(q), args...)
-	return n, err
 }
 
 // tally counts, outside the inbox, the deliveries of this run's messages

@@ -26,7 +26,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -311,10 +310,10 @@ func (s *shop) waitFulfilled(ctx context.Context, attempts []*attempt, timeout t
 	var fulfilled, published int
 	err := demo.WaitFor(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
-		if fulfilled, err = s.count(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
+		if fulfilled, err = s.db.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
 			return false, err
 		}
-		if published, err = s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
 			return false, err
 		}
 		return fulfilled == len(orderIDs) && published == len(messageIDs), nil
@@ -336,38 +335,19 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 			rejectedIDs, rejectedMsgs = append(rejectedIDs, a.order.ID), append(rejectedMsgs, a.messageID)
 		}
 	}
-	perOrder := map[string]int{}
-	if len(placedIDs) > 0 {
-		q, args, err := sqlx.In("SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
-		if err != nil {
-			return err
-		}
-		rows, err := s.db.QueryxContext(ctx, s.db.Rebind(q), args...)
-		if err != nil {
-			return err
-		}
-		for rows.Next() {
-			var id string
-			var n int
-			if err := rows.Scan(&id, &n); err != nil {
-				_ = rows.Close()
-				return err
-			}
-			perOrder[id] = n
-		}
-		if err := rows.Close(); err != nil {
-			return err
-		}
-	}
-	published, err := s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
+	perOrder, err := s.db.CountPerID(ctx, "SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
 	if err != nil {
 		return err
 	}
-	leftOrders, err := s.count(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
+	published, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
 	if err != nil {
 		return err
 	}
-	leftMessages, err := s.count(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
+	leftOrders, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
+	if err != nil {
+		return err
+	}
+	leftMessages, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
 	if err != nil {
 		return err
 	}
@@ -405,18 +385,4 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 		problems = append(problems, fmt.Errorf("rejected orders left %d order rows and %d outbox rows", leftOrders, leftMessages))
 	}
 	return errors.Join(problems...)
-}
-
-// count runs a COUNT(*) query whose one "IN (?)" takes ids.
-func (s *shop) count(ctx context.Context, query string, ids []string) (int, error) {
-	if len(ids) == 0 {
-		return 0, nil
-	}
-	q, args, err := sqlx.In(query, ids)
-	if err != nil {
-		return 0, err
-	}
-	var n int
-	err = s.db.GetContext(ctx, &n, s.db.Rebind(q), args...)
-	return n, err
 }

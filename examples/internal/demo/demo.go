@@ -193,3 +193,45 @@ func (s *syncWriter) Write(p []byte) (int, error) {
 	defer s.mu.Unlock()
 	return s.w.Write(p)
 }
+
+// CountIn runs a COUNT query whose "IN (?)" takes ids, and is 0 for no ids.
+// The examples count their own rows: the database may hold other runs'.
+func (db *DB) CountIn(ctx context.Context, query string, ids []string) (int, error) {
+	if len(ids) == 0 {
+		return 0, nil
+	}
+	q, args, err := sqlx.In(query, ids)
+	if err != nil {
+		return 0, err
+	}
+	var n int
+	err = db.GetContext(ctx, &n, db.Rebind(q), args...)
+	return n, err
+}
+
+// CountPerID runs a "SELECT id, COUNT(*) … IN (?) GROUP BY id" query over ids
+// and returns the count of each id that has rows.
+func (db *DB) CountPerID(ctx context.Context, query string, ids []string) (map[string]int, error) {
+	counts := map[string]int{}
+	if len(ids) == 0 {
+		return counts, nil
+	}
+	q, args, err := sqlx.In(query, ids)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := db.QueryxContext(ctx, db.Rebind(q), args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id string
+		var n int
+		if err := rows.Scan(&id, &n); err != nil {
+			return nil, err
+		}
+		counts[id] = n
+	}
+	return counts, rows.Err()
+}
