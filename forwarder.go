@@ -552,7 +552,9 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// is counted against it.
 		case err == nil:
 			published = append(published, rec.ID)
-			publishedRec = append(publishedRec, rec)
+			if f.cfg.Metrics != nil {
+				publishedRec = append(publishedRec, rec)
+			}
 		case errors.Is(err, ErrNotSent):
 			// Not sent; the claim's end frees it.
 		case IsPermanent(err):

@@ -339,6 +339,9 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []outboxRow) erro
 }
 
 func distinctIDs(rows []outboxRow) int {
+	if len(rows) == 1 {
+		return 1 // the common call: no map on the hot path
+	}
 	seen := make(map[string]struct{}, len(rows))
 	for i := range rows {
 		seen[rows[i].id] = struct{}{}
