@@ -294,6 +294,11 @@ func brokerClosedMidStream(t *testing.T, window int) {
 			f.Notify()
 		}
 		waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, f) == 0 })
+		// Pending counts rows under MaxAttempts: a row the relay gave up on
+		// is not pending either, and would look like a lost message below.
+		if stuck, err := f.Store().Stuck(context.Background(), 10); err != nil || len(stuck) > 0 {
+			t.Fatalf("stuck rows after the close (%v): %+v", err, stuck)
+		}
 		cancel()
 		if err := <-done; err != nil {
 			t.Fatal(err)
