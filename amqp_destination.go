@@ -12,10 +12,11 @@ import (
 )
 
 // returnsBuffer is the capacity of the channel that receives basic.return.
-// It holds every message of two batches of the largest size, the most that
-// can be unconfirmed at once, so the client's reader never blocks on a
-// return while the relay waits for confirms.
-const returnsBuffer = 2 * maxBatchSize
+// It holds every message of the batches Run keeps in flight at the largest
+// size, the most that can be unconfirmed at once, so the client's reader
+// never blocks on a return (amqp091-go drops one it cannot deliver within
+// 5 s) while the relay waits for confirms.
+const returnsBuffer = (pipelineDepth + 1) * maxBatchSize
 
 // maxWindow bounds AMQPConfig.Window.
 const maxWindow = maxBatchSize
@@ -88,13 +89,24 @@ type AMQPDestination struct {
 
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
-	ch        *amqp.Channel
-	returns   chan amqp.Return
-	returned  map[string]amqp.Return // drained, not yet claimed by a wait
-	chClosed  chan *amqp.Error
-	gen       uint64          // counts channels opened, so a window knows its own
+	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
+}
+
+// confirmChannel is one confirm channel and what the broker sends back on
+// it. A window keeps the one it went out on, and reads its confirms, returns
+// and close there, even after the destination moved on to a new channel: a
+// return read from the wrong channel would let an unroutable message be
+// marked published.
+type confirmChannel struct {
+	conn     *amqp.Connection
+	ch       *amqp.Channel
+	returns  chan amqp.Return
+	returned map[string]amqp.Return // drained, not yet claimed by a wait
+	closes   chan *amqp.Error
+	reason   string // the close's, once read from closes
+	dropped  bool   // closed by the destination, over a failure or a new connection
 }
 
 // ErrDestinationClosed is returned by a destination used after Close.
@@ -134,7 +146,8 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		d.exchanges = map[string]bool{}
 		d.cfg.Logger.Info("Connected to RabbitMQ", watermill.LogFields{"connection_name": d.cfg.ConnectionName})
 	}
-	if d.ch == nil || d.ch.IsClosed() {
+	if d.cc == nil || d.cc.ch.IsClosed() {
+		d.dropChannelLocked()
 		ch, err := d.conn.Channel()
 		if err != nil {
 			return fmt.Errorf("outbox: open channel: %w", err)
@@ -143,10 +156,13 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 			_ = ch.Close()
 			return fmt.Errorf("outbox: enable publisher confirms: %w", err)
 		}
-		d.returns = ch.NotifyReturn(make(chan amqp.Return, returnsBuffer))
-		d.chClosed = ch.NotifyClose(make(chan *amqp.Error, 1))
-		d.ch = ch
-		d.gen++
+		d.cc = &confirmChannel{
+			conn:     d.conn,
+			ch:       ch,
+			returns:  ch.NotifyReturn(make(chan amqp.Return, returnsBuffer)),
+			returned: map[string]amqp.Return{},
+			closes:   ch.NotifyClose(make(chan *amqp.Error, 1)),
+		}
 	}
 	return nil
 }
@@ -154,16 +170,20 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 // dropLocked closes the channel and connection, if any, so that the next use
 // opens fresh ones.
 func (d *AMQPDestination) dropLocked() {
-	if d.ch != nil {
-		_ = d.ch.Close()
-		d.ch = nil
-	}
+	d.dropChannelLocked()
 	if d.conn != nil {
 		_ = d.conn.Close()
 		d.conn = nil
 	}
 	d.exchanges = nil
-	d.returned = nil
+}
+
+func (d *AMQPDestination) dropChannelLocked() {
+	if d.cc != nil {
+		d.cc.dropped = true
+		_ = d.cc.ch.Close()
+		d.cc = nil
+	}
 }
 
 // Close closes the connection. Publish and Connect fail afterwards. Calling it
@@ -255,7 +275,7 @@ type sent struct {
 	recs     []Record
 	res      []error // failures known at send time
 	confirms []*amqp.DeferredConfirmation
-	gen      uint64 // the channel they went out on
+	on       *confirmChannel // the channel they went out on
 }
 
 func (p *sent) records() []Record { return p.recs }
@@ -267,10 +287,10 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	defer d.mu.Unlock()
 	p := &sent{recs: recs, res: make([]error, len(recs))}
 	if err := d.ensure(ctx); err != nil {
-		fillNotSent(p.res, 0, err)
+		fillNotSent(p.res, 0, connectionLost(err))
 		return p
 	}
-	p.gen = d.gen
+	p.on = d.cc
 	// Exchanges first, on a side channel: publishing to a missing one would
 	// close the confirm channel and fail every message in flight with it.
 	limit := len(recs)
@@ -287,15 +307,21 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
 	defer stop()
 	for i := 0; i < limit; i++ {
-		dc, err := d.ch.PublishWithDeferredConfirmWithContext(ctx, recs[i].Exchange, recs[i].RoutingKey, true, false, publishing(recs[i]))
+		msg := publishing(recs[i])
+		if err := msg.Headers.Validate(); err != nil {
+			// The client refuses the message itself: no retry changes that.
+			p.res[i] = Permanent(fmt.Errorf("publish: %w", err))
+			break
+		}
+		dc, err := p.on.ch.PublishWithDeferredConfirmWithContext(ctx, recs[i].Exchange, recs[i].RoutingKey, true, false, msg)
 		if err != nil {
-			if !d.ch.IsClosed() && ctx.Err() == nil {
-				// The client refused the message itself (a header it cannot
-				// encode): no retry will change that.
-				err = Permanent(err)
-			}
-			p.res[i] = fmt.Errorf("publish: %w", err)
-			limit = i
+			// The message was valid, so the channel or the connection is
+			// gone (its closing may not be visible on the channel yet), or
+			// the write failed: the broker's fault, not the record's. The
+			// channel goes too: after a failed write the broker's count of
+			// deliveries may no longer match the client's.
+			p.res[i] = connectionLost(fmt.Errorf("publish: %w", err))
+			d.dropLocked()
 			break
 		}
 		p.confirms = append(p.confirms, dc)
@@ -315,21 +341,28 @@ func (d *AMQPDestination) wait(ctx context.Context, pb pendingBatch) []error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	res := p.res
-	broken := false
+	if p.on == nil {
+		return res // not connected: nothing went out
+	}
+	timedOut := false
 	for i, dc := range p.confirms {
 		acked, err := dc.WaitContext(ctx)
 		switch {
 		case acked:
-		case p.gen != d.gen:
-			// The channel was dropped over an earlier window's failure: this
-			// one is not at fault, and counts no attempt.
-			res[i] = fmt.Errorf("%w: the channel was closed over an earlier failure", ErrNotSent)
 		case err != nil:
-			res[i] = fmt.Errorf("no confirm from the broker: %w", err)
-			broken = true
-		case d.ch == nil || d.ch.IsClosed():
-			res[i] = fmt.Errorf("channel closed before the broker confirmed: %v", d.closeReason())
-			broken = true
+			// The broker is up but does not confirm (a memory or disk alarm)
+			// or the network went quiet: nothing this record did.
+			res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
+			timedOut = true
+		case p.on.dropped || p.on.conn.IsClosed():
+			// The connection went, or the channel was closed over another
+			// window's failure: whether the broker has the message is
+			// unknown, and the record is not at fault.
+			res[i] = connectionLost(fmt.Errorf("channel closed before the broker confirmed: %s", p.on.closeReason()))
+		case p.on.ch.IsClosed():
+			// The broker closed this channel and kept the connection: a
+			// channel error, caused by something published on it.
+			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
 		default:
 			res[i] = errors.New("nacked by the broker")
 		}
@@ -337,49 +370,56 @@ func (d *AMQPDestination) wait(ctx context.Context, pb pendingBatch) []error {
 
 	// RabbitMQ sends basic.return before the basic.ack of the same message,
 	// and the client delivers frames in order, so every return of this
-	// window is in the buffer once its confirms are in.
-	d.drainReturns()
+	// window is in its channel's buffer once its confirms are in.
+	p.on.drainReturns()
 	for i := range p.confirms {
 		id := p.recs[i].ID
-		if ret, ok := d.returned[id]; ok {
-			delete(d.returned, id)
+		if ret, ok := p.on.returned[id]; ok {
+			delete(p.on.returned, id)
 			if res[i] == nil {
 				res[i] = &UnroutableError{Exchange: ret.Exchange, RoutingKey: ret.RoutingKey, ReplyCode: ret.ReplyCode, ReplyText: ret.ReplyText}
 			}
 		}
 	}
-	if broken && p.gen == d.gen {
+	if timedOut && p.on == d.cc {
 		// Late confirms of a timed-out window must not be read as confirms
-		// of the next: a fresh channel restarts the delivery tags.
+		// of the next: a fresh connection starts afresh.
 		d.dropLocked()
 	}
 	return res
 }
 
-func (d *AMQPDestination) drainReturns() {
-	if d.returned == nil {
-		d.returned = map[string]amqp.Return{}
-	}
+func (c *confirmChannel) drainReturns() {
 	for {
 		select {
-		case ret, ok := <-d.returns:
+		case ret, ok := <-c.returns:
 			if !ok {
 				return
 			}
-			d.returned[ret.MessageId] = ret
+			c.returned[ret.MessageId] = ret
 		default:
 			return
 		}
 	}
 }
 
-func (d *AMQPDestination) closeReason() string {
-	select {
-	case e, ok := <-d.chClosed:
-		if ok && e != nil {
-			return e.Error()
+// closeReason says why the channel closed, as the broker or the client
+// told it.
+func (c *confirmChannel) closeReason() string {
+	if c.reason == "" {
+		select {
+		case e, ok := <-c.closes:
+			if ok && e != nil {
+				c.reason = e.Error()
+			}
+		default:
 		}
-	default:
+	}
+	switch {
+	case c.reason != "":
+		return c.reason
+	case c.dropped:
+		return "closed by the relay over another failure"
 	}
 	return "connection lost"
 }
@@ -391,7 +431,7 @@ func (d *AMQPDestination) checkExchange(name string) error {
 	}
 	side, err := d.conn.Channel()
 	if err != nil {
-		return fmt.Errorf("open channel to check exchange %q: %w", name, err)
+		return connectionLost(fmt.Errorf("open channel to check exchange %q: %w", name, err))
 	}
 	err = side.ExchangeDeclarePassive(name, amqp.ExchangeDirect, true, false, false, false, nil)
 	var amqpErr *amqp.Error
@@ -400,7 +440,11 @@ func (d *AMQPDestination) checkExchange(name string) error {
 	}
 	_ = side.Close()
 	if err != nil {
-		return fmt.Errorf("check exchange %q: %w", name, err)
+		err = fmt.Errorf("check exchange %q: %w", name, err)
+		if d.conn.IsClosed() {
+			return connectionLost(err)
+		}
+		return err // refused for this exchange (access, …): the record's to carry
 	}
 	d.exchanges[name] = true
 	return nil

@@ -13,13 +13,31 @@ import (
 // it, so the relay never steps over a record.
 var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 
+// ErrConnectionLost is the result of a record whose publish the broker
+// neither confirmed nor refused: the connection or the channel went away, or
+// no confirm came within the publish timeout. Whether the broker has the
+// message is unknown, and the record is not at fault. The Forwarder counts no
+// attempt against it (an outage of any length makes no row stuck), records
+// the error as its last_error, holds back the records behind it as behind a
+// failure, and backs off.
+var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
+
+// connectionLost wraps err as ErrConnectionLost.
+func connectionLost(err error) error {
+	if err == nil || errors.Is(err, ErrConnectionLost) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrConnectionLost, err)
+}
+
 // Destination is where a Forwarder publishes records.
 //
 // Publish sends the records in their order and returns one result per
 // record: nil once the broker has confirmed it (and only then), an error
-// wrapping ErrNotSent for a record it did not send, any other error for a
-// record whose publish failed. After the first failure it sends nothing
-// more. Publish is not called concurrently.
+// wrapping ErrNotSent for a record it did not send, an error wrapping
+// ErrConnectionLost for one the broker did not answer for, any other error
+// for a record whose publish failed. After the first failure it sends
+// nothing more. Publish is not called concurrently.
 //
 // [AMQPDestination] is the one built for RabbitMQ; [NewPublisherDestination]
 // adapts any Watermill publisher.

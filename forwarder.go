@@ -31,7 +31,8 @@ type ForwarderConfig struct {
 	// the latency of what those miss.
 	PollInterval time.Duration
 	// PublishTimeout bounds the wait for the broker's confirms of one batch.
-	// Past it the unconfirmed records count as failed, and the connection is
+	// Past it the unconfirmed records are held up as behind a failure (but
+	// count no attempt: see ErrConnectionLost), and the connection is
 	// dropped and opened again. Default 15 s.
 	PublishTimeout time.Duration
 	// Lease is how long a claim holds rows on SQLite, where a claim is a
@@ -557,6 +558,12 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			}
 		case errors.Is(err, ErrNotSent):
 			// Not sent; the claim's end frees it.
+		case errors.Is(err, ErrConnectionLost):
+			// The broker went, not the record: it is held up like a
+			// failure, keeps its last_error, and counts no attempt.
+			failedOne = true
+			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: b.attempts[rec.ID], reason: err.Error()})
+			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
 			// back, as a malformed row does not.
