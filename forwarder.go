@@ -67,7 +67,8 @@ type ForwarderConfig struct {
 // pipelineDepth is how many batches Run keeps in flight beyond the one it
 // is sending: enough that the broker always has a batch to confirm while
 // the relay marks one and claims the next. Each holds a claim (a
-// connection and its row locks on PostgreSQL) until it is settled.
+// connection and its row locks on PostgreSQL) until it is settled; Run
+// keeps fewer in flight when the pool is capped too low for them.
 const pipelineDepth = 2
 
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
@@ -233,8 +234,27 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		}
 	}()
 
+	// The pool may be capped, and shared with the service: the relay never
+	// waits for a connection that only it can free. LISTEN holds one for
+	// good, and on PostgreSQL and MySQL every batch in flight holds its
+	// claim's until it is marked.
+	limit := f.store.db.Stats().MaxOpenConnections // 0: no cap
+	listen := f.store.dialect == Postgres && !f.cfg.DisableListen
+	if listen && limit == 1 {
+		listen = false
+		f.log.Info("Outbox forwarder: the pool's one connection is for the claims, so no LISTEN; the relay polls", watermill.LogFields{"poll_interval": f.cfg.PollInterval})
+	}
+	depth := pipelineDepth
+	if limit > 0 && !f.store.dialect.leases() {
+		free := limit
+		if listen {
+			free--
+		}
+		depth = min(depth, free-1) // the batches in flight and the one being claimed
+	}
+
 	var listener sync.WaitGroup
-	if f.store.dialect == Postgres && !f.cfg.DisableListen {
+	if listen {
 		listener.Add(1)
 		go func() {
 			defer listener.Done()
@@ -249,7 +269,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	// Only the AMQP destination itself pipelines: a wrapper that embeds it
 	// would otherwise be skipped, its own Publish never called.
 	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && f.store.dialect.overlappingClaims() {
+	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && f.store.dialect.overlappingClaims() && depth > 0 {
 		pipe = d
 	}
 	pipelined := pipe != nil
@@ -304,7 +324,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		// is about to back off or stop, so that nothing stays in flight. A
 		// batch sent while one before it failed is behind that failure:
 		// none of it is marked.
-		for len(queue) > 0 && (len(queue) > pipelineDepth || failed || stopping || next == nil || next.pending == nil) {
+		for len(queue) > 0 && (len(queue) > depth || failed || stopping || next == nil || next.pending == nil) {
 			b := queue[0]
 			queue = queue[1:]
 			failed = f.settleSent(work, pipe, b, failed) || failed

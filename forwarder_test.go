@@ -1051,3 +1051,43 @@ func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *tes
 		t.Fatal("the wrapper's Publish was never called: Run went around it")
 	}
 }
+
+// A pool capped with SetMaxOpenConns, as a service sharing its pool with the
+// relay may set it: the relay takes no more connections at once than it can
+// free by itself (LISTEN holds one for good, every batch in flight holds its
+// claim's), so it drains instead of waiting on itself for ever.
+func TestForwarder_Run_CappedPool_DrainsWithoutWaitingOnItself(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, limit := range []int{1, 2, 3} {
+			t.Run(fmt.Sprintf("max_open=%d", limit), func(t *testing.T) {
+				b := testamqp.New(t)
+				queue := b.Queue("capped")
+				ids := make(map[string]bool)
+				var msgs []*message.Message
+				for i := 0; i < 300; i++ {
+					m := message.NewMessage(watermill.NewUUID(), []byte("x"))
+					ids[m.UUID] = true
+					msgs = append(msgs, m)
+				}
+				publishInTx(t, db, "capped", msgs, outbox.WithExchange(b.Exchange))
+
+				db.SetMaxOpenConns(limit)
+				defer db.SetMaxOpenConns(0)
+				f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10})
+				ctx, cancel := context.WithCancel(context.Background())
+				done := make(chan error, 1)
+				go func() { done <- f.Run(ctx) }()
+				got := countIDs(b.Drain(queue, len(ids), 30*time.Second))
+				cancel()
+				if err := <-done; err != nil {
+					t.Fatal(err)
+				}
+				for id := range ids {
+					if got[id] == 0 {
+						t.Fatalf("%d of %d messages arrived with the pool capped at %d", len(got), len(ids), limit)
+					}
+				}
+			})
+		}
+	})
+}
