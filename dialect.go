@@ -31,9 +31,11 @@ type Dialect interface {
 	rebind(query string) string
 	// claimSetup, if not empty, runs first in a locking claim's transaction.
 	claimSetup() string
-	// overlappingClaims: a relay may hold the claim of one batch while it
-	// marks the batch before, which is what pipelining does.
-	overlappingClaims() bool
+	// pendingIndex, if not empty, is a query for the name of the table's
+	// index of pending rows (the one whose first column is published_at);
+	// arguments: the table's schema (or NULL for the current one), its name.
+	// The claims then name it, and may overlap only if it is found.
+	pendingIndex() string
 	// leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	leases() bool

@@ -99,10 +99,20 @@ func (mysqlDialect) purgeProcessed(table string) string {
 
 func (mysqlDialect) claimSetup() string { return "" }
 
-// overlappingClaims is false: InnoDB locks index records, and the claim of
-// the next batch can hold one that the mark of the batch before must lock
-// to move its rows out of the pending index. Both transactions belong to the
-// same relay, which waits on itself, out of sight of InnoDB's deadlock
-// detector, until innodb_lock_wait_timeout (seen: a 50 s stall and a failed
-// mark). So on MySQL the relay marks a batch before it claims the next.
-func (mysqlDialect) overlappingClaims() bool { return false }
+// pendingIndex: every claim names the index of pending rows (FORCE INDEX),
+// whatever the optimizer would pick for a small table. A claim that reached
+// a row through the primary key instead locked only its clustered record;
+// the next claim, walking the index, then locked that row's index record
+// before it skipped the row, and kept the lock. The first claim's mark,
+// which must rewrite that index record, waited for a transaction its own
+// relay holds open until the mark is done: a wait InnoDB's deadlock detector
+// cannot see, ended by innodb_lock_wait_timeout (seen: 50 s stalls).
+// Through the index, the second claim finds the record locked and skips it
+// holding nothing, so a relay may claim the next batch while the one before
+// is in flight. The index is looked up rather than named: sqlschema calls it
+// acemq_outbox_pending, and a table made with CREATE TABLE … LIKE keeps that
+// name, one made from edited SQL may not.
+func (mysqlDialect) pendingIndex() string {
+	return "SELECT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = COALESCE(?, DATABASE())" +
+		" AND TABLE_NAME = ? AND SEQ_IN_INDEX = 1 AND COLUMN_NAME = 'published_at' ORDER BY INDEX_NAME LIMIT 1"
+}

@@ -93,7 +93,4 @@ func (postgresDialect) purgeProcessed(table string) string {
 	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
 }
 
-// overlappingClaims: PostgreSQL locks rows in the tuples themselves, so the
-// claim of the next batch and the mark of the one before touch nothing in
-// common.
-func (postgresDialect) overlappingClaims() bool { return true }
+func (postgresDialect) pendingIndex() string { return "" }

@@ -80,6 +80,4 @@ func (sqliteDialect) purgeProcessed(table string) string {
 
 func (sqliteDialect) claimSetup() string { return "" }
 
-// overlappingClaims: a claim is a committed lease; no lock is held while a
-// batch is in flight.
-func (sqliteDialect) overlappingClaims() bool { return true }
+func (sqliteDialect) pendingIndex() string { return "" }

@@ -269,10 +269,9 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	// Only the AMQP destination itself pipelines: a wrapper that embeds it
 	// would otherwise be skipped, its own Publish never called.
 	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && f.store.dialect.overlappingClaims() && depth > 0 {
+	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && depth > 0 {
 		pipe = d
 	}
-	pipelined := pipe != nil
 	var (
 		delay     time.Duration
 		queue     []*batch // sent, their confirms not yet collected, oldest first
@@ -303,7 +302,9 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if next != nil && len(next.records) > 0 {
 			next.deadline = time.Now().Add(f.cfg.PublishTimeout)
 			sendCtx, cancel := context.WithDeadline(work, next.deadline)
-			if pipelined && !hasRetries(next.records) {
+			// Pipelined once the store knows its claims may overlap: on
+			// MySQL, from the second batch on.
+			if pipe != nil && f.store.claimsOverlap() && !hasRetries(next.records) {
 				// Sent now, settled on the next turn: the broker works on this
 				// batch while the database marks the one before and claims
 				// the one after. A batch holding a record that failed before

@@ -18,6 +18,7 @@ import (
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
@@ -25,6 +26,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
 // newForwarder returns a forwarder over db to the test broker, closed when
@@ -1090,4 +1092,101 @@ func TestForwarder_Run_CappedPool_DrainsWithoutWaitingOnItself(t *testing.T) {
 			})
 		}
 	})
+}
+
+// On MySQL the pipelined relay claims a batch while the one before is in
+// flight. Claims that reached rows by different paths once made a mark wait
+// for the relay's own next claim (50 s, innodb_lock_wait_timeout); with the
+// timeout at 1 s any such wait fails a mark, which OnError reports. Tables
+// made with CREATE TABLE … LIKE and from sqlschema's SQL under another name
+// pipeline alike; a table without an index on published_at still drains,
+// without overlapping claims.
+func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
+		t.Fatal(err)
+	}
+	migs, err := sqlschema.Migrations("mysql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		table   string
+		create  []string
+		overlap bool
+	}{
+		{"acemq_outbox", nil, true},
+		{"like_outbox", []string{"CREATE TABLE like_outbox LIKE acemq_outbox"}, true},
+		{"renamed_outbox", []string{strings.ReplaceAll(migs[0].Up, "acemq_outbox", "renamed_outbox")}, true},
+		{"bare_outbox", []string{"CREATE TABLE bare_outbox LIKE acemq_outbox", "ALTER TABLE bare_outbox DROP INDEX acemq_outbox_pending"}, false},
+	} {
+		t.Run(tc.table, func(t *testing.T) {
+			for _, stmt := range tc.create {
+				if _, err := db.Exec(stmt); err != nil {
+					t.Fatalf("%s: %v", stmt, err)
+				}
+			}
+			cfg, err := mysql.ParseDSN(db.DSN)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg.Params == nil {
+				cfg.Params = map[string]string{}
+			}
+			cfg.Params["innodb_lock_wait_timeout"] = "1"
+			pool, err := sql.Open("mysql", cfg.FormatDSN())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			b := testamqp.New(t)
+			queue := b.Queue("pipelined")
+			// Rows trickle in one per transaction while the relay runs on a
+			// new table: claims meet a few pending rows, where the
+			// optimizer's choice of path varies.
+			var msgs []*message.Message
+			for i := 0; i < 400; i++ {
+				msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
+			}
+
+			var errs atomic.Int64
+			var firstErr atomic.Value
+			dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			f, err := outbox.NewForwarder(pool, dest, outbox.ForwarderConfig{
+				Dialect: outbox.MySQL, Table: tc.table, PollInterval: 5 * time.Millisecond,
+				OnError: func(err error, _ outbox.ErrorContext) {
+					errs.Add(1)
+					firstErr.CompareAndSwap(nil, err.Error())
+				},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- f.Run(ctx) }()
+			for _, m := range msgs {
+				publishInTx(t, db, "pipelined", []*message.Message{m}, outbox.WithExchange(b.Exchange), outbox.WithTable(tc.table))
+			}
+			got := countIDs(b.Drain(queue, len(msgs), 60*time.Second))
+			waitFor(t, 30*time.Second, "every row to be marked", func() bool { return pendingCount(t, f) == 0 })
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			if n := errs.Load(); n > 0 {
+				t.Fatalf("the relay reported %d errors; the first: %v", n, firstErr.Load())
+			}
+			if len(got) != len(msgs) {
+				t.Fatalf("%d of %d messages arrived", len(got), len(msgs))
+			}
+			if overlap := outbox.ClaimsOverlap(f.Store()); overlap != tc.overlap {
+				t.Errorf("claims overlap: %v, want %v", overlap, tc.overlap)
+			}
+		})
+	}
 }

@@ -40,12 +40,12 @@ const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NU
 // Arguments: created_at, created_at, id.
 const afterCursor = "created_at >= ? AND (created_at > ? OR id > ?)"
 
+// newStoreQueries builds the SQL for table, quoted.
 func newStoreQueries(d Dialect, table string) storeQueries {
 	q := storeQueries{d: d, table: table}
 	r := d.rebind
+	q.claimLocked = claimLocked(d, table, "")
 	for i, cond := range []string{claimable, claimable + " AND " + afterCursor} {
-		q.claimLocked[i] = r("SELECT " + claimColumns + " FROM " + table + " WHERE " + cond +
-			" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED")
 		q.claimLease[i] = r("UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
 			" WHERE " + cond + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns)
 	}
@@ -61,6 +61,21 @@ func newStoreQueries(d Dialect, table string) storeQueries {
 	q.probe = "SELECT 1 FROM " + table + " WHERE 1 = 0"
 	q.countSince = r("SELECT COUNT(*) FROM " + table + " WHERE published_at IS NOT NULL AND published_at >= ?")
 	q.countBefore = r("SELECT COUNT(*) FROM " + table + " WHERE published_at IS NOT NULL AND published_at < ?")
+	return q
+}
+
+// claimLocked is the locking claim, [1] after a cursor; with an index
+// (quoted), it walks that one.
+func claimLocked(d Dialect, table, index string) [2]string {
+	from := table
+	if index != "" {
+		from += " FORCE INDEX (" + index + ")"
+	}
+	var q [2]string
+	for i, cond := range []string{claimable, claimable + " AND " + afterCursor} {
+		q[i] = d.rebind("SELECT " + claimColumns + " FROM " + from + " WHERE " + cond +
+			" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED")
+	}
 	return q
 }
 

@@ -3,8 +3,10 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -56,13 +58,20 @@ func (c StoreConfig) validate() error {
 
 // Store is the relay's side of the outbox table: claiming and marking rows
 // for a Forwarder, and the questions an operator asks (pending, stuck, retry,
-// purge). It holds no state of its own beyond the database handle.
+// purge). Beyond the database handle it holds only what it learned of the
+// table (on MySQL, the name of its pending index).
 type Store struct {
 	db      *sql.DB
 	dialect Dialect
 	table   string // quoted
 	cfg     StoreConfig
 	q       storeQueries
+
+	// On MySQL the locking claim names the pending index, looked up at the
+	// first claim (see mysqlDialect.pendingIndex).
+	claimMu    sync.Mutex
+	indexKnown bool
+	indexFound bool
 }
 
 // NewStore returns the Store of the outbox table in db, a *sql.DB or *sqlx.DB.
@@ -168,7 +177,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}
 	}
 	args := append([]any{s.cfg.MaxAttempts, s.dialect.timeArg(now)}, cursorArgs...)
-	rows, err := tx.QueryContext(ctx, s.q.claimLocked[variant], append(args, n)...)
+	query, err := s.lockedClaim(ctx, tx, variant)
+	if err != nil {
+		_ = tx.Rollback()
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	rows, err := tx.QueryContext(ctx, query, append(args, n)...)
 	if err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -179,6 +193,52 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
 	return &claim{rows: claimed, tx: tx}, nil
+}
+
+// lockedClaim is the locking claim's SQL; on MySQL it names the pending
+// index, looked up the first time, in the claim's transaction (a capped
+// pool may have no other connection to give).
+func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (string, error) {
+	lookup := s.dialect.pendingIndex()
+	if lookup == "" {
+		return s.q.claimLocked[variant], nil
+	}
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	if !s.indexKnown {
+		var schema any
+		name := s.cfg.Table
+		if i := strings.LastIndexByte(name, '.'); i >= 0 {
+			schema, name = name[:i], name[i+1:]
+		}
+		var index string
+		err := tx.QueryRowContext(ctx, lookup, schema, name).Scan(&index)
+		switch {
+		case errors.Is(err, sql.ErrNoRows):
+			// No such index: claims as the optimizer sees fit, and never
+			// overlapping, so the relay cannot wait on itself.
+		case err != nil:
+			return "", fmt.Errorf("look up the pending index of %s: %w", s.table, err)
+		default:
+			s.q.claimLocked = claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
+			s.indexFound = true
+		}
+		s.indexKnown = true
+	}
+	return s.q.claimLocked[variant], nil
+}
+
+// claimsOverlap reports whether a relay may claim a batch while it holds the
+// claim of the one before, which is what pipelining does: on PostgreSQL
+// (tuple locks) and SQLite (committed leases) always, on MySQL once the
+// claims are known to walk the pending index.
+func (s *Store) claimsOverlap() bool {
+	if s.dialect.pendingIndex() == "" {
+		return true
+	}
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	return s.indexFound
 }
 
 func (s *Store) claimLease(ctx context.Context, query string, args []any, relayID string) (*claim, error) {
