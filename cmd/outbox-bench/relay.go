@@ -602,7 +602,9 @@ func newMarkedCounter() (*markedCounter, error) {
 func (c *markedCounter) reached(ctx context.Context, n int) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
-		tick := time.NewTicker(time.Millisecond)
+		// Gathering the registry costs ~0.1 ms of CPU: every 10 ms it takes
+		// 1% of a core from the drain and adds at most 10 ms to it.
+		tick := time.NewTicker(10 * time.Millisecond)
 		defer tick.Stop()
 		for c.total() < float64(n) {
 			select {
