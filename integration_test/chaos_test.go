@@ -77,7 +77,8 @@ func (l *chaosLog) summary() string {
 }
 
 // runChaos breaks something at random moments, in a bounded loop, for the
-// scenario's chaos time, and then on, up to twice as long, until every kind
+// scenario's chaos time, and then on, up to three times as long (rabbitmqctl
+// alone takes seconds on a loaded machine), until every kind
 // that applies has hit something: a run must prove what it claims. The first
 // acts take each kind once, in random order; after that owed kinds come
 // first more often. ctx ends it early (the test is being torn down).
@@ -88,8 +89,8 @@ func (r *run) runChaos(ctx context.Context, rng *rand.Rand, began time.Time) {
 		owed[k] = true
 	}
 	firstPass := rng.Perm(len(kinds))
-	until, hardStop := began.Add(r.sc.chaos), began.Add(2*r.sc.chaos)
-	maxEvents := int(2*r.sc.chaos/(150*time.Millisecond)) + 1 // bounded, whatever the clock does
+	until, hardStop := began.Add(r.sc.chaos), began.Add(3*r.sc.chaos)
+	maxEvents := int(3*r.sc.chaos/(150*time.Millisecond)) + 1 // bounded, whatever the clock does
 	for i := 0; i < maxEvents; i++ {
 		if now := time.Now(); now.After(hardStop) || (now.After(until) && len(owed) == 0) {
 			return

@@ -6,7 +6,7 @@
 // inbox must turn every committed order into exactly one effect.
 //
 // The default run is part of `go test ./...`: about 12 s of chaos on each of
-// PostgreSQL and MariaDB and 8 s on SQLite (longer, up to twice that, until
+// PostgreSQL and MariaDB and 8 s on SQLite (longer, up to three times that, until
 // every kind of chaos has hit something), a few hundred orders each, under a
 // minute in all with -race. A longer soak keeps the same rate of orders and
 // chaos for as long as OUTBOX_SOAK says, per database:
@@ -73,7 +73,7 @@ const (
 type scenario struct {
 	kind string
 	// chaos is how long orders are placed and chaos reigns, at least: it
-	// goes on, up to twice as long, until every kind has hit something.
+	// goes on, up to three times as long, until every kind has hit something.
 	chaos   time.Duration
 	placers int     // goroutines placing orders at once
 	rate    float64 // orders per second, all placers together
