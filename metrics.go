@@ -35,7 +35,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"exchange"}),
 		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_forwarder_failed_total",
-			Help: "Outbox records whose publish failed (attempt counted), by exchange.",
+			Help: "Outbox records whose publish failed, or was not confirmed before the connection was lost, by exchange.",
 		}, []string{"exchange"}),
 		batchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outbox_forwarder_batch_duration_seconds",
@@ -79,7 +79,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 }
 
 // batch records one settled batch of the relay: what was marked published
-// and what had an attempt counted.
+// and what failed (an attempt counted, or the connection lost).
 func (m *Metrics) batch(started time.Time, published []Record, failures []failure) {
 	if m == nil {
 		return
