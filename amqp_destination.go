@@ -70,6 +70,11 @@ func (c AMQPConfig) validate() error {
 	if _, err := amqp.ParseURI(c.URL); err != nil {
 		return &ConfigError{Field: "URL", Reason: err.Error()}
 	}
+	if c.AMQP.Recovery != nil {
+		// amqp091-go's recovery reopens channels in place and restarts their
+		// confirms under the destination, which reconnects on its own.
+		return &ConfigError{Field: "AMQP.Recovery", Reason: "not supported: the destination reconnects by itself"}
+	}
 	if c.Window < 0 || c.Window > maxWindow {
 		return &ConfigError{Field: "Window", Reason: fmt.Sprintf("%d; want 0 (all of a batch) to %d", c.Window, maxWindow)}
 	}
@@ -147,6 +152,11 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		d.cfg.Logger.Info("Connected to RabbitMQ", watermill.LogFields{"connection_name": d.cfg.ConnectionName})
 	}
 	if d.cc == nil || d.cc.ch.IsClosed() {
+		if d.cc != nil {
+			// The broker closed the channel over something published on it:
+			// an exchange deleted since it was checked, say. Check again.
+			d.exchanges = map[string]bool{}
+		}
 		d.dropChannelLocked()
 		ch, err := d.conn.Channel()
 		if err != nil {
@@ -180,8 +190,12 @@ func (d *AMQPDestination) dropLocked() {
 
 func (d *AMQPDestination) dropChannelLocked() {
 	if d.cc != nil {
-		d.cc.dropped = true
-		_ = d.cc.ch.Close()
+		// Dropped only if it was open: one the broker closed keeps that
+		// as its reason, for the windows still waiting on it.
+		if !d.cc.ch.IsClosed() {
+			d.cc.dropped = true
+			_ = d.cc.ch.Close()
+		}
 		d.cc = nil
 	}
 }
@@ -308,8 +322,9 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	defer stop()
 	for i := 0; i < limit; i++ {
 		msg := publishing(recs[i])
-		if err := msg.Headers.Validate(); err != nil {
-			// The client refuses the message itself: no retry changes that.
+		if err := encodable(recs[i], msg, d.conn.Config.FrameSize); err != nil {
+			// The client would refuse the message itself (and close the
+			// connection over it): no retry changes that.
 			p.res[i] = Permanent(fmt.Errorf("publish: %w", err))
 			break
 		}
@@ -447,6 +462,42 @@ func (d *AMQPDestination) checkExchange(name string) error {
 		return err // refused for this exchange (access, …): the record's to carry
 	}
 	d.exchanges[name] = true
+	return nil
+}
+
+// maxShortString is the most bytes an AMQP short string holds: names, the
+// routing key, content type, message id and header keys.
+const maxShortString = 255
+
+// encodable checks what amqp091-go would refuse to encode, or the broker
+// refuse to read, in a message: a short string over 255 bytes, or
+// properties larger than a frame (frameSize, 0 if unknown). Rows written by
+// hand or by another library can hold either.
+func encodable(r Record, msg amqp.Publishing, frameSize int) error {
+	for _, f := range []struct{ what, s string }{
+		{"exchange", r.Exchange}, {"routing key", r.RoutingKey},
+		{"content type", msg.ContentType}, {"message id", msg.MessageId},
+	} {
+		if len(f.s) > maxShortString {
+			return fmt.Errorf("%s of %d bytes: AMQP allows %d", f.what, len(f.s), maxShortString)
+		}
+	}
+	if err := msg.Headers.Validate(); err != nil {
+		return err
+	}
+	// The properties travel in one frame: the fixed fields, the two short
+	// strings, and each header as key, type, length and value.
+	size := 64 + len(msg.ContentType) + len(msg.MessageId)
+	for k, v := range msg.Headers {
+		if len(k) > maxShortString {
+			return fmt.Errorf("header name of %d bytes (%.20q…): AMQP allows %d", len(k), k, maxShortString)
+		}
+		s, _ := v.(string)
+		size += 1 + len(k) + 1 + 4 + len(s)
+	}
+	if frameSize > 0 && size > frameSize {
+		return fmt.Errorf("headers of about %d bytes do not fit the broker's frame of %d bytes", size, frameSize)
+	}
 	return nil
 }
 

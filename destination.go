@@ -19,7 +19,9 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // message is unknown, and the record is not at fault. The Forwarder counts no
 // attempt against it (an outage of any length makes no row stuck), records
 // the error as its last_error, holds back the records behind it as behind a
-// failure, and backs off.
+// failure, and backs off. Only when the connection is lost at the same record
+// more than three times in a row is an attempt counted: that record is what
+// breaks it.
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
 // connectionLost wraps err as ErrConnectionLost.

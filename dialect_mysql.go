@@ -112,7 +112,11 @@ func (mysqlDialect) claimSetup() string { return "" }
 // is in flight. The index is looked up rather than named: sqlschema calls it
 // acemq_outbox_pending, and a table made with CREATE TABLE … LIKE keeps that
 // name, one made from edited SQL may not.
+// Of several, the one that goes on with created_at, the claim's order.
 func (mysqlDialect) pendingIndex() string {
-	return "SELECT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = COALESCE(?, DATABASE())" +
-		" AND TABLE_NAME = ? AND SEQ_IN_INDEX = 1 AND COLUMN_NAME = 'published_at' ORDER BY INDEX_NAME LIMIT 1"
+	return "SELECT s1.INDEX_NAME FROM information_schema.STATISTICS s1" +
+		" LEFT JOIN information_schema.STATISTICS s2 ON s2.TABLE_SCHEMA = s1.TABLE_SCHEMA AND s2.TABLE_NAME = s1.TABLE_NAME" +
+		" AND s2.INDEX_NAME = s1.INDEX_NAME AND s2.SEQ_IN_INDEX = 2 AND s2.COLUMN_NAME = 'created_at'" +
+		" WHERE s1.TABLE_SCHEMA = COALESCE(?, DATABASE()) AND s1.TABLE_NAME = ? AND s1.SEQ_IN_INDEX = 1" +
+		" AND s1.COLUMN_NAME = 'published_at' ORDER BY s2.INDEX_NAME IS NULL, s1.INDEX_NAME LIMIT 1"
 }

@@ -156,6 +156,11 @@ type Forwarder struct {
 	closeOnce sync.Once
 	closeErr  error
 
+	// lostID is the record at which the connection was lost last, lostN how
+	// many times in a row (under sweepMu).
+	lostID string
+	lostN  int
+
 	// afterPublish, when set (tests), runs between the broker's confirms and
 	// the marks: the window in which a relay's death duplicates a message.
 	afterPublish func(published []string)
@@ -306,8 +311,8 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if next != nil && len(next.records) > 0 {
 			next.deadline = time.Now().Add(f.cfg.PublishTimeout)
 			sendCtx, cancel := context.WithDeadline(work, next.deadline)
-			// Pipelined once the store knows its claims may overlap: on
-			// MySQL, from the second batch on.
+			// Pipelined once the store knows its claims may overlap (on
+			// MySQL, once the claim found the pending index).
 			if pipe != nil && f.store.claimsOverlap() && !hasRetries(next.records) {
 				// Sent now, settled on the next turn: the broker works on this
 				// batch while the database marks the one before and claims
@@ -585,9 +590,15 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// Not sent; the claim's end frees it.
 		case errors.Is(err, ErrConnectionLost):
 			// The broker went, not the record: it is held up like a
-			// failure, keeps its last_error, and counts no attempt.
+			// failure, keeps its last_error, and counts no attempt, unless
+			// the connection is lost at the same record time after time:
+			// then the record is what breaks it.
 			failedOne = true
-			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: b.attempts[rec.ID], reason: err.Error()})
+			n := b.attempts[rec.ID]
+			if f.lostAgain(rec.ID) {
+				n++
+			}
+			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: n, reason: err.Error()})
 			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
@@ -625,6 +636,22 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
 	return len(published), len(b.failures) > 0, errors.Join(b.errs...)
+}
+
+// lostRepeats is how many times in a row the connection may be lost at the
+// same record before the record is counted an attempt for it: an outage
+// moves on (nothing is claimed while the broker is unreachable), a record
+// that makes the broker or the client close the connection does not.
+const lostRepeats = 3
+
+// lostAgain notes a lost connection at record id, and reports whether it
+// was lost there more than lostRepeats times in a row.
+func (f *Forwarder) lostAgain(id string) bool {
+	if id != f.lostID {
+		f.lostID, f.lostN = id, 0
+	}
+	f.lostN++
+	return f.lostN > lostRepeats
 }
 
 func (f *Forwarder) reportError(err error, dest ErrorContext) {

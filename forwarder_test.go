@@ -1190,3 +1190,80 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 		})
 	}
 }
+
+// Under the pipelined Run, a row the client cannot encode (a header name
+// over AMQP's 255 bytes, written by hand or another library) is stuck at
+// once, as under Sweep: it is not taken for a lost connection and retried
+// for ever. The rows around it arrive.
+func TestForwarder_Run_RowTheClientCannotEncode_StuckAtOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		before := publishN(t, db, b.Exchange, "ok", 30)
+		insertRaw(t, db, "long-header-name", b.Exchange, "ok", `{"`+strings.Repeat("k", 300)+`":"v"}`, "utf-8")
+		after := publishN(t, db, b.Exchange, "ok", 30)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		waitFor(t, 30*time.Second, "the row to be stuck and the rest published", func() bool {
+			return stateOf(t, db, "long-header-name").Attempts == outbox.DefaultMaxAttempts && pendingCount(t, f) == 0
+		})
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		got := countIDs(b.Drain(queue, 60, 10*time.Second))
+		if s := stateOf(t, db, "long-header-name"); s.Published || !strings.Contains(s.LastError, "header name of 300 bytes") {
+			t.Errorf("row: %+v, want stuck with last_error about the header name", s)
+		}
+		for _, id := range append(before, after...) {
+			if got[id] == 0 {
+				t.Fatalf("message %s never arrived (%d of 60)", id, len(got))
+			}
+		}
+	})
+}
+
+// Under the pipelined Run, a message over which the broker closes the
+// channel (its exchange deleted after the relay checked it) fails its
+// record with an attempt counted, and the exchange is checked again: the
+// record is stuck after MaxAttempts with "does not exist", never taken for a
+// lost connection and retried for ever. (Whether the next batch's connect or
+// the wait sees the closed channel first is up to timing; both must count.)
+func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		var lost atomic.Int64
+		f := newForwarder(t, db, outbox.ForwarderConfig{
+			MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond,
+			OnError: func(err error, _ outbox.ErrorContext) {
+				if errors.Is(err, outbox.ErrConnectionLost) {
+					lost.Add(1)
+				}
+			},
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		first := publishN(t, db, b.Exchange, "ok", 1)
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != first[0] {
+			t.Fatalf("the first message did not arrive: the relay never checked the exchange")
+		}
+		b.With(func(ch *amqp.Channel) error { return ch.ExchangeDelete(b.Exchange, false, false) })
+		doomed := publishN(t, db, b.Exchange, "ok", 1)[0]
+		waitFor(t, 30*time.Second, "the record to be stuck", func() bool { return stateOf(t, db, doomed).Attempts == 3 })
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if s := stateOf(t, db, doomed); s.Published || !strings.Contains(s.LastError, "does not exist") {
+			t.Errorf("record: %+v, want stuck with last_error saying the exchange does not exist", s)
+		}
+		if n := lost.Load(); n > 0 {
+			t.Errorf("%d failures were taken for a lost connection; the broker closed the channel over the record", n)
+		}
+	})
+}

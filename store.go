@@ -68,11 +68,16 @@ type Store struct {
 	q       storeQueries
 
 	// On MySQL the locking claim names the pending index, looked up at the
-	// first claim (see mysqlDialect.pendingIndex).
-	claimMu    sync.Mutex
-	indexKnown bool
-	indexFound bool
+	// first claim (see mysqlDialect.pendingIndex): forced is that claim.
+	// Not found, it is looked up again after indexRecheck.
+	claimMu      sync.Mutex
+	forced       *[2]string
+	indexChecked time.Time
 }
+
+// indexRecheck is how long a MySQL relay claims without naming an index
+// before it looks for one again (the migration may run after it starts).
+const indexRecheck = time.Minute
 
 // NewStore returns the Store of the outbox table in db, a *sql.DB or *sqlx.DB.
 func NewStore(db any, cfg StoreConfig) (*Store, error) {
@@ -185,6 +190,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	rows, err := tx.QueryContext(ctx, query, append(args, n)...)
 	if err != nil {
 		_ = tx.Rollback()
+		s.forgetIndex() // dropped or renamed, maybe: look again
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
 	claimed, err := scanClaimed(rows)
@@ -205,7 +211,7 @@ func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (strin
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if !s.indexKnown {
+	if s.forced == nil && time.Since(s.indexChecked) >= indexRecheck {
 		var schema any
 		name := s.cfg.Table
 		if i := strings.LastIndexByte(name, '.'); i >= 0 {
@@ -220,12 +226,25 @@ func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (strin
 		case err != nil:
 			return "", fmt.Errorf("look up the pending index of %s: %w", s.table, err)
 		default:
-			s.q.claimLocked = claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
-			s.indexFound = true
+			q := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
+			s.forced = &q
 		}
-		s.indexKnown = true
+		s.indexChecked = time.Now()
+	}
+	if s.forced != nil {
+		return s.forced[variant], nil
 	}
 	return s.q.claimLocked[variant], nil
+}
+
+// forgetIndex makes the next claim look the pending index up again.
+func (s *Store) forgetIndex() {
+	if s.dialect.pendingIndex() == "" {
+		return
+	}
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	s.forced, s.indexChecked = nil, time.Time{}
 }
 
 // claimsOverlap reports whether a relay may claim a batch while it holds the
@@ -238,7 +257,7 @@ func (s *Store) claimsOverlap() bool {
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	return s.indexFound
+	return s.forced != nil
 }
 
 func (s *Store) claimLease(ctx context.Context, query string, args []any, relayID string) (*claim, error) {

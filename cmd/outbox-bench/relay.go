@@ -272,6 +272,10 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 				}
 			}
 		}()
+		var runMetrics *outbox.Metrics // the other modes end otherwise, and pay nothing for it
+		if mode == relayRun {
+			runMetrics = marked.metrics
+		}
 		for range *relayCount {
 			t := &timedDest{inner: instantDest{}, sent: sent}
 			if mode != relayDBOnly {
@@ -293,8 +297,9 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 				Dialect:   d,
 				BatchSize: *relayBatch,
 				// Run's drain is seen to end by its published counter, not
-				// by querying the database it measures; no gauge refresh.
-				Metrics:       marked.metrics,
+				// by querying the database it measures (one Stats for the
+				// gauges as Run starts, none after).
+				Metrics:       runMetrics,
 				StatsInterval: time.Hour,
 				OnError: func(err error, _ outbox.ErrorContext) {
 					errMu.Lock()
