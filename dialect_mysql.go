@@ -111,8 +111,8 @@ func (mysqlDialect) claimSetup() string { return "" }
 // holding nothing, so a relay may claim the next batch while the one before
 // is in flight. The index is looked up rather than named: sqlschema calls it
 // acemq_outbox_pending, and a table made with CREATE TABLE … LIKE keeps that
-// name, one made from edited SQL may not.
-// Of several, the one that goes on with created_at, the claim's order.
+// name, one made from edited SQL may not. Of several, the one that goes on
+// with created_at, the claim's order, is taken.
 func (mysqlDialect) pendingIndex() string {
 	return "SELECT s1.INDEX_NAME FROM information_schema.STATISTICS s1" +
 		" LEFT JOIN information_schema.STATISTICS s2 ON s2.TABLE_SCHEMA = s1.TABLE_SCHEMA AND s2.TABLE_NAME = s1.TABLE_NAME" +

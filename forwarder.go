@@ -512,6 +512,12 @@ func (b *batch) holdBack() {
 	}
 }
 
+// fail records rec's failure, with the attempts it will have.
+func (b *batch) fail(rec Record, attempts int, err error) {
+	b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: attempts, reason: err.Error()})
+	b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+}
+
 // full reports whether the claim took as many rows as it asked for: more
 // are probably waiting.
 func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
@@ -598,18 +604,14 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			if f.lostAgain(rec.ID) {
 				n++
 			}
-			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: n, reason: err.Error()})
-			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+			b.fail(rec, n, err)
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
 			// back, as a malformed row does not.
-			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: max(b.attempts[rec.ID]+1, f.cfg.MaxAttempts), reason: err.Error()})
-			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+			b.fail(rec, max(b.attempts[rec.ID]+1, f.cfg.MaxAttempts), err)
 		default:
 			failedOne = true
-			n := b.attempts[rec.ID] + 1
-			b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: n, reason: err.Error()})
-			b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+			b.fail(rec, b.attempts[rec.ID]+1, err)
 		}
 	}
 	if f.afterPublish != nil {

@@ -40,12 +40,15 @@ const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NU
 // Arguments: created_at, created_at, id.
 const afterCursor = "created_at >= ? AND (created_at > ? OR id > ?)"
 
+// claimConditions are a claim's WHERE: [0] from the head, [1] after a cursor.
+var claimConditions = [2]string{claimable, claimable + " AND " + afterCursor}
+
 // newStoreQueries builds the SQL for table, quoted.
 func newStoreQueries(d Dialect, table string) storeQueries {
 	q := storeQueries{d: d, table: table}
 	r := d.rebind
 	q.claimLocked = claimLocked(d, table, "")
-	for i, cond := range []string{claimable, claimable + " AND " + afterCursor} {
+	for i, cond := range claimConditions {
 		q.claimLease[i] = r("UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
 			" WHERE " + cond + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns)
 	}
@@ -72,7 +75,7 @@ func claimLocked(d Dialect, table, index string) [2]string {
 		from += " FORCE INDEX (" + index + ")"
 	}
 	var q [2]string
-	for i, cond := range []string{claimable, claimable + " AND " + afterCursor} {
+	for i, cond := range claimConditions {
 		q[i] = d.rebind("SELECT " + claimColumns + " FROM " + from + " WHERE " + cond +
 			" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED")
 	}

@@ -137,20 +137,13 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 			return err
 		}
 		var (
-			errMu    sync.Mutex
-			relayErr []error
+			relayErr relayErrors
 		)
 		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
 			Dialect:       d,
 			BatchSize:     *relayBatch,
 			DisableListen: !v.listen,
-			OnError: func(err error, _ outbox.ErrorContext) {
-				errMu.Lock()
-				defer errMu.Unlock()
-				if len(relayErr) < 10 {
-					relayErr = append(relayErr, err)
-				}
-			},
+			OnError:       relayErr.add,
 		})
 		if err != nil {
 			_ = dest.Close()
@@ -165,11 +158,7 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 				err = errors.Join(err, fmt.Errorf("Run: %w", e))
 			}
 			err = errors.Join(err, f.Close())
-			errMu.Lock()
-			defer errMu.Unlock()
-			if len(relayErr) > 0 {
-				err = errors.Join(append([]error{err, fmt.Errorf("the relay reported %d+ errors", len(relayErr))}, relayErr...)...)
-			}
+			err = relayErr.join(err)
 		}()
 		select {
 		case <-f.Running():

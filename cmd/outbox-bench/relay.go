@@ -260,8 +260,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		defer stopWatch()
 		var (
 			sent     = newSentCounter(n)
-			errMu    sync.Mutex
-			relayErr []error
+			relayErr relayErrors
 			fs       []*outbox.Forwarder
 			timed    []*timedDest
 		)
@@ -301,13 +300,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 				// gauges as Run starts, none after).
 				Metrics:       runMetrics,
 				StatsInterval: time.Hour,
-				OnError: func(err error, _ outbox.ErrorContext) {
-					errMu.Lock()
-					defer errMu.Unlock()
-					if len(relayErr) < 10 {
-						relayErr = append(relayErr, err)
-					}
-				},
+				OnError:       relayErr.add,
 			})
 			if err != nil {
 				_ = t.Close()
@@ -352,11 +345,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 			}
 		}
 		res.publish /= time.Duration(len(timed))
-		errMu.Lock()
-		if len(relayErr) > 0 {
-			err = errors.Join(append([]error{err, fmt.Errorf("the relay reported %d+ errors", len(relayErr))}, relayErr...)...)
-		}
-		errMu.Unlock()
+		err = relayErr.join(err)
 		if err != nil {
 			return err
 		}
@@ -583,6 +572,31 @@ func roundAll(xs []float64) []float64 {
 		out[i] = float64(int64(x + 0.5))
 	}
 	return out
+}
+
+// relayErrors keeps the first errors a bench's relays report through
+// OnError: a measured run must have none.
+type relayErrors struct {
+	mu   sync.Mutex
+	errs []error
+}
+
+func (r *relayErrors) add(err error, _ outbox.ErrorContext) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.errs) < 10 {
+		r.errs = append(r.errs, err)
+	}
+}
+
+// join adds what the relays reported, if anything, to err.
+func (r *relayErrors) join(err error) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.errs) == 0 {
+		return err
+	}
+	return errors.Join(append([]error{err, fmt.Errorf("the relay reported %d+ errors", len(r.errs))}, r.errs...)...)
 }
 
 // markedCounter reads the relays' published counter from their metrics: a
