@@ -94,6 +94,7 @@ type AMQPDestination struct {
 
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
+	wire      *wire           // conn's socket
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
@@ -143,11 +144,14 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 	}
 	if d.conn == nil || d.conn.IsClosed() {
 		d.dropLocked()
-		conn, err := amqp.DialConfig(d.cfg.URL, d.cfg.AMQP)
+		cfg := d.cfg.AMQP
+		var w *wire
+		cfg.Dial = dialWire(cfg.Dial, func(opened *wire) { w = opened })
+		conn, err := amqp.DialConfig(d.cfg.URL, cfg)
 		if err != nil {
 			return fmt.Errorf("outbox: connect to RabbitMQ: %w", err)
 		}
-		d.conn = conn
+		d.conn, d.wire = conn, w
 		d.exchanges = map[string]bool{}
 		d.cfg.Logger.Info("Connected to RabbitMQ", watermill.LogFields{"connection_name": d.cfg.ConnectionName})
 	}
@@ -183,7 +187,7 @@ func (d *AMQPDestination) dropLocked() {
 	d.dropChannelLocked()
 	if d.conn != nil {
 		_ = d.conn.Close()
-		d.conn = nil
+		d.conn, d.wire = nil, nil
 	}
 	d.exchanges = nil
 }
@@ -315,11 +319,10 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 			break
 		}
 	}
-	// A broker that stops reading (a memory alarm) blocks the socket write;
-	// closing the connection when the context ends is what unblocks it.
-	conn := d.conn
-	stop := context.AfterFunc(ctx, func() { _ = conn.Close() })
-	defer stop()
+	// The publishes go out together when the loop ends, by ctx's deadline:
+	// a broker that stops reading (a memory alarm) cannot block the relay.
+	release := d.wire.hold(ctx)
+	lost := false
 	for i := 0; i < limit; i++ {
 		msg := publishing(recs[i])
 		if err := encodable(recs[i], msg, d.conn.Config.FrameSize); err != nil {
@@ -336,10 +339,22 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 			// channel goes too: after a failed write the broker's count of
 			// deliveries may no longer match the client's.
 			p.res[i] = connectionLost(fmt.Errorf("publish: %w", err))
-			d.dropLocked()
+			lost = true
 			break
 		}
 		p.confirms = append(p.confirms, dc)
+	}
+	if err := release(); err != nil {
+		// Whether the broker got any of them is unknown, and the records
+		// are not at fault.
+		if len(p.confirms) > 0 {
+			fillNotSent(p.res, 0, connectionLost(fmt.Errorf("publish: %w", err)))
+			p.confirms = nil
+		}
+		lost = true
+	}
+	if lost {
+		d.dropLocked()
 	}
 	for i := len(p.confirms); i < len(recs); i++ {
 		if p.res[i] == nil {

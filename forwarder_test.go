@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -1266,4 +1267,53 @@ func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
 			t.Errorf("%d failures were taken for a lost connection; the broker closed the channel over the record", n)
 		}
 	})
+}
+
+// countingConn counts the writes that reach the socket.
+type countingConn struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (c countingConn) Write(p []byte) (int, error) {
+	c.writes.Add(1)
+	return c.Conn.Write(p)
+}
+
+// A batch reaches the broker in a few writes, not one per message (the
+// client flushes every publish): the broker reads it in a few segments
+// instead of handling a hundred. A user's own Dial still dials.
+func TestForwarder_BatchReachesTheSocketInAFewWrites(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	var writes atomic.Int64
+	dial := amqp.DefaultDial(10 * time.Second)
+	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 100}, outbox.AMQPConfig{AMQP: amqp.Config{
+		Dial: func(network, addr string) (net.Conn, error) {
+			c, err := dial(network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return countingConn{Conn: c, writes: &writes}, nil
+		},
+	}})
+	publishN(t, db, b.Exchange, "t", 1)
+	if n := sweepAll(t, f); n != 1 { // connects, checks the exchange
+		t.Fatalf("first sweep published %d", n)
+	}
+	publishN(t, db, b.Exchange, "t", 100)
+	before := writes.Load()
+	if n, err := f.Sweep(context.Background()); err != nil || n != 100 {
+		t.Fatalf("sweep: %d, %v", n, err)
+	}
+	if w := writes.Load() - before; w > 5 {
+		t.Errorf("a batch of 100 took %d writes to the socket, want a few", w)
+	}
+	if got := len(b.Drain(queue, 101, 10*time.Second)); got != 101 {
+		t.Errorf("%d messages arrived, want 101", got)
+	}
 }
