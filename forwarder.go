@@ -69,10 +69,11 @@ type ForwarderConfig struct {
 }
 
 // pipelineDepth is how many batches Run keeps in flight beyond the one it
-// is sending: enough that the broker always has a batch to confirm while
+// is sending: enough that the broker always has a batch to work on while
 // the relay marks one and claims the next. Each holds a claim (a
-// connection and its row locks on PostgreSQL) until it is settled; Run
-// keeps fewer in flight when the pool is capped too low for them.
+// connection and its row locks on PostgreSQL) until it is settled, and one
+// more is held while the next is claimed; Run keeps fewer in flight when
+// the pool is capped too low for them.
 const pipelineDepth = 2
 
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
@@ -259,7 +260,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if listen {
 			free--
 		}
-		depth = min(depth, free-1) // the batches in flight and the one being claimed
+		depth = min(depth, free-2) // the batches in flight and the one being claimed
 	}
 
 	var listener sync.WaitGroup
@@ -278,7 +279,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	// Only the AMQP destination itself pipelines: a wrapper that embeds it
 	// would otherwise be skipped, its own Publish never called.
 	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && depth > 0 {
+	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && depth >= 0 {
 		pipe = d
 	}
 	var (
@@ -298,59 +299,70 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		stopping := ctx.Err() != nil
 
 		f.sweepMu.Lock()
-		var (
-			next     *batch
-			claimErr error
-		)
+		var claimed *batch
+		failed := false
 		if !stopping {
-			next, claimErr = f.claimNext(work, after)
-			if claimErr != nil {
-				f.reportError(claimErr, ErrorContext{})
+			var err error
+			if claimed, err = f.claimNext(work, after); err != nil {
+				f.reportError(err, ErrorContext{})
+				failed = true
 			}
 		}
-		if next != nil && len(next.records) > 0 {
-			next.deadline = time.Now().Add(f.cfg.PublishTimeout)
-			sendCtx, cancel := context.WithDeadline(work, next.deadline)
-			// Pipelined once the store knows its claims may overlap (on
-			// MySQL, once the claim found the pending index).
-			if pipe != nil && f.store.claimsOverlap() && !hasRetries(next.records) {
-				// Sent now, settled on the next turn: the broker works on this
-				// batch while the database marks the one before and claims
-				// the one after. A batch holding a record that failed before
-				// goes through Publish, which sends that record alone.
-				next.pending = pipe.send(sendCtx, next.records)
-			} else {
-				next.results = f.dest.Publish(sendCtx, next.records)
+		next := claimed   // claimed and not sent yet
+		var done []*batch // to settle now, oldest first
+		held := false     // the oldest batch failed: nothing more goes out
+		// Pipelined once the store knows its claims may overlap (on MySQL,
+		// once the claim found the pending index). A batch holding a record
+		// that failed before goes through Publish, which sends that record
+		// alone.
+		if next != nil && len(next.records) > 0 && pipe != nil && f.store.claimsOverlap() && !hasRetries(next.records) {
+			// The next batch goes out the moment the pipeline has room, and
+			// the one confirmed is marked after that, as the next is claimed:
+			// the broker confirms in bursts, once it has caught up with what
+			// was sent, so database work done between a confirm and the next
+			// send would leave it idle.
+			if len(queue) > depth {
+				oldest := queue[0]
+				queue = queue[1:]
+				f.collect(work, pipe, oldest)
+				done = append(done, oldest)
+				held = !oldest.clean()
 			}
-			cancel()
+			if !held {
+				f.send(work, pipe, next)
+				queue, next = append(queue, next), nil
+			}
 		}
-		failed, settled := claimErr != nil, false
-		if next != nil && next.pending != nil && !stopping {
-			queue = append(queue, next)
+		// Everything in flight is settled, oldest first, when a batch
+		// failed, when the relay is about to stop, when nothing more was
+		// claimed, or before a batch that goes synchronously (its marks
+		// must come after theirs), so that nothing stays in flight. A batch
+		// sent while one before it failed is behind that failure: none of
+		// it is marked.
+		if held || failed || stopping || claimed == nil || next != nil {
+			done, queue = append(done, queue...), nil
 		}
-		// Collect confirms oldest first: when the pipeline is full, and
-		// all of it when a batch went synchronously (its marks must come
-		// after theirs), when nothing more was claimed, or when the relay
-		// is about to back off or stop, so that nothing stays in flight. A
-		// batch sent while one before it failed is behind that failure:
-		// none of it is marked.
-		for len(queue) > 0 && (len(queue) > depth || failed || stopping || next == nil || next.pending == nil) {
-			b := queue[0]
-			queue = queue[1:]
+		for _, b := range done {
 			failed = f.settleSent(work, pipe, b, failed) || failed
-			settled = true
 		}
-		if next != nil && next.pending == nil {
-			failed = f.settleSent(work, pipe, next, failed) || failed
-			settled = true
+		if next != nil {
+			if failed {
+				next.results = notSent(len(next.records))
+			} else if len(next.records) > 0 {
+				sendCtx, cancel := context.WithTimeout(work, f.cfg.PublishTimeout)
+				next.results = f.dest.Publish(sendCtx, next.records)
+				cancel()
+			}
+			_, bad, err := f.settle(work, next, true)
+			failed = failed || bad || err != nil
 		}
 		f.sweepMu.Unlock()
 
 		// A drain resumes after the last row claimed; anything that failed
 		// or was left behind sends the next claim back to the head.
 		after = nil
-		if !failed && next.full(f.cfg.BatchSize) {
-			after = next.last()
+		if !failed && claimed.full(f.cfg.BatchSize) {
+			after = claimed.last()
 		}
 
 		var wait time.Duration
@@ -361,8 +373,8 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		case failed:
 			delay = f.nextDelay(delay)
 			wait = delay
-		case len(queue) > 0 || next.full(f.cfg.BatchSize):
-			if settled {
+		case len(queue) > 0 || claimed.full(f.cfg.BatchSize):
+			if len(done) > 0 || next != nil {
 				delay = 0 // a batch went through: the failure is over
 			}
 			continue // more are waiting, or a batch is in flight
@@ -395,15 +407,29 @@ func (f *Forwarder) refreshStats(ctx context.Context) {
 	f.cfg.Metrics.stats(st, time.Now())
 }
 
+// send sends a batch on the pipeline; its confirms are collected later.
+func (f *Forwarder) send(ctx context.Context, pipe pipeliner, b *batch) {
+	b.deadline = time.Now().Add(f.cfg.PublishTimeout)
+	sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
+	defer cancel()
+	b.pending = pipe.send(sendCtx, b.records)
+}
+
+// collect waits for the confirms of a sent batch, if they are still out.
+func (f *Forwarder) collect(ctx context.Context, pipe pipeliner, b *batch) {
+	if b.pending == nil {
+		return
+	}
+	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
+	defer cancel()
+	b.results = pipe.wait(waitCtx, b.pending)
+	b.pending = nil
+}
+
 // settleSent collects a batch's confirms, if they are still out, and
 // settles it. It reports whether anything failed.
 func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch, behindFailure bool) bool {
-	if b.pending != nil {
-		waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
-		b.results = pipe.wait(waitCtx, b.pending)
-		cancel()
-		b.pending = nil
-	}
+	f.collect(ctx, pipe, b)
 	if behindFailure {
 		b.holdBack()
 	}
@@ -510,6 +536,30 @@ func (b *batch) holdBack() {
 	for i := range b.results {
 		b.results[i] = fmt.Errorf("%w: sent while an earlier record failed", ErrNotSent)
 	}
+}
+
+// clean reports whether every record of the batch went out: nothing failed,
+// nothing was held back.
+func (b *batch) clean() bool {
+	if len(b.failures) > 0 || len(b.results) != len(b.records) {
+		return false
+	}
+	for _, err := range b.results {
+		if err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// notSent is the result of records that were not sent: held back behind a
+// failure.
+func notSent(n int) []error {
+	res := make([]error, n)
+	for i := range res {
+		res[i] = fmt.Errorf("%w: held back behind an earlier record that failed", ErrNotSent)
+	}
+	return res
 }
 
 // fail records rec's failure, with the attempts it will have.
