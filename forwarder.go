@@ -22,10 +22,11 @@ type ForwarderConfig struct {
 	Table string
 
 	// BatchSize is how many rows one sweep claims. Default 100, at most 1000.
-	// Larger batches drain a backlog faster (measured on two cores: 300
-	// reached 0.8 of the broker's raw rate, 1000 about 0.95, 100 about 0.7;
-	// outbox-bench -scenario relay -batch N), at the cost of memory per
-	// claim and of more rows sent again behind a failed one.
+	// Larger batches drain a backlog faster (measured on two cores shared
+	// with the database and the broker: 100 reached 0.66 to 0.83 of the
+	// broker's raw rate, 200 0.8 to 0.9; outbox-bench -scenario relay
+	// -batch N), at the cost of memory per claim and of more rows sent
+	// again behind a failed one.
 	BatchSize int
 	// MaxAttempts: see StoreConfig. Default 10.
 	MaxAttempts int
