@@ -165,7 +165,8 @@ type Forwarder struct {
 
 	// afterPublish, when set (tests), runs between the broker's confirms and
 	// the marks: the window in which a relay's death duplicates a message.
-	afterPublish func(published []string)
+	// An error fails the marks as the database would.
+	afterPublish func(published []string) error
 }
 
 // NewForwarder returns a relay over db (a *sql.DB or *sqlx.DB) that
@@ -343,8 +344,12 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		if held || failed || stopping || claimed == nil || next != nil {
 			done, queue = append(done, queue...), nil
 		}
-		for _, b := range done {
-			failed = f.settleSent(work, pipe, b, failed) || failed
+		for i := 0; i < len(done); i++ {
+			failed = f.settleSent(work, pipe, done[i], failed) || failed
+			if failed && len(queue) > 0 {
+				// A mark failed: the relay backs off with nothing in flight.
+				done, queue = append(done, queue...), nil
+			}
 		}
 		if next != nil {
 			if failed {
@@ -665,11 +670,8 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.fail(rec, b.attempts[rec.ID]+1, err)
 		}
 	}
-	if f.afterPublish != nil {
-		f.afterPublish(published)
-	}
 	// The marks are not cut short: the broker has the messages.
-	if err := f.store.finish(context.WithoutCancel(ctx), b.claim, published, b.failures); err != nil {
+	if err := f.mark(context.WithoutCancel(ctx), b, published); err != nil {
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.
 		if report {
@@ -689,6 +691,17 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
 	return len(published), len(b.failures) > 0, errors.Join(b.errs...)
+}
+
+// mark marks the batch's published rows and failures, and ends its claim.
+func (f *Forwarder) mark(ctx context.Context, b *batch, published []string) error {
+	if f.afterPublish != nil {
+		if err := f.afterPublish(published); err != nil {
+			_ = f.store.abandon(ctx, b.claim)
+			return err
+		}
+	}
+	return f.store.finish(ctx, b.claim, published, b.failures)
 }
 
 // lostRepeats is how many times in a row the connection may be lost at the

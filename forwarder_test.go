@@ -742,11 +742,12 @@ func TestForwarder_CloseDuringBatch_WaitsForItNoGoroutineLeft(t *testing.T) {
 		f := newForwarder(t, db, outbox.ForwarderConfig{})
 		inBatch, release := make(chan struct{}), make(chan struct{})
 		var once sync.Once
-		outbox.SetAfterPublishHook(f, func([]string) {
+		outbox.SetAfterPublishHook(f, func([]string) error {
 			once.Do(func() {
 				close(inBatch)
 				<-release
 			})
+			return nil
 		})
 		go func() { _ = f.Run(context.Background()) }()
 		<-inBatch
@@ -1315,5 +1316,48 @@ func TestForwarder_BatchReachesTheSocketInAFewWrites(t *testing.T) {
 	}
 	if got := len(b.Drain(queue, 101, 10*time.Second)); got != 101 {
 		t.Errorf("%d messages arrived, want 101", got)
+	}
+}
+
+// A mark that fails while batches are in flight behind it (the database
+// refused it) leaves nothing in flight through the backoff: the batches
+// behind it are settled, not marked, and their claims end at once instead of
+// holding rows (here SQLite leases) until the relay tries again.
+func TestForwarder_Run_MarkFailsWithBatchesInFlight_NothingHeldThroughBackoff(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	publishN(t, db, b.Exchange, "t", 60)
+	reported := make(chan error, 8)
+	f := newForwarder(t, db, outbox.ForwarderConfig{
+		BatchSize: 10, RetryMin: 5 * time.Second, RetryMax: 5 * time.Second,
+		OnError: func(err error, _ outbox.ErrorContext) { reported <- err },
+	})
+	var calls atomic.Int32
+	outbox.SetAfterPublishHook(f, func([]string) error {
+		if calls.Add(1) == 1 { // the first mark, with batches sent behind it
+			return errors.New("injected: the database refused the marks")
+		}
+		return nil
+	})
+	go func() { _ = f.Run(context.Background()) }()
+	if err := <-reported; !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("first error reported: %v", err)
+	}
+	leased := func() int {
+		var n int
+		if err := db.DB.QueryRowContext(context.Background(),
+			"SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND locked_until IS NOT NULL").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitFor(t, 2*time.Second, "no row claimed while the relay backs off", func() bool { return leased() == 0 })
+	waitFor(t, 30*time.Second, "the outbox to drain after the backoff", func() bool { return pendingCount(t, f) == 0 })
+	if seen := countIDs(b.Drain(queue, 60, 10*time.Second)); len(seen) != 60 {
+		t.Errorf("%d distinct messages arrived, want 60", len(seen))
 	}
 }

@@ -42,11 +42,12 @@ func relayProcess() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	outbox.SetAfterPublishHook(f, func(published []string) {
+	outbox.SetAfterPublishHook(f, func(published []string) error {
 		if len(published) > 0 {
 			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 			select {} // the signal is on its way
 		}
+		return nil
 	})
 	n, err := f.Sweep(context.Background())
 	fmt.Fprintf(os.Stderr, "relay process survived its sweep: %d published, %v\n", n, err)
