@@ -182,26 +182,38 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 }
 
 // dropLocked closes the channel and connection, if any, so that the next use
-// opens fresh ones.
+// opens fresh ones. The channel goes with the connection, and the close
+// waits closeTimeout at most for the broker's answer: a broker that stops
+// reading (a memory alarm) never gives one.
 func (d *AMQPDestination) dropLocked() {
-	d.dropChannelLocked()
+	d.forgetChannelLocked()
 	if d.conn != nil {
-		_ = d.conn.Close()
+		_ = d.conn.CloseDeadline(time.Now().Add(closeTimeout))
 		d.conn, d.wire = nil, nil
 	}
 	d.exchanges = nil
 }
 
+// closeTimeout bounds the wait for the broker's answer to connection.close.
+const closeTimeout = 5 * time.Second
+
 func (d *AMQPDestination) dropChannelLocked() {
-	if d.cc != nil {
-		// Dropped only if it was open: one the broker closed keeps that
-		// as its reason, for the windows still waiting on it.
-		if !d.cc.ch.IsClosed() {
-			d.cc.dropped = true
-			_ = d.cc.ch.Close()
-		}
-		d.cc = nil
+	if ch := d.forgetChannelLocked(); ch != nil {
+		_ = ch.Close()
 	}
+}
+
+// forgetChannelLocked lets the confirm channel go, and returns it if it is
+// still open, marked dropped. One the broker closed keeps that as its
+// reason, for the windows still waiting on it.
+func (d *AMQPDestination) forgetChannelLocked() *amqp.Channel {
+	cc := d.cc
+	d.cc = nil
+	if cc == nil || cc.ch.IsClosed() {
+		return nil
+	}
+	cc.dropped = true
+	return cc.ch
 }
 
 // Close closes the connection. Publish and Connect fail afterwards. Calling it

@@ -32,8 +32,9 @@ type wire struct {
 	held    []byte
 	err     error // the first failed write
 
-	cut   sync.Mutex // orders the ctx's cut with release
+	cut   sync.Mutex // orders the ctx's cut with hold and release
 	armed bool       // between hold and release: a ctx that ends cuts writes
+	gen   uint64     // which hold is armed
 }
 
 // Write sends p, or holds it while a batch is published.
@@ -59,23 +60,31 @@ func (w *wire) Write(p []byte) (int, error) {
 
 // hold holds the writes from here until release, which writes them out.
 // They go out by ctx's deadline, and a ctx that ends cuts a blocked write
-// short.
+// short: also one made outside a hold (a heartbeat into a full socket) that
+// the hold would otherwise wait behind.
 func (w *wire) hold(ctx context.Context) (release func() error) {
-	w.mu.Lock()
-	w.holding = true
-	deadline, _ := ctx.Deadline() // zero: none
-	_ = w.Conn.SetWriteDeadline(deadline)
-	w.mu.Unlock()
 	w.cut.Lock()
+	w.gen++
+	gen := w.gen
 	w.armed = true
 	w.cut.Unlock()
 	stop := context.AfterFunc(ctx, func() {
 		w.cut.Lock()
 		defer w.cut.Unlock()
-		if w.armed {
+		if w.armed && w.gen == gen { // not a later hold's
 			_ = w.Conn.SetWriteDeadline(time.Now()) // a blocked write fails now
 		}
 	})
+	w.mu.Lock()
+	w.holding = true
+	w.cut.Lock()
+	deadline, _ := ctx.Deadline() // zero: none
+	if ctx.Err() != nil {
+		deadline = time.Now() // ended before the hold began: cut at once
+	}
+	_ = w.Conn.SetWriteDeadline(deadline)
+	w.cut.Unlock()
+	w.mu.Unlock()
 	return func() error {
 		defer stop()
 		w.mu.Lock()

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 )
@@ -126,5 +127,39 @@ func TestWire_ContextCancelled_BlockedWriteFails(t *testing.T) {
 	}
 	if err := release(); err == nil {
 		t.Fatal("release after a failed write succeeded")
+	}
+}
+
+// A write made outside a hold (a heartbeat into a full socket) does not make
+// the next batch's hold wait for ever: the batch's context cuts it.
+func TestWire_WriteBlockedOutsideAHold_HoldCutByItsContext(t *testing.T) {
+	w, _ := pipeWire(t) // nobody reads
+	blocked := make(chan error, 1)
+	go func() {
+		_, err := w.Write([]byte("heartbeat")) // blocks, holding the wire
+		blocked <- err
+	}()
+	for w.mu.TryLock() { // until the write holds the wire
+		w.mu.Unlock()
+		runtime.Gosched()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		release := w.hold(ctx)
+		_, _ = w.Write([]byte("publish"))
+		done <- release()
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("the batch was released with nobody reading")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the hold waited behind the blocked write past its context")
+	}
+	if err := <-blocked; err == nil {
+		t.Fatal("the blocked write succeeded with nobody reading")
 	}
 }
