@@ -39,6 +39,9 @@ type Dialect interface {
 	// leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	leases() bool
+	// prepareRelay: Run prepares the claims and the mark of a full batch
+	// once rather than have the driver prepare them for every batch.
+	prepareRelay() bool
 	// purgePublished deletes at most ? rows published before ?.
 	purgePublished(table string) string
 	// insertProcessed records (consumer_name, message_id, processed_at) and

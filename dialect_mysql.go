@@ -120,3 +120,12 @@ func (mysqlDialect) pendingIndex() string {
 		" WHERE s1.TABLE_SCHEMA = COALESCE(?, DATABASE()) AND s1.TABLE_NAME = ? AND s1.SEQ_IN_INDEX = 1" +
 		" AND s1.COLUMN_NAME = 'published_at' ORDER BY s2.INDEX_NAME IS NULL, s1.INDEX_NAME LIMIT 1"
 }
+
+// prepareRelay: go-sql-driver prepares, executes and closes a statement for
+// every query with arguments (unless the DSN sets interpolateParams), two
+// round trips and a parse of a hundred placeholders for each claim and mark.
+// Prepared once per connection, each is one round trip. With the database
+// on loopback the drain gained a few percent (outbox-bench -scenario relay,
+// 0.67 to 0.69 of the broker's rate over eleven runs side by side); across a
+// network each round trip saved counts for more.
+func (mysqlDialect) prepareRelay() bool { return true }

@@ -94,3 +94,8 @@ func (postgresDialect) purgeProcessed(table string) string {
 }
 
 func (postgresDialect) pendingIndex() string { return "" }
+
+// prepareRelay: pgx caches the statements it prepares on each connection
+// already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
+// transaction mode) must have its way.
+func (postgresDialect) prepareRelay() bool { return false }

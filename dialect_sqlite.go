@@ -81,3 +81,6 @@ func (sqliteDialect) purgeProcessed(table string) string {
 func (sqliteDialect) claimSetup() string { return "" }
 
 func (sqliteDialect) pendingIndex() string { return "" }
+
+// prepareRelay: compiling a statement in process costs no round trip.
+func (sqliteDialect) prepareRelay() bool { return false }

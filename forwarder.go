@@ -265,6 +265,10 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		depth = min(depth, free-2) // the batches in flight and the one being claimed
 	}
 
+	if err := f.store.prepareRelay(ctx, f.cfg.BatchSize); err != nil {
+		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
+	}
+
 	var listener sync.WaitGroup
 	if listen {
 		listener.Add(1)
@@ -484,6 +488,7 @@ func (f *Forwarder) Close() error {
 		}
 		f.sweepMu.Lock() // a Sweep called directly finishes too
 		defer f.sweepMu.Unlock()
+		f.store.closePrepared()
 		if c, ok := f.dest.(io.Closer); ok {
 			f.closeErr = c.Close()
 		}

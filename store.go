@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jmoiron/sqlx"
@@ -73,6 +74,10 @@ type Store struct {
 	claimMu      sync.Mutex
 	forced       *[2]string
 	indexChecked time.Time
+
+	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
+	// by their SQL.
+	stmts atomic.Pointer[map[string]*sql.Stmt]
 }
 
 // indexRecheck is how long a MySQL relay claims without naming an index
@@ -187,7 +192,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	rows, err := tx.QueryContext(ctx, query, append(args, n)...)
+	rows, err := s.queryTx(ctx, tx, query, append(args, n)...)
 	if err != nil {
 		_ = tx.Rollback()
 		s.forgetIndex() // dropped or renamed, maybe: look again
@@ -205,36 +210,121 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 // index, looked up the first time, in the claim's transaction (a capped
 // pool may have no other connection to give).
 func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (string, error) {
-	lookup := s.dialect.pendingIndex()
-	if lookup == "" {
+	if s.dialect.pendingIndex() == "" {
 		return s.q.claimLocked[variant], nil
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if s.forced == nil && time.Since(s.indexChecked) >= indexRecheck {
-		var schema any
-		name := s.cfg.Table
-		if i := strings.LastIndexByte(name, '.'); i >= 0 {
-			schema, name = name[:i], name[i+1:]
-		}
-		var index string
-		err := tx.QueryRowContext(ctx, lookup, schema, name).Scan(&index)
-		switch {
-		case errors.Is(err, sql.ErrNoRows):
-			// No such index: claims as the optimizer sees fit, and never
-			// overlapping, so the relay cannot wait on itself.
-		case err != nil:
-			return "", fmt.Errorf("look up the pending index of %s: %w", s.table, err)
-		default:
-			q := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
-			s.forced = &q
-		}
-		s.indexChecked = time.Now()
+	if err := s.lookUpIndexLocked(ctx, tx); err != nil {
+		return "", err
 	}
 	if s.forced != nil {
 		return s.forced[variant], nil
 	}
 	return s.q.claimLocked[variant], nil
+}
+
+// lookUpIndexLocked finds the pending index, unless it is known or was
+// looked for within indexRecheck, and sets forced.
+func (s *Store) lookUpIndexLocked(ctx context.Context, q interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}) error {
+	if s.forced != nil || time.Since(s.indexChecked) < indexRecheck {
+		return nil
+	}
+	var schema any
+	name := s.cfg.Table
+	if i := strings.LastIndexByte(name, '.'); i >= 0 {
+		schema, name = name[:i], name[i+1:]
+	}
+	var index string
+	err := q.QueryRowContext(ctx, s.dialect.pendingIndex(), schema, name).Scan(&index)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		// No such index: claims as the optimizer sees fit, and never
+		// overlapping, so the relay cannot wait on itself.
+	case err != nil:
+		return fmt.Errorf("look up the pending index of %s: %w", s.table, err)
+	default:
+		forced := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
+		s.forced = &forced
+	}
+	s.indexChecked = time.Now()
+	return nil
+}
+
+// prepareRelay prepares the statements the relay runs for every batch, if
+// the dialect wants it (see Dialect.prepareRelay): the claims, from the head
+// and after a cursor, naming the pending index if there is one, and the mark
+// of a full batch. Run calls it when it starts, while the relay holds no
+// connection, since preparing takes one from the pool for a moment. A
+// statement that could not be prepared (a proxy that refuses to) runs as
+// before; the error says which.
+func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
+	if !s.dialect.prepareRelay() {
+		return nil
+	}
+	queries := []string{s.q.claimLocked[0], s.q.claimLocked[1], s.q.markPublished(batchSize)}
+	if s.dialect.pendingIndex() != "" {
+		s.claimMu.Lock()
+		err := s.lookUpIndexLocked(ctx, s.db)
+		if s.forced != nil {
+			queries = append(queries, s.forced[0], s.forced[1])
+		}
+		s.claimMu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+	stmts := make(map[string]*sql.Stmt, len(queries))
+	var errs []error
+	for _, q := range queries {
+		st, err := s.db.PrepareContext(ctx, q)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("outbox: prepare %.40q…: %w", q, err))
+			continue
+		}
+		stmts[q] = st
+	}
+	if old := s.stmts.Swap(&stmts); old != nil {
+		closeStmts(*old)
+	}
+	return errors.Join(errs...)
+}
+
+// closePrepared closes what prepareRelay prepared.
+func (s *Store) closePrepared() {
+	if old := s.stmts.Swap(nil); old != nil {
+		closeStmts(*old)
+	}
+}
+
+func closeStmts(stmts map[string]*sql.Stmt) {
+	for _, st := range stmts {
+		_ = st.Close()
+	}
+}
+
+// queryTx and execTx run q in tx, prepared if the relay prepared it.
+func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Rows, error) {
+	if st := s.prepared(q); st != nil {
+		return tx.StmtContext(ctx, st).QueryContext(ctx, args...)
+	}
+	return tx.QueryContext(ctx, q, args...)
+}
+
+func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
+	if st := s.prepared(q); st != nil {
+		return tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+	}
+	return tx.ExecContext(ctx, q, args...)
+}
+
+func (s *Store) prepared(q string) *sql.Stmt {
+	if m := s.stmts.Load(); m != nil {
+		return (*m)[q]
+	}
+	return nil
 }
 
 // forgetIndex makes the next claim look the pending index up again.
@@ -390,7 +480,7 @@ func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published [
 		for _, id := range published {
 			args = append(args, id)
 		}
-		if _, err := tx.ExecContext(ctx, s.q.markPublished(len(published)), args...); err != nil {
+		if _, err := s.execTx(ctx, tx, s.q.markPublished(len(published)), args...); err != nil {
 			return fmt.Errorf("outbox: mark published: %w", err)
 		}
 	}
