@@ -145,11 +145,23 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 	if d.conn == nil || d.conn.IsClosed() {
 		d.dropLocked()
 		cfg := d.cfg.AMQP
-		var w *wire
-		cfg.Dial = dialWire(cfg.Dial, func(opened *wire) { w = opened })
+		var (
+			w    *wire
+			stop = func() bool { return true }
+		)
+		cfg.Dial = dialWire(cfg.Dial, func(opened *wire) {
+			// The handshake, too, is cut short when ctx ends, whatever
+			// deadline the Dial set, if any.
+			w = opened
+			stop = context.AfterFunc(ctx, func() { _ = opened.Conn.SetDeadline(time.Now()) })
+		})
 		conn, err := amqp.DialConfig(d.cfg.URL, cfg)
-		if err != nil {
-			return fmt.Errorf("outbox: connect to RabbitMQ: %w", err)
+		if cut := !stop(); cut || err != nil {
+			if err == nil {
+				_ = conn.CloseDeadline(time.Now())
+				err = ctx.Err()
+			}
+			return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", err))
 		}
 		d.conn, d.wire = conn, w
 		d.exchanges = map[string]bool{}
@@ -162,13 +174,9 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 			d.exchanges = map[string]bool{}
 		}
 		d.dropChannelLocked()
-		ch, err := d.conn.Channel()
+		ch, err := d.openConfirmChannel(ctx)
 		if err != nil {
-			return fmt.Errorf("outbox: open channel: %w", err)
-		}
-		if err := ch.Confirm(false); err != nil {
-			_ = ch.Close()
-			return fmt.Errorf("outbox: enable publisher confirms: %w", err)
+			return err
 		}
 		d.cc = &confirmChannel{
 			conn:     d.conn,
@@ -179,6 +187,38 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// openConfirmChannel opens a channel in confirm mode, within ctx.
+func (d *AMQPDestination) openConfirmChannel(ctx context.Context) (*amqp.Channel, error) {
+	var ch *amqp.Channel
+	err := d.rpc(ctx, func() error {
+		var err error
+		if ch, err = d.conn.Channel(); err != nil {
+			return fmt.Errorf("outbox: open channel: %w", err)
+		}
+		if err := ch.Confirm(false); err != nil {
+			_ = ch.Close()
+			return fmt.Errorf("outbox: enable publisher confirms: %w", err)
+		}
+		return nil
+	})
+	return ch, err
+}
+
+// rpc runs fn, whose calls wait for the broker's answers, and cuts the
+// connection if ctx ends first: amqp091-go waits for an answer without
+// limit, and a broker that stops reading (a memory alarm) never sends one.
+// A cut connection is dropped, and the error says the connection was lost.
+func (d *AMQPDestination) rpc(ctx context.Context, fn func() error) error {
+	w := d.wire
+	stop := context.AfterFunc(ctx, func() { _ = w.Conn.SetDeadline(time.Now()) })
+	err := fn()
+	if !stop() {
+		d.dropLocked()
+		return connectionLost(fmt.Errorf("the broker did not answer in time: %w", errors.Join(ctx.Err(), err)))
+	}
+	return err
 }
 
 // dropLocked closes the channel and connection, if any, so that the next use
@@ -324,12 +364,20 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	// Exchanges first, on a side channel: publishing to a missing one would
 	// close the confirm channel and fail every message in flight with it.
 	limit := len(recs)
-	for i, r := range recs {
-		if err := d.checkExchange(r.Exchange); err != nil {
-			p.res[i] = err
-			limit = i
-			break
+	_ = d.rpc(ctx, func() error {
+		for i, r := range recs {
+			if err := d.checkExchange(r.Exchange); err != nil {
+				p.res[i] = err
+				limit = i
+				return err
+			}
 		}
+		return nil
+	})
+	if d.conn == nil { // cut: the broker did not answer the checks in time
+		fillNotSent(p.res, 0, connectionLost(fmt.Errorf("check exchanges: %w", ctx.Err())))
+		p.on = nil
+		return p
 	}
 	// The publishes go out together when the loop ends, by ctx's deadline:
 	// a broker that stops reading (a memory alarm) cannot block the relay.

@@ -594,7 +594,12 @@ func (b *batch) last() *cursor {
 // outage must not count attempts against records, nor hold their locks.
 func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
-		if err := c.Connect(ctx); err != nil {
+		// Bounded like a batch: a broker that answers nothing must not
+		// hold the relay.
+		connectCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
+		err := c.Connect(connectCtx)
+		cancel()
+		if err != nil {
 			return nil, err
 		}
 	}
