@@ -1410,46 +1410,65 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 
 // A broker that stops reading (a memory alarm; here a proxy that stops
 // reading what the relay sends, while the broker's heartbeats still come
-// through) when the relay needs an answer from it (the check of an
-// exchange it has not published to yet) does not hang the relay: the
-// batch's deadline cuts the connection, the relay reports it and tries
-// again, and once the broker reads again every row arrives.
+// through) does not hang the relay, whether it needs an answer (the check of
+// an exchange it has not published to yet) or only writes a batch: the
+// batch's deadline cuts the connection, the relay reports it, and Close
+// returns. Once the broker reads again every row arrives.
 func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
-	proxy := testamqp.NewProxy(t)
-	a, b := testamqp.New(t), testamqp.New(t)
-	qa, qb := a.Queue("t"), b.Queue("t")
-	reported := make(chan error, 1)
-	f := newForwarder(t, db, outbox.ForwarderConfig{
-		PublishTimeout: time.Second, RetryMin: 50 * time.Millisecond, RetryMax: 200 * time.Millisecond,
-		OnError: func(err error, _ outbox.ErrorContext) {
-			select {
-			case reported <- err:
-			default:
+	for _, newExchange := range []bool{true, false} {
+		t.Run(fmt.Sprintf("new_exchange=%v", newExchange), func(t *testing.T) {
+			db := testdb.New(t, testdb.SQLite)
+			if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+				t.Fatal(err)
 			}
-		},
-	}, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
-	publishN(t, db, a.Exchange, "t", 1)
-	go func() { _ = f.Run(context.Background()) }()
-	if got := len(a.Drain(qa, 1, 10*time.Second)); got != 1 {
-		t.Fatalf("%d messages arrived before the stall, want 1", got)
-	}
+			proxy := testamqp.NewProxy(t)
+			a, b := testamqp.New(t), testamqp.New(t)
+			qa, qb := a.Queue("t"), b.Queue("t")
+			if !newExchange {
+				b, qb = a, qa
+			}
+			reported := make(chan error, 1)
+			cfg := outbox.ForwarderConfig{
+				PublishTimeout: time.Second, RetryMin: 50 * time.Millisecond, RetryMax: 200 * time.Millisecond,
+				OnError: func(err error, _ outbox.ErrorContext) {
+					select {
+					case reported <- err:
+					default:
+					}
+				},
+			}
+			f := newForwarder(t, db, cfg, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+			publishN(t, db, a.Exchange, "t", 1)
+			go func() { _ = f.Run(context.Background()) }()
+			if got := len(a.Drain(qa, 1, 10*time.Second)); got != 1 {
+				t.Fatalf("%d messages arrived before the stall, want 1", got)
+			}
 
-	proxy.Stall()
-	ids := publishN(t, db, b.Exchange, "t", 20)
-	f.Notify()
-	select {
-	case err := <-reported:
-		t.Logf("reported while the broker did not read: %v", err)
-	case <-time.After(20 * time.Second):
-		proxy.Resume() // so that the relay can be closed
-		t.Fatal("the relay reported nothing in 20 s while the broker did not read: it hangs")
-	}
-	proxy.Resume()
-	if seen := countIDs(b.Drain(qb, len(ids), 30*time.Second)); len(seen) != len(ids) {
-		t.Errorf("%d of %d messages arrived after the broker read again", len(seen), len(ids))
+			proxy.Stall()
+			ids := publishN(t, db, b.Exchange, "t", 300) // more than a socket buffer holds
+			f.Notify()
+			select {
+			case err := <-reported:
+				t.Logf("reported while the broker did not read: %v", err)
+			case <-time.After(20 * time.Second):
+				proxy.Resume() // so that the relay can be closed
+				t.Fatal("the relay reported nothing in 20 s while the broker did not read: it hangs")
+			}
+			closed := make(chan error, 1)
+			go func() { closed <- f.Close() }()
+			select {
+			case <-closed:
+			case <-time.After(20 * time.Second):
+				proxy.Resume()
+				t.Fatal("Close did not return in 20 s while the broker did not read")
+			}
+
+			proxy.Resume()
+			cfg.OnError = nil
+			sweepAll(t, newForwarder(t, db, cfg))
+			if seen := countIDs(b.Drain(qb, len(ids), 30*time.Second)); len(seen) != len(ids) {
+				t.Errorf("%d of %d messages arrived after the broker read again", len(seen), len(ids))
+			}
+		})
 	}
 }
