@@ -1445,7 +1445,7 @@ func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
 			}
 
 			proxy.Stall()
-			ids := publishN(t, db, b.Exchange, "t", 300) // more than a socket buffer holds
+			ids := publishN(t, db, b.Exchange, "t", 300) // three batches: the stall may let the first through
 			f.Notify()
 			select {
 			case err := <-reported:
@@ -1470,5 +1470,83 @@ func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
 				t.Errorf("%d of %d messages arrived after the broker read again", len(seen), len(ids))
 			}
 		})
+	}
+}
+
+// Run's start looks the pending index up and prepares the relay's
+// statements with a connection from the pool. A Sweep (or any claim) that
+// holds the pool's last connection meanwhile goes on, rather than wait on
+// Run for the lookup while Run waits on it for the connection.
+func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
+		t.Fatal(err)
+	}
+	db.DB.SetMaxOpenConns(1)
+	f := newForwarder(t, db, outbox.ForwarderConfig{})
+	tx, err := db.DB.BeginTx(context.Background(), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	waits := db.DB.Stats().WaitCount
+	go func() { _ = f.Run(context.Background()) }()
+	waitFor(t, 10*time.Second, "Run to wait for the pool's connection", func() bool { return db.DB.Stats().WaitCount > waits })
+
+	claimed := make(chan error, 1)
+	go func() {
+		_, err := outbox.LockedClaim(f.Store(), tx) // the claim's next step: the index lookup
+		claimed <- err
+	}()
+	select {
+	case err := <-claimed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		_ = tx.Rollback() // frees Run, and the test
+		t.Fatal("the claim waited on Run's start, which waited on the claim's connection")
+	}
+	_ = tx.Rollback()
+	select {
+	case <-f.Running():
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not start once the connection was free")
+	}
+}
+
+// Prepared statements that stop working (a proxy that does not keep a
+// connection's statements, a server out of them) fail one claim; the relay
+// then runs its statements unprepared, as it would have without them, and
+// every row arrives.
+func TestForwarder_MySQL_PreparedStatementsFail_RelayGoesOnUnprepared(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
+		t.Fatal(err)
+	}
+	other := testdb.New(t, testdb.MySQL)
+	if err := outbox.Migrate(context.Background(), other.DB.DB, outbox.MySQL); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+		OnError: func(error, outbox.ErrorContext) {}})
+	ids := publishN(t, db, b.Exchange, "t", 5)
+	go func() { _ = f.Run(context.Background()) }()
+	<-f.Running()
+	waitFor(t, 10*time.Second, "the first rows to be published", func() bool { return pendingCount(t, f) == 0 })
+	if n, err := outbox.SwapPrepared(f, other.DB.DB); err != nil || n == 0 {
+		t.Fatalf("swapped %d prepared statements: %v", n, err)
+	}
+
+	ids = append(ids, publishN(t, db, b.Exchange, "t", 30)...)
+	f.Notify()
+	waitFor(t, 20*time.Second, "the outbox to drain", func() bool { return pendingCount(t, f) == 0 })
+	if seen := countIDs(b.Drain(queue, len(ids), 10*time.Second)); len(seen) != len(ids) {
+		t.Errorf("%d of %d messages arrived", len(seen), len(ids))
+	}
+	if n := outbox.Prepared(f); n != 0 {
+		t.Errorf("the relay still runs %d statements prepared after they failed", n)
 	}
 }

@@ -215,8 +215,12 @@ func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (strin
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if err := s.lookUpIndexLocked(ctx, tx); err != nil {
-		return "", err
+	if s.forced == nil && time.Since(s.indexChecked) >= indexRecheck {
+		forced, err := s.findIndex(ctx, tx)
+		if err != nil {
+			return "", err
+		}
+		s.forced, s.indexChecked = forced, time.Now()
 	}
 	if s.forced != nil {
 		return s.forced[variant], nil
@@ -224,14 +228,11 @@ func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (strin
 	return s.q.claimLocked[variant], nil
 }
 
-// lookUpIndexLocked finds the pending index, unless it is known or was
-// looked for within indexRecheck, and sets forced.
-func (s *Store) lookUpIndexLocked(ctx context.Context, q interface {
+// findIndex looks the pending index up and returns the claims that name it,
+// or nil if the table has none.
+func (s *Store) findIndex(ctx context.Context, q interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}) error {
-	if s.forced != nil || time.Since(s.indexChecked) < indexRecheck {
-		return nil
-	}
+}) (*[2]string, error) {
 	var schema any
 	name := s.cfg.Table
 	if i := strings.LastIndexByte(name, '.'); i >= 0 {
@@ -243,38 +244,41 @@ func (s *Store) lookUpIndexLocked(ctx context.Context, q interface {
 	case errors.Is(err, sql.ErrNoRows):
 		// No such index: claims as the optimizer sees fit, and never
 		// overlapping, so the relay cannot wait on itself.
+		return nil, nil
 	case err != nil:
-		return fmt.Errorf("look up the pending index of %s: %w", s.table, err)
-	default:
-		forced := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
-		s.forced = &forced
+		return nil, fmt.Errorf("look up the pending index of %s: %w", s.table, err)
 	}
-	s.indexChecked = time.Now()
-	return nil
+	forced := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
+	return &forced, nil
 }
 
 // prepareRelay prepares the statements the relay runs for every batch, if
 // the dialect wants it (see Dialect.prepareRelay): the claims, from the head
 // and after a cursor, naming the pending index if there is one, and the mark
 // of a full batch. Run calls it when it starts, while the relay holds no
-// connection, since preparing takes one from the pool for a moment. A
-// statement that could not be prepared (a proxy that refuses to) runs as
-// before; the error says which.
+// connection, since preparing takes one from the pool for a moment; it holds
+// no lock meanwhile, so a Sweep that holds the pool's last connection goes
+// on. A statement that could not be prepared (a proxy that refuses to) runs
+// unprepared, as do all of them after one fails (see queryTx); the error
+// says which.
 func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
 	if !s.dialect.prepareRelay() {
 		return nil
 	}
 	queries := []string{s.q.claimLocked[0], s.q.claimLocked[1], s.q.markPublished(batchSize)}
 	if s.dialect.pendingIndex() != "" {
+		forced, err := s.findIndex(ctx, s.db)
+		if err != nil {
+			return err
+		}
 		s.claimMu.Lock()
-		err := s.lookUpIndexLocked(ctx, s.db)
+		if s.forced == nil {
+			s.forced, s.indexChecked = forced, time.Now()
+		}
 		if s.forced != nil {
 			queries = append(queries, s.forced[0], s.forced[1])
 		}
 		s.claimMu.Unlock()
-		if err != nil {
-			return err
-		}
 	}
 	stmts := make(map[string]*sql.Stmt, len(queries))
 	var errs []error
@@ -305,17 +309,31 @@ func closeStmts(stmts map[string]*sql.Stmt) {
 	}
 }
 
-// queryTx and execTx run q in tx, prepared if the relay prepared it.
+// queryTx and execTx run q in tx, prepared if the relay prepared it. A
+// prepared statement that fails makes the relay give them all up and run
+// them unprepared from then on, as before they were: a proxy that does not
+// keep a connection's statements, or a server out of them
+// (max_prepared_stmt_count), must not stop the relay. A failure for any
+// other reason costs the relay its prepared statements too, and nothing
+// else.
 func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Rows, error) {
 	if st := s.prepared(q); st != nil {
-		return tx.StmtContext(ctx, st).QueryContext(ctx, args...)
+		rows, err := tx.StmtContext(ctx, st).QueryContext(ctx, args...)
+		if err != nil {
+			s.closePrepared()
+		}
+		return rows, err
 	}
 	return tx.QueryContext(ctx, q, args...)
 }
 
 func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
 	if st := s.prepared(q); st != nil {
-		return tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+		res, err := tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+		if err != nil {
+			s.closePrepared()
+		}
+		return res, err
 	}
 	return tx.ExecContext(ctx, q, args...)
 }
