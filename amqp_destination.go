@@ -157,8 +157,10 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		})
 		conn, err := amqp.DialConfig(d.cfg.URL, cfg)
 		if cut := !stop(); cut || err != nil {
-			if err == nil {
+			if conn != nil { // amqp091-go can return one with its error
 				_ = conn.CloseDeadline(time.Now())
+			}
+			if err == nil {
 				err = ctx.Err()
 			}
 			return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", err))
