@@ -338,10 +338,7 @@ func brokerClosedMidStream(t *testing.T, window int) {
 func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
-			db := testdb.New(t, kind)
-			if err := outbox.Migrate(context.Background(), db.DB.DB, dialectOf(t, db)); err != nil {
-				t.Fatal(err)
-			}
+			db := migrated(t, kind)
 			b := testamqp.New(t)
 			queue := b.Queue("order.placed")
 			const n = 1500
@@ -616,10 +613,7 @@ func TestForwarder_FailingRecord_RowsBehindItNotPublishedBeforeIt(t *testing.T) 
 // After a failed sweep the relay waits RetryMin, doubling up to RetryMax:
 // a record that keeps failing is not hammered.
 func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	testamqp.New(t)
 	publishOrdered(t, db, "no-such-exchange-"+testdb.RandomName(), [2]string{"refused", "k"})
 	var (
@@ -780,10 +774,7 @@ func TestForwarder_CloseDuringBatch_WaitsForItNoGoroutineLeft(t *testing.T) {
 // On PostgreSQL the relay wakes at commit through LISTEN/NOTIFY, with no
 // poll for an hour.
 func TestForwarder_Postgres_ListenNotify_WakesAtCommit(t *testing.T) {
-	db := testdb.New(t, testdb.Postgres)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.Postgres); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.Postgres)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour})
@@ -1032,10 +1023,7 @@ func (d *embeddingDest) Publish(ctx context.Context, records []outbox.Record) []
 // A destination that embeds AMQPDestination has its own Publish called under
 // Run: the relay's pipelining must not go around it.
 func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	b.Queue("t")
 	publishN(t, db, b.Exchange, "t", 3)
@@ -1104,10 +1092,7 @@ func TestForwarder_Run_CappedPool_DrainsWithoutWaitingOnItself(t *testing.T) {
 // pipeline alike; a table without an index on published_at still drains,
 // without overlapping claims.
 func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
-	db := testdb.New(t, testdb.MySQL)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.MySQL)
 	migs, err := sqlschema.Migrations("mysql")
 	if err != nil {
 		t.Fatal(err)
@@ -1285,10 +1270,7 @@ func (c countingConn) Write(p []byte) (int, error) {
 // client flushes every publish): the broker reads it in a few segments
 // instead of handling a hundred. A user's own Dial still dials.
 func TestForwarder_BatchReachesTheSocketInAFewWrites(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	var writes atomic.Int64
@@ -1324,10 +1306,7 @@ func TestForwarder_BatchReachesTheSocketInAFewWrites(t *testing.T) {
 // behind it are settled, not marked, and their claims end at once instead of
 // holding rows (here SQLite leases) until the relay tries again.
 func TestForwarder_Run_MarkFailsWithBatchesInFlight_NothingHeldThroughBackoff(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	publishN(t, db, b.Exchange, "t", 60)
@@ -1366,10 +1345,7 @@ func TestForwarder_Run_MarkFailsWithBatchesInFlight_NothingHeldThroughBackoff(t 
 // not prepared, run and closed for every batch (go-sql-driver's way with a
 // query that has arguments): a round trip and a parse fewer per statement.
 func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
-	db := testdb.New(t, testdb.MySQL)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.MySQL)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	publishN(t, db, b.Exchange, "t", 100)
@@ -1417,10 +1393,7 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
 	for _, newExchange := range []bool{true, false} {
 		t.Run(fmt.Sprintf("new_exchange=%v", newExchange), func(t *testing.T) {
-			db := testdb.New(t, testdb.SQLite)
-			if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-				t.Fatal(err)
-			}
+			db := migrated(t, testdb.SQLite)
 			proxy := testamqp.NewProxy(t)
 			a, b := testamqp.New(t), testamqp.New(t)
 			qa, qb := a.Queue("t"), b.Queue("t")
@@ -1478,10 +1451,7 @@ func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
 // holds the pool's last connection meanwhile goes on, rather than wait on
 // Run for the lookup while Run waits on it for the connection.
 func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T) {
-	db := testdb.New(t, testdb.MySQL)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.MySQL)
 	db.DB.SetMaxOpenConns(1)
 	f := newForwarder(t, db, outbox.ForwarderConfig{})
 	tx, err := db.DB.BeginTx(context.Background(), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
@@ -1520,14 +1490,8 @@ func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T
 // then runs its statements unprepared, as it would have without them, and
 // every row arrives.
 func TestForwarder_MySQL_PreparedStatementsFail_RelayGoesOnUnprepared(t *testing.T) {
-	db := testdb.New(t, testdb.MySQL)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.MySQL); err != nil {
-		t.Fatal(err)
-	}
-	other := testdb.New(t, testdb.MySQL)
-	if err := outbox.Migrate(context.Background(), other.DB.DB, outbox.MySQL); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.MySQL)
+	other := migrated(t, testdb.MySQL)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,

@@ -291,10 +291,7 @@ func TestInbox_MarkOutboxProcessed_SetsProcessedAtOnlyWhenConfigured(t *testing.
 }
 
 func TestInbox_MessageWithoutID_RefusedUnlessAllowed(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	ran := 0
 	h := func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil }
 	if _, err := newInbox(t, db, outbox.InboxConfig{}).Middleware(h)(message.NewMessage("", nil)); !errors.Is(err, outbox.ErrNoMessageID) || ran != 0 {

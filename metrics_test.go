@@ -55,10 +55,7 @@ func sampleValue(m *dto.Metric) float64 {
 }
 
 func TestMetrics_KnownSequence_ExactValues(t *testing.T) {
-	db := testdb.New(t, testdb.SQLite)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
-		t.Fatal(err)
-	}
+	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	b := testamqp.New(t)
 	queue := b.Queue("ok")

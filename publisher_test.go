@@ -26,12 +26,26 @@ import (
 func eachMigrated(t *testing.T, fn func(t *testing.T, db *testdb.DB, d outbox.Dialect)) {
 	t.Helper()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
-		d := dialectOf(t, db)
-		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-			t.Fatalf("migrate: %v", err)
-		}
-		fn(t, db, d)
+		fn(t, db, migrate(t, db))
 	})
+}
+
+// migrated returns a new database of kind holding the outbox schema.
+func migrated(t testing.TB, kind string) *testdb.DB {
+	t.Helper()
+	db := testdb.New(t, kind)
+	migrate(t, db)
+	return db
+}
+
+// migrate applies the outbox schema to db and returns its dialect.
+func migrate(t testing.TB, db *testdb.DB) outbox.Dialect {
+	t.Helper()
+	d := dialectOf(t, db)
+	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	return d
 }
 
 func dialectOf(t testing.TB, db *testdb.DB) outbox.Dialect {

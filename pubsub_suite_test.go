@@ -137,10 +137,7 @@ type suiteHarness struct {
 func newSuiteHarness(t *testing.T, kind string) *suiteHarness {
 	t.Helper()
 	db := testdb.New(t, kind)
-	dialect := dialectOf(t, db)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, dialect); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
+	dialect := migrate(t, db)
 	// The suite runs up to ~120 publishing goroutines at once; bound what
 	// they take of the server (PostgreSQL allows 100 connections).
 	db.SetMaxOpenConns(16)
