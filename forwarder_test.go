@@ -71,6 +71,18 @@ func publishN(t testing.TB, db *testdb.DB, exchange, topic string, n int) []stri
 	return ids
 }
 
+// publishBatch commits n messages on topic in one transaction and returns
+// them.
+func publishBatch(t testing.TB, db *testdb.DB, exchange, topic string, n int) []*message.Message {
+	t.Helper()
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte("x"))
+	}
+	publishInTx(t, db, topic, msgs, outbox.WithExchange(exchange))
+	return msgs
+}
+
 // sweepAll sweeps until a sweep publishes nothing, and returns the total.
 func sweepAll(t testing.TB, f *outbox.Forwarder) int {
 	t.Helper()
@@ -258,16 +270,8 @@ func brokerClosedMidStream(t *testing.T, window int) {
 		if window == 0 {
 			n = 8000 // the pipelined relay is fast
 		}
-		var msgs []*message.Message
-		addRows := func(n int) {
-			var more []*message.Message
-			for i := 0; i < n; i++ {
-				more = append(more, message.NewMessage(watermill.NewUUID(), []byte("x")))
-			}
-			publishInTx(t, db, "order.placed", more, outbox.WithExchange(b.Exchange))
-			msgs = append(msgs, more...)
-		}
-		addRows(n)
+		msgs := publishBatch(t, db, b.Exchange, "order.placed", n)
+		addRows := func(n int) { msgs = append(msgs, publishBatch(t, db, b.Exchange, "order.placed", n)...) }
 
 		// Window 1 keeps a message in flight nearly all the time, and the
 		// default window keeps a whole batch in flight while the one before
@@ -342,11 +346,7 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 			b := testamqp.New(t)
 			queue := b.Queue("order.placed")
 			const n = 1500
-			var msgs []*message.Message
-			for i := 0; i < n; i++ {
-				msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
-			}
-			publishInTx(t, db, "order.placed", msgs, outbox.WithExchange(b.Exchange))
+			msgs := publishBatch(t, db, b.Exchange, "order.placed", n)
 
 			// The relay has a pool of its own, as its own process would,
 			// named on PostgreSQL so that only its connections are killed:
@@ -681,16 +681,7 @@ func TestForwarder_TwoRelays_EveryRowPublishedExactlyOnce(t *testing.T) {
 		b := testamqp.New(t)
 		queue := b.Queue("order.placed")
 		const n = 5000
-		var msgs []*message.Message
-		addRows := func(n int) {
-			var more []*message.Message
-			for i := 0; i < n; i++ {
-				more = append(more, message.NewMessage(watermill.NewUUID(), []byte("x")))
-			}
-			publishInTx(t, db, "order.placed", more, outbox.WithExchange(b.Exchange))
-			msgs = append(msgs, more...)
-		}
-		addRows(n)
+		publishBatch(t, db, b.Exchange, "order.placed", n)
 
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
