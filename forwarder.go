@@ -357,7 +357,7 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		}
 		if next != nil {
 			if failed {
-				next.results = notSent(len(next.records))
+				next.holdBack()
 			} else if len(next.records) > 0 {
 				sendCtx, cancel := context.WithTimeout(work, f.cfg.PublishTimeout)
 				next.results = f.dest.Publish(sendCtx, next.records)
@@ -541,11 +541,15 @@ type batch struct {
 	results   []error        // one per record once known
 }
 
-// holdBack turns every result into not-sent: the batch went out while an
-// earlier one failed, and nothing behind a failure is published before it.
+// holdBack makes every record of the batch not sent (whether it went out or
+// not): it is behind a record that failed, and nothing behind a failure is
+// published before it.
 func (b *batch) holdBack() {
+	if b.results == nil { // never sent
+		b.results = make([]error, len(b.records))
+	}
 	for i := range b.results {
-		b.results[i] = fmt.Errorf("%w: sent while an earlier record failed", ErrNotSent)
+		b.results[i] = fmt.Errorf("%w: held back behind an earlier record that failed", ErrNotSent)
 	}
 }
 
@@ -561,16 +565,6 @@ func (b *batch) clean() bool {
 		}
 	}
 	return true
-}
-
-// notSent is the result of records that were not sent: held back behind a
-// failure.
-func notSent(n int) []error {
-	res := make([]error, n)
-	for i := range res {
-		res[i] = fmt.Errorf("%w: held back behind an earlier record that failed", ErrNotSent)
-	}
-	return res
 }
 
 // fail records rec's failure, with the attempts it will have.
