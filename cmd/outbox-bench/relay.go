@@ -53,6 +53,13 @@ import (
 //	                             confirms every record at once: the claim +
 //	                             mark ceiling of the database alone.
 //
+// On a small machine the databases, the relay and the broker share the
+// cores, and the broker's queue is a one-core process: whatever runs on its
+// core slows it, and relay_vs_raw then measures that contention as much as
+// the relay. broker-own-core.sh runs a scenario with RabbitMQ on a CPU of
+// its own and the rest on the others, as on separate hosts; the raw runs
+// are pinned the same, so each ratio still compares like with like.
+//
 // -relays runs that many Forwarders on the same table at once. Every drain
 // ends by checking that the queue holds exactly n messages. Other processes
 // that close every RabbitMQ connection (the library's tests do) disturb a
