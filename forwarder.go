@@ -22,11 +22,11 @@ type ForwarderConfig struct {
 	Table string
 
 	// BatchSize is how many rows one sweep claims. Default 100, at most 1000.
-	// Larger batches drain a backlog faster (measured on two cores shared
-	// with the database and the broker: 100 reached 0.66 to 0.83 of the
-	// broker's raw rate, 200 0.8 to 0.9; outbox-bench -scenario relay
-	// -batch N), at the cost of memory per claim and of more rows sent
-	// again behind a failed one.
+	// On two cores, 100 drains a backlog at ~0.9 of the broker's raw rate
+	// with the broker on a core of its own, ~0.8 with the database and the
+	// broker sharing both (outbox-bench -scenario relay -batch N, see the
+	// README). Larger batches gain a little there, at the cost of memory
+	// per claim and of more rows sent again behind a failed one.
 	BatchSize int
 	// MaxAttempts: see StoreConfig. Default 10.
 	MaxAttempts int
