@@ -67,18 +67,19 @@ restore() {
 }
 trap restore EXIT
 
+bin="${TMPDIR:-/tmp}/outbox-bench-own-core"
+(cd "$(dirname "$0")/../.." && go build -o "$bin" ./cmd/outbox-bench)
+
 # shellcheck disable=SC2086 # pid lists split on purpose
 pin "$broker_cpu" $beam
 # shellcheck disable=SC2086
 pin "$others" $postgres $mariadb
 echo "broker-own-core: RabbitMQ on CPU $broker_cpu; databases and the bench on CPUs $others" >&2
 
-cd "$(dirname "$0")/../.."
-go build -o "${TMPDIR:-/tmp}/outbox-bench-own-core" ./cmd/outbox-bench
 # In the background, so that a signal reaches this shell at once: it stops
 # the bench (which drops its schema and queue on interrupt), waits for it,
 # and exits, which restores.
-taskset -c "$others" "${TMPDIR:-/tmp}/outbox-bench-own-core" "$@" &
+taskset -c "$others" "$bin" "$@" &
 bench=$!
 trap 'kill -INT "$bench" 2>/dev/null; wait "$bench"; exit 130' INT TERM HUP
 wait "$bench"
