@@ -250,14 +250,14 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	// waits for a connection that only it can free. LISTEN holds one for
 	// good, and on PostgreSQL and MySQL every batch in flight holds its
 	// claim's until it is marked.
-	limit := f.store.db.Stats().MaxOpenConnections // 0: no cap
-	listen := f.store.dialect == Postgres && !f.cfg.DisableListen
+	limit := f.store.maxOpenConns() // 0: no cap
+	listen := f.store.listens() && !f.cfg.DisableListen
 	if listen && limit == 1 {
 		listen = false
 		f.log.Info("Outbox forwarder: the pool's one connection is for the claims, so no LISTEN; the relay polls", watermill.LogFields{"poll_interval": f.cfg.PollInterval})
 	}
 	depth := pipelineDepth
-	if limit > 0 && !f.store.dialect.leases() {
+	if limit > 0 && !f.store.leases() {
 		free := limit
 		if listen {
 			free--

@@ -127,6 +127,18 @@ func (s *Store) Dialect() Dialect { return s.dialect }
 // MaxAttempts returns the attempt ceiling the store was configured with.
 func (s *Store) MaxAttempts() int { return s.cfg.MaxAttempts }
 
+// listens reports whether the database can wake the relay at commit
+// (PostgreSQL's LISTEN/NOTIFY).
+func (s *Store) listens() bool { return s.dialect == Postgres }
+
+// leases reports whether claims are leases committed before publishing
+// (SQLite) rather than row locks held by an open transaction, which hold a
+// connection until the batch is marked.
+func (s *Store) leases() bool { return s.dialect.leases() }
+
+// maxOpenConns is the cap of the store's pool, 0 for none.
+func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
+
 // claimedRow is one row as the relay reads it, before decoding.
 type claimedRow struct {
 	id, exchange, routingKey string
