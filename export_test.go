@@ -13,10 +13,10 @@ func SetAfterPublishHook(f *Forwarder, fn func(published []string) error) { f.af
 // ClaimsOverlap reports whether the store's claims may overlap (pipelining).
 func ClaimsOverlap(s *Store) bool { return s.claimsOverlap() }
 
-// LockedClaim is the SQL of the next locking claim from the head, looking
-// the pending index up in tx if it is not known yet: a Sweep's step.
+// LockedClaim is the step of a locking claim that looks the pending index
+// up in tx if it is not known yet, and returns the index the claim names.
 func LockedClaim(s *Store, tx *sql.Tx) (string, error) {
-	return s.lockedClaim(context.Background(), tx, 0)
+	return s.pendingIndex(context.Background(), tx)
 }
 
 // SwapPrepared replaces each statement the relay prepared with the same SQL

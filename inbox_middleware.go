@@ -11,12 +11,15 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // DefaultInboxTable is the inbox table's name in every AceMQ library.
 const DefaultInboxTable = "processed_messages"
 
-// InboxConfig configures an Inbox.
+// InboxConfig configures an Inbox. The zero value of every field but
+// Dialect (needed unless the handle is a *sqlx.DB) is a working default.
 type InboxConfig struct {
 	// Dialect of the database. Optional when the handle is a *sqlx.DB.
 	Dialect Dialect
@@ -35,11 +38,11 @@ type InboxConfig struct {
 	// OutboxTable is the outbox table MarkOutboxProcessed updates. Default
 	// acemq_outbox.
 	OutboxTable string
-	// Track, with MarkOutboxProcessed, limits the marking to messages that
-	// arrived on a tracked topic (the router's subscribe topic), the topics
-	// a Republisher resends. Another topic costs one map lookup and no
-	// database call. Nil marks every message.
-	Track *TrackedTopics
+	// TrackedTopics, with MarkOutboxProcessed, limits the marking to
+	// messages that arrived on a tracked topic (the router's subscribe
+	// topic), the topics a Republisher resends. Another topic costs one map
+	// lookup and no database call. Nil marks every message.
+	TrackedTopics *TrackedTopics
 	// Isolation of the handler's transaction. Default: the database's.
 	Isolation sql.IsolationLevel
 	// AllowMissingID lets a message without a UUID through, undeduplicated
@@ -49,8 +52,8 @@ type InboxConfig struct {
 	// Metrics, if set, counts processed, duplicate and failed messages by
 	// consumer.
 	Metrics *Metrics
-	// Propagator, if set, restores the trace context a TxPublisher with
-	// WithPropagator stored in the message's metadata into the message's
+	// Propagator, if set, restores the trace context a TxPublisher with the
+	// same Propagator stored in the message's metadata into the message's
 	// context before the handler runs, so that one trace spans commit,
 	// relay and handler. Nil costs nothing.
 	Propagator propagation.TextMapPropagator
@@ -58,6 +61,40 @@ type InboxConfig struct {
 	// Default 1000.
 	PurgeBatch int
 	Logger     watermill.LoggerAdapter
+}
+
+// DefaultPurgeBatch is the default of StoreConfig.PurgeBatch and
+// InboxConfig.PurgeBatch: small enough that one DELETE holds its locks
+// briefly, large enough that a purge of millions of rows is not a million
+// round trips.
+const DefaultPurgeBatch = 1000
+
+func (c *InboxConfig) setDefaults() {
+	if c.Table == "" {
+		c.Table = DefaultInboxTable
+	}
+	if c.OutboxTable == "" {
+		c.OutboxTable = DefaultTable
+	}
+	if c.PurgeBatch == 0 {
+		c.PurgeBatch = DefaultPurgeBatch
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+func (c InboxConfig) validate() error {
+	if c.Dialect == nil {
+		return &ConfigError{Field: "Dialect", Reason: "required unless the handle is a *sqlx.DB; use outbox.Postgres, MySQL or SQLite"}
+	}
+	if c.PurgeBatch < 1 {
+		return &ConfigError{Field: "PurgeBatch", Reason: fmt.Sprintf("%d; want at least 1", c.PurgeBatch)}
+	}
+	if err := checkName(c.ConsumerName); err != nil {
+		return &ConfigError{Field: "ConsumerName", Reason: err.Error()}
+	}
+	return nil
 }
 
 // ErrNoMessageID is returned for a message that has no UUID, unless
@@ -74,14 +111,12 @@ var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 // runs and so drops the retry of a handler that failed, the key here commits
 // with the effect or not at all.
 type Inbox struct {
-	db         *sqlx.DB
-	dialect    Dialect
-	cfg        InboxConfig
-	insert     string
-	markOutbox string
-	purge      string
-	table      string // quoted
-	log        watermill.LoggerAdapter
+	db      *sqlx.DB
+	dialect Dialect
+	cfg     InboxConfig
+	q       *sqldialect.Inbox
+	outbox  *sqldialect.Outbox // the table MarkOutboxProcessed marks
+	log     watermill.LoggerAdapter
 }
 
 // NewInbox returns the inbox over db, a *sql.DB or *sqlx.DB.
@@ -91,7 +126,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	case *sqlx.DB:
 		xdb = h
 		if h != nil && cfg.Dialect == nil {
-			d, err := DialectForDriver(h.DriverName())
+			d, err := dialectForDriver(h.DriverName())
 			if err != nil {
 				return nil, err
 			}
@@ -99,65 +134,27 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 		}
 	case *sql.DB:
 		if h != nil && cfg.Dialect != nil {
-			xdb = sqlx.NewDb(h, sqlxDriverName(cfg.Dialect))
+			xdb = sqlx.NewDb(h, cfg.Dialect.sql().DriverName())
 		}
 	default:
 		return nil, &ConfigError{Field: "db", Reason: fmt.Sprintf("%T; want a *sql.DB or *sqlx.DB", db)}
 	}
-	if cfg.Dialect == nil {
-		return nil, &ConfigError{Field: "Dialect", Reason: "required unless the handle is a *sqlx.DB; use outbox.Postgres, MySQL or SQLite"}
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	if xdb == nil {
 		return nil, &ConfigError{Field: "db", Reason: "nil database handle"}
 	}
-	if cfg.Table == "" {
-		cfg.Table = DefaultInboxTable
-	}
-	if cfg.OutboxTable == "" {
-		cfg.OutboxTable = DefaultTable
-	}
-	if cfg.PurgeBatch == 0 {
-		cfg.PurgeBatch = 1000
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NopLogger{}
-	}
-	if cfg.PurgeBatch < 1 {
-		return nil, &ConfigError{Field: "PurgeBatch", Reason: "want at least 1"}
-	}
-	if err := checkName(cfg.ConsumerName); err != nil {
-		return nil, &ConfigError{Field: "ConsumerName", Reason: err.Error()}
-	}
-	table, err := quoteTable(cfg.Dialect, cfg.Table)
+	q, err := sqldialect.NewInbox(cfg.Dialect.sql(), cfg.Table)
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	outboxTable, err := quoteTable(cfg.Dialect, cfg.OutboxTable)
+	outbox, err := sqldialect.NewOutbox(cfg.Dialect.sql(), cfg.OutboxTable)
 	if err != nil {
 		return nil, &ConfigError{Field: "OutboxTable", Reason: err.Error()}
 	}
-	d := cfg.Dialect
-	return &Inbox{
-		db:         xdb,
-		dialect:    d,
-		cfg:        cfg,
-		insert:     d.rebind(d.insertProcessed(table)),
-		markOutbox: d.rebind("UPDATE " + outboxTable + " SET processed_at = ? WHERE id = ? AND processed_at IS NULL"),
-		purge:      d.rebind(d.purgeProcessed(table)),
-		table:      table,
-		log:        cfg.Logger,
-	}, nil
-}
-
-// sqlxDriverName is a driver name sqlx and DialectForDriver both know.
-func sqlxDriverName(d Dialect) string {
-	switch d {
-	case Postgres:
-		return "pgx"
-	case MySQL:
-		return "mysql"
-	}
-	return "sqlite3"
+	return &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, log: cfg.Logger}, nil
 }
 
 type txKey struct{}
@@ -229,8 +226,9 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		}
 	}()
 
-	now := in.dialect.timeArg(time.Now())
-	res, err := tx.ExecContext(ctx, in.insert, consumer, msg.UUID, now)
+	now := time.Now()
+	insert := in.q.Insert(consumer, msg.UUID, now)
+	res, err := tx.ExecContext(ctx, insert.SQL, insert.Args...)
 	if err != nil {
 		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: record %s for %s: %w", msg.UUID, consumer, err)
 	}
@@ -242,8 +240,9 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer})
 		return nil, inboxDuplicate, consumer, nil
 	}
-	if in.cfg.MarkOutboxProcessed && (in.cfg.Track == nil || in.cfg.Track.Tracked(message.SubscribeTopicFromCtx(ctx))) {
-		if _, err := tx.ExecContext(ctx, in.markOutbox, now, msg.UUID); err != nil {
+	if in.cfg.MarkOutboxProcessed && (in.cfg.TrackedTopics == nil || in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
+		mark := in.outbox.MarkProcessed(msg.UUID, now)
+		if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
 			return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", msg.UUID, err)
 		}
 	}
@@ -279,54 +278,23 @@ func runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.
 // possibly redeliver (and than republish's grace): a key purged too early
 // lets a late duplicate through.
 func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (int64, error) {
-	if olderThan < 0 {
-		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
-	}
-	cutoff := in.dialect.timeArg(time.Now().Add(-olderThan))
-	var total int64
-	for {
-		res, err := in.db.ExecContext(ctx, in.purge, cutoff, in.cfg.PurgeBatch)
-		if err != nil {
-			return total, fmt.Errorf("outbox: purge processed: %w", err)
-		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return total, err
-		}
-		total += n
-		if n < int64(in.cfg.PurgeBatch) {
-			return total, nil
-		}
-	}
+	return purgeInBatches(ctx, in.db, "purge processed", olderThan, in.cfg.PurgeBatch, in.q.Purge)
 }
 
 // Check asks the database whether the inbox table is there and readable,
 // reading no row.
 func (in *Inbox) Check(ctx context.Context) error {
-	rows, err := in.db.QueryContext(ctx, "SELECT 1 FROM "+in.table+" WHERE 1 = 0")
-	if err != nil {
-		return fmt.Errorf("outbox: %s: %w", in.table, err)
-	}
-	return rows.Close()
+	return probe(ctx, in.db, in.q.Probe(), in.q.Table())
 }
 
 // Count counts the inbox's rows, all consumers: a scan of its key, about a
 // second per few million rows on PostgreSQL.
 func (in *Inbox) Count(ctx context.Context) (int64, error) {
-	var n int64
-	if err := in.db.QueryRowContext(ctx, "SELECT COUNT(*) FROM "+in.table).Scan(&n); err != nil {
-		return 0, fmt.Errorf("outbox: count %s: %w", in.table, err)
-	}
-	return n, nil
+	return count(ctx, in.db, in.q.Count(), in.q.Table())
 }
 
 // ProcessedBefore counts the inbox rows processed before t: what
 // PurgeProcessed with that cutoff deletes.
 func (in *Inbox) ProcessedBefore(ctx context.Context, t time.Time) (int64, error) {
-	var n int64
-	q := in.dialect.rebind("SELECT COUNT(*) FROM " + in.table + " WHERE processed_at < ?")
-	if err := in.db.QueryRowContext(ctx, q, in.dialect.timeArg(t)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("outbox: count %s: %w", in.table, err)
-	}
-	return n, nil
+	return count(ctx, in.db, in.q.ProcessedBefore(t), in.q.Table())
 }

@@ -9,11 +9,9 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5/stdlib"
-)
 
-// notifyChannel is the channel the acemq_outbox trigger notifies on commit
-// (sqlschema/postgres/0003_notify_acemq_outbox.up.sql).
-const notifyChannel = "acemq_outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+)
 
 // listen wakes the relay on every NOTIFY of the outbox trigger until ctx
 // ends. It holds one connection of the pool for LISTEN, and reconnects with
@@ -60,7 +58,7 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 			return errNotPgx
 		}
 		pc := sc.Conn()
-		if _, err := pc.Exec(ctx, "LISTEN "+notifyChannel); err != nil {
+		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
 			return err
 		}
 		// Anything committed before LISTEN took effect is found by this

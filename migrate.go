@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
@@ -31,11 +32,12 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 	}
 	defer conn.Close()
 
-	err = d.withMigrationLock(ctx, conn, func(q execQuerier) error {
-		if _, err := q.ExecContext(ctx, d.createMigrationsTable()); err != nil {
+	sd := d.sql()
+	err = sd.WithMigrationLock(ctx, conn, func(q sqldialect.Execer) error {
+		if err := execQuery(ctx, q, sqldialect.CreateMigrationsTable(sd)); err != nil {
 			return err
 		}
-		applied, err := appliedVersions(ctx, q, d)
+		applied, err := appliedVersions(ctx, q)
 		if err != nil {
 			return err
 		}
@@ -48,7 +50,7 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 					return fmt.Errorf("%s: %w", m.Name, err)
 				}
 			}
-			if _, err := q.ExecContext(ctx, d.insertMigration(), m.Version, m.Name); err != nil {
+			if err := execQuery(ctx, q, sqldialect.InsertMigration(sd, m.Version, m.Name)); err != nil {
 				return fmt.Errorf("%s: recording it: %w", m.Name, err)
 			}
 		}
@@ -60,8 +62,14 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 	return nil
 }
 
-func appliedVersions(ctx context.Context, q execQuerier, d Dialect) (map[int]bool, error) {
-	rows, err := q.QueryContext(ctx, d.selectMigrations())
+func execQuery(ctx context.Context, q sqldialect.Execer, query sqldialect.Query) error {
+	_, err := q.ExecContext(ctx, query.SQL, query.Args...)
+	return err
+}
+
+func appliedVersions(ctx context.Context, q sqldialect.Execer) (map[int]bool, error) {
+	sel := sqldialect.SelectMigrations()
+	rows, err := q.QueryContext(ctx, sel.SQL, sel.Args...)
 	if err != nil {
 		return nil, err
 	}

@@ -4,8 +4,6 @@ import (
 	"bytes"
 	"context"
 	"database/sql"
-	"encoding/base64"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
@@ -18,6 +16,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // Metadata keys a message may carry to steer its own row. They stay in the
@@ -30,12 +31,6 @@ const (
 	// MetadataContentType sets the row's content_type (the AMQP
 	// content_type property); without it the publisher's default is used.
 	MetadataContentType = "content_type"
-)
-
-// Body encodings, the values of the body_encoding column.
-const (
-	BodyUTF8   = "utf-8"
-	BodyBase64 = "base64"
 )
 
 // Limits of the columns, checked before anything is written so that no
@@ -58,57 +53,60 @@ const DefaultContentType = "application/octet-stream"
 // the routing key.
 type TopicMapper func(topic string) (exchange, routingKey string)
 
-// PublisherOption configures a TxPublisher.
-type PublisherOption func(*publisherConfig)
-
-type publisherConfig struct {
-	propagator  propagation.TextMapPropagator
-	dialect     Dialect
-	table       string
-	exchange    string
-	contentType string
-	mapper      TopicMapper
+// TxPublisherConfig configures a TxPublisher. Its zero value is a working
+// default on a *sqlx.Tx.
+type TxPublisherConfig struct {
+	// Dialect of the database. Required with a *sql.Tx or a watermill-sql
+	// Tx; a *sqlx.Tx reports its own.
+	Dialect Dialect
+	// Table is the outbox table, "name" or "schema.name". Default
+	// acemq_outbox. It is validated as an identifier and quoted.
+	Table string
+	// Exchange is the exchange every topic maps to. Default "", the AMQP
+	// default exchange, which routes to the queue named by the routing key:
+	// the convention of watermill-amqp's durable queue config.
+	Exchange string
+	// ContentType is the content_type of messages whose metadata names
+	// none. Default DefaultContentType.
+	ContentType string
+	// TopicMapper replaces the default topic → (exchange, routing key) map.
+	// A message's MetadataExchange and MetadataRoutingKey still override it.
+	TopicMapper TopicMapper
+	// Propagator, if set, stores the trace context of each message's
+	// context (its traceparent, with propagation.TraceContext{}) in the
+	// row's headers, where the relay carries it to the broker and an Inbox
+	// with the same Propagator restores it for the handler. Nil adds
+	// nothing and costs nothing.
+	Propagator propagation.TextMapPropagator
 }
 
-// WithDialect sets the database dialect. Required with a *sql.Tx or a
-// watermill-sql Tx; a *sqlx.Tx reports its own.
-func WithDialect(d Dialect) PublisherOption { return func(c *publisherConfig) { c.dialect = d } }
-
-// WithTable sets the outbox table, "name" or "schema.name" (default
-// acemq_outbox). It is validated as an identifier and quoted.
-func WithTable(name string) PublisherOption { return func(c *publisherConfig) { c.table = name } }
-
-// WithExchange sets the exchange every topic maps to (default "", the AMQP
-// default exchange, which routes to the queue named by the routing key: the
-// convention of watermill-amqp's durable queue config).
-func WithExchange(name string) PublisherOption { return func(c *publisherConfig) { c.exchange = name } }
-
-// WithContentType sets the content_type of messages whose metadata names none
-// (default DefaultContentType).
-func WithContentType(ct string) PublisherOption {
-	return func(c *publisherConfig) { c.contentType = ct }
+func (c *TxPublisherConfig) setDefaults() {
+	if c.Table == "" {
+		c.Table = DefaultTable
+	}
+	if c.ContentType == "" {
+		c.ContentType = DefaultContentType
+	}
 }
 
-// WithPropagator stores the trace context of each message's context (its
-// traceparent, with propagation.TraceContext{}) in the row's headers, where
-// the relay carries it to the broker and an Inbox with the same Propagator
-// restores it for the handler. Without it nothing is added and nothing
-// costs.
-func WithPropagator(p propagation.TextMapPropagator) PublisherOption {
-	return func(c *publisherConfig) { c.propagator = p }
-}
-
-// WithTopicMapper replaces the default topic → (exchange, routing key) map.
-// A message's MetadataExchange and MetadataRoutingKey still override it.
-func WithTopicMapper(m TopicMapper) PublisherOption {
-	return func(c *publisherConfig) { c.mapper = m }
+func (c TxPublisherConfig) validate() error {
+	if c.Dialect == nil {
+		return &ConfigError{Field: "Dialect", Reason: "the dialect cannot be told from this transaction; set Dialect: outbox.Postgres, MySQL or SQLite"}
+	}
+	if err := checkName(c.Exchange); err != nil {
+		return &ConfigError{Field: "Exchange", Reason: err.Error()}
+	}
+	if err := checkName(c.ContentType); err != nil {
+		return &ConfigError{Field: "ContentType", Reason: err.Error()}
+	}
+	return nil
 }
 
 // txConn is the caller's transaction, whatever its type.
 type txConn interface {
 	// exec runs a statement and returns the rows it affected.
-	exec(ctx context.Context, query string, args ...any) (int64, error)
-	query(ctx context.Context, query string, args ...any) (rowsScanner, error)
+	exec(ctx context.Context, q sqldialect.Query) (int64, error)
+	query(ctx context.Context, q sqldialect.Query) (rowsScanner, error)
 }
 
 type rowsScanner interface {
@@ -119,30 +117,30 @@ type rowsScanner interface {
 
 type stdTx struct{ tx *sql.Tx }
 
-func (t stdTx) exec(ctx context.Context, q string, args ...any) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q, args...)
+func (t stdTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return 0, err
 	}
 	return res.RowsAffected()
 }
 
-func (t stdTx) query(ctx context.Context, q string, args ...any) (rowsScanner, error) {
-	return t.tx.QueryContext(ctx, q, args...)
+func (t stdTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
+	return t.tx.QueryContext(ctx, q.SQL, q.Args...)
 }
 
 type watermillTx struct{ tx wsql.Tx }
 
-func (t watermillTx) exec(ctx context.Context, q string, args ...any) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q, args...)
+func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return 0, err
 	}
 	return res.RowsAffected()
 }
 
-func (t watermillTx) query(ctx context.Context, q string, args ...any) (rowsScanner, error) {
-	return t.tx.QueryContext(ctx, q, args...)
+func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
+	return t.tx.QueryContext(ctx, q.SQL, q.Args...)
 }
 
 // TxPublisher is a Watermill message.Publisher bound to one database
@@ -153,13 +151,9 @@ func (t watermillTx) query(ctx context.Context, q string, args ...any) (rowsScan
 // A TxPublisher lives as long as its transaction. It is safe for concurrent
 // use, as far as the transaction itself is.
 type TxPublisher struct {
-	tx          txConn
-	dialect     Dialect
-	table       string // quoted
-	exchange    string
-	contentType string
-	mapper      TopicMapper
-	propagator  propagation.TextMapPropagator
+	tx  txConn
+	cfg TxPublisherConfig
+	q   *sqldialect.Outbox
 
 	mu     sync.RWMutex // Close waits for the Publish calls in flight
 	closed bool
@@ -170,17 +164,28 @@ var _ message.Publisher = (*TxPublisher)(nil)
 // NewTxPublisher returns a publisher that writes into tx, which is a
 // *sqlx.Tx, a *sql.Tx, or a watermill-sql Tx (sql.TxFromStdSQL, or
 // sql.TxFromPgx for pgx without database/sql). With anything but a *sqlx.Tx,
-// pass WithDialect.
-func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
-	cfg := publisherConfig{table: DefaultTable, contentType: DefaultContentType}
+// set TxPublisherConfig.Dialect.
+//
+// The configuration is optional, unlike the other components', so that the
+// call made in every transaction reads NewTxPublisher(tx) where the defaults
+// serve; more than one is an error.
+func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
+	var cfg TxPublisherConfig
+	switch len(config) {
+	case 0:
+	case 1:
+		cfg = config[0]
+	default:
+		return nil, &ConfigError{Field: "config", Reason: fmt.Sprintf("%d configurations given; want at most one", len(config))}
+	}
 	var conn txConn
 	switch t := tx.(type) {
 	case *sqlx.Tx:
 		if t == nil {
 			break
 		}
-		if d, err := DialectForDriver(t.DriverName()); err == nil {
-			cfg.dialect = d
+		if cfg.Dialect == nil {
+			cfg.Dialect, _ = dialectForDriver(t.DriverName())
 		}
 		conn = stdTx{t.Tx}
 	case *sql.Tx:
@@ -197,31 +202,15 @@ func NewTxPublisher(tx any, opts ...PublisherOption) (*TxPublisher, error) {
 	if conn == nil {
 		return nil, &ConfigError{Field: "tx", Reason: "nil transaction"}
 	}
-	for _, o := range opts {
-		o(&cfg)
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
-	if cfg.dialect == nil {
-		return nil, &ConfigError{Field: "WithDialect", Reason: "the dialect cannot be told from this transaction; pass outbox.WithDialect(outbox.Postgres), MySQL or SQLite"}
-	}
-	table, err := quoteTable(cfg.dialect, cfg.table)
+	q, err := sqldialect.NewOutbox(cfg.Dialect.sql(), cfg.Table)
 	if err != nil {
-		return nil, &ConfigError{Field: "WithTable", Reason: err.Error()}
+		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	if err := checkName(cfg.exchange); err != nil {
-		return nil, &ConfigError{Field: "WithExchange", Reason: err.Error()}
-	}
-	if err := checkName(cfg.contentType); err != nil {
-		return nil, &ConfigError{Field: "WithContentType", Reason: err.Error()}
-	}
-	return &TxPublisher{
-		tx:          conn,
-		dialect:     cfg.dialect,
-		table:       table,
-		exchange:    cfg.exchange,
-		contentType: cfg.contentType,
-		mapper:      cfg.mapper,
-		propagator:  cfg.propagator,
-	}, nil
+	return &TxPublisher{tx: conn, cfg: cfg, q: q}, nil
 }
 
 // Publish writes one outbox row per message into the transaction, in one
@@ -242,7 +231,7 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	rows := make([]outboxRow, len(msgs))
+	rows := make([]sqldialect.Row, len(msgs))
 	for i, msg := range msgs {
 		if err := p.buildRow(&rows[i], i, topic, msg); err != nil {
 			return err
@@ -256,8 +245,7 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	// within this call and across calls.
 	base := reserveStamps(len(rows))
 	for i := range rows {
-		rows[i].stamp = base.Add(time.Duration(i) * time.Microsecond)
-		rows[i].createdAt = p.dialect.timeArg(rows[i].stamp)
+		rows[i].CreatedAt = base.Add(time.Duration(i) * time.Microsecond)
 	}
 
 	ctx := msgs[0].Context()
@@ -268,13 +256,8 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	return p.wrapExecErr(p.insertUnderSavepoint(ctx, chunks))
 }
 
-func (p *TxPublisher) insert(ctx context.Context, rows []outboxRow) error {
-	args := make([]any, 0, len(rows)*outboxColumnCount)
-	for i := range rows {
-		r := &rows[i]
-		args = append(args, r.id, r.exchange, r.routingKey, r.body, r.bodyEncoding, r.contentType, r.headers, r.createdAt)
-	}
-	inserted, err := p.tx.exec(ctx, p.dialect.insertOutbox(p.table, len(rows)), args...)
+func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
+	inserted, err := p.tx.exec(ctx, p.q.Insert(rows))
 	if err != nil {
 		return err
 	}
@@ -291,26 +274,25 @@ func (p *TxPublisher) insert(ctx context.Context, rows []outboxRow) error {
 // rows with where rows were going. A different destination is an error, and
 // the rows this statement inserted are taken out again, so that nothing of
 // the call stays.
-func (p *TxPublisher) checkConflicts(ctx context.Context, rows []outboxRow) error {
-	args := make([]any, len(rows))
-	want := make(map[string]*outboxRow, len(rows))
+func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row) error {
+	ids := make([]string, len(rows))
+	want := make(map[string]*sqldialect.Row, len(rows))
 	for i := range rows {
-		args[i] = rows[i].id
-		want[rows[i].id] = &rows[i]
+		ids[i] = rows[i].ID
+		want[rows[i].ID] = &rows[i]
 	}
-	found, err := p.tx.query(ctx, p.dialect.rebind("SELECT id, exchange_name, routing_key, created_at FROM "+p.table+
-		" WHERE id IN ("+placeholders(len(rows))+")"), args...)
+	found, err := p.tx.query(ctx, p.q.Destinations(ids))
 	if err != nil {
 		return err
 	}
 	var (
 		conflict *DuplicateIDError
-		ours     []any
+		ours     []string
 	)
 	for found.Next() {
 		var (
 			id, exchange, routingKey string
-			created                  timeScanner
+			created                  sqldialect.Time
 		)
 		if err := found.Scan(&id, &exchange, &routingKey, &created); err != nil {
 			_ = found.Close()
@@ -318,10 +300,10 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []outboxRow) erro
 		}
 		r := want[id]
 		switch {
-		case created.t.UnixMicro() == r.stamp.UnixMicro():
+		case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
 			ours = append(ours, id) // inserted by this statement
-		case (exchange != r.exchange || routingKey != r.routingKey) && conflict == nil:
-			conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.exchange, WantRoutingKey: r.routingKey}
+		case (exchange != r.Exchange || routingKey != r.RoutingKey) && conflict == nil:
+			conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey}
 		}
 	}
 	if err := found.Close(); err != nil {
@@ -331,40 +313,40 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []outboxRow) erro
 		return nil
 	}
 	if len(ours) > 0 {
-		if _, err := p.tx.exec(ctx, p.dialect.rebind("DELETE FROM "+p.table+" WHERE id IN ("+placeholders(len(ours))+")"), ours...); err != nil {
+		if _, err := p.tx.exec(ctx, p.q.Delete(ours)); err != nil {
 			return errors.Join(conflict, err)
 		}
 	}
 	return conflict
 }
 
-func distinctIDs(rows []outboxRow) int {
+func distinctIDs(rows []sqldialect.Row) int {
 	if len(rows) == 1 {
 		return 1 // the common call: no map on the hot path
 	}
 	seen := make(map[string]struct{}, len(rows))
 	for i := range rows {
-		seen[rows[i].id] = struct{}{}
+		seen[rows[i].ID] = struct{}{}
 	}
 	return len(seen)
 }
 
 // checkCallDuplicates refuses one id sent to two destinations in one call;
 // the same message twice to the same place is one row.
-func checkCallDuplicates(rows []outboxRow) error {
+func checkCallDuplicates(rows []sqldialect.Row) error {
 	if len(rows) < 2 {
 		return nil
 	}
 	first := make(map[string]int, len(rows))
 	for i := range rows {
-		j, ok := first[rows[i].id]
+		j, ok := first[rows[i].ID]
 		if !ok {
-			first[rows[i].id] = i
+			first[rows[i].ID] = i
 			continue
 		}
-		if rows[j].exchange != rows[i].exchange || rows[j].routingKey != rows[i].routingKey {
-			return &InvalidMessageError{Index: i, MessageID: rows[i].id, Field: "id",
-				Reason: fmt.Sprintf("is also message %d of this call, to exchange %q routing key %q; the id is the outbox row's key, so each destination needs a message of its own id", j, rows[j].exchange, rows[j].routingKey)}
+		if rows[j].Exchange != rows[i].Exchange || rows[j].RoutingKey != rows[i].RoutingKey {
+			return &InvalidMessageError{Index: i, MessageID: rows[i].ID, Field: "id",
+				Reason: fmt.Sprintf("is also message %d of this call, to exchange %q routing key %q; the id is the outbox row's key, so each destination needs a message of its own id", j, rows[j].Exchange, rows[j].RoutingKey)}
 		}
 	}
 	return nil
@@ -373,17 +355,17 @@ func checkCallDuplicates(rows []outboxRow) error {
 // insertUnderSavepoint writes several statements all or nothing: on MySQL
 // and SQLite a failed statement does not undo the ones before it, and the
 // caller may still commit its transaction after our error.
-func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]outboxRow) error {
-	if _, err := p.tx.exec(ctx, "SAVEPOINT acemq_outbox_publish"); err != nil {
+func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]sqldialect.Row) error {
+	if _, err := p.tx.exec(ctx, p.q.Savepoint()); err != nil {
 		return err
 	}
 	for _, c := range chunks {
 		if err := p.insert(ctx, c); err != nil {
-			_, rbErr := p.tx.exec(context.WithoutCancel(ctx), "ROLLBACK TO SAVEPOINT acemq_outbox_publish")
+			_, rbErr := p.tx.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
 			return errors.Join(err, rbErr)
 		}
 	}
-	_, err := p.tx.exec(ctx, "RELEASE SAVEPOINT acemq_outbox_publish")
+	_, err := p.tx.exec(ctx, p.q.ReleaseSavepoint())
 	return err
 }
 
@@ -397,7 +379,7 @@ func (p *TxPublisher) wrapExecErr(err error) error {
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
 	default:
-		return fmt.Errorf("outbox: insert into %s: %w", p.table, err)
+		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), err)
 	}
 }
 
@@ -411,16 +393,7 @@ func (p *TxPublisher) Close() error {
 	return nil
 }
 
-// outboxRow is one row's arguments, in outboxColumns order.
-type outboxRow struct {
-	id, exchange, routingKey string
-	body, bodyEncoding       string
-	contentType, headers     string
-	createdAt                any       // the stamp, as the driver takes it
-	stamp                    time.Time // the stamp
-}
-
-func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.Message) error {
+func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *message.Message) error {
 	invalid := func(field, reason string) error {
 		return &InvalidMessageError{Index: i, MessageID: msgID(msg), Field: field, Reason: reason}
 	}
@@ -433,9 +406,9 @@ func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.M
 	if topic == "" {
 		return invalid("topic", "is empty")
 	}
-	exchange, routingKey := p.exchange, topic
-	if p.mapper != nil {
-		exchange, routingKey = p.mapper(topic)
+	exchange, routingKey := p.cfg.Exchange, topic
+	if p.cfg.TopicMapper != nil {
+		exchange, routingKey = p.cfg.TopicMapper(topic)
 	}
 	if v, ok := msg.Metadata[MetadataExchange]; ok {
 		exchange = v
@@ -443,7 +416,7 @@ func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.M
 	if v, ok := msg.Metadata[MetadataRoutingKey]; ok {
 		routingKey = v
 	}
-	contentType := p.contentType
+	contentType := p.cfg.ContentType
 	if v, ok := msg.Metadata[MetadataContentType]; ok && v != "" {
 		contentType = v
 	}
@@ -457,23 +430,23 @@ func (p *TxPublisher) buildRow(r *outboxRow, i int, topic string, msg *message.M
 		return invalid("content type", err.Error())
 	}
 	md := msg.Metadata
-	if p.propagator != nil {
+	if p.cfg.Propagator != nil {
 		// Into a copy: the caller's message is not ours to change.
 		md = make(message.Metadata, len(msg.Metadata)+2)
 		for k, v := range msg.Metadata {
 			md[k] = v
 		}
-		p.propagator.Inject(msg.Context(), metadataCarrier(md))
+		p.cfg.Propagator.Inject(msg.Context(), metadataCarrier(md))
 	}
-	headers, err := encodeHeaders(md)
+	headers, err := rowcodec.EncodeHeaders(md)
 	if err != nil {
 		return invalid("metadata", err.Error())
 	}
-	body, encoding := encodeBody(msg.Payload)
-	*r = outboxRow{
-		id: msg.UUID, exchange: exchange, routingKey: routingKey,
-		body: body, bodyEncoding: encoding,
-		contentType: contentType, headers: headers,
+	body, encoding := rowcodec.EncodeBody(msg.Payload)
+	*r = sqldialect.Row{
+		ID: msg.UUID, Exchange: exchange, RoutingKey: routingKey,
+		Body: body, BodyEncoding: encoding,
+		ContentType: contentType, Headers: headers,
 	}
 	return nil
 }
@@ -520,60 +493,16 @@ func checkName(s string) error {
 	return nil
 }
 
-// encodeHeaders renders metadata as a JSON object of strings. It refuses what
-// JSON would alter: invalid UTF-8 becomes U+FFFD under encoding/json.
-func encodeHeaders(md message.Metadata) (string, error) {
-	if len(md) == 0 {
-		return "{}", nil
-	}
-	for k, v := range md {
-		if !utf8.ValidString(k) {
-			return "", fmt.Errorf("key %q is not valid UTF-8", k)
-		}
-		if !utf8.ValidString(v) {
-			return "", fmt.Errorf("value of %q is not valid UTF-8", k)
-		}
-	}
-	var buf bytes.Buffer
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false) // the table is read by people during incidents
-	if err := enc.Encode(map[string]string(md)); err != nil {
-		return "", err
-	}
-	return string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), nil
-}
-
-// encodeBody stores text as text and anything else base64. NUL is valid UTF-8
-// but PostgreSQL text refuses it, so a body holding one goes base64 on every
-// database, and the table means the same thing everywhere.
-func encodeBody(payload []byte) (body, encoding string) {
-	if utf8.Valid(payload) && bytes.IndexByte(payload, 0) < 0 {
-		return string(payload), BodyUTF8
-	}
-	return base64.StdEncoding.EncodeToString(payload), BodyBase64
-}
-
-// DecodeBody returns the bytes a row's body and body_encoding stand for.
-func DecodeBody(body, encoding string) ([]byte, error) {
-	switch encoding {
-	case BodyUTF8, "":
-		return []byte(body), nil
-	case BodyBase64:
-		return base64.StdEncoding.DecodeString(body)
-	}
-	return nil, fmt.Errorf("outbox: unknown body_encoding %q", encoding)
-}
-
 // splitRows cuts rows into statements of at most maxRowsPerStmt rows and
 // maxBytesPerStmt bytes of body.
-func splitRows(rows []outboxRow) [][]outboxRow {
+func splitRows(rows []sqldialect.Row) [][]sqldialect.Row {
 	var (
-		chunks [][]outboxRow
+		chunks [][]sqldialect.Row
 		start  int
 		size   int
 	)
 	for i := range rows {
-		n := len(rows[i].body) + len(rows[i].headers)
+		n := len(rows[i].Body) + len(rows[i].Headers)
 		if i > start && (i-start >= maxRowsPerStmt || size+n > maxBytesPerStmt) {
 			chunks = append(chunks, rows[start:i])
 			start, size = i, 0

@@ -1,9 +1,10 @@
 package outbox
 
 import (
-	"encoding/json"
 	"fmt"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 )
 
 // HeaderID is the AMQP header that carries the message id, beside the AMQP
@@ -34,11 +35,11 @@ type Record struct {
 // itself is malformed (written by hand or by another library) and no retry
 // can publish it.
 func decodeRecord(r claimedRow) (Record, error) {
-	body, err := DecodeBody(r.body, r.bodyEncoding)
+	body, err := rowcodec.DecodeBody(r.body, r.bodyEncoding)
 	if err != nil {
 		return Record{}, fmt.Errorf("body: %w", err)
 	}
-	headers, err := decodeHeaders(r.headers)
+	headers, err := rowcodec.DecodeHeaders(r.headers)
 	if err != nil {
 		return Record{}, err
 	}
@@ -47,26 +48,4 @@ func decodeRecord(r claimedRow) (Record, error) {
 		Body: body, ContentType: r.contentType, Headers: headers,
 		CreatedAt: r.createdAt, Attempts: r.attempts,
 	}, nil
-}
-
-func decodeHeaders(text string) (map[string]string, error) {
-	if text == "" {
-		return map[string]string{}, nil
-	}
-	var raw map[string]any
-	if err := json.Unmarshal([]byte(text), &raw); err != nil {
-		return nil, fmt.Errorf("headers are not a JSON object: %w", err)
-	}
-	if raw == nil { // the JSON text "null"
-		return nil, fmt.Errorf("headers are null; want a JSON object of strings")
-	}
-	headers := make(map[string]string, len(raw))
-	for k, v := range raw {
-		s, ok := v.(string)
-		if !ok {
-			return nil, fmt.Errorf("header %q is %T, not a string; want a JSON object of strings", k, v)
-		}
-		headers[k] = s
-	}
-	return headers, nil
 }

@@ -48,15 +48,17 @@ func (t *TrackedTopics) Topics() []string {
 	return out
 }
 
-// RepublishConfig configures a Republisher.
-type RepublishConfig struct {
+// RepublisherConfig configures a Republisher. The zero value of every
+// field but TrackedTopics (required) and Dialect (needed unless the handle
+// is a *sqlx.DB) is a working default.
+type RepublisherConfig struct {
 	// Dialect of the database. Optional when the handle is a *sqlx.DB.
 	Dialect Dialect
 	// Table is the outbox table. Default acemq_outbox.
 	Table string
-	// Topics are the tracked topics. Required: records of other topics are
-	// never touched.
-	Topics *TrackedTopics
+	// TrackedTopics are the topics whose unprocessed records are sent
+	// again. Required: records of other topics are never touched.
+	TrackedTopics *TrackedTopics
 	// Grace is how long ago a record must have been published to be sent
 	// again: younger ones may still be on their way to a consumer. Default
 	// 5 minutes. Too short a grace resends what is merely slow to process;
@@ -70,31 +72,44 @@ type RepublishConfig struct {
 	Logger watermill.LoggerAdapter
 }
 
+func (c *RepublisherConfig) setDefaults() {
+	if c.Grace == 0 {
+		c.Grace = 5 * time.Minute
+	}
+	if c.Timeout == 0 {
+		c.Timeout = 30 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = watermill.NopLogger{}
+	}
+}
+
+func (c RepublisherConfig) validate() error {
+	switch {
+	case c.TrackedTopics == nil || len(c.TrackedTopics.set) == 0:
+		return &ConfigError{Field: "TrackedTopics", Reason: "no tracked topics; republish would do nothing"}
+	case c.Grace < 0:
+		return &ConfigError{Field: "Grace", Reason: "negative"}
+	case c.Timeout < 0:
+		return &ConfigError{Field: "Timeout", Reason: "negative"}
+	}
+	return nil
+}
+
 // Republisher makes the unprocessed records of tracked topics pending again
 // when a service boots, so that the Forwarder sends them again: a record the
 // broker lost, or that sat in a queue no consumer was bound to. It publishes
 // nothing itself; the Forwarder stays the only publisher.
 type Republisher struct {
 	store *Store
-	cfg   RepublishConfig
+	cfg   RepublisherConfig
 }
 
 // NewRepublisher returns a Republisher over db, a *sql.DB or *sqlx.DB.
-func NewRepublisher(db any, cfg RepublishConfig) (*Republisher, error) {
-	if cfg.Topics == nil || len(cfg.Topics.set) == 0 {
-		return nil, &ConfigError{Field: "Topics", Reason: "no tracked topics; republish would do nothing"}
-	}
-	if cfg.Grace == 0 {
-		cfg.Grace = 5 * time.Minute
-	}
-	if cfg.Grace < 0 {
-		return nil, &ConfigError{Field: "Grace", Reason: "negative"}
-	}
-	if cfg.Timeout == 0 {
-		cfg.Timeout = 30 * time.Second
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NopLogger{}
+func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
+	cfg.setDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	store, err := NewStore(db, StoreConfig{Dialect: cfg.Dialect, Table: cfg.Table})
 	if err != nil {
@@ -109,17 +124,8 @@ func NewRepublisher(db any, cfg RepublishConfig) (*Republisher, error) {
 // UPDATE: of two instances booting together, the second finds the records
 // pending already, and each record is resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
-	topics := r.cfg.Topics.Topics()
-	args := make([]any, 0, len(topics)+1)
-	args = append(args, r.store.dialect.timeArg(time.Now().Add(-r.cfg.Grace)))
-	for _, t := range topics {
-		args = append(args, t)
-	}
-	res, err := r.store.db.ExecContext(ctx, r.store.q.republish(len(topics)), args...)
-	if err != nil {
-		return 0, fmt.Errorf("outbox: republish: %w", err)
-	}
-	n, err := res.RowsAffected()
+	q := r.store.q.Republish(time.Now().Add(-r.cfg.Grace), r.cfg.TrackedTopics.Topics())
+	n, err := execAffected(ctx, r.store.db, q)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: republish: %w", err)
 	}

@@ -5,12 +5,13 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jmoiron/sqlx"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // StoreConfig configures a Store.
@@ -25,7 +26,8 @@ type StoreConfig struct {
 	// hold the records behind it.
 	MaxAttempts int
 	// PurgeBatch is how many rows one DELETE of PurgePublished removes, so a
-	// purge of millions of rows never holds long locks. Default 1000.
+	// purge of millions of rows never holds long locks. Default
+	// DefaultPurgeBatch.
 	PurgeBatch int
 }
 
@@ -40,7 +42,7 @@ func (c *StoreConfig) setDefaults() {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
 	if c.PurgeBatch == 0 {
-		c.PurgeBatch = 1000
+		c.PurgeBatch = DefaultPurgeBatch
 	}
 }
 
@@ -64,15 +66,14 @@ func (c StoreConfig) validate() error {
 type Store struct {
 	db      *sql.DB
 	dialect Dialect
-	table   string // quoted
 	cfg     StoreConfig
-	q       storeQueries
+	q       *sqldialect.Outbox
 
 	// On MySQL the locking claim names the pending index, looked up at the
-	// first claim (see mysqlDialect.pendingIndex): forced is that claim.
-	// Not found, it is looked up again after indexRecheck.
+	// first claim (see sqldialect's mysql pendingIndex): index is its name,
+	// "" until found. Not found, it is looked up again after indexRecheck.
 	claimMu      sync.Mutex
-	forced       *[2]string
+	index        string
 	indexChecked time.Time
 
 	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
@@ -92,7 +93,7 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 		if h != nil {
 			std = h.DB
 			if cfg.Dialect == nil {
-				d, err := DialectForDriver(h.DriverName())
+				d, err := dialectForDriver(h.DriverName())
 				if err != nil {
 					return nil, err
 				}
@@ -111,30 +112,21 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	table, err := quoteTable(cfg.Dialect, cfg.Table)
+	q, err := sqldialect.NewOutbox(cfg.Dialect.sql(), cfg.Table)
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	return &Store{db: std, dialect: cfg.Dialect, table: table, cfg: cfg, q: newStoreQueries(cfg.Dialect, table)}, nil
+	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q}, nil
 }
-
-// DB returns the database handle the store works on.
-func (s *Store) DB() *sql.DB { return s.db }
-
-// Dialect returns the store's dialect.
-func (s *Store) Dialect() Dialect { return s.dialect }
-
-// MaxAttempts returns the attempt ceiling the store was configured with.
-func (s *Store) MaxAttempts() int { return s.cfg.MaxAttempts }
 
 // listens reports whether the database can wake the relay at commit
 // (PostgreSQL's LISTEN/NOTIFY).
-func (s *Store) listens() bool { return s.dialect == Postgres }
+func (s *Store) listens() bool { return s.dialect.sql().Listens() }
 
 // leases reports whether claims are leases committed before publishing
 // (SQLite) rather than row locks held by an open transaction, which hold a
 // connection until the batch is marked.
-func (s *Store) leases() bool { return s.dialect.leases() }
+func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 
 // maxOpenConns is the cap of the store's pool, 0 for none.
 func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
@@ -176,14 +168,13 @@ type cursor struct {
 // cursor if there is one.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *cursor) (*claim, error) {
 	now := time.Now()
-	variant, cursorArgs := 0, []any(nil)
+	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: now}
 	if after != nil {
-		at := s.dialect.timeArg(after.createdAt)
-		variant, cursorArgs = 1, []any{at, at, after.id}
+		p.After = &sqldialect.Cursor{CreatedAt: after.createdAt, ID: after.id}
 	}
-	if s.dialect.leases() {
-		args := append([]any{relayID, s.dialect.timeArg(now.Add(lease)), s.cfg.MaxAttempts, s.dialect.timeArg(now)}, cursorArgs...)
-		return s.claimLease(ctx, s.q.claimLease[variant], append(args, n), relayID)
+	if s.leases() {
+		p.RelayID, p.LeaseUntil = relayID, now.Add(lease)
+		return s.claimLease(ctx, s.q.Claim(p), relayID)
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
@@ -192,19 +183,17 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	if setup := s.dialect.claimSetup(); setup != "" {
-		if _, err := tx.ExecContext(ctx, setup); err != nil {
+	if setup := s.q.ClaimSetup(); setup.SQL != "" {
+		if _, err := tx.ExecContext(ctx, setup.SQL, setup.Args...); err != nil {
 			_ = tx.Rollback()
 			return nil, fmt.Errorf("outbox: claim: %w", err)
 		}
 	}
-	args := append([]any{s.cfg.MaxAttempts, s.dialect.timeArg(now)}, cursorArgs...)
-	query, err := s.lockedClaim(ctx, tx, variant)
-	if err != nil {
+	if p.Index, err = s.pendingIndex(ctx, tx); err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	rows, err := s.queryTx(ctx, tx, query, append(args, n)...)
+	rows, err := s.queryTx(ctx, tx, s.q.Claim(p))
 	if err != nil {
 		_ = tx.Rollback()
 		s.forgetIndex() // dropped or renamed, maybe: look again
@@ -218,77 +207,69 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	return &claim{rows: claimed, tx: tx}, nil
 }
 
-// lockedClaim is the locking claim's SQL; on MySQL it names the pending
-// index, looked up the first time, in the claim's transaction (a capped
-// pool may have no other connection to give).
-func (s *Store) lockedClaim(ctx context.Context, tx *sql.Tx, variant int) (string, error) {
-	if s.dialect.pendingIndex() == "" {
-		return s.q.claimLocked[variant], nil
+// pendingIndex is the index a locking claim names, "" for none: on MySQL
+// the pending index, looked up the first time, in the claim's transaction
+// (a capped pool may have no other connection to give).
+func (s *Store) pendingIndex(ctx context.Context, tx *sql.Tx) (string, error) {
+	if _, ok := s.q.PendingIndex(); !ok {
+		return "", nil
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if s.forced == nil && time.Since(s.indexChecked) >= indexRecheck {
-		forced, err := s.findIndex(ctx, tx)
+	if s.index == "" && time.Since(s.indexChecked) >= indexRecheck {
+		index, err := s.findIndex(ctx, tx)
 		if err != nil {
 			return "", err
 		}
-		s.forced, s.indexChecked = forced, time.Now()
+		s.index, s.indexChecked = index, time.Now()
 	}
-	if s.forced != nil {
-		return s.forced[variant], nil
-	}
-	return s.q.claimLocked[variant], nil
+	return s.index, nil
 }
 
-// findIndex looks the pending index up and returns the claims that name it,
-// or nil if the table has none.
+// findIndex looks the pending index up and returns its name, or "" if the
+// table has none.
 func (s *Store) findIndex(ctx context.Context, q interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}) (*[2]string, error) {
-	var schema any
-	name := s.cfg.Table
-	if i := strings.LastIndexByte(name, '.'); i >= 0 {
-		schema, name = name[:i], name[i+1:]
-	}
+}) (string, error) {
+	lookup, _ := s.q.PendingIndex()
 	var index string
-	err := q.QueryRowContext(ctx, s.dialect.pendingIndex(), schema, name).Scan(&index)
+	err := q.QueryRowContext(ctx, lookup.SQL, lookup.Args...).Scan(&index)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		// No such index: claims as the optimizer sees fit, and never
 		// overlapping, so the relay cannot wait on itself.
-		return nil, nil
+		return "", nil
 	case err != nil:
-		return nil, fmt.Errorf("look up the pending index of %s: %w", s.table, err)
+		return "", fmt.Errorf("look up the pending index of %s: %w", s.q.Table(), err)
 	}
-	forced := claimLocked(s.dialect, s.table, s.dialect.quoteIdent(index))
-	return &forced, nil
+	return index, nil
 }
 
 // prepareRelay prepares the statements the relay runs for every batch, if
-// the dialect wants it (see Dialect.prepareRelay): the claims, from the head
-// and after a cursor, naming the pending index if there is one, and the mark
-// of a full batch. Run calls it when it starts, while the relay holds no
-// connection, since preparing takes one from the pool for a moment; it holds
-// no lock meanwhile, so a Sweep that holds the pool's last connection goes
-// on. A statement that could not be prepared (a proxy that refuses to) runs
-// unprepared, as do all of them after one fails (see queryTx); the error
-// says which.
+// the dialect wants it (see sqldialect.Dialect.PreparesRelay): the claims,
+// from the head and after a cursor, naming the pending index if there is
+// one, and the mark of a full batch. Run calls it when it starts, while the
+// relay holds no connection, since preparing takes one from the pool for a
+// moment; it holds no lock meanwhile, so a Sweep that holds the pool's last
+// connection goes on. A statement that could not be prepared (a proxy that
+// refuses to) runs unprepared, as do all of them after one fails (see
+// queryTx); the error says which.
 func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
-	if !s.dialect.prepareRelay() {
+	if !s.dialect.sql().PreparesRelay() {
 		return nil
 	}
-	queries := []string{s.q.claimLocked[0], s.q.claimLocked[1], s.q.markPublished(batchSize)}
-	if s.dialect.pendingIndex() != "" {
-		forced, err := s.findIndex(ctx, s.db)
+	queries := s.q.RelayStatements("", batchSize)
+	if _, ok := s.q.PendingIndex(); ok {
+		index, err := s.findIndex(ctx, s.db)
 		if err != nil {
 			return err
 		}
 		s.claimMu.Lock()
-		if s.forced == nil {
-			s.forced, s.indexChecked = forced, time.Now()
+		if s.index == "" {
+			s.index, s.indexChecked = index, time.Now()
 		}
-		if s.forced != nil {
-			queries = append(queries, s.forced[0], s.forced[1])
+		if s.index != "" {
+			queries = append(queries, s.q.RelayStatements(s.index, batchSize)[:2]...)
 		}
 		s.claimMu.Unlock()
 	}
@@ -328,26 +309,26 @@ func closeStmts(stmts map[string]*sql.Stmt) {
 // (max_prepared_stmt_count), must not stop the relay. A failure for any
 // other reason costs the relay its prepared statements too, and nothing
 // else.
-func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Rows, error) {
-	if st := s.prepared(q); st != nil {
-		rows, err := tx.StmtContext(ctx, st).QueryContext(ctx, args...)
+func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (*sql.Rows, error) {
+	if st := s.prepared(q.SQL); st != nil {
+		rows, err := tx.StmtContext(ctx, st).QueryContext(ctx, q.Args...)
 		if err != nil {
 			s.closePrepared()
 		}
 		return rows, err
 	}
-	return tx.QueryContext(ctx, q, args...)
+	return tx.QueryContext(ctx, q.SQL, q.Args...)
 }
 
-func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
-	if st := s.prepared(q); st != nil {
-		res, err := tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (sql.Result, error) {
+	if st := s.prepared(q.SQL); st != nil {
+		res, err := tx.StmtContext(ctx, st).ExecContext(ctx, q.Args...)
 		if err != nil {
 			s.closePrepared()
 		}
 		return res, err
 	}
-	return tx.ExecContext(ctx, q, args...)
+	return tx.ExecContext(ctx, q.SQL, q.Args...)
 }
 
 func (s *Store) prepared(q string) *sql.Stmt {
@@ -359,12 +340,12 @@ func (s *Store) prepared(q string) *sql.Stmt {
 
 // forgetIndex makes the next claim look the pending index up again.
 func (s *Store) forgetIndex() {
-	if s.dialect.pendingIndex() == "" {
+	if _, ok := s.q.PendingIndex(); !ok {
 		return
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	s.forced, s.indexChecked = nil, time.Time{}
+	s.index, s.indexChecked = "", time.Time{}
 }
 
 // claimsOverlap reports whether a relay may claim a batch while it holds the
@@ -372,15 +353,15 @@ func (s *Store) forgetIndex() {
 // (tuple locks) and SQLite (committed leases) always, on MySQL once the
 // claims are known to walk the pending index.
 func (s *Store) claimsOverlap() bool {
-	if s.dialect.pendingIndex() == "" {
+	if _, ok := s.q.PendingIndex(); !ok {
 		return true
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	return s.forced != nil
+	return s.index != ""
 }
 
-func (s *Store) claimLease(ctx context.Context, query string, args []any, relayID string) (*claim, error) {
+func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID string) (*claim, error) {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -388,7 +369,7 @@ func (s *Store) claimLease(ctx context.Context, query string, args []any, relayI
 	defer func() { _ = tx.Rollback() }()
 	// The update is conditional on the rows still being free, so of two
 	// relays the second claims other rows, or none.
-	rows, err := tx.QueryContext(ctx, query, args...)
+	rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
@@ -406,19 +387,16 @@ func (s *Store) claimLease(ctx context.Context, query string, args []any, relayI
 }
 
 func scanClaimed(rows *sql.Rows) ([]claimedRow, error) {
-	defer rows.Close()
-	var out []claimedRow
-	for rows.Next() {
-		var r claimedRow
-		var created timeScanner
-		if err := rows.Scan(&r.id, &r.exchange, &r.routingKey, &r.body, &r.bodyEncoding,
-			&r.contentType, &r.headers, &created, &r.attempts); err != nil {
-			return nil, err
-		}
-		r.createdAt = created.t
-		out = append(out, r)
+	read, err := sqldialect.ScanClaimed(rows)
+	if err != nil {
+		return nil, err
 	}
-	return out, rows.Err()
+	out := make([]claimedRow, len(read))
+	for i, r := range read {
+		out[i] = claimedRow{id: r.ID, exchange: r.Exchange, routingKey: r.RoutingKey, body: r.Body, bodyEncoding: r.BodyEncoding,
+			contentType: r.ContentType, headers: r.Headers, createdAt: r.CreatedAt, attempts: r.Attempts}
+	}
+	return out, nil
 }
 
 func sortClaimed(rows []claimedRow) {
@@ -480,7 +458,7 @@ func (s *Store) abandon(ctx context.Context, c *claim) error {
 }
 
 // release frees the leased rows of c that are neither published nor failed.
-func (s *Store) release(ctx context.Context, q execQuerier, c *claim, published []string, failures []failure) error {
+func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, published []string, failures []failure) error {
 	done := make(map[string]bool, len(published)+len(failures))
 	for _, id := range published {
 		done[id] = true
@@ -488,16 +466,17 @@ func (s *Store) release(ctx context.Context, q execQuerier, c *claim, published 
 	for _, f := range failures {
 		done[f.id] = true
 	}
-	args := []any{c.lease}
+	var free []string
 	for _, r := range c.rows {
 		if !done[r.id] {
-			args = append(args, r.id)
+			free = append(free, r.id)
 		}
 	}
-	if len(args) == 1 {
+	if len(free) == 0 {
 		return nil
 	}
-	if _, err := q.ExecContext(ctx, s.q.releaseLease(len(args)-1), args...); err != nil {
+	release := s.q.ReleaseLease(c.lease, free)
+	if _, err := q.ExecContext(ctx, release.SQL, release.Args...); err != nil {
 		return fmt.Errorf("outbox: release lease: %w", err)
 	}
 	return nil
@@ -505,17 +484,13 @@ func (s *Store) release(ctx context.Context, q execQuerier, c *claim, published 
 
 func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
 	if len(published) > 0 {
-		args := make([]any, 0, len(published)+1)
-		args = append(args, s.dialect.timeArg(now))
-		for _, id := range published {
-			args = append(args, id)
-		}
-		if _, err := s.execTx(ctx, tx, s.q.markPublished(len(published)), args...); err != nil {
+		if _, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published)); err != nil {
 			return fmt.Errorf("outbox: mark published: %w", err)
 		}
 	}
 	for _, f := range failures {
-		if _, err := tx.ExecContext(ctx, s.q.markFailed, f.attempts, truncateError(f.reason), f.id); err != nil {
+		q := s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason))
+		if _, err := tx.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}
 	}
@@ -535,7 +510,9 @@ func truncateError(s string) string {
 
 // Stats is the state of the outbox at one moment.
 type Stats struct {
-	// Pending rows: not yet published and under MaxAttempts.
+	// Pending rows: not yet published and under MaxAttempts. One number
+	// that goes up and stays up is a relay that is down or a broker that
+	// refuses.
 	Pending int64
 	// Stuck rows: not published, at MaxAttempts; left alone until retried.
 	Stuck int64
@@ -547,23 +524,14 @@ type Stats struct {
 func (s *Store) Stats(ctx context.Context) (Stats, error) {
 	var (
 		st     Stats
-		oldest timeScanner
+		oldest sqldialect.Time
 	)
-	max := s.cfg.MaxAttempts
-	err := s.db.QueryRowContext(ctx, s.q.stats, max, max, max).Scan(&st.Pending, &st.Stuck, &oldest)
-	if err != nil {
+	q := s.q.Stats(s.cfg.MaxAttempts)
+	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, &oldest); err != nil {
 		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
 	}
-	st.OldestPending = oldest.t
+	st.OldestPending = oldest.T
 	return st, nil
-}
-
-// PendingCount is the backlog: rows not yet published and under MaxAttempts.
-// One that goes up and stays up is a relay that is down or a broker that
-// refuses.
-func (s *Store) PendingCount(ctx context.Context) (int64, error) {
-	st, err := s.Stats(ctx)
-	return st.Pending, err
 }
 
 // StuckRecord is a row the relay gave up on, with why.
@@ -578,7 +546,8 @@ type StuckRecord struct {
 
 // Stuck lists up to limit rows at MaxAttempts, oldest first.
 func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
-	rows, err := s.db.QueryContext(ctx, s.q.stuck, s.cfg.MaxAttempts, limit)
+	q := s.q.Stuck(s.cfg.MaxAttempts, limit)
+	rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: stuck: %w", err)
 	}
@@ -588,12 +557,12 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 		var (
 			r       StuckRecord
 			lastErr sql.NullString
-			created timeScanner
+			created sqldialect.Time
 		)
 		if err := rows.Scan(&r.ID, &r.Exchange, &r.RoutingKey, &r.Attempts, &lastErr, &created); err != nil {
 			return nil, fmt.Errorf("outbox: stuck: %w", err)
 		}
-		r.LastError, r.CreatedAt = lastErr.String, created.t
+		r.LastError, r.CreatedAt = lastErr.String, created.T
 		out = append(out, r)
 	}
 	return out, rows.Err()
@@ -605,24 +574,20 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 	if len(ids) == 0 {
 		return 0, nil
 	}
-	args := make([]any, len(ids))
-	for i, id := range ids {
-		args[i] = id
-	}
-	res, err := s.db.ExecContext(ctx, s.q.retry(len(ids)), args...)
+	n, err := execAffected(ctx, s.db, s.q.Retry(ids))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry: %w", err)
 	}
-	return res.RowsAffected()
+	return n, nil
 }
 
 // RetryAllStuck makes every stuck row pending again and returns how many.
 func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
-	res, err := s.db.ExecContext(ctx, s.q.retryStuck, s.cfg.MaxAttempts)
+	n, err := execAffected(ctx, s.db, s.q.RetryStuck(s.cfg.MaxAttempts))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry stuck: %w", err)
 	}
-	return res.RowsAffected()
+	return n, nil
 }
 
 // PurgePublished deletes rows published longer than olderThan ago, in
@@ -630,102 +595,24 @@ func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
 // never touched. Nothing else removes published rows, and a table that only
 // grows costs disk and slows everything that scans it.
 func (s *Store) PurgePublished(ctx context.Context, olderThan time.Duration) (int64, error) {
-	if olderThan < 0 {
-		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
-	}
-	cutoff := s.dialect.timeArg(time.Now().Add(-olderThan))
-	var total int64
-	for {
-		res, err := s.db.ExecContext(ctx, s.q.purge, cutoff, s.cfg.PurgeBatch)
-		if err != nil {
-			return total, fmt.Errorf("outbox: purge: %w", err)
-		}
-		n, err := res.RowsAffected()
-		if err != nil {
-			return total, err
-		}
-		total += n
-		if n < int64(s.cfg.PurgeBatch) {
-			return total, nil
-		}
-	}
+	return purgeInBatches(ctx, s.db, "purge", olderThan, s.cfg.PurgeBatch, s.q.PurgePublished)
 }
 
 // Check asks the database whether the outbox table is there and readable,
 // reading no row. Its error is the driver's: a missing table, an
 // unreachable server, a refused login.
 func (s *Store) Check(ctx context.Context) error {
-	rows, err := s.db.QueryContext(ctx, s.q.probe)
-	if err != nil {
-		return fmt.Errorf("outbox: %s: %w", s.table, err)
-	}
-	return rows.Close()
+	return probe(ctx, s.db, s.q.Probe(), s.q.Table())
 }
 
 // PublishedSince counts the rows published at or after t ("published in the
 // last hour").
 func (s *Store) PublishedSince(ctx context.Context, t time.Time) (int64, error) {
-	return s.count(ctx, s.q.countSince, t)
+	return count(ctx, s.db, s.q.PublishedSince(t), s.q.Table())
 }
 
 // PublishedBefore counts the rows published before t: what PurgePublished
 // with that cutoff deletes.
 func (s *Store) PublishedBefore(ctx context.Context, t time.Time) (int64, error) {
-	return s.count(ctx, s.q.countBefore, t)
-}
-
-func (s *Store) count(ctx context.Context, query string, t time.Time) (int64, error) {
-	var n int64
-	if err := s.db.QueryRowContext(ctx, query, s.dialect.timeArg(t)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("outbox: count %s: %w", s.table, err)
-	}
-	return n, nil
-}
-
-// ValidTableName reports whether name can be a table of this library,
-// "name" or "schema.name" of letters, digits and underscores; the error
-// says why not.
-func ValidTableName(name string) error {
-	_, err := quoteTable(Postgres, name)
-	return err
-}
-
-// timeScanner reads a timestamp however the driver delivers it: a time.Time,
-// or text when the DSN asks for no parsing (MySQL without parseTime=true).
-type timeScanner struct{ t time.Time }
-
-func (ts *timeScanner) Scan(v any) error {
-	switch x := v.(type) {
-	case nil:
-		ts.t = time.Time{}
-	case time.Time:
-		ts.t = x.UTC()
-	case []byte:
-		return ts.parse(string(x))
-	case string:
-		return ts.parse(x)
-	default:
-		return fmt.Errorf("outbox: cannot read %T as a timestamp", v)
-	}
-	return nil
-}
-
-func (ts *timeScanner) parse(s string) error {
-	for _, layout := range []string{timeLayout, "2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05", time.RFC3339Nano} {
-		if t, err := time.Parse(layout, s); err == nil {
-			ts.t = t.UTC()
-			return nil
-		}
-	}
-	return fmt.Errorf("outbox: cannot read %q as a timestamp", s)
-}
-
-var _ interface{ Scan(any) error } = (*timeScanner)(nil)
-
-// placeholders returns "?, ?, …" for n arguments.
-func placeholders(n int) string {
-	if n <= 0 {
-		return ""
-	}
-	return strings.Repeat("?, ", n-1) + "?"
+	return count(ctx, s.db, s.q.PublishedBefore(t), s.q.Table())
 }

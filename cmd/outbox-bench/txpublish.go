@@ -11,6 +11,7 @@ import (
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -281,7 +282,7 @@ func verifyTxPublish(ctx context.Context, db *testdb.DB, wantOrders, wantMessage
 	if err := db.GetContext(ctx, &row, q, lastID); err != nil {
 		return fmt.Errorf("VERIFY FAILED: reading back message %s: %w", lastID, err)
 	}
-	body, err := outbox.DecodeBody(row.Body, row.BodyEncoding)
+	body, err := rowcodec.DecodeBody(row.Body, row.BodyEncoding)
 	switch {
 	case err != nil:
 		return fmt.Errorf("VERIFY FAILED: message %s: %w", lastID, err)

@@ -17,6 +17,7 @@ import (
 	_ "github.com/mattn/go-sqlite3"    // registers "sqlite3"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // connectTimeout bounds the first contact with the database and the broker:
@@ -380,10 +381,10 @@ func (c *cli) openOutbox() (*database, error) { return c.openChecked(true) }
 // openChecked opens --db after checking the table names, and checks that the
 // outbox table exists if the command needs it.
 func (c *cli) openChecked(needOutbox bool) (*database, error) {
-	if err := outbox.ValidTableName(c.g.table); err != nil {
+	if err := sqldialect.ValidTable(c.g.table); err != nil {
 		return nil, usagef("--table: %v", err)
 	}
-	if err := outbox.ValidTableName(c.g.inboxTable); err != nil {
+	if err := sqldialect.ValidTable(c.g.inboxTable); err != nil {
 		return nil, usagef("--inbox-table: %v", err)
 	}
 	d, err := c.open(false)

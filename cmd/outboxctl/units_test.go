@@ -1,11 +1,11 @@
 package main
 
 import (
-	outbox "github.com/acemq/watermill-outbox"
-
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 func TestParseAge_DaysHoursMinutesSeconds(t *testing.T) {
@@ -63,15 +63,15 @@ func TestParseTarget_TellsTheDatabaseFromTheDSN(t *testing.T) {
 	}
 }
 
-func TestValidTableName_OnlyIdentifiers(t *testing.T) {
+func TestValidTable_OnlyIdentifiers(t *testing.T) {
 	for _, in := range []string{"acemq_outbox", "app.acemq_outbox"} {
-		if err := outbox.ValidTableName(in); err != nil {
-			t.Errorf("ValidTableName(%q) = %v", in, err)
+		if err := sqldialect.ValidTable(in); err != nil {
+			t.Errorf("ValidTable(%q) = %v", in, err)
 		}
 	}
 	for _, in := range []string{"", "a.b.c", `x"; DROP TABLE y; --`, "1abc", "a-b", "a b"} {
-		if err := outbox.ValidTableName(in); err == nil {
-			t.Errorf("ValidTableName(%q) accepted", in)
+		if err := sqldialect.ValidTable(in); err == nil {
+			t.Errorf("ValidTable(%q) accepted", in)
 		}
 	}
 }

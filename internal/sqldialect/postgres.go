@@ -1,0 +1,112 @@
+package sqldialect
+
+import (
+	"context"
+	"database/sql"
+	"strings"
+	"time"
+)
+
+// postgres holds all SQL text for PostgreSQL.
+type postgres struct{}
+
+func (postgres) Name() string       { return "postgres" }
+func (postgres) DriverName() string { return "pgx" }
+
+func (postgres) quoteIdent(part string) string { return `"` + part + `"` }
+
+func (postgres) TimeArg(t time.Time) any { return t }
+
+func (postgres) rebind(q string) string { return rebindDollar(q) }
+
+// Listens: a trigger notifies NotifyChannel at commit
+// (sqlschema/postgres/0003_notify_acemq_outbox.up.sql).
+func (postgres) Listens() bool { return true }
+
+// NotifyChannel is the channel the acemq_outbox trigger notifies on commit.
+const NotifyChannel = "acemq_outbox"
+
+// Listen subscribes a connection to NotifyChannel.
+func Listen() Query { return Query{SQL: "LISTEN " + NotifyChannel} }
+
+// Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
+// held by the relay's transaction. A relay that dies releases it with its
+// connection, at once; a second relay skips the locked rows.
+func (postgres) Leases() bool { return false }
+
+// PreparesRelay: pgx caches the statements it prepares on each connection
+// already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
+// transaction mode) must have its way.
+func (postgres) PreparesRelay() bool { return false }
+
+func (postgres) insertOutbox(table string, rows int) string {
+	var b strings.Builder
+	b.Grow(64 + rows*50)
+	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	valuesList(&b, rows, outboxColumnCount, dollar)
+	// A retried transaction adds the same id again: one row, no error.
+	b.WriteString(" ON CONFLICT (id) DO NOTHING")
+	return b.String()
+}
+
+func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
+	return Query{SQL: rebindDollar(lockingClaim(table, where)), Args: append(args, p.Limit)}
+}
+
+// claimSetup makes the planner walk the pending index in order, which is the
+// only good plan for the claim. Statistics gathered while the table was
+// small (a new table, or a quiet one before an outage's backlog) make it
+// believe a handful of rows are pending, and it then fetches all of them
+// and sorts them: 9 ms per claim over 20,000 pending rows, 165 ms over
+// 200,000, against a fraction of a millisecond. SET LOCAL ends with the
+// claim's transaction.
+func (postgres) claimSetup() string { return "SET LOCAL enable_sort = off" }
+
+// pendingIndex: the partial index is found by the planner; nothing to name.
+func (postgres) pendingIndex() string { return "" }
+
+func (postgres) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+}
+
+func (postgres) insertProcessed(table string) string {
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+}
+
+func (postgres) purgeProcessed(table string) string {
+	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+}
+
+// migrationLockKey is an arbitrary constant shared by every process that
+// migrates: pg_advisory_xact_lock makes the second one wait for the first.
+const migrationLockKey = 0x6163656d71 // "acemq"
+
+func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
+	// DDL is transactional on PostgreSQL: the lock, the schema and the record
+	// of it commit together, and a failure leaves nothing half-made.
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+func (postgres) createMigrationsTable() string {
+	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
+    version    integer        PRIMARY KEY,
+    name       varchar(255)   NOT NULL,
+    applied_at timestamptz(6) NOT NULL DEFAULT now()
+)`
+}
+
+func (postgres) insertMigration() string {
+	return "INSERT INTO acemq_schema_migrations (version, name) VALUES ($1, $2)"
+}

@@ -1,0 +1,335 @@
+package sqldialect
+
+import (
+	"database/sql"
+	"strings"
+	"time"
+)
+
+// This file holds the SQL all three databases run as it is, written with "?"
+// placeholders that each dialect rebinds. What differs lives in the
+// dialect's own file.
+
+// outboxColumns are the columns TxPublisher writes, in Row's order.
+const outboxColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at"
+
+const outboxColumnCount = 8
+
+// claimColumns are what a claim reads, in ClaimedRow's order.
+const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts"
+
+// claimable is the relay's condition: unpublished, under the attempt ceiling,
+// not under a live lease (ours, or one written by an AceMQ relay in another
+// language). Arguments: max attempts, now.
+const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
+
+// afterCursor resumes a drain after the last row claimed, rather than at the
+// head of the pending index, where the entries of rows just marked published
+// linger until MySQL's purge or PostgreSQL's vacuum removes them: scanning
+// them on every claim makes a long drain quadratic. Written as a range on
+// created_at plus a filter so that MySQL's range optimizer uses the index.
+// Arguments: created_at, created_at, id.
+const afterCursor = "created_at >= ? AND (created_at > ? OR id > ?)"
+
+// savepoint is the savepoint of a Publish that takes several statements.
+const savepoint = "acemq_outbox_publish"
+
+// Outbox is the SQL of one outbox table.
+type Outbox struct {
+	d            Dialect
+	table        string // quoted
+	schema, name string // as configured: the pending-index lookup's arguments
+}
+
+// NewOutbox returns the statements of table ("name" or "schema.name"),
+// which it validates and quotes.
+func NewOutbox(d Dialect, table string) (*Outbox, error) {
+	quoted, err := QuoteTable(d, table)
+	if err != nil {
+		return nil, err
+	}
+	o := &Outbox{d: d, table: quoted, name: table}
+	if i := strings.LastIndexByte(table, '.'); i >= 0 {
+		o.schema, o.name = table[:i], table[i+1:]
+	}
+	return o, nil
+}
+
+// Table is the table's name as quoted in the SQL, for error messages.
+func (o *Outbox) Table() string { return o.table }
+
+func (o *Outbox) query(sql string, args ...any) Query {
+	return Query{SQL: o.d.rebind(sql), Args: args}
+}
+
+// Row is one row TxPublisher writes.
+type Row struct {
+	ID, Exchange, RoutingKey string
+	Body, BodyEncoding       string
+	ContentType, Headers     string
+	CreatedAt                time.Time
+}
+
+// Insert writes rows in one statement, skipping ids already present
+// (RowsAffected counts only the rows it inserted).
+func (o *Outbox) Insert(rows []Row) Query {
+	args := make([]any, 0, len(rows)*outboxColumnCount)
+	for i := range rows {
+		r := &rows[i]
+		args = append(args, r.ID, r.Exchange, r.RoutingKey, r.Body, r.BodyEncoding, r.ContentType, r.Headers, o.d.TimeArg(r.CreatedAt))
+	}
+	return Query{SQL: o.d.insertOutbox(o.table, len(rows)), Args: args}
+}
+
+// Destinations reads where the rows of ids go. Columns: id, exchange_name,
+// routing_key, created_at.
+func (o *Outbox) Destinations(ids []string) Query {
+	return o.query("SELECT id, exchange_name, routing_key, created_at FROM "+o.table+
+		" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+}
+
+// Delete deletes the rows of ids.
+func (o *Outbox) Delete(ids []string) Query {
+	return o.query("DELETE FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+}
+
+// Savepoint, RollbackToSavepoint and ReleaseSavepoint make a Publish of
+// several statements all or nothing inside the caller's transaction.
+func (o *Outbox) Savepoint() Query { return Query{SQL: "SAVEPOINT " + savepoint} }
+
+// RollbackToSavepoint undoes what was written since Savepoint.
+func (o *Outbox) RollbackToSavepoint() Query { return Query{SQL: "ROLLBACK TO SAVEPOINT " + savepoint} }
+
+// ReleaseSavepoint keeps what was written since Savepoint.
+func (o *Outbox) ReleaseSavepoint() Query { return Query{SQL: "RELEASE SAVEPOINT " + savepoint} }
+
+// Cursor is the (created_at, id) of the last row a drain claimed.
+type Cursor struct {
+	CreatedAt time.Time
+	ID        string
+}
+
+// ClaimParams says which rows a claim takes.
+type ClaimParams struct {
+	Limit       int
+	MaxAttempts int
+	Now         time.Time
+	// After, if set, resumes a drain after that row (see afterCursor).
+	After *Cursor
+	// Index, if set, is the pending index a locking claim walks (MySQL).
+	Index string
+	// RelayID and LeaseUntil fill locked_by and locked_until of a leasing
+	// claim (SQLite).
+	RelayID    string
+	LeaseUntil time.Time
+}
+
+// Claim claims up to p.Limit claimable rows in created_at, id order.
+// Columns: those of ClaimedRow, read by ScanClaimed.
+func (o *Outbox) Claim(p ClaimParams) Query {
+	where, args := claimable, []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	if p.After != nil {
+		at := o.d.TimeArg(p.After.CreatedAt)
+		where += " AND " + afterCursor
+		args = append(args, at, at, p.After.ID)
+	}
+	return o.d.claim(o.table, p, where, args)
+}
+
+// ClaimSetup, if its SQL is not empty, runs first in a locking claim's
+// transaction.
+func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }
+
+// PendingIndex is the lookup of the name of the table's index of pending
+// rows (its first column published_at), if the dialect's claims name it.
+// Column: the index name; no row when there is none.
+func (o *Outbox) PendingIndex() (Query, bool) {
+	q := o.d.pendingIndex()
+	if q == "" {
+		return Query{}, false
+	}
+	var schema any // NULL: the current one
+	if o.schema != "" {
+		schema = o.schema
+	}
+	return Query{SQL: q, Args: []any{schema, o.name}}, true
+}
+
+// ClaimedRow is one row as the relay reads it, before decoding.
+type ClaimedRow struct {
+	ID, Exchange, RoutingKey string
+	Body, BodyEncoding       string
+	ContentType, Headers     string
+	CreatedAt                time.Time
+	Attempts                 int
+}
+
+// ScanClaimed reads the rows of a Claim, and closes them.
+func ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
+	defer rows.Close()
+	var out []ClaimedRow
+	for rows.Next() {
+		var r ClaimedRow
+		var created Time
+		if err := rows.Scan(&r.ID, &r.Exchange, &r.RoutingKey, &r.Body, &r.BodyEncoding,
+			&r.ContentType, &r.Headers, &created, &r.Attempts); err != nil {
+			return nil, err
+		}
+		r.CreatedAt = created.T
+		out = append(out, r)
+	}
+	return out, rows.Err()
+}
+
+// MarkPublished marks the rows of ids published at now.
+func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
+	args := make([]any, 0, len(ids)+1)
+	args = append(args, o.d.TimeArg(now))
+	return o.query("UPDATE "+o.table+" SET published_at = ?, locked_by = NULL, locked_until = NULL WHERE id IN ("+
+		placeholders(len(ids))+")", stringArgs(args, ids)...)
+}
+
+// RelayStatements are the statements a relay runs for every batch of
+// batchSize, as the claims on index name them: what it prepares.
+func (o *Outbox) RelayStatements(index string, batchSize int) []string {
+	head := ClaimParams{Index: index}
+	after := ClaimParams{Index: index, After: &Cursor{}}
+	return []string{o.Claim(head).SQL, o.Claim(after).SQL, o.MarkPublished(time.Time{}, make([]string, batchSize)).SQL}
+}
+
+// MarkFailed records a failed publish of the row id: its attempts and why.
+func (o *Outbox) MarkFailed(id string, attempts int, reason string) Query {
+	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = NULL, locked_until = NULL WHERE id = ?",
+		attempts, reason, id)
+}
+
+// ReleaseLease frees leased rows that were neither published nor failed. By
+// id, not by relay: a release by locked_by alone scans every pending row.
+func (o *Outbox) ReleaseLease(relayID string, ids []string) Query {
+	args := make([]any, 0, len(ids)+1)
+	args = append(args, relayID)
+	return o.query("UPDATE "+o.table+" SET locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND id IN ("+
+		placeholders(len(ids))+")", stringArgs(args, ids)...)
+}
+
+// Stats counts pending and stuck rows. Columns: pending, stuck, the oldest
+// pending created_at (NULL if none).
+func (o *Outbox) Stats(maxAttempts int) Query {
+	return o.query("SELECT COALESCE(SUM(CASE WHEN attempts < ? THEN 1 ELSE 0 END), 0), "+
+		"COALESCE(SUM(CASE WHEN attempts >= ? THEN 1 ELSE 0 END), 0), "+
+		"MIN(CASE WHEN attempts < ? THEN created_at END) FROM "+o.table+" WHERE published_at IS NULL",
+		maxAttempts, maxAttempts, maxAttempts)
+}
+
+// Stuck lists up to limit rows at maxAttempts, oldest first. Columns: id,
+// exchange_name, routing_key, attempts, last_error, created_at.
+func (o *Outbox) Stuck(maxAttempts, limit int) Query {
+	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at FROM "+o.table+
+		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", maxAttempts, limit)
+}
+
+// Retry makes the unpublished rows of ids pending again.
+func (o *Outbox) Retry(ids []string) Query {
+	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE published_at IS NULL AND id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+}
+
+// RetryStuck makes every row at maxAttempts pending again.
+func (o *Outbox) RetryStuck(maxAttempts int) Query {
+	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE published_at IS NULL AND attempts >= ?", maxAttempts)
+}
+
+// PurgePublished deletes at most limit rows published before cutoff.
+func (o *Outbox) PurgePublished(cutoff time.Time, limit int) Query {
+	return o.query(o.d.purgePublished(o.table), o.d.TimeArg(cutoff), limit)
+}
+
+// Probe reads no row of the table: it fails if the table is not there.
+func (o *Outbox) Probe() Query { return Query{SQL: "SELECT 1 FROM " + o.table + " WHERE 1 = 0"} }
+
+// PublishedSince counts the rows published at or after t.
+func (o *Outbox) PublishedSince(t time.Time) Query {
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND published_at >= ?", o.d.TimeArg(t))
+}
+
+// PublishedBefore counts the rows published before t.
+func (o *Outbox) PublishedBefore(t time.Time) Query {
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND published_at < ?", o.d.TimeArg(t))
+}
+
+// Republish makes published, unprocessed records of routingKeys published
+// before cutoff pending again. The conditions are re-checked on the row the
+// update locks, so a record two instances race for is made pending once.
+func (o *Outbox) Republish(cutoff time.Time, routingKeys []string) Query {
+	args := make([]any, 0, len(routingKeys)+1)
+	args = append(args, o.d.TimeArg(cutoff))
+	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE published_at IS NOT NULL AND published_at < ? AND processed_at IS NULL AND routing_key IN ("+
+		placeholders(len(routingKeys))+")", stringArgs(args, routingKeys)...)
+}
+
+// MarkProcessed sets the record id's processed_at, if still null.
+func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
+	return o.query("UPDATE "+o.table+" SET processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
+}
+
+// lockingClaim is the claim of PostgreSQL and MySQL: row locks held by the
+// claim's open transaction, skipping rows another relay holds. from is the
+// table, with an index hint where the dialect gives one.
+func lockingClaim(from, where string) string {
+	return "SELECT " + claimColumns + " FROM " + from + " WHERE " + where +
+		" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED"
+}
+
+// Inbox is the SQL of one inbox table (processed_messages).
+type Inbox struct {
+	d     Dialect
+	table string // quoted
+}
+
+// NewInbox returns the statements of table, which it validates and quotes.
+func NewInbox(d Dialect, table string) (*Inbox, error) {
+	quoted, err := QuoteTable(d, table)
+	if err != nil {
+		return nil, err
+	}
+	return &Inbox{d: d, table: quoted}, nil
+}
+
+// Table is the table's name as quoted in the SQL, for error messages.
+func (in *Inbox) Table() string { return in.table }
+
+// Insert records that consumer processed id at now; it affects no row when
+// the key is there already.
+func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
+	return Query{SQL: in.d.rebind(in.d.insertProcessed(in.table)), Args: []any{consumer, id, in.d.TimeArg(now)}}
+}
+
+// Purge deletes at most limit rows processed before cutoff.
+func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
+	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table)), Args: []any{in.d.TimeArg(cutoff), limit}}
+}
+
+// Probe reads no row of the table: it fails if the table is not there.
+func (in *Inbox) Probe() Query { return Query{SQL: "SELECT 1 FROM " + in.table + " WHERE 1 = 0"} }
+
+// Count counts every row, all consumers.
+func (in *Inbox) Count() Query { return Query{SQL: "SELECT COUNT(*) FROM " + in.table} }
+
+// ProcessedBefore counts the rows processed before t.
+func (in *Inbox) ProcessedBefore(t time.Time) Query {
+	return Query{SQL: in.d.rebind("SELECT COUNT(*) FROM " + in.table + " WHERE processed_at < ?"), Args: []any{in.d.TimeArg(t)}}
+}
+
+// CreateMigrationsTable creates acemq_schema_migrations, where Migrate
+// records the versions it applied.
+func CreateMigrationsTable(d Dialect) Query { return Query{SQL: d.createMigrationsTable()} }
+
+// SelectMigrations reads the versions applied. Column: version.
+func SelectMigrations() Query { return Query{SQL: "SELECT version FROM acemq_schema_migrations"} }
+
+// InsertMigration records that version (name) was applied.
+func InsertMigration(d Dialect, version int, name string) Query {
+	return Query{SQL: d.insertMigration(), Args: []any{version, name}}
+}

@@ -1,0 +1,230 @@
+// Package sqldialect holds every SQL statement of watermill-outbox, one file
+// per database (postgres.go, mysql.go, sqlite.go) and one for the statements
+// all three share (shared.go). DDL lives in the sqlschema package.
+//
+// Every operation returns its text and its arguments together, as a Query,
+// so that an argument list cannot drift from the placeholders it fills. The
+// rest of the module asks a Dialect what the database can do (Listens,
+// Leases, PreparesRelay, …) rather than comparing dialects.
+package sqldialect
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Query is one statement and the arguments of its placeholders.
+type Query struct {
+	SQL  string
+	Args []any
+}
+
+// Execer is the part of *sql.Conn and *sql.Tx the migrator uses.
+type Execer interface {
+	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
+}
+
+// Dialect is the SQL of one database: [Postgres], [MySQL] (which also serves
+// MariaDB) or [SQLite]. It is sealed: the unexported methods are the
+// statements that differ between databases, each written in its dialect's
+// file.
+type Dialect interface {
+	// Name is "postgres", "mysql" or "sqlite", the folder of the dialect's
+	// migrations in sqlschema.
+	Name() string
+	// DriverName is a database/sql driver name of the dialect that sqlx
+	// knows the bind style of.
+	DriverName() string
+	// TimeArg turns a time into the argument the driver stores in UTC with
+	// microsecond precision, in time order.
+	TimeArg(t time.Time) any
+	// Listens: the database can wake the relay at commit (LISTEN/NOTIFY).
+	Listens() bool
+	// Leases: claims are leases in locked_by/locked_until, committed before
+	// publishing, rather than row locks held by an open transaction.
+	Leases() bool
+	// PreparesRelay: the relay prepares its claims and the mark of a full
+	// batch once rather than have the driver prepare them for every batch.
+	PreparesRelay() bool
+	// WithMigrationLock runs fn while no other process migrates the same
+	// database, on one connection.
+	WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error
+
+	quoteIdent(part string) string
+	rebind(query string) string
+	insertOutbox(table string, rows int) string
+	// claim claims p.Limit rows of table that meet where (filled by
+	// whereArgs), in created_at, id order.
+	claim(table string, p ClaimParams, where string, whereArgs []any) Query
+	claimSetup() string
+	pendingIndex() string
+	purgePublished(table string) string
+	insertProcessed(table string) string
+	purgeProcessed(table string) string
+	createMigrationsTable() string
+	insertMigration() string
+}
+
+// The dialects.
+var (
+	Postgres Dialect = postgres{}
+	MySQL    Dialect = mysql{}
+	SQLite   Dialect = sqlite{}
+)
+
+// ForDriver returns the dialect of a database/sql driver name, as *sqlx.Tx
+// and *sqlx.DB report it: "pgx", "pgx/v5", "postgres" (lib/pq), "mysql",
+// "sqlite3".
+func ForDriver(driverName string) (Dialect, bool) {
+	switch driverName {
+	case "pgx", "pgx/v5", "postgres":
+		return Postgres, true
+	case "mysql":
+		return MySQL, true
+	case "sqlite3":
+		return SQLite, true
+	}
+	return nil, false
+}
+
+// QuoteTable validates a table name, "name" or "schema.name", each part an
+// SQL identifier of letters, digits and underscores, and returns it quoted
+// for d. It is the only way a configurable name reaches SQL text.
+func QuoteTable(d Dialect, name string) (string, error) {
+	parts := strings.Split(name, ".")
+	if len(parts) > 2 {
+		return "", fmt.Errorf("%q has more than one dot; want table or schema.table", name)
+	}
+	quoted := make([]string, len(parts))
+	for i, p := range parts {
+		if err := validIdent(p); err != nil {
+			return "", fmt.Errorf("%q: %w", name, err)
+		}
+		quoted[i] = d.quoteIdent(p)
+	}
+	return strings.Join(quoted, "."), nil
+}
+
+// ValidTable reports whether name can be a table of this library, "name" or
+// "schema.name" of letters, digits and underscores; the error says why not.
+func ValidTable(name string) error {
+	_, err := QuoteTable(Postgres, name)
+	return err
+}
+
+func validIdent(s string) error {
+	if s == "" {
+		return fmt.Errorf("empty identifier")
+	}
+	if len(s) > 63 {
+		return fmt.Errorf("identifier longer than 63 characters")
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '_', 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z':
+		case '0' <= c && c <= '9' && i > 0:
+		default:
+			return fmt.Errorf("identifier may hold only letters, digits and underscores, not starting with a digit")
+		}
+	}
+	return nil
+}
+
+// timeLayout is the UTC text form of a timestamp for MySQL and SQLite:
+// microseconds, fixed width, so that text order is time order.
+const timeLayout = "2006-01-02 15:04:05.000000"
+
+// Time reads a timestamp however the driver delivers it: a time.Time, or
+// text when the DSN asks for no parsing (MySQL without parseTime=true) or
+// the database has no time type (SQLite). NULL reads as the zero time.
+type Time struct{ T time.Time }
+
+// Scan implements sql.Scanner.
+func (ts *Time) Scan(v any) error {
+	switch x := v.(type) {
+	case nil:
+		ts.T = time.Time{}
+	case time.Time:
+		ts.T = x.UTC()
+	case []byte:
+		return ts.parse(string(x))
+	case string:
+		return ts.parse(x)
+	default:
+		return fmt.Errorf("outbox: cannot read %T as a timestamp", v)
+	}
+	return nil
+}
+
+func (ts *Time) parse(s string) error {
+	for _, layout := range []string{timeLayout, "2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05", time.RFC3339Nano} {
+		if t, err := time.Parse(layout, s); err == nil {
+			ts.T = t.UTC()
+			return nil
+		}
+	}
+	return fmt.Errorf("outbox: cannot read %q as a timestamp", s)
+}
+
+// placeholders returns "?, ?, …" for n arguments.
+func placeholders(n int) string {
+	if n <= 0 {
+		return ""
+	}
+	return strings.Repeat("?, ", n-1) + "?"
+}
+
+// valuesList writes "(p1, p2, …), (…)" for rows rows of cols columns, with
+// placeholder(n) giving the n-th (1-based) placeholder.
+func valuesList(b *strings.Builder, rows, cols int, placeholder func(n int) string) {
+	n := 1
+	for r := 0; r < rows; r++ {
+		if r > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteByte('(')
+		for c := 0; c < cols; c++ {
+			if c > 0 {
+				b.WriteString(", ")
+			}
+			b.WriteString(placeholder(n))
+			n++
+		}
+		b.WriteByte(')')
+	}
+}
+
+func questionMark(int) string { return "?" }
+
+func dollar(n int) string { return "$" + strconv.Itoa(n) }
+
+// rebindDollar turns "?" placeholders into PostgreSQL's $1, $2, ….
+func rebindDollar(q string) string {
+	var b strings.Builder
+	b.Grow(len(q) + 16)
+	n := 0
+	for i := 0; i < len(q); i++ {
+		if q[i] == '?' {
+			n++
+			b.WriteByte('$')
+			b.WriteString(strconv.Itoa(n))
+			continue
+		}
+		b.WriteByte(q[i])
+	}
+	return b.String()
+}
+
+// stringArgs appends ids to args.
+func stringArgs(args []any, ids []string) []any {
+	for _, id := range ids {
+		args = append(args, id)
+	}
+	return args
+}

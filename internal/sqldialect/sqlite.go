@@ -1,0 +1,97 @@
+package sqldialect
+
+import (
+	"context"
+	"database/sql"
+	"strings"
+	"time"
+)
+
+// sqlite holds all SQL text for SQLite (mattn/go-sqlite3).
+type sqlite struct{}
+
+func (sqlite) Name() string       { return "sqlite" }
+func (sqlite) DriverName() string { return "sqlite3" }
+
+func (sqlite) quoteIdent(part string) string { return `"` + part + `"` }
+
+// TimeArg sends fixed-width UTC text (timeLayout), so text order is time
+// order. The driver's own time.Time encoding trims trailing zeros and would
+// not sort.
+func (sqlite) TimeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
+
+func (sqlite) rebind(q string) string { return q }
+
+func (sqlite) Listens() bool { return false }
+
+// Leases: SQLite has no row locks, so a claim writes a lease into
+// locked_by/locked_until and commits before publishing. A relay that dies
+// leaves its rows until the lease expires.
+func (sqlite) Leases() bool { return true }
+
+// PreparesRelay: compiling a statement in process costs no round trip.
+func (sqlite) PreparesRelay() bool { return false }
+
+func (sqlite) insertOutbox(table string, rows int) string {
+	var b strings.Builder
+	b.Grow(64 + rows*30)
+	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	valuesList(&b, rows, outboxColumnCount, questionMark)
+	b.WriteString(" ON CONFLICT (id) DO NOTHING")
+	return b.String()
+}
+
+// claim leases the rows: the update is conditional on the rows still being
+// free, so of two relays the second claims other rows, or none. RETURNING
+// promises no order: the caller sorts.
+func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query {
+	lease := []any{p.RelayID, sqlite{}.TimeArg(p.LeaseUntil)}
+	return Query{
+		SQL: "UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
+			" WHERE " + where + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns,
+		Args: append(append(lease, args...), p.Limit),
+	}
+}
+
+func (sqlite) claimSetup() string { return "" }
+
+func (sqlite) pendingIndex() string { return "" }
+
+func (sqlite) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+}
+
+func (sqlite) insertProcessed(table string) string {
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+}
+
+func (sqlite) purgeProcessed(table string) string {
+	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+}
+
+func (sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
+	// The first DDL statement takes SQLite's write lock for the rest of the
+	// transaction; a second process waits on its busy timeout.
+	tx, err := conn.BeginTx(ctx, nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit()
+}
+
+func (sqlite) createMigrationsTable() string {
+	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
+    version    INTEGER  NOT NULL PRIMARY KEY,
+    name       TEXT     NOT NULL,
+    applied_at DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now'))
+)`
+}
+
+func (sqlite) insertMigration() string {
+	return "INSERT INTO acemq_schema_migrations (version, name) VALUES (?, ?)"
+}

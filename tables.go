@@ -1,0 +1,68 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+)
+
+// This file holds what the Store and the Inbox both ask of a table: a
+// purge in bounded batches, a count, a probe.
+
+// dbConn is the part of *sql.DB and *sqlx.DB these helpers use.
+type dbConn interface {
+	sqldialect.Execer
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// purgeInBatches runs the deletes purge gives, of at most batch rows each,
+// of the rows older than olderThan, until one deletes fewer than batch, and
+// returns how many rows went. Bounded batches keep a purge of millions of
+// rows from holding long locks. what names the purge in its errors.
+func purgeInBatches(ctx context.Context, db dbConn, what string, olderThan time.Duration, batch int, purge func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
+	if olderThan < 0 {
+		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
+	}
+	q := purge(time.Now().Add(-olderThan), batch)
+	var total int64
+	for {
+		n, err := execAffected(ctx, db, q)
+		if err != nil {
+			return total, fmt.Errorf("outbox: %s: %w", what, err)
+		}
+		total += n
+		if n < int64(batch) {
+			return total, nil
+		}
+	}
+}
+
+// execAffected runs q and returns the rows it affected.
+func execAffected(ctx context.Context, db dbConn, q sqldialect.Query) (int64, error) {
+	res, err := db.ExecContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.RowsAffected()
+}
+
+// count runs a COUNT query of table.
+func count(ctx context.Context, db dbConn, q sqldialect.Query, table string) (int64, error) {
+	var n int64
+	if err := db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: count %s: %w", table, err)
+	}
+	return n, nil
+}
+
+// probe asks whether table is there and readable, reading no row.
+func probe(ctx context.Context, db dbConn, q sqldialect.Query, table string) error {
+	rows, err := db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return fmt.Errorf("outbox: %s: %w", table, err)
+	}
+	return rows.Close()
+}
