@@ -30,99 +30,6 @@ import (
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
-// newForwarder returns a forwarder over db to the test broker, closed when
-// the test ends.
-func newForwarder(t testing.TB, db *testdb.DB, cfg outbox.ForwarderConfig, amqpCfg ...outbox.AMQPConfig) *outbox.Forwarder {
-	t.Helper()
-	ac := outbox.AMQPConfig{}
-	if len(amqpCfg) > 0 {
-		ac = amqpCfg[0]
-	}
-	ac.URL = testdb.AMQPURL()
-	dest, err := outbox.NewAMQPDestination(ac)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NewStdLogger(os.Getenv("OUTBOX_TEST_DEBUG") != "", false)
-	}
-	f, err := outbox.NewForwarder(db.DB, dest, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := f.Close(); err != nil {
-			t.Errorf("close forwarder: %v", err)
-		}
-	})
-	return f
-}
-
-// publishN commits n messages on topic, one transaction each, and returns
-// their ids in order.
-func publishN(t testing.TB, db *testdb.DB, exchange, topic string, n int) []string {
-	t.Helper()
-	ids := make([]string, n)
-	for i := range ids {
-		msg := message.NewMessage(watermill.NewUUID(), []byte(fmt.Sprintf(`{"n":%d}`, i)))
-		ids[i] = msg.UUID
-		publishInTx(t, db, topic, []*message.Message{msg}, outbox.WithExchange(exchange))
-	}
-	return ids
-}
-
-// publishBatch commits n messages on topic in one transaction and returns
-// them.
-func publishBatch(t testing.TB, db *testdb.DB, exchange, topic string, n int) []*message.Message {
-	t.Helper()
-	msgs := make([]*message.Message, n)
-	for i := range msgs {
-		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte("x"))
-	}
-	publishInTx(t, db, topic, msgs, outbox.WithExchange(exchange))
-	return msgs
-}
-
-// sweepAll sweeps until a sweep publishes nothing, and returns the total.
-func sweepAll(t testing.TB, f *outbox.Forwarder) int {
-	t.Helper()
-	total := 0
-	for {
-		n, err := f.Sweep(context.Background())
-		total += n
-		if err != nil {
-			t.Fatalf("sweep: %v", err)
-		}
-		if n == 0 {
-			return total
-		}
-	}
-}
-
-type rowState struct {
-	Published bool
-	Attempts  int
-	LastError string
-}
-
-func stateOf(t testing.TB, db *testdb.DB, id string) rowState {
-	t.Helper()
-	var r struct {
-		Published bool    `db:"published"`
-		Attempts  int     `db:"attempts"`
-		LastError *string `db:"last_error"`
-	}
-	q := "SELECT published_at IS NOT NULL AS published, attempts, last_error FROM acemq_outbox WHERE id = " + placeholder(db, 1)
-	if err := db.Get(&r, q, id); err != nil {
-		t.Fatalf("row %s: %v", id, err)
-	}
-	s := rowState{Published: r.Published, Attempts: r.Attempts}
-	if r.LastError != nil {
-		s.LastError = *r.LastError
-	}
-	return s
-}
-
 func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -171,43 +78,6 @@ func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testi
 			t.Errorf("row state %+v, want published with 0 attempts", s)
 		}
 	})
-}
-
-// waitFor polls cond until it holds or the deadline passes.
-func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond) // polling a condition, with a deadline
-	}
-}
-
-// pendingCount is the forwarder's backlog; -1 while the database refuses
-// (its connections being killed under it, say).
-func pendingCount(t testing.TB, f *outbox.Forwarder) int64 {
-	t.Helper()
-	st, err := f.Store().Stats(context.Background())
-	if err != nil {
-		t.Logf("stats: %v", err)
-		return -1
-	}
-	return st.Pending
-}
-
-// ignorePools ignores the goroutines database/sql drivers keep per pooled
-// connection: the pool owns them, not the code under test.
-var ignorePools = goleak.IgnoreTopFunction("github.com/go-sql-driver/mysql.(*mysqlConn).startWatcher.func1")
-
-// countIDs counts deliveries per x-acemq-id.
-func countIDs(ds []amqp.Delivery) map[string]int {
-	m := map[string]int{}
-	for _, d := range ds {
-		m[d.MessageId]++
-	}
-	return m
 }
 
 // The relay process is SIGKILLed after the broker confirmed and before the
@@ -434,43 +304,6 @@ func killConnections(t testing.TB, killer *sql.Conn, kind, appName string) int {
 			_, _ = killer.ExecContext(ctx, fmt.Sprintf("KILL %d", id)) // it may be gone already
 		}
 		return len(ids)
-	}
-}
-
-// insertRaw writes a row as another library or a person might, bypassing
-// TxPublisher's checks.
-func insertRaw(t testing.TB, db *testdb.DB, id, exchange, routingKey, headers, bodyEncoding string) {
-	t.Helper()
-	q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES (?, ?, ?, 'x', ?, 'text/plain', ?, ?)")
-	var created any = time.Now().UTC()
-	if db.Kind != testdb.Postgres {
-		created = time.Now().UTC().Format("2006-01-02 15:04:05.000000")
-	}
-	if _, err := db.Exec(q, id, exchange, routingKey, bodyEncoding, headers, created); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// publishOrdered commits one message per (id, routing key), in this order,
-// in one transaction.
-func publishOrdered(t testing.TB, db *testdb.DB, exchange string, idKeys ...[2]string) {
-	t.Helper()
-	tx, err := db.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ik := range idKeys {
-		if err := pub.Publish(ik[1], message.NewMessage(ik[0], []byte(ik[0]))); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
 	}
 }
 
@@ -946,11 +779,6 @@ func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *
 			delete(want, m.UUID)
 		}
 	})
-}
-
-func testamqpDeleteQueue(t testing.TB, name string) {
-	t.Helper()
-	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
 }
 
 // countingLogger counts the Info messages that equal match.
