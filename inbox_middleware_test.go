@@ -18,24 +18,6 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// effectsTable is the handler's business table: no key, so a second effect
-// of one message would show as a second row.
-func createEffects(t testing.TB, db *testdb.DB) {
-	t.Helper()
-	if _, err := db.Exec("CREATE TABLE effects (message_id varchar(64) NOT NULL, note varchar(255) NOT NULL)"); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func countEffects(t testing.TB, db *testdb.DB, id string) int {
-	t.Helper()
-	var n int
-	if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM effects WHERE message_id = ?"), id); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
 func countProcessed(t testing.TB, db *testdb.DB, id string) int {
 	t.Helper()
 	var n int
@@ -43,31 +25,6 @@ func countProcessed(t testing.TB, db *testdb.DB, id string) int {
 		t.Fatal(err)
 	}
 	return n
-}
-
-// writeEffect is a handler that makes its effect in the inbox's transaction.
-func writeEffect(t testing.TB, db *testdb.DB, ran *atomic.Int32) message.HandlerFunc {
-	return func(msg *message.Message) ([]*message.Message, error) {
-		ran.Add(1)
-		tx, ok := outbox.TxFromContext(msg.Context())
-		if !ok {
-			return nil, errors.New("no transaction in the message context")
-		}
-		_, err := tx.ExecContext(msg.Context(), db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, string(msg.Payload))
-		return nil, err
-	}
-}
-
-func newInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.Inbox {
-	t.Helper()
-	if cfg.ConsumerName == "" {
-		cfg.ConsumerName = "fulfilment"
-	}
-	in, err := outbox.NewInbox(db.DB, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return in
 }
 
 func TestInbox_Duplicate_AckedHandlerNotRun(t *testing.T) {

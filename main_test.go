@@ -6,7 +6,6 @@ import (
 	"os"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/jmoiron/sqlx"
 
@@ -53,7 +52,3 @@ func relayProcess() int {
 	fmt.Fprintf(os.Stderr, "relay process survived its sweep: %d published, %v\n", n, err)
 	return 3
 }
-
-// killableRelayConfig keeps the SQLite lease of a killed relay short, so the
-// test that kills one does not wait a minute for its rows.
-var killableRelayConfig = outbox.ForwarderConfig{PublishTimeout: time.Second, Lease: 2 * time.Second}

@@ -22,41 +22,6 @@ import (
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
-// migrated returns an isolated database of every kind with the schema applied.
-func eachMigrated(t *testing.T, fn func(t *testing.T, db *testdb.DB, d outbox.Dialect)) {
-	t.Helper()
-	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
-		fn(t, db, migrate(t, db))
-	})
-}
-
-// migrated returns a new database of kind holding the outbox schema.
-func migrated(t testing.TB, kind string) *testdb.DB {
-	t.Helper()
-	db := testdb.New(t, kind)
-	migrate(t, db)
-	return db
-}
-
-// migrate applies the outbox schema to db and returns its dialect.
-func migrate(t testing.TB, db *testdb.DB) outbox.Dialect {
-	t.Helper()
-	d := dialectOf(t, db)
-	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-		t.Fatalf("migrate: %v", err)
-	}
-	return d
-}
-
-func dialectOf(t testing.TB, db *testdb.DB) outbox.Dialect {
-	t.Helper()
-	d, err := outbox.DialectForDriver(db.DriverName())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
-}
-
 // row is an acemq_outbox row as read back.
 type row struct {
 	ID           string         `db:"id"`
@@ -82,35 +47,6 @@ func readRows(t testing.TB, db *testdb.DB) []row {
 		t.Fatalf("reading acemq_outbox: %v", err)
 	}
 	return rows
-}
-
-func countRows(t testing.TB, db *testdb.DB) int {
-	t.Helper()
-	var n int
-	if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_outbox"); err != nil {
-		t.Fatalf("counting acemq_outbox: %v", err)
-	}
-	return n
-}
-
-// publishInTx publishes msgs on topic in one transaction and commits it.
-func publishInTx(t testing.TB, db *testdb.DB, topic string, msgs []*message.Message, opts ...outbox.PublisherOption) {
-	t.Helper()
-	tx, err := db.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, err := outbox.NewTxPublisher(tx, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := pub.Publish(topic, msgs...); err != nil {
-		t.Fatalf("publish: %v", err)
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatalf("commit: %v", err)
-	}
 }
 
 func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
@@ -272,13 +208,6 @@ func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
 			})
 		}
 	})
-}
-
-func placeholder(db *testdb.DB, n int) string {
-	if db.Kind == testdb.Postgres {
-		return fmt.Sprintf("$%d", n)
-	}
-	return "?"
 }
 
 func TestTxPublisher_BadInput_TypedErrorAndNothingOfTheCallWritten(t *testing.T) {

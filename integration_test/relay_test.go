@@ -1,20 +1,18 @@
 package integration_test
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // relaySupervisor starts relay processes (re-executions of this test
@@ -24,7 +22,7 @@ import (
 type relaySupervisor struct {
 	t       *testing.T
 	env     []string
-	out     *lockedBuffer
+	out     *testutil.LockedBuffer
 	cur     *relayChild
 	started int
 	// deaths counts, per point (dieAfterConfirm, dieHoldingClaim), the
@@ -55,14 +53,14 @@ type relayChild struct {
 }
 
 func newRelaySupervisor(t *testing.T, driver, dsn, connName string) *relaySupervisor {
-	s := &relaySupervisor{t: t, out: &lockedBuffer{}, deaths: map[string]int{}, env: []string{
+	s := &relaySupervisor{t: t, out: &testutil.LockedBuffer{}, deaths: map[string]int{}, env: []string{
 		envRelay + "=1", envRelayDriver + "=" + driver, envRelayDSN + "=" + dsn,
 		envRelayAMQP + "=" + testdb.AMQPURL(), envRelayConn + "=" + connName,
 	}}
 	t.Cleanup(func() {
 		s.kill() // no relay outlives its test
 		if t.Failed() {
-			t.Logf("relay processes' output (last 300 lines):\n%s", s.out.tail(300))
+			t.Logf("relay processes' output (last 300 lines):\n%s", s.out.Tail(300))
 		}
 	})
 	return s
@@ -180,7 +178,7 @@ func (s *relaySupervisor) stop(timeout time.Duration) error {
 // readyWriter passes a relay's stdout on, and closes ready when the relay
 // says relayReady.
 type readyWriter struct {
-	out   *lockedBuffer
+	out   *testutil.LockedBuffer
 	ready chan struct{}
 	seen  []byte // stdout so far, until the line is seen
 	done  bool
@@ -195,31 +193,4 @@ func (w *readyWriter) Write(p []byte) (int, error) {
 		}
 	}
 	return w.out.Write(p)
-}
-
-// lockedBuffer collects the output of the relay processes.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) tail(n int) string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var lines []string
-	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		lines = append(lines, sc.Text())
-	}
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"errors"
 	"io"
 	"net/http"
@@ -11,13 +10,13 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // relayProcess is `outboxctl relay` running as a process of its own: the
@@ -25,29 +24,10 @@ import (
 type relayProcess struct {
 	t      *testing.T
 	cmd    *exec.Cmd
-	stderr *lockedBuffer
+	stderr *testutil.LockedBuffer
 	addr   string // of /metrics and /healthz
 	exited chan struct{}
 	code   int
-}
-
-// lockedBuffer is the relay's stderr, written by exec's copying goroutine
-// and read by the test.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 var listenAddr = regexp.MustCompile(`msg="Serving /metrics and /healthz" addr=(\S+)`)
@@ -57,7 +37,7 @@ var listenAddr = regexp.MustCompile(`msg="Serving /metrics and /healthz" addr=(\
 func startRelay(t *testing.T, dsn string, args ...string) *relayProcess {
 	t.Helper()
 	args = append([]string{"relay", "--db", dsn, "--amqp", testdb.AMQPURL(), "--listen", "127.0.0.1:0", "--poll-interval", "50ms"}, args...)
-	p := &relayProcess{t: t, cmd: exec.Command(os.Args[0], args...), stderr: &lockedBuffer{}, exited: make(chan struct{})}
+	p := &relayProcess{t: t, cmd: exec.Command(os.Args[0], args...), stderr: &testutil.LockedBuffer{}, exited: make(chan struct{})}
 	p.cmd.Env = append(os.Environ(), "OUTBOXCTL_RUN_MAIN=1")
 	p.cmd.Stderr = p.stderr
 	if err := p.cmd.Start(); err != nil {

@@ -1,0 +1,296 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// An unroutable message (no queue bound for its key) and one to a missing
+// exchange each fail alone: attempts and last_error counted, reported with
+// their destination, left alone at MaxAttempts and listed as stuck, and the
+// other rows flow.
+func TestForwarder_UnroutableAndMissingExchange_CountedStuckOthersFlow(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		publishOrdered(t, db, b.Exchange, [2]string{"ok-1", "ok"}, [2]string{"unroutable", "nobody.listens"}, [2]string{"ok-2", "ok"})
+		publishOrdered(t, db, "no-such-exchange-"+testdb.RandomName(), [2]string{"lost-exchange", "ok"})
+		publishOrdered(t, db, b.Exchange, [2]string{"ok-3", "ok"})
+
+		var reported []outbox.ErrorContext
+		const maxAttempts = 3
+		f := newForwarder(t, db, outbox.ForwarderConfig{MaxAttempts: maxAttempts})
+		for i := 0; i < 3*maxAttempts; i++ {
+			_, err := f.Sweep(context.Background())
+			var perr *outbox.PublishError
+			if errors.As(err, &perr) {
+				reported = append(reported, perr.Dest)
+			}
+		}
+		for _, id := range []string{"ok-1", "ok-2", "ok-3"} {
+			if s := stateOf(t, db, id); !s.Published {
+				t.Errorf("%s not published: %+v", id, s)
+			}
+		}
+		for id, want := range map[string]string{"unroutable": "unroutable", "lost-exchange": "does not exist"} {
+			s := stateOf(t, db, id)
+			if s.Published || s.Attempts != maxAttempts || !strings.Contains(s.LastError, want) {
+				t.Errorf("%s: %+v, want unpublished at %d attempts with last_error about %q", id, s, maxAttempts, want)
+			}
+		}
+		seen := countIDs(b.Drain(queue, 3, 5*time.Second))
+		// ok-2 was in flight behind the unroutable one when it came back, so
+		// it was sent again after it: at-least-once, never lost.
+		if seen["ok-1"] != 1 || seen["ok-2"] < 1 || seen["ok-3"] != 1 || len(seen) != 3 {
+			t.Errorf("queue received %v, want ok-1, ok-2, ok-3 and nothing else", seen)
+		}
+		var gotMissing bool
+		for _, r := range reported {
+			if r.MessageID == "lost-exchange" && strings.HasPrefix(r.Exchange, "no-such-exchange-") && r.RoutingKey == "ok" {
+				gotMissing = true
+			}
+		}
+		if !gotMissing {
+			t.Errorf("no error reported the missing exchange with its destination: %+v", reported)
+		}
+
+		st, err := f.Store().Stats(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Stuck != 2 || st.Pending != 0 {
+			t.Errorf("stats %+v, want 2 stuck and 0 pending", st)
+		}
+		stuck, err := f.Store().Stuck(context.Background(), 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(stuck) != 2 || stuck[0].ID != "unroutable" || stuck[1].ID != "lost-exchange" || stuck[0].LastError == "" {
+			t.Errorf("stuck = %+v, want unroutable then lost-exchange, with last_error", stuck)
+		}
+
+		// Left alone: more sweeps neither publish nor count it.
+		if n, err := f.Sweep(context.Background()); n != 0 || err != nil {
+			t.Errorf("sweep over stuck rows: %d, %v; want 0, nil", n, err)
+		}
+		if s := stateOf(t, db, "unroutable"); s.Attempts != maxAttempts {
+			t.Errorf("a stuck row was tried again: attempts %d", s.Attempts)
+		}
+
+		// An operator binds the queue and retries: it goes.
+		b.Bind(queue, "nobody.listens")
+		if n, err := f.Store().Retry(context.Background(), "unroutable"); n != 1 || err != nil {
+			t.Fatalf("retry: %d, %v", n, err)
+		}
+		if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+			t.Fatalf("sweep after retry: %d, %v; want 1", n, err)
+		}
+		if n, err := f.Store().RetryAllStuck(context.Background()); n != 1 || err != nil {
+			t.Fatalf("retry all stuck: %d, %v; want 1 (lost-exchange)", n, err)
+		}
+	})
+}
+
+// The rows behind a failing record are not published before it: with
+// Window 1 not even sent, with the whole batch in flight not marked (and so
+// sent again after it). On its retry the failed record goes alone.
+func TestForwarder_FailingRecord_RowsBehindItNotPublishedBeforeIt(t *testing.T) {
+	for _, window := range []int{1, 0} {
+		t.Run(fmt.Sprintf("window=%d", window), func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				b := testamqp.New(t)
+				queue := b.Queue("ok")
+				publishOrdered(t, db, b.Exchange, [2]string{"first", "ok"}, [2]string{"refused", "nobody.listens"}, [2]string{"behind", "ok"})
+
+				f := newForwarder(t, db, outbox.ForwarderConfig{}, outbox.AMQPConfig{Window: window})
+				n, err := f.Sweep(context.Background())
+				if n != 1 || err == nil {
+					t.Fatalf("sweep: %d, %v; want 1 published and the refusal", n, err)
+				}
+				if s := stateOf(t, db, "behind"); s.Published || s.Attempts != 0 {
+					t.Fatalf("the row behind the failure: %+v; want it pending, its attempts untouched", s)
+				}
+				// Retried while still refused: it goes alone, and the row
+				// behind it is not sent past it again.
+				before := b.Count(queue)
+				if n, err := f.Sweep(context.Background()); n != 0 || err == nil {
+					t.Fatalf("second sweep: %d, %v; want nothing published", n, err)
+				}
+				if got := b.Count(queue); got != before {
+					t.Fatalf("the retry let %d messages past the refused record", got-before)
+				}
+				// Once the failing one goes, the rest follow, in order.
+				b.Bind(queue, "nobody.listens")
+				sweepAll(t, f)
+				var order []string
+				for _, d := range b.Drain(queue, 3, 5*time.Second) {
+					order = append(order, d.MessageId)
+				}
+				last := map[string]int{}
+				for i, id := range order {
+					last[id] = i
+				}
+				if order[0] != "first" || last["refused"] > last["behind"] || len(last) != 3 {
+					t.Errorf("arrival order %v: want first, then refused before the final copy of behind", order)
+				}
+				if window == 1 && strings.Join(order, ",") != "first,refused,behind" {
+					t.Errorf("arrival order %v, want exactly first, refused, behind", order)
+				}
+			})
+		})
+	}
+}
+
+// After a failed sweep the relay waits RetryMin, doubling up to RetryMax:
+// a record that keeps failing is not hammered.
+func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	testamqp.New(t)
+	publishOrdered(t, db, "no-such-exchange-"+testdb.RandomName(), [2]string{"refused", "k"})
+	var (
+		mu       sync.Mutex
+		attempts []time.Time
+	)
+	f := newForwarder(t, db, outbox.ForwarderConfig{
+		MaxAttempts: 5, RetryMin: 50 * time.Millisecond, RetryMax: 400 * time.Millisecond, PollInterval: time.Hour,
+		OnError: func(error, outbox.ErrorContext) {
+			mu.Lock()
+			defer mu.Unlock()
+			attempts = append(attempts, time.Now())
+		},
+	})
+	go func() { _ = f.Run(context.Background()) }()
+	waitFor(t, 20*time.Second, "five attempts", func() bool { return stateOf(t, db, "refused").Attempts == 5 })
+	mu.Lock()
+	defer mu.Unlock()
+	if len(attempts) != 5 {
+		t.Fatalf("%d failures reported, want 5", len(attempts))
+	}
+	// The gaps are at least 50, 100, 200 and 400 ms: the backoff grows.
+	for i, min := range []time.Duration{50, 100, 200, 400} {
+		if gap := attempts[i+1].Sub(attempts[i]); gap < min*time.Millisecond {
+			t.Errorf("gap %d was %s, want at least %dms", i+1, gap, min)
+		}
+	}
+}
+
+// Rows another library or a person wrote badly (headers that are not a JSON
+// object of strings, an unknown body encoding) fail alone and at once, and
+// the relay goes on with the rest in the same sweep.
+func TestForwarder_PoisonRows_FailAloneStuckAtOnce_RelayGoesOn(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		insertRaw(t, db, "bad-json", b.Exchange, "ok", "{not json", "utf-8")
+		insertRaw(t, db, "bad-value", b.Exchange, "ok", `{"retries": 3}`, "utf-8")
+		insertRaw(t, db, "bad-encoding", b.Exchange, "ok", `{}`, "rot13")
+		insertRaw(t, db, "good", b.Exchange, "ok", `{"k":"v"}`, "utf-8")
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		n, err := f.Sweep(context.Background())
+		if n != 1 {
+			t.Fatalf("sweep published %d (%v), want the good row in the same sweep", n, err)
+		}
+		if !outbox.IsPermanent(err) {
+			t.Errorf("sweep error %v, want permanent failures", err)
+		}
+		for id, want := range map[string]string{"bad-json": "headers are not a JSON object", "bad-value": `header "retries"`, "bad-encoding": "body_encoding"} {
+			s := stateOf(t, db, id)
+			if s.Published || s.Attempts != outbox.DefaultMaxAttempts || !strings.Contains(s.LastError, want) {
+				t.Errorf("%s: %+v, want stuck at once with last_error about %q", id, s, want)
+			}
+		}
+		if d := b.Drain(queue, 1, 5*time.Second); len(d) != 1 || d[0].MessageId != "good" || d[0].Headers["k"] != "v" {
+			t.Errorf("queue received %d messages, want only the good one", len(d))
+		}
+	})
+}
+
+// Under the pipelined Run, a row the client cannot encode (a header name
+// over AMQP's 255 bytes, written by hand or another library) is stuck at
+// once, as under Sweep: it is not taken for a lost connection and retried
+// for ever. The rows around it arrive.
+func TestForwarder_Run_RowTheClientCannotEncode_StuckAtOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		before := publishN(t, db, b.Exchange, "ok", 30)
+		insertRaw(t, db, "long-header-name", b.Exchange, "ok", `{"`+strings.Repeat("k", 300)+`":"v"}`, "utf-8")
+		after := publishN(t, db, b.Exchange, "ok", 30)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		waitFor(t, 30*time.Second, "the row to be stuck and the rest published", func() bool {
+			return stateOf(t, db, "long-header-name").Attempts == outbox.DefaultMaxAttempts && pendingCount(t, f) == 0
+		})
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		got := countIDs(b.Drain(queue, 60, 10*time.Second))
+		if s := stateOf(t, db, "long-header-name"); s.Published || !strings.Contains(s.LastError, "header name of 300 bytes") {
+			t.Errorf("row: %+v, want stuck with last_error about the header name", s)
+		}
+		for _, id := range append(before, after...) {
+			if got[id] == 0 {
+				t.Fatalf("message %s never arrived (%d of 60)", id, len(got))
+			}
+		}
+	})
+}
+
+// Under the pipelined Run, a message over which the broker closes the
+// channel (its exchange deleted after the relay checked it) fails its
+// record with an attempt counted, and the exchange is checked again: the
+// record is stuck after MaxAttempts with "does not exist", never taken for a
+// lost connection and retried for ever. (Whether the next batch's connect or
+// the wait sees the closed channel first is up to timing; both must count.)
+func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		var lost atomic.Int64
+		f := newForwarder(t, db, outbox.ForwarderConfig{
+			MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond,
+			OnError: func(err error, _ outbox.ErrorContext) {
+				if errors.Is(err, outbox.ErrConnectionLost) {
+					lost.Add(1)
+				}
+			},
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		first := publishN(t, db, b.Exchange, "ok", 1)
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != first[0] {
+			t.Fatalf("the first message did not arrive: the relay never checked the exchange")
+		}
+		b.With(func(ch *amqp.Channel) error { return ch.ExchangeDelete(b.Exchange, false, false) })
+		doomed := publishN(t, db, b.Exchange, "ok", 1)[0]
+		waitFor(t, 30*time.Second, "the record to be stuck", func() bool { return stateOf(t, db, doomed).Attempts == 3 })
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if s := stateOf(t, db, doomed); s.Published || !strings.Contains(s.LastError, "does not exist") {
+			t.Errorf("record: %+v, want stuck with last_error saying the exchange does not exist", s)
+		}
+		if n := lost.Load(); n > 0 {
+			t.Errorf("%d failures were taken for a lost connection; the broker closed the channel over the record", n)
+		}
+	})
+}

@@ -1,0 +1,368 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jmoiron/sqlx"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// The relay process is SIGKILLed after the broker confirmed and before the
+// mark: the rows are still pending, the next relay publishes them again, and
+// the consumers see each message twice and none lost.
+func TestForwarder_RelayKilledAfterConfirm_PublishesAgainNothingLost(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("payment.captured")
+		ids := publishN(t, db, b.Exchange, "payment.captured", 5)
+
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), "OUTBOX_RELAY_PROCESS=1", "OUTBOX_RELAY_DSN="+db.DSN, "OUTBOX_RELAY_DRIVER="+db.DriverName())
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+			t.Fatalf("relay process: %v, want death by SIGKILL; output:\n%s", err, out)
+		}
+		if got := b.Count(queue); got != 5 {
+			t.Fatalf("broker holds %d messages after the confirms, want 5", got)
+		}
+		for _, id := range ids {
+			if stateOf(t, db, id).Published {
+				t.Fatalf("row %s is marked published by a relay that died before marking", id)
+			}
+		}
+
+		f := newForwarder(t, db, killableRelayConfig)
+		waitFor(t, 30*time.Second, "the rows to be published again", func() bool {
+			if _, err := f.Sweep(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			return pendingCount(t, f) == 0
+		})
+		seen := countIDs(b.Drain(queue, 10, 10*time.Second))
+		for _, id := range ids {
+			if seen[id] != 2 {
+				t.Errorf("message %s arrived %d times, want 2 (once from each relay)", id, seen[id])
+			}
+		}
+	})
+}
+
+// The broker closes every connection while the relay drains: it reconnects,
+// and every row arrives, none marked without its confirm.
+func TestForwarder_BrokerConnectionsClosedMidStream_ReconnectsEveryRowArrives(t *testing.T) {
+	for _, window := range []int{1, 0} {
+		t.Run(fmt.Sprintf("window=%d", window), func(t *testing.T) {
+			brokerClosedMidStream(t, window)
+		})
+	}
+}
+
+func brokerClosedMidStream(t *testing.T, window int) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), ignorePools)
+		b := testamqp.New(t)
+		queue := b.Queue("order.placed")
+		n := 3000
+		if window == 0 {
+			n = 8000 // the pipelined relay is fast
+		}
+		msgs := publishBatch(t, db, b.Exchange, "order.placed", n)
+		addRows := func(n int) { msgs = append(msgs, publishBatch(t, db, b.Exchange, "order.placed", n)...) }
+
+		// Window 1 keeps a message in flight nearly all the time, and the
+		// default window keeps a whole batch in flight while the one before
+		// is marked, so the close lands mid-batch.
+		connects := &countingLogger{LoggerAdapter: watermill.NopLogger{}, match: "Connected to RabbitMQ"}
+		name := "outbox-test-relay-" + testdb.RandomName()
+		f := newForwarder(t, db, outbox.ForwarderConfig{
+			BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond,
+		}, outbox.AMQPConfig{Window: window, Logger: connects, ConnectionName: name})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		<-f.Running()
+
+		// rabbitmqctl takes a second or two to start: called at once, its
+		// close lands while the relay is at work. On a machine so loaded
+		// that the relay still finished first, more rows and another close.
+		for try := 1; ; try++ {
+			closed := testamqp.CloseConnections(t, name)
+			if closed > 0 && pendingCount(t, f) > 0 {
+				break
+			}
+			if try == 3 {
+				t.Fatal("the relay finished before the broker closed its connection, three times: the test proved nothing")
+			}
+			addRows(2 * n)
+			f.Notify()
+		}
+		waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, f) == 0 })
+		// Pending counts rows under MaxAttempts: a row the relay gave up on
+		// is not pending either, and would look like a lost message below.
+		if stuck, err := f.Store().Stuck(context.Background(), 10); err != nil || len(stuck) > 0 {
+			t.Fatalf("stuck rows after the close (%v): %+v", err, stuck)
+		}
+		// The broker went away, not a record: nothing is counted against
+		// any row, so an outage of any length makes no row stuck.
+		var blamed int
+		if err := db.Get(&blamed, "SELECT COUNT(*) FROM acemq_outbox WHERE attempts > 0"); err != nil || blamed > 0 {
+			var last sql.NullString
+			_ = db.Get(&last, "SELECT MAX(last_error) FROM acemq_outbox WHERE attempts > 0")
+			t.Fatalf("%d rows had an attempt counted for the broker's close (%v); a last_error: %s", blamed, err, last.String)
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if connects.n.Load() < 2 {
+			t.Fatalf("the relay connected %d times: the close did not reach it", connects.n.Load())
+		}
+		deliveries := b.Drain(queue, len(msgs), 10*time.Second)
+		seen := countIDs(deliveries)
+		for _, m := range msgs {
+			if seen[m.UUID] == 0 {
+				// Seen once under full CI load and not reproduced since: say
+				// all there is to say about the missing message.
+				t.Fatalf("message %s never arrived (%d of %d distinct arrived, %d deliveries, %d still in the queue); its row: %+v",
+					m.UUID, len(seen), len(msgs), len(deliveries), b.Count(queue), stateOf(t, db, m.UUID))
+			}
+		}
+	})
+}
+
+// countingLogger counts the Info messages that equal match.
+type countingLogger struct {
+	watermill.LoggerAdapter
+	match string
+	n     atomic.Int32
+}
+
+func (l *countingLogger) Info(msg string, fields watermill.LogFields) {
+	if msg == l.match {
+		l.n.Add(1)
+	}
+}
+
+func (l *countingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// The database connections of the relay are killed while it drains: it
+// reconnects, and every committed row arrives.
+func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := migrated(t, kind)
+			b := testamqp.New(t)
+			queue := b.Queue("order.placed")
+			const n = 1500
+			msgs := publishBatch(t, db, b.Exchange, "order.placed", n)
+
+			// The relay has a pool of its own, as its own process would,
+			// named on PostgreSQL so that only its connections are killed:
+			// other packages' tests share the server.
+			relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
+			if kind == testdb.Postgres {
+				relayDSN += "&application_name=" + appName
+			}
+			relayDB := sqlx.MustOpen(db.DriverName(), relayDSN)
+			defer relayDB.Close()
+			relay := &testdb.DB{DB: relayDB, Kind: kind, DSN: db.DSN}
+			f := newForwarder(t, relay, outbox.ForwarderConfig{BatchSize: 50, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond})
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- f.Run(ctx) }()
+			<-f.Running()
+
+			killer, err := db.Conn(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer killer.Close()
+			killed := 0
+			for round := 0; round < 3; round++ {
+				var before int64
+				waitFor(t, 30*time.Second, "the database to answer", func() bool { before = pendingCount(t, f); return before >= 0 })
+				if before == 0 {
+					break
+				}
+				waitFor(t, 30*time.Second, "progress", func() bool { p := pendingCount(t, f); return p >= 0 && p < before })
+				killed += killConnections(t, killer, kind, appName)
+			}
+			waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, f) == 0 })
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			if killed == 0 {
+				t.Fatal("killed no connection: the test proved nothing")
+			}
+			seen := countIDs(b.Drain(queue, n, 10*time.Second))
+			for _, m := range msgs {
+				if seen[m.UUID] == 0 {
+					t.Fatalf("message %s never arrived (%d of %d distinct arrived, %d connections killed)", m.UUID, len(seen), n, killed)
+				}
+			}
+		})
+	}
+}
+
+// killConnections kills the relay's connections, as a failover or a DBA
+// would, and returns how many: on PostgreSQL those of its application name,
+// on MySQL every other connection to the test's own database.
+func killConnections(t testing.TB, killer *sql.Conn, kind, appName string) int {
+	t.Helper()
+	ctx := context.Background()
+	switch kind {
+	case testdb.Postgres:
+		rows, err := killer.QueryContext(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", appName)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		n := 0
+		for rows.Next() {
+			n++
+		}
+		return n
+	default:
+		rows, err := killer.QueryContext(ctx, "SELECT id FROM information_schema.processlist WHERE db = DATABASE() AND id <> CONNECTION_ID()")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []int64
+		for rows.Next() {
+			var id int64
+			if err := rows.Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			ids = append(ids, id)
+		}
+		rows.Close()
+		for _, id := range ids {
+			_, _ = killer.ExecContext(ctx, fmt.Sprintf("KILL %d", id)) // it may be gone already
+		}
+		return len(ids)
+	}
+}
+
+// A mark that fails while batches are in flight behind it (the database
+// refused it) leaves nothing in flight through the backoff: the batches
+// behind it are settled, not marked, and their claims end at once instead of
+// holding rows (here SQLite leases) until the relay tries again.
+func TestForwarder_Run_MarkFailsWithBatchesInFlight_NothingHeldThroughBackoff(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	publishN(t, db, b.Exchange, "t", 60)
+	reported := make(chan error, 8)
+	f := newForwarder(t, db, outbox.ForwarderConfig{
+		BatchSize: 10, RetryMin: 5 * time.Second, RetryMax: 5 * time.Second,
+		OnError: func(err error, _ outbox.ErrorContext) { reported <- err },
+	})
+	var calls atomic.Int32
+	outbox.SetAfterPublishHook(f, func([]string) error {
+		if calls.Add(1) == 1 { // the first mark, with batches sent behind it
+			return errors.New("injected: the database refused the marks")
+		}
+		return nil
+	})
+	go func() { _ = f.Run(context.Background()) }()
+	if err := <-reported; !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("first error reported: %v", err)
+	}
+	leased := func() int {
+		var n int
+		if err := db.DB.QueryRowContext(context.Background(),
+			"SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND locked_until IS NOT NULL").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitFor(t, 2*time.Second, "no row claimed while the relay backs off", func() bool { return leased() == 0 })
+	waitFor(t, 30*time.Second, "the outbox to drain after the backoff", func() bool { return pendingCount(t, f) == 0 })
+	if seen := countIDs(b.Drain(queue, 60, 10*time.Second)); len(seen) != 60 {
+		t.Errorf("%d distinct messages arrived, want 60", len(seen))
+	}
+}
+
+// A broker that stops reading (a memory alarm; here a proxy that stops
+// reading what the relay sends, while the broker's heartbeats still come
+// through) does not hang the relay, whether it needs an answer (the check of
+// an exchange it has not published to yet) or only writes a batch: the
+// batch's deadline cuts the connection, the relay reports it, and Close
+// returns. Once the broker reads again every row arrives.
+func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
+	for _, newExchange := range []bool{true, false} {
+		t.Run(fmt.Sprintf("new_exchange=%v", newExchange), func(t *testing.T) {
+			db := migrated(t, testdb.SQLite)
+			proxy := testamqp.NewProxy(t)
+			a, b := testamqp.New(t), testamqp.New(t)
+			qa, qb := a.Queue("t"), b.Queue("t")
+			if !newExchange {
+				b, qb = a, qa
+			}
+			reported := make(chan error, 1)
+			cfg := outbox.ForwarderConfig{
+				PublishTimeout: time.Second, RetryMin: 50 * time.Millisecond, RetryMax: 200 * time.Millisecond,
+				OnError: func(err error, _ outbox.ErrorContext) {
+					select {
+					case reported <- err:
+					default:
+					}
+				},
+			}
+			f := newForwarder(t, db, cfg, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+			publishN(t, db, a.Exchange, "t", 1)
+			go func() { _ = f.Run(context.Background()) }()
+			if got := len(a.Drain(qa, 1, 10*time.Second)); got != 1 {
+				t.Fatalf("%d messages arrived before the stall, want 1", got)
+			}
+
+			proxy.Stall()
+			ids := publishN(t, db, b.Exchange, "t", 300) // three batches: the stall may let the first through
+			f.Notify()
+			select {
+			case err := <-reported:
+				t.Logf("reported while the broker did not read: %v", err)
+			case <-time.After(20 * time.Second):
+				proxy.Resume() // so that the relay can be closed
+				t.Fatal("the relay reported nothing in 20 s while the broker did not read: it hangs")
+			}
+			closed := make(chan error, 1)
+			go func() { closed <- f.Close() }()
+			select {
+			case <-closed:
+			case <-time.After(20 * time.Second):
+				proxy.Resume()
+				t.Fatal("Close did not return in 20 s while the broker did not read")
+			}
+
+			proxy.Resume()
+			cfg.OnError = nil
+			sweepAll(t, newForwarder(t, db, cfg))
+			if seen := countIDs(b.Drain(qb, len(ids), 30*time.Second)); len(seen) != len(ids) {
+				t.Errorf("%d of %d messages arrived after the broker read again", len(seen), len(ids))
+			}
+		})
+	}
+}
