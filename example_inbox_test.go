@@ -1,0 +1,67 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+	_ "github.com/mattn/go-sqlite3"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
+
+// Delivery is at-least-once, so a consumer sees the same message twice. The
+// inbox records the message id in the transaction that makes the handler's
+// effect, and acks the second delivery without running the handler.
+func ExampleInbox() {
+	dir, _ := os.MkdirTemp("", "outbox-example")
+	defer os.RemoveAll(dir)
+	db := sqlx.MustOpen("sqlite3", "file:"+filepath.Join(dir, "warehouse.db")+"?_txlock=immediate&_busy_timeout=5000")
+	defer db.Close()
+
+	ctx := context.Background()
+	if err := outbox.Migrate(ctx, db.DB, outbox.SQLite); err != nil {
+		log.Fatal(err)
+	}
+	// No key on order_id: only the inbox stands between a redelivery and a
+	// second shipment.
+	db.MustExec("CREATE TABLE shipments (order_id TEXT)")
+
+	// Under a router, ConsumerName defaults to the handler's name and the
+	// middleware is added with router.AddMiddleware(inbox.Middleware).
+	inbox, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: "fulfil-orders"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	runs := 0
+	ship := inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		runs++
+		// The effect goes through the inbox's transaction, so it commits
+		// with the dedupe key or not at all.
+		tx, _ := outbox.TxFromContext(msg.Context())
+		_, err := tx.Exec("INSERT INTO shipments (order_id) VALUES (?)", string(msg.Payload))
+		return nil, err
+	})
+
+	msg := message.NewMessage(watermill.NewUUID(), []byte("o-1"))
+	for range 2 { // the delivery, then the broker's redelivery
+		if _, err := ship(msg.Copy()); err != nil {
+			log.Fatal(err)
+		}
+	}
+
+	var shipments int
+	if err := db.Get(&shipments, "SELECT COUNT(*) FROM shipments"); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("handler runs:", runs)
+	fmt.Println("shipments:", shipments)
+	// Output:
+	// handler runs: 1
+	// shipments: 1
+}
