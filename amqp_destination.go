@@ -582,8 +582,8 @@ func publishing(r Record) amqp.Publishing {
 	for k, v := range r.Headers {
 		headers[k] = v
 	}
-	headers[HeaderID] = r.ID
-	headers[WatermillUUIDHeader] = r.ID
+	headers[HeaderMessageID] = r.ID
+	headers[HeaderWatermillUUID] = r.ID
 	return amqp.Publishing{
 		Headers:      headers,
 		ContentType:  r.ContentType,

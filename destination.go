@@ -97,7 +97,7 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 		for k, v := range r.Headers {
 			msg.Metadata.Set(k, v)
 		}
-		msg.Metadata.Set(HeaderID, r.ID)
+		msg.Metadata.Set(HeaderMessageID, r.ID)
 		msg.SetContext(ctx)
 		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
 			results[i] = err

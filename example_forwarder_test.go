@@ -71,7 +71,7 @@ func ExampleForwarder() {
 	// Consumers dedupe on the id, which the relay carries as the UUID and
 	// in the x-acemq-id header.
 	fmt.Println("same UUID:", got.UUID == sent.UUID)
-	fmt.Println("x-acemq-id is the UUID:", got.Metadata.Get(outbox.HeaderID) == sent.UUID)
+	fmt.Println("x-acemq-id is the UUID:", got.Metadata.Get(outbox.HeaderMessageID) == sent.UUID)
 
 	stats, err := fwd.Store().Stats(ctx)
 	if err != nil {

@@ -60,8 +60,8 @@ func ExampleRepublisher() {
 
 	// msg-o-1 reaches its consumer after all (a redelivery, another
 	// queue): the inbox marks its outbox record processed in the handler's
-	// transaction. Under a router, Track: topics limits that to the tracked
-	// topics; called directly, the message carries no topic, so Track is nil.
+	// transaction. Under a router, TrackedTopics limits that to the tracked
+	// topics; called directly, the message carries no topic, so it is nil.
 	inbox, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: "fulfil-orders", MarkOutboxProcessed: true})
 	if err != nil {
 		log.Fatal(err)
@@ -79,7 +79,7 @@ func ExampleRepublisher() {
 	// The service restarts. Under a router: router.AddPlugin(rp.Plugin()),
 	// which runs before the handlers start.
 	topics := outbox.NewTrackedTopics("order.placed")
-	rp, err := outbox.NewRepublisher(db, outbox.RepublishConfig{Topics: topics, Grace: 5 * time.Minute, Notify: fwd.Notify})
+	rp, err := outbox.NewRepublisher(db, outbox.RepublisherConfig{TrackedTopics: topics, Grace: 5 * time.Minute, Notify: fwd.Notify})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -88,11 +88,11 @@ func ExampleRepublisher() {
 		log.Fatal(err)
 	}
 	fmt.Println("made pending again:", n64)
-	pending, err := fwd.Store().PendingCount(ctx)
+	st, err := fwd.Store().Stats(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Println("pending:", pending)
+	fmt.Println("pending:", st.Pending)
 
 	// The relay, still the only publisher, sends it again; this time a
 	// subscriber is there.

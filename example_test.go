@@ -39,7 +39,7 @@ func ExampleNewTxPublisher() {
 		}
 		// The Watermill publisher the service used before, swapped for one
 		// that writes into this transaction.
-		pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange("shop-events"))
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "shop-events"})
 		if err != nil {
 			return err
 		}

@@ -91,7 +91,7 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 			done := make(chan error, 1)
 			go func() { done <- f.Run(ctx) }()
 			for _, m := range msgs {
-				publishInTx(t, db, "pipelined", []*message.Message{m}, outbox.WithExchange(b.Exchange), outbox.WithTable(tc.table))
+				publishInTx(t, db, "pipelined", []*message.Message{m}, outbox.TxPublisherConfig{Exchange: b.Exchange, Table: tc.table})
 			}
 			got := countIDs(b.Drain(queue, len(msgs), 60*time.Second))
 			waitFor(t, 30*time.Second, "every row to be marked", func() bool { return pendingCount(t, f) == 0 })

@@ -102,7 +102,7 @@ func TestForwarder_Run_CappedPool_DrainsWithoutWaitingOnItself(t *testing.T) {
 					ids[m.UUID] = true
 					msgs = append(msgs, m)
 				}
-				publishInTx(t, db, "capped", msgs, outbox.WithExchange(b.Exchange))
+				publishInTx(t, db, "capped", msgs, outbox.TxPublisherConfig{Exchange: b.Exchange})
 
 				db.SetMaxOpenConns(limit)
 				defer db.SetMaxOpenConns(0)

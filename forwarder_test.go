@@ -29,10 +29,10 @@ func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testi
 		msg := message.NewMessage(watermill.NewUUID(), []byte("\xff\x00 binary body"))
 		msg.Metadata.Set("tenant", "acme")
 		msg.Metadata.Set(outbox.MetadataContentType, "application/x-test")
-		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.WithExchange(b.Exchange))
+		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.TxPublisherConfig{Exchange: b.Exchange})
 
 		tx, _ := db.Beginx()
-		pub, _ := outbox.NewTxPublisher(tx, outbox.WithExchange(b.Exchange))
+		pub, _ := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: b.Exchange})
 		if err := pub.Publish("order.placed", message.NewMessage("rolled-back", []byte("no"))); err != nil {
 			t.Fatal(err)
 		}
@@ -50,8 +50,8 @@ func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testi
 		if string(d.Body) != "\xff\x00 binary body" {
 			t.Errorf("body = %q", d.Body)
 		}
-		if d.MessageId != msg.UUID || d.Headers[outbox.HeaderID] != msg.UUID || d.Headers[outbox.WatermillUUIDHeader] != msg.UUID {
-			t.Errorf("ids: message_id %q, x-acemq-id %v, watermill uuid %v; want %s", d.MessageId, d.Headers[outbox.HeaderID], d.Headers[outbox.WatermillUUIDHeader], msg.UUID)
+		if d.MessageId != msg.UUID || d.Headers[outbox.HeaderMessageID] != msg.UUID || d.Headers[outbox.HeaderWatermillUUID] != msg.UUID {
+			t.Errorf("ids: message_id %q, x-acemq-id %v, watermill uuid %v; want %s", d.MessageId, d.Headers[outbox.HeaderMessageID], d.Headers[outbox.HeaderWatermillUUID], msg.UUID)
 		}
 		if d.Headers["tenant"] != "acme" || d.ContentType != "application/x-test" {
 			t.Errorf("headers %v, content type %q", d.Headers, d.ContentType)
@@ -263,8 +263,8 @@ func TestForwarder_WatermillAMQPSubscriber_ReceivesSameUUIDMetadataPayload(t *te
 					t.Errorf("metadata %s = %q, want %q", k, got.Metadata.Get(k), v)
 				}
 			}
-			if got.Metadata.Get(outbox.HeaderID) != sent.UUID {
-				t.Errorf("x-acemq-id = %q", got.Metadata.Get(outbox.HeaderID))
+			if got.Metadata.Get(outbox.HeaderMessageID) != sent.UUID {
+				t.Errorf("x-acemq-id = %q", got.Metadata.Get(outbox.HeaderMessageID))
 			}
 		case <-ctx.Done():
 			t.Fatal("the subscriber received nothing")
@@ -293,8 +293,8 @@ func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *
 		for range ids {
 			m := <-out
 			m.Ack()
-			if !want[m.UUID] || m.Metadata.Get(outbox.HeaderID) != m.UUID {
-				t.Fatalf("got %s (x-acemq-id %q), want one of %v once", m.UUID, m.Metadata.Get(outbox.HeaderID), ids)
+			if !want[m.UUID] || m.Metadata.Get(outbox.HeaderMessageID) != m.UUID {
+				t.Fatalf("got %s (x-acemq-id %q), want one of %v once", m.UUID, m.Metadata.Get(outbox.HeaderMessageID), ids)
 			}
 			delete(want, m.UUID)
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
@@ -57,7 +58,7 @@ func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
 		msg.Metadata.Set(outbox.MetadataContentType, "application/json")
 
 		before := time.Now().UTC().Add(-time.Millisecond)
-		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.WithExchange("shop-events"))
+		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.TxPublisherConfig{Exchange: "shop-events"})
 		after := time.Now().UTC().Add(time.Millisecond)
 
 		rows := readRows(t, db)
@@ -179,12 +180,12 @@ func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
 		body     []byte
 		encoding string
 	}{
-		{"64KiB non-UTF-8", binary, outbox.BodyBase64},
-		{"valid UTF-8 with NUL", []byte("a\x00b"), outbox.BodyBase64},
-		{"empty", []byte{}, outbox.BodyUTF8},
-		{"4-byte UTF-8", []byte("🦀 payment.captured"), outbox.BodyUTF8},
-		{"6MiB text", bytes.Repeat([]byte("order line ü\n"), 6<<20/14), outbox.BodyUTF8},
-		{"5MiB binary", bytes.Repeat(binary, 80), outbox.BodyBase64},
+		{"64KiB non-UTF-8", binary, rowcodec.BodyBase64},
+		{"valid UTF-8 with NUL", []byte("a\x00b"), rowcodec.BodyBase64},
+		{"empty", []byte{}, rowcodec.BodyUTF8},
+		{"4-byte UTF-8", []byte("🦀 payment.captured"), rowcodec.BodyUTF8},
+		{"6MiB text", bytes.Repeat([]byte("order line ü\n"), 6<<20/14), rowcodec.BodyUTF8},
+		{"5MiB binary", bytes.Repeat(binary, 80), rowcodec.BodyBase64},
 	}
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		for _, c := range cases {
@@ -198,7 +199,7 @@ func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
 				if r.BodyEncoding != c.encoding {
 					t.Errorf("body_encoding = %q, want %q", r.BodyEncoding, c.encoding)
 				}
-				got, err := outbox.DecodeBody(r.Body, r.BodyEncoding)
+				got, err := rowcodec.DecodeBody(r.Body, r.BodyEncoding)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -493,19 +494,19 @@ func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
 	cases := []struct {
 		name  string
 		tx    any
-		opts  []outbox.PublisherOption
+		cfg   []outbox.TxPublisherConfig
 		field string
 	}{
-		{"*sql.Tx without dialect", tx.Tx, nil, "WithDialect"},
+		{"*sql.Tx without dialect", tx.Tx, nil, "Dialect"},
 		{"not a transaction", db.DB, nil, "tx"},
 		{"nil *sql.Tx", (*sql.Tx)(nil), nil, "tx"},
-		{"table with a quote", tx, []outbox.PublisherOption{outbox.WithTable(`x"; DROP TABLE y; --`)}, "WithTable"},
-		{"table with two dots", tx, []outbox.PublisherOption{outbox.WithTable("a.b.c")}, "WithTable"},
-		{"exchange over 255 bytes", tx, []outbox.PublisherOption{outbox.WithExchange(strings.Repeat("e", 256))}, "WithExchange"},
+		{"table with a quote", tx, []outbox.TxPublisherConfig{{Table: `x"; DROP TABLE y; --`}}, "Table"},
+		{"table with two dots", tx, []outbox.TxPublisherConfig{{Table: "a.b.c"}}, "Table"},
+		{"exchange over 255 bytes", tx, []outbox.TxPublisherConfig{{Exchange: strings.Repeat("e", 256)}}, "Exchange"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := outbox.NewTxPublisher(c.tx, c.opts...)
+			_, err := outbox.NewTxPublisher(c.tx, c.cfg...)
 			var cfgErr *outbox.ConfigError
 			if !errors.As(err, &cfgErr) || cfgErr.Field != c.field {
 				t.Fatalf("err = %v, want a *ConfigError naming %s", err, c.field)
@@ -535,8 +536,8 @@ func TestNewTxPublisher_SQLTxWithDialect_AndCustomTable(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer func() { _ = tx.Rollback() }()
-		pub, err := outbox.NewTxPublisher(tx, outbox.WithDialect(d), outbox.WithTable("custom_outbox"),
-			outbox.WithTopicMapper(func(topic string) (string, string) { return "ex-" + topic, "rk-" + topic }))
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d, Table: "custom_outbox",
+			TopicMapper: func(topic string) (string, string) { return "ex-" + topic, "rk-" + topic }})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -577,7 +578,7 @@ func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pub, err := outbox.NewTxPublisher(wsql.TxFromPgx(pgxTx), outbox.WithDialect(outbox.Postgres))
+	pub, err := outbox.NewTxPublisher(wsql.TxFromPgx(pgxTx), outbox.TxPublisherConfig{Dialect: outbox.Postgres})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -595,7 +596,7 @@ func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pub, err = outbox.NewTxPublisher(wsql.TxFromStdSQL(stdTx), outbox.WithDialect(outbox.Postgres))
+	pub, err = outbox.NewTxPublisher(wsql.TxFromStdSQL(stdTx), outbox.TxPublisherConfig{Dialect: outbox.Postgres})
 	if err != nil {
 		t.Fatal(err)
 	}

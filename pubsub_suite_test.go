@@ -295,9 +295,9 @@ func (p *outboxPublisher) Publish(topic string, msgs ...*message.Message) error 
 		return err
 	}
 	defer func() { _ = tx.Rollback() }()
-	txPub, err := outbox.NewTxPublisher(tx, outbox.WithTopicMapper(func(topic string) (string, string) {
+	txPub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{TopicMapper: func(topic string) (string, string) {
 		return p.cfg.Exchange.GenerateName(topic), p.cfg.Publish.GenerateRoutingKey(topic)
-	}))
+	}})
 	if err != nil {
 		return err
 	}

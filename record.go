@@ -7,14 +7,14 @@ import (
 	"github.com/acemq/watermill-outbox/internal/rowcodec"
 )
 
-// HeaderID is the AMQP header that carries the message id, beside the AMQP
+// HeaderMessageID is the AMQP header that carries the message id, beside the AMQP
 // message_id property, in every AceMQ library.
-const HeaderID = "x-acemq-id"
+const HeaderMessageID = "x-acemq-id"
 
-// WatermillUUIDHeader is the header watermill-amqp's default marshaler reads
+// HeaderWatermillUUID is the header watermill-amqp's default marshaler reads
 // the message UUID from; the relay sets it so that a Watermill subscriber
 // receives the UUID the message was published with.
-const WatermillUUIDHeader = "_watermill_message_uuid"
+const HeaderWatermillUUID = "_watermill_message_uuid"
 
 // Record is one outbox row, decoded, as a Destination receives it.
 type Record struct {

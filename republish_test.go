@@ -77,11 +77,11 @@ func TestRepublish_RouterBoot_LostMessageResentAndProcessedOnce_OthersUntouched(
 		// The next boot.
 		go func() { _ = f.Run(context.Background()) }()
 		track := outbox.NewTrackedTopics(tracked)
-		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublishConfig{Topics: track, Grace: 10 * time.Minute, Notify: f.Notify})
+		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: track, Grace: 10 * time.Minute, Notify: f.Notify})
 		if err != nil {
 			t.Fatal(err)
 		}
-		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{MarkOutboxProcessed: true, Track: track})
+		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{MarkOutboxProcessed: true, TrackedTopics: track})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -154,7 +154,7 @@ func TestRepublish_TwoInstancesRacing_EachRecordResentOnce(t *testing.T) {
 		for i := 0; i < 2; i++ {
 			pool := sqlx.MustOpen(db.DriverName(), db.DSN)
 			defer pool.Close()
-			rp, err := outbox.NewRepublisher(pool, outbox.RepublishConfig{Topics: track})
+			rp, err := outbox.NewRepublisher(pool, outbox.RepublisherConfig{TrackedTopics: track})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -200,7 +200,7 @@ func TestTrackedTopics_UntrackedLookup_NoAllocation(t *testing.T) {
 
 func TestNewRepublisher_NoTopics_ConfigError(t *testing.T) {
 	db := testdb.New(t, testdb.SQLite)
-	if _, err := outbox.NewRepublisher(db.DB, outbox.RepublishConfig{}); err == nil {
+	if _, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{}); err == nil {
 		t.Fatal("a republisher tracking nothing was accepted")
 	}
 }

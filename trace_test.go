@@ -49,7 +49,7 @@ func TestTrace_TraceparentAtPublish_RestoredInHandler(t *testing.T) {
 		sc := trace.NewSpanContext(trace.SpanContextConfig{TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled})
 		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 		msg.SetContext(trace.ContextWithSpanContext(context.Background(), sc))
-		publishInTx(t, db, topic, []*message.Message{msg}, outbox.WithPropagator(propagation.TraceContext{}))
+		publishInTx(t, db, topic, []*message.Message{msg}, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
 		if msg.Metadata.Get("traceparent") != "" {
 			t.Error("the publisher wrote the traceparent into the caller's message")
 		}

@@ -176,9 +176,10 @@ func runEndToEnd(t *testing.T, sc scenario, seed uint64) {
 	ctx := context.Background()
 	r := &run{t: t, sc: sc, runID: testdb.RandomName()}
 	r.db = testdb.New(t, sc.kind)
-	d, err := outbox.DialectForDriver(r.db.DriverName())
-	if err != nil {
-		t.Fatal(err)
+	var err error
+	d, ok := map[string]outbox.Dialect{testdb.Postgres: outbox.Postgres, testdb.MySQL: outbox.MySQL, testdb.SQLite: outbox.SQLite}[r.db.Kind]
+	if !ok {
+		t.Fatalf("no dialect for database kind %q", r.db.Kind)
 	}
 	if err := outbox.Migrate(ctx, r.db.DB.DB, d); err != nil {
 		t.Fatal(err)
@@ -424,7 +425,7 @@ func (r *run) place(insertOrder, orderID, msgID string, total int, outOfStock bo
 		fail(fmt.Errorf("insert order: %w", err))
 		return
 	}
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(r.exchange))
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: r.exchange})
 	if err != nil {
 		r.t.Errorf("NewTxPublisher: %v", err)
 		fail(err)

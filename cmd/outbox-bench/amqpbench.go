@@ -235,7 +235,7 @@ func rawPublish(ctx context.Context, q *benchQueue, ids []string, payload []byte
 			}
 		}
 		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", q.name, true, false, amqp.Publishing{
-			Headers:      amqp.Table{outbox.HeaderID: id, outbox.WatermillUUIDHeader: id},
+			Headers:      amqp.Table{outbox.HeaderMessageID: id, outbox.HeaderWatermillUUID: id},
 			ContentType:  outbox.DefaultContentType,
 			DeliveryMode: amqp.Persistent,
 			MessageId:    id,
