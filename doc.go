@@ -18,7 +18,7 @@
 //	tx, _ := db.Beginx()
 //	defer tx.Rollback()
 //	// ... the business change, through tx ...
-//	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange("shop-events"))
+//	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "shop-events"})
 //	err = pub.Publish("order.placed", message.NewMessage(watermill.NewUUID(), payload))
 //	err = tx.Commit() // the row exists if and only if this succeeds
 //
