@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/acemq/watermill-outbox/internal/amqpwire"
 )
 
 // returnsBuffer is the capacity of the channel that receives basic.return.
@@ -94,7 +96,7 @@ type AMQPDestination struct {
 
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
-	wire      *wire           // conn's socket
+	wire      *amqpwire.Wire  // conn's socket
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
@@ -146,10 +148,10 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		d.dropLocked()
 		cfg := d.cfg.AMQP
 		var (
-			w    *wire
+			w    *amqpwire.Wire
 			stop = func() bool { return true }
 		)
-		cfg.Dial = dialWire(cfg.Dial, func(opened *wire) {
+		cfg.Dial = amqpwire.Dial(cfg.Dial, func(opened *amqpwire.Wire) {
 			// The handshake, too, is cut short when ctx ends, whatever
 			// deadline the Dial set, if any.
 			w = opened
@@ -383,7 +385,7 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	}
 	// The publishes go out together when the loop ends, by ctx's deadline:
 	// a broker that stops reading (a memory alarm) cannot block the relay.
-	release := d.wire.hold(ctx)
+	release := d.wire.Hold(ctx)
 	lost := false
 	for i := 0; i < limit; i++ {
 		msg := publishing(recs[i])
