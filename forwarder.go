@@ -282,11 +282,13 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
 
-	// Only the AMQP destination itself pipelines: a wrapper that embeds it
-	// would otherwise be skipped, its own Publish never called.
-	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && depth >= 0 {
-		pipe = d
+	pipe := pipelineOf(f.dest)
+	if pipe != nil {
+		// No more in flight than the pipeline takes: depth+1 batches.
+		depth = min(depth, pipe.Capacity()/f.cfg.BatchSize-1)
+	}
+	if depth < 0 {
+		pipe = nil
 	}
 	var (
 		delay     time.Duration
@@ -418,33 +420,48 @@ func (f *Forwarder) refreshStats(ctx context.Context) {
 }
 
 // send sends a batch on the pipeline; its confirms are collected later.
-func (f *Forwarder) send(ctx context.Context, pipe pipeliner, b *batch) {
+func (f *Forwarder) send(ctx context.Context, pipe Pipeline, b *batch) {
 	b.deadline = time.Now().Add(f.cfg.PublishTimeout)
 	sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
 	defer cancel()
-	b.pending = pipe.send(sendCtx, b.records)
+	b.pending = pipe.Send(sendCtx, b.records)
 }
 
 // collect waits for the confirms of a sent batch, if they are still out.
-func (f *Forwarder) collect(ctx context.Context, pipe pipeliner, b *batch) {
+func (f *Forwarder) collect(ctx context.Context, pipe Pipeline, b *batch) {
 	if b.pending == nil {
 		return
 	}
 	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
 	defer cancel()
-	b.results = pipe.wait(waitCtx, b.pending)
+	b.results = pipe.Wait(waitCtx, b.pending)
 	b.pending = nil
 }
 
 // settleSent collects a batch's confirms, if they are still out, and
 // settles it. It reports whether anything failed.
-func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch, behindFailure bool) bool {
+func (f *Forwarder) settleSent(ctx context.Context, pipe Pipeline, b *batch, behindFailure bool) bool {
 	f.collect(ctx, pipe, b)
 	if behindFailure {
 		b.holdBack()
 	}
 	_, failed, err := f.settle(ctx, b, true)
 	return failed || err != nil
+}
+
+// pipelineOf returns dest's pipeline, or nil when dest publishes one batch
+// at a time. Only a pipeline that publishes for dest itself is used: a type
+// that embeds a pipelining destination and overrides Publish would
+// otherwise be skipped, its own Publish never called.
+func pipelineOf(dest Destination) Pipeline {
+	p, ok := dest.(Pipeliner)
+	if !ok {
+		return nil
+	}
+	if pipe := p.Pipeline(); pipe != nil && pipe.Destination() == dest {
+		return pipe
+	}
+	return nil
 }
 
 // hasRetries reports whether any record failed before.
@@ -536,7 +553,7 @@ type batch struct {
 	failures  []failure      // malformed rows, failed at once
 	errs      []error        // their errors, then the publish failures
 	attempts  map[string]int // attempts before this batch, by id
-	pending   pendingBatch   // sent, confirms not yet collected (pipelined)
+	pending   Sent           // sent, confirms not yet collected (pipelined)
 	deadline  time.Time      // for the confirms of pending
 	results   []error        // one per record once known
 }
