@@ -74,7 +74,8 @@ type ForwarderConfig struct {
 // the relay marks one and claims the next. Each holds a claim (a
 // connection and its row locks on PostgreSQL) until it is settled, and one
 // more is held while the next is claimed; Run keeps fewer in flight when
-// the pool is capped too low for them.
+// the pool is capped too low for them, or when the destination's pipeline
+// takes fewer records (Pipeline.Capacity).
 const pipelineDepth = 2
 
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
