@@ -9,17 +9,24 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/acemq/watermill-outbox/internal/amqpwire"
 )
 
-// returnsBuffer is the capacity of the channel that receives basic.return.
-// It holds every message of the batches Run keeps in flight at the largest
-// size, the most that can be unconfirmed at once, so the client's reader
-// never blocks on a return (amqp091-go drops one it cannot deliver within
-// 5 s) while the relay waits for confirms.
-const returnsBuffer = (pipelineDepth + 1) * maxBatchSize
+// pipelineCapacity is the most records the destination's pipeline takes
+// sent and not yet waited for (its Capacity), and so the capacity of the
+// channel that receives basic.return: every one of them can come back, and
+// the client's reader must never block on a return (amqp091-go drops one it
+// cannot deliver within 5 s) while the relay waits for confirms. 3000 is
+// three batches of the Forwarder's largest BatchSize (1000), as many as Run
+// keeps in flight at that size: smaller, Run would keep fewer; larger, every
+// channel would hold a bigger buffer for nothing.
+const pipelineCapacity = 3000
 
-// maxWindow bounds AMQPConfig.Window.
-const maxWindow = maxBatchSize
+// maxWindow bounds AMQPConfig.Window. A window's returns come back
+// together, so it must fit the returns channel (pipelineCapacity); and at
+// the Forwarder's largest BatchSize (1000) a window is the whole batch.
+const maxWindow = 1000
 
 // AMQPConfig configures an AMQPDestination.
 type AMQPConfig struct {
@@ -94,7 +101,7 @@ type AMQPDestination struct {
 
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
-	wire      *wire           // conn's socket
+	wire      *amqpwire.Wire  // conn's socket
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
@@ -146,10 +153,10 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		d.dropLocked()
 		cfg := d.cfg.AMQP
 		var (
-			w    *wire
+			w    *amqpwire.Wire
 			stop = func() bool { return true }
 		)
-		cfg.Dial = dialWire(cfg.Dial, func(opened *wire) {
+		cfg.Dial = amqpwire.Dial(cfg.Dial, func(opened *amqpwire.Wire) {
 			// The handshake, too, is cut short when ctx ends, whatever
 			// deadline the Dial set, if any.
 			w = opened
@@ -183,7 +190,7 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		d.cc = &confirmChannel{
 			conn:     d.conn,
 			ch:       ch,
-			returns:  ch.NotifyReturn(make(chan amqp.Return, returnsBuffer)),
+			returns:  ch.NotifyReturn(make(chan amqp.Return, pipelineCapacity)),
 			returned: map[string]amqp.Return{},
 			closes:   ch.NotifyClose(make(chan *amqp.Error, 1)),
 		}
@@ -328,10 +335,33 @@ func (d *AMQPDestination) windowEnd(records []Record, start int) int {
 	return limit
 }
 
-// pipelined: with no Window set, the Forwarder's Run sends the next batch
-// before waiting for the confirms of the one before, so the broker's
-// confirm pipeline never runs dry between batches.
-func (d *AMQPDestination) pipelined() bool { return d.cfg.Window == 0 }
+// Pipeline returns the destination's pipeline when no Window is set: then
+// the Forwarder's Run sends the next batch before waiting for the confirms
+// of the one before, so the broker's confirm pipeline never runs dry between
+// batches. With a Window set it returns nil, and every batch goes through
+// Publish, window by window.
+func (d *AMQPDestination) Pipeline() Pipeline {
+	if d.cfg.Window != 0 {
+		return nil
+	}
+	return amqpPipeline{d}
+}
+
+// amqpPipeline is an AMQPDestination's Pipeline: its send and wait, which
+// Publish runs window by window.
+type amqpPipeline struct{ d *AMQPDestination }
+
+func (p amqpPipeline) Destination() Destination { return p.d }
+
+func (p amqpPipeline) Capacity() int { return pipelineCapacity }
+
+func (p amqpPipeline) Send(ctx context.Context, records []Record) Sent {
+	return p.d.send(ctx, records)
+}
+
+func (p amqpPipeline) Wait(ctx context.Context, s Sent) []error {
+	return p.d.wait(ctx, s.(*sent))
+}
 
 func failedAny(res []error) bool {
 	for _, err := range res {
@@ -350,11 +380,11 @@ type sent struct {
 	on       *confirmChannel // the channel they went out on
 }
 
-func (p *sent) records() []Record { return p.recs }
+func (p *sent) Records() []Record { return p.recs }
 
 // send publishes recs without waiting for their confirms. It stops at the
 // first record it cannot publish; the records after it are not sent.
-func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch {
+func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	p := &sent{recs: recs, res: make([]error, len(recs))}
@@ -383,7 +413,7 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 	}
 	// The publishes go out together when the loop ends, by ctx's deadline:
 	// a broker that stops reading (a memory alarm) cannot block the relay.
-	release := d.wire.hold(ctx)
+	release := d.wire.Hold(ctx)
 	lost := false
 	for i := 0; i < limit; i++ {
 		msg := publishing(recs[i])
@@ -428,8 +458,7 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) pendingBatch 
 
 // wait collects the confirms and returns of a sent window, one result per
 // record.
-func (d *AMQPDestination) wait(ctx context.Context, pb pendingBatch) []error {
-	p := pb.(*sent)
+func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	res := p.res

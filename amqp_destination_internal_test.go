@@ -22,7 +22,7 @@ func TestAMQPDestination_ReturnOnAReplacedChannel_StillFailsItsRecord(t *testing
 	defer d.Close()
 	ctx := context.Background()
 	rec := Record{ID: "returned-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "nowhere", Body: []byte("x")}
-	p := d.send(ctx, []Record{rec}).(*sent)
+	p := d.send(ctx, []Record{rec})
 	if p.res[0] != nil || len(p.confirms) != 1 {
 		t.Fatalf("send: %v", p.res[0])
 	}

@@ -47,18 +47,60 @@ type Destination interface {
 	Publish(ctx context.Context, records []Record) []error
 }
 
-// pipeliner is a Destination that can send a batch and collect its confirms
-// later, so that Run overlaps the broker's work on one batch with the
-// database's on the next. Unexported: a destination that gets this wrong
-// marks rows it has not seen confirmed.
-type pipeliner interface {
-	pipelined() bool
-	send(ctx context.Context, records []Record) pendingBatch
-	wait(ctx context.Context, p pendingBatch) []error
+// Pipeliner is a Destination that can keep batches in flight under
+// Forwarder.Run: it sends a batch and collects its confirms later, so that
+// the broker works on one batch while the relay marks the one before and
+// claims the next. [AMQPDestination] is one unless its Window is set.
+//
+// A pipeline that gets its contract wrong marks rows published that the
+// broker never confirmed: implement it only over a broker that confirms
+// each message, and only with results taken from those confirms.
+type Pipeliner interface {
+	Destination
+	// Pipeline returns the destination's pipeline, or nil when it publishes
+	// one batch at a time (AMQPConfig.Window set, say): then every batch
+	// goes through Publish.
+	Pipeline() Pipeline
 }
 
-// pendingBatch is a batch a pipeliner sent and has not confirmed yet.
-type pendingBatch interface{ records() []Record }
+// Pipeline sends batches and collects their confirms later, for a
+// [Pipeliner].
+//
+// Run calls it from one goroutine, never concurrently, and waits for each
+// batch sent, once, in the order they were sent. Other calls of the
+// destination come between a Send and its Wait: Connect before each claim,
+// and Publish from a Forwarder.Sweep. Run itself calls Publish only with
+// nothing in flight, for a batch it does not pipeline: one holding a
+// record that failed before (Attempts > 0), which Publish can send alone.
+type Pipeline interface {
+	// Destination is the destination this pipeline publishes for (the one
+	// whose Pipeline returned it), a comparable value: a pointer, as every
+	// destination of this package. Run pipelines only when it is the Forwarder's own
+	// destination, so that a type that embeds a pipelining destination and
+	// overrides Publish has its own Publish called, not skipped.
+	Destination() Destination
+	// Capacity is the most records that may be sent and not yet waited for.
+	// Run keeps no more than that in flight: with BatchSize records a
+	// batch, Capacity()/BatchSize batches at most, and it publishes every
+	// batch through Publish when that is less than one.
+	Capacity() int
+	// Send publishes records in their order and returns without waiting for
+	// their confirms. It stops at the first record it cannot publish; the
+	// records after it are not sent. ctx bounds the sending.
+	Send(ctx context.Context, records []Record) Sent
+	// Wait waits for the confirms of a batch Send returned, within ctx, and
+	// returns one result per record on the same terms as
+	// Destination.Publish: nil once the broker has confirmed the record,
+	// and only then.
+	Wait(ctx context.Context, s Sent) []error
+}
+
+// Sent is a batch a Pipeline sent and has not confirmed yet.
+type Sent interface {
+	// Records are the records Send was given, in order: Wait returns a
+	// result for each.
+	Records() []Record
+}
 
 // Connector is a Destination that can tell, before any row is claimed,
 // whether its broker is reachable. The Forwarder claims nothing while the

@@ -74,7 +74,8 @@ type ForwarderConfig struct {
 // the relay marks one and claims the next. Each holds a claim (a
 // connection and its row locks on PostgreSQL) until it is settled, and one
 // more is held while the next is claimed; Run keeps fewer in flight when
-// the pool is capped too low for them.
+// the pool is capped too low for them, or when the destination's pipeline
+// takes fewer records (Pipeline.Capacity).
 const pipelineDepth = 2
 
 // maxBatchSize bounds BatchSize: a claim's IN lists and the confirms in
@@ -256,14 +257,6 @@ func (f *Forwarder) Run(ctx context.Context) error {
 		listen = false
 		f.log.Info("Outbox forwarder: the pool's one connection is for the claims, so no LISTEN; the relay polls", watermill.LogFields{"poll_interval": f.cfg.PollInterval})
 	}
-	depth := pipelineDepth
-	if limit > 0 && !f.store.leases() {
-		free := limit
-		if listen {
-			free--
-		}
-		depth = min(depth, free-2) // the batches in flight and the one being claimed
-	}
 
 	if err := f.store.prepareRelay(ctx, f.cfg.BatchSize); err != nil {
 		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
@@ -282,127 +275,16 @@ func (f *Forwarder) Run(ctx context.Context) error {
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
 
-	// Only the AMQP destination itself pipelines: a wrapper that embeds it
-	// would otherwise be skipped, its own Publish never called.
-	var pipe pipeliner
-	if d, ok := f.dest.(*AMQPDestination); ok && d.pipelined() && depth >= 0 {
-		pipe = d
-	}
-	var (
-		delay     time.Duration
-		queue     []*batch // sent, their confirms not yet collected, oldest first
-		after     *cursor  // where the next claim of a drain starts
-		lastStats time.Time
-	)
+	loop := f.newRelayLoop(limit, listen)
 	for {
-		if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(lastStats) >= f.cfg.StatsInterval {
-			f.refreshStats(ctx)
-			lastStats = time.Now()
-		}
-		// The batches are not cut short by ctx or Close: a stopping relay
-		// finishes what it claimed, bounded by the publish timeout.
-		work := context.WithoutCancel(ctx)
-		stopping := ctx.Err() != nil
-
-		f.sweepMu.Lock()
-		var claimed *batch
-		failed := false
-		if !stopping {
-			var err error
-			if claimed, err = f.claimNext(work, after); err != nil {
-				f.reportError(err, ErrorContext{})
-				failed = true
-			}
-		}
-		next := claimed   // claimed and not sent yet
-		var done []*batch // to settle now, oldest first
-		held := false     // the oldest batch failed: nothing more goes out
-		// Pipelined once the store knows its claims may overlap (on MySQL,
-		// once the claim found the pending index). A batch holding a record
-		// that failed before goes through Publish, which sends that record
-		// alone.
-		if next != nil && len(next.records) > 0 && pipe != nil && f.store.claimsOverlap() && !hasRetries(next.records) {
-			// The next batch goes out the moment the pipeline has room, and
-			// the one confirmed is marked after that, as the next is claimed:
-			// the broker confirms in bursts, once it has caught up with what
-			// was sent, so database work done between a confirm and the next
-			// send would leave it idle.
-			if len(queue) > depth {
-				oldest := queue[0]
-				queue = queue[1:]
-				f.collect(work, pipe, oldest)
-				done = append(done, oldest)
-				held = !oldest.clean()
-			}
-			if !held {
-				f.send(work, pipe, next)
-				queue, next = append(queue, next), nil
-			}
-		}
-		// Everything in flight is settled, oldest first, when a batch
-		// failed, when the relay is about to stop, when nothing more was
-		// claimed, or before a batch that goes synchronously (its marks
-		// must come after theirs), so that nothing stays in flight. A batch
-		// sent while one before it failed is behind that failure: none of
-		// it is marked.
-		if held || failed || stopping || claimed == nil || next != nil {
-			done, queue = append(done, queue...), nil
-		}
-		for i := 0; i < len(done); i++ {
-			failed = f.settleSent(work, pipe, done[i], failed) || failed
-			if failed && len(queue) > 0 {
-				// A mark failed: the relay backs off with nothing in flight.
-				done, queue = append(done, queue...), nil
-			}
-		}
-		if next != nil {
-			if failed {
-				next.holdBack()
-			} else if len(next.records) > 0 {
-				sendCtx, cancel := context.WithTimeout(work, f.cfg.PublishTimeout)
-				next.results = f.dest.Publish(sendCtx, next.records)
-				cancel()
-			}
-			_, bad, err := f.settle(work, next, true)
-			failed = failed || bad || err != nil
-		}
-		f.sweepMu.Unlock()
-
-		// A drain resumes after the last row claimed; anything that failed
-		// or was left behind sends the next claim back to the head.
-		after = nil
-		if !failed && claimed.full(f.cfg.BatchSize) {
-			after = claimed.last()
-		}
-
-		var wait time.Duration
-		switch {
-		case stopping:
+		loop.refreshStats(ctx)
+		s := loop.sweep(ctx)
+		if s.stopping {
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
-		case failed:
-			delay = f.nextDelay(delay)
-			wait = delay
-		case len(queue) > 0 || claimed.full(f.cfg.BatchSize):
-			if len(done) > 0 || next != nil {
-				delay = 0 // a batch went through: the failure is over
-			}
-			continue // more are waiting, or a batch is in flight
-		default:
-			delay, wait = 0, f.cfg.PollInterval
 		}
-		timer := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-		case <-f.wake:
-			timer.Stop()
-			if failed {
-				// A wake-up does not cut a backoff short: the failure is
-				// still there, and each try of a refused record counts.
-				f.sleep(ctx, delay)
-			}
-		case <-timer.C:
+		if wait, ok := loop.pace(s); ok {
+			loop.pause(ctx, wait, s.failed)
 		}
 	}
 }
@@ -415,46 +297,6 @@ func (f *Forwarder) refreshStats(ctx context.Context) {
 		return
 	}
 	f.cfg.Metrics.stats(st, time.Now())
-}
-
-// send sends a batch on the pipeline; its confirms are collected later.
-func (f *Forwarder) send(ctx context.Context, pipe pipeliner, b *batch) {
-	b.deadline = time.Now().Add(f.cfg.PublishTimeout)
-	sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
-	defer cancel()
-	b.pending = pipe.send(sendCtx, b.records)
-}
-
-// collect waits for the confirms of a sent batch, if they are still out.
-func (f *Forwarder) collect(ctx context.Context, pipe pipeliner, b *batch) {
-	if b.pending == nil {
-		return
-	}
-	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
-	defer cancel()
-	b.results = pipe.wait(waitCtx, b.pending)
-	b.pending = nil
-}
-
-// settleSent collects a batch's confirms, if they are still out, and
-// settles it. It reports whether anything failed.
-func (f *Forwarder) settleSent(ctx context.Context, pipe pipeliner, b *batch, behindFailure bool) bool {
-	f.collect(ctx, pipe, b)
-	if behindFailure {
-		b.holdBack()
-	}
-	_, failed, err := f.settle(ctx, b, true)
-	return failed || err != nil
-}
-
-// hasRetries reports whether any record failed before.
-func hasRetries(records []Record) bool {
-	for i := range records {
-		if records[i].Attempts > 0 {
-			return true
-		}
-	}
-	return false
 }
 
 func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
@@ -519,13 +361,19 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 		}
 		return 0, err
 	}
+	f.publish(ctx, b)
+	n, _, err := f.settle(ctx, b, report)
+	return n, err
+}
+
+// publish publishes a batch through the destination's Publish, bounded by
+// the publish timeout.
+func (f *Forwarder) publish(ctx context.Context, b *batch) {
 	if len(b.records) > 0 {
 		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
 		b.results = f.dest.Publish(pubCtx, b.records)
 		cancel()
 	}
-	n, _, err := f.settle(ctx, b, report)
-	return n, err
 }
 
 // batch is one claim on its way through the relay.
@@ -536,7 +384,7 @@ type batch struct {
 	failures  []failure      // malformed rows, failed at once
 	errs      []error        // their errors, then the publish failures
 	attempts  map[string]int // attempts before this batch, by id
-	pending   pendingBatch   // sent, confirms not yet collected (pipelined)
+	pending   Sent           // sent, confirms not yet collected (pipelined)
 	deadline  time.Time      // for the confirms of pending
 	results   []error        // one per record once known
 }

@@ -1,4 +1,4 @@
-package outbox
+package amqpwire
 
 import (
 	"bytes"
@@ -12,12 +12,12 @@ import (
 	"time"
 )
 
-// pipeWire is a wire over one end of an in-memory pipe, and the other end.
-func pipeWire(t *testing.T) (*wire, net.Conn) {
+// pipeWire is a Wire over one end of an in-memory pipe, and the other end.
+func pipeWire(t *testing.T) (*Wire, net.Conn) {
 	t.Helper()
 	a, b := net.Pipe()
 	t.Cleanup(func() { _ = a.Close(); _ = b.Close() })
-	return &wire{Conn: a}, b
+	return &Wire{Conn: a}, b
 }
 
 // Held writes reach the peer in order, in one write, when released; writes
@@ -30,7 +30,7 @@ func TestWire_HeldWritesGoOutTogetherInOrder(t *testing.T) {
 		n, _ := peer.Read(buf) // one Read: net.Pipe hands over one Write at a time
 		got <- buf[:n]
 	}()
-	release := w.hold(context.Background())
+	release := w.Hold(context.Background())
 	for _, s := range []string{"one ", "two ", "three"} {
 		if n, err := w.Write([]byte(s)); err != nil || n != len(s) {
 			t.Fatalf("held write: %d, %v", n, err)
@@ -55,24 +55,24 @@ func TestWire_HeldWritesGoOutTogetherInOrder(t *testing.T) {
 	}
 }
 
-// A batch larger than wireFlushAt goes out while it is published, not all at
+// A batch larger than flushAt goes out while it is published, not all at
 // the release.
 func TestWire_LargeBatch_WrittenAsItGrows(t *testing.T) {
 	w, peer := pipeWire(t)
 	read := make(chan int, 1)
 	go func() {
-		n, _ := io.ReadFull(peer, make([]byte, wireFlushAt))
+		n, _ := io.ReadFull(peer, make([]byte, flushAt))
 		read <- n
 	}()
-	release := w.hold(context.Background())
+	release := w.Hold(context.Background())
 	chunk := bytes.Repeat([]byte("x"), 1024)
-	for i := 0; i < wireFlushAt/len(chunk); i++ {
+	for i := 0; i < flushAt/len(chunk); i++ {
 		if _, err := w.Write(chunk); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if n := <-read; n != wireFlushAt {
-		t.Fatalf("peer read %d bytes before the release, want %d", n, wireFlushAt)
+	if n := <-read; n != flushAt {
+		t.Fatalf("peer read %d bytes before the release, want %d", n, flushAt)
 	}
 	if err := release(); err != nil {
 		t.Fatal(err)
@@ -86,7 +86,7 @@ func TestWire_PeerStopsReading_ReleaseFailsByTheDeadline(t *testing.T) {
 	w, _ := pipeWire(t) // nobody reads
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	release := w.hold(ctx)
+	release := w.Hold(ctx)
 	if _, err := w.Write([]byte("publish")); err != nil {
 		t.Fatal(err)
 	}
@@ -107,13 +107,13 @@ func TestWire_PeerStopsReading_ReleaseFailsByTheDeadline(t *testing.T) {
 func TestWire_ContextCancelled_BlockedWriteFails(t *testing.T) {
 	w, _ := pipeWire(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	release := w.hold(ctx)
-	if _, err := w.Write(bytes.Repeat([]byte("x"), wireFlushAt-1)); err != nil {
+	release := w.Hold(ctx)
+	if _, err := w.Write(bytes.Repeat([]byte("x"), flushAt-1)); err != nil {
 		t.Fatal(err)
 	}
 	errc := make(chan error, 1)
 	go func() {
-		_, err := w.Write([]byte("xx")) // reaches wireFlushAt: written now, and blocks
+		_, err := w.Write([]byte("xx")) // reaches flushAt: written now, and blocks
 		errc <- err
 	}()
 	time.AfterFunc(50*time.Millisecond, cancel)
@@ -147,7 +147,7 @@ func TestWire_WriteBlockedOutsideAHold_HoldCutByItsContext(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() {
-		release := w.hold(ctx)
+		release := w.Hold(ctx)
 		_, _ = w.Write([]byte("publish"))
 		done <- release()
 	}()

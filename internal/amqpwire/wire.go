@@ -1,4 +1,7 @@
-package outbox
+// Package amqpwire is the relay's socket to the broker under amqp091-go: a
+// net.Conn that holds the writes of a batch's publishes and sends them
+// together, under the batch's deadline.
+package amqpwire
 
 import (
 	"context"
@@ -7,12 +10,12 @@ import (
 	"time"
 )
 
-// wireFlushAt is how many held bytes a wire writes out before the batch
+// flushAt is how many held bytes a Wire writes out before the batch
 // ends: a batch of large messages still goes out as it is published, in
 // writes of about this size.
-const wireFlushAt = 64 << 10
+const flushAt = 64 << 10
 
-// wire is the relay's connection to the broker, under amqp091-go. The client
+// Wire is the relay's connection to the broker, under amqp091-go. The client
 // flushes every publish, which is a write system call and a TCP segment the
 // broker reads and handles on its own; while a batch is published the wire
 // holds those writes and sends them together, so that the broker reads a
@@ -24,7 +27,7 @@ const wireFlushAt = 64 << 10
 // unblocks them: a broker that stops reading (a memory alarm) cannot hang
 // the relay. After a failed write the wire fails every write with that
 // error, so that amqp091-go shuts the connection down.
-type wire struct {
+type Wire struct {
 	net.Conn
 
 	mu      sync.Mutex
@@ -38,7 +41,7 @@ type wire struct {
 }
 
 // Write sends p, or holds it while a batch is published.
-func (w *wire) Write(p []byte) (int, error) {
+func (w *Wire) Write(p []byte) (int, error) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.err != nil {
@@ -50,7 +53,7 @@ func (w *wire) Write(p []byte) (int, error) {
 		return n, err
 	}
 	w.held = append(w.held, p...)
-	if len(w.held) >= wireFlushAt {
+	if len(w.held) >= flushAt {
 		if err := w.flushLocked(); err != nil {
 			return 0, err
 		}
@@ -58,11 +61,11 @@ func (w *wire) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// hold holds the writes from here until release, which writes them out.
+// Hold holds the writes from here until release, which writes them out.
 // They go out by ctx's deadline, and a ctx that ends cuts a blocked write
 // short: also one made outside a hold (a heartbeat into a full socket) that
 // the hold would otherwise wait behind.
-func (w *wire) hold(ctx context.Context) (release func() error) {
+func (w *Wire) Hold(ctx context.Context) (release func() error) {
 	w.cut.Lock()
 	w.gen++
 	gen := w.gen
@@ -104,7 +107,7 @@ func (w *wire) hold(ctx context.Context) (release func() error) {
 	}
 }
 
-func (w *wire) flushLocked() error {
+func (w *Wire) flushLocked() error {
 	if len(w.held) == 0 {
 		return nil
 	}
@@ -116,15 +119,15 @@ func (w *wire) flushLocked() error {
 	return err
 }
 
-// dialWire wraps dial so that each connection it opens is a wire, reported
-// through opened.
-func dialWire(dial func(network, addr string) (net.Conn, error), opened func(*wire)) func(network, addr string) (net.Conn, error) {
+// Dial wraps dial (amqp.Config's Dial) so that each connection it opens is
+// a Wire, reported through opened.
+func Dial(dial func(network, addr string) (net.Conn, error), opened func(*Wire)) func(network, addr string) (net.Conn, error) {
 	return func(network, addr string) (net.Conn, error) {
 		c, err := dial(network, addr)
 		if err != nil {
 			return nil, err
 		}
-		w := &wire{Conn: c}
+		w := &Wire{Conn: c}
 		opened(w)
 		return w, nil
 	}

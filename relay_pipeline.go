@@ -1,0 +1,250 @@
+package outbox
+
+import (
+	"context"
+	"time"
+)
+
+// relayLoop is Run's state from one sweep to the next: the batches it keeps
+// in flight on the destination's pipeline, where a drain resumes, and the
+// backoff. Only Run's goroutine uses it.
+type relayLoop struct {
+	f     *Forwarder
+	pipe  Pipeline // nil: every batch goes through the destination's Publish
+	depth int      // batches in flight beyond the one being sent
+
+	queue     []*batch      // sent, their confirms not yet collected, oldest first
+	after     *cursor       // where the next claim of a drain starts
+	delay     time.Duration // the backoff after a failed sweep; 0 after a good one
+	lastStats time.Time
+}
+
+// newRelayLoop sets up Run's loop. limit is the pool's cap (0: none), and
+// listen whether a LISTEN holds one of its connections for good. Where a
+// claim is a row lock, every batch in flight holds a connection until it is
+// marked, and one more is held while the next is claimed: the loop keeps
+// fewer in flight than pipelineDepth when the pool has no room for them.
+func (f *Forwarder) newRelayLoop(limit int, listen bool) *relayLoop {
+	depth := pipelineDepth
+	if limit > 0 && !f.store.leases() {
+		free := limit
+		if listen {
+			free--
+		}
+		depth = min(depth, free-2) // the batches in flight and the one being claimed
+	}
+	pipe := pipelineOf(f.dest)
+	if pipe != nil {
+		// No more in flight than the pipeline takes: depth+1 batches.
+		depth = min(depth, pipe.Capacity()/f.cfg.BatchSize-1)
+	}
+	if depth < 0 {
+		pipe = nil
+	}
+	return &relayLoop{f: f, pipe: pipe, depth: depth}
+}
+
+// pipelineOf returns dest's pipeline, or nil when dest publishes one batch
+// at a time. Only a pipeline that publishes for dest itself is used: a type
+// that embeds a pipelining destination and overrides Publish would
+// otherwise be skipped, its own Publish never called.
+func pipelineOf(dest Destination) Pipeline {
+	p, ok := dest.(Pipeliner)
+	if !ok {
+		return nil
+	}
+	if pipe := p.Pipeline(); pipe != nil && pipe.Destination() == dest {
+		return pipe
+	}
+	return nil
+}
+
+// swept is what one sweep of Run did.
+type swept struct {
+	claimed    *batch // nil: nothing claimed, or the claim failed
+	failed     bool   // the claim, a record or a mark failed
+	stopping   bool   // ctx had ended: nothing was claimed, everything settled
+	progressed bool   // a batch was settled or published
+}
+
+// refreshStats sets the metrics' gauges, every StatsInterval.
+func (l *relayLoop) refreshStats(ctx context.Context) {
+	f := l.f
+	if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(l.lastStats) >= f.cfg.StatsInterval {
+		f.refreshStats(ctx)
+		l.lastStats = time.Now()
+	}
+}
+
+// sweep claims the next batch and sends it down the pipeline, or publishes
+// it, and settles what is due. It moves the cursor of the drain.
+func (l *relayLoop) sweep(ctx context.Context) swept {
+	f := l.f
+	// The batches are not cut short by ctx or Close: a stopping relay
+	// finishes what it claimed, bounded by the publish timeout.
+	work := context.WithoutCancel(ctx)
+	s := swept{stopping: ctx.Err() != nil}
+
+	f.sweepMu.Lock()
+	if !s.stopping {
+		var err error
+		if s.claimed, err = f.claimNext(work, l.after); err != nil {
+			f.reportError(err, ErrorContext{})
+			s.failed = true
+		}
+	}
+	next := s.claimed // claimed and not sent yet
+	var done []*batch // to settle now, oldest first
+	held := false     // the oldest batch failed: nothing more goes out
+	if l.pipelines(next) {
+		if done, held = l.send(work, next); !held {
+			next = nil
+		}
+	}
+	// Everything in flight is settled, oldest first, when a batch
+	// failed, when the relay is about to stop, when nothing more was
+	// claimed, or before a batch that goes synchronously (its marks
+	// must come after theirs), so that nothing stays in flight. A batch
+	// sent while one before it failed is behind that failure: none of
+	// it is marked.
+	if held || s.failed || s.stopping || s.claimed == nil || next != nil {
+		done, l.queue = append(done, l.queue...), nil
+	}
+	done, s.failed = l.settle(work, done, s.failed)
+	if next != nil {
+		s.failed = l.publish(work, next, s.failed)
+	}
+	f.sweepMu.Unlock()
+	s.progressed = len(done) > 0 || next != nil
+
+	// A drain resumes after the last row claimed; anything that failed
+	// or was left behind sends the next claim back to the head.
+	l.after = nil
+	if !s.failed && s.claimed.full(f.cfg.BatchSize) {
+		l.after = s.claimed.last()
+	}
+	return s
+}
+
+// pipelines reports whether b goes down the pipeline. Pipelined once the
+// store knows its claims may overlap (on MySQL, once the claim found the
+// pending index). A batch holding a record that failed before goes through
+// Publish, which sends that record alone.
+func (l *relayLoop) pipelines(b *batch) bool {
+	return b != nil && len(b.records) > 0 && l.pipe != nil && l.f.store.claimsOverlap() && !hasRetries(b.records)
+}
+
+// send sends b down the pipeline, after collecting the oldest batch in
+// flight if the pipeline is full. It returns that batch, to be settled, and
+// whether it failed: then b is not sent, and nothing more goes out.
+//
+// The next batch goes out the moment the pipeline has room, and the one
+// confirmed is marked after that, as the next is claimed: the broker
+// confirms in bursts, once it has caught up with what was sent, so database
+// work done between a confirm and the next send would leave it idle.
+func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held bool) {
+	if len(l.queue) > l.depth {
+		oldest := l.queue[0]
+		l.queue = l.queue[1:]
+		l.collect(ctx, oldest)
+		done = append(done, oldest)
+		held = !oldest.clean()
+	}
+	if !held {
+		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)
+		sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
+		b.pending = l.pipe.Send(sendCtx, b.records)
+		cancel()
+		l.queue = append(l.queue, b)
+	}
+	return done, held
+}
+
+// collect waits for the confirms of a sent batch, if they are still out.
+func (l *relayLoop) collect(ctx context.Context, b *batch) {
+	if b.pending == nil {
+		return
+	}
+	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
+	defer cancel()
+	b.results = l.pipe.Wait(waitCtx, b.pending)
+	b.pending = nil
+}
+
+// settle collects the confirms of the batches in done, if they are still
+// out, and settles them, oldest first. A batch behind a failure is held
+// back. It returns the batches it settled and whether anything failed.
+func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*batch, bool) {
+	for i := 0; i < len(done); i++ {
+		b := done[i]
+		l.collect(ctx, b)
+		if failed {
+			b.holdBack()
+		}
+		_, bad, err := l.f.settle(ctx, b, true)
+		failed = bad || err != nil || failed
+		if failed && len(l.queue) > 0 {
+			// A mark failed: the relay backs off with nothing in flight.
+			done, l.queue = append(done, l.queue...), nil
+		}
+	}
+	return done, failed
+}
+
+// publish publishes a batch that does not go down the pipeline through the
+// destination's Publish, or holds it back behind a failure, and settles
+// it. It reports whether anything failed.
+func (l *relayLoop) publish(ctx context.Context, b *batch, behindFailure bool) bool {
+	if behindFailure {
+		b.holdBack()
+	} else {
+		l.f.publish(ctx, b)
+	}
+	_, bad, err := l.f.settle(ctx, b, true)
+	return behindFailure || bad || err != nil
+}
+
+// pace says how long Run waits before the next sweep, and moves the
+// backoff. ok is false when the next sweep goes at once.
+func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
+	switch {
+	case s.failed:
+		l.delay = l.f.nextDelay(l.delay)
+		return l.delay, true
+	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize):
+		if s.progressed {
+			l.delay = 0 // a batch went through: the failure is over
+		}
+		return 0, false // more are waiting, or a batch is in flight
+	default:
+		l.delay = 0
+		return l.f.cfg.PollInterval, true
+	}
+}
+
+// pause waits wait, or until ctx ends or the relay is woken.
+func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) {
+	timer := time.NewTimer(wait)
+	select {
+	case <-ctx.Done():
+		timer.Stop()
+	case <-l.f.wake:
+		timer.Stop()
+		if failed {
+			// A wake-up does not cut a backoff short: the failure is
+			// still there, and each try of a refused record counts.
+			l.f.sleep(ctx, l.delay)
+		}
+	case <-timer.C:
+	}
+}
+
+// hasRetries reports whether any record failed before.
+func hasRetries(records []Record) bool {
+	for i := range records {
+		if records[i].Attempts > 0 {
+			return true
+		}
+	}
+	return false
+}
