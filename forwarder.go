@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // ForwarderConfig configures a Forwarder. The zero value of every field but
@@ -426,15 +427,15 @@ func (b *batch) fail(rec Record, attempts int, err error) {
 func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
 
 // last is the cursor after the batch's last row.
-func (b *batch) last() *cursor {
+func (b *batch) last() *sqldialect.Cursor {
 	r := b.claim.rows[len(b.claim.rows)-1]
-	return &cursor{createdAt: r.createdAt, id: r.id}
+	return &sqldialect.Cursor{CreatedAt: r.CreatedAt, ID: r.ID}
 }
 
 // claimNext claims the next batch and decodes it. It returns nil when there
 // is nothing to claim, and claims nothing while the broker is down: an
 // outage must not count attempts against records, nor hold their locks.
-func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error) {
+func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
 		// Bounded like a batch: a broker that answers nothing must not
 		// hold the relay.
@@ -455,13 +456,13 @@ func (f *Forwarder) claimNext(ctx context.Context, after *cursor) (*batch, error
 	}
 	b := &batch{claim: cl, claimedAt: started, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
 	for _, row := range cl.rows {
-		b.attempts[row.id] = row.attempts
+		b.attempts[row.ID] = row.Attempts
 		rec, err := decodeRecord(row)
 		if err != nil {
 			// A malformed row fails alone and at once: no retry mends it,
 			// and it stands in nobody's way.
-			perr := &PublishError{Dest: ErrorContext{row.exchange, row.routingKey, row.id}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
-			b.failures = append(b.failures, failure{id: row.id, exchange: row.exchange, attempts: max(row.attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
+			perr := &PublishError{Dest: ErrorContext{row.Exchange, row.RoutingKey, row.ID}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
+			b.failures = append(b.failures, failure{id: row.ID, exchange: row.Exchange, attempts: max(row.Attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
 			b.errs = append(b.errs, perr)
 			continue
 		}

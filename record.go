@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/rowcodec"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // HeaderMessageID is the AMQP header that carries the message id, beside the AMQP
@@ -34,18 +35,18 @@ type Record struct {
 // decodeRecord turns a claimed row into a Record. An error means the row
 // itself is malformed (written by hand or by another library) and no retry
 // can publish it.
-func decodeRecord(r claimedRow) (Record, error) {
-	body, err := rowcodec.DecodeBody(r.body, r.bodyEncoding)
+func decodeRecord(r sqldialect.ClaimedRow) (Record, error) {
+	body, err := rowcodec.DecodeBody(r.Body, r.BodyEncoding)
 	if err != nil {
 		return Record{}, fmt.Errorf("body: %w", err)
 	}
-	headers, err := rowcodec.DecodeHeaders(r.headers)
+	headers, err := rowcodec.DecodeHeaders(r.Headers)
 	if err != nil {
 		return Record{}, err
 	}
 	return Record{
-		ID: r.id, Exchange: r.exchange, RoutingKey: r.routingKey,
-		Body: body, ContentType: r.contentType, Headers: headers,
-		CreatedAt: r.createdAt, Attempts: r.attempts,
+		ID: r.ID, Exchange: r.Exchange, RoutingKey: r.RoutingKey,
+		Body: body, ContentType: r.ContentType, Headers: headers,
+		CreatedAt: r.CreatedAt, Attempts: r.Attempts,
 	}, nil
 }

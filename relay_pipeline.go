@@ -3,6 +3,8 @@ package outbox
 import (
 	"context"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // relayLoop is Run's state from one sweep to the next: the batches it keeps
@@ -13,9 +15,9 @@ type relayLoop struct {
 	pipe  Pipeline // nil: every batch goes through the destination's Publish
 	depth int      // batches in flight beyond the one being sent
 
-	queue     []*batch      // sent, their confirms not yet collected, oldest first
-	after     *cursor       // where the next claim of a drain starts
-	delay     time.Duration // the backoff after a failed sweep; 0 after a good one
+	queue     []*batch           // sent, their confirms not yet collected, oldest first
+	after     *sqldialect.Cursor // where the next claim of a drain starts
+	delay     time.Duration      // the backoff after a failed sweep; 0 after a good one
 	lastStats time.Time
 }
 

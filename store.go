@@ -131,19 +131,10 @@ func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 // maxOpenConns is the cap of the store's pool, 0 for none.
 func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
 
-// claimedRow is one row as the relay reads it, before decoding.
-type claimedRow struct {
-	id, exchange, routingKey string
-	body, bodyEncoding       string
-	contentType, headers     string
-	createdAt                time.Time
-	attempts                 int
-}
-
 // claim is a batch of rows one relay holds: under row locks of an open
 // transaction (PostgreSQL, MySQL) or under a lease (SQLite).
 type claim struct {
-	rows  []claimedRow
+	rows  []sqldialect.ClaimedRow
 	tx    *sql.Tx // locking claims; nil for leases
 	lease string  // leasing claims: the relay id in locked_by
 }
@@ -157,21 +148,12 @@ type failure struct {
 	reason   string
 }
 
-// cursor is the (created_at, id) of the last row a drain claimed.
-type cursor struct {
-	createdAt time.Time
-	id        string
-}
-
 // claimBatch claims up to n claimable rows in created_at, id order:
 // unpublished, under MaxAttempts, not under a live lease, and after the
 // cursor if there is one.
-func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *cursor) (*claim, error) {
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor) (*claim, error) {
 	now := time.Now()
-	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: now}
-	if after != nil {
-		p.After = &sqldialect.Cursor{CreatedAt: after.createdAt, ID: after.id}
-	}
+	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: now, After: after}
 	if s.leases() {
 		p.RelayID, p.LeaseUntil = relayID, now.Add(lease)
 		return s.claimLease(ctx, s.q.Claim(p), relayID)
@@ -199,7 +181,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		s.forgetIndex() // dropped or renamed, maybe: look again
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	claimed, err := scanClaimed(rows)
+	claimed, err := sqldialect.ScanClaimed(rows)
 	if err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -373,7 +355,7 @@ func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID stri
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	claimed, err := scanClaimed(rows)
+	claimed, err := sqldialect.ScanClaimed(rows)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
@@ -386,20 +368,7 @@ func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID stri
 	return &claim{rows: claimed, lease: relayID}, nil
 }
 
-func scanClaimed(rows *sql.Rows) ([]claimedRow, error) {
-	read, err := sqldialect.ScanClaimed(rows)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]claimedRow, len(read))
-	for i, r := range read {
-		out[i] = claimedRow{id: r.ID, exchange: r.Exchange, routingKey: r.RoutingKey, body: r.Body, bodyEncoding: r.BodyEncoding,
-			contentType: r.ContentType, headers: r.Headers, createdAt: r.CreatedAt, attempts: r.Attempts}
-	}
-	return out, nil
-}
-
-func sortClaimed(rows []claimedRow) {
+func sortClaimed(rows []sqldialect.ClaimedRow) {
 	// Insertion sort: a batch is small and usually sorted already.
 	for i := 1; i < len(rows); i++ {
 		for j := i; j > 0 && claimedLess(rows[j], rows[j-1]); j-- {
@@ -408,11 +377,11 @@ func sortClaimed(rows []claimedRow) {
 	}
 }
 
-func claimedLess(a, b claimedRow) bool {
-	if !a.createdAt.Equal(b.createdAt) {
-		return a.createdAt.Before(b.createdAt)
+func claimedLess(a, b sqldialect.ClaimedRow) bool {
+	if !a.CreatedAt.Equal(b.CreatedAt) {
+		return a.CreatedAt.Before(b.CreatedAt)
 	}
-	return a.id < b.id
+	return a.ID < b.ID
 }
 
 // finish marks the published rows (one statement), records the failures,
@@ -468,8 +437,8 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	}
 	var free []string
 	for _, r := range c.rows {
-		if !done[r.id] {
-			free = append(free, r.id)
+		if !done[r.ID] {
+			free = append(free, r.ID)
 		}
 	}
 	if len(free) == 0 {
