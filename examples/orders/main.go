@@ -15,12 +15,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"os"
-	"os/signal"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -38,50 +34,25 @@ const (
 	queue    = "fulfilment"   // the consumer's durable queue
 )
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
-}
+func main() { demo.Main(run) }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	stderr = demo.SyncWriter(stderr)
-	flags := flag.NewFlagSet(prog, flag.ContinueOnError)
-	flags.SetOutput(stderr)
+	cmd := demo.NewCommand(prog, stderr)
 	var (
-		orders  = flags.Int("orders", 10, "how many orders to place (1 to 1000); those the stock cannot cover are rejected")
-		dsn     = flags.String("db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
-		amqpURL = flags.String("amqp", demo.DefaultAMQPURL, "the RabbitMQ URL")
-		timeout = flags.Duration("timeout", 30*time.Second, "how long to wait for every placed order to be fulfilled")
-		verbose = flags.Bool("v", false, "log what Watermill and the relay do, to stderr")
+		orders  = cmd.Flags.Int("orders", 10, "how many orders to place (1 to 1000); those the stock cannot cover are rejected")
+		timeout = cmd.Flags.Duration("timeout", 30*time.Second, "how long to wait for every placed order to be fulfilled")
 	)
-	if err := flags.Parse(args); err != nil {
+	if err := cmd.Flags.Parse(args); err != nil {
 		return 2
 	}
 	if *orders < 1 || *orders > 1000 {
-		fmt.Fprintf(stderr, "%s: -orders %d: want 1 to 1000\n", prog, *orders)
+		fmt.Fprintf(cmd.Stderr, "%s: -orders %d: want 1 to 1000\n", prog, *orders)
 		return 2
 	}
-	if err := demo.CheckBroker(*amqpURL); err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	db, err := demo.OpenDB(ctx, *dsn, "shop.db")
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", prog, db.Where, demo.RedactURL(*amqpURL))
-
-	s := &shop{db: db, amqpURL: *amqpURL, stderr: stderr, log: demo.Logger(stderr, *verbose), stock: newInventory()}
-	err = s.run(ctx, *orders, *timeout, stdout)
-	err = errors.Join(err, db.Close())
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	return 0
+	return cmd.Run(ctx, "shop.db", stdout, func(svc *demo.Service) error {
+		s := &shop{Service: svc, stock: newInventory()}
+		return s.run(ctx, *orders, *timeout, stdout)
+	})
 }
 
 // schema is the shop's own tables; the outbox's come from outbox.Migrate.
@@ -106,12 +77,9 @@ var schema = []string{
 }
 
 type shop struct {
-	db      *demo.DB
-	amqpURL string
-	stderr  io.Writer
-	log     watermill.LoggerAdapter
-	stock   *inventory
-	fwd     *outbox.Forwarder
+	*demo.Service
+	stock *inventory
+	fwd   *outbox.Forwarder
 }
 
 // order is also the order.placed message's payload.
@@ -131,11 +99,11 @@ type attempt struct {
 }
 
 func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) (err error) {
-	if err := outbox.Migrate(ctx, s.db.DB.DB, s.db.Dialect); err != nil {
+	if err := outbox.Migrate(ctx, s.DB.DB.DB, s.DB.Dialect); err != nil {
 		return err
 	}
 	for _, ddl := range schema {
-		if _, err := s.db.ExecContext(ctx, ddl); err != nil {
+		if _, err := s.DB.ExecContext(ctx, ddl); err != nil {
 			return fmt.Errorf("create the shop's tables: %w", err)
 		}
 	}
@@ -178,7 +146,7 @@ func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.
 // placeOrder is the business transaction: the order row, its order.placed
 // message, and the stock reservation commit together, or none of them does.
 func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err error) {
-	tx, err := s.db.BeginTxx(ctx, nil)
+	tx, err := s.DB.BeginTxx(ctx, nil)
 	if err != nil {
 		return "", err
 	}
@@ -220,14 +188,14 @@ func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err e
 // startRelay runs the Forwarder in this process: the only thing that
 // publishes the outbox's rows to RabbitMQ.
 func (s *shop) startRelay(ctx context.Context) (stop func() error, err error) {
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.amqpURL, ConnectionName: prog + " relay", Logger: s.log})
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.AMQPURL, ConnectionName: prog + " relay", Logger: s.Log})
 	if err != nil {
 		return nil, err
 	}
-	s.fwd, err = outbox.NewForwarder(s.db.DB, dest, outbox.ForwarderConfig{
-		Logger: s.log,
+	s.fwd, err = outbox.NewForwarder(s.DB.DB, dest, outbox.ForwarderConfig{
+		Logger: s.Log,
 		OnError: func(err error, _ outbox.ErrorContext) {
-			fmt.Fprintf(s.stderr, "%s: relay: %v\n", prog, err)
+			fmt.Fprintf(s.Stderr, "%s: relay: %v\n", prog, err)
 		},
 	})
 	if err != nil {
@@ -246,15 +214,15 @@ func (s *shop) startRelay(ctx context.Context) (stop func() error, err error) {
 // behind the inbox: each order.placed message is fulfilled once, however
 // often it is delivered.
 func (s *shop) startConsumer(ctx context.Context) (stop func() error, err error) {
-	inbox, err := outbox.NewInbox(s.db.DB, outbox.InboxConfig{Logger: s.log}) // consumer name: the handler's, "fulfilment"
+	inbox, err := outbox.NewInbox(s.DB.DB, outbox.InboxConfig{Logger: s.Log}) // consumer name: the handler's, "fulfilment"
 	if err != nil {
 		return nil, err
 	}
-	sub, err := demo.Subscriber(s.amqpURL, exchange, queue, s.log)
+	sub, err := demo.Subscriber(s.AMQPURL, exchange, queue, s.Log)
 	if err != nil {
 		return nil, fmt.Errorf("subscribe: %w", err)
 	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, s.log)
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, s.Log)
 	if err != nil {
 		_ = sub.Close()
 		return nil, err
@@ -310,10 +278,10 @@ func (s *shop) waitFulfilled(ctx context.Context, attempts []*attempt, timeout t
 	var fulfilled, published int
 	err := demo.WaitFor(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
-		if fulfilled, err = s.db.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
+		if fulfilled, err = s.DB.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
 			return false, err
 		}
-		if published, err = s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
 			return false, err
 		}
 		return fulfilled == len(orderIDs) && published == len(messageIDs), nil
@@ -335,19 +303,19 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 			rejectedIDs, rejectedMsgs = append(rejectedIDs, a.order.ID), append(rejectedMsgs, a.messageID)
 		}
 	}
-	perOrder, err := s.db.CountPerID(ctx, "SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
+	perOrder, err := s.DB.CountPerID(ctx, "SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
 	if err != nil {
 		return err
 	}
-	published, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
+	published, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
 	if err != nil {
 		return err
 	}
-	leftOrders, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
+	leftOrders, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
 	if err != nil {
 		return err
 	}
-	leftMessages, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
+	leftMessages, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
 	if err != nil {
 		return err
 	}

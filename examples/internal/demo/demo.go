@@ -171,18 +171,8 @@ func WaitFor(ctx context.Context, timeout time.Duration, cond func(context.Conte
 	}
 }
 
-// Logger is Watermill's standard logger on w when verbose, else silence.
-func Logger(w io.Writer, verbose bool) watermill.LoggerAdapter {
-	if !verbose {
-		return watermill.NopLogger{}
-	}
-	return watermill.NewStdLoggerWithOut(w, false, false)
-}
-
-// SyncWriter serialises writes to w: the relay, the router and the program
+// syncWriter serialises writes to w: the relay, the router and the program
 // all report to the same stderr.
-func SyncWriter(w io.Writer) io.Writer { return &syncWriter{w: w} }
-
 type syncWriter struct {
 	mu sync.Mutex
 	w  io.Writer
