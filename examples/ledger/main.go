@@ -142,13 +142,8 @@ type ledger struct {
 }
 
 func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) (err error) {
-	if err := outbox.Migrate(ctx, l.DB.DB.DB, l.DB.Dialect); err != nil {
+	if err := l.Migrate(ctx, "the service's tables", schema); err != nil {
 		return err
-	}
-	for _, ddl := range schema {
-		if _, err := l.DB.ExecContext(ctx, ddl); err != nil {
-			return fmt.Errorf("create the service's tables: %w", err)
-		}
 	}
 	// The consumer first: subscribing declares the exchange, the queue and
 	// the binding, so no relay publishes to a route that is not there.

@@ -99,13 +99,8 @@ type attempt struct {
 }
 
 func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) (err error) {
-	if err := outbox.Migrate(ctx, s.DB.DB.DB, s.DB.Dialect); err != nil {
+	if err := s.Migrate(ctx, "the shop's tables", schema); err != nil {
 		return err
-	}
-	for _, ddl := range schema {
-		if _, err := s.DB.ExecContext(ctx, ddl); err != nil {
-			return fmt.Errorf("create the shop's tables: %w", err)
-		}
 	}
 
 	// The consumer first: subscribing declares the exchange, the queue and
