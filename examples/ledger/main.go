@@ -33,6 +33,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -141,18 +142,21 @@ type ledger struct {
 	tally   *tally
 }
 
-func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) (err error) {
+func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) error {
 	if err := l.Migrate(ctx, "the service's tables", schema); err != nil {
 		return err
 	}
-	// The consumer first: subscribing declares the exchange, the queue and
-	// the binding, so no relay publishes to a route that is not there.
-	stopConsumer, err := l.startConsumer(ctx)
+	// The consumer first, so that no relay publishes to a route that is not
+	// there. The tally, outside the inbox, sees every delivery, duplicates
+	// included.
+	err := l.StartConsumer(ctx, demo.Consumer{
+		Exchange: exchange, Queue: queue, Topic: topic,
+		Handler: demo.InboxHandler(topic, l.post),
+		Outside: []message.HandlerMiddleware{l.tally.middleware},
+	})
 	if err != nil {
 		return err
 	}
-	stopRelay := func() error { return nil }
-	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
 
 	var payments, messageIDs []string
 	var shown []string
@@ -178,12 +182,20 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 		}
 	}
 
+	// Relay 2, in this process, counts what the broker confirmed for it.
 	var second confirmed
-	stop, err := l.startRelay(ctx, &second)
+	_, err = l.StartRelay(ctx, demo.Relay{
+		Name: "relay 2",
+		Wrap: func(dest *outbox.AMQPDestination) outbox.Destination {
+			return &watchConfirms{dest: dest, confirmed: second.add}
+		},
+		Config: outbox.ForwarderConfig{
+			PollInterval: 200 * time.Millisecond, // no Notify after the captures: they were committed before this relay started
+		},
+	})
 	if err != nil {
 		return err
 	}
-	stopRelay = stop
 	if killRelay {
 		wait := ""
 		if l.DB.Dialect == outbox.SQLite {
@@ -295,75 +307,9 @@ func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Write
 	return first, nil
 }
 
-// startRelay runs relay 2 in this process, counting what the broker
-// confirmed for it.
-func (l *ledger) startRelay(ctx context.Context, confirmedIDs *confirmed) (stop func() error, err error) {
-	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: l.AMQPURL, ConnectionName: prog + " relay 2", Logger: l.Log})
-	if err != nil {
-		return nil, err
-	}
-	fwd, err := outbox.NewForwarder(l.DB.DB, &watchConfirms{dest: amqpDest, confirmed: confirmedIDs.add}, outbox.ForwarderConfig{
-		PollInterval: 200 * time.Millisecond, // no Notify after the captures: they were committed before this relay started
-		Logger:       l.Log,
-		OnError: func(err error, _ outbox.ErrorContext) {
-			fmt.Fprintf(l.Stderr, "%s: relay 2: %v\n", prog, err)
-		},
-	})
-	if err != nil {
-		_ = amqpDest.Close()
-		return nil, err
-	}
-	done := make(chan error, 1)
-	go func() { done <- fwd.Run(ctx) }()
-	return func() error { return errors.Join(fwd.Close(), <-done) }, nil
-}
-
-// startConsumer runs the ledger consumer: a Watermill router whose handler
-// sits behind the inbox, with a counter outside the inbox that sees every
-// delivery, duplicates included.
-func (l *ledger) startConsumer(ctx context.Context) (stop func() error, err error) {
-	inbox, err := outbox.NewInbox(l.DB.DB, outbox.InboxConfig{Logger: l.Log}) // consumer name: the handler's, "ledger"
-	if err != nil {
-		return nil, err
-	}
-	sub, err := demo.Subscriber(l.AMQPURL, exchange, queue, l.Log)
-	if err != nil {
-		return nil, fmt.Errorf("subscribe: %w", err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, l.Log)
-	if err != nil {
-		_ = sub.Close()
-		return nil, err
-	}
-	router.AddConsumerHandler("ledger", topic, sub, l.post).AddMiddleware(l.tally.middleware, inbox.Middleware)
-
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	stop = func() error {
-		err := router.Close() // waits for the handlers, closes the subscriber
-		return errors.Join(err, <-done, sub.Close())
-	}
-	select {
-	case <-router.Running():
-		return stop, nil
-	case err := <-done:
-		done <- err
-		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
-	}
-}
-
-// post is the ledger's handler: the entry goes through the inbox's
-// transaction, so it commits with the (consumer, message id) key or not at
-// all, and the message is acked only after.
-func (l *ledger) post(msg *message.Message) error {
-	var c captured
-	if err := json.Unmarshal(msg.Payload, &c); err != nil {
-		return fmt.Errorf("payment.captured %s: %w", msg.UUID, err)
-	}
-	tx, ok := outbox.TxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
-	}
+// post is the ledger's handler, behind the inbox: the entry commits with the
+// inbox's key for the message, and the tally hears that it ran.
+func (l *ledger) post(msg *message.Message, tx *sqlx.Tx, c captured) error {
 	if _, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO ledger_entries (payment_id, amount_cents, currency, message_id) VALUES (?, ?, ?, ?)"),
 		c.PaymentID, c.AmountCents, c.Currency, msg.UUID); err != nil {
 		return err

@@ -22,6 +22,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -98,24 +99,23 @@ type attempt struct {
 	rejected  error // the reservation's failure: order and message rolled back
 }
 
-func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) (err error) {
+func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) error {
 	if err := s.Migrate(ctx, "the shop's tables", schema); err != nil {
 		return err
 	}
 
-	// The consumer first: subscribing declares the exchange, the queue and
-	// the binding, so the relay never publishes to a route that is not there.
-	stopConsumer, err := s.startConsumer(ctx)
+	// The consumer first, so that the relay never publishes to a route that
+	// is not there. Behind the inbox, each order is fulfilled once, however
+	// often its message is delivered.
+	err := s.StartConsumer(ctx, demo.Consumer{Exchange: exchange, Queue: queue, Topic: topic, Handler: demo.InboxHandler(topic, fulfil)})
 	if err != nil {
 		return err
 	}
-	stopRelay := func() error { return nil }
-	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
-	stop, err := s.startRelay(ctx)
-	if err != nil {
+	// The relay, in this process, is the only thing that publishes the
+	// outbox's rows to RabbitMQ.
+	if s.fwd, err = s.StartRelay(ctx, demo.Relay{Name: "relay"}); err != nil {
 		return err
 	}
-	stopRelay = stop
 
 	attempts := make([]*attempt, n)
 	for i := range attempts {
@@ -180,77 +180,9 @@ func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err e
 	return msg.UUID, nil
 }
 
-// startRelay runs the Forwarder in this process: the only thing that
-// publishes the outbox's rows to RabbitMQ.
-func (s *shop) startRelay(ctx context.Context) (stop func() error, err error) {
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.AMQPURL, ConnectionName: prog + " relay", Logger: s.Log})
-	if err != nil {
-		return nil, err
-	}
-	s.fwd, err = outbox.NewForwarder(s.DB.DB, dest, outbox.ForwarderConfig{
-		Logger: s.Log,
-		OnError: func(err error, _ outbox.ErrorContext) {
-			fmt.Fprintf(s.Stderr, "%s: relay: %v\n", prog, err)
-		},
-	})
-	if err != nil {
-		_ = dest.Close()
-		return nil, err
-	}
-	done := make(chan error, 1)
-	go func() { done <- s.fwd.Run(ctx) }()
-	return func() error {
-		closeErr := s.fwd.Close() // finishes the batch in flight, closes the destination
-		return errors.Join(closeErr, <-done)
-	}, nil
-}
-
-// startConsumer runs a Watermill router whose fulfilment handler sits
-// behind the inbox: each order.placed message is fulfilled once, however
-// often it is delivered.
-func (s *shop) startConsumer(ctx context.Context) (stop func() error, err error) {
-	inbox, err := outbox.NewInbox(s.DB.DB, outbox.InboxConfig{Logger: s.Log}) // consumer name: the handler's, "fulfilment"
-	if err != nil {
-		return nil, err
-	}
-	sub, err := demo.Subscriber(s.AMQPURL, exchange, queue, s.Log)
-	if err != nil {
-		return nil, fmt.Errorf("subscribe: %w", err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, s.Log)
-	if err != nil {
-		_ = sub.Close()
-		return nil, err
-	}
-	router.AddConsumerHandler("fulfilment", topic, sub, fulfil).AddMiddleware(inbox.Middleware)
-
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	stop = func() error {
-		err := router.Close() // waits for the handlers, closes the subscriber
-		return errors.Join(err, <-done, sub.Close())
-	}
-	select {
-	case <-router.Running():
-		return stop, nil
-	case err := <-done:
-		done <- err
-		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
-	}
-}
-
-// fulfil is the consumer's handler. Its effect goes through the inbox's
-// transaction, so the fulfilment row and the (consumer, message id) key
-// commit together, and only then is the message acked.
-func fulfil(msg *message.Message) error {
-	var o order
-	if err := json.Unmarshal(msg.Payload, &o); err != nil {
-		return fmt.Errorf("order.placed %s: %w", msg.UUID, err)
-	}
-	tx, ok := outbox.TxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
-	}
+// fulfil is the consumer's handler, behind the inbox: the fulfilment row
+// commits with the inbox's key for the message.
+func fulfil(msg *message.Message, tx *sqlx.Tx, o order) error {
 	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO fulfilments (order_id, sku, quantity, message_id) VALUES (?, ?, ?, ?)"),
 		o.ID, o.SKU, o.Quantity, msg.UUID)
 	return err
