@@ -19,7 +19,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -244,20 +243,10 @@ func (l *ledger) capture(ctx context.Context, p captured) (messageID string, err
 	if n, err := res.RowsAffected(); err != nil || n != 1 {
 		return "", errors.Join(err, fmt.Errorf("payment %s is not authorized", p.PaymentID))
 	}
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
-	if err != nil {
+	if messageID, err = demo.PublishJSON(ctx, tx, exchange, topic, p); err != nil {
 		return "", err
 	}
-	payload, err := json.Marshal(p)
-	if err != nil {
-		return "", err
-	}
-	msg := message.NewMessage(watermill.NewUUID(), payload)
-	msg.SetContext(ctx)
-	if err := pub.Publish(topic, msg); err != nil {
-		return "", err
-	}
-	return msg.UUID, tx.Commit()
+	return messageID, tx.Commit()
 }
 
 // killedRelay runs relay 1 as a child process of this very program, which

@@ -13,14 +13,12 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"text/tabwriter"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
@@ -154,30 +152,20 @@ func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err e
 
 	// Where the service published to RabbitMQ, it publishes into its own
 	// transaction: a row of acemq_outbox, and nothing on the network.
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
-	if err != nil {
-		return "", err
-	}
-	payload, err := json.Marshal(o)
-	if err != nil {
-		return "", err
-	}
-	msg := message.NewMessage(watermill.NewUUID(), payload)
-	msg.SetContext(ctx)
-	if err := pub.Publish(topic, msg); err != nil {
+	if messageID, err = demo.PublishJSON(ctx, tx, exchange, topic, o); err != nil {
 		return "", err
 	}
 
 	// The message is written, and still goes nowhere: a failure from here
 	// on rolls it back with the order.
 	if err := s.stock.reserve(o.SKU, o.Quantity); err != nil {
-		return msg.UUID, err
+		return messageID, err
 	}
 	if err := tx.Commit(); err != nil {
 		s.stock.release(o.SKU, o.Quantity)
-		return msg.UUID, fmt.Errorf("commit: %w", err)
+		return messageID, fmt.Errorf("commit: %w", err)
 	}
-	return msg.UUID, nil
+	return messageID, nil
 }
 
 // fulfil is the consumer's handler, behind the inbox: the fulfilment row
