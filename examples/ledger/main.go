@@ -27,7 +27,6 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -208,7 +207,7 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 	var published int
 	err = demo.WaitFor(ctx, l.timeout+killedRelayLease, func(ctx context.Context) (bool, error) {
 		var err error
-		if published, err = l.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = l.DB.CountPublished(ctx, messageIDs); err != nil {
 			return false, err
 		}
 		sent := len(first) + len(second.ours(messageIDs))
@@ -328,7 +327,7 @@ func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, message
 
 	deliveries, duplicates := l.tally.counts()
 	fmt.Fprintln(stdout)
-	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	w := demo.NewTable(stdout)
 	fmt.Fprintf(w, "captures\t%d\n", len(payments))
 	if killRelay {
 		fmt.Fprintf(w, "published by relay 1\t%d\t(confirmed, never marked)\n", len(first))

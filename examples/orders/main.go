@@ -16,7 +16,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -196,7 +195,7 @@ func (s *shop) waitFulfilled(ctx context.Context, attempts []*attempt, timeout t
 		if fulfilled, err = s.DB.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
 			return false, err
 		}
-		if published, err = s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = s.DB.CountPublished(ctx, messageIDs); err != nil {
 			return false, err
 		}
 		return fulfilled == len(orderIDs) && published == len(messageIDs), nil
@@ -222,7 +221,7 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 	if err != nil {
 		return err
 	}
-	published, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
+	published, err := s.DB.CountPublished(ctx, placedMsgs)
 	if err != nil {
 		return err
 	}
@@ -237,7 +236,7 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 
 	var problems []error
 	fulfilled := 0
-	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	w := demo.NewTable(stdout)
 	fmt.Fprintln(w, "order\tproduct\tqty\t total\toutcome")
 	for _, a := range attempts {
 		p := products[a.order.SKU]

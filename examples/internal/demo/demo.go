@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -198,6 +199,17 @@ func (db *DB) CountIn(ctx context.Context, query string, ids []string) (int, err
 	err = db.GetContext(ctx, &n, db.Rebind(q), args...)
 	return n, err
 }
+
+// CountPublished is how many of the messages ids a relay has marked
+// published. A message the broker confirmed to a relay that died before the
+// mark does not count: the next relay publishes it again.
+func (db *DB) CountPublished(ctx context.Context, ids []string) (int, error) {
+	return db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", ids)
+}
+
+// NewTable is a report's table on w: columns two spaces apart. Flush
+// writes it.
+func NewTable(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0) }
 
 // CountPerID runs a "SELECT id, COUNT(*) … IN (?) GROUP BY id" query over ids
 // and returns the count of each id that has rows.
