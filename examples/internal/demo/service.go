@@ -73,7 +73,7 @@ func (s *Service) StartConsumer(ctx context.Context, c Consumer) error {
 	if err != nil {
 		return err
 	}
-	sub, err := Subscriber(s.AMQPURL, c.Exchange, c.Queue, s.Log)
+	sub, err := subscriber(s.AMQPURL, c.Exchange, c.Queue, s.Log)
 	if err != nil {
 		return fmt.Errorf("subscribe: %w", err)
 	}
