@@ -41,7 +41,7 @@ const (
 	prog     = "examples/ledger"
 	exchange = "payments"         // a durable topic exchange
 	topic    = "payment.captured" // the routing key
-	queue    = "ledger"           // the ledger consumer's durable queue
+	queue    = "ledger"           // the ledger consumer's durable queue, and its name in the inbox
 )
 
 // The killed relay's timings. On SQLite a claim is a lease: the rows of a

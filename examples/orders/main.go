@@ -29,7 +29,7 @@ const (
 	prog     = "examples/orders"
 	exchange = "shop-events"  // a durable topic exchange
 	topic    = "order.placed" // the routing key
-	queue    = "fulfilment"   // the consumer's durable queue
+	queue    = "fulfilment"   // the consumer's durable queue, and its name in the inbox
 )
 
 func main() { demo.Main(run) }
