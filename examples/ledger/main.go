@@ -19,22 +19,19 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
-	"os/signal"
 	"strings"
 	"sync"
-	"syscall"
-	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -44,7 +41,7 @@ const (
 	prog     = "examples/ledger"
 	exchange = "payments"         // a durable topic exchange
 	topic    = "payment.captured" // the routing key
-	queue    = "ledger"           // the ledger consumer's durable queue
+	queue    = "ledger"           // the ledger consumer's durable queue, and its name in the inbox
 )
 
 // The killed relay's timings. On SQLite a claim is a lease: the rows of a
@@ -56,69 +53,43 @@ const (
 	killedRelayLease          = 2 * killedRelayPublishTimeout // the least the Forwarder accepts
 )
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
-}
+func main() { demo.Main(run) }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	stderr = demo.SyncWriter(stderr)
-	flags := flag.NewFlagSet(prog, flag.ContinueOnError)
-	flags.SetOutput(stderr)
+	cmd := demo.NewCommand(prog, stderr)
 	var (
-		captures  = flags.Int("captures", 5, "how many payments to capture (1 to 100)")
-		dsn       = flags.String("db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
-		amqpURL   = flags.String("amqp", demo.DefaultAMQPURL, "the RabbitMQ URL")
-		killRelay = flags.Bool("kill-relay", false, "run the first relay as a child process that dies after the broker's confirm and before the mark")
-		timeout   = flags.Duration("timeout", 30*time.Second, "how long to wait for each step")
-		verbose   = flags.Bool("v", false, "log what Watermill and the relay do, to stderr")
+		captures  = cmd.Flags.Int("captures", 5, "how many payments to capture (1 to 100)")
+		killRelay = cmd.Flags.Bool("kill-relay", false, "run the first relay as a child process that dies after the broker's confirm and before the mark")
+		timeout   = cmd.Flags.Duration("timeout", 30*time.Second, "how long to wait for each step")
 	)
-	hideFlags(flags)
-	role := flags.String("role", "", "") // hidden: "relay" is the child process of -kill-relay
-	if err := flags.Parse(args); err != nil {
+	hideFlags(cmd.Flags)
+	role := cmd.Flags.String("role", "", "") // hidden: "relay" is the child process of -kill-relay
+	if err := cmd.Flags.Parse(args); err != nil {
 		return 2
 	}
 	if *captures < 1 || *captures > 100 {
 		// At most one relay batch (100 rows), so that the killed relay has
 		// published every capture when it dies.
-		fmt.Fprintf(stderr, "%s: -captures %d: want 1 to 100\n", prog, *captures)
+		fmt.Fprintf(cmd.Stderr, "%s: -captures %d: want 1 to 100\n", prog, *captures)
 		return 2
 	}
-	logger := demo.Logger(stderr, *verbose)
 
 	switch *role {
 	case "":
 	case "relay":
-		if err := runKilledRelay(ctx, *dsn, *amqpURL, *timeout, stdout, logger); err != nil {
-			fmt.Fprintf(stderr, "%s: relay: %v\n", prog, err)
+		if err := runKilledRelay(ctx, cmd.DSN, cmd.AMQPURL, *timeout, stdout, cmd.Logger()); err != nil {
+			fmt.Fprintf(cmd.Stderr, "%s: relay: %v\n", prog, err)
 		}
 		return 1 // this relay was to die by SIGKILL, not to return
 	default:
-		fmt.Fprintf(stderr, "%s: -role %q: the only role is relay\n", prog, *role)
+		fmt.Fprintf(cmd.Stderr, "%s: -role %q: the only role is relay\n", prog, *role)
 		return 2
 	}
 
-	if err := demo.CheckBroker(*amqpURL); err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	db, err := demo.OpenDB(ctx, *dsn, "payments.db")
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", prog, db.Where, demo.RedactURL(*amqpURL))
-
-	l := &ledger{db: db, amqpURL: *amqpURL, stderr: stderr, log: logger, timeout: *timeout, tally: newTally()}
-	err = l.run(ctx, *captures, *killRelay, stdout)
-	err = errors.Join(err, db.Close())
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	return 0
+	return cmd.Run(ctx, "payments.db", stdout, func(svc *demo.Service) error {
+		l := &ledger{Service: svc, timeout: *timeout, tally: newTally()}
+		return l.run(ctx, *captures, *killRelay, stdout)
+	})
 }
 
 // hideFlags makes -h list the flags defined so far and no later ones.
@@ -164,31 +135,26 @@ type captured struct {
 var amounts = []int64{4250, 1999, 12000, 350, 7800}
 
 type ledger struct {
-	db      *demo.DB
-	amqpURL string
-	stderr  io.Writer
-	log     watermill.LoggerAdapter
+	*demo.Service
 	timeout time.Duration
 	tally   *tally
 }
 
-func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) (err error) {
-	if err := outbox.Migrate(ctx, l.db.DB.DB, l.db.Dialect); err != nil {
+func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Writer) error {
+	if err := l.Migrate(ctx, "the service's tables", schema); err != nil {
 		return err
 	}
-	for _, ddl := range schema {
-		if _, err := l.db.ExecContext(ctx, ddl); err != nil {
-			return fmt.Errorf("create the service's tables: %w", err)
-		}
-	}
-	// The consumer first: subscribing declares the exchange, the queue and
-	// the binding, so no relay publishes to a route that is not there.
-	stopConsumer, err := l.startConsumer(ctx)
+	// The consumer first, so that no relay publishes to a route that is not
+	// there. The tally, outside the inbox, sees every delivery, duplicates
+	// included.
+	err := l.StartConsumer(ctx, demo.Consumer{
+		Exchange: exchange, Queue: queue, Topic: topic,
+		Handler: demo.InboxHandler(topic, l.post),
+		Outside: []message.HandlerMiddleware{l.tally.middleware},
+	})
 	if err != nil {
 		return err
 	}
-	stopRelay := func() error { return nil }
-	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
 
 	var payments, messageIDs []string
 	var shown []string
@@ -214,15 +180,23 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 		}
 	}
 
+	// Relay 2, in this process, counts what the broker confirmed for it.
 	var second confirmed
-	stop, err := l.startRelay(ctx, &second)
+	_, err = l.StartRelay(ctx, demo.Relay{
+		Name: "relay 2",
+		Wrap: func(dest *outbox.AMQPDestination) outbox.Destination {
+			return &watchConfirms{dest: dest, confirmed: second.add}
+		},
+		Config: outbox.ForwarderConfig{
+			PollInterval: 200 * time.Millisecond, // no Notify after the captures: they were committed before this relay started
+		},
+	})
 	if err != nil {
 		return err
 	}
-	stopRelay = stop
 	if killRelay {
 		wait := ""
-		if l.db.Dialect == outbox.SQLite {
+		if l.DB.Dialect == outbox.SQLite {
 			wait = fmt.Sprintf(", once relay 1's %s SQLite lease has expired", killedRelayLease)
 		}
 		fmt.Fprintf(stdout, "relay 2 (in this process%s) publishes the pending rows again\n", wait)
@@ -233,7 +207,7 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 	var published int
 	err = demo.WaitFor(ctx, l.timeout+killedRelayLease, func(ctx context.Context) (bool, error) {
 		var err error
-		if published, err = l.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = l.DB.CountPublished(ctx, messageIDs); err != nil {
 			return false, err
 		}
 		sent := len(first) + len(second.ours(messageIDs))
@@ -247,7 +221,7 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 
 // authorize records the payment as authorized: no message yet.
 func (l *ledger) authorize(ctx context.Context, p captured) error {
-	_, err := l.db.ExecContext(ctx, l.db.Rebind("INSERT INTO payments (id, status, amount_cents, currency) VALUES (?, 'authorized', ?, ?)"),
+	_, err := l.DB.ExecContext(ctx, l.DB.Rebind("INSERT INTO payments (id, status, amount_cents, currency) VALUES (?, 'authorized', ?, ?)"),
 		p.PaymentID, p.AmountCents, p.Currency)
 	return err
 }
@@ -255,7 +229,7 @@ func (l *ledger) authorize(ctx context.Context, p captured) error {
 // capture is the business transaction: the payment becomes captured and its
 // payment.captured message is written, together or not at all.
 func (l *ledger) capture(ctx context.Context, p captured) (messageID string, err error) {
-	tx, err := l.db.BeginTxx(ctx, nil)
+	tx, err := l.DB.BeginTxx(ctx, nil)
 	if err != nil {
 		return "", err
 	}
@@ -268,20 +242,10 @@ func (l *ledger) capture(ctx context.Context, p captured) (messageID string, err
 	if n, err := res.RowsAffected(); err != nil || n != 1 {
 		return "", errors.Join(err, fmt.Errorf("payment %s is not authorized", p.PaymentID))
 	}
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
-	if err != nil {
+	if messageID, err = demo.PublishJSON(ctx, tx, exchange, topic, p); err != nil {
 		return "", err
 	}
-	payload, err := json.Marshal(p)
-	if err != nil {
-		return "", err
-	}
-	msg := message.NewMessage(watermill.NewUUID(), payload)
-	msg.SetContext(ctx)
-	if err := pub.Publish(topic, msg); err != nil {
-		return "", err
-	}
-	return msg.UUID, tx.Commit()
+	return messageID, tx.Commit()
 }
 
 // killedRelay runs relay 1 as a child process of this very program, which
@@ -298,8 +262,8 @@ func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Write
 	// The child writes the ids the broker confirmed to its stdout, one a
 	// line, just before it dies; its stderr is ours.
 	var confirmedOut bytes.Buffer
-	child := exec.CommandContext(childCtx, self, "-role", "relay", "-db", l.db.DSN, "-amqp", l.amqpURL, "-timeout", l.timeout.String())
-	child.Stdout, child.Stderr = &confirmedOut, l.stderr
+	child := exec.CommandContext(childCtx, self, "-role", "relay", "-db", l.DB.DSN, "-amqp", l.AMQPURL, "-timeout", l.timeout.String())
+	child.Stdout, child.Stderr = &confirmedOut, l.Stderr
 	err = child.Run()
 
 	var first []string
@@ -317,7 +281,7 @@ func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Write
 	fmt.Fprintf(stdout, "relay 1 (child process %d): the broker confirmed %d messages, then the relay died (%v) before marking them published\n",
 		child.Process.Pid, len(first), exit)
 
-	pending, err := l.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND id IN (?)", first)
+	pending, err := l.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL AND id IN (?)", first)
 	if err != nil {
 		return nil, err
 	}
@@ -331,75 +295,9 @@ func (l *ledger) killedRelay(ctx context.Context, ours []string, stdout io.Write
 	return first, nil
 }
 
-// startRelay runs relay 2 in this process, counting what the broker
-// confirmed for it.
-func (l *ledger) startRelay(ctx context.Context, confirmedIDs *confirmed) (stop func() error, err error) {
-	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: l.amqpURL, ConnectionName: prog + " relay 2", Logger: l.log})
-	if err != nil {
-		return nil, err
-	}
-	fwd, err := outbox.NewForwarder(l.db.DB, &watchConfirms{dest: amqpDest, confirmed: confirmedIDs.add}, outbox.ForwarderConfig{
-		PollInterval: 200 * time.Millisecond, // no Notify after the captures: they were committed before this relay started
-		Logger:       l.log,
-		OnError: func(err error, _ outbox.ErrorContext) {
-			fmt.Fprintf(l.stderr, "%s: relay 2: %v\n", prog, err)
-		},
-	})
-	if err != nil {
-		_ = amqpDest.Close()
-		return nil, err
-	}
-	done := make(chan error, 1)
-	go func() { done <- fwd.Run(ctx) }()
-	return func() error { return errors.Join(fwd.Close(), <-done) }, nil
-}
-
-// startConsumer runs the ledger consumer: a Watermill router whose handler
-// sits behind the inbox, with a counter outside the inbox that sees every
-// delivery, duplicates included.
-func (l *ledger) startConsumer(ctx context.Context) (stop func() error, err error) {
-	inbox, err := outbox.NewInbox(l.db.DB, outbox.InboxConfig{Logger: l.log}) // consumer name: the handler's, "ledger"
-	if err != nil {
-		return nil, err
-	}
-	sub, err := demo.Subscriber(l.amqpURL, exchange, queue, l.log)
-	if err != nil {
-		return nil, fmt.Errorf("subscribe: %w", err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, l.log)
-	if err != nil {
-		_ = sub.Close()
-		return nil, err
-	}
-	router.AddConsumerHandler("ledger", topic, sub, l.post).AddMiddleware(l.tally.middleware, inbox.Middleware)
-
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	stop = func() error {
-		err := router.Close() // waits for the handlers, closes the subscriber
-		return errors.Join(err, <-done, sub.Close())
-	}
-	select {
-	case <-router.Running():
-		return stop, nil
-	case err := <-done:
-		done <- err
-		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
-	}
-}
-
-// post is the ledger's handler: the entry goes through the inbox's
-// transaction, so it commits with the (consumer, message id) key or not at
-// all, and the message is acked only after.
-func (l *ledger) post(msg *message.Message) error {
-	var c captured
-	if err := json.Unmarshal(msg.Payload, &c); err != nil {
-		return fmt.Errorf("payment.captured %s: %w", msg.UUID, err)
-	}
-	tx, ok := outbox.TxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
-	}
+// post is the ledger's handler, behind the inbox: the entry commits with the
+// inbox's key for the message, and the tally hears that it ran.
+func (l *ledger) post(msg *message.Message, tx *sqlx.Tx, c captured) error {
 	if _, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO ledger_entries (payment_id, amount_cents, currency, message_id) VALUES (?, ?, ?, ?)"),
 		c.PaymentID, c.AmountCents, c.Currency, msg.UUID); err != nil {
 		return err
@@ -411,11 +309,11 @@ func (l *ledger) post(msg *message.Message) error {
 // report prints the summary and fails unless every capture has exactly one
 // ledger entry.
 func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, messageIDs, first, second []string, killRelay bool) error {
-	entries, err := l.db.CountPerID(ctx, "SELECT payment_id, COUNT(*) FROM ledger_entries WHERE payment_id IN (?) GROUP BY payment_id", payments)
+	entries, err := l.DB.CountPerID(ctx, "SELECT payment_id, COUNT(*) FROM ledger_entries WHERE payment_id IN (?) GROUP BY payment_id", payments)
 	if err != nil {
 		return err
 	}
-	processed, err := l.db.CountIn(ctx, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'ledger' AND message_id IN (?)", messageIDs)
+	processed, err := l.DB.CountIn(ctx, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'ledger' AND message_id IN (?)", messageIDs)
 	if err != nil {
 		return err
 	}
@@ -429,7 +327,7 @@ func (l *ledger) report(ctx context.Context, stdout io.Writer, payments, message
 
 	deliveries, duplicates := l.tally.counts()
 	fmt.Fprintln(stdout)
-	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	w := demo.NewTable(stdout)
 	fmt.Fprintf(w, "captures\t%d\n", len(payments))
 	if killRelay {
 		fmt.Fprintf(w, "published by relay 1\t%d\t(confirmed, never marked)\n", len(first))

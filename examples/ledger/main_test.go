@@ -1,13 +1,11 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"os"
-	"regexp"
-	"strings"
 	"testing"
 
+	"github.com/acemq/watermill-outbox/examples/internal/demo/demotest"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -21,69 +19,33 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func runLedger(t *testing.T, args ...string) (stdout, stderr string, code int) {
-	t.Helper()
-	var out, errOut bytes.Buffer
-	code = run(context.Background(), args, &out, &errOut)
-	t.Logf("examples/ledger %s → exit %d\n%s%s", strings.Join(args, " "), code, out.String(), errOut.String())
-	return out.String(), errOut.String(), code
-}
-
-func wantLines(t *testing.T, stdout string, lines ...string) {
-	t.Helper()
-	for _, line := range lines {
-		if !regexp.MustCompile(`(?m)^` + line + `$`).MatchString(stdout) {
-			t.Errorf("no line %q in the output", line)
-		}
-	}
-}
-
 // The relay is killed (SIGKILL, a real process) after the broker confirmed
 // its messages and before it marked them: the rows stay pending, a second
 // relay publishes them again, every capture is delivered twice, and the
 // inbox keeps the ledger to one entry per capture.
 func TestLedger_RelayKilledAfterConfirm_PublishedTwiceOneEntryPerCapture(t *testing.T) {
-	for _, kind := range testdb.Kinds {
-		t.Run(kind, func(t *testing.T) {
-			testdb.Require(t, "amqp")
-			args := []string{"-kill-relay", "-amqp", testdb.AMQPURL(), "-timeout", "10s"}
-			if kind != testdb.SQLite {
-				args = append(args, "-db", testdb.New(t, kind).DSN)
-			}
-			stdout, stderr, code := runLedger(t, args...)
-			if code != 0 {
-				t.Fatalf("exit %d, want 0", code)
-			}
-			if stderr != "" {
-				t.Errorf("stderr = %q, want nothing", stderr)
-			}
-			wantLines(t, stdout,
-				`relay 1 \(child process \d+\): the broker confirmed 5 messages, then the relay died \(signal: killed\) before marking them published`,
-				`outbox: 5 of them still pending, while the ledger consumer has received all 5 from the broker`,
-				`captures\s+5`,
-				`published by relay 1\s+5\s+\(confirmed, never marked\)`,
-				`published by relay 2\s+5`,
-				`deliveries\s+10`,
-				`duplicates absorbed\s+5`,
-				`processed_messages\s+5`,
-				`ledger entries\s+5\s+\(5 of 5 captures with exactly one\)`,
-			)
-		})
-	}
+	demotest.OnEachDB(t, func(t *testing.T, args []string) {
+		stdout := demotest.RunOK(t, prog, run, append(args, "-kill-relay", "-timeout", "10s")...)
+		demotest.WantLines(t, stdout,
+			`relay 1 \(child process \d+\): the broker confirmed 5 messages, then the relay died \(signal: killed\) before marking them published`,
+			`outbox: 5 of them still pending, while the ledger consumer has received all 5 from the broker`,
+			`captures\s+5`,
+			`published by relay 1\s+5\s+\(confirmed, never marked\)`,
+			`published by relay 2\s+5`,
+			`deliveries\s+10`,
+			`duplicates absorbed\s+5`,
+			`processed_messages\s+5`,
+			`ledger entries\s+5\s+\(5 of 5 captures with exactly one\)`,
+		)
+	})
 }
 
 // With one relay that lives, each capture is delivered once and nothing is
 // absorbed.
 func TestLedger_NoKill_OneDeliveryAndOneEntryPerCapture(t *testing.T) {
 	testdb.Require(t, "amqp")
-	stdout, stderr, code := runLedger(t, "-amqp", testdb.AMQPURL(), "-timeout", "10s")
-	if code != 0 {
-		t.Fatalf("exit %d, want 0", code)
-	}
-	if stderr != "" {
-		t.Errorf("stderr = %q, want nothing", stderr)
-	}
-	wantLines(t, stdout,
+	stdout := demotest.RunOK(t, prog, run, "-amqp", testdb.AMQPURL(), "-timeout", "10s")
+	demotest.WantLines(t, stdout,
 		`published\s+5`,
 		`deliveries\s+5`,
 		`duplicates absorbed\s+0`,

@@ -79,10 +79,6 @@ func runKilledRelay(ctx context.Context, dsn, amqpURL string, timeout time.Durat
 		return err
 	}
 	defer db.Close()
-	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: amqpURL, ConnectionName: prog + " relay 1", Logger: logger})
-	if err != nil {
-		return err
-	}
 	dieAfterConfirm := func(ids []string) {
 		for _, id := range ids {
 			fmt.Fprintln(stdout, id)
@@ -93,13 +89,15 @@ func runKilledRelay(ctx context.Context, dsn, amqpURL string, timeout time.Durat
 		}
 		panic(fmt.Sprintf("relay 1 could not kill itself: %v", err))
 	}
-	fwd, err := outbox.NewForwarder(db.DB, &watchConfirms{dest: amqpDest, confirmed: dieAfterConfirm}, outbox.ForwarderConfig{
-		PublishTimeout: killedRelayPublishTimeout,
-		Lease:          killedRelayLease,
-		Logger:         logger,
+	svc := &demo.Service{Name: prog, DB: db, AMQPURL: amqpURL, Log: logger}
+	fwd, err := svc.NewRelay(demo.Relay{
+		Name: "relay 1",
+		Wrap: func(dest *outbox.AMQPDestination) outbox.Destination {
+			return &watchConfirms{dest: dest, confirmed: dieAfterConfirm}
+		},
+		Config: outbox.ForwarderConfig{PublishTimeout: killedRelayPublishTimeout, Lease: killedRelayLease},
 	})
 	if err != nil {
-		_ = amqpDest.Close()
 		return err
 	}
 	defer fwd.Close()

@@ -13,19 +13,13 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"os"
-	"os/signal"
-	"syscall"
-	"text/tabwriter"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/examples/internal/demo"
@@ -35,53 +29,28 @@ const (
 	prog     = "examples/orders"
 	exchange = "shop-events"  // a durable topic exchange
 	topic    = "order.placed" // the routing key
-	queue    = "fulfilment"   // the consumer's durable queue
+	queue    = "fulfilment"   // the consumer's durable queue, and its name in the inbox
 )
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
-}
+func main() { demo.Main(run) }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	stderr = demo.SyncWriter(stderr)
-	flags := flag.NewFlagSet(prog, flag.ContinueOnError)
-	flags.SetOutput(stderr)
+	cmd := demo.NewCommand(prog, stderr)
 	var (
-		orders  = flags.Int("orders", 10, "how many orders to place (1 to 1000); those the stock cannot cover are rejected")
-		dsn     = flags.String("db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
-		amqpURL = flags.String("amqp", demo.DefaultAMQPURL, "the RabbitMQ URL")
-		timeout = flags.Duration("timeout", 30*time.Second, "how long to wait for every placed order to be fulfilled")
-		verbose = flags.Bool("v", false, "log what Watermill and the relay do, to stderr")
+		orders  = cmd.Flags.Int("orders", 10, "how many orders to place (1 to 1000); those the stock cannot cover are rejected")
+		timeout = cmd.Flags.Duration("timeout", 30*time.Second, "how long to wait for every placed order to be fulfilled")
 	)
-	if err := flags.Parse(args); err != nil {
+	if err := cmd.Flags.Parse(args); err != nil {
 		return 2
 	}
 	if *orders < 1 || *orders > 1000 {
-		fmt.Fprintf(stderr, "%s: -orders %d: want 1 to 1000\n", prog, *orders)
+		fmt.Fprintf(cmd.Stderr, "%s: -orders %d: want 1 to 1000\n", prog, *orders)
 		return 2
 	}
-	if err := demo.CheckBroker(*amqpURL); err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	db, err := demo.OpenDB(ctx, *dsn, "shop.db")
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", prog, db.Where, demo.RedactURL(*amqpURL))
-
-	s := &shop{db: db, amqpURL: *amqpURL, stderr: stderr, log: demo.Logger(stderr, *verbose), stock: newInventory()}
-	err = s.run(ctx, *orders, *timeout, stdout)
-	err = errors.Join(err, db.Close())
-	if err != nil {
-		fmt.Fprintf(stderr, "%s: %v\n", prog, err)
-		return 1
-	}
-	return 0
+	return cmd.Run(ctx, "shop.db", stdout, func(svc *demo.Service) error {
+		s := &shop{Service: svc, stock: newInventory()}
+		return s.run(ctx, *orders, *timeout, stdout)
+	})
 }
 
 // schema is the shop's own tables; the outbox's come from outbox.Migrate.
@@ -106,12 +75,9 @@ var schema = []string{
 }
 
 type shop struct {
-	db      *demo.DB
-	amqpURL string
-	stderr  io.Writer
-	log     watermill.LoggerAdapter
-	stock   *inventory
-	fwd     *outbox.Forwarder
+	*demo.Service
+	stock *inventory
+	fwd   *outbox.Forwarder
 }
 
 // order is also the order.placed message's payload.
@@ -130,29 +96,23 @@ type attempt struct {
 	rejected  error // the reservation's failure: order and message rolled back
 }
 
-func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) (err error) {
-	if err := outbox.Migrate(ctx, s.db.DB.DB, s.db.Dialect); err != nil {
+func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.Writer) error {
+	if err := s.Migrate(ctx, "the shop's tables", schema); err != nil {
 		return err
-	}
-	for _, ddl := range schema {
-		if _, err := s.db.ExecContext(ctx, ddl); err != nil {
-			return fmt.Errorf("create the shop's tables: %w", err)
-		}
 	}
 
-	// The consumer first: subscribing declares the exchange, the queue and
-	// the binding, so the relay never publishes to a route that is not there.
-	stopConsumer, err := s.startConsumer(ctx)
+	// The consumer first, so that the relay never publishes to a route that
+	// is not there. Behind the inbox, each order is fulfilled once, however
+	// often its message is delivered.
+	err := s.StartConsumer(ctx, demo.Consumer{Exchange: exchange, Queue: queue, Topic: topic, Handler: demo.InboxHandler(topic, fulfil)})
 	if err != nil {
 		return err
 	}
-	stopRelay := func() error { return nil }
-	defer func() { err = errors.Join(err, stopConsumer(), stopRelay()) }()
-	stop, err := s.startRelay(ctx)
-	if err != nil {
+	// The relay, in this process, is the only thing that publishes the
+	// outbox's rows to RabbitMQ.
+	if s.fwd, err = s.StartRelay(ctx, demo.Relay{Name: "relay"}); err != nil {
 		return err
 	}
-	stopRelay = stop
 
 	attempts := make([]*attempt, n)
 	for i := range attempts {
@@ -178,7 +138,7 @@ func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.
 // placeOrder is the business transaction: the order row, its order.placed
 // message, and the stock reservation commit together, or none of them does.
 func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err error) {
-	tx, err := s.db.BeginTxx(ctx, nil)
+	tx, err := s.DB.BeginTxx(ctx, nil)
 	if err != nil {
 		return "", err
 	}
@@ -191,103 +151,25 @@ func (s *shop) placeOrder(ctx context.Context, o order) (messageID string, err e
 
 	// Where the service published to RabbitMQ, it publishes into its own
 	// transaction: a row of acemq_outbox, and nothing on the network.
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
-	if err != nil {
-		return "", err
-	}
-	payload, err := json.Marshal(o)
-	if err != nil {
-		return "", err
-	}
-	msg := message.NewMessage(watermill.NewUUID(), payload)
-	msg.SetContext(ctx)
-	if err := pub.Publish(topic, msg); err != nil {
+	if messageID, err = demo.PublishJSON(ctx, tx, exchange, topic, o); err != nil {
 		return "", err
 	}
 
 	// The message is written, and still goes nowhere: a failure from here
 	// on rolls it back with the order.
 	if err := s.stock.reserve(o.SKU, o.Quantity); err != nil {
-		return msg.UUID, err
+		return messageID, err
 	}
 	if err := tx.Commit(); err != nil {
 		s.stock.release(o.SKU, o.Quantity)
-		return msg.UUID, fmt.Errorf("commit: %w", err)
+		return messageID, fmt.Errorf("commit: %w", err)
 	}
-	return msg.UUID, nil
+	return messageID, nil
 }
 
-// startRelay runs the Forwarder in this process: the only thing that
-// publishes the outbox's rows to RabbitMQ.
-func (s *shop) startRelay(ctx context.Context) (stop func() error, err error) {
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.amqpURL, ConnectionName: prog + " relay", Logger: s.log})
-	if err != nil {
-		return nil, err
-	}
-	s.fwd, err = outbox.NewForwarder(s.db.DB, dest, outbox.ForwarderConfig{
-		Logger: s.log,
-		OnError: func(err error, _ outbox.ErrorContext) {
-			fmt.Fprintf(s.stderr, "%s: relay: %v\n", prog, err)
-		},
-	})
-	if err != nil {
-		_ = dest.Close()
-		return nil, err
-	}
-	done := make(chan error, 1)
-	go func() { done <- s.fwd.Run(ctx) }()
-	return func() error {
-		closeErr := s.fwd.Close() // finishes the batch in flight, closes the destination
-		return errors.Join(closeErr, <-done)
-	}, nil
-}
-
-// startConsumer runs a Watermill router whose fulfilment handler sits
-// behind the inbox: each order.placed message is fulfilled once, however
-// often it is delivered.
-func (s *shop) startConsumer(ctx context.Context) (stop func() error, err error) {
-	inbox, err := outbox.NewInbox(s.db.DB, outbox.InboxConfig{Logger: s.log}) // consumer name: the handler's, "fulfilment"
-	if err != nil {
-		return nil, err
-	}
-	sub, err := demo.Subscriber(s.amqpURL, exchange, queue, s.log)
-	if err != nil {
-		return nil, fmt.Errorf("subscribe: %w", err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, s.log)
-	if err != nil {
-		_ = sub.Close()
-		return nil, err
-	}
-	router.AddConsumerHandler("fulfilment", topic, sub, fulfil).AddMiddleware(inbox.Middleware)
-
-	done := make(chan error, 1)
-	go func() { done <- router.Run(ctx) }()
-	stop = func() error {
-		err := router.Close() // waits for the handlers, closes the subscriber
-		return errors.Join(err, <-done, sub.Close())
-	}
-	select {
-	case <-router.Running():
-		return stop, nil
-	case err := <-done:
-		done <- err
-		return nil, errors.Join(fmt.Errorf("consumer: %w", err), stop())
-	}
-}
-
-// fulfil is the consumer's handler. Its effect goes through the inbox's
-// transaction, so the fulfilment row and the (consumer, message id) key
-// commit together, and only then is the message acked.
-func fulfil(msg *message.Message) error {
-	var o order
-	if err := json.Unmarshal(msg.Payload, &o); err != nil {
-		return fmt.Errorf("order.placed %s: %w", msg.UUID, err)
-	}
-	tx, ok := outbox.TxFromContext(msg.Context())
-	if !ok {
-		return errors.New("no inbox transaction: the handler must run behind inbox.Middleware")
-	}
+// fulfil is the consumer's handler, behind the inbox: the fulfilment row
+// commits with the inbox's key for the message.
+func fulfil(msg *message.Message, tx *sqlx.Tx, o order) error {
 	_, err := tx.ExecContext(msg.Context(), tx.Rebind("INSERT INTO fulfilments (order_id, sku, quantity, message_id) VALUES (?, ?, ?, ?)"),
 		o.ID, o.SKU, o.Quantity, msg.UUID)
 	return err
@@ -310,10 +192,10 @@ func (s *shop) waitFulfilled(ctx context.Context, attempts []*attempt, timeout t
 	var fulfilled, published int
 	err := demo.WaitFor(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
-		if fulfilled, err = s.db.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
+		if fulfilled, err = s.DB.CountIn(ctx, "SELECT COUNT(DISTINCT order_id) FROM fulfilments WHERE order_id IN (?)", orderIDs); err != nil {
 			return false, err
 		}
-		if published, err = s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", messageIDs); err != nil {
+		if published, err = s.DB.CountPublished(ctx, messageIDs); err != nil {
 			return false, err
 		}
 		return fulfilled == len(orderIDs) && published == len(messageIDs), nil
@@ -335,26 +217,26 @@ func (s *shop) report(ctx context.Context, stdout io.Writer, attempts []*attempt
 			rejectedIDs, rejectedMsgs = append(rejectedIDs, a.order.ID), append(rejectedMsgs, a.messageID)
 		}
 	}
-	perOrder, err := s.db.CountPerID(ctx, "SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
+	perOrder, err := s.DB.CountPerID(ctx, "SELECT order_id, COUNT(*) FROM fulfilments WHERE order_id IN (?) GROUP BY order_id", placedIDs)
 	if err != nil {
 		return err
 	}
-	published, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", placedMsgs)
+	published, err := s.DB.CountPublished(ctx, placedMsgs)
 	if err != nil {
 		return err
 	}
-	leftOrders, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
+	leftOrders, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM orders WHERE id IN (?)", rejectedIDs)
 	if err != nil {
 		return err
 	}
-	leftMessages, err := s.db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
+	leftMessages, err := s.DB.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?)", rejectedMsgs)
 	if err != nil {
 		return err
 	}
 
 	var problems []error
 	fulfilled := 0
-	w := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	w := demo.NewTable(stdout)
 	fmt.Fprintln(w, "order\tproduct\tqty\t total\toutcome")
 	for _, a := range attempts {
 		p := products[a.order.SKU]

@@ -1,8 +1,12 @@
 // Package demo is what the example programs share and what is not the point
-// of any of them: opening the database a -db flag names (SQLite in a
-// temporary file when it names none), checking that RabbitMQ answers before
-// anything starts, a durable topic subscription, and waiting for a condition
-// with a deadline.
+// of any of them: their command line and its exit codes (Command), opening
+// the database a -db flag names (SQLite in a temporary file when it names
+// none), checking that RabbitMQ answers before anything starts, the consumer
+// behind the inbox and the relays a program runs (Service), a JSON message
+// written into a transaction and read behind the inbox (PublishJSON,
+// InboxHandler), counting a run's own rows, and waiting for a condition with
+// a deadline. What a program is about, its business transaction, its
+// handler's effect and its report, stays in the program.
 package demo
 
 import (
@@ -16,6 +20,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"text/tabwriter"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -29,8 +34,8 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 )
 
-// DefaultAMQPURL is the broker of `docker compose up -d rabbitmq`.
-const DefaultAMQPURL = "amqp://guest:guest@localhost:5672/"
+// defaultAMQPURL is the broker of `docker compose up -d rabbitmq`.
+const defaultAMQPURL = "amqp://guest:guest@localhost:5672/"
 
 // sqliteParams: BEGIN IMMEDIATE and a busy timeout, so that the relay, the
 // consumer and the program's own writes wait for each other instead of
@@ -65,7 +70,7 @@ func OpenDB(ctx context.Context, dsn, file string) (*DB, error) {
 		driver, db.Dialect, db.tmp = "sqlite3", outbox.SQLite, dir
 		db.DSN, db.Where = "file:"+path+"?"+sqliteParams, "SQLite "+path+" (temporary)"
 	case strings.HasPrefix(dsn, "postgres://"), strings.HasPrefix(dsn, "postgresql://"):
-		driver, db.Dialect, db.Where = "pgx", outbox.Postgres, "PostgreSQL "+RedactURL(dsn)
+		driver, db.Dialect, db.Where = "pgx", outbox.Postgres, "PostgreSQL "+redactURL(dsn)
 	case strings.HasPrefix(dsn, "file:"), strings.HasSuffix(dsn, ".db"), strings.HasSuffix(dsn, ".sqlite"):
 		if !strings.HasPrefix(dsn, "file:") {
 			db.DSN = "file:" + dsn
@@ -114,23 +119,23 @@ func (db *DB) Close() error {
 	return err
 }
 
-// CheckBroker dials RabbitMQ once, with a short timeout, so that a program
+// checkBroker dials RabbitMQ once, with a short timeout, so that a program
 // without a broker says so in one line instead of retrying in the
 // background.
-func CheckBroker(amqpURL string) error {
+func checkBroker(amqpURL string) error {
 	conn, err := amqp.DialConfig(amqpURL, amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
 	if err != nil {
 		var netErr net.Error
 		if errors.As(err, &netErr) {
-			return fmt.Errorf("no RabbitMQ at %s (%v); start one with: docker compose up -d rabbitmq", RedactURL(amqpURL), err)
+			return fmt.Errorf("no RabbitMQ at %s (%v); start one with: docker compose up -d rabbitmq", redactURL(amqpURL), err)
 		}
-		return fmt.Errorf("RabbitMQ at %s refused the connection (%v)", RedactURL(amqpURL), err)
+		return fmt.Errorf("RabbitMQ at %s refused the connection (%v)", redactURL(amqpURL), err)
 	}
 	return conn.Close()
 }
 
-// RedactURL hides the password of a URL.
-func RedactURL(s string) string {
+// redactURL hides the password of a URL.
+func redactURL(s string) string {
 	u, err := url.Parse(s)
 	if err != nil {
 		return "(a URL that does not parse)"
@@ -141,11 +146,11 @@ func RedactURL(s string) string {
 	return strings.Replace(s, u.User.String()+"@", u.User.Username()+":***@", 1)
 }
 
-// Subscriber consumes from the durable queue, bound to the durable topic
+// subscriber consumes from the durable queue, bound to the durable topic
 // exchange with the router handler's topic as the routing key. It declares
 // all three when the router subscribes, so they exist before anything is
 // published.
-func Subscriber(amqpURL, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
+func subscriber(amqpURL, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
 	cfg := wamqp.NewDurableTopicConfig(amqpURL, exchange, queue)
 	cfg.Exchange.Durable = true // NewDurableTopicConfig leaves the exchange transient
 	return wamqp.NewSubscriber(cfg, logger)
@@ -171,18 +176,8 @@ func WaitFor(ctx context.Context, timeout time.Duration, cond func(context.Conte
 	}
 }
 
-// Logger is Watermill's standard logger on w when verbose, else silence.
-func Logger(w io.Writer, verbose bool) watermill.LoggerAdapter {
-	if !verbose {
-		return watermill.NopLogger{}
-	}
-	return watermill.NewStdLoggerWithOut(w, false, false)
-}
-
-// SyncWriter serialises writes to w: the relay, the router and the program
+// syncWriter serialises writes to w: the relay, the router and the program
 // all report to the same stderr.
-func SyncWriter(w io.Writer) io.Writer { return &syncWriter{w: w} }
-
 type syncWriter struct {
 	mu sync.Mutex
 	w  io.Writer
@@ -208,6 +203,17 @@ func (db *DB) CountIn(ctx context.Context, query string, ids []string) (int, err
 	err = db.GetContext(ctx, &n, db.Rebind(q), args...)
 	return n, err
 }
+
+// CountPublished is how many of the messages ids a relay has marked
+// published. A message the broker confirmed to a relay that died before the
+// mark does not count: the next relay publishes it again.
+func (db *DB) CountPublished(ctx context.Context, ids []string) (int, error) {
+	return db.CountIn(ctx, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL AND id IN (?)", ids)
+}
+
+// NewTable is a report's table on w: columns two spaces apart. Flush
+// writes it.
+func NewTable(w io.Writer) *tabwriter.Writer { return tabwriter.NewWriter(w, 0, 0, 2, ' ', 0) }
 
 // CountPerID runs a "SELECT id, COUNT(*) … IN (?) GROUP BY id" query over ids
 // and returns the count of each id that has rows.
