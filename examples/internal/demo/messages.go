@@ -17,7 +17,7 @@ import (
 // exchange with topic as its routing key, which a relay publishes once tx
 // has committed, and never if it does not. It returns the message's id.
 func PublishJSON(ctx context.Context, tx *sqlx.Tx, exchange, topic string, payload any) (messageID string, err error) {
-	pub, err := outbox.NewTxPublisher(tx, outbox.WithExchange(exchange), outbox.WithContentType("application/json"))
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange, ContentType: "application/json"})
 	if err != nil {
 		return "", err
 	}
