@@ -3,7 +3,6 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
-	"strings"
 	"time"
 )
 
@@ -40,13 +39,7 @@ func (postgres) Leases() bool { return false }
 func (postgres) PreparesRelay() bool { return false }
 
 func (postgres) insertOutbox(table string, rows int) string {
-	var b strings.Builder
-	b.Grow(64 + rows*50)
-	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
-	valuesList(&b, rows, outboxColumnCount, dollar)
-	// A retried transaction adds the same id again: one row, no error.
-	b.WriteString(" ON CONFLICT (id) DO NOTHING")
-	return b.String()
+	return insertOutboxOnConflict(table, rows, dollar)
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
@@ -65,18 +58,11 @@ func (postgres) claimSetup() string { return "SET LOCAL enable_sort = off" }
 // pendingIndex: the partial index is found by the planner; nothing to name.
 func (postgres) pendingIndex() string { return "" }
 
-func (postgres) purgePublished(table string) string {
-	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
-}
+func (postgres) purgePublished(table string) string { return purgePublishedByKey(table) }
 
-func (postgres) insertProcessed(table string) string {
-	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
-}
+func (postgres) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
-func (postgres) purgeProcessed(table string) string {
-	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
-}
+func (postgres) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
 
 // migrationLockKey is an arbitrary constant shared by every process that
 // migrates: pg_advisory_xact_lock makes the second one wait for the first.

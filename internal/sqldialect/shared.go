@@ -274,6 +274,39 @@ func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
 	return o.query("UPDATE "+o.table+" SET processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
 }
 
+// The statements below are those PostgreSQL and SQLite write alike and
+// MySQL does not (it has INSERT IGNORE, and refuses LIMIT in a subquery).
+
+// insertOutboxOnConflict inserts rows rows, skipping ids already present:
+// a retried transaction adds the same id again, and leaves one row.
+func insertOutboxOnConflict(table string, rows int, placeholder func(n int) string) string {
+	var b strings.Builder
+	b.Grow(64 + rows*50)
+	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
+	valuesList(&b, rows, outboxColumnCount, placeholder)
+	b.WriteString(" ON CONFLICT (id) DO NOTHING")
+	return b.String()
+}
+
+// purgePublishedByKey deletes at most ? rows published before ?, oldest first.
+func purgePublishedByKey(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+}
+
+// insertProcessedOnConflict records (consumer_name, message_id,
+// processed_at), and affects no row when the key is there already.
+func insertProcessedOnConflict(table string) string {
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+}
+
+// purgeProcessedByKey deletes at most ? inbox rows processed before ?,
+// oldest first.
+func purgeProcessedByKey(table string) string {
+	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table +
+		" WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+}
+
 // lockingClaim is the claim of PostgreSQL and MySQL: row locks held by the
 // claim's open transaction, skipping rows another relay holds. from is the
 // table, with an index hint where the dialect gives one.

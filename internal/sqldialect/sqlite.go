@@ -3,7 +3,6 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
-	"strings"
 	"time"
 )
 
@@ -33,12 +32,7 @@ func (sqlite) Leases() bool { return true }
 func (sqlite) PreparesRelay() bool { return false }
 
 func (sqlite) insertOutbox(table string, rows int) string {
-	var b strings.Builder
-	b.Grow(64 + rows*30)
-	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
-	valuesList(&b, rows, outboxColumnCount, questionMark)
-	b.WriteString(" ON CONFLICT (id) DO NOTHING")
-	return b.String()
+	return insertOutboxOnConflict(table, rows, questionMark)
 }
 
 // claim leases the rows: the update is conditional on the rows still being
@@ -57,18 +51,11 @@ func (sqlite) claimSetup() string { return "" }
 
 func (sqlite) pendingIndex() string { return "" }
 
-func (sqlite) purgePublished(table string) string {
-	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
-}
+func (sqlite) purgePublished(table string) string { return purgePublishedByKey(table) }
 
-func (sqlite) insertProcessed(table string) string {
-	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
-}
+func (sqlite) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
-func (sqlite) purgeProcessed(table string) string {
-	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
-}
+func (sqlite) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
 
 func (sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	// The first DDL statement takes SQLite's write lock for the rest of the
