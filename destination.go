@@ -75,9 +75,10 @@ type Pipeliner interface {
 type Pipeline interface {
 	// Destination is the destination this pipeline publishes for (the one
 	// whose Pipeline returned it), a comparable value: a pointer, as every
-	// destination of this package. Run pipelines only when it is the Forwarder's own
-	// destination, so that a type that embeds a pipelining destination and
-	// overrides Publish has its own Publish called, not skipped.
+	// destination of this package. Run pipelines only when it is the
+	// Forwarder's own destination, so that a type that embeds a pipelining
+	// destination and overrides Publish has its own Publish called, not
+	// skipped.
 	Destination() Destination
 	// Capacity is the most records that may be sent and not yet waited for.
 	// Run keeps no more than that in flight: with BatchSize records a

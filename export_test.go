@@ -13,9 +13,9 @@ func SetAfterPublishHook(f *Forwarder, fn func(published []string) error) { f.af
 // ClaimsOverlap reports whether the store's claims may overlap (pipelining).
 func ClaimsOverlap(s *Store) bool { return s.claimsOverlap() }
 
-// LockedClaim is the step of a locking claim that looks the pending index
+// PendingIndex is the step of a locking claim that looks the pending index
 // up in tx if it is not known yet, and returns the index the claim names.
-func LockedClaim(s *Store, tx *sql.Tx) (string, error) {
+func PendingIndex(s *Store, tx *sql.Tx) (string, error) {
 	return s.pendingIndex(context.Background(), tx)
 }
 

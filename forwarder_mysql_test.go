@@ -174,7 +174,7 @@ func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T
 
 	claimed := make(chan error, 1)
 	go func() {
-		_, err := outbox.LockedClaim(f.Store(), tx) // the claim's next step: the index lookup
+		_, err := outbox.PendingIndex(f.Store(), tx) // the claim's next step: the index lookup
 		claimed <- err
 	}()
 	select {
