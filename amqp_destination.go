@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/acemq/watermill-outbox/internal/amqpwire"
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 )
 
 // pipelineCapacity is the most records the destination's pipeline takes
@@ -575,10 +576,14 @@ func (d *AMQPDestination) checkExchange(name string) error {
 // routing key, content type, message id and header keys.
 const maxShortString = 255
 
-// encodable checks what amqp091-go would refuse to encode, or the broker
-// refuse to read, in a message: a short string over 255 bytes, or
-// properties larger than a frame (frameSize, 0 if unknown). Rows written by
-// hand or by another library can hold either.
+// encodable checks what amqp091-go would refuse to encode, or the broker or
+// an AMQP client refuse to read, in a message: a short string over 255
+// bytes (names, the routing key, content type, message id, header names and
+// the keys of tables nested in headers), a header value of no AMQP field
+// type, nesting or containers beyond what amqp091-go reads, or properties
+// larger than a frame (frameSize, 0 if unknown). Rows written by hand or by
+// another library can hold any of these; decodeRecord refuses most of them
+// already, and this is the check for every Record a destination is given.
 func encodable(r Record, msg amqp.Publishing, frameSize int) error {
 	for _, f := range []struct{ what, s string }{
 		{"exchange", r.Exchange}, {"routing key", r.RoutingKey},
@@ -588,17 +593,22 @@ func encodable(r Record, msg amqp.Publishing, frameSize int) error {
 			return fmt.Errorf("%s of %d bytes: AMQP allows %d", f.what, len(f.s), maxShortString)
 		}
 	}
-	// Header values are strings (publishing builds them so), which
-	// amqp091-go's own Validate accepts; their names and size it does not
-	// check. The properties travel in one frame: the fixed fields, the two short
-	// strings, and each header as key, type, length and value.
+	if len(msg.Headers) > rowcodec.MaxElements {
+		return fmt.Errorf("%d headers with the ids: AMQP clients read at most %d", len(msg.Headers), rowcodec.MaxElements)
+	}
+	// The properties travel in one frame: the fixed fields, the two short
+	// strings, and the headers table, each header as its name and its
+	// value as amqp091-go writes it.
 	size := 64 + len(msg.ContentType) + len(msg.MessageId)
 	for k, v := range msg.Headers {
 		if len(k) > maxShortString {
 			return fmt.Errorf("header name of %d bytes (%.20q…): AMQP allows %d", len(k), k, maxShortString)
 		}
-		s, _ := v.(string)
-		size += 1 + len(k) + 1 + 4 + len(s)
+		n, err := fieldSize(v, 1)
+		if err != nil {
+			return fmt.Errorf("header %q: %w", k, err)
+		}
+		size += 1 + len(k) + n
 	}
 	if frameSize > 0 && size > frameSize {
 		return fmt.Errorf("headers of about %d bytes do not fit the broker's frame of %d bytes", size, frameSize)
@@ -606,10 +616,77 @@ func encodable(r Record, msg amqp.Publishing, frameSize int) error {
 	return nil
 }
 
+// fieldSize is how many bytes amqp091-go writes for v as a field value, its
+// type octet included (writeField in its write.go), or an error for what it
+// cannot write or its reader refuses. depth is the nesting of v if it is an
+// array or a table: 1 for a header's own value.
+func fieldSize(v any, depth int) (int, error) {
+	switch v := v.(type) {
+	case nil:
+		return 1, nil
+	case bool, byte, int8:
+		return 2, nil
+	case int16, uint16:
+		return 3, nil
+	case int32, uint32, float32:
+		return 5, nil
+	case amqp.Decimal:
+		return 6, nil
+	case int64, float64, time.Time:
+		return 9, nil
+	case string:
+		return 5 + len(v), nil
+	case []byte:
+		return 5 + len(v), nil
+	case []any:
+		if err := containerReadable(len(v), depth); err != nil {
+			return 0, err
+		}
+		size := 5
+		for _, e := range v {
+			n, err := fieldSize(e, depth+1)
+			if err != nil {
+				return 0, err
+			}
+			size += n
+		}
+		return size, nil
+	case amqp.Table:
+		if err := containerReadable(len(v), depth); err != nil {
+			return 0, err
+		}
+		size := 5
+		for k, e := range v {
+			if len(k) > maxShortString {
+				return 0, fmt.Errorf("nested key of %d bytes (%.20q…): AMQP allows %d", len(k), k, maxShortString)
+			}
+			n, err := fieldSize(e, depth+1)
+			if err != nil {
+				return 0, err
+			}
+			size += 1 + len(k) + n
+		}
+		return size, nil
+	}
+	return 0, fmt.Errorf("a value of type %T, which AMQP has no field type for", v)
+}
+
+// containerReadable refuses an array or table amqp091-go's reader would
+// refuse, closing the consumer's connection over it.
+func containerReadable(n, depth int) error {
+	if depth > rowcodec.MaxDepth {
+		return fmt.Errorf("arrays and tables nested %d deep: AMQP clients read at most %d", depth, rowcodec.MaxDepth)
+	}
+	if n > rowcodec.MaxElements {
+		return fmt.Errorf("%d elements in an array or table: AMQP clients read at most %d", n, rowcodec.MaxElements)
+	}
+	return nil
+}
+
 func publishing(r Record) amqp.Publishing {
 	headers := make(amqp.Table, len(r.Headers)+2)
 	for k, v := range r.Headers {
-		headers[k] = v
+		headers[k] = fieldValue(v)
 	}
 	headers[HeaderMessageID] = r.ID
 	headers[HeaderWatermillUUID] = r.ID
@@ -621,6 +698,31 @@ func publishing(r Record) amqp.Publishing {
 		Timestamp:    r.CreatedAt,
 		Body:         r.Body,
 	}
+}
+
+// fieldValue is a header value as amqp091-go writes it: an object becomes a
+// nested amqp.Table (it has no field type for a map[string]any, and would
+// refuse the message), the elements of an array likewise (in a copy: the
+// record is sent again after a failure), an int an int64 (it would write an
+// int in 32 bits). Every other value goes as it is.
+func fieldValue(v any) any {
+	switch v := v.(type) {
+	case map[string]any:
+		t := make(amqp.Table, len(v))
+		for k, e := range v {
+			t[k] = fieldValue(e)
+		}
+		return t
+	case []any:
+		a := make([]any, len(v))
+		for i, e := range v {
+			a[i] = fieldValue(e)
+		}
+		return a
+	case int:
+		return int64(v)
+	}
+	return v
 }
 
 // permanentError marks a failure no retry can mend.

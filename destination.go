@@ -113,8 +113,9 @@ type Connector interface {
 // PublisherDestination publishes records through a Watermill publisher, one
 // at a time: for brokers other than RabbitMQ (Kafka, NATS, …). A record
 // becomes a message with the record's id as UUID, its headers as metadata
-// (plus x-acemq-id) and its body as payload, published to the topic that
-// TopicFor gives.
+// (plus x-acemq-id; a header that is not a string as its JSON text, as
+// [AMQPMarshaler] renders it) and its body as payload, published to the
+// topic that TopicFor gives.
 type PublisherDestination struct {
 	pub      message.Publisher
 	topicFor func(Record) string
@@ -138,7 +139,7 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 	for i, r := range records {
 		msg := message.NewMessage(r.ID, r.Body)
 		for k, v := range r.Headers {
-			msg.Metadata.Set(k, v)
+			msg.Metadata.Set(k, metadataValue(v))
 		}
 		msg.Metadata.Set(HeaderMessageID, r.ID)
 		msg.SetContext(ctx)

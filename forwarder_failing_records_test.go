@@ -187,14 +187,14 @@ func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
 }
 
 // Rows another library or a person wrote badly (headers that are not a JSON
-// object of strings, an unknown body encoding) fail alone and at once, and
-// the relay goes on with the rest in the same sweep.
+// object or hold what AMQP cannot carry, an unknown body encoding) fail alone
+// and at once, and the relay goes on with the rest in the same sweep.
 func TestForwarder_PoisonRows_FailAloneStuckAtOnce_RelayGoesOn(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
 		insertRaw(t, db, "bad-json", b.Exchange, "ok", "{not json", "utf-8")
-		insertRaw(t, db, "bad-value", b.Exchange, "ok", `{"retries": 3}`, "utf-8")
+		insertRaw(t, db, "bad-value", b.Exchange, "ok", `{"retries": 18446744073709551616}`, "utf-8") // no AMQP integer holds 2^64
 		insertRaw(t, db, "bad-encoding", b.Exchange, "ok", `{}`, "rot13")
 		insertRaw(t, db, "good", b.Exchange, "ok", `{"k":"v"}`, "utf-8")
 

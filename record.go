@@ -24,9 +24,14 @@ type Record struct {
 	RoutingKey  string
 	Body        []byte
 	ContentType string
-	// Headers are the row's headers (the message metadata); the relay adds
-	// the id headers when it publishes.
-	Headers   map[string]string
+	// Headers are the row's headers (the message metadata), typed as the
+	// row's JSON wrote them and as the relay sends them: string; int64 for
+	// an integer; float64 for any other number; bool; nil for null (sent
+	// as AMQP void); []any for an array and map[string]any for an object,
+	// holding the same types. TxPublisher writes strings only; other AceMQ
+	// libraries write the rest. The relay adds the id headers when it
+	// publishes.
+	Headers   map[string]any
 	CreatedAt time.Time
 	// Attempts is how many publishes of this record failed before.
 	Attempts int

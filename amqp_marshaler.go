@@ -1,0 +1,167 @@
+package outbox
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+)
+
+// AMQPMarshaler is the marshaler for watermill-amqp subscribers of messages
+// that AceMQ relays sent, this library's or another language's: set it as
+// the Marshaler of the subscriber's wamqp.Config.
+//
+// watermill-amqp's DefaultMarshaler refuses a message with a header that is
+// not a string, and relays of other AceMQ libraries send numbers, booleans,
+// arrays, tables and void; a message from one of them has no
+// _watermill_message_uuid either. AMQPMarshaler takes every header into the
+// metadata, a string as it is and any other value as its JSON text (see
+// Unmarshal), and the message UUID from the first of
+// _watermill_message_uuid, x-acemq-id and the message_id property that is a
+// non-empty string. It marshals as the embedded DefaultMarshaler does.
+type AMQPMarshaler struct {
+	wamqp.DefaultMarshaler
+}
+
+// Unmarshal never fails over a header. The message UUID is the
+// _watermill_message_uuid header (DefaultMarshaler.MessageUUIDHeaderKey if
+// set), else the x-acemq-id header, else the AMQP message_id property; the
+// UUID header is not copied into the metadata, x-acemq-id is. Each header
+// is in the metadata: a string as it is, any other value as JSON text:
+//
+//	integers of every width, floats    7, -3, 0.5, 1e+21 (float32 in its shortest form)
+//	NaN, +Inf, -Inf                    "NaN", "Infinity", "-Infinity" (JSON has no such numbers)
+//	boolean                            true, false
+//	void                               null
+//	decimal (scale, value)             the exact decimal number: scale 2, value 4250 is 42.50
+//	timestamp (seconds)                "2026-09-26T09:14:02Z", RFC 3339 in UTC
+//	byte array                         its standard base64 as a JSON string, as encoding/json writes []byte
+//	field array                        a JSON array of these, strings quoted
+//	table                              a JSON object of these, keys sorted
+//
+// A string header is in the metadata as it is, not quoted: the metadata of
+// a message a TxPublisher wrote reads as it was written.
+func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	uuidKey := m.MessageUUIDHeaderKey
+	if uuidKey == "" {
+		uuidKey = wamqp.DefaultMessageUUIDHeaderKey
+	}
+	msg := message.NewMessage(messageUUID(d, uuidKey), d.Body)
+	msg.Metadata = make(message.Metadata, len(d.Headers))
+	for k, v := range d.Headers {
+		if k == uuidKey {
+			continue
+		}
+		msg.Metadata[k] = metadataValue(v)
+	}
+	return msg, nil
+}
+
+// messageUUID is the first non-empty string of the UUID header, x-acemq-id
+// and message_id.
+func messageUUID(d amqp.Delivery, uuidKey string) string {
+	for _, k := range []string{uuidKey, HeaderMessageID} {
+		if s, ok := d.Headers[k].(string); ok && s != "" {
+			return s
+		}
+	}
+	return d.MessageId
+}
+
+// metadataValue is a header value as Watermill metadata holds it: a string
+// as it is, anything else as JSON text (AMQPMarshaler.Unmarshal has the
+// rendering of each AMQP field type). PublisherDestination renders a
+// record's headers with it too, so that a consumer reads the same metadata
+// whichever destination relayed the message.
+func metadataValue(v any) string {
+	if s, ok := v.(string); ok {
+		return s
+	}
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false) // "<" stays "<", as in the row
+	if err := enc.Encode(jsonValue(v)); err != nil {
+		// jsonValue leaves nothing encoding/json refuses; should it, the
+		// value is still shown rather than dropped.
+		return fmt.Sprint(v)
+	}
+	return strings.TrimSuffix(buf.String(), "\n")
+}
+
+// jsonValue is v made of what encoding/json writes as metadataValue
+// promises.
+func jsonValue(v any) any {
+	switch v := v.(type) {
+	case float64:
+		return finite(v, v)
+	case float32:
+		return finite(float64(v), v)
+	case amqp.Decimal:
+		return json.Number(decimalText(v))
+	case time.Time:
+		return v.UTC().Format(time.RFC3339)
+	case []byte:
+		return base64.StdEncoding.EncodeToString(v)
+	case []any:
+		a := make([]any, len(v))
+		for i, e := range v {
+			a[i] = jsonValue(e)
+		}
+		return a
+	case amqp.Table:
+		return jsonObject(v)
+	case map[string]any: // a Record's nested header
+		return jsonObject(v)
+	case nil, bool, string, int, int8, int16, int32, int64, uint8, uint16, uint32, uint64:
+		return v
+	}
+	return fmt.Sprint(v) // no AMQP field type: not from amqp091-go
+}
+
+func jsonObject(m map[string]any) map[string]any {
+	o := make(map[string]any, len(m))
+	for k, e := range m {
+		o[k] = jsonValue(e)
+	}
+	return o
+}
+
+// finite is v (f as float64) unless it is NaN or infinite, which JSON has
+// no number for: then the name JavaScript prints for it, as a string.
+func finite(f float64, v any) any {
+	switch {
+	case math.IsNaN(f):
+		return "NaN"
+	case math.IsInf(f, 1):
+		return "Infinity"
+	case math.IsInf(f, -1):
+		return "-Infinity"
+	}
+	return v
+}
+
+// decimalText is an AMQP decimal, Value × 10^-Scale, as exact decimal text
+// keeping its scale: scale 2, value 4250 is "42.50".
+func decimalText(d amqp.Decimal) string {
+	digits := strconv.FormatInt(int64(d.Value), 10)
+	sign := ""
+	if d.Value < 0 {
+		sign, digits = "-", digits[1:]
+	}
+	scale := int(d.Scale)
+	if scale == 0 {
+		return sign + digits
+	}
+	if len(digits) <= scale {
+		digits = strings.Repeat("0", scale-len(digits)+1) + digits
+	}
+	return sign + digits[:len(digits)-scale] + "." + digits[len(digits)-scale:]
+}
