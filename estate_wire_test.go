@@ -2,9 +2,12 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -227,6 +230,133 @@ func TestForwarder_Run_TypedHeadersLargerThanTheFrame_StuckAtOnce(t *testing.T) 
 			if got[id] == 0 {
 				t.Fatalf("message %s never arrived (%d of 10)", id, len(got))
 			}
+		}
+	})
+}
+
+// A message another AceMQ relay sent, published here by an AMQP client
+// without Watermill with only the message_id property and the x-acemq-id
+// header, is handled once by a router behind the inbox, with watermill-amqp's
+// default marshaler (no UUID: the inbox keys on x-acemq-id) and with
+// AMQPMarshaler (UUID from x-acemq-id); its redelivery after a crash
+// between commit and ack is acked without running the handler.
+func TestInbox_Router_MessageFromAnotherAceMQRelay_HandledOnceRedeliveryAcked(t *testing.T) {
+	for _, m := range []struct {
+		name      string
+		marshaler wamqp.Marshaler
+	}{{"default marshaler", wamqp.DefaultMarshaler{}}, {"AMQPMarshaler", outbox.AMQPMarshaler{}}} {
+		t.Run(m.name, func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				testdb.Require(t, "amqp")
+				createEffects(t, db)
+				topic := "foreign-" + testdb.RandomName()
+				cfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
+				cfg.Marshaler = m.marshaler
+				sub, err := wamqp.NewSubscriber(cfg, watermill.NopLogger{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
+				defer testamqpDeleteQueue(t, topic)
+
+				id := "pay-1-captured-" + testdb.RandomName()
+				testamqp.New(t).With(func(ch *amqp.Channel) error {
+					return ch.PublishWithContext(context.Background(), "", topic, true, false, amqp.Publishing{
+						MessageId: id, Headers: amqp.Table{outbox.HeaderMessageID: id},
+						DeliveryMode: amqp.Persistent, Body: []byte(`{"amount":"42.50"}`),
+					})
+				})
+				select {
+				case <-r.done:
+				case <-time.After(20 * time.Second):
+					t.Fatalf("the redelivery was not acked (%d deliveries, handler ran %d times)", r.deliveries.Load(), r.ran.Load())
+				}
+				var effects int
+				if err := db.Get(&effects, "SELECT COUNT(*) FROM effects"); err != nil {
+					t.Fatal(err)
+				}
+				if r.ran.Load() != 1 || effects != 1 || countProcessed(t, db, id) != 1 {
+					t.Fatalf("handler ran %d times, %d effects, key %s recorded %d times; want 1, 1, 1", r.ran.Load(), effects, id, countProcessed(t, db, id))
+				}
+			})
+		})
+	}
+}
+
+// crashingRouter is a router behind an inbox whose first delivery
+// "crashes" after the inbox committed, so that the broker gets a nack and
+// redelivers.
+type crashingRouter struct {
+	ran        atomic.Int32  // runs of the handler, which writes an effect each
+	deliveries atomic.Int32  // deliveries the inbox was given
+	done       chan struct{} // closed once a delivery after the first succeeded
+}
+
+// runInboxRouterCrashingOnce runs a router whose handler named handlerName
+// consumes topic from sub behind in and a crash after its first commit, and
+// returns once it is subscribed. The router stops when the test ends.
+func runInboxRouterCrashingOnce(t testing.TB, db *testdb.DB, in *outbox.Inbox, handlerName, topic string, sub message.Subscriber) *crashingRouter {
+	t.Helper()
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &crashingRouter{done: make(chan struct{})}
+	var once sync.Once
+	crashAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if r.deliveries.Add(1) == 1 {
+				return nil, errors.New("process died before the ack")
+			}
+			if err == nil {
+				once.Do(func() { close(r.done) })
+			}
+			return out, err
+		}
+	}
+	effect := writeEffect(t, db, &r.ran)
+	handler := router.AddConsumerHandler(handlerName, topic, sub, func(msg *message.Message) error {
+		_, err := effect(msg)
+		return err
+	})
+	handler.AddMiddleware(crashAfterCommit, in.Middleware)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { _ = router.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		_ = router.Close()
+	})
+	<-router.Running()
+	return r
+}
+
+// Without a UUID the inbox dedupes on the x-acemq-id metadata, with or
+// without AllowMissingID; only a message with no id at all is refused.
+func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, allow := range []bool{false, true} {
+			var ran int
+			h := newInbox(t, db, outbox.InboxConfig{AllowMissingID: allow}).Middleware(func(*message.Message) ([]*message.Message, error) {
+				ran++
+				return nil, nil
+			})
+			id := "foreign-" + testdb.RandomName()
+			for range 2 {
+				msg := message.NewMessage("", []byte("x"))
+				msg.Metadata.Set(outbox.HeaderMessageID, id)
+				if _, err := h(msg); err != nil {
+					t.Fatalf("AllowMissingID %v: %v", allow, err)
+				}
+			}
+			if ran != 1 || countProcessed(t, db, id) != 1 {
+				t.Errorf("AllowMissingID %v: handler ran %d times, key recorded %d times; want 1 and 1", allow, ran, countProcessed(t, db, id))
+			}
+		}
+		bad := message.NewMessage("", nil)
+		bad.Metadata.Set(outbox.HeaderMessageID, strings.Repeat("x", 65))
+		if _, err := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(bad); err == nil {
+			t.Error("an x-acemq-id of 65 characters was accepted as the key")
 		}
 	})
 }

@@ -45,9 +45,10 @@ type InboxConfig struct {
 	TrackedTopics *TrackedTopics
 	// Isolation of the handler's transaction. Default: the database's.
 	Isolation sql.IsolationLevel
-	// AllowMissingID lets a message without a UUID through, undeduplicated
-	// and outside any transaction. By default such a message fails with
-	// ErrNoMessageID: without an id there is no way to tell a duplicate.
+	// AllowMissingID lets a message without an id (neither a UUID nor
+	// x-acemq-id metadata) through, undeduplicated and outside any
+	// transaction. By default such a message fails with ErrNoMessageID:
+	// without an id there is no way to tell a duplicate.
 	AllowMissingID bool
 	// Metrics, if set, counts processed, duplicate and failed messages by
 	// consumer.
@@ -97,8 +98,8 @@ func (c InboxConfig) validate() error {
 	return nil
 }
 
-// ErrNoMessageID is returned for a message that has no UUID, unless
-// InboxConfig.AllowMissingID is set.
+// ErrNoMessageID is returned for a message that has no id, neither a UUID
+// nor x-acemq-id metadata, unless InboxConfig.AllowMissingID is set.
 var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
 // Inbox is the consumer's half of the outbox contract: a Watermill handler
@@ -193,7 +194,8 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		// the broker, becomes the parent of the handler's work.
 		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
 	}
-	if msg.UUID == "" {
+	key := dedupeKey(msg)
+	if key == "" {
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
 			out, err := h(msg)
@@ -201,8 +203,8 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		}
 		return nil, inboxFailed, "", ErrNoMessageID
 	}
-	if err := checkID(msg.UUID); err != nil {
-		return nil, inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", msg.UUID, err)
+	if err := checkID(key); err != nil {
+		return nil, inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
 	}
 	consumer = in.cfg.ConsumerName
 	if consumer == "" {
@@ -227,23 +229,23 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 	}()
 
 	now := time.Now()
-	insert := in.q.Insert(consumer, msg.UUID, now)
+	insert := in.q.Insert(consumer, key, now)
 	res, err := tx.ExecContext(ctx, insert.SQL, insert.Args...)
 	if err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: record %s for %s: %w", msg.UUID, consumer, err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
 	}
 	if n, err := res.RowsAffected(); err != nil {
 		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: %w", err)
 	} else if n == 0 {
 		// Processed before, by a delivery whose transaction committed: ack
 		// without running the handler again.
-		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": msg.UUID, "consumer": consumer})
+		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
 		return nil, inboxDuplicate, consumer, nil
 	}
 	if in.cfg.MarkOutboxProcessed && (in.cfg.TrackedTopics == nil || in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
-		mark := in.outbox.MarkProcessed(msg.UUID, now)
+		mark := in.outbox.MarkProcessed(key, now)
 		if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
-			return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", msg.UUID, err)
+			return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 		}
 	}
 
@@ -255,10 +257,24 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		return nil, inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", msg.UUID, consumer, err)
+		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
 	}
 	committed = true
 	return out, inboxProcessed, consumer, nil
+}
+
+// dedupeKey is the id the inbox dedupes msg on, "" if it has none: its
+// UUID, else its x-acemq-id metadata. Every AceMQ relay sends the id as the
+// x-acemq-id header and the message_id property, but only this library's
+// also as _watermill_message_uuid, so a message from a relay in another
+// language reaches a subscriber with watermill-amqp's DefaultMarshaler
+// without a UUID, and with x-acemq-id in its metadata (a string header).
+// AMQPMarshaler takes the UUID from x-acemq-id or message_id itself.
+func dedupeKey(msg *message.Message) string {
+	if msg.UUID != "" {
+		return msg.UUID
+	}
+	return msg.Metadata.Get(HeaderMessageID)
 }
 
 // runRecovering runs h, turning a panic into an error so that the

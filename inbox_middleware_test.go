@@ -303,54 +303,23 @@ func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t 
 		}
 		defer pub.Close()
 
-		router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-		if err != nil {
-			t.Fatal(err)
-		}
 		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{}) // consumer name: the handler's
 		if err != nil {
 			t.Fatal(err)
 		}
-		var ran, deliveries atomic.Int32
-		done := make(chan struct{})
-		// Outside the inbox: the first delivery "crashes" after the inbox
-		// committed, so the broker gets a nack and redelivers.
-		crashAfterCommit := func(h message.HandlerFunc) message.HandlerFunc {
-			return func(msg *message.Message) ([]*message.Message, error) {
-				out, err := h(msg)
-				if deliveries.Add(1) == 1 {
-					return nil, errors.New("process died before the ack")
-				}
-				if err == nil {
-					close(done)
-				}
-				return out, err
-			}
-		}
-		effect := writeEffect(t, db, &ran)
-		handler := router.AddConsumerHandler("fulfil-orders", topic, sub, func(msg *message.Message) error {
-			_, err := effect(msg)
-			return err
-		})
-		handler.AddMiddleware(crashAfterCommit, in.Middleware)
-
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		go func() { _ = router.Run(ctx) }()
-		<-router.Running()
-		defer router.Close()
+		r := runInboxRouterCrashingOnce(t, db, in, "fulfil-orders", topic, sub)
 
 		msg := message.NewMessage(watermill.NewUUID(), []byte("order 7"))
 		if err := pub.Publish(topic, msg); err != nil {
 			t.Fatal(err)
 		}
 		select {
-		case <-done:
+		case <-r.done:
 		case <-time.After(20 * time.Second):
-			t.Fatalf("the redelivery was not acked (%d deliveries)", deliveries.Load())
+			t.Fatalf("the redelivery was not acked (%d deliveries)", r.deliveries.Load())
 		}
-		if ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 {
-			t.Fatalf("handler ran %d times, %d effects; want 1 and 1", ran.Load(), countEffects(t, db, msg.UUID))
+		if r.ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 {
+			t.Fatalf("handler ran %d times, %d effects; want 1 and 1", r.ran.Load(), countEffects(t, db, msg.UUID))
 		}
 		var consumer string
 		if err := db.Get(&consumer, db.Rebind("SELECT consumer_name FROM processed_messages WHERE message_id = ?"), msg.UUID); err != nil || consumer != "fulfil-orders" {
