@@ -149,10 +149,12 @@ func redactURL(s string) string {
 // subscriber consumes from the durable queue, bound to the durable topic
 // exchange with the router handler's topic as the routing key. It declares
 // all three when the router subscribes, so they exist before anything is
-// published.
+// published. outbox.AMQPMarshaler reads what relays of every AceMQ library
+// send: headers of any AMQP type, and the id without Watermill's UUID header.
 func subscriber(amqpURL, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
 	cfg := wamqp.NewDurableTopicConfig(amqpURL, exchange, queue)
 	cfg.Exchange.Durable = true // NewDurableTopicConfig leaves the exchange transient
+	cfg.Marshaler = outbox.AMQPMarshaler{}
 	return wamqp.NewSubscriber(cfg, logger)
 }
 
