@@ -105,13 +105,15 @@ func contains(list []string, s string) bool {
 }
 
 // Row is what ActiveRecordOutboxStore#add writes, and what its relay
-// writes later: published_at, locked_by and locked_until, as times.
+// writes later: published_at, the lease, a failure.
 type Row struct {
 	ID, Exchange, RoutingKey string
 	Body                     string
 	Headers                  string // JSON; default {}
 	CreatedAt                time.Time
 	PublishedAt              time.Time // zero: NULL
+	Attempts                 int
+	LastError                string    // "": NULL
 	LockedBy                 string    // "": NULL
 	LockedUntil              time.Time // zero: NULL
 }
@@ -124,9 +126,9 @@ func Insert(t testing.TB, db *testdb.DB, r Row) {
 	if r.Headers == "" {
 		r.Headers = "{}"
 	}
-	_, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, published_at, attempts, locked_by, locked_until)"+
-		" VALUES (?, ?, ?, ?, 'utf-8', 'application/json', ?, ?, ?, 0, ?, ?)"),
-		r.ID, r.Exchange, r.RoutingKey, r.Body, r.Headers, Time(r.CreatedAt), Time(r.PublishedAt), null(r.LockedBy), Time(r.LockedUntil))
+	_, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers,"+
+		" created_at, published_at, attempts, last_error, locked_by, locked_until) VALUES (?, ?, ?, ?, 'utf-8', 'application/json', ?, ?, ?, ?, ?, ?, ?)"),
+		r.ID, r.Exchange, r.RoutingKey, r.Body, r.Headers, Time(r.CreatedAt), Time(r.PublishedAt), r.Attempts, null(r.LastError), null(r.LockedBy), Time(r.LockedUntil))
 	if err != nil {
 		t.Fatalf("testrails: insert %s: %v", r.ID, err)
 	}
