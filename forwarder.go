@@ -426,8 +426,9 @@ func (b *batch) fail(rec Record, attempts int, err error) {
 // are probably waiting.
 func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
 
-// last is the cursor after the batch's last row, nil (the head) when that
-// row's created_at could not be read: a cursor is only where its row is.
+// last is the cursor after the batch's last row, or nil (the next claim
+// starts at the head) when that row's created_at could not be read: the
+// zero time is no place in the order to resume from.
 func (b *batch) last() *sqldialect.Cursor {
 	r := b.claim.rows[len(b.claim.rows)-1]
 	if r.CreatedAt.IsZero() {
