@@ -426,9 +426,14 @@ func (b *batch) fail(rec Record, attempts int, err error) {
 // are probably waiting.
 func (b *batch) full(size int) bool { return b != nil && len(b.claim.rows) == size }
 
-// last is the cursor after the batch's last row.
+// last is the cursor after the batch's last row, or nil (the next claim
+// starts at the head) when that row's created_at could not be read: the
+// zero time is no place in the order to resume from.
 func (b *batch) last() *sqldialect.Cursor {
 	r := b.claim.rows[len(b.claim.rows)-1]
+	if r.CreatedAt.IsZero() {
+		return nil
+	}
 	return &sqldialect.Cursor{CreatedAt: r.CreatedAt, ID: r.ID}
 }
 
@@ -457,7 +462,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor) (*b
 	b := &batch{claim: cl, claimedAt: started, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
 	for _, row := range cl.rows {
 		b.attempts[row.ID] = row.Attempts
-		rec, err := decodeRecord(row)
+		rec, err := readRecord(row)
 		if err != nil {
 			// A malformed row fails alone and at once: no retry mends it,
 			// and it stands in nobody's way.
@@ -469,6 +474,16 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor) (*b
 		b.records = append(b.records, rec)
 	}
 	return b, nil
+}
+
+// readRecord decodes a claimed row, or says why it cannot be read at all:
+// a column the claim could not read (a NULL, a created_at that is no time)
+// makes the row as malformed as a body or headers that do not decode.
+func readRecord(row sqldialect.ClaimedRow) (Record, error) {
+	if row.Unreadable != nil {
+		return Record{}, row.Unreadable
+	}
+	return decodeRecord(row)
 }
 
 // settle marks what the broker confirmed, records the first failure, frees

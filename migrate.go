@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -18,6 +19,12 @@ import (
 // and the applied versions are recorded in acemq_schema_migrations. Every
 // statement is also idempotent, so a database first migrated with goose or
 // golang-migrate is left as it is.
+//
+// An acemq_outbox that another AceMQ library created (Rails' migration, say)
+// is brought up to date in place: what this library needs and the table
+// lacks (processed_at, the index of pending rows the relay's claim walks, on
+// PostgreSQL the trigger that wakes the relay) is added, and no row is
+// rewritten or dropped; the columns keep their types.
 func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 	if d == nil {
 		return &ConfigError{Field: "dialect", Reason: "nil; pass outbox.Postgres, outbox.MySQL or outbox.SQLite"}
@@ -45,8 +52,8 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 			if applied[m.Version] {
 				continue
 			}
-			for _, stmt := range sqlschema.Statements(m.Up) {
-				if _, err := q.ExecContext(ctx, stmt); err != nil {
+			for _, step := range m.UpSteps {
+				if err := runStep(ctx, q, step); err != nil {
 					return fmt.Errorf("%s: %w", m.Name, err)
 				}
 			}
@@ -60,6 +67,26 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 		return fmt.Errorf("outbox: migrate %s: %w", d.Name(), err)
 	}
 	return nil
+}
+
+// runStep runs a step of a migration: its statement, unless its guard's
+// query returns a row (see sqlschema.Steps).
+func runStep(ctx context.Context, q sqldialect.Execer, step sqlschema.Step) error {
+	if step.Unless != "" {
+		rows, err := q.QueryContext(ctx, step.Unless)
+		if err != nil {
+			return err
+		}
+		found := rows.Next()
+		if err := errors.Join(rows.Err(), rows.Close()); err != nil {
+			return err
+		}
+		if found {
+			return nil
+		}
+	}
+	_, err := q.ExecContext(ctx, step.Run)
+	return err
 }
 
 func execQuery(ctx context.Context, q sqldialect.Execer, query sqldialect.Query) error {

@@ -3,13 +3,17 @@ package outbox_test
 import (
 	"context"
 	"io/fs"
+	"reflect"
+	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testrails"
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
@@ -159,3 +163,193 @@ func assertMigratedOnce(t *testing.T, db *testdb.DB) {
 }
 
 func fsReadDir(fsys fs.FS) ([]fs.DirEntry, error) { return fs.ReadDir(fsys, ".") }
+
+// An acemq_outbox that the Rails AceMQ library created (timestamp without
+// time zone or datetime(6), its own acemq_outbox_pending index, no
+// processed_at, no trigger) is brought up to date in place by Migrate: what
+// is missing is added, every row stays as it was, the columns keep their
+// types, and a second run changes nothing.
+func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		testrails.CreateTable(t, db)
+		now := time.Now().UTC()
+		testrails.Insert(t, db, testrails.Row{ID: "pending", Exchange: "shop", RoutingKey: "order.placed", Body: `{"n":1}`, Headers: `{"tenant":"a","retries":3}`, CreatedAt: now.Add(-time.Minute)})
+		testrails.Insert(t, db, testrails.Row{ID: "published", Exchange: "shop", RoutingKey: "order.placed", Body: `{"n":2}`, CreatedAt: now.Add(-time.Hour), PublishedAt: now.Add(-59 * time.Minute)})
+		testrails.Insert(t, db, testrails.Row{ID: "leased", Exchange: "shop", RoutingKey: "order.placed", Body: `{"n":3}`, CreatedAt: now, LockedBy: "ruby-relay-1", LockedUntil: now.Add(time.Minute)})
+		before := snapshot(t, db)
+		typesBefore := columnTypes(t, db)
+
+		d := dialectOf(t, db)
+		for i := 0; i < 2; i++ {
+			if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+				t.Fatalf("migrate #%d: %v", i+1, err)
+			}
+		}
+		assertMigratedOnce(t, db)
+		if after := snapshot(t, db); !reflect.DeepEqual(after, before) {
+			t.Errorf("rows changed by the migration:\nbefore %v\nafter  %v", before, after)
+		}
+		if after := columnTypes(t, db); !reflect.DeepEqual(after, typesBefore) {
+			t.Errorf("column types changed:\nbefore %v\nafter  %v", typesBefore, after)
+		}
+		var processed int
+		if err := db.Get(&processed, "SELECT COUNT(processed_at) FROM acemq_outbox"); err != nil || processed != 0 {
+			t.Errorf("processed_at: %d set, %v; want the column, null in every row", processed, err)
+		}
+		want := map[string][]string{
+			testdb.Postgres: {"acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pkey", "acemq_outbox_published"},
+			testdb.MySQL:    {"PRIMARY", "acemq_outbox_pending"},
+			testdb.SQLite:   {"acemq_outbox_pending", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
+		}[db.Kind]
+		if got := indexes(t, db); !reflect.DeepEqual(got, want) {
+			t.Errorf("indexes %v, want %v: Rails' kept, and the one the relay's claim walks", got, want)
+		}
+		if db.Kind == testdb.Postgres {
+			var n int
+			if err := db.Get(&n, "SELECT COUNT(*) FROM pg_trigger WHERE tgname = 'acemq_outbox_notify' AND tgrelid = 'acemq_outbox'::regclass"); err != nil || n != 1 {
+				t.Errorf("%d notify triggers (%v), want 1", n, err)
+			}
+		}
+	})
+}
+
+// A table made by hand with no index the relay's claim can walk gets one:
+// 0001's on PostgreSQL and SQLite, where it is a statement of its own, and
+// on MySQL, where 0001 makes its indexes with the table, 0004's, which the
+// claim names.
+func TestMigrate_TableWithoutPendingIndex_GetsOne(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		testrails.CreateTable(t, db)
+		drop := "DROP INDEX acemq_outbox_pending"
+		if db.Kind == testdb.MySQL {
+			drop += " ON acemq_outbox"
+		}
+		if _, err := db.Exec(drop); err != nil {
+			t.Fatal(err)
+		}
+		d := migrate(t, db)
+		want := "acemq_outbox_pending"
+		if db.Kind == testdb.MySQL {
+			want = "acemq_outbox_pending_claim"
+		}
+		if got := indexes(t, db); !slices.Contains(got, want) {
+			t.Fatalf("indexes %v, want %s", got, want)
+		}
+		if db.Kind != testdb.MySQL {
+			return
+		}
+		s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tx, err := db.DB.DB.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if index, err := outbox.PendingIndex(s, tx); err != nil || index != want {
+			t.Errorf("the claim names %q (%v), want %s", index, err, want)
+		}
+	})
+}
+
+// goose and golang-migrate run the files as plain SQL. On PostgreSQL and
+// MySQL that alone brings a Rails table up to date, twice over without
+// harm; on SQLite the file's guarded step is Migrate's (plain SQL cannot
+// add a column only when it is missing), and Migrate after the tool adds it.
+func TestMigrations_PlainSQL_RailsTable_UpToDateWhereSQLCanSayIt(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		testrails.CreateTable(t, db)
+		testrails.Insert(t, db, testrails.Row{ID: "a", Exchange: "shop", RoutingKey: "k", Body: "x", CreatedAt: time.Now()})
+		d := dialectOf(t, db)
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < 2; i++ {
+			for _, m := range migs {
+				for _, stmt := range sqlschema.Statements(m.Up) {
+					if _, err := db.Exec(stmt); err != nil {
+						t.Fatalf("run #%d, %s: %v", i+1, m.Name, err)
+					}
+				}
+			}
+		}
+		_, err = db.Exec("SELECT processed_at FROM acemq_outbox")
+		if hasColumn := err == nil; hasColumn != (db.Kind != testdb.SQLite) {
+			t.Errorf("processed_at after plain SQL: %v; want it on PostgreSQL and MySQL", err)
+		}
+		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec("SELECT processed_at FROM acemq_outbox"); err != nil {
+			t.Errorf("processed_at after Migrate: %v", err)
+		}
+		if n := countRows(t, db); n != 1 {
+			t.Errorf("%d rows, want the one there was", n)
+		}
+	})
+}
+
+// snapshot reads every row of acemq_outbox, every column the Rails table
+// has, as the driver returns it.
+func snapshot(t *testing.T, db *testdb.DB) []map[string]any {
+	t.Helper()
+	rows, err := db.Queryx("SELECT id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, published_at, attempts, last_error, locked_by, locked_until FROM acemq_outbox ORDER BY id")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	var out []map[string]any
+	for rows.Next() {
+		m := map[string]any{}
+		if err := rows.MapScan(m); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, m)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// columnTypes are the declared types of acemq_outbox's columns, by name.
+func columnTypes(t *testing.T, db *testdb.DB) map[string]string {
+	t.Helper()
+	q := map[string]string{
+		testdb.Postgres: "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'acemq_outbox' AND column_name <> 'processed_at'",
+		testdb.MySQL:    "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME <> 'processed_at'",
+		testdb.SQLite:   "SELECT name, type FROM pragma_table_info('acemq_outbox') WHERE name <> 'processed_at'",
+	}[db.Kind]
+	rows, err := db.Query(q)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	types := map[string]string{}
+	for rows.Next() {
+		var name, typ string
+		if err := rows.Scan(&name, &typ); err != nil {
+			t.Fatal(err)
+		}
+		types[name] = typ
+	}
+	return types
+}
+
+// indexes are the names of acemq_outbox's indexes, sorted.
+func indexes(t *testing.T, db *testdb.DB) []string {
+	t.Helper()
+	q := map[string]string{
+		testdb.Postgres: "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() AND tablename = 'acemq_outbox'",
+		testdb.MySQL:    "SELECT DISTINCT INDEX_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox'",
+		testdb.SQLite:   "SELECT name FROM pragma_index_list('acemq_outbox')",
+	}[db.Kind]
+	var names []string
+	if err := db.Select(&names, q); err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(names) // byte order, whatever the database's collation
+	return names
+}

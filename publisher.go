@@ -292,9 +292,12 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 	for found.Next() {
 		var (
 			id, exchange, routingKey string
-			created                  sqldialect.Time
+			// Read by the dialect's rule, as it was written: a row another
+			// library wrote with a created_at that is no time reads as
+			// the zero time, not ours.
+			created = sqldialect.NewTime(p.cfg.Dialect.sql())
 		)
-		if err := found.Scan(&id, &exchange, &routingKey, &created); err != nil {
+		if err := found.Scan(&id, &exchange, &routingKey, created); err != nil {
 			_ = found.Close()
 			return err
 		}

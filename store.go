@@ -181,7 +181,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		s.forgetIndex() // dropped or renamed, maybe: look again
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	claimed, err := sqldialect.ScanClaimed(rows)
+	claimed, err := s.q.ScanClaimed(rows)
 	if err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -355,7 +355,7 @@ func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID stri
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	claimed, err := sqldialect.ScanClaimed(rows)
+	claimed, err := s.q.ScanClaimed(rows)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
@@ -368,6 +368,9 @@ func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID stri
 	return &claim{rows: claimed, lease: relayID}, nil
 }
 
+// sortClaimed puts a leasing claim's rows in created_at, id order. A row
+// whose created_at could not be read (the zero time) goes first: it fails
+// alone, and holds nothing back.
 func sortClaimed(rows []sqldialect.ClaimedRow) {
 	// Insertion sort: a batch is small and usually sorted already.
 	for i := 1; i < len(rows); i++ {
@@ -485,32 +488,35 @@ type Stats struct {
 	Pending int64
 	// Stuck rows: not published, at MaxAttempts; left alone until retried.
 	Stuck int64
-	// OldestPending is the created_at of the oldest pending row (zero if none).
+	// OldestPending is the created_at of the oldest pending row, in UTC:
+	// zero if none, or if that created_at cannot be read (a row another
+	// library wrote badly, which the relay fails at its first claim).
 	OldestPending time.Time
 }
 
 // Stats counts pending and stuck rows.
 func (s *Store) Stats(ctx context.Context) (Stats, error) {
-	var (
-		st     Stats
-		oldest sqldialect.Time
-	)
+	var st Stats
+	oldest := sqldialect.NewTime(s.dialect.sql())
 	q := s.q.Stats(s.cfg.MaxAttempts)
-	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, &oldest); err != nil {
+	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, oldest); err != nil {
 		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
 	}
 	st.OldestPending = oldest.T
 	return st, nil
 }
 
-// StuckRecord is a row the relay gave up on, with why.
+// StuckRecord is a row the relay gave up on, with why. A row the relay
+// could not read is listed too, with what of it can be read: a NULL reads
+// as "", a created_at that is no time as the zero time, and LastError
+// names the column.
 type StuckRecord struct {
 	ID         string
 	Exchange   string
 	RoutingKey string
 	Attempts   int
 	LastError  string
-	CreatedAt  time.Time
+	CreatedAt  time.Time // UTC
 }
 
 // Stuck lists up to limit rows at MaxAttempts, oldest first.
@@ -524,14 +530,14 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 	var out []StuckRecord
 	for rows.Next() {
 		var (
-			r       StuckRecord
-			lastErr sql.NullString
-			created sqldialect.Time
+			r                             StuckRecord
+			exchange, routingKey, lastErr sql.NullString
+			created                       = sqldialect.NewTime(s.dialect.sql())
 		)
-		if err := rows.Scan(&r.ID, &r.Exchange, &r.RoutingKey, &r.Attempts, &lastErr, &created); err != nil {
+		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created); err != nil {
 			return nil, fmt.Errorf("outbox: stuck: %w", err)
 		}
-		r.LastError, r.CreatedAt = lastErr.String, created.T
+		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
 		out = append(out, r)
 	}
 	return out, rows.Err()

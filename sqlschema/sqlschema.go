@@ -10,10 +10,25 @@
 //
 // Applications that use no migration tool call outbox.Migrate, which applies
 // these same files under a lock and records them.
+//
+// # Steps plain SQL cannot take
+//
+// A table another AceMQ library created may lack a column, and SQLite can
+// add one only with ALTER TABLE … ADD COLUMN, which fails when the column is
+// there: it has no IF NOT EXISTS for columns, and plain SQL cannot run a
+// statement on a condition. Such a step is written as two comment lines,
+// which the tools skip and outbox.Migrate runs (see [Steps]):
+//
+//	-- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at'
+//	-- +acemq Run ALTER TABLE acemq_outbox ADD COLUMN processed_at DATETIME
+//
+// Users of the tools on such a table run the Run statement themselves, once.
+// PostgreSQL and MySQL need none: their files say the same in plain SQL.
 package sqlschema
 
 import (
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
 	"strings"
@@ -51,6 +66,9 @@ type Migration struct {
 	Name    string
 	Up      string
 	Down    string
+	// UpSteps are the statements of Up as outbox.Migrate runs them: those
+	// of Statements, and the guarded steps, in file order.
+	UpSteps []Step
 }
 
 // Migrations returns a dialect's migrations in version order.
@@ -78,7 +96,11 @@ func Migrations(dialect string) ([]Migration, error) {
 		if err != nil {
 			return nil, fmt.Errorf("sqlschema: %s/%s has no down file: %w", dialect, up, err)
 		}
-		out = append(out, Migration{Version: version, Name: base, Up: string(upSQL), Down: string(downSQL)})
+		steps, err := Steps(string(upSQL))
+		if err != nil {
+			return nil, fmt.Errorf("sqlschema: %s/%s: %w", dialect, up, err)
+		}
+		out = append(out, Migration{Version: version, Name: base, Up: string(upSQL), Down: string(downSQL), UpSteps: steps})
 	}
 	return out, nil
 }
@@ -86,15 +108,63 @@ func Migrations(dialect string) ([]Migration, error) {
 // Statements splits a migration file into the statements a driver without
 // multi-statement support executes one by one. A statement ends with a ";"
 // at the end of a line outside a $$-quoted body (a PostgreSQL function);
-// "--" comment lines are dropped.
+// "--" comment lines are dropped, the guarded steps of Steps among them.
 func Statements(sqlText string) []string {
+	steps, _ := split(sqlText)
+	var out []string
+	for _, s := range steps {
+		if s.Unless == "" {
+			out = append(out, s.Run)
+		}
+	}
+	return out
+}
+
+// Step is one statement of a migration as outbox.Migrate runs it: Run,
+// unless Unless, a query, returns a row.
+type Step struct {
+	Run    string
+	Unless string
+}
+
+// directive starts the comment lines of a guarded step.
+const directive = "-- +acemq "
+
+// Steps splits a migration file into the steps outbox.Migrate runs: the
+// statements of Statements, and a guarded step for each pair of lines
+//
+//	-- +acemq Unless <query>
+//	-- +acemq Run <statement>
+//
+// in file order. Each is one line, with no ";" at the end.
+func Steps(sqlText string) ([]Step, error) { return split(sqlText) }
+
+func split(sqlText string) ([]Step, error) {
 	var (
-		out      []string
+		out      []Step
 		cur      strings.Builder
 		inDollar bool
+		unless   string
+		errs     []error
 	)
-	for _, line := range strings.Split(sqlText, "\n") {
+	for i, line := range strings.Split(sqlText, "\n") {
 		trimmed := strings.TrimSpace(line)
+		if !inDollar && strings.HasPrefix(trimmed, directive) {
+			verb, arg, _ := strings.Cut(strings.TrimPrefix(trimmed, directive), " ")
+			arg = strings.TrimSpace(arg)
+			switch {
+			case arg == "":
+				errs = append(errs, fmt.Errorf("line %d: %q without its SQL", i+1, verb))
+			case verb == "Unless" && unless == "":
+				unless = arg
+			case verb == "Run" && unless != "":
+				out = append(out, Step{Run: arg, Unless: unless})
+				unless = ""
+			default:
+				errs = append(errs, fmt.Errorf("line %d: %q out of place; want Unless, then Run", i+1, trimmed))
+			}
+			continue
+		}
 		if !inDollar && (trimmed == "" || strings.HasPrefix(trimmed, "--")) {
 			continue
 		}
@@ -104,14 +174,17 @@ func Statements(sqlText string) []string {
 			inDollar = !inDollar
 		}
 		if !inDollar && strings.HasSuffix(trimmed, ";") {
-			out = append(out, strings.TrimSpace(cur.String()))
+			out = append(out, Step{Run: strings.TrimSpace(cur.String())})
 			cur.Reset()
 		}
 	}
 	if rest := strings.TrimSpace(cur.String()); rest != "" {
-		out = append(out, rest)
+		out = append(out, Step{Run: rest})
 	}
-	return out
+	if unless != "" {
+		errs = append(errs, fmt.Errorf("an Unless with no Run after it: %q", unless))
+	}
+	return out, errors.Join(errs...)
 }
 
 type upOnly struct{ fs.FS }

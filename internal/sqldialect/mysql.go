@@ -22,6 +22,12 @@ func (mysql) quoteIdent(part string) string { return "`" + part + "`" }
 // store local wall-clock times in a table other services read as UTC.
 func (mysql) TimeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
 
+// fromDriver: a DATETIME has no zone, and go-sql-driver/mysql (parseTime)
+// returns its wall clock in the DSN's loc: with loc=Local, 10:00 stored is
+// 10:00 local, hours from the 10:00 UTC that was written. The wall clock is
+// what counts, and it is UTC.
+func (mysql) fromDriver(t time.Time) time.Time { return wallClock(t) }
+
 func (mysql) rebind(q string) string { return q }
 
 func (mysql) Listens() bool { return false }

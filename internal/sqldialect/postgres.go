@@ -14,7 +14,16 @@ func (postgres) DriverName() string { return "pgx" }
 
 func (postgres) quoteIdent(part string) string { return `"` + part + `"` }
 
-func (postgres) TimeArg(t time.Time) any { return t }
+// TimeArg sends the time in UTC. For a timestamptz column the zone makes no
+// difference; a timestamp column (without time zone, as Rails and the other
+// AceMQ libraries create acemq_outbox) gets the time's wall clock from pgx,
+// which under a TZ other than UTC would store local time in a table every
+// other service reads as UTC, and compare leases and cutoffs off by hours.
+func (postgres) TimeArg(t time.Time) any { return t.UTC() }
+
+// fromDriver: pgx returns a timestamptz as its instant (in time.Local) and a
+// timestamp as its stored wall clock in UTC, which is the UTC time written.
+func (postgres) fromDriver(t time.Time) time.Time { return instant(t) }
 
 func (postgres) rebind(q string) string { return rebindDollar(q) }
 

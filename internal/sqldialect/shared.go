@@ -2,6 +2,9 @@ package sqldialect
 
 import (
 	"database/sql"
+	"errors"
+	"fmt"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -162,23 +165,109 @@ type ClaimedRow struct {
 	ContentType, Headers     string
 	CreatedAt                time.Time
 	Attempts                 int
+	// Unreadable, if not nil, names the columns of the row that could not
+	// be read and says why: a NULL in a table made by hand, a created_at
+	// that is no time. Their fields are zero. No retry mends such a row.
+	Unreadable error
 }
 
-// ScanClaimed reads the rows of a Claim, and closes them.
-func ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
+// ScanClaimed reads the rows of a Claim of d, and closes them. Every column
+// but the id is read on its own: a value that cannot be read makes its row
+// Unreadable, for the relay to fail alone, rather than failing the claim,
+// which would put the whole batch into a retry that never ends. An id that
+// cannot be read (no primary key is NULL) fails the claim.
+func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 	defer rows.Close()
-	var out []ClaimedRow
+	var (
+		out []ClaimedRow
+		r   ClaimedRow
+		c   = columnReader{d: o.d}
+	)
+	dest := []any{&r.ID,
+		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
+		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
+		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts)}
 	for rows.Next() {
-		var r ClaimedRow
-		var created Time
-		if err := rows.Scan(&r.ID, &r.Exchange, &r.RoutingKey, &r.Body, &r.BodyEncoding,
-			&r.ContentType, &r.Headers, &created, &r.Attempts); err != nil {
+		r, c.failed = ClaimedRow{}, c.failed[:0]
+		if err := rows.Scan(dest...); err != nil {
 			return nil, err
 		}
-		r.CreatedAt = created.T
+		if len(c.failed) > 0 {
+			r.Unreadable = errors.New(strings.Join(c.failed, "; "))
+		}
 		out = append(out, r)
 	}
 	return out, rows.Err()
+}
+
+// columnReader reads the columns of one row each on its own, noting rather
+// than returning what it cannot read.
+type columnReader struct {
+	d      Dialect
+	failed []string // "column name: why", of the row being read
+}
+
+// column is one column of a columnReader: a sql.Scanner that never fails.
+type column struct {
+	c    *columnReader
+	name string
+	read func(v any) error
+}
+
+func (col column) Scan(v any) error {
+	err := errors.New("NULL")
+	if v != nil {
+		err = col.read(v)
+	}
+	if err != nil {
+		col.c.failed = append(col.c.failed, "column "+col.name+": "+err.Error())
+	}
+	return nil
+}
+
+func (c *columnReader) text(name string, dst *string) column {
+	return column{c, name, func(v any) error {
+		switch x := v.(type) {
+		case string:
+			*dst = x
+		case []byte:
+			*dst = string(x)
+		default:
+			return fmt.Errorf("a %T, not text", v)
+		}
+		return nil
+	}}
+}
+
+// timestamp reads a timestamp. The zero time is no time: MySQL's zero date
+// reads as it, and so does text in an SQLite DATETIME column that
+// mattn/go-sqlite3 could not parse (it returns no error).
+func (c *columnReader) timestamp(name string, dst *time.Time) column {
+	return column{c, name, func(v any) error {
+		t, err := readTime(c.d, v)
+		if err == nil && t.IsZero() {
+			err = errors.New("no time: a zero date, or text the driver could not parse as one")
+		}
+		*dst = t
+		return err
+	}}
+}
+
+func (c *columnReader) integer(name string, dst *int) column {
+	return column{c, name, func(v any) error {
+		var err error
+		switch x := v.(type) {
+		case int64:
+			*dst = int(x)
+		case []byte:
+			*dst, err = strconv.Atoi(string(x))
+		case string:
+			*dst, err = strconv.Atoi(x)
+		default:
+			err = fmt.Errorf("a %T, not an integer", v)
+		}
+		return err
+	}}
 }
 
 // MarkPublished marks the rows of ids published at now.

@@ -41,7 +41,8 @@ type Dialect interface {
 	// knows the bind style of.
 	DriverName() string
 	// TimeArg turns a time into the argument the driver stores in UTC with
-	// microsecond precision, in time order.
+	// microsecond precision, in time order, whatever the time's zone, the
+	// process's TZ or the column's type (with or without a time zone).
 	TimeArg(t time.Time) any
 	// Listens: the database can wake the relay at commit (LISTEN/NOTIFY).
 	Listens() bool
@@ -55,6 +56,9 @@ type Dialect interface {
 	// database, on one connection.
 	WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error
 
+	// fromDriver is the instant of a time.Time the driver scanned from a
+	// timestamp column (see Time).
+	fromDriver(t time.Time) time.Time
 	quoteIdent(part string) string
 	rebind(query string) string
 	insertOutbox(table string, rows int) string
@@ -140,36 +144,74 @@ func validIdent(s string) error {
 // microseconds, fixed width, so that text order is time order.
 const timeLayout = "2006-01-02 15:04:05.000000"
 
-// Time reads a timestamp however the driver delivers it: a time.Time, or
-// text when the DSN asks for no parsing (MySQL without parseTime=true) or
-// the database has no time type (SQLite). NULL reads as the zero time.
-type Time struct{ T time.Time }
+// Time reads a timestamp column of a dialect's table as UTC, however the
+// driver delivers it. Every time this library writes is UTC (TimeArg), and
+// so is every time the other AceMQ libraries write, into columns with a time
+// zone or without one (Rails: timestamp without time zone, datetime(6)). A
+// time.Time the driver returns is taken by the dialect's rule (fromDriver);
+// text (MySQL without parseTime, SQLite) is UTC unless it names its zone.
+// NULL reads as the zero time.
+//
+// A value that is no time (PostgreSQL's infinity, text nobody can parse)
+// reads as the zero time too, and Err says why: the operator's questions
+// (stats, stuck) must still answer about a table that holds a row another
+// library wrote badly. Make one with NewTime: the rule is the dialect's, so
+// a Time without one refuses to read.
+type Time struct {
+	T   time.Time
+	Err error
+	d   Dialect
+}
+
+// NewTime returns a Time that reads a timestamp column of d.
+func NewTime(d Dialect) *Time { return &Time{d: d} }
 
 // Scan implements sql.Scanner.
 func (ts *Time) Scan(v any) error {
-	switch x := v.(type) {
-	case nil:
-		ts.T = time.Time{}
-	case time.Time:
-		ts.T = x.UTC()
-	case []byte:
-		return ts.parse(string(x))
-	case string:
-		return ts.parse(x)
-	default:
-		return fmt.Errorf("outbox: cannot read %T as a timestamp", v)
+	if ts.d == nil {
+		return fmt.Errorf("outbox: sqldialect.Time has no dialect; make it with NewTime")
 	}
+	ts.T, ts.Err = readTime(ts.d, v)
 	return nil
 }
 
-func (ts *Time) parse(s string) error {
+// readTime turns what the driver scanned from one of d's timestamp columns
+// into a UTC time; NULL is the zero time.
+func readTime(d Dialect, v any) (time.Time, error) {
+	switch x := v.(type) {
+	case nil:
+		return time.Time{}, nil
+	case time.Time:
+		return d.fromDriver(x), nil
+	case []byte:
+		return parseTime(string(x))
+	case string:
+		return parseTime(x)
+	}
+	return time.Time{}, fmt.Errorf("cannot read a %T as a timestamp", v)
+}
+
+// parseTime reads a timestamp written as text, UTC unless it names its zone.
+func parseTime(s string) (time.Time, error) {
 	for _, layout := range []string{timeLayout, "2006-01-02 15:04:05.999999999", "2006-01-02 15:04:05", time.RFC3339Nano} {
 		if t, err := time.Parse(layout, s); err == nil {
-			ts.T = t.UTC()
-			return nil
+			return t.UTC(), nil
 		}
 	}
-	return fmt.Errorf("outbox: cannot read %q as a timestamp", s)
+	return time.Time{}, fmt.Errorf("cannot read %.40q as a timestamp", s)
+}
+
+// instant is the fromDriver rule of drivers that return the instant the
+// column holds: a zone the driver attached changes nothing.
+func instant(t time.Time) time.Time { return t.UTC() }
+
+// wallClock is the fromDriver rule of a column without a time zone that a
+// driver returns in a zone of its choosing: the stored wall clock is UTC,
+// and the zone is dropped.
+func wallClock(t time.Time) time.Time {
+	y, mo, d := t.Date()
+	h, mi, s := t.Clock()
+	return time.Date(y, mo, d, h, mi, s, t.Nanosecond(), time.UTC)
 }
 
 // placeholders returns "?, ?, …" for n arguments.

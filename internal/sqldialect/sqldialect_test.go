@@ -119,13 +119,49 @@ func TestTime_FixedWidthUTCTextRoundTrips(t *testing.T) {
 		}
 	}
 	for _, v := range []any{"2026-01-02 03:04:05.000007", []byte("2026-01-02 03:04:05.000007"), at, "2026-01-02T03:04:05.000007Z"} {
-		var ts Time
-		if err := ts.Scan(v); err != nil || !ts.T.Equal(at) || ts.T.Location() != time.UTC {
-			t.Errorf("Scan(%v) = %v, %v; want %v in UTC", v, ts.T, err, at)
+		ts := NewTime(SQLite)
+		if err := ts.Scan(v); err != nil || ts.Err != nil || !ts.T.Equal(at) || ts.T.Location() != time.UTC {
+			t.Errorf("Scan(%v) = %v, %v, %v; want %v in UTC", v, ts.T, err, ts.Err, at)
 		}
 	}
-	var ts Time
-	if err := ts.Scan("yesterday"); err == nil {
-		t.Error("Scan accepted text that is no time")
+	ts := NewTime(SQLite)
+	if err := ts.Scan("yesterday"); err != nil || ts.Err == nil || !ts.T.IsZero() {
+		t.Errorf("Scan(yesterday) = %v, %v, %v; want the zero time and Err saying why", ts.T, err, ts.Err)
+	}
+	if err := new(Time).Scan(at); err == nil {
+		t.Error("a Time without a dialect read a time")
+	}
+}
+
+// Every time written is UTC, and reads back as the instant written, under
+// any process zone and any column type. PostgreSQL is sent UTC: pgx writes
+// a timestamp (without time zone) column from the time's wall clock. A
+// MySQL DATETIME comes back as its wall clock in the DSN's loc, which is
+// UTC; pgx (timestamptz, or timestamp in UTC) and mattn/go-sqlite3 return
+// the instant in any zone.
+func TestTime_WrittenAndReadAsUTC_WhateverTheZone(t *testing.T) {
+	far := time.FixedZone("+13:45", 13*3600+45*60)
+	utc := time.Date(2026, 9, 26, 10, 0, 0, 123456000, time.UTC)
+	if got, ok := Postgres.TimeArg(utc.In(far)).(time.Time); !ok || !got.Equal(utc) || got.Location() != time.UTC {
+		t.Errorf("postgres TimeArg = %v, want %v in UTC", got, utc)
+	}
+	// What go-sql-driver/mysql returns for the DATETIME 10:00:00.123456
+	// with loc set to the far zone.
+	mysqlLocal := time.Date(2026, 9, 26, 10, 0, 0, 123456000, far)
+	for _, c := range []struct {
+		d    Dialect
+		v    time.Time
+		want time.Time
+	}{
+		{MySQL, mysqlLocal, utc},
+		{MySQL, utc, utc},
+		{Postgres, utc.In(far), utc},
+		{Postgres, utc, utc},
+		{SQLite, utc.In(far), utc},
+	} {
+		ts := NewTime(c.d)
+		if err := ts.Scan(c.v); err != nil || ts.Err != nil || !ts.T.Equal(c.want) || ts.T.Location() != time.UTC {
+			t.Errorf("%s: Scan(%v) = %v (%v, %v), want %v", c.d.Name(), c.v, ts.T, err, ts.Err, c.want)
+		}
 	}
 }

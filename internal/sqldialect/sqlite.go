@@ -19,6 +19,11 @@ func (sqlite) quoteIdent(part string) string { return `"` + part + `"` }
 // not sort.
 func (sqlite) TimeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
 
+// fromDriver: mattn/go-sqlite3 parses zoneless text as UTC, text with an
+// offset at its offset, and then moves the time to the DSN's _loc, keeping
+// the instant.
+func (sqlite) fromDriver(t time.Time) time.Time { return instant(t) }
+
 func (sqlite) rebind(q string) string { return q }
 
 func (sqlite) Listens() bool { return false }

@@ -1,4 +1,4 @@
-package main
+package outboxctl
 
 import (
 	"bytes"
@@ -16,13 +16,12 @@ import (
 )
 
 // TestMain doubles as the outboxctl binary: with OUTBOXCTL_RUN_MAIN=1 the
-// test binary runs main with its arguments instead of the tests, so that a
+// test binary runs Main with its arguments instead of the tests, so that a
 // test can start the relay as a process of its own and signal it, without
 // building anything.
 func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOXCTL_RUN_MAIN") == "1" {
-		main()
-		return
+		os.Exit(Main(os.Args[1:], os.Getenv, os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
 }
@@ -38,7 +37,7 @@ type result struct {
 func ctl(t *testing.T, env map[string]string, args ...string) result {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
-	code := run(args, func(k string) string { return env[k] }, &stdout, &stderr)
+	code := Main(args, func(k string) string { return env[k] }, &stdout, &stderr)
 	return result{code, stdout.String(), stderr.String()}
 }
 

@@ -1,0 +1,26 @@
+-- +goose Up
+-- Brings an acemq_outbox that another AceMQ library created up to date, in
+-- place. Rails' migration makes it with an index acemq_outbox_pending on
+-- (published_at, created_at) and no processed_at; 0001 left such a table
+-- as it found it (CREATE TABLE IF NOT EXISTS, and the index name was
+-- taken). Each step adds only what is missing: on a table 0001 made, and
+-- on a second run, it changes nothing, and it never rewrites or drops a row.
+--
+-- SQLite has no ADD COLUMN IF NOT EXISTS, and plain SQL cannot run a
+-- statement on a condition: the steps are "+acemq" comment lines, which
+-- goose and golang-migrate skip, and outbox.Migrate runs each "Run"
+-- statement unless the "Unless" query before it returns a row. With goose
+-- or golang-migrate on a table another library created, run the Run
+-- statements it needs yourself, once.
+--
+-- processed_at: the inbox marks a record processed, and republish leaves it
+-- alone. Nullable, no default: adding it rewrites no row.
+-- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at'
+-- +acemq Run ALTER TABLE acemq_outbox ADD COLUMN processed_at DATETIME
+--
+-- The relay's claim walks the pending rows in created_at order: through a
+-- partial index like 0001's, or one that starts (published_at, created_at)
+-- like Rails'. A table with neither gets one under a name of its own.
+-- +acemq Unless SELECT 1 FROM pragma_index_list('acemq_outbox') l JOIN pragma_index_info(l.name) c0 ON c0.seqno = 0 LEFT JOIN pragma_index_info(l.name) c1 ON c1.seqno = 1 WHERE (c0.name = 'created_at' AND l.partial = 1) OR (c0.name = 'published_at' AND c1.name = 'created_at')
+-- +acemq Run CREATE INDEX acemq_outbox_pending_claim ON acemq_outbox (created_at, id) WHERE published_at IS NULL
+SELECT 1;
