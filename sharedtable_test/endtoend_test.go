@@ -47,7 +47,7 @@ func TestRailsTable_MigratedInPlace_DrivenEndToEndFarFromUTC_TimesUTCNothingLost
 		now := time.Now().UTC().Truncate(time.Microsecond)
 		leaseUntil := now.Add(foreignLease)
 		ruby := func(r testrails.Row) {
-			r.Exchange, r.Body, r.Headers = b.Exchange, `{"from":"ruby"}`, `{"tenant":"acme"}`
+			r.Exchange, r.Body, r.Headers = b.Exchange, `{"from":"ruby"}`, `{"tenant":"acme","attempt":3,"priority":true,"ratio":0.5,"tags":["a","b"],"note":null}`
 			if r.RoutingKey == "" {
 				r.RoutingKey = placed
 			}
