@@ -223,6 +223,17 @@ func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
 // already in the table (the caller retrying its transaction) is skipped
 // without error.
 func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
+	ctx := context.Background() // a nil first message fails the checks before ctx is used
+	if len(msgs) > 0 && msgs[0] != nil {
+		ctx = msgs[0].Context()
+	}
+	return p.publish(ctx, topic, msgs)
+}
+
+// publish is Publish with the statements run under ctx. The inbox writes a
+// handler's returned messages with the handler's context, which outlives a
+// context the handler may have given a message and cancelled on return.
+func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message.Message) error {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	if p.closed {
@@ -248,7 +259,6 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 		rows[i].CreatedAt = base.Add(time.Duration(i) * time.Microsecond)
 	}
 
-	ctx := msgs[0].Context()
 	chunks := splitRows(rows)
 	if len(chunks) == 1 {
 		return p.wrapExecErr(p.insert(ctx, chunks[0]))
