@@ -35,20 +35,27 @@ type InboxConfig struct {
 	// Republish then leaves it alone. Off by default: then no query touches
 	// the outbox table.
 	MarkOutboxProcessed bool
-	// OutboxTable is the outbox table MarkOutboxProcessed updates. Default
-	// acemq_outbox.
+	// OutboxTable is the outbox table MarkOutboxProcessed updates and the
+	// messages a handler returns are written into. Default acemq_outbox.
 	OutboxTable string
 	// TrackedTopics, with MarkOutboxProcessed, limits the marking to
 	// messages that arrived on a tracked topic (the router's subscribe
 	// topic), the topics a Republisher resends. Another topic costs one map
 	// lookup and no database call. Nil marks every message.
 	TrackedTopics *TrackedTopics
+	// Outbox says how the messages a handler returns are written into the
+	// outbox: Exchange, TopicMapper, ContentType and Propagator, as for
+	// NewTxPublisher. Its Dialect and Table are the inbox's Dialect and
+	// OutboxTable, because the rows go through the inbox's transaction;
+	// leave them empty (another value is a *ConfigError).
+	Outbox TxPublisherConfig
 	// Isolation of the handler's transaction. Default: the database's.
 	Isolation sql.IsolationLevel
 	// AllowMissingID lets a message without an id (neither a UUID nor
 	// x-acemq-id metadata) through, undeduplicated and outside any
-	// transaction. By default such a message fails with ErrNoMessageID:
-	// without an id there is no way to tell a duplicate.
+	// transaction (what its handler returns is written into the outbox in
+	// a transaction of its own). By default such a message fails with
+	// ErrNoMessageID: without an id there is no way to tell a duplicate.
 	AllowMissingID bool
 	// Metrics, if set, counts processed, duplicate and failed messages by
 	// consumer.
@@ -102,6 +109,11 @@ func (c InboxConfig) validate() error {
 // nor x-acemq-id metadata, unless InboxConfig.AllowMissingID is set.
 var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
+// ErrNotUnderInbox is returned by the publisher of Inbox.Publisher when a
+// router hands it messages: their handler did not run behind the inbox's
+// middleware, which writes them into the outbox and returns none.
+var ErrNotUnderInbox = errors.New("outbox: messages a handler returned reached the inbox's publisher: the handler did not run under Inbox.Middleware, whose transaction writes them into the outbox")
+
 // Inbox is the consumer's half of the outbox contract: a Watermill handler
 // middleware that records (consumer, message id) in processed_messages in
 // the same transaction as the handler's effect, and only then lets the
@@ -111,13 +123,20 @@ var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 // Unlike Watermill's Deduplicator, which records the key before the handler
 // runs and so drops the retry of a handler that failed, the key here commits
 // with the effect or not at all.
+//
+// The messages a handler returns are written into the outbox in the same
+// transaction, to the router handler's publish topic, and none reach the
+// router: a router publish after the commit could fail, and the redelivery,
+// a duplicate, would not produce them again. Register such a handler with
+// the inbox's Publisher.
 type Inbox struct {
-	db      *sqlx.DB
-	dialect Dialect
-	cfg     InboxConfig
-	q       *sqldialect.Inbox
-	outbox  *sqldialect.Outbox // the table MarkOutboxProcessed marks
-	log     watermill.LoggerAdapter
+	db       *sqlx.DB
+	dialect  Dialect
+	cfg      InboxConfig
+	q        *sqldialect.Inbox
+	outbox   *sqldialect.Outbox // the table MarkOutboxProcessed marks and returned messages go to
+	returned TxPublisherConfig  // how returned messages are written, checked once
+	log      watermill.LoggerAdapter
 }
 
 // NewInbox returns the inbox over db, a *sql.DB or *sqlx.DB.
@@ -155,8 +174,59 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "OutboxTable", Reason: err.Error()}
 	}
-	return &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, log: cfg.Logger}, nil
+	returned, err := cfg.returnedConfig()
+	if err != nil {
+		return nil, err
+	}
+	return &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}, nil
 }
+
+// returnedConfig is Outbox on the inbox's dialect and outbox table, with
+// its defaults, checked: what every returned message is written with.
+func (c InboxConfig) returnedConfig() (TxPublisherConfig, error) {
+	p := c.Outbox
+	if p.Dialect != nil && p.Dialect != c.Dialect {
+		return p, &ConfigError{Field: "Outbox.Dialect", Reason: fmt.Sprintf("%s, but the inbox's Dialect is %s: returned messages are written through the inbox's transaction; leave Outbox.Dialect empty", p.Dialect.Name(), c.Dialect.Name())}
+	}
+	if p.Table != "" && p.Table != c.OutboxTable {
+		return p, &ConfigError{Field: "Outbox.Table", Reason: fmt.Sprintf("%q, but OutboxTable is %q: returned messages go to the inbox's OutboxTable; set that, and leave Outbox.Table empty", p.Table, c.OutboxTable)}
+	}
+	p.Dialect, p.Table = c.Dialect, c.OutboxTable
+	p.setDefaults()
+	if err := p.validate(); err != nil {
+		var ce *ConfigError
+		if errors.As(err, &ce) {
+			return p, &ConfigError{Field: "Outbox." + ce.Field, Reason: ce.Reason}
+		}
+		return p, err
+	}
+	return p, nil
+}
+
+// Publisher is the publisher to hand to router.AddHandler for a handler
+// behind this inbox:
+//
+//	router.AddMiddleware(inbox.Middleware)
+//	router.AddHandler("ship", "order.paid", sub, "order.shipped", inbox.Publisher(), ship)
+//
+// The middleware writes the messages the handler returns into the outbox
+// itself, in the handler's transaction, and hands none to the router, so
+// under this wiring the publisher is never called. If it is, a handler ran
+// without the middleware: Publish fails with ErrNotUnderInbox, the router
+// nacks, and nothing is published or dropped. Close does nothing (the
+// router closes a handler's publisher once per handler that shares it).
+func (in *Inbox) Publisher() message.Publisher { return inboxPublisher{} }
+
+type inboxPublisher struct{}
+
+func (inboxPublisher) Publish(topic string, msgs ...*message.Message) error {
+	if len(msgs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w (%d for topic %q)", ErrNotUnderInbox, len(msgs), topic)
+}
+
+func (inboxPublisher) Close() error { return nil }
 
 type txKey struct{}
 
@@ -170,7 +240,8 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 }
 
 // Middleware dedupes and runs h in a transaction; add it to a router or a
-// handler with AddMiddleware.
+// handler with AddMiddleware. It returns no messages to the router: what h
+// returns goes into the outbox (see Inbox and Publisher).
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		return in.handle(h, msg)
@@ -178,16 +249,18 @@ func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 }
 
 func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
-	out, outcome, consumer, err := in.process(h, msg)
+	outcome, consumer, err := in.process(h, msg)
 	if consumer != "" {
 		in.cfg.Metrics.inbox(consumer, outcome)
 	}
-	return out, err
+	// Nothing goes back to the router: the messages the handler returned
+	// are in the outbox already, or the message failed.
+	return nil, err
 }
 
 // process runs one message through the inbox, and says what became of it
 // and for which consumer ("" before the consumer is known).
-func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*message.Message, outcome inboxOutcome, consumer string, err error) {
+func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
 		// The publisher's trace, carried in the metadata through the row and
@@ -199,27 +272,30 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
 			out, err := h(msg)
-			return out, inboxProcessed, "", err
+			if err == nil {
+				err = in.writeReturnedAlone(ctx, out)
+			}
+			return inboxProcessed, "", err
 		}
-		return nil, inboxFailed, "", ErrNoMessageID
+		return inboxFailed, "", ErrNoMessageID
 	}
 	if err := checkID(key); err != nil {
-		return nil, inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
+		return inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
 	}
 	consumer = in.cfg.ConsumerName
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 	}
 	if consumer == "" {
-		return nil, inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
+		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
 	}
 	if err := checkName(consumer); err != nil {
-		return nil, inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
+		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
 	}
 
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return inboxFailed, consumer, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	committed := false
 	defer func() {
@@ -227,40 +303,111 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (out []*me
 			_ = tx.Rollback()
 		}
 	}()
+	if fresh, err := in.record(ctx, tx, consumer, key); err != nil {
+		return inboxFailed, consumer, err
+	} else if !fresh {
+		return inboxDuplicate, consumer, nil
+	}
 
+	orig := msg.Context()
+	hctx := context.WithValue(ctx, txKey{}, tx)
+	msg.SetContext(hctx)
+	defer msg.SetContext(orig)
+	out, err := runRecovering(h, msg)
+	if err != nil {
+		return inboxFailed, consumer, err
+	}
+	if err := in.writeReturned(hctx, stdTx{tx.Tx}, out); err != nil {
+		return inboxFailed, consumer, err
+	}
+	if err := tx.Commit(); err != nil {
+		return inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+	}
+	committed = true
+	return inboxProcessed, consumer, nil
+}
+
+// record inserts the key in tx and, with MarkOutboxProcessed, marks the
+// outbox record processed. It reports false for a key already there:
+// processed before, by a delivery whose transaction committed.
+func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) (fresh bool, err error) {
 	now := time.Now()
 	insert := in.q.Insert(consumer, key, now)
 	res, err := tx.ExecContext(ctx, insert.SQL, insert.Args...)
 	if err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
 	}
 	if n, err := res.RowsAffected(); err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: %w", err)
+		return false, fmt.Errorf("outbox: inbox: %w", err)
 	} else if n == 0 {
-		// Processed before, by a delivery whose transaction committed: ack
-		// without running the handler again.
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
-		return nil, inboxDuplicate, consumer, nil
+		return false, nil
 	}
 	if in.cfg.MarkOutboxProcessed && (in.cfg.TrackedTopics == nil || in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		mark := in.outbox.MarkProcessed(key, now)
 		if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
-			return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
+			return false, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 		}
 	}
+	return true, nil
+}
 
-	orig := msg.Context()
-	msg.SetContext(context.WithValue(ctx, txKey{}, tx))
-	defer msg.SetContext(orig)
-	out, err = runRecovering(h, msg)
+// writeReturned writes the messages a handler returned into the outbox
+// through conn, to the handler's publish topic (ctx is the handler's
+// context). A message without a context of its own gets ctx, so that a
+// Propagator stores the handler's trace in its row.
+func (in *Inbox) writeReturned(ctx context.Context, conn txConn, out []*message.Message) error {
+	if len(out) == 0 {
+		return nil
+	}
+	topic, err := publishTopic(ctx, len(out))
 	if err != nil {
-		return nil, inboxFailed, consumer, err
+		return err
+	}
+	for _, m := range out {
+		if m != nil && m.Context() == context.Background() {
+			m.SetContext(ctx)
+		}
+	}
+	pub := &TxPublisher{tx: conn, cfg: in.returned, q: in.outbox}
+	if err := pub.publish(ctx, topic, out); err != nil {
+		return fmt.Errorf("outbox: inbox: write the %d message(s) the handler returned into the outbox, topic %q: %w", len(out), topic, err)
+	}
+	return nil
+}
+
+// writeReturnedAlone is writeReturned in a transaction of its own, for a
+// handler that ran outside the inbox's transaction.
+func (in *Inbox) writeReturnedAlone(ctx context.Context, out []*message.Message) error {
+	if len(out) == 0 {
+		return nil
+	}
+	if _, err := publishTopic(ctx, len(out)); err != nil {
+		return err // before a transaction is begun for nothing
+	}
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }() // a no-op after the commit
+	if err := in.writeReturned(ctx, stdTx{tx.Tx}, out); err != nil {
+		return err
 	}
 	if err := tx.Commit(); err != nil {
-		return nil, inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: commit the messages the handler returned: %w", err)
 	}
-	committed = true
-	return out, inboxProcessed, consumer, nil
+	return nil
+}
+
+// publishTopic is the router handler's publish topic, where n returned
+// messages go, or why there is none.
+func publishTopic(ctx context.Context, n int) (string, error) {
+	if topic := message.PublishTopicFromCtx(ctx); topic != "" {
+		return topic, nil
+	}
+	return "", fmt.Errorf("outbox: inbox: the handler returned %d message(s) and has no publish topic to write them to "+
+		"(it runs outside a router, or was added without one): register it with "+
+		"router.AddHandler(name, subscribeTopic, sub, publishTopic, inbox.Publisher(), handler)", n)
 }
 
 // dedupeKey is the id the inbox dedupes msg on, "" if it has none: its
