@@ -49,7 +49,20 @@ type InboxConfig struct {
 	// OutboxTable, because the rows go through the inbox's transaction;
 	// leave them empty (another value is a *ConfigError).
 	Outbox TxPublisherConfig
-	// Isolation of the handler's transaction. Default: the database's.
+	// AtMostOnce commits the key in a transaction of its own before the
+	// handler runs, for an effect no transaction holds (an email, a call to
+	// an API without an idempotency key): a crash after that commit drops
+	// the redelivery as a duplicate rather than repeating the effect, so
+	// the effect happens at most once, and a crash between the commit and
+	// the effect loses it. The handler runs with no transaction
+	// (TxFromContext reports none). Return an error only when the effect
+	// did not happen: the key is then taken back and the message retried.
+	// A handler's returned messages are written into the outbox in a
+	// transaction of their own after the handler; if that fails the key
+	// stays, so they are lost too, logged with the message's id.
+	AtMostOnce bool
+	// Isolation of the handler's transaction (under AtMostOnce, of the
+	// key's and of the returned messages'). Default: the database's.
 	Isolation sql.IsolationLevel
 	// AllowMissingID lets a message without an id (neither a UUID nor
 	// x-acemq-id metadata) through, undeduplicated and outside any
@@ -58,7 +71,7 @@ type InboxConfig struct {
 	// ErrNoMessageID: without an id there is no way to tell a duplicate.
 	AllowMissingID bool
 	// Metrics, if set, counts processed, duplicate and failed messages by
-	// consumer.
+	// consumer, and with AtMostOnce the keys committed before the handler.
 	Metrics *Metrics
 	// Propagator, if set, restores the trace context a TxPublisher with the
 	// same Propagator stored in the message's metadata into the message's
@@ -122,7 +135,8 @@ var ErrNotUnderInbox = errors.New("outbox: messages a handler returned reached t
 //
 // Unlike Watermill's Deduplicator, which records the key before the handler
 // runs and so drops the retry of a handler that failed, the key here commits
-// with the effect or not at all.
+// with the effect or not at all (unless InboxConfig.AtMostOnce asks for the
+// key first).
 //
 // The messages a handler returns are written into the outbox in the same
 // transaction, to the router handler's publish topic, and none reach the
@@ -233,7 +247,8 @@ type txKey struct{}
 // TxFromContext returns the transaction the Inbox opened for the message
 // being handled. Make the handler's effect through it, and publish through
 // NewTxPublisher(tx): the effect, the outgoing messages and the dedupe key
-// commit together, or none of them.
+// commit together, or none of them. Under InboxConfig.AtMostOnce there is
+// none.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(*sqlx.Tx)
 	return tx, ok
@@ -291,6 +306,10 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	}
 	if err := checkName(consumer); err != nil {
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
+	}
+	if in.cfg.AtMostOnce {
+		outcome, err := in.processAtMostOnce(ctx, h, msg, consumer, key)
+		return outcome, consumer, err
 	}
 
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
@@ -350,6 +369,54 @@ func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) 
 		}
 	}
 	return true, nil
+}
+
+// processAtMostOnce commits the key before it runs the handler, with no
+// transaction: see InboxConfig.AtMostOnce.
+func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, key string) (inboxOutcome, error) {
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	fresh, err := in.record(ctx, tx, consumer, key)
+	if err != nil || !fresh {
+		_ = tx.Rollback()
+		if err != nil {
+			return inboxFailed, err
+		}
+		return inboxDuplicate, nil
+	}
+	if err := tx.Commit(); err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+	}
+	// From here a crash drops the message: its redelivery finds the key.
+	in.cfg.Metrics.inbox(consumer, inboxAtMostOnce)
+
+	orig := msg.Context()
+	msg.SetContext(ctx)
+	defer msg.SetContext(orig)
+	out, err := runRecovering(h, msg)
+	// What follows finishes even if the message's context ends (the router
+	// closing): a key left behind for an effect that did not happen loses
+	// the message, and messages not written for one that did are lost too.
+	after := context.WithoutCancel(ctx)
+	fields := watermill.LogFields{"message_uuid": key, "consumer": consumer}
+	if err != nil {
+		// The handler says its effect did not happen: take the key back, so
+		// that the redelivery runs it. MarkOutboxProcessed's mark stays: the
+		// broker still holds the message, so republish need not resend it.
+		del := in.q.Delete(consumer, key)
+		if _, delErr := in.db.ExecContext(after, del.SQL, del.Args...); delErr != nil {
+			in.log.Error("At-most-once handler failed and its key could not be taken back: the message will not run again", delErr, fields)
+			return inboxFailed, errors.Join(err, fmt.Errorf("outbox: inbox: take back key %s for %s: %w", key, consumer, delErr))
+		}
+		return inboxFailed, err
+	}
+	if err := in.writeReturnedAlone(after, out); err != nil {
+		in.log.Error("At-most-once handler ran, but the messages it returned could not be written into the outbox: they are lost, its key stays", err, fields)
+		return inboxFailed, err
+	}
+	return inboxProcessed, nil
 }
 
 // writeReturned writes the messages a handler returned into the outbox

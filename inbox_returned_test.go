@@ -166,10 +166,10 @@ func TestInbox_ReturnedMessagesWithoutPublishTopic_ErrorAndEverythingRolledBack(
 // mode of the inbox; Exchange and the publish topic name its destination.
 func TestInbox_Router_ReturnedMessageWithoutContext_RowCarriesHandlersTrace(t *testing.T) {
 	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
-	for _, atMostOnce := range []bool{false} {
+	for _, atMostOnce := range []bool{false, true} {
 		t.Run(map[bool]string{false: "transactional", true: "at-most-once"}[atMostOnce], func(t *testing.T) {
 			db := migrated(t, testdb.SQLite)
-			in := newInbox(t, db, outbox.InboxConfig{Propagator: propagation.TraceContext{},
+			in := newInbox(t, db, outbox.InboxConfig{AtMostOnce: atMostOnce, Propagator: propagation.TraceContext{},
 				Outbox: outbox.TxPublisherConfig{Exchange: "shop-events", Propagator: propagation.TraceContext{}}})
 			ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 			router := newRouter(t)

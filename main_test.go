@@ -16,9 +16,14 @@ import (
 // TestMain doubles as a relay process that a test can kill for real: with
 // OUTBOX_RELAY_PROCESS set, the test binary runs one sweep of a forwarder and
 // SIGKILLs itself in the window the test names, instead of running tests.
+// With OUTBOX_INBOX_PROCESS set it is a consumer behind an at-most-once
+// inbox that dies in its handler (inboxProcess).
 func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOX_RELAY_PROCESS") != "" {
 		os.Exit(relayProcess())
+	}
+	if os.Getenv("OUTBOX_INBOX_PROCESS") != "" {
+		os.Exit(inboxProcess())
 	}
 	os.Exit(m.Run())
 }

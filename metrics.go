@@ -19,9 +19,10 @@ type Metrics struct {
 	oldestPending prometheus.Gauge
 	stuck         prometheus.Gauge
 
-	inboxProcessed *prometheus.CounterVec
-	inboxDuplicate *prometheus.CounterVec
-	inboxFailed    *prometheus.CounterVec
+	inboxProcessed  *prometheus.CounterVec
+	inboxDuplicate  *prometheus.CounterVec
+	inboxFailed     *prometheus.CounterVec
+	inboxAtMostOnce *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg. Their names
@@ -66,10 +67,14 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_inbox_failed_total",
 			Help: "Messages whose handler or commit failed, rolled back and nacked, by consumer.",
 		}, []string{"consumer"}),
+		inboxAtMostOnce: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_at_most_once_total",
+			Help: "Messages whose key was committed before the handler ran, by consumer: from here a crash drops the message rather than repeating its effect.",
+		}, []string{"consumer"}),
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
-		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed} {
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce} {
 		errs = append(errs, reg.Register(c))
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -118,6 +123,8 @@ func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {
 		m.inboxDuplicate.WithLabelValues(consumer).Inc()
 	case inboxFailed:
 		m.inboxFailed.WithLabelValues(consumer).Inc()
+	case inboxAtMostOnce:
+		m.inboxAtMostOnce.WithLabelValues(consumer).Inc()
 	}
 }
 
@@ -127,4 +134,7 @@ const (
 	inboxProcessed inboxOutcome = iota
 	inboxDuplicate
 	inboxFailed
+	// inboxAtMostOnce is counted when an at-most-once key commits, before
+	// the handler runs; the message then also ends processed or failed.
+	inboxAtMostOnce
 )

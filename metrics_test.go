@@ -103,9 +103,44 @@ func TestMetrics_KnownSequence_ExactValues(t *testing.T) {
 	_, _ = h(msg.Copy())
 	_, _ = h(msg.Copy())
 	_, _ = h(message.NewMessage("m2", []byte("fail")))
-	for name, want := range map[string]float64{"outbox_inbox_processed_total": 1, "outbox_inbox_duplicates_total": 1, "outbox_inbox_failed_total": 1} {
+	for name, want := range map[string]float64{"outbox_inbox_processed_total": 1, "outbox_inbox_duplicates_total": 1, "outbox_inbox_failed_total": 1, "outbox_inbox_at_most_once_total": 0} {
 		if got := metricValue(t, reg, name, "billing"); got != want {
 			t.Errorf("%s{consumer=billing} = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// An at-most-once key is counted when it commits, before the handler runs,
+// so a message whose handler then fails counts there and as failed; the
+// other outcomes keep their meaning.
+func TestMetrics_AtMostOnce_ExactValues(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed := false
+	h := newInbox(t, db, outbox.InboxConfig{ConsumerName: "mailer", AtMostOnce: true, Metrics: m}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if string(msg.Payload) == "fail once" && !failed {
+			failed = true
+			return nil, errors.New("SMTP server refused the connection")
+		}
+		return nil, nil
+	})
+	m1 := message.NewMessage("m1", []byte("ok"))
+	m2 := message.NewMessage("m2", []byte("fail once"))
+	for _, msg := range []*message.Message{m1, m1, m2, m2} {
+		_, _ = h(msg.Copy())
+	}
+	for name, want := range map[string]float64{
+		"outbox_inbox_at_most_once_total": 3, // m1, m2, m2's retry
+		"outbox_inbox_processed_total":    2, // m1, m2's retry
+		"outbox_inbox_duplicates_total":   1, // m1 again
+		"outbox_inbox_failed_total":       1, // m2's first run
+	} {
+		if got := metricValue(t, reg, name, "mailer"); got != want {
+			t.Errorf("%s{consumer=mailer} = %v, want %v", name, got, want)
 		}
 	}
 }

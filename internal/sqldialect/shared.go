@@ -428,6 +428,12 @@ func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
 	return Query{SQL: in.d.rebind(in.d.insertProcessed(in.table)), Args: []any{consumer, id, in.d.TimeArg(now)}}
 }
 
+// Delete takes back the key Insert recorded: an at-most-once handler that
+// failed before its effect, whose message is to be retried.
+func (in *Inbox) Delete(consumer, id string) Query {
+	return Query{SQL: in.d.rebind("DELETE FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+}
+
 // Purge deletes at most limit rows processed before cutoff.
 func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
 	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table)), Args: []any{in.d.TimeArg(cutoff), limit}}

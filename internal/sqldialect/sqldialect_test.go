@@ -47,6 +47,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"republish":        o.Republish(now, ids),
 			"mark processed":   o.MarkProcessed("a", now),
 			"inbox insert":     in.Insert("c", "a", now),
+			"inbox delete":     in.Delete("c", "a"),
 			"inbox purge":      in.Purge(now, 1000),
 			"inbox before":     in.ProcessedBefore(now),
 			"insert migration": InsertMigration(d, 1, "x"),

@@ -1,0 +1,222 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+	"github.com/prometheus/client_golang/prometheus"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// sendEffect is an at-most-once handler's effect that no transaction holds
+// (an email): a row written outside any transaction, after checking that
+// the key is committed already, seen from another connection, and that the
+// handler has no transaction to make it in.
+func sendEffect(t testing.TB, db *testdb.DB, ran *atomic.Int32) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		ran.Add(1)
+		if _, ok := outbox.TxFromContext(msg.Context()); ok {
+			return nil, errors.New("an at-most-once handler was given a transaction")
+		}
+		var keys int
+		if err := db.Get(&keys, db.Rebind("SELECT COUNT(*) FROM processed_messages WHERE message_id = ?"), msg.UUID); err != nil {
+			return nil, err
+		}
+		if keys != 1 {
+			return nil, fmt.Errorf("the key is not committed before the handler runs (%d rows)", keys)
+		}
+		_, err := db.Exec(db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, "sent")
+		return nil, err
+	}
+}
+
+// The key commits before the handler, which runs with no transaction; a
+// redelivery is acked without running it.
+func TestInbox_AtMostOnce_KeyCommittedBeforeHandlerWithoutTx_DuplicateNotRun(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(sendEffect(t, db, &ran))
+		msg := message.NewMessage(watermill.NewUUID(), []byte("receipt"))
+		for i := range 2 {
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatalf("delivery %d: %v", i+1, err)
+			}
+		}
+		if ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 || countProcessed(t, db, msg.UUID) != 1 {
+			t.Fatalf("handler ran %d times, %d effects, %d keys; want 1 each", ran.Load(), countEffects(t, db, msg.UUID), countProcessed(t, db, msg.UUID))
+		}
+	})
+}
+
+// A handler that fails (returns an error or panics) says its effect did not
+// happen: the key is taken back, the retry runs, and the effect is made once.
+func TestInbox_AtMostOnce_HandlerFailsOrPanics_KeyTakenBackRetryMakesEffectOnce(t *testing.T) {
+	for _, failure := range []string{"error", "panic"} {
+		t.Run(failure, func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				createEffects(t, db)
+				var ran atomic.Int32
+				send := sendEffect(t, db, &ran)
+				h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+					if ran.Load() == 0 {
+						ran.Add(1)
+						if failure == "panic" {
+							panic("SMTP client not configured")
+						}
+						return nil, errors.New("SMTP server refused the connection")
+					}
+					return send(msg)
+				})
+				msg := message.NewMessage(watermill.NewUUID(), []byte("receipt"))
+				if _, err := h(msg.Copy()); err == nil {
+					t.Fatal("first delivery: want the handler's failure (nack)")
+				}
+				if countProcessed(t, db, msg.UUID) != 0 {
+					t.Fatal("the key of a failed at-most-once handler stayed: its retry would be dropped")
+				}
+				for i := range 2 { // the retry, then a duplicate
+					if _, err := h(msg.Copy()); err != nil {
+						t.Fatalf("delivery %d: %v", i+2, err)
+					}
+				}
+				if ran.Load() != 2 || countEffects(t, db, msg.UUID) != 1 || countProcessed(t, db, msg.UUID) != 1 {
+					t.Fatalf("handler ran %d times, %d effects, %d keys; want 2 runs, 1 effect, 1 key", ran.Load(), countEffects(t, db, msg.UUID), countProcessed(t, db, msg.UUID))
+				}
+			})
+		})
+	}
+}
+
+// The cost of at-most-once for the messages a handler returns: written
+// after the handler, in a transaction of their own; when that fails the key
+// stays (the effect happened), the error is returned, and the redelivery is
+// dropped rather than run again.
+func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		var ran atomic.Int32
+		h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
+			ran.Add(1)
+			return []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("x"))}, nil // no publish topic: outside a router
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		if _, err := h(msg.Copy()); err == nil || !strings.Contains(err.Error(), "no publish topic") {
+			t.Fatalf("err = %v, want the failure to write the returned message", err)
+		}
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatalf("redelivery: %v, want it acked", err)
+		}
+		if ran.Load() != 1 || countProcessed(t, db, msg.UUID) != 1 || countRows(t, db) != 0 {
+			t.Fatalf("handler ran %d times, %d keys, %d rows; want 1, 1, 0", ran.Load(), countProcessed(t, db, msg.UUID), countRows(t, db))
+		}
+	})
+}
+
+// The process dies for real between the key's commit and the effect: a
+// child process consumes the message through a router behind an
+// at-most-once inbox and is SIGKILLed in its handler. RabbitMQ requeues the
+// unacked message when the child's connection dies; the redelivery, consumed
+// here under the same consumer name, is acked without running the handler:
+// the effect is dropped, not repeated.
+func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunning(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue()
+		id := "receipt-" + testdb.RandomName()
+		publishRaw(t, b, queue, id)
+
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, os.Args[0])
+		cmd.Env = append(os.Environ(), "OUTBOX_INBOX_PROCESS=1", "OUTBOX_INBOX_DSN="+db.DSN, "OUTBOX_INBOX_DRIVER="+db.DriverName(), "OUTBOX_INBOX_QUEUE="+queue)
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+			t.Fatalf("inbox process: %v, want death by SIGKILL in its handler; output:\n%s", err, out)
+		}
+		if n := countProcessed(t, db, id); n != 1 {
+			t.Fatalf("%d keys after the child died in its handler, want the one committed before it", n)
+		}
+		waitFor(t, 10*time.Second, "the broker to requeue the dead consumer's message", func() bool { return b.Count(queue) == 1 })
+
+		reg := prometheus.NewRegistry()
+		m, err := outbox.NewMetrics(reg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := newInbox(t, db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true, Metrics: m})
+		router := newRouter(t)
+		router.AddMiddleware(in.Middleware)
+		var ran atomic.Int32
+		router.AddConsumerHandler(receiptConsumer, queue, amqpSubscriber(t), func(*message.Message) error {
+			ran.Add(1)
+			return nil
+		})
+		stop := startRouter(t, router)
+		waitFor(t, 20*time.Second, "the redelivery to be taken for a duplicate", func() bool {
+			return metricValue(t, reg, "outbox_inbox_duplicates_total", receiptConsumer) == 1
+		})
+		stop()
+		if ran.Load() != 0 || countProcessed(t, db, id) != 1 {
+			t.Fatalf("handler ran %d times on the redelivery, %d keys; want 0 runs and the one key", ran.Load(), countProcessed(t, db, id))
+		}
+		for name, want := range map[string]float64{"outbox_inbox_at_most_once_total": 0, "outbox_inbox_processed_total": 0, "outbox_inbox_failed_total": 0} {
+			if got := metricValue(t, reg, name, receiptConsumer); got != want {
+				t.Errorf("%s{consumer=%s} = %v, want %v", name, receiptConsumer, got, want)
+			}
+		}
+	})
+}
+
+// receiptConsumer is the consumer of the killed child and of the test after it.
+const receiptConsumer = "send-receipt"
+
+// inboxProcess consumes one message from OUTBOX_INBOX_QUEUE through a router
+// behind an at-most-once inbox, and SIGKILLs itself in the handler: after the
+// key's commit, before the effect. Reaching the end is a failure (exit 3).
+func inboxProcess() int {
+	db, err := sqlx.Open(os.Getenv("OUTBOX_INBOX_DRIVER"), os.Getenv("OUTBOX_INBOX_DSN"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	in, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	sub, err := newAMQPSubscriber()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NewStdLogger(false, false))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	router.AddMiddleware(in.Middleware)
+	router.AddConsumerHandler(receiptConsumer, os.Getenv("OUTBOX_INBOX_QUEUE"), sub, func(*message.Message) error {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL) // the key is committed, the email not sent
+		select {}                                      // the signal is on its way
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err = router.Run(ctx)
+	fmt.Fprintf(os.Stderr, "inbox process survived: its handler never ran (%v)\n", err)
+	return 3
+}
