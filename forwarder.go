@@ -143,6 +143,8 @@ func (c ForwarderConfig) validate() error {
 //
 // One relay is enough and two are safe: claims are exclusive (FOR UPDATE
 // SKIP LOCKED on PostgreSQL and MySQL, a lease on SQLite).
+//
+// Run it with Run, or with a Watermill router through Plugin.
 type Forwarder struct {
 	store *Store
 	dest  Destination
@@ -154,6 +156,7 @@ type Forwarder struct {
 
 	mu        sync.Mutex
 	runCalled bool
+	routed    bool          // a router's plugin runs it (Plugin)
 	running   chan struct{} // closed once Run works
 	closing   chan struct{} // closed by Close
 	done      chan struct{} // closed when Run returns
