@@ -143,6 +143,8 @@ func (c ForwarderConfig) validate() error {
 //
 // One relay is enough and two are safe: claims are exclusive (FOR UPDATE
 // SKIP LOCKED on PostgreSQL and MySQL, a lease on SQLite).
+//
+// Run it with Run, or with a Watermill router through Plugin.
 type Forwarder struct {
 	store *Store
 	dest  Destination
@@ -154,6 +156,7 @@ type Forwarder struct {
 
 	mu        sync.Mutex
 	runCalled bool
+	routed    bool          // a router's plugin runs it (Plugin)
 	running   chan struct{} // closed once Run works
 	closing   chan struct{} // closed by Close
 	done      chan struct{} // closed when Run returns
@@ -223,13 +226,25 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // flight and returns. Failed sweeps are reported through OnError and retried
 // with backoff; Run returns nil when stopped.
 func (f *Forwarder) Run(ctx context.Context) error {
+	if err := f.claimRun(); err != nil {
+		return err
+	}
+	return f.run(ctx)
+}
+
+// claimRun makes the caller the one that runs the forwarder: it runs once.
+func (f *Forwarder) claimRun() error {
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.runCalled {
-		f.mu.Unlock()
 		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
 	}
 	f.runCalled = true
-	f.mu.Unlock()
+	return nil
+}
+
+// run is Run, once the caller claimed the run.
+func (f *Forwarder) run(ctx context.Context) error {
 	defer close(f.done)
 
 	select {

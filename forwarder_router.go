@@ -1,0 +1,150 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// ErrForwarderInUse is returned by the plugin of a Forwarder that runs
+// already (under another router's plugin, under the same plugin added
+// twice, under a Run of its own), and by a plugin whose router runs a relay
+// of the same table already.
+var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
+
+// Plugin runs the relay as part of a Watermill router: router.AddPlugin
+// registers it, it starts with the router's handlers and stops when the
+// router closes, finishing the batch in flight, and the router's Close
+// waits for it (up to RouterConfig.CloseTimeout, whose default of 30 s is
+// twice the default PublishTimeout: a shorter one returns "router close
+// timeout" while the batch still finishes). The router closes the
+// Forwarder, and so its destination; a deferred Close of your own is
+// harmless, and closes it if the router never started.
+//
+// Add it in the process that should relay, and leave it out of one that
+// should not. Under the router it is a
+// handler named "outbox-relay <table>" whose subscriber is the relay
+// itself: it delivers no message, so no handler function, middleware or
+// router metric ever sees one. It starts after every plugin, so the rows
+// Republisher's plugin makes pending are in its first claim whatever the
+// order the two were added in.
+//
+// A Forwarder runs once: its plugin on a second router, or the same plugin
+// added twice, fails that router's Run with ErrForwarderInUse, and so does
+// a Forwarder already under Run. Two Forwarders of one table, under two
+// routers of one process or of two, are safe: claims are exclusive, so
+// each row is published once by one of them (and a router refuses the
+// second relay of a table it already runs one of).
+//
+// The relay stops only when the router closes, its context ends, or the
+// Forwarder is closed by hand; in the last case its handler ends, and a
+// router left with no handler running closes, as Watermill's routers do.
+func (f *Forwarder) Plugin() message.RouterPlugin {
+	return func(r *message.Router) error {
+		table := f.store.cfg.Table
+		name := "outbox-relay " + table
+		if _, ok := r.Handlers()[name]; ok {
+			return fmt.Errorf("%w: the router has a relay of %s already (%q)", ErrForwarderInUse, table, name)
+		}
+		if err := f.route(); err != nil {
+			return err
+		}
+		sub := &relaySubscriber{f: f, stopped: make(chan struct{})}
+		r.AddConsumerHandler(name, table, sub, func(*message.Message) error {
+			return errors.New("outbox: the relay's handler received a message; its subscriber delivers none")
+		})
+		return nil
+	}
+}
+
+// route marks the forwarder as run by a router's plugin, or says why it
+// cannot be: refused here, the router's Run returns before any handler
+// starts; refused at Subscribe, Watermill would have started some of the
+// others, and would wait for ever for the one that failed.
+func (f *Forwarder) route() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	switch {
+	case f.routed:
+		return fmt.Errorf("%w: its plugin is on a router already; give each router a Forwarder of its own", ErrForwarderInUse)
+	case f.runCalled:
+		return fmt.Errorf("%w: Run was called; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	}
+	select {
+	case <-f.closing:
+		return ErrForwarderClosed
+	default:
+	}
+	f.routed = true
+	return nil
+}
+
+// relaySubscriber is the Subscriber of the relay's router handler: Subscribe
+// starts Run, and the channel it returns delivers nothing and closes once
+// Run returned and the Forwarder is closed. The router's Close waits for
+// that channel, so it waits for the batch in flight.
+type relaySubscriber struct {
+	f *Forwarder
+
+	mu      sync.Mutex
+	owns    bool          // Subscribe claimed the run: closing the Forwarder is ours
+	stopped chan struct{} // closed when Subscribe's goroutine returned
+}
+
+// Subscribe starts the relay under ctx, which the router cancels when it
+// closes, and returns once it works, or why it cannot start.
+func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
+	s.mu.Lock()
+	if s.owns {
+		s.mu.Unlock()
+		return nil, errors.New("outbox: the relay's subscriber subscribes once")
+	}
+	// Claimed here rather than by Run in the goroutine: a Run someone else
+	// started since the plugin ran would otherwise close Running for us.
+	if err := s.f.claimRun(); err != nil {
+		s.mu.Unlock()
+		return nil, err
+	}
+	s.owns = true
+	s.mu.Unlock()
+
+	out := make(chan *message.Message)
+	refused := make(chan error, 1)
+	go func() {
+		defer close(s.stopped)
+		if err := s.f.run(ctx); err != nil {
+			refused <- err // closed before it started
+			return
+		}
+		// run returns nil only once stopped, its batch finished.
+		if err := s.f.Close(); err != nil {
+			s.f.log.Error("Outbox forwarder: closing the destination failed", err, nil)
+		}
+		close(out)
+	}()
+	select {
+	case <-s.f.Running():
+		return out, nil
+	case err := <-refused:
+		return nil, err
+	}
+}
+
+// Close stops the relay, waits for the batch in flight, and closes the
+// Forwarder. The router calls it when it closes (its context's end may stop
+// the relay first); a subscriber that did not claim the run leaves the
+// Forwarder alone.
+func (s *relaySubscriber) Close() error {
+	s.mu.Lock()
+	owns := s.owns
+	s.mu.Unlock()
+	if !owns {
+		return nil
+	}
+	err := s.f.Close()
+	<-s.stopped
+	return err
+}

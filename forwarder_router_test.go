@@ -1,0 +1,406 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"go.uber.org/goleak"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// newRouter returns a router with a consumer handler of its own on an
+// in-process gochannel, as a service's router has handlers besides the relay.
+func newRouter(t testing.TB) *message.Router {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	t.Cleanup(func() { _ = ch.Close() })
+	r.AddConsumerHandler("consume-orders", "orders", ch, func(*message.Message) error { return nil })
+	return r
+}
+
+// startRouter runs r and returns once it runs, failing the test if it does
+// not start. stop closes it and returns Close's error (or Run's) once Run
+// returned; the test's end stops it too.
+func startRouter(t testing.TB, r *message.Router) (stop func() error) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case err := <-done:
+		t.Fatalf("the router did not start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the router did not start within 30 s")
+	}
+	var (
+		once sync.Once
+		err  error
+	)
+	stop = func() error {
+		once.Do(func() {
+			err = r.Close()
+			if runErr := <-done; err == nil && runErr != nil {
+				err = fmt.Errorf("router Run: %w", runErr)
+			}
+		})
+		return err
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
+// messageIDs is the ids of msgs.
+func messageIDs(msgs []*message.Message) []string {
+	ids := make([]string, len(msgs))
+	for i, m := range msgs {
+		ids[i] = m.UUID
+	}
+	return ids
+}
+
+// publishedIDs is the ids of the rows marked published.
+func publishedIDs(t testing.TB, db *testdb.DB) map[string]bool {
+	t.Helper()
+	var ids []string
+	if err := db.Select(&ids, "SELECT id FROM acemq_outbox WHERE published_at IS NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	set := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		set[id] = true
+	}
+	return set
+}
+
+// assertArrivedOnce fails the test unless the deliveries hold each of ids
+// exactly once, and nothing else.
+func assertArrivedOnce(t testing.TB, ds []amqp.Delivery, ids []string) {
+	t.Helper()
+	seen := countIDs(ds)
+	for _, id := range ids {
+		if seen[id] != 1 {
+			t.Errorf("%s arrived %d times, want once", id, seen[id])
+		}
+	}
+	if len(seen) != len(ids) {
+		t.Errorf("%d distinct ids arrived, want %d", len(seen), len(ids))
+	}
+}
+
+// assertNothingClaimed fails the test if a row of acemq_outbox is still
+// claimed: a lease in locked_by/locked_until (SQLite's claims), or a row
+// lock that an open claim transaction holds (PostgreSQL, MySQL), which
+// FOR UPDATE NOWAIT runs into at once.
+func assertNothingClaimed(t testing.TB, db *testdb.DB) {
+	t.Helper()
+	var leased int
+	if err := db.Get(&leased, "SELECT COUNT(*) FROM acemq_outbox WHERE locked_by IS NOT NULL OR locked_until IS NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	if leased != 0 {
+		t.Errorf("%d rows still leased", leased)
+	}
+	if db.Kind == testdb.SQLite {
+		return
+	}
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	var ids []string
+	if err := tx.Select(&ids, "SELECT id FROM acemq_outbox FOR UPDATE NOWAIT"); err != nil {
+		t.Errorf("a row is still locked by a claim: %v", err)
+	}
+}
+
+// assertForwarderClosed fails the test unless f was closed, and stays so.
+func assertForwarderClosed(t testing.TB, f *outbox.Forwarder) {
+	t.Helper()
+	if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrForwarderClosed) {
+		t.Errorf("Sweep after the router closed: %v, want ErrForwarderClosed", err)
+	}
+	if err := f.Close(); err != nil {
+		t.Errorf("Close after the router closed: %v", err)
+	}
+	if err := f.Run(context.Background()); !errors.Is(err, outbox.ErrForwarderClosed) {
+		t.Errorf("Run after the router closed: %v, want ErrForwarderClosed", err)
+	}
+}
+
+// The relay starts with the router: what was committed before it started and
+// what is committed while it runs arrives once, and the router's Close
+// closes the forwarder.
+func TestForwarderPlugin_RouterRunsRelay_RowsCommittedBeforeAndAfterStartArriveOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		before := messageIDs(publishBatch(t, db, b.Exchange, "t", 5))
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
+		r := newRouter(t)
+		r.AddPlugin(f.Plugin())
+		stop := startRouter(t, r)
+
+		got := b.Drain(queue, len(before), 10*time.Second)
+		after := messageIDs(publishBatch(t, db, b.Exchange, "t", 5))
+		got = append(got, b.Drain(queue, len(after), 10*time.Second)...)
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		assertArrivedOnce(t, got, append(before, after...))
+		assertForwarderClosed(t, f)
+	})
+}
+
+// The router closed in the middle of a backlog: its Close waits for the batch
+// the relay has in flight, and returns with that batch marked, every marked
+// row on the broker and no other, nothing claimed, the forwarder closed and
+// no goroutine left.
+func TestForwarderPlugin_RouterClosedMidStream_BatchFinishedNothingClaimedNoGoroutineLeft(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		defer goleak.VerifyNone(t, goleak.IgnoreCurrent(), ignorePools)
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		const backlog, batchSize = 3000, 25
+		publishBatch(t, db, b.Exchange, "t", backlog)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: batchSize})
+		// The fifth batch is held between the broker's confirms and its
+		// marks until the router is closing.
+		var (
+			marks            atomic.Int32
+			held             []string
+			inBatch, release = make(chan struct{}), make(chan struct{})
+			releaseOnce      sync.Once
+		)
+		releaseBatch := func() { releaseOnce.Do(func() { close(release) }) }
+		defer releaseBatch() // a failing test lets the relay go too
+		outbox.SetAfterPublishHook(f, func(published []string) error {
+			if len(published) > 0 && marks.Add(1) == 5 {
+				held = published
+				close(inBatch)
+				<-release
+			}
+			return nil
+		})
+		r := newRouter(t)
+		r.AddPlugin(f.Plugin())
+		stop := startRouter(t, r)
+		<-inBatch
+
+		closed := make(chan error, 1)
+		go func() { closed <- stop() }()
+		select {
+		case err := <-closed:
+			t.Fatalf("the router's Close returned (%v) while the relay had a batch in flight", err)
+		case <-time.After(200 * time.Millisecond): // long enough for a Close that does not wait to return
+		}
+		releaseBatch()
+		if err := <-closed; err != nil {
+			t.Fatalf("router Close: %v", err)
+		}
+
+		published := publishedIDs(t, db)
+		for _, id := range held {
+			if !published[id] {
+				t.Fatalf("%s of the batch in flight is not marked: the relay did not finish its batch", id)
+			}
+		}
+		if len(published) >= backlog {
+			t.Fatalf("all %d rows were published: the relay did not stop with the router", backlog)
+		}
+		t.Logf("%d of %d rows published before the relay stopped", len(published), backlog)
+		seen := countIDs(b.Drain(queue, len(published), 10*time.Second))
+		for id, n := range seen {
+			if !published[id] || n != 1 {
+				t.Errorf("%s arrived %d times, marked published: %t; want once, and marked", id, n, published[id])
+			}
+		}
+		if len(seen) != len(published) {
+			t.Errorf("%d rows marked published, %d on the broker", len(published), len(seen))
+		}
+		assertNothingClaimed(t, db)
+		assertForwarderClosed(t, f)
+	})
+}
+
+// A Forwarder runs once: of two routers starting at once with its plugin,
+// exactly one runs it, and the other's Run fails naming the cause. The same
+// plugin added twice to one router, a second relay of the same table on one
+// router, a Forwarder under Run and a closed one refuse the router too.
+func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the refusal is the plugin's, the same on every database
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
+
+	routers := []*message.Router{newRouter(t), newRouter(t)}
+	results := make(chan error, len(routers))
+	for _, r := range routers {
+		r.AddPlugin(f.Plugin())
+		go func() { results <- r.Run(context.Background()) }()
+	}
+	var refused error
+	select {
+	case refused = <-results:
+	case <-time.After(30 * time.Second):
+		t.Fatal("neither router refused the forwarder within 30 s")
+	}
+	if !errors.Is(refused, outbox.ErrForwarderInUse) {
+		t.Fatalf("the second router's Run: %v, want ErrForwarderInUse", refused)
+	}
+	t.Logf("refused: %v", refused)
+	var running *message.Router
+	waitFor(t, 30*time.Second, "the other router to run", func() bool {
+		for _, r := range routers {
+			if r.IsRunning() {
+				running = r
+				return true
+			}
+		}
+		return false
+	})
+	ids := messageIDs(publishBatch(t, db, b.Exchange, "t", 3))
+	assertArrivedOnce(t, b.Drain(queue, len(ids), 10*time.Second), ids)
+	if err := running.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-results; err != nil {
+		t.Fatalf("the router that ran the relay: %v", err)
+	}
+
+	refusals := map[string]func(t *testing.T, r *message.Router) error{
+		"the same plugin added twice": func(t *testing.T, r *message.Router) error {
+			p := newForwarder(t, db, outbox.ForwarderConfig{}).Plugin()
+			r.AddPlugin(p, p)
+			return outbox.ErrForwarderInUse
+		},
+		"two relays of one table": func(t *testing.T, r *message.Router) error {
+			r.AddPlugin(newForwarder(t, db, outbox.ForwarderConfig{}).Plugin(), newForwarder(t, db, outbox.ForwarderConfig{}).Plugin())
+			return outbox.ErrForwarderInUse
+		},
+		"a forwarder under Run": func(t *testing.T, r *message.Router) error {
+			g := newForwarder(t, db, outbox.ForwarderConfig{})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- g.Run(ctx) }()
+			<-g.Running()
+			t.Cleanup(func() { cancel(); <-done })
+			r.AddPlugin(g.Plugin())
+			return outbox.ErrForwarderInUse
+		},
+		"a closed forwarder": func(t *testing.T, r *message.Router) error {
+			g := newForwarder(t, db, outbox.ForwarderConfig{})
+			if err := g.Close(); err != nil {
+				t.Fatal(err)
+			}
+			r.AddPlugin(g.Plugin())
+			return outbox.ErrForwarderClosed
+		},
+	}
+	for name, add := range refusals {
+		t.Run(name, func(t *testing.T) {
+			r := newRouter(t)
+			want := add(t, r)
+			err := r.Run(context.Background())
+			if !errors.Is(err, want) {
+				t.Errorf("router Run: %v, want %v", err, want)
+			}
+			t.Logf("refused: %v", err)
+		})
+	}
+}
+
+// Two Forwarders of one table, each under a router of its own in one
+// process: claims are exclusive, so every row is published exactly once.
+func TestForwarderPlugin_TwoForwardersOneTableTwoRouters_EveryRowPublishedExactlyOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		const n = 2000
+		ids := messageIDs(publishBatch(t, db, b.Exchange, "t", n))
+
+		var relays []*outbox.Forwarder
+		var stops []func() error
+		for range 2 {
+			f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 50})
+			relays = append(relays, f)
+			r := newRouter(t)
+			r.AddPlugin(f.Plugin())
+			stops = append(stops, startRouter(t, r))
+		}
+		waitFor(t, 60*time.Second, "every row published", func() bool { return pendingCount(t, relays[0]) == 0 })
+		for _, stop := range stops {
+			if err := stop(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		assertArrivedOnce(t, b.Drain(queue, n, 10*time.Second), ids)
+	})
+}
+
+// Republisher's plugin, added before the relay's or after it, runs before
+// the relay starts (the relay starts with the handlers, after the last
+// plugin): the records it makes pending go out at router start, with no
+// poll (an hour) and no Notify to wake the relay.
+func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(t *testing.T) {
+	for _, order := range []string{"republisher first", "relay first"} {
+		t.Run(order, func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				b := testamqp.New(t)
+				queue := b.Queue("t")
+				ids := publishN(t, db, b.Exchange, "t", 2)
+				// The first life: published, then lost by the broker.
+				if n := sweepAll(t, newForwarder(t, db, outbox.ForwarderConfig{})); n != len(ids) {
+					t.Fatalf("published %d, want %d", n, len(ids))
+				}
+				b.With(func(ch *amqp.Channel) error { _, err := ch.QueuePurge(queue, false); return err })
+				ageRecords(t, db, time.Hour, ids...)
+
+				// The next boot.
+				f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, DisableListen: true})
+				rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("t"), Grace: time.Minute})
+				if err != nil {
+					t.Fatal(err)
+				}
+				r := newRouter(t)
+				if order == "republisher first" {
+					r.AddPlugin(rp.Plugin(), f.Plugin())
+				} else {
+					r.AddPlugin(f.Plugin(), rp.Plugin())
+				}
+				var relayInPlugins atomic.Bool
+				r.AddPlugin(func(*message.Router) error {
+					select {
+					case <-f.Running():
+						relayInPlugins.Store(true)
+					default:
+					}
+					return nil
+				})
+				startRouter(t, r)
+				if relayInPlugins.Load() {
+					t.Error("the relay ran before the router's last plugin")
+				}
+				assertArrivedOnce(t, b.Drain(queue, len(ids), 10*time.Second), ids)
+			})
+		})
+	}
+}
