@@ -20,9 +20,9 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// newRouter returns a router with a consumer handler of its own on an
+// newRouterWithConsumer returns a router with a consumer handler of its own on an
 // in-process gochannel, as a service's router has handlers besides the relay.
-func newRouter(t testing.TB) *message.Router {
+func newRouterWithConsumer(t testing.TB) *message.Router {
 	t.Helper()
 	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
 	if err != nil {
@@ -34,10 +34,10 @@ func newRouter(t testing.TB) *message.Router {
 	return r
 }
 
-// startRouter runs r and returns once it runs, failing the test if it does
+// runRouter runs r and returns once it runs, failing the test if it does
 // not start. stop closes it and returns Close's error (or Run's) once Run
 // returned; the test's end stops it too.
-func startRouter(t testing.TB, r *message.Router) (stop func() error) {
+func runRouter(t testing.TB, r *message.Router) (stop func() error) {
 	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- r.Run(context.Background()) }()
@@ -154,9 +154,9 @@ func TestForwarderPlugin_RouterRunsRelay_RowsCommittedBeforeAndAfterStartArriveO
 		before := messageIDs(publishBatch(t, db, b.Exchange, "t", 5))
 
 		f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
-		r := newRouter(t)
+		r := newRouterWithConsumer(t)
 		r.AddPlugin(f.Plugin())
-		stop := startRouter(t, r)
+		stop := runRouter(t, r)
 
 		got := b.Drain(queue, len(before), 10*time.Second)
 		after := messageIDs(publishBatch(t, db, b.Exchange, "t", 5))
@@ -200,9 +200,9 @@ func TestForwarderPlugin_RouterClosedMidStream_BatchFinishedNothingClaimedNoGoro
 			}
 			return nil
 		})
-		r := newRouter(t)
+		r := newRouterWithConsumer(t)
 		r.AddPlugin(f.Plugin())
-		stop := startRouter(t, r)
+		stop := runRouter(t, r)
 		<-inBatch
 
 		closed := make(chan error, 1)
@@ -251,7 +251,7 @@ func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *te
 	queue := b.Queue("t")
 	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
 
-	routers := []*message.Router{newRouter(t), newRouter(t)}
+	routers := []*message.Router{newRouterWithConsumer(t), newRouterWithConsumer(t)}
 	results := make(chan error, len(routers))
 	for _, r := range routers {
 		r.AddPlugin(f.Plugin())
@@ -317,7 +317,7 @@ func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *te
 	}
 	for name, add := range refusals {
 		t.Run(name, func(t *testing.T) {
-			r := newRouter(t)
+			r := newRouterWithConsumer(t)
 			want := add(t, r)
 			err := r.Run(context.Background())
 			if !errors.Is(err, want) {
@@ -342,9 +342,9 @@ func TestForwarderPlugin_TwoForwardersOneTableTwoRouters_EveryRowPublishedExactl
 		for range 2 {
 			f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 50})
 			relays = append(relays, f)
-			r := newRouter(t)
+			r := newRouterWithConsumer(t)
 			r.AddPlugin(f.Plugin())
-			stops = append(stops, startRouter(t, r))
+			stops = append(stops, runRouter(t, r))
 		}
 		waitFor(t, 60*time.Second, "every row published", func() bool { return pendingCount(t, relays[0]) == 0 })
 		for _, stop := range stops {
@@ -380,7 +380,7 @@ func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(
 				if err != nil {
 					t.Fatal(err)
 				}
-				r := newRouter(t)
+				r := newRouterWithConsumer(t)
 				if order == "republisher first" {
 					r.AddPlugin(rp.Plugin(), f.Plugin())
 				} else {
@@ -395,7 +395,7 @@ func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(
 					}
 					return nil
 				})
-				startRouter(t, r)
+				runRouter(t, r)
 				if relayInPlugins.Load() {
 					t.Error("the relay ran before the router's last plugin")
 				}
