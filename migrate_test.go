@@ -197,9 +197,9 @@ func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) 
 			t.Errorf("processed_at: %d set, %v; want the column, null in every row", processed, err)
 		}
 		want := map[string][]string{
-			testdb.Postgres: {"acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pkey", "acemq_outbox_published"},
-			testdb.MySQL:    {"PRIMARY", "acemq_outbox_pending"},
-			testdb.SQLite:   {"acemq_outbox_pending", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
+			testdb.Postgres: {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pkey", "acemq_outbox_published"},
+			testdb.MySQL:    {"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_pending"},
+			testdb.SQLite:   {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
 		}[db.Kind]
 		if got := indexes(t, db); !reflect.DeepEqual(got, want) {
 			t.Errorf("indexes %v, want %v: Rails' kept, and the one the relay's claim walks", got, want)
@@ -318,9 +318,9 @@ func snapshot(t *testing.T, db *testdb.DB) []map[string]any {
 func columnTypes(t *testing.T, db *testdb.DB) map[string]string {
 	t.Helper()
 	q := map[string]string{
-		testdb.Postgres: "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'acemq_outbox' AND column_name <> 'processed_at'",
-		testdb.MySQL:    "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME <> 'processed_at'",
-		testdb.SQLite:   "SELECT name, type FROM pragma_table_info('acemq_outbox') WHERE name <> 'processed_at'",
+		testdb.Postgres: "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = 'acemq_outbox' AND column_name NOT IN ('processed_at', 'aggregate_id', 'seq')",
+		testdb.MySQL:    "SELECT COLUMN_NAME, COLUMN_TYPE FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME NOT IN ('processed_at', 'aggregate_id', 'seq')",
+		testdb.SQLite:   "SELECT name, type FROM pragma_table_info('acemq_outbox') WHERE name NOT IN ('processed_at', 'aggregate_id', 'seq')",
 	}[db.Kind]
 	rows, err := db.Query(q)
 	if err != nil {
