@@ -17,6 +17,16 @@ const HeaderMessageID = "x-acemq-id"
 // receives the UUID the message was published with.
 const HeaderWatermillUUID = "_watermill_message_uuid"
 
+// HeaderAggregateID and HeaderSeq carry a keyed message's ordering key (its
+// aggregate's id) and its sequence number within that key, an AMQP long
+// integer from 1 up. The names are the reference design's (a relay that
+// "sends the aggregate's own sequence number in a header"), so a consumer
+// written for it reads ours, and the ordered inbox reads theirs.
+const (
+	HeaderAggregateID = "aggregateId"
+	HeaderSeq         = "seq"
+)
+
 // Record is one outbox row, decoded, as a Destination receives it.
 type Record struct {
 	ID          string
