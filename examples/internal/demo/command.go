@@ -62,8 +62,8 @@ func (c *Command) Logger() watermill.LoggerAdapter {
 // Run checks that the broker answers, opens the database (file names the
 // SQLite one of a run without -db), says on stdout which of each it uses,
 // and runs body on them. Whatever body started stops when it returns, the
-// database closes last, and a failure of any step is one line on Stderr and
-// exit code 1.
+// last started first; the database closes last; and a failure of any step
+// is one line on Stderr and exit code 1.
 func (c *Command) Run(ctx context.Context, file string, stdout io.Writer, body func(*Service) error) int {
 	if err := checkBroker(c.AMQPURL); err != nil {
 		fmt.Fprintf(c.Stderr, "%s: %v\n", c.Name, err)

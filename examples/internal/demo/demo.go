@@ -1,12 +1,14 @@
 // Package demo is what the example programs share and what is not the point
 // of any of them: their command line and its exit codes (Command), opening
 // the database a -db flag names (SQLite in a temporary file when it names
-// none), checking that RabbitMQ answers before anything starts, the consumer
-// behind the inbox and the relays a program runs (Service), a JSON message
-// written into a transaction and read behind the inbox (PublishJSON,
-// InboxHandler), counting a run's own rows, and waiting for a condition with
-// a deadline. What a program is about, its business transaction, its
-// handler's effect and its report, stays in the program.
+// none), checking that RabbitMQ answers before anything starts, the router
+// of a program's consumers, each behind an inbox of its own, and its relays
+// (Service), a JSON message written into a transaction or returned by a
+// handler, and read behind the inbox (PublishJSON, NewJSONMessage,
+// InboxHandler, InboxReturningHandler, AtMostOnceHandler), counting a run's
+// own rows, and waiting for a condition with a deadline. What a program is
+// about, its business transaction, its handlers' effects, how its inboxes
+// and its router are set up, and its report, stays in the program.
 package demo
 
 import (
