@@ -8,11 +8,15 @@ import (
 	"github.com/acemq/watermill-outbox/examples/internal/demo/demotest"
 )
 
-// The whole program against the local services: every order that
-// committed is published and fulfilled exactly once, and the rejected ones
-// leave neither an order row nor an outbox row. SQLite runs with no -db at
-// all, the configuration `go run ./examples/orders` has.
-func TestOrders_CommittedOrdersFulfilledOnce_RejectedLeaveNoRows(t *testing.T) {
+// The whole program against the local services, the whole of what a
+// service does with the outbox: every order that committed is published
+// and fulfilled exactly once, the rejected ones leave neither an order row
+// nor an outbox row, each fulfilment's order.fulfilled message, returned by
+// its handler behind the inbox, is published through the outbox by the
+// relay that runs with the router, and the notification consumer behind
+// the at-most-once inbox emails each customer once. SQLite runs with no
+// -db at all, the configuration `go run ./examples/orders` has.
+func TestOrders_CommittedOrdersFulfilledOnceAnnouncedAndNotified_RejectedLeaveNoRows(t *testing.T) {
 	demotest.OnEachDB(t, func(t *testing.T, args []string) {
 		stdout := demotest.RunOK(t, prog, run, append(args, "-timeout", "15s")...)
 		demotest.WantLines(t, stdout,
@@ -20,6 +24,8 @@ func TestOrders_CommittedOrdersFulfilledOnce_RejectedLeaveNoRows(t *testing.T) {
 			`rejected\s+2\s+\(left 0 order rows, 0 outbox rows\)`,
 			`published\s+8`,
 			`fulfilled\s+8\s+\(each once\)`,
+			`announced\s+8\s+\(order\.fulfilled through the outbox\)`,
+			`notified\s+8\s+\(at most once\)`,
 			`6\s+grinder\s+1\s+89\.00\s+rejected: grinder out of stock`,
 			`10\s+grinder\s+1\s+89\.00\s+rejected: grinder out of stock`,
 		)
