@@ -78,6 +78,26 @@ type InboxConfig struct {
 	// context before the handler runs, so that one trace spans commit,
 	// relay and handler. Nil costs nothing.
 	Propagator propagation.TextMapPropagator
+	// Ordered applies keyed messages (aggregateId and seq metadata, as
+	// TxPublisher writes them for a message with an ordering key) in their
+	// key's sequence order, per consumer: a sequence number applied already
+	// is a duplicate, acked without running; the next one runs and records
+	// itself as the key's last applied in the handler's transaction; a later
+	// one is held in acemq_inbox_held and acked, and runs, in a transaction
+	// of its own, right after its predecessor commits. A keyed message whose
+	// seq is missing or not a positive integer fails with ErrInvalidSeq.
+	// Unkeyed messages take the unordered path. Needs sqlschema's 0006
+	// tables; not with AtMostOnce (a held message's effect would have no
+	// key committed before it). See ApplyHeld, Gaps and SkipGap.
+	Ordered bool
+	// GapAfter, with Ordered, is how long a message may be held before
+	// RefreshStats reports its key as a gap (outbox_inbox_gaps, a logged
+	// error): its predecessor was purged or is stuck at the sender, and an
+	// operator decides (outboxctl held, skip-gap). Too short reports a
+	// predecessor that is merely slow (a relay retrying, a redelivery
+	// after a consumer crash); too long lets a key stand still unseen.
+	// Default DefaultGapAfter (5 minutes).
+	GapAfter time.Duration
 	// PurgeBatch is how many rows one DELETE of PurgeProcessed removes.
 	// Default 1000.
 	PurgeBatch int
@@ -100,6 +120,9 @@ func (c *InboxConfig) setDefaults() {
 	if c.PurgeBatch == 0 {
 		c.PurgeBatch = DefaultPurgeBatch
 	}
+	if c.GapAfter == 0 {
+		c.GapAfter = DefaultGapAfter
+	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -114,6 +137,12 @@ func (c InboxConfig) validate() error {
 	}
 	if err := checkName(c.ConsumerName); err != nil {
 		return &ConfigError{Field: "ConsumerName", Reason: err.Error()}
+	}
+	if c.GapAfter < 0 {
+		return &ConfigError{Field: "GapAfter", Reason: fmt.Sprintf("%s; want a positive duration", c.GapAfter)}
+	}
+	if c.Ordered && c.AtMostOnce {
+		return &ConfigError{Field: "Ordered", Reason: "not with AtMostOnce: a held message runs after its predecessor's commit, with no key committed before its effect"}
 	}
 	return nil
 }
@@ -150,6 +179,7 @@ type Inbox struct {
 	q        *sqldialect.Inbox
 	outbox   *sqldialect.Outbox // the table MarkOutboxProcessed marks and returned messages go to
 	returned TxPublisherConfig  // how returned messages are written, checked once
+	ordered  *orderedState      // nil unless cfg.Ordered
 	log      watermill.LoggerAdapter
 }
 
@@ -192,7 +222,11 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}, nil
+	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
+	if cfg.Ordered {
+		in.ordered = &orderedState{q: sqldialect.NewOrderedInbox(cfg.Dialect.sql()), routes: map[string]orderedRoute{}}
+	}
+	return in, nil
 }
 
 // returnedConfig is Outbox on the inbox's dialect and outbox table, with
@@ -283,7 +317,21 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
 	}
 	key := dedupeKey(msg)
+	var (
+		aggregate string
+		seq       int64
+		keyed     bool
+	)
+	if in.ordered != nil {
+		if aggregate, seq, keyed, err = orderKey(msg); err != nil {
+			return inboxFailed, "", err
+		}
+	}
 	if key == "" {
+		if keyed {
+			// Held, it could not be told from its redelivery.
+			return inboxFailed, "", fmt.Errorf("%w (a keyed message, aggregateId %.80q: AllowMissingID does not apply)", ErrNoMessageID, aggregate)
+		}
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
 			out, err := h(msg)
@@ -306,6 +354,10 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	}
 	if err := checkName(consumer); err != nil {
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
+	}
+	if keyed {
+		outcome, err := in.processOrdered(ctx, h, msg, consumer, key, aggregate, seq)
+		return outcome, consumer, err
 	}
 	if in.cfg.AtMostOnce {
 		outcome, err := in.processAtMostOnce(ctx, h, msg, consumer, key)

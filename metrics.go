@@ -23,6 +23,10 @@ type Metrics struct {
 	inboxDuplicate  *prometheus.CounterVec
 	inboxFailed     *prometheus.CounterVec
 	inboxAtMostOnce *prometheus.CounterVec
+	inboxHeld       *prometheus.CounterVec
+	heldMessages    prometheus.Gauge
+	heldGaps        prometheus.Gauge
+	oldestGap       prometheus.Gauge
 }
 
 // NewMetrics creates the metrics and registers them with reg. Their names
@@ -71,10 +75,26 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_inbox_at_most_once_total",
 			Help: "Messages whose key was committed before the handler ran, by consumer: from here a crash drops the message rather than repeating its effect.",
 		}, []string{"consumer"}),
+		inboxHeld: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_held_total",
+			Help: "Keyed messages the ordered inbox held, ahead of their predecessor, and acked, by consumer.",
+		}, []string{"consumer"}),
+		heldMessages: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_inbox_held",
+			Help: "Messages the ordered inbox holds until their predecessor is applied, all consumers (set by Inbox.RefreshStats).",
+		}),
+		heldGaps: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_inbox_gaps",
+			Help: "Keys with a message held longer than InboxConfig.GapAfter: a predecessor missing, for an operator (outboxctl held, skip-gap).",
+		}),
+		oldestGap: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "outbox_inbox_oldest_gap_age_seconds",
+			Help: "How long the longest-held message of the ordered inbox has been held; 0 when none is.",
+		}),
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
-		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce} {
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap} {
 		errs = append(errs, reg.Register(c))
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -125,7 +145,19 @@ func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {
 		m.inboxFailed.WithLabelValues(consumer).Inc()
 	case inboxAtMostOnce:
 		m.inboxAtMostOnce.WithLabelValues(consumer).Inc()
+	case inboxHeld:
+		m.inboxHeld.WithLabelValues(consumer).Inc()
 	}
+}
+
+// held sets the ordered inbox's gauges (RefreshStats).
+func (m *Metrics) held(messages, gaps int64, oldest time.Duration) {
+	if m == nil {
+		return
+	}
+	m.heldMessages.Set(float64(messages))
+	m.heldGaps.Set(float64(gaps))
+	m.oldestGap.Set(oldest.Seconds())
 }
 
 type inboxOutcome int
@@ -137,4 +169,7 @@ const (
 	// inboxAtMostOnce is counted when an at-most-once key commits, before
 	// the handler runs; the message then also ends processed or failed.
 	inboxAtMostOnce
+	// inboxHeld: an ordered message ahead of its predecessor, held and
+	// acked; it is counted processed when it is applied.
+	inboxHeld
 )

@@ -114,6 +114,8 @@ var commands = []command{
 	{"stuck", "the rows the relay gave up on, with where they go and why they failed", (*cli).stuck},
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},
+	{"held", "ordered inbox: keys with held messages, what they wait for and since when", (*cli).held},
+	{"skip-gap", "ordered inbox: give up on a key's missing messages: skip-gap --consumer C --key K", (*cli).skipGap},
 	{"relay", "publish pending rows to RabbitMQ until SIGINT/SIGTERM; serves /metrics and /healthz", (*cli).relay},
 	{"migrate", "create or update acemq_outbox and processed_messages", (*cli).migrate},
 }
@@ -164,7 +166,7 @@ Usage:
 Commands:
 `)
 	for _, cmd := range commands {
-		fmt.Fprintf(w, "  %-8s  %s\n", cmd.name, cmd.summary)
+		fmt.Fprintf(w, "  %-9s  %s\n", cmd.name, cmd.summary)
 	}
 	fmt.Fprint(w, "\nGlobal flags (before or after the command):\n")
 	printFlags(w, fs)

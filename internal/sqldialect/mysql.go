@@ -112,6 +112,22 @@ func (mysql) purgeProcessed(table string) string {
 	return "DELETE FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?"
 }
 
+// insertInboxSequence locks the key's row exclusively, new or not: INSERT
+// IGNORE would take a shared lock on a row that is there, and two
+// deliveries of a key, both holding it, deadlock on the FOR UPDATE that
+// follows (seen at once with six concurrent deliveries).
+func (mysql) insertInboxSequence() string {
+	return "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq) VALUES (?, ?, 0) ON DUPLICATE KEY UPDATE last_seq = last_seq"
+}
+
+// insertInboxHeld uses INSERT IGNORE, as insertProcessed does, for its
+// affected-row count; every value was checked against its column first.
+func (mysql) insertInboxHeld() string {
+	return "INSERT IGNORE INTO " + InboxHeldTable + " (" + inboxHeldColumns + ") VALUES (" + placeholders(inboxHeldColumnCount) + ")"
+}
+
+func (mysql) lockInboxSequence() string { return selectInboxSequence + " FOR UPDATE" }
+
 // migrationLockTimeout is how long a second migrating process waits for the
 // first, in seconds; past it Migrate fails rather than hanging a deploy.
 const migrationLockTimeout = 60

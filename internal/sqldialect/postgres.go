@@ -73,6 +73,12 @@ func (postgres) insertProcessed(table string) string { return insertProcessedOnC
 
 func (postgres) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
 
+func (postgres) insertInboxSequence() string { return insertInboxSequenceOnConflict }
+
+func (postgres) insertInboxHeld() string { return insertInboxHeldOnConflict }
+
+func (postgres) lockInboxSequence() string { return selectInboxSequence + " FOR UPDATE" }
+
 // migrationLockKey is an arbitrary constant shared by every process that
 // migrates: pg_advisory_xact_lock makes the second one wait for the first.
 const migrationLockKey = 0x6163656d71 // "acemq"

@@ -461,3 +461,111 @@ func SelectMigrations() Query { return Query{SQL: "SELECT version FROM acemq_sch
 func InsertMigration(d Dialect, version int, name string) Query {
 	return Query{SQL: d.insertMigration(), Args: []any{version, name}}
 }
+
+// The ordered inbox's tables, named as sqlschema's 0006 creates them. Not
+// configurable: every consumer of a database shares them, keyed by
+// consumer_name as processed_messages is.
+const (
+	InboxSequencesTable = "acemq_inbox_sequences"
+	InboxHeldTable      = "acemq_inbox_held"
+)
+
+const (
+	inboxHeldColumns     = "consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at"
+	inboxHeldColumnCount = 8
+
+	selectInboxSequence = "SELECT last_seq FROM " + InboxSequencesTable + " WHERE consumer_name = ? AND aggregate_id = ?"
+
+	insertInboxSequenceOnConflict = "INSERT INTO " + InboxSequencesTable +
+		" (consumer_name, aggregate_id, last_seq) VALUES (?, ?, 0) ON CONFLICT DO NOTHING"
+	insertInboxHeldOnConflict = "INSERT INTO " + InboxHeldTable + " (" + inboxHeldColumns + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+)
+
+// OrderedInbox is the SQL of the ordered inbox: the last sequence number
+// applied per (consumer, key), and the messages held until their
+// predecessor is applied.
+type OrderedInbox struct{ d Dialect }
+
+// NewOrderedInbox returns the ordered inbox's statements for d.
+func NewOrderedInbox(d Dialect) *OrderedInbox { return &OrderedInbox{d: d} }
+
+func (o *OrderedInbox) query(sql string, args ...any) Query {
+	return Query{SQL: o.d.rebind(sql), Args: args}
+}
+
+// EnsureSequence writes the key's row at 0 if it is missing, so that the
+// lock that follows has a row to take: without it two first messages of a
+// key would both find none.
+func (o *OrderedInbox) EnsureSequence(consumer, key string) Query {
+	return o.query(o.d.insertInboxSequence(), consumer, key)
+}
+
+// LockSequence reads the key's last applied sequence number and locks its
+// row until the transaction ends. Column: last_seq.
+func (o *OrderedInbox) LockSequence(consumer, key string) Query {
+	return o.query(o.d.lockInboxSequence(), consumer, key)
+}
+
+// SetSequence records seq as the key's last applied.
+func (o *OrderedInbox) SetSequence(consumer, key string, seq int64) Query {
+	return o.query("UPDATE "+InboxSequencesTable+" SET last_seq = ? WHERE consumer_name = ? AND aggregate_id = ?", seq, consumer, key)
+}
+
+// HeldRow is one held message.
+type HeldRow struct {
+	Consumer, Key   string
+	Seq             int64
+	MessageID       string
+	Payload         string
+	PayloadEncoding string
+	Metadata        string
+	HeldAt          time.Time
+}
+
+// Hold writes r; it affects no row when the key's seq is held already.
+func (o *OrderedInbox) Hold(r HeldRow) Query {
+	return o.query(o.d.insertInboxHeld(), r.Consumer, r.Key, r.Seq, r.MessageID, r.Payload, r.PayloadEncoding, r.Metadata, o.d.TimeArg(r.HeldAt))
+}
+
+// HeldUpTo counts the key's held messages up to seq: after applying seq-1,
+// one at seq is to be applied next, and one below is a copy of a message
+// applied since it was held.
+func (o *OrderedInbox) HeldUpTo(consumer, key string, seq int64) Query {
+	return o.query("SELECT COUNT(*) FROM "+InboxHeldTable+" WHERE consumer_name = ? AND aggregate_id = ? AND seq <= ?", consumer, key, seq)
+}
+
+// DeleteHeldUpTo deletes the key's held messages up to seq.
+func (o *OrderedInbox) DeleteHeldUpTo(consumer, key string, seq int64) Query {
+	return o.query("DELETE FROM "+InboxHeldTable+" WHERE consumer_name = ? AND aggregate_id = ? AND seq <= ?", consumer, key, seq)
+}
+
+// Held reads the key's held message seq. Columns: message_id, payload,
+// payload_encoding, metadata.
+func (o *OrderedInbox) Held(consumer, key string, seq int64) Query {
+	return o.query("SELECT message_id, payload, payload_encoding, metadata FROM "+InboxHeldTable+
+		" WHERE consumer_name = ? AND aggregate_id = ? AND seq = ?", consumer, key, seq)
+}
+
+// LowestHeld reads the key's lowest held sequence number, NULL if none.
+func (o *OrderedInbox) LowestHeld(consumer, key string) Query {
+	return o.query("SELECT MIN(seq) FROM "+InboxHeldTable+" WHERE consumer_name = ? AND aggregate_id = ?", consumer, key)
+}
+
+// Ready lists up to limit keys whose next message is held, to apply now.
+// Columns: consumer_name, aggregate_id.
+func (o *OrderedInbox) Ready(limit int) Query {
+	return o.query("SELECT h.consumer_name, h.aggregate_id FROM "+InboxHeldTable+" h JOIN "+InboxSequencesTable+
+		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id WHERE h.seq = s.last_seq + 1"+
+		" ORDER BY h.held_at LIMIT ?", limit)
+}
+
+// Gaps lists the keys with a message held since before cutoff, oldest
+// first, at most limit. Columns: consumer_name, aggregate_id, last applied
+// (0 when the key has no row), held count, lowest held seq, oldest held_at.
+func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
+	return o.query("SELECT h.consumer_name, h.aggregate_id, COALESCE(MAX(s.last_seq), 0), COUNT(*), MIN(h.seq), MIN(h.held_at)"+
+		" FROM "+InboxHeldTable+" h LEFT JOIN "+InboxSequencesTable+
+		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id"+
+		" GROUP BY h.consumer_name, h.aggregate_id HAVING MIN(h.held_at) < ? ORDER BY MIN(h.held_at), h.consumer_name, h.aggregate_id LIMIT ?",
+		o.d.TimeArg(cutoff), limit)
+}

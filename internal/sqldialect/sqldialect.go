@@ -70,6 +70,12 @@ type Dialect interface {
 	purgePublished(table string) string
 	insertProcessed(table string) string
 	purgeProcessed(table string) string
+	// The ordered inbox's statements that differ: insert-if-absent (the
+	// dialect's ON CONFLICT DO NOTHING or INSERT IGNORE) and the lock of a
+	// key's row.
+	insertInboxSequence() string
+	insertInboxHeld() string
+	lockInboxSequence() string
 	createMigrationsTable() string
 	insertMigration() string
 }

@@ -62,6 +62,16 @@ func (sqlite) insertProcessed(table string) string { return insertProcessedOnCon
 
 func (sqlite) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
 
+func (sqlite) insertInboxSequence() string { return insertInboxSequenceOnConflict }
+
+func (sqlite) insertInboxHeld() string { return insertInboxHeldOnConflict }
+
+// lockInboxSequence: SQLite has no row locks. The insert-if-absent before it
+// is a write, which takes the database's write lock for the rest of the
+// transaction (at BEGIN already under _txlock=immediate), so the read is as
+// good as a lock.
+func (sqlite) lockInboxSequence() string { return selectInboxSequence }
+
 func (sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	// The first DDL statement takes SQLite's write lock for the rest of the
 	// transaction; a second process waits on its busy timeout.

@@ -1,0 +1,494 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+)
+
+// DefaultGapAfter is the default of InboxConfig.GapAfter.
+const DefaultGapAfter = 5 * time.Minute
+
+// maxAggregateID is the length of acemq_inbox_sequences.aggregate_id, as of
+// acemq_outbox.aggregate_id.
+const maxAggregateID = 255
+
+// ErrInvalidSeq is returned (and the message nacked) for a keyed message,
+// one with aggregateId metadata, whose seq metadata is missing or not a
+// positive integer, under InboxConfig.Ordered. Running it would apply it in
+// no known place in its key's order, and dropping it would lose it; a
+// router's poison queue middleware can take it aside.
+var ErrInvalidSeq = errors.New("outbox: inbox: keyed message without a valid seq")
+
+// ErrNoHeld is returned by SkipGap for a key with no held message: there is
+// no gap to skip.
+var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
+
+// orderedRoute is what the inbox needs to apply a consumer's held messages
+// outside a delivery (ApplyHeld, SkipGap): the handler behind the
+// middleware and a router context holding the handler's name and topics.
+type orderedRoute struct {
+	h   message.HandlerFunc
+	ctx context.Context
+}
+
+// orderedState is the ordered inbox's part of an Inbox.
+type orderedState struct {
+	q      *sqldialect.OrderedInbox
+	mu     sync.Mutex
+	routes map[string]orderedRoute // by consumer, the first handler seen
+}
+
+// orderKey reads a message's ordering key and sequence number: keyed is
+// false for a message without aggregateId metadata, which takes the
+// unordered path.
+func orderKey(msg *message.Message) (key string, seq int64, keyed bool, err error) {
+	key = msg.Metadata.Get(HeaderAggregateID)
+	if key == "" {
+		return "", 0, false, nil
+	}
+	if len(key) > maxAggregateID {
+		return key, 0, true, fmt.Errorf("outbox: inbox: aggregateId %.80q… is longer than %d bytes", key, maxAggregateID)
+	}
+	text := msg.Metadata.Get(HeaderSeq)
+	seq, perr := strconv.ParseInt(text, 10, 64)
+	if perr != nil || seq < 1 {
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, seq %.40q; want a positive integer", ErrInvalidSeq, dedupeKey(msg), key, text)
+	}
+	return key, seq, true, nil
+}
+
+func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Context) {
+	o := in.ordered
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, ok := o.routes[consumer]; !ok {
+		// Without its cancellation: the route outlives the delivery. It keeps
+		// the router's handler name and topics, which a held message's
+		// handler and its returned messages need.
+		o.routes[consumer] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
+	}
+}
+
+func (in *Inbox) route(consumer string) (orderedRoute, bool) {
+	o := in.ordered
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	r, ok := o.routes[consumer]
+	return r, ok
+}
+
+// lockSequence writes the key's row if it is missing and locks it: from
+// here to the end of tx no other delivery of the key runs.
+func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (int64, error) {
+	ensure := in.ordered.q.EnsureSequence(consumer, key)
+	if _, err := tx.ExecContext(ctx, ensure.SQL, ensure.Args...); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: sequence of %q for %s: %w", key, consumer, err)
+	}
+	var last int64
+	lock := in.ordered.q.LockSequence(consumer, key)
+	if err := tx.QueryRowContext(ctx, lock.SQL, lock.Args...).Scan(&last); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: lock sequence of %q for %s: %w", key, consumer, err)
+	}
+	return last, nil
+}
+
+// processOrdered applies a keyed message in its key's order: a sequence
+// number applied already is a duplicate; the next one runs the handler and
+// advances the key in one transaction, then applies the messages held
+// behind it; a later one is held in the database and acked.
+func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
+	in.remember(consumer, h, msg.Context())
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			_ = tx.Rollback()
+		}
+	}()
+	last, err := in.lockSequence(ctx, tx, consumer, key)
+	if err != nil {
+		return inboxFailed, err
+	}
+	fields := watermill.LogFields{"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": seq, "last_applied": last}
+	switch {
+	case seq <= last:
+		in.log.Debug("Message of a sequence number applied already acked without running the handler", fields)
+		return inboxDuplicate, nil
+	case seq > last+1:
+		fresh, err := in.hold(ctx, tx, consumer, key, seq, id, msg)
+		if err != nil {
+			return inboxFailed, err
+		}
+		if err := tx.Commit(); err != nil {
+			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", id, consumer, err)
+		}
+		committed = true
+		if !fresh {
+			in.log.Debug("Message held already acked again", fields)
+			return inboxDuplicate, nil
+		}
+		in.log.Debug("Message ahead of its predecessor held", fields)
+		return inboxHeld, nil
+	}
+
+	// seq is the key's next. Checked before the handler runs, so that a
+	// held copy of this very message (held before its predecessor came) is
+	// deleted with the commit, and the messages held behind it are applied.
+	var held int64
+	count := in.ordered.q.HeldUpTo(consumer, key, seq+1)
+	if err := tx.QueryRowContext(ctx, count.SQL, count.Args...).Scan(&held); err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
+	}
+	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, held > 0)
+	if err != nil {
+		return inboxFailed, err
+	}
+	if err := tx.Commit(); err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
+	}
+	committed = true
+	if held > 0 {
+		// Each held message in a transaction of its own: its handler failing
+		// leaves it held and this message applied and acked. The caller's
+		// context, for its router values; a failure is logged, not returned,
+		// since this message is committed and a nack would only redeliver a
+		// duplicate.
+		if _, err := in.drain(msg.Context(), h, consumer, key); err != nil {
+			in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
+		}
+	}
+	return outcome, nil
+}
+
+// applyInTx applies the key's next message, seq, in tx: the dedupe key,
+// the handler, the messages it returns, the key's new last applied, and
+// with clearHeld the held messages up to seq deleted.
+func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64, clearHeld bool) (inboxOutcome, error) {
+	outcome := inboxProcessed
+	fresh, err := in.record(ctx, tx, consumer, id)
+	if err != nil {
+		return inboxFailed, err
+	}
+	if fresh {
+		orig := msg.Context()
+		hctx := context.WithValue(ctx, txKey{}, tx)
+		msg.SetContext(hctx)
+		out, err := runRecovering(h, msg)
+		msg.SetContext(orig)
+		if err != nil {
+			return inboxFailed, err
+		}
+		if err := in.writeReturned(hctx, stdTx{tx.Tx}, out); err != nil {
+			return inboxFailed, err
+		}
+	} else {
+		// Its id was processed, before the consumer was ordered or under
+		// another seq: its effect happened, and the key moves on past it.
+		outcome = inboxDuplicate
+	}
+	set := in.ordered.q.SetSequence(consumer, key, seq)
+	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
+	}
+	if clearHeld {
+		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
+		if _, err := tx.ExecContext(ctx, del.SQL, del.Args...); err != nil {
+			return inboxFailed, fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err)
+		}
+	}
+	return outcome, nil
+}
+
+// hold writes msg into acemq_inbox_held; false if it is there already.
+func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
+	md, err := json.Marshal(map[string]string(msg.Metadata))
+	if err != nil {
+		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
+	}
+	if msg.Metadata == nil {
+		md = []byte("{}")
+	}
+	body, enc := rowcodec.EncodeBody(msg.Payload)
+	q := in.ordered.q.Hold(sqldialect.HeldRow{
+		Consumer: consumer, Key: key, Seq: seq, MessageID: id,
+		Payload: body, PayloadEncoding: enc, Metadata: string(md), HeldAt: time.Now(),
+	})
+	res, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return false, fmt.Errorf("outbox: inbox: hold %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return false, fmt.Errorf("outbox: inbox: %w", err)
+	}
+	return n > 0, nil
+}
+
+// drain applies the key's held messages that are next in order, each in a
+// transaction of its own, until the next is not held or one fails.
+func (in *Inbox) drain(ctx context.Context, h message.HandlerFunc, consumer, key string) (int, error) {
+	n := 0
+	for {
+		applied, err := in.applyNextHeld(ctx, h, consumer, key)
+		if err != nil || !applied {
+			return n, err
+		}
+		n++
+	}
+}
+
+// applyNextHeld applies the key's next message if it is held, and says
+// whether it did.
+func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consumer, key string) (bool, error) {
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }() // a no-op after the commit
+	last, err := in.lockSequence(ctx, tx, consumer, key)
+	if err != nil {
+		return false, err
+	}
+	next := last + 1
+	var id, payload, encoding, metadata string
+	q := in.ordered.q.Held(consumer, key, next)
+	switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&id, &payload, &encoding, &metadata); {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, next, consumer, err)
+	}
+	msg, err := heldMessage(id, payload, encoding, metadata)
+	if err != nil {
+		// A row no handler can be given: it stays, and the key with it, for
+		// an operator (Gaps lists it; SkipGap cannot pass it, deleting it
+		// by hand can).
+		return false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
+	}
+	mctx := ctx
+	if in.cfg.Propagator != nil {
+		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
+	}
+	msg.SetContext(mctx)
+	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
+	if err != nil {
+		in.cfg.Metrics.inbox(consumer, inboxFailed)
+		return false, err
+	}
+	if err := tx.Commit(); err != nil {
+		in.cfg.Metrics.inbox(consumer, inboxFailed)
+		return false, fmt.Errorf("outbox: inbox: commit held %s for %s: %w", id, consumer, err)
+	}
+	in.cfg.Metrics.inbox(consumer, outcome)
+	return true, nil
+}
+
+// heldMessage rebuilds a held message from its row.
+func heldMessage(id, payload, encoding, metadata string) (*message.Message, error) {
+	body, err := rowcodec.DecodeBody(payload, encoding)
+	if err != nil {
+		return nil, err
+	}
+	md := message.Metadata{}
+	if err := json.Unmarshal([]byte(metadata), &md); err != nil {
+		return nil, fmt.Errorf("metadata: %w", err)
+	}
+	msg := message.NewMessage(id, body)
+	msg.Metadata = md
+	return msg, nil
+}
+
+// applyHeldBatch is how many ready keys one query of ApplyHeld reads.
+const applyHeldBatch = 100
+
+// ApplyHeld applies every held message whose predecessor is applied, key by
+// key in order, each in a transaction of its own, and then refreshes the
+// held-message gauges (see RefreshStats). A held message is normally
+// applied right after its predecessor commits; this retries those whose
+// handler failed then, and applies what SkipGap released from outboxctl. It
+// applies only the consumers whose handler has run behind this inbox in this
+// process (it needs the handler); it returns how many it applied. Call it
+// from a ticker in the service, every minute or so.
+func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
+	if in.ordered == nil {
+		return 0, nil
+	}
+	q := in.ordered.q.Ready(applyHeldBatch)
+	var ready []struct {
+		Consumer string `db:"consumer_name"`
+		Key      string `db:"aggregate_id"`
+	}
+	if err := in.db.SelectContext(ctx, &ready, q.SQL, q.Args...); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: ready held messages: %w", err)
+	}
+	applied := 0
+	var errs []error
+	for _, r := range ready {
+		rt, ok := in.route(r.Consumer)
+		if !ok {
+			continue
+		}
+		n, err := in.drain(rt.ctx, rt.h, r.Consumer, r.Key)
+		applied += n
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := in.RefreshStats(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	return applied, errors.Join(errs...)
+}
+
+// Gap is a key with held messages: the ones after a sequence number that
+// has not arrived, or (Ready) ones whose handler failed when their turn
+// came.
+type Gap struct {
+	Consumer    string
+	AggregateID string
+	// LastApplied is the key's last applied sequence number.
+	LastApplied int64
+	// Held counts the key's held messages; LowestHeld is the first of them.
+	Held       int64
+	LowestHeld int64
+	// OldestHeldAt is when the key's longest-held message was held.
+	OldestHeldAt time.Time
+}
+
+// Missing is how many sequence numbers the key waits for.
+func (g Gap) Missing() int64 { return g.LowestHeld - g.LastApplied - 1 }
+
+// gapsLimit bounds what one Gaps call reads: an operator reads a page, and
+// the gauges need the oldest only.
+const gapsLimit = 1000
+
+// Gaps lists the keys (of every consumer of the database) with a message
+// held longer than olderThan, longest-held first, at most 1000: 0 lists
+// every key with a held message.
+func (in *Inbox) Gaps(ctx context.Context, olderThan time.Duration) ([]Gap, error) {
+	return gaps(ctx, in.db, in.dialect, olderThan)
+}
+
+func gaps(ctx context.Context, db *sqlx.DB, d Dialect, olderThan time.Duration) ([]Gap, error) {
+	q := sqldialect.NewOrderedInbox(d.sql()).Gaps(time.Now().Add(-olderThan), gapsLimit)
+	rows, err := db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+	}
+	defer rows.Close()
+	var out []Gap
+	for rows.Next() {
+		var g Gap
+		at := sqldialect.NewTime(d.sql())
+		if err := rows.Scan(&g.Consumer, &g.AggregateID, &g.LastApplied, &g.Held, &g.LowestHeld, at); err != nil {
+			return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		}
+		g.OldestHeldAt = at.T
+		out = append(out, g)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+	}
+	return out, nil
+}
+
+// SkipGap gives up on the sequence numbers a key waits for: its last
+// applied becomes its lowest held message's predecessor, and its held
+// messages are applied in order, if this inbox has run the consumer's
+// handler (otherwise at the consumer's next ApplyHeld or delivery of the
+// key). A message of a skipped number that arrives later is acked as a
+// duplicate without running. It returns the new last applied, and
+// ErrNoHeld when the key holds nothing.
+func (in *Inbox) SkipGap(ctx context.Context, consumer, key string) (int64, error) {
+	last, err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key)
+	if err != nil {
+		return 0, err
+	}
+	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "last_applied": last})
+	if in.ordered != nil {
+		if rt, ok := in.route(consumer); ok {
+			if _, err := in.drain(rt.ctx, rt.h, consumer, key); err != nil {
+				return last, err
+			}
+		}
+	}
+	return last, nil
+}
+
+func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel, consumer, key string) (int64, error) {
+	q := sqldialect.NewOrderedInbox(d.sql())
+	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: iso})
+	if err != nil {
+		return 0, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	in := &Inbox{ordered: &orderedState{q: q}}
+	last, err := in.lockSequence(ctx, tx, consumer, key)
+	if err != nil {
+		return 0, err
+	}
+	var lowest sql.NullInt64
+	low := q.LowestHeld(consumer, key)
+	if err := tx.QueryRowContext(ctx, low.SQL, low.Args...).Scan(&lowest); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: lowest held of %q for %s: %w", key, consumer, err)
+	}
+	if !lowest.Valid {
+		return 0, fmt.Errorf("%w: %q for %s", ErrNoHeld, key, consumer)
+	}
+	if lowest.Int64-1 > last {
+		last = lowest.Int64 - 1
+		set := q.SetSequence(consumer, key, last)
+		if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+			return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: commit skip gap of %q for %s: %w", key, consumer, err)
+	}
+	return last, nil
+}
+
+// RefreshStats reads the held messages into the Metrics gauges:
+// outbox_inbox_held (messages), outbox_inbox_gaps (keys with a message held
+// longer than GapAfter, each also logged as a warning) and
+// outbox_inbox_oldest_gap_age_seconds. ApplyHeld calls it; without Metrics
+// it only logs.
+func (in *Inbox) RefreshStats(ctx context.Context) error {
+	all, err := in.Gaps(ctx, 0)
+	if err != nil {
+		return err
+	}
+	now := time.Now()
+	var held, overdue int64
+	var oldest time.Duration
+	for _, g := range all {
+		held += g.Held
+		age := now.Sub(g.OldestHeldAt)
+		oldest = max(oldest, age)
+		if age >= in.cfg.GapAfter {
+			overdue++
+			in.log.Error("Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)", fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
+				"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
+				"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
+			})
+		}
+	}
+	in.cfg.Metrics.held(held, overdue, oldest)
+	return nil
+}

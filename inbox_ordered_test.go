@@ -1,0 +1,498 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"math/rand"
+	"reflect"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	"github.com/prometheus/client_golang/prometheus"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// keyedMsg is the message a relay delivers for seq of aggregate key: its id
+// derived from both, so that a second delivery is a copy.
+func keyedMsg(key string, seq int) *message.Message {
+	msg := message.NewMessage(key+"-"+strconv.Itoa(seq), []byte("event "+strconv.Itoa(seq)))
+	msg.Metadata.Set(outbox.HeaderAggregateID, key)
+	msg.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(seq))
+	return msg
+}
+
+// applyLog is a handler that makes its effect in the inbox's transaction
+// and notes, per key, the sequence numbers it ran for, in the order their
+// transactions held the key's lock.
+type applyLog struct {
+	mu   sync.Mutex
+	seqs map[string][]int
+	// fail, if set, fails the handler for a message before its effect.
+	fail func(msg *message.Message) error
+}
+
+func (l *applyLog) handler(t testing.TB, db *testdb.DB) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if l.fail != nil {
+			if err := l.fail(msg); err != nil {
+				return nil, err
+			}
+		}
+		tx, ok := outbox.TxFromContext(msg.Context())
+		if !ok {
+			return nil, errors.New("no transaction in the message context")
+		}
+		if _, err := tx.ExecContext(msg.Context(), db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, string(msg.Payload)); err != nil {
+			return nil, err
+		}
+		seq, err := strconv.Atoi(msg.Metadata.Get(outbox.HeaderSeq))
+		if err != nil {
+			return nil, err
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.seqs == nil {
+			l.seqs = map[string][]int{}
+		}
+		key := msg.Metadata.Get(outbox.HeaderAggregateID)
+		l.seqs[key] = append(l.seqs[key], seq)
+		return nil, nil
+	}
+}
+
+func (l *applyLog) of(key string) []int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]int(nil), l.seqs[key]...)
+}
+
+func upTo(n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = i + 1
+	}
+	return s
+}
+
+// deliver feeds the messages of key's seqs to h in that order, each acked.
+func deliver(t testing.TB, h message.HandlerFunc, key string, seqs ...int) {
+	t.Helper()
+	for _, s := range seqs {
+		if _, err := h(keyedMsg(key, s)); err != nil {
+			t.Fatalf("delivery of %s seq %d: %v, want nil (ack)", key, s, err)
+		}
+	}
+}
+
+func countHeld(t testing.TB, db *testdb.DB) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_inbox_held"); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// assertEffectsOnce checks that every message of key up to n made exactly
+// one effect.
+func assertEffectsOnce(t testing.TB, db *testdb.DB, key string, n int) {
+	t.Helper()
+	for s := 1; s <= n; s++ {
+		if c := countEffects(t, db, keyedMsg(key, s).UUID); c != 1 {
+			t.Errorf("%s seq %d: %d effects, want 1", key, s, c)
+		}
+	}
+}
+
+func orderedInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.Inbox {
+	t.Helper()
+	cfg.Ordered = true
+	return newInbox(t, db, cfg)
+}
+
+func TestOrderedInbox_InOrder_AppliedInOrderNothingHeld(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "order-1", upTo(5)...)
+		deliver(t, h, "order-2", 1, 2)
+		if got := l.of("order-1"); !reflect.DeepEqual(got, upTo(5)) {
+			t.Errorf("order-1 applied %v, want %v", got, upTo(5))
+		}
+		if got := l.of("order-2"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Errorf("order-2 applied %v, want [1 2]: keys are independent", got)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}
+
+func TestOrderedInbox_OutOfOrder_HandlerSeesEachSeqOnceInOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+
+		deliver(t, h, "a", 3)
+		if got := l.of("a"); len(got) != 0 {
+			t.Fatalf("seq 3 before 1 and 2 applied %v, want it held", got)
+		}
+		deliver(t, h, "a", 1)
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1}) {
+			t.Fatalf("after 3, 1: applied %v, want [1] (3 waits for 2)", got)
+		}
+		deliver(t, h, "a", 2)
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(3)) {
+			t.Fatalf("after 3, 1, 2: applied %v, want [1 2 3]", got)
+		}
+
+		seed := time.Now().UnixNano()
+		rng := rand.New(rand.NewSource(seed))
+		var order []int
+		for _, s := range rng.Perm(50) {
+			order = append(order, s+1)
+			if rng.Intn(4) == 0 { // a copy, at once or later
+				order = append(order, s+1)
+			}
+		}
+		for i := 0; i < 10; i++ {
+			order = append(order, order[rng.Intn(len(order))])
+		}
+		deliver(t, h, "b", order...)
+		if got := l.of("b"); !reflect.DeepEqual(got, upTo(50)) {
+			t.Fatalf("seed %d, delivered %v: applied %v, want 1..50 once each in order", seed, order, got)
+		}
+		assertEffectsOnce(t, db, "b", 50)
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held after all applied, want 0", n)
+		}
+	})
+}
+
+func TestOrderedInbox_DuplicateOfAppliedSeq_AckedWithoutRunning(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 2, 2, 1)
+		// Another id under an applied seq (a sender that lost its sequence
+		// row): order, not the id, makes it a duplicate.
+		other := keyedMsg("a", 2)
+		other.UUID = watermill.NewUUID()
+		if _, err := h(other); err != nil {
+			t.Fatalf("seq 2 under another id: %v, want nil (ack)", err)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("applied %v, want [1 2]", got)
+		}
+		assertEffectsOnce(t, db, "a", 2)
+	})
+}
+
+func TestOrderedInbox_EarlyMessageRedelivered_HeldOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "a", 3, 3, 3)
+		if n := countHeld(t, db); n != 1 {
+			t.Fatalf("%d held rows after three deliveries of seq 3, want 1", n)
+		}
+		deliver(t, h, "a", 1, 2)
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(3)) {
+			t.Fatalf("applied %v, want [1 2 3]", got)
+		}
+		assertEffectsOnce(t, db, "a", 3)
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held after 3 was applied, want 0", n)
+		}
+	})
+}
+
+// A held message whose drain failed, delivered again in its turn (a copy
+// the relay sent twice) runs from that delivery, and its held copy goes
+// with the commit: it is not run twice, nor left behind as a gap.
+func TestOrderedInbox_HeldCopyDeliveredInTurn_AppliedOnceHeldCopyGone(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var failing atomic.Bool
+		failing.Store(true)
+		l := applyLog{fail: func(msg *message.Message) error {
+			if failing.Load() && msg.Metadata.Get(outbox.HeaderSeq) == "2" {
+				return errors.New("downstream unavailable")
+			}
+			return nil
+		}}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 2, 1) // 2 held; its drain behind 1 fails
+		failing.Store(false)
+		deliver(t, h, "a", 2)
+		deliver(t, h, "a", 4, 3, 2)
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(4)) {
+			t.Fatalf("applied %v, want [1 2 3 4]", got)
+		}
+		assertEffectsOnce(t, db, "a", 4)
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+		if gaps, err := in.Gaps(context.Background(), 0); err != nil || len(gaps) != 0 {
+			t.Errorf("gaps %v, %v; want none", gaps, err)
+		}
+	})
+}
+
+func TestOrderedInbox_HeldMessageHandlerFails_StaysHeldAppliedLaterInOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		l := applyLog{}
+		failing := true
+		var mu sync.Mutex
+		l.fail = func(msg *message.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			if failing && msg.Metadata.Get(outbox.HeaderSeq) == "2" {
+				return errors.New("downstream unavailable")
+			}
+			return nil
+		}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 2, 3)
+		deliver(t, h, "a", 1) // applied, acked; the drain of 2 fails
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1}) {
+			t.Fatalf("applied %v, want [1]: 2 failed, and 3 must wait for it", got)
+		}
+		if n := countHeld(t, db); n != 2 {
+			t.Fatalf("%d held, want 2 (2 and 3)", n)
+		}
+		if c := countEffects(t, db, keyedMsg("a", 2).UUID); c != 0 {
+			t.Fatalf("failed seq 2 left %d effects, want its transaction rolled back", c)
+		}
+		mu.Lock()
+		failing = false
+		mu.Unlock()
+		n, err := in.ApplyHeld(context.Background())
+		if err != nil || n != 2 {
+			t.Fatalf("ApplyHeld: %d, %v; want 2 applied", n, err)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(3)) {
+			t.Fatalf("applied %v, want [1 2 3]", got)
+		}
+		assertEffectsOnce(t, db, "a", 3)
+	})
+}
+
+func TestOrderedInbox_ConcurrentDeliveriesOfOneKey_AppliedInOrderExactlyOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		const n, workers = 20, 6
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		errs := make(chan error, n*workers)
+		for w := 0; w < workers; w++ {
+			wg.Add(1)
+			go func(seed int64) {
+				defer wg.Done()
+				<-start
+				for _, s := range rand.New(rand.NewSource(seed)).Perm(n) {
+					if _, err := h(keyedMsg("hot", s+1)); err != nil {
+						errs <- err
+					}
+				}
+			}(int64(w))
+		}
+		close(start)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Errorf("delivery: %v", err)
+		}
+		if got := l.of("hot"); !reflect.DeepEqual(got, upTo(n)) {
+			t.Fatalf("applied %v, want 1..%d once each in order", got, n)
+		}
+		assertEffectsOnce(t, db, "hot", n)
+	})
+}
+
+func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutOfOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		reg := prometheus.NewRegistry()
+		m, err := outbox.NewMetrics(reg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// GapAfter of a nanosecond: every held message is overdue at once,
+		// with no waiting in the test.
+		in := orderedInbox(t, db, outbox.InboxConfig{GapAfter: time.Nanosecond, Metrics: m})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 3, 4)
+		if gaps, err := in.Gaps(context.Background(), time.Hour); err != nil || len(gaps) != 0 {
+			t.Fatalf("gaps older than an hour: %v, %v; want none", gaps, err)
+		}
+		gaps, err := in.Gaps(context.Background(), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(gaps) != 1 {
+			t.Fatalf("gaps %+v, want one", gaps)
+		}
+		g := gaps[0]
+		if g.Consumer != "fulfilment" || g.AggregateID != "a" || g.LastApplied != 1 || g.Held != 2 || g.LowestHeld != 3 || g.Missing() != 1 || g.OldestHeldAt.IsZero() {
+			t.Errorf("gap %+v, want fulfilment/a, last 1, 2 held from 3, 1 missing, a held time", g)
+		}
+		if age := time.Since(g.OldestHeldAt); age < 0 || age > time.Minute {
+			t.Errorf("oldest held %s ago, want just now", age)
+		}
+		if applied, err := in.ApplyHeld(context.Background()); err != nil || applied != 0 {
+			t.Fatalf("ApplyHeld: %d, %v; want 0: nothing is next in order", applied, err)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_held", ""); got != 2 {
+			t.Errorf("outbox_inbox_held %v, want 2", got)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_gaps", ""); got != 1 {
+			t.Errorf("outbox_inbox_gaps %v, want 1", got)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_oldest_gap_age_seconds", ""); got <= 0 {
+			t.Errorf("outbox_inbox_oldest_gap_age_seconds %v, want above 0", got)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_held_total", "fulfilment"); got != 2 {
+			t.Errorf("outbox_inbox_held_total %v, want 2", got)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1}) {
+			t.Fatalf("before the skip: applied %v, want [1]", got)
+		}
+
+		last, err := in.SkipGap(context.Background(), "fulfilment", "a")
+		if err != nil || last != 2 {
+			t.Fatalf("SkipGap: %d, %v; want last applied 2", last, err)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
+			t.Fatalf("after the skip: applied %v, want [1 3 4]", got)
+		}
+		deliver(t, h, "a", 2) // the skipped one, late
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
+			t.Fatalf("skipped seq 2 arriving late ran: applied %v", got)
+		}
+		if _, err := in.SkipGap(context.Background(), "fulfilment", "a"); !errors.Is(err, outbox.ErrNoHeld) {
+			t.Errorf("SkipGap with nothing held: %v, want ErrNoHeld", err)
+		}
+		if err := in.RefreshStats(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_held", ""); got != 0 {
+			t.Errorf("outbox_inbox_held %v after the skip, want 0", got)
+		}
+	})
+}
+
+func TestOrderedInbox_UnkeyedMessage_TakesUnorderedPath(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var ran atomic.Int32
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		msg.Metadata.Set(outbox.HeaderSeq, "7") // a seq alone keys nothing
+		for i := 0; i < 2; i++ {
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if countEffects(t, db, msg.UUID) != 1 || countProcessed(t, db, msg.UUID) != 1 {
+			t.Fatal("unkeyed message: want one effect and one key, as without Ordered")
+		}
+		var n int
+		if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_inbox_sequences"); err != nil || n != 0 {
+			t.Errorf("%d sequence rows (%v), want none for an unkeyed message", n, err)
+		}
+	})
+}
+
+func TestOrderedInbox_KeyedMessageWithoutValidSeq_FailsNamingItHandlerNotRun(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	var l applyLog
+	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+	for _, seq := range []string{"", "0", "-1", "seven", "1.5"} {
+		msg := keyedMsg("a", 1)
+		msg.Metadata.Set(outbox.HeaderSeq, seq)
+		if _, err := h(msg); !errors.Is(err, outbox.ErrInvalidSeq) {
+			t.Errorf("seq %q: %v, want ErrInvalidSeq", seq, err)
+		}
+	}
+	if got := l.of("a"); len(got) != 0 {
+		t.Errorf("handler ran for %v", got)
+	}
+}
+
+func TestOrderedInbox_WithoutOrdered_KeyedMessagesRunAsTheyCome(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	var l applyLog
+	h := newInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+	deliver(t, h, "a", 3, 1, 2)
+	if got := l.of("a"); !reflect.DeepEqual(got, []int{3, 1, 2}) {
+		t.Errorf("applied %v, want [3 1 2]: ordering is opt-in", got)
+	}
+}
+
+func TestOrderedInbox_WithAtMostOnce_ConfigError(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Ordered: true, AtMostOnce: true})
+	var ce *outbox.ConfigError
+	if !errors.As(err, &ce) || ce.Field != "Ordered" {
+		t.Errorf("Ordered with AtMostOnce: %v, want a ConfigError naming Ordered", err)
+	}
+}
+
+// Through a router: the broker hands the messages over out of order, and
+// the handler sees them in order.
+func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	var l applyLog
+	in := orderedInbox(t, db, outbox.InboxConfig{})
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(in.Middleware)
+	apply := l.handler(t, db)
+	router.AddConsumerHandler("apply", "orders", pubsub, func(msg *message.Message) error { _, err := apply(msg); return err })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+		_ = pubsub.Close()
+	})
+	<-router.Running()
+	for _, s := range []int{4, 2, 5, 1, 3, 2} {
+		if err := pubsub.Publish("orders", keyedMsg("a", s)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 10*time.Second, "five applied", func() bool { return len(l.of("a")) >= 5 })
+	if got := l.of("a"); !reflect.DeepEqual(got, upTo(5)) {
+		t.Fatalf("applied %v, want [1 2 3 4 5]", got)
+	}
+	assertEffectsOnce(t, db, "a", 5)
+}

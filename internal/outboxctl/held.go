@@ -1,0 +1,119 @@
+package outboxctl
+
+import (
+	"errors"
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
+
+// heldReport is held --json; its names do not change.
+type heldReport struct {
+	Keys []heldKey `json:"keys"`
+}
+
+type heldKey struct {
+	Consumer     string    `json:"consumer"`
+	AggregateID  string    `json:"aggregate_id"`
+	LastApplied  int64     `json:"last_applied"`
+	Held         int64     `json:"held"`
+	LowestHeld   int64     `json:"lowest_held"`
+	Missing      int64     `json:"missing"`
+	OldestHeldAt time.Time `json:"oldest_held_at"`
+}
+
+func (c *cli) held(args []string) error {
+	fs := c.flagSet("held")
+	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
+	older := fs.Duration("older-than", 0, "only keys with a message held longer than this (e.g. 5m, GapAfter)")
+	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--json]")
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	if *older < 0 {
+		return usagef("--older-than: %s; want 0 or more", *older)
+	}
+	d, err := c.openChecked(false)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	in, err := c.inbox(d, 0)
+	if err != nil {
+		return err
+	}
+	gaps, err := in.Gaps(c.ctx, *older)
+	if err != nil {
+		return d.explain(err, "acemq_inbox_held")
+	}
+	r := heldReport{Keys: make([]heldKey, len(gaps))}
+	for i, g := range gaps {
+		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, LastApplied: g.LastApplied, Held: g.Held,
+			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
+	}
+	if *asJSON {
+		return writeJSON(c.stdout, r)
+	}
+	if len(r.Keys) == 0 {
+		fmt.Fprintln(c.stdout, "no held messages")
+		return nil
+	}
+	now := time.Now()
+	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "CONSUMER\tKEY\tLAST APPLIED\tHELD\tWAITING FOR\tHELD FOR")
+	for _, k := range r.Keys {
+		waiting := fmt.Sprintf("%d..%d", k.LastApplied+1, k.LowestHeld-1)
+		if k.Missing == 1 {
+			waiting = fmt.Sprint(k.LastApplied + 1)
+		} else if k.Missing <= 0 {
+			waiting = "nothing (next is held: its handler failed; the service's ApplyHeld retries it)"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), printable(k.AggregateID), k.LastApplied, k.Held,
+			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K gives up on the numbers a key waits for")
+	return nil
+}
+
+func (c *cli) skipGap(args []string) error {
+	fs := c.flagSet("skip-gap")
+	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
+	key := fs.String("key", "", "the ordering key (aggregateId)")
+	rest, err := c.parse(fs, args, "outboxctl skip-gap --consumer C --key K")
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	if *consumer == "" || *key == "" {
+		return usagef("skip-gap: give --consumer and --key (see outboxctl held)")
+	}
+	d, err := c.openChecked(false)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	in, err := c.inbox(d, 0)
+	if err != nil {
+		return err
+	}
+	last, err := in.SkipGap(c.ctx, *consumer, *key)
+	if errors.Is(err, outbox.ErrNoHeld) {
+		return fmt.Errorf("skip-gap: %s holds nothing for key %q: no gap to skip", *consumer, *key)
+	}
+	if err != nil {
+		return d.explain(err, "acemq_inbox_sequences")
+	}
+	fmt.Fprintf(c.stdout, "%s, key %q: last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
+		*consumer, *key, last)
+	return nil
+}

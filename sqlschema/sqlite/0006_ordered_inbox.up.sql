@@ -1,0 +1,31 @@
+-- +goose Up
+-- The ordered inbox (InboxConfig.Ordered). Per (consumer, key) the last
+-- sequence number applied; the transaction that applies a keyed message
+-- writes its row first, taking SQLite's write lock, so two deliveries of one
+-- key serialise, and advances it.
+CREATE TABLE IF NOT EXISTS acemq_inbox_sequences (
+    consumer_name TEXT    NOT NULL,
+    aggregate_id  TEXT    NOT NULL,
+    last_seq      INTEGER NOT NULL,
+    PRIMARY KEY (consumer_name, aggregate_id)
+);
+
+-- Messages that arrived before their predecessor, held until it is applied
+-- (then each runs in a transaction of its own) or an operator skips the gap.
+-- payload and payload_encoding as acemq_outbox's body and body_encoding;
+-- metadata a JSON object of strings.
+CREATE TABLE IF NOT EXISTS acemq_inbox_held (
+    consumer_name    TEXT     NOT NULL,
+    aggregate_id     TEXT     NOT NULL,
+    seq              INTEGER  NOT NULL,
+    message_id       TEXT     NOT NULL,
+    payload          TEXT     NOT NULL,
+    payload_encoding TEXT     NOT NULL DEFAULT 'utf-8',
+    metadata         TEXT     NOT NULL DEFAULT '{}',
+    held_at          DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now')),
+    PRIMARY KEY (consumer_name, aggregate_id, seq)
+);
+
+-- Gaps are found by age.
+CREATE INDEX IF NOT EXISTS acemq_inbox_held_held_at
+    ON acemq_inbox_held (held_at);
