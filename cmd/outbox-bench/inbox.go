@@ -23,6 +23,10 @@ import (
 //	          (TxFromContext); COMMIT
 //	floor:    BEGIN; INSERT one 36-character key into a table of one column;
 //	          INSERT one effect; COMMIT
+//	ordered:  an Inbox with Ordered, given keyed messages in their order
+//	          (aggregateId over inboxKeys keys, seq 1, 2, … per key): the
+//	          inbox's work plus the key's lock, the check for held
+//	          messages and the key's new last applied
 //
 // The floor is the least any transactional inbox can cost: one more
 // statement, so one more round trip. Its key goes in before the effect, as
@@ -44,16 +48,19 @@ const (
 	inboxDefaultWarmup = 500
 	inboxPayloadSize   = 128
 	inboxConsumer      = "bench"
+	inboxOrderedName   = "bench-ordered"
+	inboxKeys          = 1000
 )
 
 const (
 	inboxVariantBaseline = iota
 	inboxVariantMiddleware
 	inboxVariantFloor
+	inboxVariantOrdered
 	inboxVariants
 )
 
-var inboxVariantNames = [inboxVariants]string{"baseline", "inbox", "floor"}
+var inboxVariantNames = [inboxVariants]string{"baseline", "inbox", "floor", "ordered"}
 
 func runInbox(ctx context.Context, cfg config, out *reporter) error {
 	n, warmup := cfg.n, cfg.warmup
@@ -94,6 +101,10 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 	in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: inboxConsumer})
 	if err != nil {
 		return fmt.Errorf("new inbox: %w", err)
+	}
+	ordered, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: inboxOrderedName, Ordered: true})
+	if err != nil {
+		return fmt.Errorf("new ordered inbox: %w", err)
 	}
 
 	// The handler proper, the same for all three: it writes its effect in
@@ -139,6 +150,18 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 		}
 		return nil, nil
 	})
+	handledOrdered := 0
+	handlers[inboxVariantOrdered] = ordered.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		tx, ok := outbox.TxFromContext(msg.Context())
+		if !ok {
+			return nil, errors.New("no transaction in the message context")
+		}
+		handledOrdered++
+		if err := effect(tx, msg); err != nil {
+			return nil, fmt.Errorf("insert effect: %w", err)
+		}
+		return nil, nil
+	})
 	handlers[inboxVariantFloor] = func(msg *message.Message) ([]*message.Message, error) {
 		return nil, ownTx(msg, func(tx *sqlx.Tx) error {
 			_, err := tx.ExecContext(msg.Context(), insertFloor, msg.UUID)
@@ -152,6 +175,7 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 		inboxIDs = make(map[string]bool, warmup+n)
 		payload  = inboxPayload()
 		start    = time.Now()
+		seqs     = make(map[string]int, inboxKeys)
 	)
 	for v := range samples {
 		samples[v] = make([]time.Duration, 0, n)
@@ -166,6 +190,12 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 			v := (i + j) % inboxVariants
 			msg := message.NewMessage(watermill.NewUUID(), payload)
 			msg.SetContext(ctx)
+			if v == inboxVariantOrdered {
+				key := fmt.Sprintf("payment-%d", i%inboxKeys)
+				seqs[key]++
+				msg.Metadata.Set(outbox.HeaderAggregateID, key)
+				msg.Metadata.Set(outbox.HeaderSeq, fmt.Sprint(seqs[key]))
+			}
 			t0 := time.Now()
 			outMsgs, err := handlers[v](msg)
 			took := time.Since(t0)
@@ -185,6 +215,9 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 	}
 	elapsed := time.Since(start)
 
+	if handledOrdered != warmup+n {
+		return fmt.Errorf("VERIFY FAILED: the handler ran %d times under the ordered inbox, want %d: messages in order were held or taken for duplicates", handledOrdered, warmup+n)
+	}
 	if handledInInbox != warmup+n {
 		return fmt.Errorf("VERIFY FAILED: the handler ran %d times under the inbox, want %d: fresh messages were taken for duplicates", handledInInbox, warmup+n)
 	}
@@ -217,6 +250,9 @@ func inboxOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporter) e
 	out.metric("inbox_baseline_"+k+"_p99_us", micros(quantile(base, 0.99)), "us")
 	out.metric("inbox_middleware_"+k+"_p99_us", micros(quantile(mw, 0.99)), "us")
 	out.metric("inbox_floor_"+k+"_p99_us", micros(quantile(floor, 0.99)), "us")
+	orderedMed := quantile(samples[inboxVariantOrdered], 0.5)
+	out.metric("inbox_ordered_"+k+"_us", micros(orderedMed), "us")
+	out.metric("inbox_ordered_vs_inbox_"+k, float64(orderedMed)/float64(mwMed), "ratio")
 	return nil
 }
 
@@ -243,8 +279,8 @@ func verifyInbox(ctx context.Context, db *testdb.DB, perVariant int, inboxIDs ma
 	}{
 		{&effects, "effects", "SELECT COUNT(*) FROM effects"},
 		{&floorKeys, "floor_keys", "SELECT COUNT(*) FROM floor_keys"},
-		{&processed, "processed_messages", "SELECT COUNT(*) FROM processed_messages"},
-		{&joined, "processed_messages joined to effects", "SELECT COUNT(*) FROM processed_messages p JOIN effects e ON e.message_id = p.message_id"},
+		{&processed, "processed_messages", "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = '" + inboxConsumer + "'"},
+		{&joined, "processed_messages joined to effects", "SELECT COUNT(*) FROM processed_messages p JOIN effects e ON e.message_id = p.message_id WHERE p.consumer_name = '" + inboxConsumer + "'"},
 	}
 	for _, c := range counts {
 		if err := db.GetContext(ctx, c.dst, c.q); err != nil {
@@ -265,7 +301,7 @@ func verifyInbox(ctx context.Context, db *testdb.DB, perVariant int, inboxIDs ma
 		Consumer  string `db:"consumer_name"`
 		MessageID string `db:"message_id"`
 	}
-	if err := db.SelectContext(ctx, &keys, "SELECT consumer_name, message_id FROM processed_messages"); err != nil {
+	if err := db.SelectContext(ctx, &keys, "SELECT consumer_name, message_id FROM processed_messages WHERE consumer_name = '"+inboxConsumer+"'"); err != nil {
 		return fmt.Errorf("reading processed_messages: %w", err)
 	}
 	for _, key := range keys {
