@@ -91,18 +91,24 @@ func (in *Inbox) route(consumer string) (orderedRoute, bool) {
 }
 
 // lockSequence writes the key's row if it is missing and locks it: from
-// here to the end of tx no other delivery of the key runs.
-func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (int64, error) {
+// here to the end of tx no other delivery of the key runs. It returns the
+// key's last applied and its count of held messages.
+func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (last, held int64, err error) {
 	ensure := in.ordered.q.EnsureSequence(consumer, key)
 	if _, err := tx.ExecContext(ctx, ensure.SQL, ensure.Args...); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: sequence of %q for %s: %w", key, consumer, err)
+		return 0, 0, fmt.Errorf("outbox: inbox: sequence of %q for %s: %w", key, consumer, err)
 	}
-	var last int64
+	return in.readSequence(ctx, tx, consumer, key)
+}
+
+// readSequence reads (and, but on SQLite, locks) the key's row, which must
+// exist.
+func (in *Inbox) readSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (last, held int64, err error) {
 	lock := in.ordered.q.LockSequence(consumer, key)
-	if err := tx.QueryRowContext(ctx, lock.SQL, lock.Args...).Scan(&last); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: lock sequence of %q for %s: %w", key, consumer, err)
+	if err := tx.QueryRowContext(ctx, lock.SQL, lock.Args...).Scan(&last, &held); err != nil {
+		return 0, 0, fmt.Errorf("outbox: inbox: lock sequence of %q for %s: %w", key, consumer, err)
 	}
-	return last, nil
+	return last, held, nil
 }
 
 // processOrdered applies a keyed message in its key's order: a sequence
@@ -121,7 +127,25 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			_ = tx.Rollback()
 		}
 	}()
-	last, err := in.lockSequence(ctx, tx, consumer, key)
+	// The common case, the key's next message with nothing held, costs one
+	// statement: it locks the key's row, new or not, and advances it.
+	advanced, err := in.ordered.q.Advance(ctx, tx, consumer, key, seq)
+	if err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
+	}
+	if advanced {
+		outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, true, false)
+		if err != nil {
+			return inboxFailed, err
+		}
+		if err := tx.Commit(); err != nil {
+			return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
+		}
+		committed = true
+		return outcome, nil
+	}
+	// The row is locked: Advance wrote it if it was missing.
+	last, _, err := in.readSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -155,7 +179,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	if err := tx.QueryRowContext(ctx, count.SQL, count.Args...).Scan(&held); err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
 	}
-	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, held > 0)
+	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, false, held > 0)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -177,9 +201,10 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 }
 
 // applyInTx applies the key's next message, seq, in tx: the dedupe key,
-// the handler, the messages it returns, the key's new last applied, and
-// with clearHeld the held messages up to seq deleted.
-func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64, clearHeld bool) (inboxOutcome, error) {
+// the handler, the messages it returns, and unless advanced (by Advance)
+// the key's new last applied and held count, with clearHeld after the held
+// messages up to seq are deleted.
+func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64, advanced, clearHeld bool) (inboxOutcome, error) {
 	outcome := inboxProcessed
 	fresh, err := in.record(ctx, tx, consumer, id)
 	if err != nil {
@@ -202,15 +227,18 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 		// another seq: its effect happened, and the key moves on past it.
 		outcome = inboxDuplicate
 	}
-	set := in.ordered.q.SetSequence(consumer, key, seq)
-	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
+	if advanced {
+		return outcome, nil
 	}
 	if clearHeld {
 		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
 		if _, err := tx.ExecContext(ctx, del.SQL, del.Args...); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err)
 		}
+	}
+	set := in.ordered.q.SetSequence(consumer, key, seq)
+	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
 	}
 	return outcome, nil
 }
@@ -237,7 +265,14 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: %w", err)
 	}
-	return n > 0, nil
+	if n == 0 {
+		return false, nil
+	}
+	count := in.ordered.q.CountHold(consumer, key)
+	if _, err := tx.ExecContext(ctx, count.SQL, count.Args...); err != nil {
+		return false, fmt.Errorf("outbox: inbox: count held %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
+	}
+	return true, nil
 }
 
 // drain applies the key's held messages that are next in order, each in a
@@ -261,7 +296,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consu
 		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }() // a no-op after the commit
-	last, err := in.lockSequence(ctx, tx, consumer, key)
+	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return false, err
 	}
@@ -286,7 +321,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consu
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
 	}
 	msg.SetContext(mctx)
-	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
+	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, false, true)
 	if err != nil {
 		in.cfg.Metrics.inbox(consumer, inboxFailed)
 		return false, err
@@ -439,7 +474,7 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 	}
 	defer func() { _ = tx.Rollback() }()
 	in := &Inbox{ordered: &orderedState{q: q}}
-	last, err := in.lockSequence(ctx, tx, consumer, key)
+	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return 0, err
 	}

@@ -14,6 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+	mysqldrv "github.com/go-sql-driver/mysql"
+	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
 
 	outbox "github.com/acemq/watermill-outbox"
@@ -495,4 +497,75 @@ func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T)
 		t.Fatalf("applied %v, want [1 2 3 4 5]", got)
 	}
 	assertEffectsOnce(t, db, "a", 5)
+}
+
+// On MySQL the in-order path reads what its one statement did from the
+// result's counts, which clientFoundRows=true changes (an untouched row
+// counts 1, as a new one does): first messages, next ones, copies, holds and
+// the drain must come out as without it.
+func TestOrderedInbox_MySQLClientFoundRows_OrderAndDuplicatesAsWithout(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	cfg, err := mysqldrv.ParseDSN(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ClientFoundRows = true
+	pool, err := sqlx.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pool.Close() })
+	found := &testdb.DB{DB: pool, Kind: testdb.MySQL, DSN: cfg.FormatDSN()}
+	var l applyLog
+	h := orderedInbox(t, found, outbox.InboxConfig{}).Middleware(l.handler(t, found))
+	deliver(t, h, "a", 1, 1, 2, 2, 1)
+	deliver(t, h, "b", 2, 2, 1, 1, 3)
+	deliver(t, h, "c", 1, 3, 3, 2, 4, 3)
+	for key, n := range map[string]int{"a": 2, "b": 3, "c": 4} {
+		if got := l.of(key); !reflect.DeepEqual(got, upTo(n)) {
+			t.Errorf("%s applied %v, want %v", key, got, upTo(n))
+		}
+		assertEffectsOnce(t, db, key, n)
+	}
+	if n := countHeld(t, db); n != 0 {
+		t.Errorf("%d held, want 0", n)
+	}
+}
+
+// The key's count of held messages, which lets the in-order path skip the
+// held table, follows holds and applies exactly, and a count an operator's
+// hand made wrong (a held row deleted) is set right by the next apply.
+func TestOrderedInbox_HeldCount_FollowsHoldsAndAppliesHealsWhenDeletedByHand(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		heldCount := func() int {
+			t.Helper()
+			var n int
+			if err := db.Get(&n, db.Rebind("SELECT held FROM acemq_inbox_sequences WHERE aggregate_id = ?"), "a"); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		deliver(t, h, "a", 3, 4, 4, 6)
+		if n := heldCount(); n != 3 {
+			t.Fatalf("held count %d after holding 3, 4 (twice) and 6, want 3", n)
+		}
+		deliver(t, h, "a", 1, 2) // applies 1, 2, then 3 and 4 from the held table
+		if n := heldCount(); n != 1 {
+			t.Fatalf("held count %d with 6 held, want 1", n)
+		}
+		if _, err := db.Exec(db.Rebind("DELETE FROM acemq_inbox_held WHERE aggregate_id = ?"), "a"); err != nil {
+			t.Fatal(err)
+		}
+		deliver(t, h, "a", 5, 6, 7)
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(7)) {
+			t.Fatalf("applied %v, want 1..7", got)
+		}
+		if n := heldCount(); n != 0 {
+			t.Errorf("held count %d after the next apply, want 0", n)
+		}
+	})
 }

@@ -77,6 +77,11 @@ func (postgres) insertInboxSequence() string { return insertInboxSequenceOnConfl
 
 func (postgres) insertInboxHeld() string { return insertInboxHeldOnConflict }
 
+func (d postgres) advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
+	q := Query{SQL: d.rebind(advanceInboxSequenceOnConflict), Args: []any{consumer, key, firstSeq(seq), seq, seq - 1}}
+	return advanceOnConflict(ctx, tx, q, seq)
+}
+
 func (postgres) lockInboxSequence() string { return selectInboxSequence + " FOR UPDATE" }
 
 // migrationLockKey is an arbitrary constant shared by every process that

@@ -1,6 +1,7 @@
 package sqldialect
 
 import (
+	"context"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -474,12 +475,50 @@ const (
 	inboxHeldColumns     = "consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at"
 	inboxHeldColumnCount = 8
 
-	selectInboxSequence = "SELECT last_seq FROM " + InboxSequencesTable + " WHERE consumer_name = ? AND aggregate_id = ?"
+	selectInboxSequence = "SELECT last_seq, held FROM " + InboxSequencesTable + " WHERE consumer_name = ? AND aggregate_id = ?"
 
 	insertInboxSequenceOnConflict = "INSERT INTO " + InboxSequencesTable +
 		" (consumer_name, aggregate_id, last_seq) VALUES (?, ?, 0) ON CONFLICT DO NOTHING"
 	insertInboxHeldOnConflict = "INSERT INTO " + InboxHeldTable + " (" + inboxHeldColumns + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+
+	// advanceInboxSequenceOnConflict is Advance of PostgreSQL and SQLite.
+	// The DO UPDATE's WHERE fails for any but the key's next message with
+	// nothing held, and then returns no row; PostgreSQL locks the row all
+	// the same, and SQLite's write lock is the transaction's already.
+	advanceInboxSequenceOnConflict = "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, 0)" +
+		" ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET last_seq = ?" +
+		" WHERE " + InboxSequencesTable + ".last_seq = ? AND " + InboxSequencesTable + ".held = 0 RETURNING last_seq"
 )
+
+// advanceOnConflict runs advanceInboxSequenceOnConflict: a row whose
+// last_seq is seq says the key moved to seq (from seq-1, or a new key's row
+// written at 1); none, or a new key's row written at 0, says it did not.
+func advanceOnConflict(ctx context.Context, tx Execer, q Query, seq int64) (bool, error) {
+	rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return false, err
+	}
+	defer rows.Close()
+	var last int64
+	if rows.Next() {
+		if err := rows.Scan(&last); err != nil {
+			return false, err
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return false, err
+	}
+	return last == seq, rows.Close()
+}
+
+// firstSeq is the last applied of a key's new row written by Advance: seq 1
+// is applied by the very insert, any later one finds nothing applied.
+func firstSeq(seq int64) int64 {
+	if seq == 1 {
+		return 1
+	}
+	return 0
+}
 
 // OrderedInbox is the SQL of the ordered inbox: the last sequence number
 // applied per (consumer, key), and the messages held until their
@@ -493,6 +532,16 @@ func (o *OrderedInbox) query(sql string, args ...any) Query {
 	return Query{SQL: o.d.rebind(sql), Args: args}
 }
 
+// Advance is the in-order path in one statement: it writes the key's row
+// if it is missing and locks it, new or not, until the end of tx, and moves
+// the key's last applied to seq if seq is its next and it holds no message.
+// It reports whether it moved it; if not, LockSequence (the row locked
+// already) tells a duplicate from a message to hold or to apply behind held
+// ones.
+func (o *OrderedInbox) Advance(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
+	return o.d.advanceInboxSequence(ctx, tx, consumer, key, seq)
+}
+
 // EnsureSequence writes the key's row at 0 if it is missing, so that the
 // lock that follows has a row to take: without it two first messages of a
 // key would both find none.
@@ -500,15 +549,25 @@ func (o *OrderedInbox) EnsureSequence(consumer, key string) Query {
 	return o.query(o.d.insertInboxSequence(), consumer, key)
 }
 
-// LockSequence reads the key's last applied sequence number and locks its
-// row until the transaction ends. Column: last_seq.
+// LockSequence reads the key's last applied sequence number and its count of
+// held messages, and locks its row until the transaction ends. Columns:
+// last_seq, held.
 func (o *OrderedInbox) LockSequence(consumer, key string) Query {
 	return o.query(o.d.lockInboxSequence(), consumer, key)
 }
 
-// SetSequence records seq as the key's last applied.
+// SetSequence records seq as the key's last applied and recounts its held
+// messages: run after the held messages up to seq are deleted, it leaves the
+// count exact, even one an operator's hand made wrong.
 func (o *OrderedInbox) SetSequence(consumer, key string, seq int64) Query {
-	return o.query("UPDATE "+InboxSequencesTable+" SET last_seq = ? WHERE consumer_name = ? AND aggregate_id = ?", seq, consumer, key)
+	return o.query("UPDATE "+InboxSequencesTable+" SET last_seq = ?, held = (SELECT COUNT(*) FROM "+InboxHeldTable+
+		" WHERE consumer_name = ? AND aggregate_id = ?) WHERE consumer_name = ? AND aggregate_id = ?", seq, consumer, key, consumer, key)
+}
+
+// CountHold adds a message just held to the key's count, which lets Advance
+// tell, on the key's row alone, that nothing is held.
+func (o *OrderedInbox) CountHold(consumer, key string) Query {
+	return o.query("UPDATE "+InboxSequencesTable+" SET held = held + 1 WHERE consumer_name = ? AND aggregate_id = ?", consumer, key)
 }
 
 // HeldRow is one held message.

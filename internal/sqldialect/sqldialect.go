@@ -76,6 +76,9 @@ type Dialect interface {
 	insertInboxSequence() string
 	insertInboxHeld() string
 	lockInboxSequence() string
+	// advanceInboxSequence runs OrderedInbox.Advance: how a dialect learns
+	// from one statement whether it moved the key differs.
+	advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error)
 	createMigrationsTable() string
 	insertMigration() string
 }

@@ -66,6 +66,11 @@ func (sqlite) insertInboxSequence() string { return insertInboxSequenceOnConflic
 
 func (sqlite) insertInboxHeld() string { return insertInboxHeldOnConflict }
 
+func (d sqlite) advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
+	q := Query{SQL: d.rebind(advanceInboxSequenceOnConflict), Args: []any{consumer, key, firstSeq(seq), seq, seq - 1}}
+	return advanceOnConflict(ctx, tx, q, seq)
+}
+
 // lockInboxSequence: SQLite has no row locks. The insert-if-absent before it
 // is a write, which takes the database's write lock for the rest of the
 // transaction (at BEGIN already under _txlock=immediate), so the read is as

@@ -1,12 +1,15 @@
 -- +goose Up
 -- The ordered inbox (InboxConfig.Ordered). Per (consumer, key) the last
--- sequence number applied; the transaction that applies a keyed message
--- locks its row (SELECT … FOR UPDATE), so two deliveries of one key
--- serialise, and advances it.
+-- sequence number applied, and how many of its messages acemq_inbox_held
+-- holds (0 lets the next message be applied by one statement that reads
+-- this row alone); the transaction that applies a keyed message
+-- locks its row (INSERT … ON DUPLICATE KEY UPDATE), so two deliveries of one
+-- key serialise, and advances it.
 CREATE TABLE IF NOT EXISTS acemq_inbox_sequences (
     consumer_name varchar(255) NOT NULL,
     aggregate_id  varchar(255) NOT NULL,
     last_seq      bigint       NOT NULL,
+    held          bigint       NOT NULL DEFAULT 0,
     PRIMARY KEY (consumer_name, aggregate_id)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 

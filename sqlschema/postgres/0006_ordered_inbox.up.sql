@@ -1,11 +1,14 @@
 -- +goose Up
 -- The ordered inbox (InboxConfig.Ordered). Per (consumer, key) the last
--- sequence number applied; the transaction that applies a keyed message
+-- sequence number applied, and how many of its messages acemq_inbox_held
+-- holds (0 lets the next message be applied by one statement that reads
+-- this row alone); the transaction that applies a keyed message
 -- locks its row, so two deliveries of one key serialise, and advances it.
 CREATE TABLE IF NOT EXISTS acemq_inbox_sequences (
     consumer_name varchar(255) NOT NULL,
     aggregate_id  varchar(255) NOT NULL,
     last_seq      bigint       NOT NULL,
+    held          bigint       NOT NULL DEFAULT 0,
     PRIMARY KEY (consumer_name, aggregate_id)
 );
 

@@ -1,12 +1,15 @@
 -- +goose Up
 -- The ordered inbox (InboxConfig.Ordered). Per (consumer, key) the last
--- sequence number applied; the transaction that applies a keyed message
+-- sequence number applied, and how many of its messages acemq_inbox_held
+-- holds (0 lets the next message be applied by one statement that reads
+-- this row alone); the transaction that applies a keyed message
 -- writes its row first, taking SQLite's write lock, so two deliveries of one
 -- key serialise, and advances it.
 CREATE TABLE IF NOT EXISTS acemq_inbox_sequences (
     consumer_name TEXT    NOT NULL,
     aggregate_id  TEXT    NOT NULL,
     last_seq      INTEGER NOT NULL,
+    held          INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (consumer_name, aggregate_id)
 );
 
