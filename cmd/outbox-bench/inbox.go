@@ -25,8 +25,9 @@ import (
 //	          INSERT one effect; COMMIT
 //	ordered:  an Inbox with Ordered, given keyed messages in their order
 //	          (aggregateId over inboxKeys keys, seq 1, 2, … per key): the
-//	          inbox's work plus the key's lock, the check for held
-//	          messages and the key's new last applied
+//	          inbox's work plus one statement that locks the key's row and
+//	          moves its last applied on when the message is next and
+//	          nothing of the key is held
 //
 // The floor is the least any transactional inbox can cost: one more
 // statement, so one more round trip. Its key goes in before the effect, as
