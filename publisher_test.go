@@ -39,6 +39,8 @@ type row struct {
 	LockedBy     sql.NullString `db:"locked_by"`
 	LockedUntil  sql.NullTime   `db:"locked_until"`
 	ProcessedAt  sql.NullTime   `db:"processed_at"`
+	AggregateID  sql.NullString `db:"aggregate_id"`
+	Seq          sql.NullInt64  `db:"seq"`
 }
 
 func readRows(t testing.TB, db *testdb.DB) []row {
