@@ -594,7 +594,7 @@ func encodable(r Record, msg amqp.Publishing, frameSize int) error {
 		}
 	}
 	if len(msg.Headers) > rowcodec.MaxElements {
-		return fmt.Errorf("%d headers with the ids: AMQP clients read at most %d", len(msg.Headers), rowcodec.MaxElements)
+		return fmt.Errorf("%d headers with the ids (and a keyed record's aggregateId and seq): AMQP clients read at most %d", len(msg.Headers), rowcodec.MaxElements)
 	}
 	// The properties travel in one frame: the fixed fields, the two short
 	// strings, and the headers table, each header as its name and its
@@ -683,13 +683,20 @@ func containerReadable(n, depth int) error {
 	return nil
 }
 
+// publishing is the AMQP message of r: its headers, then the ids, and a
+// keyed record's key and number, which win over row headers of the same
+// names (the columns are what the relay ordered by).
 func publishing(r Record) amqp.Publishing {
-	headers := make(amqp.Table, len(r.Headers)+2)
+	headers := make(amqp.Table, len(r.Headers)+4)
 	for k, v := range r.Headers {
 		headers[k] = fieldValue(v)
 	}
 	headers[HeaderMessageID] = r.ID
 	headers[HeaderWatermillUUID] = r.ID
+	if r.AggregateID != "" {
+		headers[HeaderAggregateID] = r.AggregateID
+		headers[HeaderSeq] = r.Seq // int64: an AMQP long ('l'), as the reference design's consumers read it
+	}
 	return amqp.Publishing{
 		Headers:      headers,
 		ContentType:  r.ContentType,

@@ -79,6 +79,21 @@ func TestPublishing_TypedHeaders_BecomeAMQPFieldValues(t *testing.T) {
 	}
 }
 
+// A keyed record's key and number go as a string and an AMQP long, over row
+// headers of the same names; an unkeyed record has neither.
+func TestPublishing_KeyedRecord_AggregateIDStringSeqInt64(t *testing.T) {
+	msg := publishing(Record{ID: "r", AggregateID: "pay-1", Seq: 3, Headers: map[string]any{HeaderSeq: "forged"}})
+	if msg.Headers[HeaderAggregateID] != "pay-1" || msg.Headers[HeaderSeq] != int64(3) {
+		t.Fatalf("headers %#v, want aggregateId \"pay-1\" and seq int64(3)", msg.Headers)
+	}
+	if err := msg.Headers.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if h := publishing(Record{ID: "u"}).Headers; h[HeaderAggregateID] != nil || h[HeaderSeq] != nil {
+		t.Fatalf("unkeyed headers %#v", h)
+	}
+}
+
 // encodable sizes typed and nested values as amqp091-go writes them, and
 // refuses what the client cannot write or an AMQP client cannot read.
 func TestEncodable_TypedAndNestedHeaders_SizedAndChecked(t *testing.T) {

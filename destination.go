@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -113,7 +114,8 @@ type Connector interface {
 // PublisherDestination publishes records through a Watermill publisher, one
 // at a time: for brokers other than RabbitMQ (Kafka, NATS, …). A record
 // becomes a message with the record's id as UUID, its headers as metadata
-// (plus x-acemq-id; a header that is not a string as its JSON text, as
+// (plus x-acemq-id, and a keyed record's aggregateId and seq, the number
+// in decimal; a header that is not a string as its JSON text, as
 // [AMQPMarshaler] renders it) and its body as payload, published to the
 // topic that TopicFor gives.
 type PublisherDestination struct {
@@ -142,6 +144,10 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			msg.Metadata.Set(k, metadataValue(v))
 		}
 		msg.Metadata.Set(HeaderMessageID, r.ID)
+		if r.AggregateID != "" {
+			msg.Metadata.Set(HeaderAggregateID, r.AggregateID)
+			msg.Metadata.Set(HeaderSeq, strconv.FormatInt(r.Seq, 10))
+		}
 		msg.SetContext(ctx)
 		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
 			results[i] = err

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,6 +32,13 @@ const (
 	// MetadataContentType sets the row's content_type (the AMQP
 	// content_type property); without it the publisher's default is used.
 	MetadataContentType = "content_type"
+	// MetadataAggregateID is a message's ordering key, its aggregate's id:
+	// 1 to 255 bytes of UTF-8 without NUL. The publisher gives the message
+	// the key's next sequence number in the caller's transaction, from 1,
+	// without gaps, increasing in commit order; the relay sends both as the
+	// headers HeaderAggregateID and HeaderSeq. Without it a message is
+	// unkeyed and costs nothing more.
+	MetadataAggregateID = "outbox_aggregate_id"
 )
 
 // Limits of the columns, checked before anything is written so that no
@@ -106,6 +114,8 @@ func (c TxPublisherConfig) validate() error {
 type txConn interface {
 	// exec runs a statement and returns the rows it affected.
 	exec(ctx context.Context, q sqldialect.Query) (int64, error)
+	// execInsertID runs a statement and returns its LastInsertId.
+	execInsertID(ctx context.Context, q sqldialect.Query) (int64, error)
 	query(ctx context.Context, q sqldialect.Query) (rowsScanner, error)
 }
 
@@ -125,6 +135,14 @@ func (t stdTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
 	return res.RowsAffected()
 }
 
+func (t stdTx) execInsertID(ctx context.Context, q sqldialect.Query) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return 0, err
+	}
+	return res.LastInsertId()
+}
+
 func (t stdTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
 	return t.tx.QueryContext(ctx, q.SQL, q.Args...)
 }
@@ -137,6 +155,28 @@ func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (int64, error
 		return 0, err
 	}
 	return res.RowsAffected()
+}
+
+func (t watermillTx) execInsertID(ctx context.Context, q sqldialect.Query) (int64, error) {
+	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return 0, err
+	}
+	// watermill-sql's Result promises RowsAffected only; a *sql.Tx under it
+	// (TxFromStdSQL) gives a sql.Result, which has LastInsertId too. Any
+	// other asks the session, one more round trip.
+	if r, ok := res.(interface{ LastInsertId() (int64, error) }); ok {
+		return r.LastInsertId()
+	}
+	rows, err := t.tx.QueryContext(ctx, sqldialect.LastInsertID().SQL)
+	if err != nil {
+		return 0, err
+	}
+	var id int64
+	if rows.Next() {
+		err = rows.Scan(&id)
+	}
+	return id, errors.Join(err, rows.Close())
 }
 
 func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
@@ -222,6 +262,13 @@ func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
 // fails the whole call with an *InvalidMessageError. A message whose id is
 // already in the table (the caller retrying its transaction) is skipped
 // without error.
+//
+// A message with MetadataAggregateID gets its key's next sequence number
+// first: the call takes its keys' rows of acemq_outbox_sequences (in the
+// schema of the outbox table) in sorted order, and holds them until the
+// transaction ends. A second transaction publishing on one of those keys
+// waits for this one; other keys do not. The messages of a key in one call
+// get consecutive numbers in call order. A skipped message takes no number.
 func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	ctx := context.Background() // a nil first message fails the checks before ctx is used
 	if len(msgs) > 0 && msgs[0] != nil {
@@ -248,7 +295,8 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 			return err
 		}
 	}
-	if err := checkCallDuplicates(rows); err != nil {
+	keyed, err := checkCallDuplicates(rows)
+	if err != nil {
 		return err
 	}
 	// Stamps are strictly increasing within the process, so the relay's
@@ -257,6 +305,9 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 	base := reserveStamps(len(rows))
 	for i := range rows {
 		rows[i].CreatedAt = base.Add(time.Duration(i) * time.Microsecond)
+	}
+	if keyed {
+		return p.wrapExecErr(p.publishKeyed(ctx, rows))
 	}
 
 	chunks := splitRows(rows)
@@ -267,7 +318,7 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 }
 
 func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
-	inserted, err := p.tx.exec(ctx, p.q.Insert(rows))
+	inserted, err := p.tx.exec(ctx, p.q.Insert(rows, false))
 	if err != nil {
 		return err
 	}
@@ -285,45 +336,9 @@ func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
 // the rows this statement inserted are taken out again, so that nothing of
 // the call stays.
 func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row) error {
-	ids := make([]string, len(rows))
-	want := make(map[string]*sqldialect.Row, len(rows))
-	for i := range rows {
-		ids[i] = rows[i].ID
-		want[rows[i].ID] = &rows[i]
-	}
-	found, err := p.tx.query(ctx, p.q.Destinations(ids))
-	if err != nil {
+	ours, conflict, err := p.readBack(ctx, rows)
+	if err != nil || conflict == nil {
 		return err
-	}
-	var (
-		conflict *DuplicateIDError
-		ours     []string
-	)
-	for found.Next() {
-		var (
-			id, exchange, routingKey string
-			// Read by the dialect's rule, as it was written: a row another
-			// library wrote with a created_at that is no time reads as
-			// the zero time, not ours.
-			created = sqldialect.NewTime(p.cfg.Dialect.sql())
-		)
-		if err := found.Scan(&id, &exchange, &routingKey, created); err != nil {
-			_ = found.Close()
-			return err
-		}
-		r := want[id]
-		switch {
-		case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
-			ours = append(ours, id) // inserted by this statement
-		case (exchange != r.Exchange || routingKey != r.RoutingKey) && conflict == nil:
-			conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey}
-		}
-	}
-	if err := found.Close(); err != nil {
-		return err
-	}
-	if conflict == nil {
-		return nil
 	}
 	if len(ours) > 0 {
 		if _, err := p.tx.exec(ctx, p.q.Delete(ours)); err != nil {
@@ -331,6 +346,51 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 		}
 	}
 	return conflict
+}
+
+// readBack reads the rows under the ids of rows: ours are those this call
+// inserted (by their created_at), and conflict the first of the others
+// that goes to another destination.
+func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours []string, conflict *DuplicateIDError, err error) {
+	want := make(map[string]*sqldialect.Row, len(rows))
+	for i := range rows {
+		want[rows[i].ID] = &rows[i]
+	}
+	for start := 0; start < len(rows); start += maxRowsPerStmt {
+		end := min(start+maxRowsPerStmt, len(rows))
+		ids := make([]string, 0, end-start)
+		for i := start; i < end; i++ {
+			ids = append(ids, rows[i].ID)
+		}
+		found, err := p.tx.query(ctx, p.q.Destinations(ids))
+		if err != nil {
+			return nil, nil, err
+		}
+		for found.Next() {
+			var (
+				id, exchange, routingKey string
+				// Read by the dialect's rule, as it was written: a row another
+				// library wrote with a created_at that is no time reads as
+				// the zero time, not ours.
+				created = sqldialect.NewTime(p.cfg.Dialect.sql())
+			)
+			if err := found.Scan(&id, &exchange, &routingKey, created); err != nil {
+				_ = found.Close()
+				return nil, nil, err
+			}
+			r := want[id]
+			switch {
+			case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
+				ours = append(ours, id) // inserted by this statement
+			case (exchange != r.Exchange || routingKey != r.RoutingKey) && conflict == nil:
+				conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey}
+			}
+		}
+		if err := found.Close(); err != nil {
+			return nil, nil, err
+		}
+	}
+	return ours, conflict, nil
 }
 
 func distinctIDs(rows []sqldialect.Row) int {
@@ -344,25 +404,205 @@ func distinctIDs(rows []sqldialect.Row) int {
 	return len(seen)
 }
 
-// checkCallDuplicates refuses one id sent to two destinations in one call;
-// the same message twice to the same place is one row.
-func checkCallDuplicates(rows []sqldialect.Row) error {
+// checkCallDuplicates refuses one id sent to two destinations, or under two
+// ordering keys, in one call; the same message twice to the same place is
+// one row. keyed reports a message with an ordering key.
+func checkCallDuplicates(rows []sqldialect.Row) (keyed bool, err error) {
 	if len(rows) < 2 {
-		return nil
+		return len(rows) == 1 && rows[0].AggregateID != "", nil
 	}
 	first := make(map[string]int, len(rows))
 	for i := range rows {
+		keyed = keyed || rows[i].AggregateID != ""
 		j, ok := first[rows[i].ID]
 		if !ok {
 			first[rows[i].ID] = i
 			continue
 		}
 		if rows[j].Exchange != rows[i].Exchange || rows[j].RoutingKey != rows[i].RoutingKey {
-			return &InvalidMessageError{Index: i, MessageID: rows[i].ID, Field: "id",
+			return keyed, &InvalidMessageError{Index: i, MessageID: rows[i].ID, Field: "id",
 				Reason: fmt.Sprintf("is also message %d of this call, to exchange %q routing key %q; the id is the outbox row's key, so each destination needs a message of its own id", j, rows[j].Exchange, rows[j].RoutingKey)}
+		}
+		if rows[j].AggregateID != rows[i].AggregateID {
+			return keyed, &InvalidMessageError{Index: i, MessageID: rows[i].ID, Field: "aggregate id",
+				Reason: fmt.Sprintf("is %q, but message %d of this call has the same id and aggregate id %q; one row has one key", rows[i].AggregateID, j, rows[j].AggregateID)}
+		}
+	}
+	return keyed, nil
+}
+
+// publishKeyed writes a call with keyed messages: their numbers first, then
+// the rows, all or nothing as the unkeyed path (under a savepoint when the
+// rows take several statements, whose rollback also gives the numbers back).
+func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) error {
+	rows = dedupeIDs(rows)
+	if len(splitRows(rows)) == 1 {
+		return p.insertKeyed(ctx, rows)
+	}
+	if _, err := p.tx.exec(ctx, p.q.Savepoint()); err != nil {
+		return err
+	}
+	if err := p.insertKeyed(ctx, rows); err != nil {
+		_, rbErr := p.tx.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
+		return errors.Join(err, rbErr)
+	}
+	_, err := p.tx.exec(ctx, p.q.ReleaseSavepoint())
+	return err
+}
+
+// insertKeyed numbers rows and inserts them. A number must never go to a
+// row that is not written: the ordered inbox would wait for it for ever.
+// So when some ids are in the table already (the caller retrying a
+// transaction that did commit, or the same message in an earlier call of
+// this one), the rows this call inserted are taken out, the numbers given
+// back (this transaction still holds the keys' rows, so nobody took one
+// since), and the call runs again without those ids. That costs the slow
+// path only: the common call allocates and inserts, and checks nothing.
+func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) error {
+	for len(rows) > 0 {
+		taken, err := p.allocateSeqs(ctx, rows)
+		if err != nil {
+			return err
+		}
+		var inserted int64
+		for _, c := range splitRows(rows) {
+			n, err := p.tx.exec(ctx, p.q.Insert(c, true))
+			if err != nil {
+				// Best effort, for a caller who commits after our error on
+				// MySQL or SQLite, where a failed statement leaves the
+				// transaction open; on PostgreSQL the transaction is
+				// aborted and takes the numbers with it.
+				_ = p.giveBackSeqs(context.WithoutCancel(ctx), taken)
+				return err
+			}
+			inserted += n
+		}
+		if inserted == int64(len(rows)) {
+			return nil
+		}
+		ours, conflict, err := p.readBack(ctx, rows)
+		if err != nil {
+			return err
+		}
+		if len(ours) > 0 {
+			if _, err := p.tx.exec(ctx, p.q.Delete(ours)); err != nil {
+				return err
+			}
+		}
+		if err := p.giveBackSeqs(ctx, taken); err != nil {
+			return err
+		}
+		if conflict != nil {
+			return conflict
+		}
+		// Every id not inserted by this call was there before it.
+		inserts := make(map[string]bool, len(ours))
+		for _, id := range ours {
+			inserts[id] = true
+		}
+		kept := rows[:0:0]
+		for _, r := range rows {
+			if inserts[r.ID] {
+				r.Seq = 0
+				kept = append(kept, r)
+			}
+		}
+		rows = kept
+	}
+	return nil
+}
+
+// keyCount is how many numbers a call took from one key.
+type keyCount struct {
+	key string
+	n   int
+}
+
+// allocateSeqs gives each keyed row its key's next number, consecutive in
+// call order within a key. The keys are taken in sorted order: two calls
+// that share two keys and took them in call order, A then B against B then
+// A, would each hold one and wait for the other, a deadlock the database
+// ends by aborting one of them. (Keys taken in separate Publish calls of one
+// transaction are taken in the caller's order: the database detects a
+// deadlock between two such transactions, and one of them must retry.)
+// On an error, what it took is given back.
+func (p *TxPublisher) allocateSeqs(ctx context.Context, rows []sqldialect.Row) ([]keyCount, error) {
+	counts := make(map[string]int, 1)
+	for i := range rows {
+		if k := rows[i].AggregateID; k != "" {
+			counts[k]++
+		}
+	}
+	taken := make([]keyCount, 0, len(counts))
+	for k, n := range counts {
+		taken = append(taken, keyCount{k, n})
+	}
+	sort.Slice(taken, func(i, j int) bool { return taken[i].key < taken[j].key })
+	next := make(map[string]int64, len(taken))
+	for i, kc := range taken {
+		last, err := p.allocateSeq(ctx, kc.key, kc.n)
+		if err != nil {
+			_ = p.giveBackSeqs(context.WithoutCancel(ctx), taken[:i])
+			return nil, fmt.Errorf("number aggregate %q in %s: %w", kc.key, p.q.Sequences(), err)
+		}
+		next[kc.key] = last - int64(kc.n) + 1
+	}
+	for i := range rows {
+		if k := rows[i].AggregateID; k != "" {
+			rows[i].Seq = next[k]
+			next[k]++
+		}
+	}
+	return taken, nil
+}
+
+// allocateSeq adds n to key's counter and returns its new value.
+func (p *TxPublisher) allocateSeq(ctx context.Context, key string, n int) (int64, error) {
+	q, returning := p.q.AllocateSeq(key, n)
+	if !returning {
+		return p.tx.execInsertID(ctx, q)
+	}
+	rows, err := p.tx.query(ctx, q)
+	if err != nil {
+		return 0, err
+	}
+	var last int64
+	if !rows.Next() {
+		_ = rows.Close()
+		return 0, errors.New("the upsert returned no row")
+	}
+	if err := rows.Scan(&last); err != nil {
+		_ = rows.Close()
+		return 0, err
+	}
+	return last, rows.Close()
+}
+
+// giveBackSeqs returns the numbers of taken to their keys.
+func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []keyCount) error {
+	for _, kc := range taken {
+		if _, err := p.tx.exec(ctx, p.q.GiveBackSeq(kc.key, kc.n)); err != nil {
+			return fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.n, kc.key, p.q.Sequences(), err)
 		}
 	}
 	return nil
+}
+
+// dedupeIDs keeps the first of messages with the same id (checkCallDuplicates
+// made sure they go to one place under one key): one row, one number.
+func dedupeIDs(rows []sqldialect.Row) []sqldialect.Row {
+	if len(rows) < 2 {
+		return rows
+	}
+	seen := make(map[string]struct{}, len(rows))
+	out := make([]sqldialect.Row, 0, len(rows))
+	for _, r := range rows {
+		if _, ok := seen[r.ID]; !ok {
+			seen[r.ID] = struct{}{}
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // insertUnderSavepoint writes several statements all or nothing: on MySQL
@@ -429,6 +669,15 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 	if v, ok := msg.Metadata[MetadataRoutingKey]; ok {
 		routingKey = v
 	}
+	aggregateID, keyed := msg.Metadata[MetadataAggregateID]
+	if keyed {
+		if aggregateID == "" {
+			return invalid("aggregate id", "is empty; leave out "+MetadataAggregateID+" for a message without an ordering key")
+		}
+		if err := checkName(aggregateID); err != nil {
+			return invalid("aggregate id", err.Error())
+		}
+	}
 	contentType := p.cfg.ContentType
 	if v, ok := msg.Metadata[MetadataContentType]; ok && v != "" {
 		contentType = v
@@ -460,6 +709,7 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		ID: msg.UUID, Exchange: exchange, RoutingKey: routingKey,
 		Body: body, BodyEncoding: encoding,
 		ContentType: contentType, Headers: headers,
+		AggregateID: aggregateID,
 	}
 	return nil
 }

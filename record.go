@@ -45,6 +45,11 @@ type Record struct {
 	CreatedAt time.Time
 	// Attempts is how many publishes of this record failed before.
 	Attempts int
+	// AggregateID is the record's ordering key (MetadataAggregateID) and
+	// Seq its number within the key, from 1; "" and 0 for an unkeyed
+	// record. The relay sends them as HeaderAggregateID and HeaderSeq.
+	AggregateID string
+	Seq         int64
 }
 
 // decodeRecord turns a claimed row into a Record. An error means the row
@@ -59,9 +64,18 @@ func decodeRecord(r sqldialect.ClaimedRow) (Record, error) {
 	if err != nil {
 		return Record{}, err
 	}
+	// A key without a number, or a number without a key, was not written
+	// by a publisher: the ordered inbox could not place it.
+	switch {
+	case r.AggregateID != "" && r.Seq < 1:
+		return Record{}, fmt.Errorf("aggregate_id %q with seq %d: want a sequence number from 1", r.AggregateID, r.Seq)
+	case r.AggregateID == "" && r.Seq != 0:
+		return Record{}, fmt.Errorf("seq %d without an aggregate_id", r.Seq)
+	}
 	return Record{
 		ID: r.ID, Exchange: r.Exchange, RoutingKey: r.RoutingKey,
 		Body: body, ContentType: r.ContentType, Headers: headers,
 		CreatedAt: r.CreatedAt, Attempts: r.Attempts,
+		AggregateID: r.AggregateID, Seq: r.Seq,
 	}, nil
 }

@@ -20,12 +20,16 @@ import (
 //	baseline:  BEGIN; INSERT one order; COMMIT
 //	candidate: BEGIN; INSERT one order; NewTxPublisher(tx).Publish(one 256-byte message); COMMIT
 //	floor:     BEGIN; INSERT one order; INSERT one 36-character key into a table of one column; COMMIT
+//	keyed:     the candidate with the message keyed (MetadataAggregateID), 1,000 keys in turn
 //
 // The floor is what any second statement costs: one more round trip to the
 // server. It separates what the outbox costs from what a second statement
 // costs, which on a server whose commit is cheap is most of the overhead.
 //
-// The three run interleaved on one connection, in rotating order, so that
+// keyed against the candidate is what per-aggregate order costs a
+// transaction: the key's sequence number, one more statement.
+//
+// The four run interleaved on one connection, in rotating order, so that
 // noise on this machine, the growth of the tables and any position effect
 // fall on all alike. Warm-up iterations
 // (connection set-up, statement caches, the first pages of each table) are
@@ -40,6 +44,7 @@ const (
 	txPublishDefaultWarmup = 500
 	txPublishPayloadSize   = 256
 	txPublishTopic         = "orders.created"
+	txPublishKeys          = 1000
 )
 
 func runTxPublish(ctx context.Context, cfg config, out *reporter) error {
@@ -82,6 +87,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		baseline  = make([]time.Duration, 0, n)
 		candidate = make([]time.Duration, 0, n)
 		floor     = make([]time.Duration, 0, n)
+		keyedOut  = make([]time.Duration, 0, n)
 		published = 0
 		lastMsgID string
 		lastBody  []byte
@@ -90,7 +96,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		var a, b, c time.Duration
+		var a, b, c, k time.Duration
 		for _, variant := range rotation(i) {
 			o := newOrder(i)
 			var (
@@ -104,17 +110,25 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 					return err
 				})
 				c = took
-			case variantOutbox:
+			case variantOutbox, variantKeyed:
 				msgID := watermill.NewUUID()
 				payload := orderPayload(o)
+				key := ""
+				if variant == variantKeyed {
+					key = fmt.Sprintf("customer-%04d", i%txPublishKeys)
+				}
 				took, err = orderTx(ctx, db.DB, insertOrder, o, func(tx *sqlx.Tx) error {
-					return publishOrderCreated(ctx, tx, msgID, payload, o)
+					return publishOrderCreated(ctx, tx, msgID, payload, o, key)
 				})
 				if err == nil {
 					published++
 					lastMsgID, lastBody = msgID, payload
 				}
-				b = took
+				if variant == variantKeyed {
+					k = took
+				} else {
+					b = took
+				}
 			default:
 				took, err = orderTx(ctx, db.DB, insertOrder, o, nil)
 				a = took
@@ -127,14 +141,15 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 			baseline = append(baseline, a)
 			candidate = append(candidate, b)
 			floor = append(floor, c)
+			keyedOut = append(keyedOut, k)
 		}
 	}
 	elapsed := time.Since(start)
 
-	if err := verifyTxPublish(ctx, db, 3*(warmup+n), published, lastMsgID, lastBody); err != nil {
+	if err := verifyTxPublish(ctx, db, len(rotation(0))*(warmup+n), published, lastMsgID, lastBody); err != nil {
 		return err
 	}
-	note("txpublish %s: %d transactions in %s, outbox rows verified", db.Kind, 3*(warmup+n), elapsed.Round(time.Millisecond))
+	note("txpublish %s: %d transactions in %s, outbox rows verified", db.Kind, len(rotation(0))*(warmup+n), elapsed.Round(time.Millisecond))
 
 	deltas := make([]time.Duration, len(baseline))
 	for i := range baseline {
@@ -155,6 +170,10 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 	out.metric("txpublish_delta_"+k+"_us", micros(quantile(deltas, 0.5)), "us")
 	out.metric("txpublish_baseline_"+k+"_p99_us", micros(quantile(baseline, 0.99)), "us")
 	out.metric("txpublish_outbox_"+k+"_p99_us", micros(quantile(candidate, 0.99)), "us")
+	keyedMed := quantile(keyedOut, 0.5)
+	out.metric("txpublish_keyed_"+k+"_us", micros(keyedMed), "us")
+	// What the key's sequence number adds to an outbox message.
+	out.metric("txpublish_keyed_vs_unkeyed_"+k, float64(keyedMed)/float64(candMed), "ratio")
 	return nil
 }
 
@@ -162,14 +181,17 @@ const (
 	variantBaseline = iota
 	variantOutbox
 	variantFloor
+	variantKeyed
 )
 
-// rotation gives the order of the three variants in iteration i, rotating
+// rotation gives the order of the four variants in iteration i, rotating
 // so that each takes each position equally often.
-func rotation(i int) [3]int {
-	v := [3]int{variantBaseline, variantOutbox, variantFloor}
-	r := i % 3
-	return [3]int{v[r], v[(r+1)%3], v[(r+2)%3]}
+func rotation(i int) [4]int {
+	var v [4]int
+	for j := range v {
+		v[j] = (i + j) % len(v)
+	}
+	return v
 }
 
 // ordersDDL is the business table of the bench. MySQL gets datetime(6):
@@ -239,7 +261,8 @@ func orderTx(ctx context.Context, db *sqlx.DB, insertOrder string, o order, extr
 
 // publishOrderCreated is what a service adds to its transaction to announce
 // the order: a publisher on the tx, one message, Publish.
-func publishOrderCreated(ctx context.Context, tx *sqlx.Tx, msgID string, payload []byte, o order) error {
+// A key other than "" makes it a keyed message.
+func publishOrderCreated(ctx context.Context, tx *sqlx.Tx, msgID string, payload []byte, o order, key string) error {
 	pub, err := outbox.NewTxPublisher(tx)
 	if err != nil {
 		return fmt.Errorf("new publisher: %w", err)
@@ -249,6 +272,9 @@ func publishOrderCreated(ctx context.Context, tx *sqlx.Tx, msgID string, payload
 	msg.Metadata.Set(outbox.MetadataContentType, "application/json")
 	msg.Metadata.Set("order_id", o.id)
 	msg.Metadata.Set("source", "outbox-bench")
+	if key != "" {
+		msg.Metadata.Set(outbox.MetadataAggregateID, key)
+	}
 	if err := pub.Publish(txPublishTopic, msg); err != nil {
 		return fmt.Errorf("publish: %w", err)
 	}
@@ -270,6 +296,19 @@ func verifyTxPublish(ctx context.Context, db *testdb.DB, wantOrders, wantMessage
 	}
 	if messages != wantMessages {
 		return fmt.Errorf("VERIFY FAILED: acemq_outbox has %d rows, want %d (one per committed outbox transaction)", messages, wantMessages)
+	}
+	// Every key numbered 1..n: a keyed variant that skipped its numbering
+	// would look free.
+	var keys, gapless int
+	if err := db.GetContext(ctx, &keys, "SELECT COUNT(DISTINCT aggregate_id) FROM acemq_outbox"); err != nil {
+		return fmt.Errorf("counting keys: %w", err)
+	}
+	if err := db.GetContext(ctx, &gapless, "SELECT COUNT(*) FROM (SELECT aggregate_id FROM acemq_outbox WHERE aggregate_id IS NOT NULL"+
+		" GROUP BY aggregate_id HAVING MIN(seq) = 1 AND MAX(seq) = COUNT(*)) g"); err != nil {
+		return fmt.Errorf("checking the keys' numbers: %w", err)
+	}
+	if keys == 0 || gapless != keys {
+		return fmt.Errorf("VERIFY FAILED: %d of %d keys numbered 1..n", gapless, keys)
 	}
 	var row struct {
 		Body         string     `db:"body"`

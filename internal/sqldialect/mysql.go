@@ -46,17 +46,33 @@ func (mysql) Leases() bool { return false }
 // network each round trip saved counts for more.
 func (mysql) PreparesRelay() bool { return true }
 
-func (mysql) insertOutbox(table string, rows int) string {
+func (mysql) insertOutbox(table, cols string, n, rows int) string {
 	var b strings.Builder
-	b.Grow(64 + rows*30)
+	b.Grow(64 + rows*n*3)
 	// IGNORE, for its affected-row count: inserted rows only, whatever the
 	// DSN's clientFoundRows says, which is how a duplicate id is noticed.
 	// Its other effect, storing a truncated or altered value with a warning
 	// where strict mode would refuse it, cannot reach this statement: every
 	// value was checked against its column before it was built.
-	b.WriteString("INSERT IGNORE INTO " + table + " (" + outboxColumns + ") VALUES ")
-	valuesList(&b, rows, outboxColumnCount, questionMark)
+	b.WriteString("INSERT IGNORE INTO " + table + " (" + cols + ") VALUES ")
+	valuesList(&b, rows, n, questionMark)
 	return b.String()
+}
+
+// LastInsertID reads the session's LAST_INSERT_ID(), for a transaction whose
+// results do not report it (see allocateSeq).
+func LastInsertID() Query { return Query{SQL: "SELECT LAST_INSERT_ID()"} }
+
+// allocateSeq: MySQL and MariaDB have no RETURNING on an upsert. The new
+// number goes through LAST_INSERT_ID(expr), which the server reports in the
+// statement's reply (Result.LastInsertId) on both paths: a new key sets it
+// in VALUES (a table without AUTO_INCREMENT would otherwise report 0), an
+// existing one in the UPDATE. n goes twice rather than through VALUES(),
+// which MySQL 8.0.20 deprecates. The row lock of the update, or of the
+// insert, is held to the end of the transaction, as on the other databases.
+func (mysql) allocateSeq(sequences, key string, n int) (Query, bool) {
+	return Query{SQL: "INSERT INTO " + sequences + " (aggregate_id, last_seq) VALUES (?, LAST_INSERT_ID(?))" +
+		" ON DUPLICATE KEY UPDATE last_seq = LAST_INSERT_ID(last_seq + ?)", Args: []any{key, n, n}}, false
 }
 
 // claim walks p.Index when it is set (see pendingIndex).

@@ -47,8 +47,12 @@ func (postgres) Leases() bool { return false }
 // transaction mode) must have its way.
 func (postgres) PreparesRelay() bool { return false }
 
-func (postgres) insertOutbox(table string, rows int) string {
-	return insertOutboxOnConflict(table, rows, dollar)
+func (postgres) insertOutbox(table, cols string, n, rows int) string {
+	return insertOutboxOnConflict(table, cols, n, rows, dollar)
+}
+
+func (d postgres) allocateSeq(sequences, key string, n int) (Query, bool) {
+	return Query{SQL: d.rebind(allocateSeqReturning(sequences)), Args: []any{key, n}}, true
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {

@@ -19,8 +19,20 @@ const outboxColumns = "id, exchange_name, routing_key, body, body_encoding, cont
 
 const outboxColumnCount = 8
 
+// keyedColumns are the columns of a call with a keyed message: the same and
+// the key and its sequence number. A call without one writes outboxColumns
+// only, as it did before per-aggregate order, so that it still works on a
+// table that lacks the two columns.
+const keyedColumns = outboxColumns + ", aggregate_id, seq"
+
+const keyedColumnCount = outboxColumnCount + 2
+
 // claimColumns are what a claim reads, in ClaimedRow's order.
-const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts"
+const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts, aggregate_id, seq"
+
+// SequencesTable is the table of each key's last sequence number, in the
+// schema of the outbox table it numbers.
+const SequencesTable = "acemq_outbox_sequences"
 
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // not under a live lease (ours, or one written by an AceMQ relay in another
@@ -43,6 +55,7 @@ type Outbox struct {
 	d            Dialect
 	table        string // quoted
 	schema, name string // as configured: the pending-index lookup's arguments
+	sequences    string // quoted: SequencesTable in the table's schema
 }
 
 // NewOutbox returns the statements of table ("name" or "schema.name"),
@@ -53,8 +66,13 @@ func NewOutbox(d Dialect, table string) (*Outbox, error) {
 		return nil, err
 	}
 	o := &Outbox{d: d, table: quoted, name: table}
+	seq := SequencesTable
 	if i := strings.LastIndexByte(table, '.'); i >= 0 {
 		o.schema, o.name = table[:i], table[i+1:]
+		seq = o.schema + "." + SequencesTable
+	}
+	if o.sequences, err = QuoteTable(d, seq); err != nil {
+		return nil, err
 	}
 	return o, nil
 }
@@ -72,17 +90,54 @@ type Row struct {
 	Body, BodyEncoding       string
 	ContentType, Headers     string
 	CreatedAt                time.Time
+	// AggregateID is the row's ordering key, "" for none; Seq its number
+	// within the key, from AllocateSeq.
+	AggregateID string
+	Seq         int64
 }
 
 // Insert writes rows in one statement, skipping ids already present
-// (RowsAffected counts only the rows it inserted).
-func (o *Outbox) Insert(rows []Row) Query {
-	args := make([]any, 0, len(rows)*outboxColumnCount)
+// (RowsAffected counts only the rows it inserted). keyed writes
+// aggregate_id and seq too, NULL for the rows without a key.
+func (o *Outbox) Insert(rows []Row, keyed bool) Query {
+	cols, n := outboxColumns, outboxColumnCount
+	if keyed {
+		cols, n = keyedColumns, keyedColumnCount
+	}
+	args := make([]any, 0, len(rows)*n)
 	for i := range rows {
 		r := &rows[i]
 		args = append(args, r.ID, r.Exchange, r.RoutingKey, r.Body, r.BodyEncoding, r.ContentType, r.Headers, o.d.TimeArg(r.CreatedAt))
+		if keyed {
+			var key, seq any // NULL
+			if r.AggregateID != "" {
+				key, seq = r.AggregateID, r.Seq
+			}
+			args = append(args, key, seq)
+		}
 	}
-	return Query{SQL: o.d.insertOutbox(o.table, len(rows)), Args: args}
+	return Query{SQL: o.d.insertOutbox(o.table, cols, n, len(rows)), Args: args}
+}
+
+// Sequences is the sequences table as quoted in the SQL, for error messages.
+func (o *Outbox) Sequences() string { return o.sequences }
+
+// AllocateSeq adds n to key's last sequence number, creating the key at n,
+// and yields the new last number: the key's row stays locked until the
+// transaction ends, so a second transaction on the key waits for it, and a
+// rollback takes the numbers back. With returning, the query returns the
+// number as its one row and column; without, it is the statement's
+// LastInsertId (MySQL, whose LAST_INSERT_ID(expr) the server reports in its
+// reply, saving a SELECT LAST_INSERT_ID() round trip).
+func (o *Outbox) AllocateSeq(key string, n int) (q Query, returning bool) {
+	return o.d.allocateSeq(o.sequences, key, n)
+}
+
+// GiveBackSeq takes n numbers back from key, which this transaction
+// allocated and then did not use: the key's row is still locked by it, so
+// no other transaction took a number in between.
+func (o *Outbox) GiveBackSeq(key string, n int) Query {
+	return o.query("UPDATE "+o.sequences+" SET last_seq = last_seq - ? WHERE aggregate_id = ?", n, key)
 }
 
 // Destinations reads where the rows of ids go. Columns: id, exchange_name,
@@ -166,6 +221,10 @@ type ClaimedRow struct {
 	ContentType, Headers     string
 	CreatedAt                time.Time
 	Attempts                 int
+	// AggregateID and Seq are the row's ordering key and its number within
+	// the key; "" and 0 for an unkeyed row (both columns NULL).
+	AggregateID string
+	Seq         int64
 	// Unreadable, if not nil, names the columns of the row that could not
 	// be read and says why: a NULL in a table made by hand, a created_at
 	// that is no time. Their fields are zero. No retry mends such a row.
@@ -187,7 +246,8 @@ func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 	dest := []any{&r.ID,
 		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
-		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts)}
+		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts),
+		nullable(c.text("aggregate_id", &r.AggregateID)), nullable(c.int64("seq", &r.Seq))}
 	for rows.Next() {
 		r, c.failed = ClaimedRow{}, c.failed[:0]
 		if err := rows.Scan(dest...); err != nil {
@@ -210,12 +270,16 @@ type columnReader struct {
 
 // column is one column of a columnReader: a sql.Scanner that never fails.
 type column struct {
-	c    *columnReader
-	name string
-	read func(v any) error
+	c        *columnReader
+	name     string
+	read     func(v any) error
+	nullable bool
 }
 
 func (col column) Scan(v any) error {
+	if v == nil && col.nullable {
+		return nil // the destination was reset with the row
+	}
 	err := errors.New("NULL")
 	if v != nil {
 		err = col.read(v)
@@ -227,7 +291,7 @@ func (col column) Scan(v any) error {
 }
 
 func (c *columnReader) text(name string, dst *string) column {
-	return column{c, name, func(v any) error {
+	return column{c: c, name: name, read: func(v any) error {
 		switch x := v.(type) {
 		case string:
 			*dst = x
@@ -244,7 +308,7 @@ func (c *columnReader) text(name string, dst *string) column {
 // reads as it, and so does text in an SQLite DATETIME column that
 // mattn/go-sqlite3 could not parse (it returns no error).
 func (c *columnReader) timestamp(name string, dst *time.Time) column {
-	return column{c, name, func(v any) error {
+	return column{c: c, name: name, read: func(v any) error {
 		t, err := readTime(c.d, v)
 		if err == nil && t.IsZero() {
 			err = errors.New("no time: a zero date, or text the driver could not parse as one")
@@ -254,21 +318,38 @@ func (c *columnReader) timestamp(name string, dst *time.Time) column {
 	}}
 }
 
+// nullable makes col read NULL as its zero value rather than fail: the
+// columns an unkeyed row leaves NULL.
+func nullable(col column) column {
+	col.nullable = true
+	return col
+}
+
 func (c *columnReader) integer(name string, dst *int) column {
-	return column{c, name, func(v any) error {
-		var err error
-		switch x := v.(type) {
-		case int64:
-			*dst = int(x)
-		case []byte:
-			*dst, err = strconv.Atoi(string(x))
-		case string:
-			*dst, err = strconv.Atoi(x)
-		default:
-			err = fmt.Errorf("a %T, not an integer", v)
-		}
+	return column{c: c, name: name, read: func(v any) error {
+		n, err := readInt64(v)
+		*dst = int(n)
 		return err
 	}}
+}
+
+func (c *columnReader) int64(name string, dst *int64) column {
+	return column{c: c, name: name, read: func(v any) (err error) {
+		*dst, err = readInt64(v)
+		return err
+	}}
+}
+
+func readInt64(v any) (int64, error) {
+	switch x := v.(type) {
+	case int64:
+		return x, nil
+	case []byte:
+		return strconv.ParseInt(string(x), 10, 64)
+	case string:
+		return strconv.ParseInt(x, 10, 64)
+	}
+	return 0, fmt.Errorf("a %T, not an integer", v)
 }
 
 // MarkPublished marks the rows of ids published at now.
@@ -369,13 +450,20 @@ func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
 
 // insertOutboxOnConflict inserts rows rows, skipping ids already present:
 // a retried transaction adds the same id again, and leaves one row.
-func insertOutboxOnConflict(table string, rows int, placeholder func(n int) string) string {
+func insertOutboxOnConflict(table, cols string, n, rows int, placeholder func(n int) string) string {
 	var b strings.Builder
-	b.Grow(64 + rows*50)
-	b.WriteString("INSERT INTO " + table + " (" + outboxColumns + ") VALUES ")
-	valuesList(&b, rows, outboxColumnCount, placeholder)
+	b.Grow(64 + rows*n*6)
+	b.WriteString("INSERT INTO " + table + " (" + cols + ") VALUES ")
+	valuesList(&b, rows, n, placeholder)
 	b.WriteString(" ON CONFLICT (id) DO NOTHING")
 	return b.String()
+}
+
+// allocateSeqReturning is AllocateSeq where INSERT has ON CONFLICT and
+// RETURNING (PostgreSQL; SQLite from 3.35). Arguments: key, n.
+func allocateSeqReturning(sequences string) string {
+	return "INSERT INTO " + sequences + " AS s (aggregate_id, last_seq) VALUES (?, ?)" +
+		" ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = s.last_seq + excluded.last_seq RETURNING last_seq"
 }
 
 // purgePublishedByKey deletes at most ? rows published before ?, oldest first.

@@ -61,7 +61,12 @@ type Dialect interface {
 	fromDriver(t time.Time) time.Time
 	quoteIdent(part string) string
 	rebind(query string) string
-	insertOutbox(table string, rows int) string
+	// insertOutbox inserts rows rows of the n columns cols, skipping ids
+	// already present.
+	insertOutbox(table, cols string, n, rows int) string
+	// allocateSeq is AllocateSeq's statement, and whether it returns the
+	// number as a row.
+	allocateSeq(sequences, key string, n int) (Query, bool)
 	// claim claims p.Limit rows of table that meet where (filled by
 	// whereArgs), in created_at, id order.
 	claim(table string, p ClaimParams, where string, whereArgs []any) Query

@@ -31,7 +31,9 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"claim on index":     {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending"},
 		}
 		queries := map[string]Query{
-			"insert":           o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}),
+			"insert":           o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}, false),
+			"insert keyed":     o.Insert([]Row{{ID: "a", CreatedAt: now, AggregateID: "k", Seq: 1}, {ID: "b", CreatedAt: now}}, true),
+			"give back seq":    o.GiveBackSeq("k", 2),
 			"destinations":     o.Destinations(ids),
 			"delete":           o.Delete(ids),
 			"mark published":   o.MarkPublished(now, ids),
@@ -55,6 +57,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		for name, p := range claims {
 			queries[name] = o.Claim(p)
 		}
+		queries["allocate seq"], _ = o.AllocateSeq("k", 2)
 		if q, ok := o.PendingIndex(); ok {
 			queries["pending index"] = q
 		}

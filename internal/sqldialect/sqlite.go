@@ -36,8 +36,12 @@ func (sqlite) Leases() bool { return true }
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
-func (sqlite) insertOutbox(table string, rows int) string {
-	return insertOutboxOnConflict(table, rows, questionMark)
+func (sqlite) insertOutbox(table, cols string, n, rows int) string {
+	return insertOutboxOnConflict(table, cols, n, rows, questionMark)
+}
+
+func (d sqlite) allocateSeq(sequences, key string, n int) (Query, bool) {
+	return Query{SQL: d.rebind(allocateSeqReturning(sequences)), Args: []any{key, n}}, true
 }
 
 // claim leases the rows: the update is conditional on the rows still being

@@ -1,0 +1,488 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// keyed returns a new message on aggregate key (none for "").
+func keyed(key string) *message.Message {
+	msg := message.NewMessage(watermill.NewUUID(), []byte("body"))
+	if key != "" {
+		msg.Metadata.Set(outbox.MetadataAggregateID, key)
+	}
+	return msg
+}
+
+// seqOf is the (aggregate_id, seq) of the row id, NULL as "" and 0.
+func seqOf(t testing.TB, db *testdb.DB, id string) (string, int64) {
+	t.Helper()
+	var (
+		key sql.NullString
+		seq sql.NullInt64
+	)
+	if err := db.QueryRow(db.Rebind("SELECT aggregate_id, seq FROM acemq_outbox WHERE id = ?"), id).Scan(&key, &seq); err != nil {
+		t.Fatalf("reading the sequence of %s: %v", id, err)
+	}
+	return key.String, seq.Int64
+}
+
+// seqsOf lists the committed numbers of key, in order.
+func seqsOf(t testing.TB, db *testdb.DB, key string) []int64 {
+	t.Helper()
+	var seqs []int64
+	if err := db.Select(&seqs, db.Rebind("SELECT seq FROM acemq_outbox WHERE aggregate_id = ? ORDER BY seq"), key); err != nil {
+		t.Fatalf("reading the numbers of %s: %v", key, err)
+	}
+	return seqs
+}
+
+// inTx publishes msgs on db in one transaction, committed or rolled back.
+func inTx(t testing.TB, db *testdb.DB, commit bool, calls ...[]*message.Message) {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, msgs := range calls {
+		if err := pub.Publish("orders", msgs...); err != nil {
+			_ = tx.Rollback()
+			t.Fatalf("publish: %v", err)
+		}
+	}
+	if !commit {
+		if err := tx.Rollback(); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func wantSeq(t testing.TB, db *testdb.DB, msg *message.Message, key string, seq int64) {
+	t.Helper()
+	if k, s := seqOf(t, db, msg.UUID); k != key || s != seq {
+		t.Errorf("message %s: aggregate %q seq %d, want %q %d", msg.UUID, k, s, key, seq)
+	}
+}
+
+func TestTxPublisher_Keyed_NumbersFromOneConsecutiveAcrossCallsAndTransactions(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		a1, a2, u, b1, a3 := keyed("order-a"), keyed("order-a"), keyed(""), keyed("order-b"), keyed("order-a")
+		a4, a5 := keyed("order-a"), keyed("order-a")
+		inTx(t, db, true, []*message.Message{a1, a2, u, b1, a3}, []*message.Message{a4})
+		inTx(t, db, true, []*message.Message{a5})
+
+		for i, m := range []*message.Message{a1, a2, a3, a4, a5} {
+			wantSeq(t, db, m, "order-a", int64(i+1))
+		}
+		wantSeq(t, db, b1, "order-b", 1)
+		wantSeq(t, db, u, "", 0)
+		// The key stays in the metadata, like the other outbox_ keys.
+		if h := readRowsByID(t, db)[a1.UUID].Headers; !strings.Contains(h, `"outbox_aggregate_id":"order-a"`) {
+			t.Errorf("headers %s lost the key", h)
+		}
+	})
+}
+
+func readRowsByID(t testing.TB, db *testdb.DB) map[string]row {
+	t.Helper()
+	m := map[string]row{}
+	for _, r := range readRows(t, db) {
+		m[r.ID] = r
+	}
+	return m
+}
+
+func TestTxPublisher_Keyed_RolledBackTransactionGivesItsNumbersBack(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		first := keyed("order-a")
+		inTx(t, db, true, []*message.Message{first})
+		inTx(t, db, false, []*message.Message{keyed("order-a"), keyed("order-a")})
+		next := keyed("order-a")
+		inTx(t, db, true, []*message.Message{next})
+		wantSeq(t, db, next, "order-a", 2)
+	})
+}
+
+// Many transactions on one key: the committed numbers are 1..N, and each
+// transaction, holding its numbers, sees every lower number committed by
+// others already (read on another connection): numbers increase in commit
+// order, because the key's row serialises the transactions to their end.
+func TestTxPublisher_Keyed_ConcurrentTransactionsOnOneKey_GaplessAndInCommitOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		const workers, txs, perTx = 20, 5, 2
+		var (
+			wg   sync.WaitGroup
+			mu   sync.Mutex
+			errs []error
+		)
+		fail := func(err error) {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+		committedMax := db.Rebind("SELECT COALESCE(MAX(seq), 0) FROM acemq_outbox WHERE aggregate_id = ?")
+		for range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range txs {
+					ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+					err := func() error {
+						tx, err := db.BeginTxx(ctx, nil)
+						if err != nil {
+							return err
+						}
+						defer func() { _ = tx.Rollback() }()
+						pub, err := outbox.NewTxPublisher(tx)
+						if err != nil {
+							return err
+						}
+						msgs := []*message.Message{keyed("hot"), keyed("hot")}
+						if err := pub.Publish("orders", msgs...); err != nil {
+							return err
+						}
+						var mine int64
+						if err := tx.QueryRowxContext(ctx, db.Rebind("SELECT seq FROM acemq_outbox WHERE id = ?"), msgs[0].UUID).Scan(&mine); err != nil {
+							return err
+						}
+						var before int64
+						if err := db.QueryRowContext(ctx, committedMax, "hot").Scan(&before); err != nil {
+							return err
+						}
+						if before != mine-1 {
+							return fmt.Errorf("holding %d..%d, the committed numbers end at %d, want %d", mine, mine+perTx-1, before, mine-1)
+						}
+						return tx.Commit()
+					}()
+					cancel()
+					if err != nil {
+						fail(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		seqs := seqsOf(t, db, "hot")
+		if len(seqs) != workers*txs*perTx {
+			t.Fatalf("%d rows on the key, want %d", len(seqs), workers*txs*perTx)
+		}
+		for i, s := range seqs {
+			if s != int64(i+1) {
+				t.Fatalf("numbers %v…, want 1..%d without a gap", seqs[:min(len(seqs), i+3)], len(seqs))
+			}
+		}
+	})
+}
+
+func TestTxPublisher_Keyed_DifferentKeysDoNotWaitForEachOther(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} { // SQLite has one writer for the whole database
+		t.Run(kind, func(t *testing.T) {
+			db := migrated(t, kind)
+			holder, err := db.Beginx()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = holder.Rollback() }()
+			pub, _ := outbox.NewTxPublisher(holder)
+			if err := pub.Publish("orders", keyed("order-a")); err != nil {
+				t.Fatal(err)
+			}
+
+			// Another key commits while order-a's transaction is open.
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			tx, err := db.BeginTxx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			other, _ := outbox.NewTxPublisher(tx)
+			b := keyed("order-b")
+			if err := other.Publish("orders", b); err != nil {
+				_ = tx.Rollback()
+				t.Fatalf("publishing on another key while order-a is held: %v", err)
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			wantSeq(t, db, b, "order-b", 1)
+
+			// The same key does wait: the contrast that makes the above a test.
+			short, cancelShort := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancelShort()
+			same, err := db.BeginTxx(short, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = same.Rollback() }()
+			sp, _ := outbox.NewTxPublisher(same)
+			m := keyed("order-a")
+			m.SetContext(short)
+			if err := sp.Publish("orders", m); err == nil {
+				t.Fatal("a second transaction on order-a got its number while the first held the key")
+			}
+		})
+	}
+}
+
+func TestTxPublisher_Keyed_PurgeOfPublishedRows_SequenceContinues(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		inTx(t, db, true, []*message.Message{keyed("order-a"), keyed("order-a")})
+		old := time.Now().Add(-48 * time.Hour).UTC()
+		var oldArg any = old
+		if db.Kind != testdb.Postgres {
+			oldArg = old.Format("2006-01-02 15:04:05.000000")
+		}
+		if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ?"), oldArg); err != nil {
+			t.Fatal(err)
+		}
+		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := store.PurgePublished(context.Background(), 24*time.Hour); err != nil || n != 2 {
+			t.Fatalf("purged %d (%v), want 2", n, err)
+		}
+		next := keyed("order-a")
+		inTx(t, db, true, []*message.Message{next})
+		wantSeq(t, db, next, "order-a", 3)
+	})
+}
+
+// Unkeyed messages write both columns NULL and run no statement on the
+// sequences: they publish with the table gone.
+func TestTxPublisher_Unkeyed_NullColumnsAndNoSequenceStatement(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		db.MustExec("DROP TABLE acemq_outbox_sequences")
+		m1, m2 := keyed(""), keyed("")
+		inTx(t, db, true, []*message.Message{m1, m2})
+		wantSeq(t, db, m1, "", 0)
+		wantSeq(t, db, m2, "", 0)
+
+		// And a keyed one does need the table: the drop above is real.
+		tx, _ := db.Beginx()
+		defer func() { _ = tx.Rollback() }()
+		pub, _ := outbox.NewTxPublisher(tx)
+		if err := pub.Publish("orders", keyed("order-a")); err == nil || !strings.Contains(err.Error(), "acemq_outbox_sequences") {
+			t.Fatalf("keyed publish without the sequences table: %v, want an error naming it", err)
+		}
+	})
+}
+
+func TestTxPublisher_BadAggregateID_InvalidMessageErrorNothingWritten(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for name, key := range map[string]string{
+			"empty": "", "256 bytes": strings.Repeat("k", 256), "not UTF-8": "a\xffb", "NUL": "a\x00b",
+		} {
+			t.Run(name, func(t *testing.T) {
+				tx, _ := db.Beginx()
+				defer func() { _ = tx.Rollback() }()
+				pub, _ := outbox.NewTxPublisher(tx)
+				bad := message.NewMessage(watermill.NewUUID(), nil)
+				bad.Metadata.Set(outbox.MetadataAggregateID, key)
+				err := pub.Publish("orders", keyed("order-a"), bad)
+				var invalid *outbox.InvalidMessageError
+				if !errors.As(err, &invalid) || invalid.Field != "aggregate id" || invalid.Index != 1 {
+					t.Fatalf("err = %v, want an InvalidMessageError on message 1's aggregate id", err)
+				}
+				var rows, keys int
+				_ = tx.Get(&rows, "SELECT COUNT(*) FROM acemq_outbox")
+				_ = tx.Get(&keys, "SELECT COUNT(*) FROM acemq_outbox_sequences")
+				if rows != 0 || keys != 0 {
+					t.Fatalf("%d rows and %d keys written, want none", rows, keys)
+				}
+			})
+		}
+	})
+}
+
+// A message already in the table takes no number: the ordered inbox would
+// wait for ever for one that never arrives.
+func TestTxPublisher_Keyed_DuplicateIDs_TakeNoNumber(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		// Twice in one call: one row.
+		a1 := keyed("order-a")
+		inTx(t, db, true, []*message.Message{a1, a1})
+		wantSeq(t, db, a1, "order-a", 1)
+
+		// In two calls of one transaction, with others around it.
+		a2, a3 := keyed("order-a"), keyed("order-a")
+		inTx(t, db, true, []*message.Message{a2}, []*message.Message{keyed("order-b"), a2, a3})
+		wantSeq(t, db, a2, "order-a", 2)
+		wantSeq(t, db, a3, "order-a", 3)
+
+		// A transaction retried after it did commit: the old message keeps
+		// its number, the new one takes the next.
+		a4 := keyed("order-a")
+		inTx(t, db, true, []*message.Message{a1, a4, a3})
+		wantSeq(t, db, a1, "order-a", 1)
+		wantSeq(t, db, a4, "order-a", 4)
+
+		a5 := keyed("order-a")
+		inTx(t, db, true, []*message.Message{a5})
+		wantSeq(t, db, a5, "order-a", 5)
+		if got := seqsOf(t, db, "order-a"); fmt.Sprint(got) != "[1 2 3 4 5]" {
+			t.Fatalf("numbers %v, want [1 2 3 4 5]", got)
+		}
+	})
+}
+
+func TestTxPublisher_Keyed_SameIDUnderTwoKeysInOneCall_InvalidMessageError(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		a := keyed("order-a")
+		b := message.NewMessage(a.UUID, nil)
+		b.Metadata.Set(outbox.MetadataAggregateID, "order-b")
+		tx, _ := db.Beginx()
+		defer func() { _ = tx.Rollback() }()
+		pub, _ := outbox.NewTxPublisher(tx)
+		var invalid *outbox.InvalidMessageError
+		if err := pub.Publish("orders", a, b); !errors.As(err, &invalid) || invalid.Field != "aggregate id" {
+			t.Fatalf("err = %v, want an InvalidMessageError on the aggregate id", err)
+		}
+	})
+}
+
+// A keyed message to another destination under an id already taken fails
+// the call as before, and gives its numbers back.
+func TestTxPublisher_Keyed_DuplicateIDToAnotherDestination_ErrorAndNumbersGivenBack(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		taken := keyed("order-a")
+		inTx(t, db, true, []*message.Message{taken})
+
+		tx, _ := db.Beginx()
+		pub, _ := outbox.NewTxPublisher(tx)
+		clash := message.NewMessage(taken.UUID, nil)
+		clash.Metadata.Set(outbox.MetadataAggregateID, "order-a")
+		err := pub.Publish("elsewhere", keyed("order-a"), clash)
+		var dup *outbox.DuplicateIDError
+		if !errors.As(err, &dup) {
+			_ = tx.Rollback()
+			t.Fatalf("err = %v, want a DuplicateIDError", err)
+		}
+		// A caller who commits anyway leaves no row of the call, and no gap.
+		if err := tx.Commit(); err != nil && db.Kind != testdb.Postgres {
+			t.Fatal(err)
+		}
+		next := keyed("order-a")
+		inTx(t, db, true, []*message.Message{next})
+		wantSeq(t, db, next, "order-a", 2)
+	})
+}
+
+// Over 1,000 keyed messages take several statements: still consecutive, and
+// still all or nothing.
+func TestTxPublisher_Keyed_ManyMessagesInOneCall_Consecutive(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		msgs := make([]*message.Message, 2500)
+		for i := range msgs {
+			msgs[i] = keyed(fmt.Sprintf("k%d", i%2))
+		}
+		inTx(t, db, true, msgs)
+		for i, m := range msgs {
+			if i%500 == 0 || i >= 2498 {
+				wantSeq(t, db, m, fmt.Sprintf("k%d", i%2), int64(i/2+1))
+			}
+		}
+		if n := len(seqsOf(t, db, "k1")); n != 1250 {
+			t.Fatalf("%d rows on k1, want 1250", n)
+		}
+	})
+}
+
+func TestForwarder_KeyedRow_ArrivesWithAggregateIDStringAndSeqInteger(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("order.placed")
+		msgs := []*message.Message{keyed("pay-1"), keyed("pay-1"), keyed("pay-1")}
+		// A row header of the same name loses to the columns.
+		msgs[2].Metadata.Set(outbox.HeaderSeq, "forged")
+		publishInTx(t, db, "order.placed", msgs, outbox.TxPublisherConfig{Exchange: b.Exchange})
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{})
+		if n := sweepAll(t, f); n != 3 {
+			t.Fatalf("published %d, want 3", n)
+		}
+		got := b.Drain(queue, 3, 5*time.Second)
+		if len(got) != 3 {
+			t.Fatalf("queue received %d messages, want 3", len(got))
+		}
+		bySeq := map[int64]string{}
+		var third amqp.Delivery
+		for _, d := range got {
+			key, ok := d.Headers[outbox.HeaderAggregateID].(string)
+			seq, isInt := d.Headers[outbox.HeaderSeq].(int64)
+			if !ok || key != "pay-1" || !isInt {
+				t.Fatalf("headers %v: want aggregateId the string pay-1 and seq an int64", d.Headers)
+			}
+			bySeq[seq] = d.MessageId
+			if seq == 3 {
+				third = d
+			}
+		}
+		for i, m := range msgs {
+			if bySeq[int64(i+1)] != m.UUID {
+				t.Errorf("seq %d went with %q, want message %d (%s)", i+1, bySeq[int64(i+1)], i, m.UUID)
+			}
+		}
+		// Through the AMQPMarshaler, as a Watermill consumer reads it.
+		wm, err := outbox.AMQPMarshaler{}.Unmarshal(third)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if wm.Metadata.Get(outbox.HeaderAggregateID) != "pay-1" || wm.Metadata.Get(outbox.HeaderSeq) != "3" {
+			t.Fatalf("metadata %v, want aggregateId pay-1 and seq 3", wm.Metadata)
+		}
+	})
+}
+
+// capture is a Watermill publisher that keeps what it is given.
+type capture struct{ msgs []*message.Message }
+
+func (c *capture) Publish(_ string, msgs ...*message.Message) error {
+	c.msgs = append(c.msgs, msgs...)
+	return nil
+}
+func (c *capture) Close() error { return nil }
+
+func TestPublisherDestination_KeyedRecord_MetadataAggregateIDAndDecimalSeq(t *testing.T) {
+	var c capture
+	d := outbox.NewPublisherDestination(&c, nil)
+	res := d.Publish(context.Background(), []outbox.Record{
+		{ID: "k", RoutingKey: "t", AggregateID: "pay-1", Seq: 3, Headers: map[string]any{"seq": "forged"}},
+		{ID: "u", RoutingKey: "t"},
+	})
+	if errors.Join(res...) != nil {
+		t.Fatal(res)
+	}
+	if md := c.msgs[0].Metadata; md.Get(outbox.HeaderAggregateID) != "pay-1" || md.Get(outbox.HeaderSeq) != "3" {
+		t.Errorf("keyed metadata %v, want aggregateId pay-1 and seq 3", md)
+	}
+	if _, ok := c.msgs[1].Metadata[outbox.HeaderSeq]; ok {
+		t.Errorf("unkeyed metadata %v has a seq", c.msgs[1].Metadata)
+	}
+}
