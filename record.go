@@ -45,6 +45,10 @@ type Record struct {
 	CreatedAt time.Time
 	// Attempts is how many publishes of this record failed before.
 	Attempts int
+	// AggregateID is the record's ordering key, "" for an unkeyed record,
+	// and Seq its sequence number within the key (from 1; 0 if unkeyed).
+	AggregateID string
+	Seq         int64
 }
 
 // decodeRecord turns a claimed row into a Record. An error means the row
@@ -63,5 +67,6 @@ func decodeRecord(r sqldialect.ClaimedRow) (Record, error) {
 		ID: r.ID, Exchange: r.Exchange, RoutingKey: r.RoutingKey,
 		Body: body, ContentType: r.ContentType, Headers: headers,
 		CreatedAt: r.CreatedAt, Attempts: r.Attempts,
+		AggregateID: r.AggregateID, Seq: r.Seq,
 	}, nil
 }

@@ -19,12 +19,32 @@ const outboxColumns = "id, exchange_name, routing_key, body, body_encoding, cont
 const outboxColumnCount = 8
 
 // claimColumns are what a claim reads, in ClaimedRow's order.
-const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts"
+const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts, aggregate_id, seq"
+
+// claimAlias names the claimed table in a claim, so that keyHead's subquery
+// can tell its own rows from the claim's.
+const claimAlias = "c"
 
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // not under a live lease (ours, or one written by an AceMQ relay in another
-// language). Arguments: max attempts, now.
-const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
+// language), and, for a keyed row, at the head of its key (keyHead).
+// Arguments: max attempts, now.
+const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?) AND " + keyHead
+
+// keyHead keeps a key's records in sequence order across batches, pipelined
+// batches and relays: a keyed row is claimable only once no row of its key
+// with a smaller seq is unpublished, so a key has at most one record in
+// flight anywhere, and its next becomes claimable when the relay that sent
+// it marks it published (after the broker's confirm). A stuck row (at
+// MaxAttempts) is unpublished: it holds its key until an operator retries
+// it. Unkeyed rows (aggregate_id NULL) pass at the first test. The probe
+// walks the unique (aggregate_id, seq) index of 0005. %[1]s is the table,
+// %[2]s the claim's alias.
+const keyHeadFormat = "(aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM %[1]s p WHERE p.aggregate_id = %[2]s.aggregate_id" +
+	" AND p.seq < %[2]s.seq AND p.published_at IS NULL))"
+
+// keyHead is keyHeadFormat with a placeholder for the table, filled by Claim.
+const keyHead = "{keyhead}"
 
 // afterCursor resumes a drain after the last row claimed, rather than at the
 // head of the pending index, where the entries of rows just marked published
@@ -130,7 +150,8 @@ type ClaimParams struct {
 // Claim claims up to p.Limit claimable rows in created_at, id order.
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
-	where, args := claimable, []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	where := strings.Replace(claimable, keyHead, fmt.Sprintf(keyHeadFormat, o.table, claimAlias), 1)
+	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
 	if p.After != nil {
 		at := o.d.TimeArg(p.After.CreatedAt)
 		where += " AND " + afterCursor
@@ -165,6 +186,10 @@ type ClaimedRow struct {
 	ContentType, Headers     string
 	CreatedAt                time.Time
 	Attempts                 int
+	// AggregateID is the row's ordering key and Seq its sequence number
+	// within it; NULL reads as "" and 0: an unkeyed row.
+	AggregateID string
+	Seq         int64
 	// Unreadable, if not nil, names the columns of the row that could not
 	// be read and says why: a NULL in a table made by hand, a created_at
 	// that is no time. Their fields are zero. No retry mends such a row.
@@ -186,7 +211,8 @@ func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 	dest := []any{&r.ID,
 		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
-		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts)}
+		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts),
+		c.nullText("aggregate_id", &r.AggregateID), c.nullInteger("seq", &r.Seq)}
 	for rows.Next() {
 		r, c.failed = ClaimedRow{}, c.failed[:0]
 		if err := rows.Scan(dest...); err != nil {
@@ -209,14 +235,15 @@ type columnReader struct {
 
 // column is one column of a columnReader: a sql.Scanner that never fails.
 type column struct {
-	c    *columnReader
-	name string
-	read func(v any) error
+	c        *columnReader
+	name     string
+	read     func(v any) error
+	nullable bool // read is given NULL (nil) too
 }
 
 func (col column) Scan(v any) error {
 	err := errors.New("NULL")
-	if v != nil {
+	if v != nil || col.nullable {
 		err = col.read(v)
 	}
 	if err != nil {
@@ -226,7 +253,7 @@ func (col column) Scan(v any) error {
 }
 
 func (c *columnReader) text(name string, dst *string) column {
-	return column{c, name, func(v any) error {
+	return column{c: c, name: name, read: func(v any) error {
 		switch x := v.(type) {
 		case string:
 			*dst = x
@@ -243,7 +270,7 @@ func (c *columnReader) text(name string, dst *string) column {
 // reads as it, and so does text in an SQLite DATETIME column that
 // mattn/go-sqlite3 could not parse (it returns no error).
 func (c *columnReader) timestamp(name string, dst *time.Time) column {
-	return column{c, name, func(v any) error {
+	return column{c: c, name: name, read: func(v any) error {
 		t, err := readTime(c.d, v)
 		if err == nil && t.IsZero() {
 			err = errors.New("no time: a zero date, or text the driver could not parse as one")
@@ -253,8 +280,32 @@ func (c *columnReader) timestamp(name string, dst *time.Time) column {
 	}}
 }
 
+// nullText reads a text column where NULL is "".
+func (c *columnReader) nullText(name string, dst *string) column {
+	text := c.text(name, dst)
+	return column{c: c, name: name, nullable: true, read: func(v any) error {
+		if v == nil {
+			return nil
+		}
+		return text.read(v)
+	}}
+}
+
+// nullInteger reads an integer column where NULL is 0.
+func (c *columnReader) nullInteger(name string, dst *int64) column {
+	return column{c: c, name: name, nullable: true, read: func(v any) error {
+		if v == nil {
+			return nil
+		}
+		var n int
+		err := c.integer(name, &n).read(v)
+		*dst = int64(n)
+		return err
+	}}
+}
+
 func (c *columnReader) integer(name string, dst *int) column {
-	return column{c, name, func(v any) error {
+	return column{c: c, name: name, read: func(v any) error {
 		var err error
 		switch x := v.(type) {
 		case int64:
@@ -287,9 +338,16 @@ func (o *Outbox) RelayStatements(index string, batchSize int) []string {
 }
 
 // MarkFailed records a failed publish of the row id: its attempts and why.
-func (o *Outbox) MarkFailed(id string, attempts int, reason string) Query {
-	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = NULL, locked_until = NULL WHERE id = ?",
-		attempts, reason, id)
+// With holdBy set, the row stays leased to holdBy until holdUntil, a
+// retry-after every relay respects (a keyed record's backoff: see the
+// Forwarder); without, it is free at once.
+func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy string, holdUntil time.Time) Query {
+	var by, until any // NULL
+	if holdBy != "" {
+		by, until = holdBy, o.d.TimeArg(holdUntil)
+	}
+	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ?",
+		attempts, reason, by, until, id)
 }
 
 // ReleaseLease frees leased rows that were neither published nor failed. By
