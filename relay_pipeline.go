@@ -183,8 +183,10 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*
 		if failed {
 			b.holdBack()
 		}
-		_, bad, err := l.f.settle(ctx, b, true)
-		failed = bad || err != nil || failed
+		// Only what holds the relay back counts: a keyed record's failure
+		// holds back its own key, and nothing else (see keyedFailure).
+		_, bad, _ := l.f.settle(ctx, b, true)
+		failed = bad || failed
 		if failed && len(l.queue) > 0 {
 			// A mark failed: the relay backs off with nothing in flight.
 			done, l.queue = append(done, l.queue...), nil
@@ -202,8 +204,8 @@ func (l *relayLoop) publish(ctx context.Context, b *batch, behindFailure bool) b
 	} else {
 		l.f.publish(ctx, b)
 	}
-	_, bad, err := l.f.settle(ctx, b, true)
-	return behindFailure || bad || err != nil
+	_, bad, _ := l.f.settle(ctx, b, true)
+	return behindFailure || bad
 }
 
 // pace says how long Run waits before the next sweep, and moves the
@@ -241,10 +243,13 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 	}
 }
 
-// hasRetries reports whether any record failed before.
+// hasRetries reports whether any unkeyed record failed before. A keyed
+// record's retry orders nothing else in its batch (its key's later records
+// are not claimable before it is published), so it needs no Publish of its
+// own.
 func hasRetries(records []Record) bool {
 	for i := range records {
-		if records[i].Attempts > 0 {
+		if records[i].Attempts > 0 && records[i].AggregateID == "" {
 			return true
 		}
 	}
