@@ -67,6 +67,9 @@ type swept struct {
 	failed     bool   // the claim, a record or a mark failed
 	stopping   bool   // ctx had ended: nothing was claimed, everything settled
 	progressed bool   // a batch was settled or published
+	// unblocked: a keyed record was published, so its key's next record,
+	// which no claim could take while it was in flight, may be waiting.
+	unblocked bool
 }
 
 // refreshStats sets the metrics' gauges, every StatsInterval.
@@ -118,6 +121,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
+	s.unblocked = publishedKeyed(done) || publishedKeyed([]*batch{next})
 
 	// A drain resumes after the last row claimed; anything that failed
 	// or was left behind sends the next claim back to the head.
@@ -215,7 +219,7 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
-	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize):
+	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize) || s.unblocked:
 		if s.progressed {
 			l.delay = 0 // a batch went through: the failure is over
 		}
@@ -241,6 +245,25 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 		}
 	case <-timer.C:
 	}
+}
+
+// publishedKeyed reports whether a keyed record of the settled batches bs
+// was published. The claims made while it was in flight skipped its key's
+// next record, and the sweep that settles the last batch in flight claimed
+// nothing: without another claim at once, a drain of keyed records would
+// wait PollInterval at every such turn.
+func publishedKeyed(bs []*batch) bool {
+	for _, b := range bs {
+		if b == nil || len(b.results) != len(b.records) {
+			continue
+		}
+		for i, err := range b.results {
+			if err == nil && b.records[i].AggregateID != "" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // hasRetries reports whether any unkeyed record failed before. A keyed
