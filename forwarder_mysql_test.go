@@ -38,7 +38,9 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 	}{
 		{"acemq_outbox", nil, true},
 		{"like_outbox", []string{"CREATE TABLE like_outbox LIKE acemq_outbox"}, true},
-		{"renamed_outbox", []string{strings.ReplaceAll(migs[0].Up, "acemq_outbox", "renamed_outbox")}, true},
+		// 0001's SQL, and the columns of 0005 the claim reads.
+		{"renamed_outbox", []string{strings.ReplaceAll(migs[0].Up, "acemq_outbox", "renamed_outbox"),
+			"ALTER TABLE renamed_outbox ADD COLUMN aggregate_id varchar(255) NULL, ADD COLUMN seq bigint NULL"}, true},
 		{"bare_outbox", []string{"CREATE TABLE bare_outbox LIKE acemq_outbox", "ALTER TABLE bare_outbox DROP INDEX acemq_outbox_pending"}, false},
 	} {
 		t.Run(tc.table, func(t *testing.T) {
