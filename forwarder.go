@@ -326,6 +326,16 @@ func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
 	}
 }
 
+// retryDelay is how long a keyed record waits before its retry after its
+// attempts-th failure: RetryMin, doubling with each failure up to RetryMax.
+func (f *Forwarder) retryDelay(attempts int) time.Duration {
+	d := f.cfg.RetryMin
+	for i := 1; i < attempts && d < f.cfg.RetryMax; i++ {
+		d *= 2
+	}
+	return min(d, f.cfg.RetryMax)
+}
+
 func (f *Forwarder) nextDelay(prev time.Duration) time.Duration {
 	if prev == 0 {
 		return f.cfg.RetryMin
@@ -399,6 +409,8 @@ type batch struct {
 	records   []Record       // the decodable rows, in order
 	failures  []failure      // malformed rows, failed at once
 	errs      []error        // their errors, then the publish failures
+	malformed int            // the failures that are malformed rows
+	isolated  int            // the failures of keyed records: they hold nothing back
 	attempts  map[string]int // attempts before this batch, by id
 	pending   Sent           // sent, confirms not yet collected (pipelined)
 	deadline  time.Time      // for the confirms of pending
@@ -417,18 +429,36 @@ func (b *batch) holdBack() {
 	}
 }
 
-// clean reports whether every record of the batch went out: nothing failed,
-// nothing was held back.
+// clean reports whether nothing in the batch holds back what comes after
+// it: every record went out, or the first that did not is a keyed record
+// that failed (not for a lost connection), which holds back only its own
+// key (see keyedFailure), and what the destination did not send after it.
 func (b *batch) clean() bool {
-	if len(b.failures) > 0 || len(b.results) != len(b.records) {
+	if b.malformed > 0 || len(b.results) != len(b.records) {
 		return false
 	}
-	for _, err := range b.results {
-		if err != nil {
+	keyedFailed := false
+	for i, err := range b.results {
+		switch {
+		case err == nil:
+		case keyedFailed && errors.Is(err, ErrNotSent):
+		case keyedFailure(b.records[i], err):
+			keyedFailed = true
+		default:
 			return false
 		}
 	}
 	return true
+}
+
+// keyedFailure reports whether err is a failure of keyed record rec that
+// holds back only the later records of its key. Those cannot be in this
+// batch nor in any other in flight (a key has one record in flight: see
+// sqldialect's keyHead), so nothing else waits for it. A lost connection is
+// the broker's failure, not the record's, and holds everything back as it
+// does for unkeyed records.
+func keyedFailure(rec Record, err error) bool {
+	return rec.AggregateID != "" && err != nil && !errors.Is(err, ErrNotSent) && !errors.Is(err, ErrConnectionLost)
 }
 
 // fail records rec's failure, with the attempts it will have.
@@ -484,6 +514,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor) (*b
 			perr := &PublishError{Dest: ErrorContext{row.Exchange, row.RoutingKey, row.ID}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
 			b.failures = append(b.failures, failure{id: row.ID, exchange: row.Exchange, attempts: max(row.Attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
 			b.errs = append(b.errs, perr)
+			b.malformed++
 			continue
 		}
 		b.records = append(b.records, rec)
@@ -502,8 +533,10 @@ func readRecord(row sqldialect.ClaimedRow) (Record, error) {
 }
 
 // settle marks what the broker confirmed, records the first failure, frees
-// the rest, and ends the claim. It returns how many went out, and whether a
-// record failed.
+// the rest, and ends the claim. It returns how many went out, whether
+// something failed that holds the relay back (anything but the failures of
+// keyed records: see keyedFailure), and the errors of the sweep and of
+// every failed record.
 func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, bool, error) {
 	if len(b.results) != len(b.records) {
 		_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
@@ -511,7 +544,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		if report {
 			f.reportError(err, ErrorContext{})
 		}
-		return 0, false, err
+		return 0, true, err
 	}
 	var (
 		published    []string
@@ -544,6 +577,21 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 				n++
 			}
 			b.fail(rec, n, err)
+		case keyedFailure(rec, err):
+			// A keyed record holds back only its own key, whose later
+			// records no relay can claim while it is unpublished: the
+			// records after it here are other keys', and go on, as does
+			// the relay, at full speed. Its retry waits out a backoff of
+			// its own, a lease on the row that every relay respects, so
+			// that a record the broker keeps refusing is not hammered.
+			n := b.attempts[rec.ID] + 1
+			if IsPermanent(err) {
+				n = max(n, f.cfg.MaxAttempts) // stuck at once; it holds its key, visibly
+			}
+			b.fail(rec, n, err)
+			last := &b.failures[len(b.failures)-1]
+			last.holdBy, last.holdUntil = f.cfg.RelayID, time.Now().Add(f.retryDelay(n))
+			b.isolated++
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
 			// back, as a malformed row does not.
@@ -573,7 +621,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	if len(published) > 0 {
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
-	return len(published), len(b.failures) > 0, errors.Join(b.errs...)
+	return len(published), len(b.failures) > b.isolated, errors.Join(b.errs...)
 }
 
 // mark marks the batch's published rows and failures, and ends its claim.

@@ -67,6 +67,9 @@ type swept struct {
 	failed     bool   // the claim, a record or a mark failed
 	stopping   bool   // ctx had ended: nothing was claimed, everything settled
 	progressed bool   // a batch was settled or published
+	// unblocked: a keyed record was published, so its key's next record,
+	// which no claim could take while it was in flight, may be waiting.
+	unblocked bool
 }
 
 // refreshStats sets the metrics' gauges, every StatsInterval.
@@ -118,6 +121,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
+	s.unblocked = publishedKeyed(done) || publishedKeyed([]*batch{next})
 
 	// A drain resumes after the last row claimed; anything that failed
 	// or was left behind sends the next claim back to the head.
@@ -183,8 +187,10 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*
 		if failed {
 			b.holdBack()
 		}
-		_, bad, err := l.f.settle(ctx, b, true)
-		failed = bad || err != nil || failed
+		// Only what holds the relay back counts: a keyed record's failure
+		// holds back its own key, and nothing else (see keyedFailure).
+		_, bad, _ := l.f.settle(ctx, b, true)
+		failed = bad || failed
 		if failed && len(l.queue) > 0 {
 			// A mark failed: the relay backs off with nothing in flight.
 			done, l.queue = append(done, l.queue...), nil
@@ -202,8 +208,8 @@ func (l *relayLoop) publish(ctx context.Context, b *batch, behindFailure bool) b
 	} else {
 		l.f.publish(ctx, b)
 	}
-	_, bad, err := l.f.settle(ctx, b, true)
-	return behindFailure || bad || err != nil
+	_, bad, _ := l.f.settle(ctx, b, true)
+	return behindFailure || bad
 }
 
 // pace says how long Run waits before the next sweep, and moves the
@@ -213,7 +219,7 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
-	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize):
+	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize) || s.unblocked:
 		if s.progressed {
 			l.delay = 0 // a batch went through: the failure is over
 		}
@@ -241,10 +247,32 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 	}
 }
 
-// hasRetries reports whether any record failed before.
+// publishedKeyed reports whether a keyed record of the settled batches bs
+// was published. The claims made while it was in flight skipped its key's
+// next record, and the sweep that settles the last batch in flight claimed
+// nothing: without another claim at once, a drain of keyed records would
+// wait PollInterval at every such turn.
+func publishedKeyed(bs []*batch) bool {
+	for _, b := range bs {
+		if b == nil || len(b.results) != len(b.records) {
+			continue
+		}
+		for i, err := range b.results {
+			if err == nil && b.records[i].AggregateID != "" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// hasRetries reports whether any unkeyed record failed before. A keyed
+// record's retry orders nothing else in its batch (its key's later records
+// are not claimable before it is published), so it needs no Publish of its
+// own.
 func hasRetries(records []Record) bool {
 	for i := range records {
-		if records[i].Attempts > 0 {
+		if records[i].Attempts > 0 && records[i].AggregateID == "" {
 			return true
 		}
 	}

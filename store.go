@@ -140,12 +140,15 @@ type claim struct {
 }
 
 // failure is a row whose publish failed: attempts becomes attempts, and the
-// reason is stored in last_error.
+// reason is stored in last_error. A failure with holdBy set keeps the row
+// leased to holdBy until holdUntil: a keyed record's retry-after.
 type failure struct {
-	id       string
-	exchange string
-	attempts int
-	reason   string
+	id        string
+	exchange  string
+	attempts  int
+	reason    string
+	holdBy    string
+	holdUntil time.Time
 }
 
 // claimBatch claims up to n claimable rows in created_at, id order:
@@ -461,7 +464,7 @@ func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published [
 		}
 	}
 	for _, f := range failures {
-		q := s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason))
+		q := s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason), f.holdBy, f.holdUntil)
 		if _, err := tx.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}

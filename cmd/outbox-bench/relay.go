@@ -36,6 +36,14 @@ import (
 //	                          either side of it: raw, relay-postgres, raw,
 //	                          relay-mysql, raw, … so that drift and noise of
 //	                          this machine fall on both.
+//	relay_keyed_vs_unkeyed_<db>: the same drain (Run) of n rows spread over
+//	                          relayKeys ordering keys, several records per
+//	                          key (aggregate_id and seq set by SQL in the
+//	                          fill's transaction), over the unkeyed drain
+//	                          just before it: what keeping each key in
+//	                          sequence order costs (the claim's key-head
+//	                          probe, and rows the claim skips while their
+//	                          key's previous record is in flight).
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -76,6 +84,7 @@ const (
 	relayFillPerTx   = 5000             // messages per fill transaction; Publish chunks them
 	relayPollEvery   = time.Millisecond // Stats, once every record is confirmed or marked
 	relayDrainLimit  = 5 * time.Minute
+	relayKeys        = 1000 // ordering keys of the keyed drain
 )
 
 type relayMode int
@@ -151,7 +160,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	}
 	drain := func(kind string, mode relayMode) (res relayResult, err error) {
 		err = q.undisturbed(fmt.Sprintf("relay %s (%s)", kind, mode), func() error {
-			res, err = relayDrain(ctx, cfg, kind, q, n, payload, mode)
+			res, err = relayDrain(ctx, cfg, kind, q, n, payload, mode, false)
 			return err
 		})
 		return res, err
@@ -189,6 +198,16 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 			note("relay %s: %d batches, %.0f us per batch of which %.0f us in Publish; first claim %s",
 				kind, res.batches, micros(res.took)*perRelay, micros(res.publish)*perRelay, res.first.Round(time.Microsecond))
 		}
+		var keyed relayResult
+		err = q.undisturbed(fmt.Sprintf("relay %s (keyed)", kind), func() error {
+			keyed, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, true)
+			return err
+		})
+		if err != nil {
+			return err
+		}
+		out.metric("relay_keyed_throughput_"+kind, rate(n, keyed.took), "msg/s")
+		out.metric("relay_keyed_vs_unkeyed_"+kind, rate(n, keyed.took)/r, "ratio")
 		before = after
 	}
 	out.metric("raw_amqp_pipelined", mean(raws...), "msg/s")
@@ -248,13 +267,13 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 
 // relayDrain fills a fresh database with n pending rows, then times
 // -relays Forwarders draining them in the given mode, and checks the queue.
-func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n int, payload []byte, mode relayMode) (res relayResult, err error) {
+func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n int, payload []byte, mode relayMode, keyed bool) (res relayResult, err error) {
 	if err := q.purge(); err != nil {
 		return res, err
 	}
 	err = withDatabase(ctx, kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
 		fillStart := time.Now()
-		if err := relayFill(ctx, db, q.name, n, payload); err != nil {
+		if err := relayFill(ctx, db, q.name, n, payload, keyed); err != nil {
 			return err
 		}
 		fillTook := time.Since(fillStart)
@@ -379,8 +398,12 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 }
 
 // relayFill commits n pending rows routed to queue, relayFillPerTx per
-// transaction, all of one transaction in one Publish call.
-func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte) error {
+// transaction, all of one transaction in one Publish call. Keyed, the i-th
+// row gets key i % relayKeys and the next sequence number of its key, set
+// by SQL in the same transaction: the keys interleave in created_at order,
+// as the events of many aggregates do.
+func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte, keyed bool) error {
+	setKey := db.Rebind("UPDATE acemq_outbox SET aggregate_id = ?, seq = ? WHERE id = ?")
 	for done := 0; done < n; {
 		m := min(relayFillPerTx, n-done)
 		msgs := make([]*message.Message, m)
@@ -395,6 +418,10 @@ func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload 
 		pub, err := outbox.NewTxPublisher(tx)
 		if err == nil {
 			err = pub.Publish(queue, msgs...)
+		}
+		for i := 0; keyed && err == nil && i < m; i++ {
+			g := done + i
+			_, err = tx.ExecContext(ctx, setKey, fmt.Sprintf("aggregate-%04d", g%relayKeys), g/relayKeys+1, msgs[i].UUID)
 		}
 		if err != nil {
 			_ = tx.Rollback()

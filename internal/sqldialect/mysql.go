@@ -77,7 +77,7 @@ func (mysql) allocateSeq(sequences, key string, n int) (Query, bool) {
 
 // claim walks p.Index when it is set (see pendingIndex).
 func (d mysql) claim(table string, p ClaimParams, where string, args []any) Query {
-	from := table
+	from := table + " " + claimAlias // the alias comes before the hint
 	if p.Index != "" {
 		from += " FORCE INDEX (" + d.quoteIdent(p.Index) + ")"
 	}

@@ -56,7 +56,7 @@ func (d postgres) allocateSeq(sequences, key string, n int) (Query, bool) {
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
-	return Query{SQL: rebindDollar(lockingClaim(table, where)), Args: append(args, p.Limit)}
+	return Query{SQL: rebindDollar(lockingClaim(table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
 // claimSetup makes the planner walk the pending index in order, which is the

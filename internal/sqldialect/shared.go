@@ -34,10 +34,30 @@ const claimColumns = "id, exchange_name, routing_key, body, body_encoding, conte
 // schema of the outbox table it numbers.
 const SequencesTable = "acemq_outbox_sequences"
 
+// claimAlias names the claimed table in a claim, so that keyHead's subquery
+// can tell its own rows from the claim's.
+const claimAlias = "c"
+
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // not under a live lease (ours, or one written by an AceMQ relay in another
-// language). Arguments: max attempts, now.
-const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
+// language), and, for a keyed row, at the head of its key (keyHead).
+// Arguments: max attempts, now.
+const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?) AND " + keyHead
+
+// keyHead keeps a key's records in sequence order across batches, pipelined
+// batches and relays: a keyed row is claimable only once no row of its key
+// with a smaller seq is unpublished, so a key has at most one record in
+// flight anywhere, and its next becomes claimable when the relay that sent
+// it marks it published (after the broker's confirm). A stuck row (at
+// MaxAttempts) is unpublished: it holds its key until an operator retries
+// it. Unkeyed rows (aggregate_id NULL) pass at the first test. The probe
+// walks the unique (aggregate_id, seq) index of 0005. %[1]s is the table,
+// %[2]s the claim's alias.
+const keyHeadFormat = "(aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM %[1]s p WHERE p.aggregate_id = %[2]s.aggregate_id" +
+	" AND p.seq < %[2]s.seq AND p.published_at IS NULL))"
+
+// keyHead is keyHeadFormat with a placeholder for the table, filled by Claim.
+const keyHead = "{keyhead}"
 
 // afterCursor resumes a drain after the last row claimed, rather than at the
 // head of the pending index, where the entries of rows just marked published
@@ -186,7 +206,8 @@ type ClaimParams struct {
 // Claim claims up to p.Limit claimable rows in created_at, id order.
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
-	where, args := claimable, []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	where := strings.Replace(claimable, keyHead, fmt.Sprintf(keyHeadFormat, o.table, claimAlias), 1)
+	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
 	if p.After != nil {
 		at := o.d.TimeArg(p.After.CreatedAt)
 		where += " AND " + afterCursor
@@ -281,7 +302,7 @@ func (col column) Scan(v any) error {
 		return nil // the destination was reset with the row
 	}
 	err := errors.New("NULL")
-	if v != nil {
+	if v != nil || col.nullable {
 		err = col.read(v)
 	}
 	if err != nil {
@@ -369,9 +390,16 @@ func (o *Outbox) RelayStatements(index string, batchSize int) []string {
 }
 
 // MarkFailed records a failed publish of the row id: its attempts and why.
-func (o *Outbox) MarkFailed(id string, attempts int, reason string) Query {
-	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = NULL, locked_until = NULL WHERE id = ?",
-		attempts, reason, id)
+// With holdBy set, the row stays leased to holdBy until holdUntil, a
+// retry-after every relay respects (a keyed record's backoff: see the
+// Forwarder); without, it is free at once.
+func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy string, holdUntil time.Time) Query {
+	var by, until any // NULL
+	if holdBy != "" {
+		by, until = holdBy, o.d.TimeArg(holdUntil)
+	}
+	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ?",
+		attempts, reason, by, until, id)
 }
 
 // ReleaseLease frees leased rows that were neither published nor failed. By

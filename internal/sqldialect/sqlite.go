@@ -50,7 +50,7 @@ func (d sqlite) allocateSeq(sequences, key string, n int) (Query, bool) {
 func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query {
 	lease := []any{p.RelayID, sqlite{}.TimeArg(p.LeaseUntil)}
 	return Query{
-		SQL: "UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table +
+		SQL: "UPDATE " + table + " SET locked_by = ?, locked_until = ? WHERE id IN (SELECT id FROM " + table + " " + claimAlias +
 			" WHERE " + where + " ORDER BY created_at, id LIMIT ?) RETURNING " + claimColumns,
 		Args: append(append(lease, args...), p.Limit),
 	}

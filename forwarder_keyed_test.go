@@ -1,0 +1,256 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// keyedRow is an outbox row as a keyed publish leaves it: its key and
+// sequence number set, its created_at chosen by the test (aggregate "" is an
+// unkeyed row).
+type keyedRow struct {
+	id, exchange, routingKey string
+	aggregate                string
+	seq                      int64
+	createdAt                time.Time
+}
+
+// insertKeyed writes rows in one transaction, by SQL: the sequence numbers
+// are the test's, whatever allocates them at publish.
+func insertKeyed(t testing.TB, db *testdb.DB, rows []keyedRow) {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, aggregate_id, seq)" +
+		" VALUES (?, ?, ?, ?, 'utf-8', 'text/plain', '{}', ?, ?, ?)")
+	for _, r := range rows {
+		var created any = r.createdAt.UTC()
+		if db.Kind != testdb.Postgres {
+			created = r.createdAt.UTC().Format("2006-01-02 15:04:05.000000")
+		}
+		var aggregate, seq any // NULL: unkeyed
+		if r.aggregate != "" {
+			aggregate, seq = r.aggregate, r.seq
+		}
+		if _, err := tx.Exec(q, r.id, r.exchange, r.routingKey, r.id, created, aggregate, seq); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// keyedID is the message id of a key's seq-th record: the consumer reads
+// the key and the sequence back from it.
+func keyedID(key string, seq int64) string { return fmt.Sprintf("%s#%d", key, seq) }
+
+// runForwarders runs n forwarders over db until the test ends.
+func runForwarders(t *testing.T, db *testdb.DB, n int, cfg outbox.ForwarderConfig) []*outbox.Forwarder {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	fs := make([]*outbox.Forwarder, n)
+	for i := range fs {
+		c := cfg
+		c.RelayID = fmt.Sprintf("relay-%d", i)
+		fs[i] = newForwarder(t, db, c)
+	}
+	for _, f := range fs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f.Run(ctx); err != nil {
+				t.Errorf("run: %v", err)
+			}
+		}()
+	}
+	t.Cleanup(func() { cancel(); wg.Wait() }) // before the forwarders' Close (cleanups run last first)
+	return fs
+}
+
+// perKey splits deliveries by key, in arrival order: the sequence numbers
+// of each key as they arrived, and the unkeyed ids.
+func perKey(t *testing.T, ds []amqp.Delivery) (map[string][]int64, map[string]int) {
+	t.Helper()
+	keys, unkeyed := map[string][]int64{}, map[string]int{}
+	for _, d := range ds {
+		key, seq, ok := strings.Cut(d.MessageId, "#")
+		if !ok {
+			unkeyed[d.MessageId]++
+			continue
+		}
+		var n int64
+		if _, err := fmt.Sscan(seq, &n); err != nil {
+			t.Fatalf("message id %q: %v", d.MessageId, err)
+		}
+		keys[key] = append(keys[key], n)
+	}
+	return keys, unkeyed
+}
+
+// inOrderOnce reports what is wrong with a key's arrivals, "" if they are
+// 1..n, each once, in order.
+func inOrderOnce(seqs []int64, n int) string {
+	want := make([]int64, n)
+	for i := range want {
+		want[i] = int64(i + 1)
+	}
+	if fmt.Sprint(seqs) != fmt.Sprint(want) {
+		return fmt.Sprintf("arrived %v, want %v", seqs, want)
+	}
+	return ""
+}
+
+// Three relays at once, in small pipelined batches, over 200 keys of 10
+// records each written in a shuffled created_at order (so most keys' rows
+// contradict their sequence, one of them entirely) and unkeyed rows among
+// them: a plain consumer sees every key's records once each, in sequence
+// order, and every unkeyed record once.
+func TestForwarder_ThreeRelays_EachKeyArrivesInSeqOrderExactlyOnce(t *testing.T) {
+	const keys, perKeyN, unkeyedN = 200, 10, 100
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("k")
+		var rows []keyedRow
+		for k := 0; k < keys; k++ {
+			for s := int64(1); s <= perKeyN; s++ {
+				key := fmt.Sprintf("key-%03d", k)
+				rows = append(rows, keyedRow{id: keyedID(key, s), exchange: b.Exchange, routingKey: "k", aggregate: key, seq: s})
+			}
+		}
+		for i := 0; i < unkeyedN; i++ {
+			rows = append(rows, keyedRow{id: fmt.Sprintf("unkeyed-%03d", i), exchange: b.Exchange, routingKey: "k"})
+		}
+		rng := rand.New(rand.NewPCG(1, 2))
+		rng.Shuffle(len(rows), func(i, j int) { rows[i], rows[j] = rows[j], rows[i] })
+		base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+		for i := range rows {
+			rows[i].createdAt = base.Add(time.Duration(i) * time.Millisecond)
+		}
+		// key-000's created_at runs against its sequence: seq 10 is oldest.
+		var reversed []int
+		for i := range rows {
+			if rows[i].aggregate == "key-000" {
+				reversed = append(reversed, i)
+			}
+		}
+		for _, i := range reversed {
+			rows[i].createdAt = base.Add(-time.Duration(rows[i].seq) * time.Second)
+		}
+		insertKeyed(t, db, rows)
+
+		fs := runForwarders(t, db, 3, outbox.ForwarderConfig{BatchSize: 7, PollInterval: 50 * time.Millisecond})
+		waitFor(t, 120*time.Second, "every row published", func() bool { return pendingCount(t, fs[0]) == 0 })
+
+		got, unkeyed := perKey(t, b.Drain(queue, len(rows), 10*time.Second))
+		for k := 0; k < keys; k++ {
+			key := fmt.Sprintf("key-%03d", k)
+			if what := inOrderOnce(got[key], perKeyN); what != "" {
+				t.Errorf("%s: %s", key, what)
+			}
+		}
+		for i := 0; i < unkeyedN; i++ {
+			if id := fmt.Sprintf("unkeyed-%03d", i); unkeyed[id] != 1 {
+				t.Errorf("%s arrived %d times, want once", id, unkeyed[id])
+			}
+		}
+	})
+}
+
+// A keyed record the broker refuses (unroutable) holds back only the later
+// records of its key: the other keys' records and the unkeyed ones all
+// arrive although the relay's backoff is an hour (a failure that backed
+// the relay off, or stopped its pipeline, would hold them for that hour),
+// the refused record is not tried again before its own retry-after (an
+// hour too), and its key's later records stay pending. Once it can be
+// routed and an operator retries it, its key drains in order.
+func TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff(t *testing.T) {
+	const keys, perKeyN, unkeyedPerRound = 40, 3, 7
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("k")
+		base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+		var (
+			rows     []keyedRow
+			nUnkeyed int
+		)
+		add := func(r keyedRow) {
+			if r.aggregate == "" {
+				nUnkeyed++
+			}
+			r.createdAt = base.Add(time.Duration(len(rows)) * time.Millisecond)
+			rows = append(rows, r)
+		}
+		// The refused record comes first, its key's next ones right after
+		// it, and the other keys interleaved behind them.
+		add(keyedRow{id: keyedID("refused", 1), exchange: b.Exchange, routingKey: "nobody.listens", aggregate: "refused", seq: 1})
+		for s := int64(1); s <= perKeyN; s++ {
+			if s > 1 {
+				add(keyedRow{id: keyedID("refused", s), exchange: b.Exchange, routingKey: "k", aggregate: "refused", seq: s})
+			}
+			for k := 0; k < keys; k++ {
+				key := fmt.Sprintf("key-%02d", k)
+				add(keyedRow{id: keyedID(key, s), exchange: b.Exchange, routingKey: "k", aggregate: key, seq: s})
+			}
+			for i := 0; i < unkeyedPerRound; i++ {
+				add(keyedRow{id: fmt.Sprintf("unkeyed-%d-%d", s, i), exchange: b.Exchange, routingKey: "k"})
+			}
+		}
+		insertKeyed(t, db, rows)
+
+		fs := runForwarders(t, db, 2, outbox.ForwarderConfig{
+			BatchSize: 10, PollInterval: 50 * time.Millisecond, RetryMin: time.Hour, RetryMax: time.Hour,
+			OnError: func(error, outbox.ErrorContext) {},
+		})
+		// Everything but the refused key's three records goes.
+		waitFor(t, 60*time.Second, "every other record published", func() bool { return pendingCount(t, fs[0]) == perKeyN })
+		ds := b.Drain(queue, len(rows)-perKeyN, 10*time.Second)
+		got, unkeyed := perKey(t, ds)
+		for k := 0; k < keys; k++ {
+			key := fmt.Sprintf("key-%02d", k)
+			if what := inOrderOnce(got[key], perKeyN); what != "" {
+				t.Errorf("%s: %s", key, what)
+			}
+		}
+		if len(got["refused"]) != 0 {
+			t.Errorf("the refused key's records %v arrived before the refused one", got["refused"])
+		}
+		if len(unkeyed) != nUnkeyed {
+			t.Errorf("%d unkeyed records arrived, want %d", len(unkeyed), nUnkeyed)
+		}
+		if s := stateOf(t, db, keyedID("refused", 1)); s.Published || s.Attempts != 1 || !strings.Contains(s.LastError, "unroutable") {
+			t.Errorf("refused record: %+v; want pending after one attempt (its retry is an hour away), last_error unroutable", s)
+		}
+		for s := int64(2); s <= perKeyN; s++ {
+			if st := stateOf(t, db, keyedID("refused", s)); st.Published || st.Attempts != 0 {
+				t.Errorf("refused key's record %d: %+v; want pending, never tried", s, st)
+			}
+		}
+
+		// Routable now, and retried by an operator: the key drains in order.
+		b.Bind(queue, "nobody.listens")
+		if n, err := fs[0].Store().Retry(context.Background(), keyedID("refused", 1)); n != 1 || err != nil {
+			t.Fatalf("retry: %d, %v", n, err)
+		}
+		waitFor(t, 60*time.Second, "the refused key published", func() bool { return pendingCount(t, fs[0]) == 0 })
+		got, _ = perKey(t, b.Drain(queue, perKeyN, 10*time.Second))
+		if what := inOrderOnce(got["refused"], perKeyN); what != "" {
+			t.Errorf("refused key after the retry: %s", what)
+		}
+	})
+}
