@@ -100,9 +100,11 @@ func (r *run) runChaos(ctx context.Context, rng *rand.Rand, began time.Time) {
 		}
 		// A relay that killed itself is restarted here, as an orchestrator
 		// would.
-		if n := r.relay.reap(); n > 0 {
-			r.t.Logf("chaos %5.1fs: relay #%d died by its own hand; #%d started", time.Since(began).Seconds(), n, r.relay.started+1)
-			r.relay.start(dieSpec{})
+		for slot := range r.relay.slots() {
+			if n := r.relay.reap(slot); n > 0 {
+				r.t.Logf("chaos %5.1fs: relay #%d died by its own hand; #%d started", time.Since(began).Seconds(), n, r.relay.started+1)
+				r.relay.start(slot, dieSpec{})
+			}
 		}
 		r.countDeaths()
 		for _, k := range []chaosKind{killRelayAfterConfirm, killRelayHoldingClaim} {
@@ -144,9 +146,10 @@ func (r *run) countDeaths() {
 
 // breakSomething does one act of chaos and says whether it hit anything.
 func (r *run) breakSomething(ctx context.Context, kind chaosKind, rng *rand.Rand) (bool, string) {
+	slot := rng.IntN(r.relay.slots()) // the relay it strikes, when it strikes one
 	switch kind {
 	case killRelay:
-		n := r.relay.kill()
+		n := r.relay.kill(slot)
 		// Half the time the orchestrator takes a while: a backlog builds,
 		// and the next relay drains it in full batches, pipelined.
 		var down time.Duration
@@ -154,29 +157,31 @@ func (r *run) breakSomething(ctx context.Context, kind chaosKind, rng *rand.Rand
 			down = 500*time.Millisecond + time.Duration(rng.Int64N(int64(2*time.Second)))
 			sleepCtx(ctx, down)
 		}
-		r.relay.start(dieSpec{})
+		r.relay.start(slot, dieSpec{})
 		return n > 0, fmt.Sprintf("relay #%d killed, #%d started after %s", n, r.relay.started, down.Round(time.Millisecond))
 	case restartRelay:
-		n := r.relay.started
-		if err := r.relay.stop(30 * time.Second); err != nil {
-			r.t.Errorf("relay #%d did not stop cleanly on SIGTERM: %v", n, err)
+		if err := r.relay.stop(slot, 30*time.Second); err != nil {
+			r.t.Errorf("relay in slot %d did not stop cleanly on SIGTERM: %v", slot, err)
 		}
-		r.relay.start(dieSpec{})
-		return true, fmt.Sprintf("relay #%d stopped, #%d started", n, r.relay.started)
+		r.relay.start(slot, dieSpec{})
+		n := r.relay.started
+		return true, fmt.Sprintf("relay in slot %d stopped, #%d started", slot, n)
 	case killRelayAfterConfirm, killRelayHoldingClaim:
 		// It hits when the relay dies by its own hand; reap counts that.
-		n := r.relay.kill()
+		n := r.relay.kill(slot)
 		die := dieSpec{point: dieAfterConfirm, batch: 1 + rng.IntN(3)}
 		if kind == killRelayHoldingClaim {
 			die.point = dieHoldingClaim
 		}
-		r.relay.start(die)
+		r.relay.start(slot, die)
 		return false, fmt.Sprintf("relay #%d killed, #%d started to die %s", n, r.relay.started, die)
 	case closeBroker:
 		names := []string{r.connName("relay")}
 		if closeConsumerConnection() {
-			for i := range consumers {
-				names = append(names, r.consumer.connName(i))
+			for _, c := range r.consumerGroups() {
+				for i := range c.instances {
+					names = append(names, c.connName(i))
+				}
 			}
 		}
 		n, err := closeConnections(names...)
@@ -186,12 +191,14 @@ func (r *run) breakSomething(ctx context.Context, kind chaosKind, rng *rand.Rand
 		r.chaos.brokerConns += n
 		return n > 0, fmt.Sprintf("%d connections closed", n)
 	case restartConsumer:
-		i := rng.IntN(consumers)
-		if err := r.consumer.restart(i); err != nil {
-			r.t.Errorf("restarting consumer %d: %v", i, err)
+		groups := r.consumerGroups()
+		c := groups[rng.IntN(len(groups))]
+		i := rng.IntN(c.instances)
+		if err := c.restart(i); err != nil {
+			r.t.Errorf("restarting %s consumer %d: %v", c.name, i, err)
 			return false, err.Error()
 		}
-		return true, fmt.Sprintf("consumer %d", i)
+		return true, fmt.Sprintf("%s consumer %d", c.name, i)
 	case killRelayDB, killAllDB:
 		n, err := r.killDB(kind == killAllDB)
 		if err != nil {

@@ -16,14 +16,15 @@ import (
 )
 
 // relaySupervisor starts relay processes (re-executions of this test
-// binary, see relayMain), kills them, and tells a relay's death by its own
-// hand from a crash. It is used by one goroutine at a time: the chaos
-// goroutine while it runs, the test's before and after.
+// binary, see relayMain), several at once, one per slot, as a service
+// deployed with replicas would run them; kills them, and tells a relay's
+// death by its own hand from a crash. It is used by one goroutine at a time:
+// the chaos goroutine while it runs, the test's before and after.
 type relaySupervisor struct {
 	t       *testing.T
 	env     []string
 	out     *testutil.LockedBuffer
-	cur     *relayChild
+	cur     []*relayChild // by slot; nil while none runs there
 	started int
 	// deaths counts, per point (dieAfterConfirm, dieHoldingClaim), the
 	// relays that SIGKILLed themselves there, as they were told to.
@@ -52,13 +53,14 @@ type relayChild struct {
 	err   error         // of Wait, once done is closed
 }
 
-func newRelaySupervisor(t *testing.T, driver, dsn, connName string) *relaySupervisor {
-	s := &relaySupervisor{t: t, out: &testutil.LockedBuffer{}, deaths: map[string]int{}, env: []string{
+// newRelaySupervisor supervises slots relays running at once.
+func newRelaySupervisor(t *testing.T, slots int, driver, dsn, connName string) *relaySupervisor {
+	s := &relaySupervisor{t: t, out: &testutil.LockedBuffer{}, cur: make([]*relayChild, slots), deaths: map[string]int{}, env: []string{
 		envRelay + "=1", envRelayDriver + "=" + driver, envRelayDSN + "=" + dsn,
 		envRelayAMQP + "=" + testdb.AMQPURL(), envRelayConn + "=" + connName,
 	}}
 	t.Cleanup(func() {
-		s.kill() // no relay outlives its test
+		s.killAll() // no relay outlives its test
 		if t.Failed() {
 			t.Logf("relay processes' output (last 300 lines):\n%s", s.out.Tail(300))
 		}
@@ -66,8 +68,12 @@ func newRelaySupervisor(t *testing.T, driver, dsn, connName string) *relaySuperv
 	return s
 }
 
-// start starts a relay, which kills itself where die says.
-func (s *relaySupervisor) start(die dieSpec) {
+// slots is how many relays run at once.
+func (s *relaySupervisor) slots() int { return len(s.cur) }
+
+// start starts a relay in slot, which must be free, which kills itself
+// where die says.
+func (s *relaySupervisor) start(slot int, die dieSpec) {
 	s.started++
 	c := &relayChild{n: s.started, die: die, ready: make(chan struct{}), done: make(chan struct{})}
 	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
@@ -75,7 +81,7 @@ func (s *relaySupervisor) start(die dieSpec) {
 	if die.point != "" {
 		c.cmd.Env = append(c.cmd.Env, envRelayDie+"="+die.point+":"+strconv.Itoa(die.batch))
 	}
-	fmt.Fprintf(s.out, "=== relay #%d (dies: %s)\n", c.n, die)
+	fmt.Fprintf(s.out, "=== relay #%d in slot %d (dies: %s)\n", c.n, slot, die)
 	c.cmd.Stdout = &readyWriter{out: s.out, ready: c.ready}
 	c.cmd.Stderr = s.out
 	if err := c.cmd.Start(); err != nil {
@@ -86,17 +92,24 @@ func (s *relaySupervisor) start(die dieSpec) {
 		c.err = c.cmd.Wait()
 		close(c.done)
 	}()
-	s.cur = c
+	s.cur[slot] = c
 }
 
-// kill SIGKILLs the current relay, if one runs, waits for it, and returns
-// its number (0 if none was running).
-func (s *relaySupervisor) kill() int {
-	c := s.cur
+// killAll SIGKILLs every relay and waits for them.
+func (s *relaySupervisor) killAll() {
+	for slot := range s.cur {
+		s.kill(slot)
+	}
+}
+
+// kill SIGKILLs slot's relay, if one runs, waits for it, and returns its
+// number (0 if none was running).
+func (s *relaySupervisor) kill(slot int) int {
+	c := s.cur[slot]
 	if c == nil {
 		return 0
 	}
-	s.cur = nil
+	s.cur[slot] = nil
 	select {
 	case <-c.done:
 		s.judge(c) // it had died on its own
@@ -108,11 +121,11 @@ func (s *relaySupervisor) kill() int {
 	return c.n
 }
 
-// reap returns the number of the current relay if it has died on its own
-// (0 if it runs, or none does). Dying where it was told to is counted; any
-// other death fails the test.
-func (s *relaySupervisor) reap() int {
-	c := s.cur
+// reap returns the number of slot's relay if it has died on its own (0 if
+// it runs, or none does). Dying where it was told to is counted; any other
+// death fails the test.
+func (s *relaySupervisor) reap(slot int) int {
+	c := s.cur[slot]
 	if c == nil {
 		return 0
 	}
@@ -121,7 +134,7 @@ func (s *relaySupervisor) reap() int {
 	default:
 		return 0
 	}
-	s.cur = nil
+	s.cur[slot] = nil
 	s.judge(c)
 	return c.n
 }
@@ -145,15 +158,15 @@ func (s *relaySupervisor) diedAsTold(c *relayChild) bool {
 	return false
 }
 
-// stop asks the current relay to stop with SIGTERM, once it is ready to
-// take it, and expects a clean exit within timeout. A relay that dies by
-// its own hand meanwhile, as it was told to, is counted as such.
-func (s *relaySupervisor) stop(timeout time.Duration) error {
-	c := s.cur
+// stop asks slot's relay to stop with SIGTERM, once it is ready to take
+// it, and expects a clean exit within timeout. A relay that dies by its own
+// hand meanwhile, as it was told to, is counted as such.
+func (s *relaySupervisor) stop(slot int, timeout time.Duration) error {
+	c := s.cur[slot]
 	if c == nil {
 		return errors.New("no relay running")
 	}
-	s.cur = nil
+	s.cur[slot] = nil
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()
 	select {
