@@ -51,7 +51,10 @@ const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NU
 // it marks it published (after the broker's confirm). A stuck row (at
 // MaxAttempts) is unpublished: it holds its key until an operator retries
 // it. Unkeyed rows (aggregate_id NULL) pass at the first test. The probe
-// walks the unique (aggregate_id, seq) index of 0005. %[1]s is the table,
+// walks 0007's acemq_outbox_pending_key, which holds a key's pending rows
+// only (on PostgreSQL, through 0005's index alone the planner ANDed it with
+// the pending index's bitmap, reading every pending entry per probe: 11
+// times slower drains of keyed rows). %[1]s is the table,
 // %[2]s the claim's alias.
 const keyHeadFormat = "(aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM %[1]s p WHERE p.aggregate_id = %[2]s.aggregate_id" +
 	" AND p.seq < %[2]s.seq AND p.published_at IS NULL))"
