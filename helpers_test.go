@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -17,6 +16,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testrelay"
 )
 
 // eachMigrated runs fn as a subtest on an isolated database of every kind, the outbox schema applied.
@@ -154,28 +154,7 @@ func insertRaw(t testing.TB, db *testdb.DB, id, exchange, routingKey, headers, b
 // newForwarder returns a forwarder over db to the test broker, closed when the test ends.
 func newForwarder(t testing.TB, db *testdb.DB, cfg outbox.ForwarderConfig, amqpCfg ...outbox.AMQPConfig) *outbox.Forwarder {
 	t.Helper()
-	ac := outbox.AMQPConfig{}
-	if len(amqpCfg) > 0 {
-		ac = amqpCfg[0]
-	}
-	ac.URL = testdb.AMQPURL()
-	dest, err := outbox.NewAMQPDestination(ac)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NewStdLogger(os.Getenv("OUTBOX_TEST_DEBUG") != "", false)
-	}
-	f, err := outbox.NewForwarder(db.DB, dest, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := f.Close(); err != nil {
-			t.Errorf("close forwarder: %v", err)
-		}
-	})
-	return f
+	return testrelay.New(t, db.DB, cfg, amqpCfg...)
 }
 
 // sweepAll sweeps until a sweep publishes nothing, and returns the total.

@@ -19,7 +19,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
@@ -27,6 +26,7 @@ import (
 	"github.com/acemq/watermill-outbox/internal/outboxctl"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 	"github.com/acemq/watermill-outbox/internal/testrails"
+	"github.com/acemq/watermill-outbox/internal/testrelay"
 )
 
 // farOffset is UTC+13:45 (the Chatham Islands in summer): a local wall
@@ -128,23 +128,7 @@ func (c *conn) ctlJSON(t *testing.T, v any, args ...string) {
 // forwarder is a relay over c's library handle, publishing to RabbitMQ.
 func (c *conn) forwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.Forwarder {
 	t.Helper()
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = watermill.NewStdLogger(os.Getenv("OUTBOX_TEST_DEBUG") != "", false)
-	}
-	f, err := outbox.NewForwarder(c.lib, dest, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := f.Close(); err != nil {
-			t.Errorf("close forwarder: %v", err)
-		}
-	})
-	return f
+	return testrelay.New(t, c.lib, cfg)
 }
 
 // migrate applies the library's schema with outbox.Migrate.
