@@ -114,8 +114,6 @@ func (c TxPublisherConfig) validate() error {
 type txConn interface {
 	// exec runs a statement and returns the rows it affected.
 	exec(ctx context.Context, q sqldialect.Query) (int64, error)
-	// execInsertID runs a statement and returns its LastInsertId.
-	execInsertID(ctx context.Context, q sqldialect.Query) (int64, error)
 	query(ctx context.Context, q sqldialect.Query) (rowsScanner, error)
 }
 
@@ -135,14 +133,6 @@ func (t stdTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
 	return res.RowsAffected()
 }
 
-func (t stdTx) execInsertID(ctx context.Context, q sqldialect.Query) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return 0, err
-	}
-	return res.LastInsertId()
-}
-
 func (t stdTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
 	return t.tx.QueryContext(ctx, q.SQL, q.Args...)
 }
@@ -155,28 +145,6 @@ func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (int64, error
 		return 0, err
 	}
 	return res.RowsAffected()
-}
-
-func (t watermillTx) execInsertID(ctx context.Context, q sqldialect.Query) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return 0, err
-	}
-	// watermill-sql's Result promises RowsAffected only; a *sql.Tx under it
-	// (TxFromStdSQL) gives a sql.Result, which has LastInsertId too. Any
-	// other asks the session, one more round trip.
-	if r, ok := res.(interface{ LastInsertId() (int64, error) }); ok {
-		return r.LastInsertId()
-	}
-	rows, err := t.tx.QueryContext(ctx, sqldialect.LastInsertID().SQL)
-	if err != nil {
-		return 0, err
-	}
-	var id int64
-	if rows.Next() {
-		err = rows.Scan(&id)
-	}
-	return id, errors.Join(err, rows.Close())
 }
 
 func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
@@ -318,7 +286,7 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 }
 
 func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
-	inserted, err := p.tx.exec(ctx, p.q.Insert(rows, false))
+	inserted, err := p.tx.exec(ctx, p.q.Insert(rows))
 	if err != nil {
 		return err
 	}
@@ -431,9 +399,10 @@ func checkCallDuplicates(rows []sqldialect.Row) (keyed bool, err error) {
 	return keyed, nil
 }
 
-// publishKeyed writes a call with keyed messages: their numbers first, then
-// the rows, all or nothing as the unkeyed path (under a savepoint when the
-// rows take several statements, whose rollback also gives the numbers back).
+// publishKeyed writes a call with keyed messages: each keyed row numbered
+// and inserted in the same statement (on PostgreSQL one statement in all),
+// all or nothing as the unkeyed path (under a savepoint when the rows take
+// several statements, whose rollback also gives the numbers back).
 func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) error {
 	rows = dedupeIDs(rows)
 	if len(splitRows(rows)) == 1 {
@@ -457,23 +426,33 @@ func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) e
 // this one), the rows this call inserted are taken out, the numbers given
 // back (this transaction still holds the keys' rows, so nobody took one
 // since), and the call runs again without those ids. That costs the slow
-// path only: the common call allocates and inserts, and checks nothing.
+// path only: the common call numbers and inserts, and checks nothing.
 func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) error {
 	for len(rows) > 0 {
-		taken, err := p.allocateSeqs(ctx, rows)
-		if err != nil {
-			return err
+		chunks := splitRows(rows)
+		taken := keyCounts(rows)
+		if len(chunks) > 1 {
+			// Every key of the call first, in sorted order, as one
+			// statement would take them: the chunks' own keys are sorted
+			// within a chunk only.
+			if _, err := p.tx.exec(ctx, p.q.LockKeys(taken)); err != nil {
+				return p.seqErr(err)
+			}
 		}
 		var inserted int64
-		for _, c := range splitRows(rows) {
-			n, err := p.tx.exec(ctx, p.q.Insert(c, true))
+		for i, c := range chunks {
+			n, tookOwn, err := p.insertNumbered(ctx, c)
 			if err != nil {
 				// Best effort, for a caller who commits after our error on
 				// MySQL or SQLite, where a failed statement leaves the
 				// transaction open; on PostgreSQL the transaction is
 				// aborted and takes the numbers with it.
-				_ = p.giveBackSeqs(context.WithoutCancel(ctx), taken)
-				return err
+				end := chunkEnd(chunks, i-1)
+				if tookOwn {
+					end = chunkEnd(chunks, i)
+				}
+				_ = p.giveBackSeqs(context.WithoutCancel(ctx), keyCounts(rows[:end]))
+				return p.seqErr(err)
 			}
 			inserted += n
 		}
@@ -503,7 +482,6 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		kept := rows[:0:0]
 		for _, r := range rows {
 			if inserts[r.ID] {
-				r.Seq = 0
 				kept = append(kept, r)
 			}
 		}
@@ -512,77 +490,66 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 	return nil
 }
 
-// keyCount is how many numbers a call took from one key.
-type keyCount struct {
-	key string
-	n   int
+// insertNumbered runs InsertNumbered for one chunk and returns the rows it
+// inserted. On an error, took says the chunk's numbers were taken: the
+// raise ran and the insert did not.
+func (p *TxPublisher) insertNumbered(ctx context.Context, rows []sqldialect.Row) (inserted int64, took bool, err error) {
+	qs := p.q.InsertNumbered(rows, keyCounts(rows))
+	for i, q := range qs {
+		if inserted, err = p.tx.exec(ctx, q); err != nil {
+			return 0, i > 0, err
+		}
+	}
+	return inserted, false, nil
 }
 
-// allocateSeqs gives each keyed row its key's next number, consecutive in
-// call order within a key. The keys are taken in sorted order: two calls
+// seqErr says where numbering failed: a sequences table that is missing
+// (migration 0005 not applied) is the likely cause.
+func (p *TxPublisher) seqErr(err error) error {
+	return fmt.Errorf("number and insert keyed rows (counters in %s): %w", p.q.Sequences(), err)
+}
+
+// chunkEnd is the index in the call's rows where chunk i ends (0 for -1).
+func chunkEnd(chunks [][]sqldialect.Row, i int) int {
+	n := 0
+	for _, c := range chunks[:i+1] {
+		n += len(c)
+	}
+	return n
+}
+
+// keyCounts counts rows' keyed rows per key, in sorted key order: two calls
 // that share two keys and took them in call order, A then B against B then
 // A, would each hold one and wait for the other, a deadlock the database
-// ends by aborting one of them. (Keys taken in separate Publish calls of one
-// transaction are taken in the caller's order: the database detects a
+// ends by aborting one of them. (Keys taken in separate Publish calls of
+// one transaction are taken in the caller's order: the database detects a
 // deadlock between two such transactions, and one of them must retry.)
-// On an error, what it took is given back.
-func (p *TxPublisher) allocateSeqs(ctx context.Context, rows []sqldialect.Row) ([]keyCount, error) {
+func keyCounts(rows []sqldialect.Row) []sqldialect.KeyCount {
+	if len(rows) == 1 {
+		if k := rows[0].AggregateID; k != "" {
+			return []sqldialect.KeyCount{{Key: k, N: 1}} // the common call: no map
+		}
+		return nil
+	}
 	counts := make(map[string]int, 1)
 	for i := range rows {
 		if k := rows[i].AggregateID; k != "" {
 			counts[k]++
 		}
 	}
-	taken := make([]keyCount, 0, len(counts))
+	keys := make([]sqldialect.KeyCount, 0, len(counts))
 	for k, n := range counts {
-		taken = append(taken, keyCount{k, n})
+		keys = append(keys, sqldialect.KeyCount{Key: k, N: n})
 	}
-	sort.Slice(taken, func(i, j int) bool { return taken[i].key < taken[j].key })
-	next := make(map[string]int64, len(taken))
-	for i, kc := range taken {
-		last, err := p.allocateSeq(ctx, kc.key, kc.n)
-		if err != nil {
-			_ = p.giveBackSeqs(context.WithoutCancel(ctx), taken[:i])
-			return nil, fmt.Errorf("number aggregate %q in %s: %w", kc.key, p.q.Sequences(), err)
-		}
-		next[kc.key] = last - int64(kc.n) + 1
-	}
-	for i := range rows {
-		if k := rows[i].AggregateID; k != "" {
-			rows[i].Seq = next[k]
-			next[k]++
-		}
-	}
-	return taken, nil
-}
-
-// allocateSeq adds n to key's counter and returns its new value.
-func (p *TxPublisher) allocateSeq(ctx context.Context, key string, n int) (int64, error) {
-	q, returning := p.q.AllocateSeq(key, n)
-	if !returning {
-		return p.tx.execInsertID(ctx, q)
-	}
-	rows, err := p.tx.query(ctx, q)
-	if err != nil {
-		return 0, err
-	}
-	var last int64
-	if !rows.Next() {
-		_ = rows.Close()
-		return 0, errors.New("the upsert returned no row")
-	}
-	if err := rows.Scan(&last); err != nil {
-		_ = rows.Close()
-		return 0, err
-	}
-	return last, rows.Close()
+	sort.Slice(keys, func(i, j int) bool { return keys[i].Key < keys[j].Key })
+	return keys
 }
 
 // giveBackSeqs returns the numbers of taken to their keys.
-func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []keyCount) error {
+func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCount) error {
 	for _, kc := range taken {
-		if _, err := p.tx.exec(ctx, p.q.GiveBackSeq(kc.key, kc.n)); err != nil {
-			return fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.n, kc.key, p.q.Sequences(), err)
+		if _, err := p.tx.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
+			return fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.N, kc.Key, p.q.Sequences(), err)
 		}
 	}
 	return nil

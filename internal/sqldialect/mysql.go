@@ -59,20 +59,42 @@ func (mysql) insertOutbox(table, cols string, n, rows int) string {
 	return b.String()
 }
 
-// LastInsertID reads the session's LAST_INSERT_ID(), for a transaction whose
-// results do not report it (see allocateSeq).
-func LastInsertID() Query { return Query{SQL: "SELECT LAST_INSERT_ID()"} }
+// raiseSeqs: MySQL's upsert refers to the row it would have inserted
+// through VALUES(), which MySQL 8.0.20 deprecates, or a row alias, which
+// MariaDB lacks; so each key's n goes again, in a CASE on the key (a call
+// of one key, the common one, needs no CASE). Rows are inserted in the
+// order of the list, and the lock of each row's update, or insert, is held
+// to the end of the transaction, as on the other databases.
+func (mysql) raiseSeqs(sequences string, keys []KeyCount) Query {
+	var b strings.Builder
+	args := make([]any, 0, 4*len(keys))
+	b.WriteString("INSERT INTO " + sequences + " (aggregate_id, last_seq) VALUES ")
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("(?, ?)")
+		args = append(args, k.Key, k.N)
+	}
+	if len(keys) == 1 {
+		b.WriteString(" ON DUPLICATE KEY UPDATE last_seq = last_seq + ?")
+		return Query{SQL: b.String(), Args: append(args, keys[0].N)}
+	}
+	b.WriteString(" ON DUPLICATE KEY UPDATE last_seq = last_seq + CASE aggregate_id")
+	for _, k := range keys {
+		b.WriteString(" WHEN ? THEN ?")
+		args = append(args, k.Key, k.N)
+	}
+	b.WriteString(" END")
+	return Query{SQL: b.String(), Args: args}
+}
 
-// allocateSeq: MySQL and MariaDB have no RETURNING on an upsert. The new
-// number goes through LAST_INSERT_ID(expr), which the server reports in the
-// statement's reply (Result.LastInsertId) on both paths: a new key sets it
-// in VALUES (a table without AUTO_INCREMENT would otherwise report 0), an
-// existing one in the UPDATE. n goes twice rather than through VALUES(),
-// which MySQL 8.0.20 deprecates. The row lock of the update, or of the
-// insert, is held to the end of the transaction, as on the other databases.
-func (mysql) allocateSeq(sequences, key string, n int) (Query, bool) {
-	return Query{SQL: "INSERT INTO " + sequences + " (aggregate_id, last_seq) VALUES (?, LAST_INSERT_ID(?))" +
-		" ON DUPLICATE KEY UPDATE last_seq = LAST_INSERT_ID(last_seq + ?)", Args: []any{key, n, n}}, false
+// insertNumbered: the raise, then the insert reading the raised counters
+// back; MySQL has neither RETURNING nor data-modifying CTEs. The read sees
+// this transaction's own raise, whatever the isolation level.
+func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
+	insert, args := o.numberedInsert("INSERT IGNORE INTO", rows, keys, o.sequences)
+	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert, Args: args}}
 }
 
 // claim walks p.Index when it is set (see pendingIndex).

@@ -51,8 +51,22 @@ func (postgres) insertOutbox(table, cols string, n, rows int) string {
 	return insertOutboxOnConflict(table, cols, n, rows, dollar)
 }
 
-func (d postgres) allocateSeq(sequences, key string, n int) (Query, bool) {
-	return Query{SQL: d.rebind(allocateSeqReturning(sequences)), Args: []any{key, n}}, true
+func (postgres) raiseSeqs(sequences string, keys []KeyCount) Query {
+	sql, args := raiseSeqsOnConflict(sequences, keys)
+	return Query{SQL: rebindDollar(sql), Args: args}
+}
+
+// insertNumbered is one statement: the raise of the keys is a
+// data-modifying CTE whose RETURNING the rows read their numbers from (the
+// table itself, read in the same statement, would show the numbers before
+// the raise).
+func (postgres) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
+	raise, args := raiseSeqsOnConflict(o.sequences, keys)
+	insert, insertArgs := o.numberedInsert("INSERT INTO", rows, keys, "n")
+	return []Query{{
+		SQL:  rebindDollar("WITH n AS (" + raise + " RETURNING aggregate_id, last_seq) " + insert + " ON CONFLICT (id) DO NOTHING"),
+		Args: append(args, insertArgs...),
+	}}
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {

@@ -21,8 +21,7 @@ const outboxColumnCount = 8
 
 // keyedColumns are the columns of a call with a keyed message: the same and
 // the key and its sequence number. A call without one writes outboxColumns
-// only, as it did before per-aggregate order, so that it still works on a
-// table that lacks the two columns.
+// only (see Insert).
 const keyedColumns = outboxColumns + ", aggregate_id, seq"
 
 const keyedColumnCount = outboxColumnCount + 2
@@ -113,47 +112,112 @@ type Row struct {
 	Body, BodyEncoding       string
 	ContentType, Headers     string
 	CreatedAt                time.Time
-	// AggregateID is the row's ordering key, "" for none; Seq its number
-	// within the key, from AllocateSeq.
+	// AggregateID is the row's ordering key, "" for none; InsertNumbered
+	// gives it its number.
 	AggregateID string
-	Seq         int64
 }
 
-// Insert writes rows in one statement, skipping ids already present
-// (RowsAffected counts only the rows it inserted). keyed writes
-// aggregate_id and seq too, NULL for the rows without a key.
-func (o *Outbox) Insert(rows []Row, keyed bool) Query {
-	cols, n := outboxColumns, outboxColumnCount
-	if keyed {
-		cols, n = keyedColumns, keyedColumnCount
-	}
-	args := make([]any, 0, len(rows)*n)
+// Insert writes rows without a key in one statement, skipping ids already
+// present (RowsAffected counts only the rows it inserted). It writes
+// outboxColumns only, as before per-aggregate order, so that it still works
+// on a table that lacks aggregate_id and seq; keyed rows go through
+// InsertNumbered.
+func (o *Outbox) Insert(rows []Row) Query {
+	args := make([]any, 0, len(rows)*outboxColumnCount)
 	for i := range rows {
 		r := &rows[i]
 		args = append(args, r.ID, r.Exchange, r.RoutingKey, r.Body, r.BodyEncoding, r.ContentType, r.Headers, o.d.TimeArg(r.CreatedAt))
-		if keyed {
-			var key, seq any // NULL
-			if r.AggregateID != "" {
-				key, seq = r.AggregateID, r.Seq
-			}
-			args = append(args, key, seq)
-		}
 	}
-	return Query{SQL: o.d.insertOutbox(o.table, cols, n, len(rows)), Args: args}
+	return Query{SQL: o.d.insertOutbox(o.table, outboxColumns, outboxColumnCount, len(rows)), Args: args}
 }
 
 // Sequences is the sequences table as quoted in the SQL, for error messages.
 func (o *Outbox) Sequences() string { return o.sequences }
 
-// AllocateSeq adds n to key's last sequence number, creating the key at n,
-// and yields the new last number: the key's row stays locked until the
-// transaction ends, so a second transaction on the key waits for it, and a
-// rollback takes the numbers back. With returning, the query returns the
-// number as its one row and column; without, it is the statement's
-// LastInsertId (MySQL, whose LAST_INSERT_ID(expr) the server reports in its
-// reply, saving a SELECT LAST_INSERT_ID() round trip).
-func (o *Outbox) AllocateSeq(key string, n int) (q Query, returning bool) {
-	return o.d.allocateSeq(o.sequences, key, n)
+// KeyCount is how many sequence numbers a call takes from one key.
+type KeyCount struct {
+	Key string
+	N   int
+}
+
+// InsertNumbered numbers the keyed rows of rows and inserts rows, skipping
+// ids already present as Insert does; the last statement's RowsAffected
+// counts the rows inserted. The statements run in order in one
+// transaction: one (PostgreSQL), or two, the raise of the keys and then
+// the insert, each all or nothing; so the numbers are taken once every
+// statement but the last has run.
+//
+// Each key of keys (sorted, and with N its rows' count in rows) has its
+// last sequence number raised by N, created at N, and its row of the
+// sequences table stays locked until the transaction ends: a second
+// transaction on the key waits for this one, and a rollback takes the
+// numbers back. The keys are raised in the order of keys, so that two
+// calls sharing keys take them in one order and cannot deadlock. The k-th
+// of a key's N rows, in the order of rows, gets the number last-N+k, read
+// back from the raised counter inside the insert; so the numbers never
+// travel to the client and back, and on PostgreSQL the whole is one
+// statement (one round trip, as an unkeyed Publish).
+func (o *Outbox) InsertNumbered(rows []Row, keys []KeyCount) []Query {
+	return o.d.insertNumbered(o, rows, keys)
+}
+
+// LockKeys locks the sequence rows of keys (sorted), creating them at 0,
+// without taking a number: a call whose rows take several InsertNumbered
+// statements takes all its keys first, in sorted order, as one statement
+// would.
+func (o *Outbox) LockKeys(keys []KeyCount) Query {
+	zero := make([]KeyCount, len(keys))
+	for i, k := range keys {
+		zero[i] = KeyCount{Key: k.Key}
+	}
+	return o.d.raiseSeqs(o.sequences, zero)
+}
+
+// raiseSeqsOnConflict raises each key's counter by N in one statement, in
+// the order of keys (PostgreSQL and SQLite insert a VALUES list in its
+// order), with "?" placeholders.
+func raiseSeqsOnConflict(sequences string, keys []KeyCount) (string, []any) {
+	var b strings.Builder
+	args := make([]any, 0, 2*len(keys))
+	b.WriteString("INSERT INTO " + sequences + " AS s (aggregate_id, last_seq) VALUES ")
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString("(?, ?)")
+		args = append(args, k.Key, k.N)
+	}
+	b.WriteString(" ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = s.last_seq + excluded.last_seq")
+	return b.String(), args
+}
+
+// numberedInsert is the INSERT of InsertNumbered without its conflict
+// clause, each keyed row's seq read from src (the sequences table, or a CTE
+// of its raised rows) once its key was raised.
+func (o *Outbox) numberedInsert(verb string, rows []Row, keys []KeyCount, src string) (string, []any) {
+	left := make(map[string]int, len(keys)) // numbers of the key still to hand out after this row
+	for _, k := range keys {
+		left[k.Key] = k.N
+	}
+	var b strings.Builder
+	b.Grow(96 + len(rows)*(keyedColumnCount*3+len(src)+64))
+	args := make([]any, 0, len(rows)*(keyedColumnCount+1))
+	b.WriteString(verb + " " + o.table + " (" + keyedColumns + ") VALUES ")
+	for i := range rows {
+		r := &rows[i]
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		args = append(args, r.ID, r.Exchange, r.RoutingKey, r.Body, r.BodyEncoding, r.ContentType, r.Headers, o.d.TimeArg(r.CreatedAt))
+		if r.AggregateID == "" {
+			b.WriteString("(?, ?, ?, ?, ?, ?, ?, ?, NULL, NULL)")
+			continue
+		}
+		left[r.AggregateID]--
+		b.WriteString("(?, ?, ?, ?, ?, ?, ?, ?, ?, (SELECT last_seq FROM " + src + " WHERE aggregate_id = ?) - ?)")
+		args = append(args, r.AggregateID, r.AggregateID, left[r.AggregateID])
+	}
+	return b.String(), args
 }
 
 // GiveBackSeq takes n numbers back from key, which this transaction
@@ -488,13 +552,6 @@ func insertOutboxOnConflict(table, cols string, n, rows int, placeholder func(n 
 	valuesList(&b, rows, n, placeholder)
 	b.WriteString(" ON CONFLICT (id) DO NOTHING")
 	return b.String()
-}
-
-// allocateSeqReturning is AllocateSeq where INSERT has ON CONFLICT and
-// RETURNING (PostgreSQL; SQLite from 3.35). Arguments: key, n.
-func allocateSeqReturning(sequences string) string {
-	return "INSERT INTO " + sequences + " AS s (aggregate_id, last_seq) VALUES (?, ?)" +
-		" ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = s.last_seq + excluded.last_seq RETURNING last_seq"
 }
 
 // purgePublishedByKey deletes at most ? rows published before ?, oldest first.

@@ -64,9 +64,12 @@ type Dialect interface {
 	// insertOutbox inserts rows rows of the n columns cols, skipping ids
 	// already present.
 	insertOutbox(table, cols string, n, rows int) string
-	// allocateSeq is AllocateSeq's statement, and whether it returns the
-	// number as a row.
-	allocateSeq(sequences, key string, n int) (Query, bool)
+	// raiseSeqs raises each key's counter by N (creating it at N), in the
+	// order of keys, holding the rows' locks: one statement, all or nothing.
+	raiseSeqs(sequences string, keys []KeyCount) Query
+	// insertNumbered is InsertNumbered's statements: the folded one, or
+	// raiseSeqs and then the insert.
+	insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query
 	// claim claims p.Limit rows of table that meet where (filled by
 	// whereArgs), in created_at, id order.
 	claim(table string, p ClaimParams, where string, whereArgs []any) Query

@@ -2,6 +2,7 @@ package sqldialect
 
 import (
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -31,8 +32,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"claim on index":     {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending"},
 		}
 		queries := map[string]Query{
-			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}, false),
-			"insert keyed":      o.Insert([]Row{{ID: "a", CreatedAt: now, AggregateID: "k", Seq: 1}, {ID: "b", CreatedAt: now}}, true),
+			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}),
 			"give back seq":     o.GiveBackSeq("k", 2),
 			"destinations":      o.Destinations(ids),
 			"delete":            o.Delete(ids),
@@ -58,7 +58,12 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		for name, p := range claims {
 			queries[name] = o.Claim(p)
 		}
-		queries["allocate seq"], _ = o.AllocateSeq("k", 2)
+		keys := []KeyCount{{Key: "a", N: 2}, {Key: "b", N: 1}}
+		numbered := []Row{{ID: "1", AggregateID: "b"}, {ID: "2"}, {ID: "3", AggregateID: "a"}, {ID: "4", AggregateID: "a"}}
+		for i, q := range o.InsertNumbered(numbered, keys) {
+			queries["insert numbered "+strconv.Itoa(i)] = q
+		}
+		queries["lock keys"] = o.LockKeys(keys)
 		if q, ok := o.PendingIndex(); ok {
 			queries["pending index"] = q
 		}

@@ -40,8 +40,17 @@ func (sqlite) insertOutbox(table, cols string, n, rows int) string {
 	return insertOutboxOnConflict(table, cols, n, rows, questionMark)
 }
 
-func (d sqlite) allocateSeq(sequences, key string, n int) (Query, bool) {
-	return Query{SQL: d.rebind(allocateSeqReturning(sequences)), Args: []any{key, n}}, true
+func (sqlite) raiseSeqs(sequences string, keys []KeyCount) Query {
+	sql, args := raiseSeqsOnConflict(sequences, keys)
+	return Query{SQL: sql, Args: args}
+}
+
+// insertNumbered: the raise, then the insert reading the raised counters
+// back from the table. Two statements in process cost less than one
+// RETURNING read through database/sql's rows.
+func (d sqlite) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
+	insert, args := o.numberedInsert("INSERT INTO", rows, keys, o.sequences)
+	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert + " ON CONFLICT (id) DO NOTHING", Args: args}}
 }
 
 // claim leases the rows: the update is conditional on the rows still being
