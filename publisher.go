@@ -318,8 +318,12 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 
 // readBack reads the rows under the ids of rows: ours are those this call
 // inserted (by their created_at), and conflict the first of the others
-// that goes to another destination.
-func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours []string, conflict *DuplicateIDError, err error) {
+// that goes to another destination (a *DuplicateIDError), or else a row
+// that is not there at all: MySQL's INSERT IGNORE skips a row for any
+// unique key, and a keyed row whose (aggregate_id, seq) another row holds
+// (a counter behind the table) would otherwise be lost without a word.
+func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours []string, conflict error, err error) {
+	seen := make(map[string]bool, len(rows))
 	want := make(map[string]*sqldialect.Row, len(rows))
 	for i := range rows {
 		want[rows[i].ID] = &rows[i]
@@ -347,6 +351,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				return nil, nil, err
 			}
 			r := want[id]
+			seen[id] = true
 			switch {
 			case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
 				ours = append(ours, id) // inserted by this statement
@@ -356,6 +361,12 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 		}
 		if err := found.Close(); err != nil {
 			return nil, nil, err
+		}
+	}
+	for i := range rows {
+		if r := &rows[i]; conflict == nil && !seen[r.ID] {
+			conflict = fmt.Errorf("outbox: message %s was not written, and no row has its id: the database skipped it for another unique key"+
+				" (aggregate %q: does another row hold its next seq, with %s behind the table?)", r.ID, r.AggregateID, p.q.Sequences())
 		}
 	}
 	return ours, conflict, nil

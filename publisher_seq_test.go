@@ -394,6 +394,49 @@ func TestTxPublisher_Keyed_DuplicateIDToAnotherDestination_ErrorAndNumbersGivenB
 	})
 }
 
+// A key whose counter is behind the table (another library wrote a keyed
+// row without raising it, or the counters came back from an older backup):
+// the number Publish takes is another row's. Every database refuses the
+// call, MySQL too, whose INSERT IGNORE skips such a row without an error;
+// the call writes nothing, and a caller who commits anyway finds the
+// counter as it was.
+func TestTxPublisher_Keyed_SeqHeldByAnotherRow_ErrorNothingWrittenNumberGivenBack(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		if _, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq)"+
+			" VALUES (?, 'shop', 'k', 'x', '{}', ?, 'order-a', 1)"), "foreign-1", time.Now().UTC()); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, _ := outbox.NewTxPublisher(tx)
+		msg := keyed("order-a")
+		if err := pub.Publish("orders", msg); err == nil {
+			_ = tx.Rollback()
+			t.Fatal("Publish took seq 1 of order-a, which another row holds, without an error")
+		}
+		if err := tx.Commit(); err != nil && db.Kind != testdb.Postgres {
+			t.Fatal(err)
+		}
+		if _, s := seqOf(t, db, "foreign-1"); s != 1 {
+			t.Fatalf("the other row's seq is %d", s)
+		}
+		var n int
+		if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM acemq_outbox WHERE id = ?"), msg.UUID); err != nil || n != 0 {
+			t.Fatalf("the refused message has %d rows (%v)", n, err)
+		}
+		var last sql.NullInt64
+		err = db.Get(&last, db.Rebind("SELECT last_seq FROM acemq_outbox_sequences WHERE aggregate_id = ?"), "order-a")
+		if err != nil && !errors.Is(err, sql.ErrNoRows) {
+			t.Fatal(err)
+		}
+		if last.Int64 != 0 {
+			t.Fatalf("order-a's counter is %d after the refused call, want 0: a number went to no row", last.Int64)
+		}
+	})
+}
+
 // Over 1,000 keyed messages take several statements: still consecutive, and
 // still all or nothing.
 func TestTxPublisher_Keyed_ManyMessagesInOneCall_Consecutive(t *testing.T) {
