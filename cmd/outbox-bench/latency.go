@@ -32,6 +32,9 @@ import (
 //	commit_to_broker_p50/p99_postgres_poll:   DisableListen: the relay polls every PollInterval
 //	commit_to_broker_p50/p99_<db>_nudge:      mysql, sqlite: Forwarder.Notify() after each
 //	                                          commit, from the same process
+//	commit_to_broker_p50/p99_<db>_process_<rate>: every database: the relay is
+//	                                          `outboxctl relay`, a process of its own, at
+//	                                          500 and 2,000 msg/s (latency_process.go)
 //
 // -n is the number of measured messages of the main (postgres LISTEN) run;
 // the other runs send half as many. A few warm-up messages precede each run
@@ -54,6 +57,11 @@ type latencyVariant struct {
 	listen bool   // false: DisableListen
 	nudge  bool   // Notify after each commit
 	n      int
+	// process: the relay is outboxctl relay in a process of its own, and
+	// the run commits rate messages a second; idle: then measure its idle
+	// cost.
+	process, idle bool
+	rate          int
 }
 
 func runLatency(ctx context.Context, cfg config, out *reporter) error {
@@ -73,6 +81,12 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 				latencyVariant{kind: kind, suffix: "_poll", n: max(n/2, 1)})
 		default:
 			variants = append(variants, latencyVariant{kind: kind, suffix: "_nudge", nudge: true, n: max(n/2, 1)})
+		}
+	}
+	for _, kind := range cfg.kinds {
+		for i, r := range processRates {
+			variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d", r), process: true,
+				idle: i == len(processRates)-1, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 		}
 	}
 
@@ -106,8 +120,15 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 	for _, v := range variants {
 		var lat, at []time.Duration
 		name := v.kind + v.suffix
+		if v.rate == 0 {
+			v.rate = *latencyRate
+		}
 		err := q.undisturbed("latency "+name, func() (err error) {
-			lat, at, err = latencyRun(ctx, cfg, q, rec, v, payload)
+			if v.process {
+				lat, at, err = latencyProcessRun(ctx, cfg, q, rec, v, payload, out)
+			} else {
+				lat, at, err = latencyRun(ctx, cfg, q, rec, v, payload)
+			}
 			return err
 		})
 		if err != nil {
@@ -168,7 +189,7 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 		}
 
 		send := func(count int) ([]string, error) {
-			return latencySend(ctx, db, q.name, f, v.nudge, count, payload, rec)
+			return latencySend(ctx, db, q.name, f, v.nudge, v.rate, count, payload, rec)
 		}
 		// Warm-up: connections, the LISTEN, the statement caches.
 		rec.reset()
@@ -198,45 +219,126 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 	return lat, at, err
 }
 
-// latencySend commits count transactions on schedule, one message each, and
-// records each commit's time. It returns the ids in commit order.
-func latencySend(ctx context.Context, db *testdb.DB, queue string, f *outbox.Forwarder, nudge bool, count int, payload []byte, rec *latencyRecorder) ([]string, error) {
-	interval := time.Second / time.Duration(*latencyRate)
-	ids := make([]string, 0, count)
-	start := time.Now()
-	for i := 0; i < count; i++ {
-		if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
-			select {
-			case <-ctx.Done():
-				return ids, ctx.Err()
-			case <-time.After(wait):
-			}
-		}
-		id := watermill.NewUUID()
-		msg := message.NewMessage(id, payload)
-		msg.SetContext(ctx)
-		tx, err := db.BeginTxx(ctx, nil)
-		if err != nil {
-			return ids, fmt.Errorf("begin: %w", err)
-		}
-		pub, err := outbox.NewTxPublisher(tx)
-		if err == nil {
-			err = pub.Publish(queue, msg)
-		}
-		if err != nil {
-			_ = tx.Rollback()
-			return ids, fmt.Errorf("publish: %w", err)
-		}
-		if err := tx.Commit(); err != nil {
-			return ids, fmt.Errorf("commit: %w", err)
-		}
-		rec.committed(id, time.Now())
-		if nudge {
-			f.Notify()
-		}
-		ids = append(ids, id)
+// latencyProcessRun runs one process variant: outboxctl relay on a fresh
+// database, the messages committed here, the relay's CPU over the run and,
+// for v.idle, its idle cost after it.
+func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyRecorder, v latencyVariant, payload []byte, out *reporter) (lat, at []time.Duration, err error) {
+	if err := q.purge(); err != nil {
+		return nil, nil, err
 	}
-	return ids, nil
+	err = withDatabase(ctx, v.kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
+		relay, err := startRelayProcess(ctx, db.DSN)
+		if err != nil {
+			return err
+		}
+		defer func() { err = errors.Join(err, relay.stop()) }()
+		send := func(count int) ([]string, error) {
+			return latencySend(ctx, db, q.name, nil, false, v.rate, count, payload, rec)
+		}
+		rec.reset()
+		ids, err := send(latencyWarmup)
+		if err == nil {
+			_, _, err = rec.wait(ctx, ids, latencyDrain, time.Now())
+		}
+		if err != nil {
+			return fmt.Errorf("warm-up: %w", err)
+		}
+
+		rec.reset()
+		cpu0, _, err := relay.sample()
+		if err != nil {
+			return err
+		}
+		start := time.Now()
+		if ids, err = send(v.n); err != nil {
+			return err
+		}
+		sendTook := time.Since(start)
+		if lat, at, err = rec.wait(ctx, ids, latencyDrain, start); err != nil {
+			return err
+		}
+		cpu1, _, err := relay.sample()
+		if err != nil {
+			return err
+		}
+		name := v.kind + v.suffix
+		out.metric("relay_cpu_"+name, 100*(cpu1-cpu0)/time.Since(start).Seconds(), "%")
+		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook))
+		if v.idle {
+			return measureIdle(ctx, relay, v.kind, out)
+		}
+		return nil
+	})
+	return lat, at, err
+}
+
+// latencySend commits count transactions on schedule (message i at start +
+// i/rate), one message each, and records each commit's time. Several
+// senders share the schedule, so that a database whose commit takes longer
+// than 1/rate still sees the rate. It returns the ids committed.
+func latencySend(ctx context.Context, db *testdb.DB, queue string, f *outbox.Forwarder, nudge bool, rate, count int, payload []byte, rec *latencyRecorder) ([]string, error) {
+	interval := time.Second / time.Duration(rate)
+	senders := max(1, min(8, rate/250))
+	start := time.Now()
+	var (
+		mu   sync.Mutex
+		ids  = make([]string, 0, count)
+		errs = make([]error, senders)
+		wg   sync.WaitGroup
+	)
+	for w := 0; w < senders; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < count; i += senders {
+				if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
+					select {
+					case <-ctx.Done():
+						errs[w] = ctx.Err()
+						return
+					case <-time.After(wait):
+					}
+				}
+				id, err := latencyCommit(ctx, db, queue, payload)
+				if err != nil {
+					errs[w] = err
+					return
+				}
+				rec.committed(id, time.Now())
+				if nudge {
+					f.Notify()
+				}
+				mu.Lock()
+				ids = append(ids, id)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return ids, errors.Join(errs...)
+}
+
+// latencyCommit commits one transaction that publishes one message.
+func latencyCommit(ctx context.Context, db *testdb.DB, queue string, payload []byte) (string, error) {
+	id := watermill.NewUUID()
+	msg := message.NewMessage(id, payload)
+	msg.SetContext(ctx)
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return "", fmt.Errorf("begin: %w", err)
+	}
+	pub, err := outbox.NewTxPublisher(tx)
+	if err == nil {
+		err = pub.Publish(queue, msg)
+	}
+	if err != nil {
+		_ = tx.Rollback()
+		return "", fmt.Errorf("publish: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return "", fmt.Errorf("commit: %w", err)
+	}
+	return id, nil
 }
 
 // latencyRecorder pairs each message's commit time with its delivery time.

@@ -52,6 +52,7 @@ type config struct {
 }
 
 func main() {
+	maybeOutboxctl()
 	os.Exit(run())
 }
 
