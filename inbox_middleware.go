@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -224,7 +225,8 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
 	if cfg.Ordered {
-		in.ordered = &orderedState{q: sqldialect.NewOrderedInbox(cfg.Dialect.sql()), routes: map[string]orderedRoute{}}
+		in.ordered = newOrderedState(xdb, cfg.Dialect.sql(), in.log)
+		runtime.AddCleanup(in, (*preparedSteps).close, in.ordered.prepared)
 	}
 	return in, nil
 }

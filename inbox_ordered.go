@@ -46,9 +46,98 @@ type orderedRoute struct {
 
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
-	q      *sqldialect.OrderedInbox
-	mu     sync.Mutex
-	routes map[string]orderedRoute // by consumer, the first handler seen
+	q        *sqldialect.OrderedInbox
+	mu       sync.Mutex
+	routes   map[string]orderedRoute // by consumer, the first handler seen
+	prepared *preparedSteps
+}
+
+func newOrderedState(db *sqlx.DB, d sqldialect.Dialect, log watermill.LoggerAdapter) *orderedState {
+	return &orderedState{
+		q:        sqldialect.NewOrderedInbox(d),
+		routes:   map[string]orderedRoute{},
+		prepared: &preparedSteps{db: db, log: log, stmts: map[string]*sql.Stmt{}},
+	}
+}
+
+// preparedSteps are the in-order statements the inbox runs prepared
+// (sqldialect.ApplyStep.Prepare), by text: each prepared on the pool the
+// first time a message needs it, and by database/sql on each connection
+// the first time a transaction there runs it. A prepare or a prepared run
+// that fails gives them all up, and the inbox runs them unprepared from
+// then on, as it would without them, as the relay does: a proxy that does
+// not keep a connection's statements, or a server out of them
+// (max_prepared_stmt_count), must not fail every message. The Inbox has no
+// Close: a cleanup closes them when it is collected.
+type preparedSteps struct {
+	db    *sqlx.DB
+	log   watermill.LoggerAdapter
+	mu    sync.Mutex
+	stmts map[string]*sql.Stmt
+	off   bool
+}
+
+// forSteps returns the prepared statement of each of steps that asks for
+// one, nil for the others (nil for all once given up), preparing those
+// missing. It is called before the message's transaction begins: a
+// prepare takes a connection from the pool for a moment, and would wait
+// for ever for one the transaction holds, the pool's last.
+func (p *preparedSteps) forSteps(ctx context.Context, steps []sqldialect.ApplyStep) []*sql.Stmt {
+	var out []*sql.Stmt
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, step := range steps {
+		if !step.Prepare || p.off {
+			continue
+		}
+		st, ok := p.stmts[step.SQL]
+		if !ok {
+			var err error
+			if st, err = p.db.PrepareContext(ctx, step.SQL); err != nil {
+				if ctx.Err() == nil {
+					p.giveUpLocked(fmt.Errorf("prepare %.40q…: %w", step.SQL, err))
+				}
+				return nil
+			}
+			p.stmts[step.SQL] = st
+		}
+		if out == nil {
+			out = make([]*sql.Stmt, len(steps))
+		}
+		out[i] = st
+	}
+	return out
+}
+
+// giveUp stops preparing after err, and closes what was prepared. A
+// transaction running one of them meanwhile is not disturbed: database/sql
+// closes a statement on a connection in use when it is released.
+func (p *preparedSteps) giveUp(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.giveUpLocked(err)
+}
+
+func (p *preparedSteps) giveUpLocked(err error) {
+	if p.off {
+		return
+	}
+	p.off = true
+	p.closeLocked()
+	p.log.Info("Ordered inbox: a prepared statement failed; running the in-order statements unprepared from now on", watermill.LogFields{"error": err.Error()})
+}
+
+func (p *preparedSteps) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closeLocked()
+}
+
+func (p *preparedSteps) closeLocked() {
+	for q, st := range p.stmts {
+		_ = st.Close()
+		delete(p.stmts, q)
+	}
 }
 
 // orderKey reads a message's ordering key and sequence number: keyed is
@@ -112,6 +201,13 @@ func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // behind it; a later one is held in the database and acked.
 func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
 	in.remember(consumer, h, msg.Context())
+	// The common case, the key's next message with nothing held, costs the
+	// statements of the plain inbox's key, or one more (see
+	// sqldialect.OrderedInbox.Apply).
+	now := time.Now()
+	m := sqldialect.InOrder{Consumer: consumer, Key: key, Seq: seq, MessageID: id, At: now}
+	steps := in.ordered.q.Apply(in.q, m)
+	stmts := in.ordered.prepared.forSteps(ctx, steps)
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -122,11 +218,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			_ = tx.Rollback()
 		}
 	}()
-	// The common case, the key's next message with nothing held, costs the
-	// statements of the plain inbox's key, or one more (see
-	// sqldialect.OrderedInbox.Apply).
-	now := time.Now()
-	applied, err := in.applyInOrder(ctx, tx, sqldialect.InOrder{Consumer: consumer, Key: key, Seq: seq, MessageID: id, At: now})
+	applied, err := in.applyInOrder(ctx, tx, m, steps, stmts)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -206,11 +298,23 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	return outcome, nil
 }
 
-// applyInOrder runs the in-order statements of m in tx, and reports whether
-// they moved the key to m.Seq and recorded m's dedupe key.
-func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InOrder) (bool, error) {
-	for _, step := range in.ordered.q.Apply(in.q, m) {
-		res, err := tx.ExecContext(ctx, step.SQL, step.Args...)
+// applyInOrder runs the in-order statements of m in tx, those of stmts
+// prepared, and reports whether they moved the key to m.Seq and recorded
+// m's dedupe key.
+func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InOrder, steps []sqldialect.ApplyStep, stmts []*sql.Stmt) (bool, error) {
+	for i, step := range steps {
+		var (
+			res sql.Result
+			err error
+		)
+		if stmts != nil && stmts[i] != nil {
+			res, err = tx.StmtContext(ctx, stmts[i]).ExecContext(ctx, step.Args...)
+			if err != nil && ctx.Err() == nil {
+				in.ordered.prepared.giveUp(err)
+			}
+		} else {
+			res, err = tx.ExecContext(ctx, step.SQL, step.Args...)
+		}
 		if err != nil {
 			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
 		}

@@ -177,6 +177,15 @@ func (mysql) lockInboxSequence() string { return selectInboxSequence + " FOR UPD
 // also sets LAST_INSERT_ID (the result's LastInsertId) to last_seq + 1,
 // never 0, where an insert into this table, without AUTO_INCREMENT, reports
 // 0. A new row moved the key only for seq 1, written at 1.
+//
+// The advance is prepared (one text for every message): go-sql-driver
+// prepares, executes and closes every statement with arguments unless the
+// DSN sets interpolateParams, two round trips, so that the in-order path
+// cost the plain inbox's six round trips plus two (BEGIN, the dedupe key's
+// and the effect's two each, COMMIT): 1.33 to 1.40 times the plain inbox
+// in outbox-bench inbox on MariaDB. Prepared, the advance is one round
+// trip: 1.13 to 1.15. The dedupe key's insert runs as the plain inbox's
+// does, so that the figure is what ordering adds.
 func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 	advance := ApplyStep{
 		Query: Query{
@@ -192,6 +201,7 @@ func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 			id, err := res.LastInsertId()
 			return n == 1 && id == 0 && m.Seq == 1, err
 		},
+		Prepare: true,
 	}
 	return []ApplyStep{advance, {Query: in.Insert(m.Consumer, m.MessageID, m.At), Done: oneRow}}
 }
