@@ -4,10 +4,13 @@ import (
 	"context"
 	"fmt"
 	"reflect"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	mysqldrv "github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
@@ -261,4 +264,49 @@ func TestOrderedInbox_MySQL_PreparedAdvanceFails_OneNackThenUnprepared(t *testin
 	if n := outbox.InboxPrepared(in); n != 0 {
 		t.Errorf("%d statements still prepared after one failed, want 0", n)
 	}
+}
+
+// Under MarkOutboxProcessed the ordered inbox marks the outbox record of a
+// message applied by the in-order statements, as of one applied after its
+// predecessor, in the same transaction; a held message is not processed
+// until it is applied.
+func TestOrderedInbox_MarkOutboxProcessed_InOrderAndHeldMarkedWhenApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		ids := publishN(t, db, "", "order.placed", 3)
+		var ran atomic.Int32
+		h := orderedInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+		msg := func(i int) *message.Message {
+			m := message.NewMessage(ids[i], []byte("x"))
+			m.Metadata.Set(outbox.HeaderAggregateID, "a")
+			m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(i+1))
+			return m
+		}
+		processed := func(id string) bool {
+			var p bool
+			if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		for _, i := range []int{0, 2} {
+			if _, err := h(msg(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !processed(ids[0]) || processed(ids[2]) {
+			t.Fatalf("after seq 1 and 3 (held): processed %v and %v, want true and false", processed(ids[0]), processed(ids[2]))
+		}
+		if _, err := h(msg(1)); err != nil {
+			t.Fatal(err)
+		}
+		for i, id := range ids {
+			if !processed(id) {
+				t.Errorf("seq %d applied but its record not marked processed", i+1)
+			}
+		}
+		if n := ran.Load(); n != 3 {
+			t.Errorf("handler ran %d times, want 3", n)
+		}
+	})
 }
