@@ -81,25 +81,17 @@ type preparedSteps struct {
 // one, nil for the others (nil for all once given up), preparing those
 // missing. It is called before the message's transaction begins: a
 // prepare takes a connection from the pool for a moment, and would wait
-// for ever for one the transaction holds, the pool's last.
+// for ever for one the transaction holds, the pool's last. No lock is held
+// while preparing, so a prepare that hangs holds up only its own message.
 func (p *preparedSteps) forSteps(ctx context.Context, steps []sqldialect.ApplyStep) []*sql.Stmt {
 	var out []*sql.Stmt
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	for i, step := range steps {
-		if !step.Prepare || p.off {
+		if !step.Prepare {
 			continue
 		}
-		st, ok := p.stmts[step.SQL]
+		st, ok := p.stmt(ctx, step.SQL)
 		if !ok {
-			var err error
-			if st, err = p.db.PrepareContext(ctx, step.SQL); err != nil {
-				if ctx.Err() == nil {
-					p.giveUpLocked(fmt.Errorf("prepare %.40q…: %w", step.SQL, err))
-				}
-				return nil
-			}
-			p.stmts[step.SQL] = st
+			return nil
 		}
 		if out == nil {
 			out = make([]*sql.Stmt, len(steps))
@@ -107,6 +99,40 @@ func (p *preparedSteps) forSteps(ctx context.Context, steps []sqldialect.ApplySt
 		out[i] = st
 	}
 	return out
+}
+
+// stmt returns the statement of query, prepared now if it is not yet;
+// false once given up.
+func (p *preparedSteps) stmt(ctx context.Context, query string) (*sql.Stmt, bool) {
+	p.mu.Lock()
+	st, ok := p.stmts[query]
+	off := p.off
+	p.mu.Unlock()
+	if off {
+		return nil, false
+	}
+	if ok {
+		return st, true
+	}
+	st, err := p.db.PrepareContext(ctx, query)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err != nil {
+		if ctx.Err() == nil {
+			p.giveUpLocked(fmt.Errorf("prepare %.40q…: %w", query, err))
+		}
+		return nil, false
+	}
+	if p.off {
+		_ = st.Close()
+		return nil, false
+	}
+	if first, ok := p.stmts[query]; ok { // another message prepared it meanwhile
+		_ = st.Close()
+		return first, true
+	}
+	p.stmts[query] = st
+	return st, true
 }
 
 // giveUp stops preparing after err, and closes what was prepared. A
