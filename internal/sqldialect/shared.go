@@ -723,7 +723,7 @@ func (o *OrderedInbox) query(sql string, args ...any) Query {
 // first whose Done is false. All done: m is the key's next and recorded,
 // its handler runs in the transaction. Otherwise its dedupe key is not
 // recorded, and the key moved on only if m's id was processed already (a
-// duplicate, whose key moves on past it, as applyInTx would): the caller
+// duplicate: its effect happened, and the key moves on past it): the caller
 // takes the key's row (EnsureSequence, LockSequence) and decides from it
 // as for any other message. A dialect's steps are as few as it allows:
 // one on PostgreSQL, as many as the plain inbox's key plus one elsewhere.
