@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -224,7 +225,8 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
 	if cfg.Ordered {
-		in.ordered = &orderedState{q: sqldialect.NewOrderedInbox(cfg.Dialect.sql()), routes: map[string]orderedRoute{}}
+		in.ordered = newOrderedState(xdb, cfg.Dialect.sql(), in.log)
+		runtime.AddCleanup(in, (*preparedSteps).close, in.ordered.prepared)
 	}
 	return in, nil
 }
@@ -414,13 +416,20 @@ func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) 
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
 		return false, nil
 	}
-	if in.cfg.MarkOutboxProcessed && (in.cfg.TrackedTopics == nil || in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
-		mark := in.outbox.MarkProcessed(key, now)
-		if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
-			return false, fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
-		}
+	return true, in.markProcessed(ctx, tx, key, now)
+}
+
+// markProcessed, with MarkOutboxProcessed, marks the outbox record of a key
+// just recorded processed, in tx.
+func (in *Inbox) markProcessed(ctx context.Context, tx *sqlx.Tx, key string, now time.Time) error {
+	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
+		return nil
 	}
-	return true, nil
+	mark := in.outbox.MarkProcessed(key, now)
+	if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
+		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
+	}
+	return nil
 }
 
 // processAtMostOnce commits the key before it runs the handler, with no

@@ -46,9 +46,124 @@ type orderedRoute struct {
 
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
-	q      *sqldialect.OrderedInbox
-	mu     sync.Mutex
-	routes map[string]orderedRoute // by consumer, the first handler seen
+	q        *sqldialect.OrderedInbox
+	mu       sync.Mutex
+	routes   map[string]orderedRoute // by consumer, the first handler seen
+	prepared *preparedSteps
+}
+
+func newOrderedState(db *sqlx.DB, d sqldialect.Dialect, log watermill.LoggerAdapter) *orderedState {
+	return &orderedState{
+		q:        sqldialect.NewOrderedInbox(d),
+		routes:   map[string]orderedRoute{},
+		prepared: &preparedSteps{db: db, log: log, stmts: map[string]*sql.Stmt{}},
+	}
+}
+
+// preparedSteps are the in-order statements the inbox runs prepared
+// (sqldialect.ApplyStep.Prepare), by text: each prepared on the pool the
+// first time a message needs it, and by database/sql on each connection
+// the first time a transaction there runs it. A prepare or a prepared run
+// that fails gives them all up, and the inbox runs them unprepared from
+// then on, as it would without them, as the relay does: a proxy that does
+// not keep a connection's statements, or a server out of them
+// (max_prepared_stmt_count), must not fail every message. The Inbox has no
+// Close: a cleanup closes them when it is collected.
+type preparedSteps struct {
+	db    *sqlx.DB
+	log   watermill.LoggerAdapter
+	mu    sync.Mutex
+	stmts map[string]*sql.Stmt
+	off   bool
+}
+
+// forSteps returns the prepared statement of each of steps that asks for
+// one, nil for the others (nil for all once given up), preparing those
+// missing. It is called before the message's transaction begins: a
+// prepare takes a connection from the pool for a moment, and would wait
+// for ever for one the transaction holds, the pool's last. No lock is held
+// while preparing, so a prepare that hangs holds up only its own message.
+func (p *preparedSteps) forSteps(ctx context.Context, steps []sqldialect.ApplyStep) []*sql.Stmt {
+	var out []*sql.Stmt
+	for i, step := range steps {
+		if !step.Prepare {
+			continue
+		}
+		st, ok := p.stmt(ctx, step.SQL)
+		if !ok {
+			return nil
+		}
+		if out == nil {
+			out = make([]*sql.Stmt, len(steps))
+		}
+		out[i] = st
+	}
+	return out
+}
+
+// stmt returns the statement of query, prepared now if it is not yet;
+// false once given up.
+func (p *preparedSteps) stmt(ctx context.Context, query string) (*sql.Stmt, bool) {
+	p.mu.Lock()
+	st, ok := p.stmts[query]
+	off := p.off
+	p.mu.Unlock()
+	if off {
+		return nil, false
+	}
+	if ok {
+		return st, true
+	}
+	st, err := p.db.PrepareContext(ctx, query)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err != nil {
+		if ctx.Err() == nil {
+			p.giveUpLocked(fmt.Errorf("prepare %.40q…: %w", query, err))
+		}
+		return nil, false
+	}
+	if p.off {
+		_ = st.Close()
+		return nil, false
+	}
+	if first, ok := p.stmts[query]; ok { // another message prepared it meanwhile
+		_ = st.Close()
+		return first, true
+	}
+	p.stmts[query] = st
+	return st, true
+}
+
+// giveUp stops preparing after err, and closes what was prepared. A
+// transaction running one of them meanwhile is not disturbed: database/sql
+// closes a statement on a connection in use when it is released.
+func (p *preparedSteps) giveUp(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.giveUpLocked(err)
+}
+
+func (p *preparedSteps) giveUpLocked(err error) {
+	if p.off {
+		return
+	}
+	p.off = true
+	p.closeLocked()
+	p.log.Info("Ordered inbox: a prepared statement failed; running the in-order statements unprepared from now on", watermill.LogFields{"error": err.Error()})
+}
+
+func (p *preparedSteps) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closeLocked()
+}
+
+func (p *preparedSteps) closeLocked() {
+	for q, st := range p.stmts {
+		_ = st.Close()
+		delete(p.stmts, q)
+	}
 }
 
 // orderKey reads a message's ordering key and sequence number: keyed is
@@ -90,20 +205,15 @@ func (in *Inbox) route(consumer string) (orderedRoute, bool) {
 	return r, ok
 }
 
-// lockSequence writes the key's row if it is missing and locks it: from
-// here to the end of tx no other delivery of the key runs. It returns the
-// key's last applied and its count of held messages.
+// lockSequence writes the key's row if it is missing and locks it (on
+// SQLite the write takes the database's write lock): from here to the end
+// of tx no other delivery of the key runs. It returns the key's last
+// applied and its count of held messages.
 func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (last, held int64, err error) {
 	ensure := in.ordered.q.EnsureSequence(consumer, key)
 	if _, err := tx.ExecContext(ctx, ensure.SQL, ensure.Args...); err != nil {
 		return 0, 0, fmt.Errorf("outbox: inbox: sequence of %q for %s: %w", key, consumer, err)
 	}
-	return in.readSequence(ctx, tx, consumer, key)
-}
-
-// readSequence reads (and, but on SQLite, locks) the key's row, which must
-// exist.
-func (in *Inbox) readSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (last, held int64, err error) {
 	lock := in.ordered.q.LockSequence(consumer, key)
 	if err := tx.QueryRowContext(ctx, lock.SQL, lock.Args...).Scan(&last, &held); err != nil {
 		return 0, 0, fmt.Errorf("outbox: inbox: lock sequence of %q for %s: %w", key, consumer, err)
@@ -117,6 +227,13 @@ func (in *Inbox) readSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // behind it; a later one is held in the database and acked.
 func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
 	in.remember(consumer, h, msg.Context())
+	// The common case, the key's next message with nothing held, costs the
+	// statements of the plain inbox's key, or one more (see
+	// sqldialect.OrderedInbox.Apply).
+	now := time.Now()
+	m := sqldialect.InOrder{Consumer: consumer, Key: key, Seq: seq, MessageID: id, At: now}
+	steps := in.ordered.q.Apply(in.q, m)
+	stmts := in.ordered.prepared.forSteps(ctx, steps)
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -127,31 +244,37 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			_ = tx.Rollback()
 		}
 	}()
-	// The common case, the key's next message with nothing held, costs one
-	// statement: it locks the key's row, new or not, and advances it.
-	advanced, err := in.ordered.q.Advance(ctx, tx, consumer, key, seq)
+	applied, err := in.applyInOrder(ctx, tx, m, steps, stmts)
 	if err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
+		return inboxFailed, err
 	}
-	if advanced {
-		outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, true, false)
-		if err != nil {
+	if applied {
+		if err := in.markProcessed(ctx, tx, id, now); err != nil {
+			return inboxFailed, err
+		}
+		if err := in.runInTx(ctx, tx, h, msg); err != nil {
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
 		}
 		committed = true
-		return outcome, nil
+		return inboxProcessed, nil
 	}
-	// The row is locked: Advance wrote it if it was missing.
-	last, _, err := in.readSequence(ctx, tx, consumer, key)
+	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return inboxFailed, err
 	}
 	fields := watermill.LogFields{"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": seq, "last_applied": last}
 	switch {
 	case seq <= last:
+		// Committed, not rolled back: the in-order statements move the key
+		// past a message that is its next but whose id was processed
+		// already (before the consumer was ordered, or under another seq).
+		if err := tx.Commit(); err != nil {
+			return inboxFailed, fmt.Errorf("outbox: inbox: commit duplicate %s for %s: %w", id, consumer, err)
+		}
+		committed = true
 		in.log.Debug("Message of a sequence number applied already acked without running the handler", fields)
 		return inboxDuplicate, nil
 	case seq > last+1:
@@ -171,15 +294,16 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		return inboxHeld, nil
 	}
 
-	// seq is the key's next. Checked before the handler runs, so that a
-	// held copy of this very message (held before its predecessor came) is
-	// deleted with the commit, and the messages held behind it are applied.
+	// seq is the key's next, and the key holds messages. Checked before the
+	// handler runs, so that a held copy of this very message (held before
+	// its predecessor came) is deleted with the commit, and the messages
+	// held behind it are applied.
 	var held int64
 	count := in.ordered.q.HeldUpTo(consumer, key, seq+1)
 	if err := tx.QueryRowContext(ctx, count.SQL, count.Args...).Scan(&held); err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
 	}
-	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, false, held > 0)
+	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, held > 0)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -200,35 +324,55 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	return outcome, nil
 }
 
-// applyInTx applies the key's next message, seq, in tx: the dedupe key,
-// the handler, the messages it returns, and unless advanced (by Advance)
-// the key's new last applied and held count, with clearHeld after the held
-// messages up to seq are deleted.
-func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64, advanced, clearHeld bool) (inboxOutcome, error) {
+// applyInOrder runs the in-order statements of m in tx, those of stmts
+// prepared, and reports whether they moved the key to m.Seq and recorded
+// m's dedupe key.
+func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InOrder, steps []sqldialect.ApplyStep, stmts []*sql.Stmt) (bool, error) {
+	for i, step := range steps {
+		var (
+			res sql.Result
+			err error
+		)
+		if stmts != nil && stmts[i] != nil {
+			res, err = tx.StmtContext(ctx, stmts[i]).ExecContext(ctx, step.Args...)
+			if err != nil && ctx.Err() == nil {
+				in.ordered.prepared.giveUp(err)
+			}
+		} else {
+			res, err = tx.ExecContext(ctx, step.SQL, step.Args...)
+		}
+		if err != nil {
+			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
+		}
+		done, err := step.Done(res)
+		if err != nil {
+			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
+		}
+		if !done {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// applyInTx applies the key's next message, seq, in tx, on the path that
+// reads the key's row first: the dedupe key, the handler, the messages it
+// returns, the key's new last applied and held count, with clearHeld after
+// the held messages up to seq are deleted.
+func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64, clearHeld bool) (inboxOutcome, error) {
 	outcome := inboxProcessed
 	fresh, err := in.record(ctx, tx, consumer, id)
 	if err != nil {
 		return inboxFailed, err
 	}
 	if fresh {
-		orig := msg.Context()
-		hctx := context.WithValue(ctx, txKey{}, tx)
-		msg.SetContext(hctx)
-		out, err := runRecovering(h, msg)
-		msg.SetContext(orig)
-		if err != nil {
-			return inboxFailed, err
-		}
-		if err := in.writeReturned(hctx, stdTx{tx.Tx}, out); err != nil {
+		if err := in.runInTx(ctx, tx, h, msg); err != nil {
 			return inboxFailed, err
 		}
 	} else {
 		// Its id was processed, before the consumer was ordered or under
 		// another seq: its effect happened, and the key moves on past it.
 		outcome = inboxDuplicate
-	}
-	if advanced {
-		return outcome, nil
 	}
 	if clearHeld {
 		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
@@ -241,6 +385,20 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
 	}
 	return outcome, nil
+}
+
+// runInTx runs h for msg with tx in its context, and writes the messages it
+// returns into the outbox through tx.
+func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message) error {
+	orig := msg.Context()
+	hctx := context.WithValue(ctx, txKey{}, tx)
+	msg.SetContext(hctx)
+	out, err := runRecovering(h, msg)
+	msg.SetContext(orig)
+	if err != nil {
+		return err
+	}
+	return in.writeReturned(hctx, stdTx{tx.Tx}, out)
 }
 
 // hold writes msg into acemq_inbox_held; false if it is there already.
@@ -321,7 +479,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consu
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
 	}
 	msg.SetContext(mctx)
-	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, false, true)
+	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
 	if err != nil {
 		in.cfg.Metrics.inbox(consumer, inboxFailed)
 		return false, err

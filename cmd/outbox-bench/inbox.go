@@ -25,9 +25,10 @@ import (
 //	          INSERT one effect; COMMIT
 //	ordered:  an Inbox with Ordered, given keyed messages in their order
 //	          (aggregateId over inboxKeys keys, seq 1, 2, … per key): the
-//	          inbox's work plus one statement that locks the key's row and
-//	          moves its last applied on when the message is next and
-//	          nothing of the key is held
+//	          inbox's work and the move of the key's last applied, which
+//	          locks the key's row: on PostgreSQL folded into the dedupe
+//	          key's insert (one statement, as the inbox's), elsewhere one
+//	          statement more (on MySQL prepared once per connection)
 //
 // The floor is the least any transactional inbox can cost: one more
 // statement, so one more round trip. Its key goes in before the effect, as

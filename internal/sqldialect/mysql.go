@@ -166,33 +166,45 @@ func (mysql) insertInboxHeld() string {
 
 func (mysql) lockInboxSequence() string { return selectInboxSequence + " FOR UPDATE" }
 
-// advanceInboxSequence: MySQL's INSERT returns no row, so the statement
-// says what it did through its result. ON DUPLICATE KEY UPDATE locks the
-// row exclusively, as insertInboxSequence does, and a row it changes counts
+// applyInOrder: MySQL has neither RETURNING nor data-modifying CTEs, so
+// the advance and the dedupe key are two statements. The advance is an
+// INSERT … ON DUPLICATE KEY UPDATE, which locks the key's row exclusively,
+// new or not, as insertInboxSequence does (an UPDATE of a missing row would
+// take a gap lock, and two first deliveries of new keys deadlock on their
+// inserts). It says what it did through its result: a row it changes counts
 // 2 affected whatever clientFoundRows says; a new row counts 1. An existing
 // row left alone counts 0, or 1 under clientFoundRows, so the update branch
 // also sets LAST_INSERT_ID (the result's LastInsertId) to last_seq + 1,
 // never 0, where an insert into this table, without AUTO_INCREMENT, reports
-// 0.
-func (d mysql) advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
-	res, err := tx.ExecContext(ctx, "INSERT INTO "+InboxSequencesTable+" (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, 0)"+
-		" ON DUPLICATE KEY UPDATE last_seq = IF(LAST_INSERT_ID(last_seq + 1) = ? AND held = 0, ?, last_seq)",
-		consumer, key, firstSeq(seq), seq, seq)
-	if err != nil {
-		return false, err
+// 0. A new row moved the key only for seq 1, written at 1.
+//
+// The advance is prepared (one text for every message): go-sql-driver
+// prepares, executes and closes every statement with arguments unless the
+// DSN sets interpolateParams, two round trips, so that the in-order path
+// cost the plain inbox's six round trips plus two (BEGIN, the dedupe key's
+// and the effect's two each, COMMIT): 1.33 to 1.40 times the plain inbox
+// in outbox-bench inbox on MariaDB. Prepared, the advance is one round
+// trip: 1.13 to 1.23, 1.17 on average over seven runs. The dedupe key's
+// insert runs as the plain inbox's does, so that the figure is what
+// ordering adds.
+func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
+	advance := ApplyStep{
+		Query: Query{
+			SQL: "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, 0)" +
+				" ON DUPLICATE KEY UPDATE last_seq = IF(LAST_INSERT_ID(last_seq + 1) = ? AND held = 0, ?, last_seq)",
+			Args: []any{m.Consumer, m.Key, firstSeq(m.Seq), m.Seq, m.Seq},
+		},
+		Done: func(res sql.Result) (bool, error) {
+			n, err := res.RowsAffected()
+			if err != nil || n == 2 {
+				return n == 2, err
+			}
+			id, err := res.LastInsertId()
+			return n == 1 && id == 0 && m.Seq == 1, err
+		},
+		Prepare: true,
 	}
-	n, err := res.RowsAffected()
-	if err != nil {
-		return false, err
-	}
-	if n == 2 {
-		return true, nil
-	}
-	id, err := res.LastInsertId()
-	if err != nil {
-		return false, err
-	}
-	return n == 1 && id == 0 && seq == 1, nil
+	return []ApplyStep{advance, {Query: in.Insert(m.Consumer, m.MessageID, m.At), Done: oneRow}}
 }
 
 // migrationLockTimeout is how long a second migrating process waits for the

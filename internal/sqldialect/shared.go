@@ -1,7 +1,6 @@
 package sqldialect
 
 import (
-	"context"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -657,43 +656,52 @@ const (
 		" (consumer_name, aggregate_id, last_seq) VALUES (?, ?, 0) ON CONFLICT DO NOTHING"
 	insertInboxHeldOnConflict = "INSERT INTO " + InboxHeldTable + " (" + inboxHeldColumns + ") VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 
-	// advanceInboxSequenceOnConflict is Advance of PostgreSQL and SQLite.
-	// The DO UPDATE's WHERE fails for any but the key's next message with
-	// nothing held, and then returns no row; PostgreSQL locks the row all
-	// the same, and SQLite's write lock is the transaction's already.
+	// advanceInboxSequenceOnConflict is PostgreSQL's advance of a key: it
+	// writes the key's row if it is missing (at 1 for seq 1, the message
+	// applied by the very insert, else at 0) and locks it, new or not; the
+	// DO UPDATE's WHERE fails for any but the key's next message with
+	// nothing held, and then returns no row, but PostgreSQL locks the row
+	// all the same. A row returned at seq says the key moved to seq.
 	advanceInboxSequenceOnConflict = "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, 0)" +
 		" ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET last_seq = ?" +
 		" WHERE " + InboxSequencesTable + ".last_seq = ? AND " + InboxSequencesTable + ".held = 0 RETURNING last_seq"
 )
 
-// advanceOnConflict runs advanceInboxSequenceOnConflict: a row whose
-// last_seq is seq says the key moved to seq (from seq-1, or a new key's row
-// written at 1); none, or a new key's row written at 0, says it did not.
-func advanceOnConflict(ctx context.Context, tx Execer, q Query, seq int64) (bool, error) {
-	rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return false, err
-	}
-	defer rows.Close()
-	var last int64
-	if rows.Next() {
-		if err := rows.Scan(&last); err != nil {
-			return false, err
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return false, err
-	}
-	return last == seq, rows.Close()
-}
-
-// firstSeq is the last applied of a key's new row written by Advance: seq 1
-// is applied by the very insert, any later one finds nothing applied.
+// firstSeq is the last applied of a key's new row written by an advance:
+// seq 1 is applied by the very insert, any later one finds nothing applied.
 func firstSeq(seq int64) int64 {
 	if seq == 1 {
 		return 1
 	}
 	return 0
+}
+
+// InOrder is a keyed message on the ordered inbox's in-order path.
+type InOrder struct {
+	Consumer  string
+	Key       string
+	Seq       int64
+	MessageID string
+	At        time.Time // processed_at of its dedupe key
+}
+
+// ApplyStep is one statement of the in-order path, and how its result says
+// that it did its part.
+type ApplyStep struct {
+	Query
+	Done func(sql.Result) (bool, error)
+	// Prepare: the statement's text is the same for every message, and
+	// worth preparing once per connection where the driver would otherwise
+	// prepare, run and close it every time (see the dialect's
+	// applyInOrder).
+	Prepare bool
+}
+
+// oneRow is the Done of a statement that did its part when it affected one
+// row: an insert that found no key in its way, an update whose WHERE held.
+func oneRow(res sql.Result) (bool, error) {
+	n, err := res.RowsAffected()
+	return n == 1, err
 }
 
 // OrderedInbox is the SQL of the ordered inbox: the last sequence number
@@ -708,14 +716,19 @@ func (o *OrderedInbox) query(sql string, args ...any) Query {
 	return Query{SQL: o.d.rebind(sql), Args: args}
 }
 
-// Advance is the in-order path in one statement: it writes the key's row
-// if it is missing and locks it, new or not, until the end of tx, and moves
-// the key's last applied to seq if seq is its next and it holds no message.
-// It reports whether it moved it; if not, LockSequence (the row locked
-// already) tells a duplicate from a message to hold or to apply behind held
-// ones.
-func (o *OrderedInbox) Advance(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
-	return o.d.advanceInboxSequence(ctx, tx, consumer, key, seq)
+// Apply is the in-order path of m, the common case of an ordered consumer:
+// statements that, in the caller's transaction, move the key's last
+// applied to m.Seq if m.Seq is its next and the key holds no message, and
+// record m's dedupe key in in's table. Run them in order and stop at the
+// first whose Done is false. All done: m is the key's next and recorded,
+// its handler runs in the transaction. Otherwise its dedupe key is not
+// recorded, and the key moved on only if m's id was processed already (a
+// duplicate: its effect happened, and the key moves on past it): the caller
+// takes the key's row (EnsureSequence, LockSequence) and decides from it
+// as for any other message. A dialect's steps are as few as it allows:
+// one on PostgreSQL, as many as the plain inbox's key plus one elsewhere.
+func (o *OrderedInbox) Apply(in *Inbox, m InOrder) []ApplyStep {
+	return o.d.applyInOrder(in, m)
 }
 
 // EnsureSequence writes the key's row at 0 if it is missing, so that the
@@ -740,7 +753,7 @@ func (o *OrderedInbox) SetSequence(consumer, key string, seq int64) Query {
 		" WHERE consumer_name = ? AND aggregate_id = ?) WHERE consumer_name = ? AND aggregate_id = ?", seq, consumer, key, consumer, key)
 }
 
-// CountHold adds a message just held to the key's count, which lets Advance
+// CountHold adds a message just held to the key's count, which lets Apply
 // tell, on the key's row alone, that nothing is held.
 func (o *OrderedInbox) CountHold(consumer, key string) Query {
 	return o.query("UPDATE "+InboxSequencesTable+" SET held = held + 1 WHERE consumer_name = ? AND aggregate_id = ?", consumer, key)

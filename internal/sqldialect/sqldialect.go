@@ -84,9 +84,10 @@ type Dialect interface {
 	insertInboxSequence() string
 	insertInboxHeld() string
 	lockInboxSequence() string
-	// advanceInboxSequence runs OrderedInbox.Advance: how a dialect learns
-	// from one statement whether it moved the key differs.
-	advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error)
+	// applyInOrder is OrderedInbox.Apply: how few statements can move the
+	// key and record the dedupe key, and how each tells that it did,
+	// differs.
+	applyInOrder(in *Inbox, m InOrder) []ApplyStep
 	createMigrationsTable() string
 	insertMigration() string
 }

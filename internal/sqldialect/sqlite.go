@@ -79,9 +79,29 @@ func (sqlite) insertInboxSequence() string { return insertInboxSequenceOnConflic
 
 func (sqlite) insertInboxHeld() string { return insertInboxHeldOnConflict }
 
-func (d sqlite) advanceInboxSequence(ctx context.Context, tx Execer, consumer, key string, seq int64) (bool, error) {
-	q := Query{SQL: d.rebind(advanceInboxSequenceOnConflict), Args: []any{consumer, key, firstSeq(seq), seq, seq - 1}}
-	return advanceOnConflict(ctx, tx, q, seq)
+// applyInOrder: SQLite has no data-modifying CTE, and runs in process, so
+// what counts is each statement's cost in Go and cgo. The advance and the
+// dedupe key are two Execs, which read their counts from the result: a
+// RETURNING row through database/sql's Query cost about as much again as
+// the whole plain inbox (Rows, its close, and for a transaction with a
+// cancellable context a goroutine per query). The advance is an update of
+// the key's row for any seq but 1, and affects none when the row is
+// missing (the caller then writes it); seq 1 may find no row, and writes
+// it applied, or moves a row at 0 that holds nothing.
+func (sqlite) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
+	advance := Query{
+		SQL:  "UPDATE " + InboxSequencesTable + " SET last_seq = ? WHERE consumer_name = ? AND aggregate_id = ? AND last_seq = ? AND held = 0",
+		Args: []any{m.Seq, m.Consumer, m.Key, m.Seq - 1},
+	}
+	if m.Seq == 1 {
+		advance = Query{
+			SQL: "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, 1, 0)" +
+				" ON CONFLICT (consumer_name, aggregate_id) DO UPDATE SET last_seq = 1" +
+				" WHERE " + InboxSequencesTable + ".last_seq = 0 AND " + InboxSequencesTable + ".held = 0",
+			Args: []any{m.Consumer, m.Key},
+		}
+	}
+	return []ApplyStep{{Query: advance, Done: oneRow}, {Query: in.Insert(m.Consumer, m.MessageID, m.At), Done: oneRow}}
 }
 
 // lockInboxSequence: SQLite has no row locks. The insert-if-absent before it

@@ -1,0 +1,312 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"reflect"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	mysqldrv "github.com/go-sql-driver/mysql"
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// sqlDialect is the sqldialect value behind an outbox dialect.
+func sqlDialect(t testing.TB, d outbox.Dialect) sqldialect.Dialect {
+	t.Helper()
+	sd, ok := map[string]sqldialect.Dialect{"postgres": sqldialect.Postgres, "mysql": sqldialect.MySQL, "sqlite": sqldialect.SQLite}[d.Name()]
+	if !ok {
+		t.Fatalf("no sqldialect for %s", d.Name())
+	}
+	return sd
+}
+
+// The in-order statements (sqldialect.OrderedInbox.Apply), whatever their
+// number on a database, decide alike: all done only for the key's next
+// sequence number with nothing held and an id not processed, and then the
+// key is at seq and the id recorded; otherwise no id is recorded and the
+// key is where it was, but for a next message whose id was processed
+// already, past which the key moves on. MySQL is run twice, the second time
+// with clientFoundRows, which changes what its result counts.
+func TestOrderedInbox_InOrderStatements_AllDoneOnlyForTheNextOfAKeyHoldingNothing(t *testing.T) {
+	type row struct{ last, held int64 }
+	cases := []struct {
+		name      string
+		key       *row // nil: the key has no row
+		processed bool // the message's id is in processed_messages already
+		seq       int64
+		done      bool
+		lastAfter int64 // 0 also stands for no row
+	}{
+		{name: "new key, seq 1", seq: 1, done: true, lastAfter: 1},
+		{name: "new key, seq 3", seq: 3, done: false, lastAfter: 0},
+		{name: "next", key: &row{2, 0}, seq: 3, done: true, lastAfter: 3},
+		{name: "last applied again", key: &row{2, 0}, seq: 2, done: false, lastAfter: 2},
+		{name: "older", key: &row{2, 0}, seq: 1, done: false, lastAfter: 2},
+		{name: "ahead", key: &row{2, 0}, seq: 5, done: false, lastAfter: 2},
+		{name: "next, key holds messages", key: &row{2, 1}, seq: 3, done: false, lastAfter: 2},
+		{name: "seq 1, key at 0 holding nothing", key: &row{0, 0}, seq: 1, done: true, lastAfter: 1},
+		{name: "seq 1, key at 0 holding messages", key: &row{0, 1}, seq: 1, done: false, lastAfter: 0},
+		{name: "next, id processed already", key: &row{2, 0}, processed: true, seq: 3, done: false, lastAfter: 3},
+	}
+	run := func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		ctx := context.Background()
+		sd := sqlDialect(t, d)
+		in, err := sqldialect.NewInbox(sd, outbox.DefaultInboxTable)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ordered := sqldialect.NewOrderedInbox(sd)
+		for i, c := range cases {
+			consumer := fmt.Sprintf("c%d", i)
+			m := sqldialect.InOrder{Consumer: consumer, Key: "k", Seq: c.seq, MessageID: fmt.Sprintf("m%d", i), At: time.Now()}
+			if c.key != nil {
+				db.MustExec(db.Rebind("INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)"), consumer, "k", c.key.last, c.key.held)
+			}
+			if c.processed {
+				q := in.Insert(consumer, m.MessageID, time.Now())
+				db.MustExec(q.SQL, q.Args...)
+			}
+			tx, err := db.BeginTxx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := true
+			for _, step := range ordered.Apply(in, m) {
+				res, err := tx.ExecContext(ctx, step.SQL, step.Args...)
+				if err != nil {
+					t.Fatalf("%s: %v", c.name, err)
+				}
+				if done, err = step.Done(res); err != nil {
+					t.Fatalf("%s: %v", c.name, err)
+				}
+				if !done {
+					break
+				}
+			}
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if done != c.done {
+				t.Errorf("%s: done %v, want %v", c.name, done, c.done)
+			}
+			var last int64
+			if err := db.Get(&last, db.Rebind("SELECT COALESCE(MAX(last_seq), 0) FROM acemq_inbox_sequences WHERE consumer_name = ? AND aggregate_id = ?"), consumer, "k"); err != nil {
+				t.Fatal(err)
+			}
+			if last != c.lastAfter {
+				t.Errorf("%s: key at %d after, want %d", c.name, last, c.lastAfter)
+			}
+			var recorded int
+			if err := db.Get(&recorded, db.Rebind("SELECT COUNT(*) FROM processed_messages WHERE consumer_name = ? AND message_id = ?"), consumer, m.MessageID); err != nil {
+				t.Fatal(err)
+			}
+			if want := c.done || c.processed; (recorded == 1) != want {
+				t.Errorf("%s: %d dedupe rows for the message, want one: %v", c.name, recorded, want)
+			}
+		}
+	}
+	eachMigrated(t, run)
+	t.Run("mysql clientFoundRows", func(t *testing.T) {
+		db := migrated(t, testdb.MySQL)
+		run(t, withClientFoundRows(t, db), outbox.MySQL)
+	})
+}
+
+// withClientFoundRows is a second pool on db's database whose DSN sets
+// clientFoundRows: an UPDATE then counts the rows it matched, changed or not.
+func withClientFoundRows(t testing.TB, db *testdb.DB) *testdb.DB {
+	t.Helper()
+	cfg, err := mysqldrv.ParseDSN(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ClientFoundRows = true
+	pool, err := sqlx.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pool.Close() })
+	return &testdb.DB{DB: pool, Kind: testdb.MySQL, DSN: cfg.FormatDSN()}
+}
+
+// A message whose id was processed (before the consumer was ordered, say)
+// and which arrives as its key's next is a duplicate: acked without
+// running, and its key moves on past it, so the next runs.
+func TestOrderedInbox_NextWhoseIDWasProcessed_AckedWithoutRunningKeyMovesOn(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, CURRENT_TIMESTAMP)"), "fulfilment", keyedMsg("a", 2).UUID)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 2, 3)
+		if got, want := l.of("a"), []int{1, 3}; !reflect.DeepEqual(got, want) {
+			t.Fatalf("applied %v, want %v: seq 2's id was processed", got, want)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0: seq 3 came after the key moved past 2", n)
+		}
+	})
+}
+
+// Copies of a key's messages delivered at once, each copy in order (a
+// redelivery racing the first delivery, on several consumers): each
+// sequence number runs once, in order, and no delivery fails (a deadlock
+// between the in-order statements of two copies would).
+func TestOrderedInbox_ConcurrentCopiesInOrder_EachSeqRunsOnceNoneFails(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		const n, copies = 20, 4
+		keys := []string{"hot", "warm"}
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		errs := make(chan error, n*copies*len(keys))
+		for w := 0; w < copies*len(keys); w++ {
+			wg.Add(1)
+			go func(key string) {
+				defer wg.Done()
+				<-start
+				for s := 1; s <= n; s++ {
+					if _, err := h(keyedMsg(key, s)); err != nil {
+						errs <- fmt.Errorf("%s seq %d: %w", key, s, err)
+					}
+				}
+			}(keys[w%len(keys)])
+		}
+		close(start)
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Errorf("delivery: %v", err)
+		}
+		for _, key := range keys {
+			if got := l.of(key); !reflect.DeepEqual(got, upTo(n)) {
+				t.Errorf("%s applied %v, want 1..%d once each in order", key, got, n)
+			}
+			assertEffectsOnce(t, db, key, n)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}
+
+// On MySQL the in-order advance is prepared once per connection, not
+// prepared, run and closed for every message (go-sql-driver's way with a
+// statement that has arguments): a round trip fewer per message. With a
+// pool of one connection, the prepare must not wait for the connection the
+// message's transaction holds.
+func TestOrderedInbox_MySQL_AdvancePreparedOncePerConnection(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	db.DB.SetMaxOpenConns(1) // one session, whose counters the test reads
+	prepares := func() int {
+		var name string
+		var n int
+		if err := db.QueryRowx("SHOW SESSION STATUS LIKE 'Com_stmt_prepare'").Scan(&name, &n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	var l applyLog
+	in := orderedInbox(t, db, outbox.InboxConfig{})
+	h := in.Middleware(l.handler(t, db))
+	const n = 20
+	before := prepares()
+	deliver(t, h, "a", upTo(n)...)
+	// Per message the dedupe key's insert and the handler's effect, each
+	// prepared, run and closed by the driver; the advance once. Unprepared,
+	// three per message.
+	if got := prepares() - before; got > 2*n+1 {
+		t.Errorf("%d prepares for %d messages, want at most %d: the advance prepared once", got, n, 2*n+1)
+	}
+	if got := outbox.InboxPrepared(in); got != 1 {
+		t.Errorf("%d statements prepared, want 1 (the advance)", got)
+	}
+	if got := l.of("a"); !reflect.DeepEqual(got, upTo(n)) {
+		t.Errorf("applied %v, want 1..%d", got, n)
+	}
+}
+
+// A prepared advance that stops working (a proxy that does not keep a
+// connection's statements, a server out of them) fails one delivery, which
+// is nacked and applies when redelivered; the inbox then runs the advance
+// unprepared, as it would have without preparing, and order holds.
+func TestOrderedInbox_MySQL_PreparedAdvanceFails_OneNackThenUnprepared(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	other := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	var l applyLog
+	in := orderedInbox(t, db, outbox.InboxConfig{})
+	h := in.Middleware(l.handler(t, db))
+	deliver(t, h, "a", 1, 2)
+	if n, err := outbox.SwapInboxPrepared(in, other.DB.DB); err != nil || n != 1 {
+		t.Fatalf("swapped %d prepared statements: %v", n, err)
+	}
+	if _, err := h(keyedMsg("a", 3)); err == nil {
+		t.Fatal("seq 3 through a statement its transaction cannot use: nil error, want the failure (nack)")
+	}
+	deliver(t, h, "a", 3, 4)
+	if got := l.of("a"); !reflect.DeepEqual(got, upTo(4)) {
+		t.Errorf("applied %v, want 1..4", got)
+	}
+	assertEffectsOnce(t, db, "a", 4)
+	if n := outbox.InboxPrepared(in); n != 0 {
+		t.Errorf("%d statements still prepared after one failed, want 0", n)
+	}
+}
+
+// Under MarkOutboxProcessed the ordered inbox marks the outbox record of a
+// message applied by the in-order statements, as of one applied after its
+// predecessor, in the same transaction; a held message is not processed
+// until it is applied.
+func TestOrderedInbox_MarkOutboxProcessed_InOrderAndHeldMarkedWhenApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		ids := publishN(t, db, "", "order.placed", 3)
+		var ran atomic.Int32
+		h := orderedInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+		msg := func(i int) *message.Message {
+			m := message.NewMessage(ids[i], []byte("x"))
+			m.Metadata.Set(outbox.HeaderAggregateID, "a")
+			m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(i+1))
+			return m
+		}
+		processed := func(id string) bool {
+			var p bool
+			if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+		for _, i := range []int{0, 2} {
+			if _, err := h(msg(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !processed(ids[0]) || processed(ids[2]) {
+			t.Fatalf("after seq 1 and 3 (held): processed %v and %v, want true and false", processed(ids[0]), processed(ids[2]))
+		}
+		if _, err := h(msg(1)); err != nil {
+			t.Fatal(err)
+		}
+		for i, id := range ids {
+			if !processed(id) {
+				t.Errorf("seq %d applied but its record not marked processed", i+1)
+			}
+		}
+		if n := ran.Load(); n != 3 {
+			t.Errorf("handler ran %d times, want 3", n)
+		}
+	})
+}
