@@ -9,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -31,11 +32,21 @@ type ForwarderConfig struct {
 	BatchSize int
 	// MaxAttempts: see StoreConfig. Default 10.
 	MaxAttempts int
-	// PollInterval is how long the relay waits for new rows when nothing
-	// woke it. Default 1 s. On PostgreSQL LISTEN/NOTIFY wakes it at commit,
-	// and Notify wakes it from the same process, so the poll only bounds
-	// the latency of what those miss.
+	// PollInterval is the longest the relay waits for new rows when nothing
+	// woke it. Default 250 ms. On PostgreSQL LISTEN/NOTIFY wakes it at any
+	// process's commit, on SQLite a watch of the database file's writes,
+	// and Notify from the same process: there the poll only bounds the
+	// latency of what those miss. Where nothing wakes it (MySQL), the poll
+	// adapts: MinPollInterval after a sweep that published, doubling while
+	// sweeps find nothing, up to PollInterval. An idle relay sends one
+	// statement per PollInterval (a probe, not a claim); the first row
+	// after an idle spell waits up to PollInterval on MySQL.
 	PollInterval time.Duration
+	// MinPollInterval is the adaptive poll's shortest wait, right after a
+	// sweep that published. Default 1 ms: in a steady flow the relay looks
+	// again within a few milliseconds, at one statement (a probe) for each
+	// look that finds nothing.
+	MinPollInterval time.Duration
 	// PublishTimeout bounds the wait for the broker's confirms of one batch.
 	// Past it the unconfirmed records are held up as behind a failure (but
 	// count no attempt: see ErrConnectionLost), and the connection is
@@ -51,7 +62,9 @@ type ForwarderConfig struct {
 	// doubles from RetryMin up to RetryMax and resets after a good sweep.
 	// Defaults 100 ms and 10 s.
 	RetryMin, RetryMax time.Duration
-	// DisableListen turns LISTEN/NOTIFY off on PostgreSQL.
+	// DisableListen turns off what wakes the relay at another process's
+	// commit: LISTEN/NOTIFY on PostgreSQL, the watch of the database file's
+	// writes on SQLite. The relay then finds new rows by its poll alone.
 	DisableListen bool
 	// RelayID names this relay in locked_by. Default host-pid-random.
 	RelayID string
@@ -88,7 +101,10 @@ func (c *ForwarderConfig) setDefaults() {
 		c.BatchSize = 100
 	}
 	if c.PollInterval == 0 {
-		c.PollInterval = time.Second
+		c.PollInterval = 250 * time.Millisecond
+	}
+	if c.MinPollInterval == 0 {
+		c.MinPollInterval = time.Millisecond
 	}
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = 15 * time.Second
@@ -123,6 +139,8 @@ func (c ForwarderConfig) validate() error {
 		return &ConfigError{Field: "BatchSize", Reason: fmt.Sprintf("%d; want 1 to %d", c.BatchSize, maxBatchSize)}
 	case c.PollInterval < 0:
 		return &ConfigError{Field: "PollInterval", Reason: "negative"}
+	case c.MinPollInterval < 0 || c.MinPollInterval > c.PollInterval:
+		return &ConfigError{Field: "MinPollInterval", Reason: fmt.Sprintf("%s; want 0 < MinPollInterval <= PollInterval (%s)", c.MinPollInterval, c.PollInterval)}
 	case c.PublishTimeout < 0:
 		return &ConfigError{Field: "PublishTimeout", Reason: "negative"}
 	case c.Lease < 2*c.PublishTimeout:
@@ -153,6 +171,9 @@ type Forwarder struct {
 
 	sweepMu sync.Mutex // one batch at a time
 	wake    chan struct{}
+	// woken: a LISTEN or a file watch is in place, so another process's
+	// commit wakes the relay and the poll is only a safety net.
+	woken atomic.Bool
 
 	mu        sync.Mutex
 	runCalled bool
@@ -286,6 +307,13 @@ func (f *Forwarder) run(ctx context.Context) error {
 			f.listen(ctx)
 		}()
 	}
+	if f.store.watchesFile() && !f.cfg.DisableListen {
+		listener.Add(1)
+		go func() {
+			defer listener.Done()
+			f.watch(ctx)
+		}()
+	}
 	defer listener.Wait()
 
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "poll_interval": f.cfg.PollInterval})
@@ -299,8 +327,9 @@ func (f *Forwarder) run(ctx context.Context) error {
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
 		}
+		loop.woke = false
 		if wait, ok := loop.pace(s); ok {
-			loop.pause(ctx, wait, s.failed)
+			loop.woke = loop.pause(ctx, wait, s.failed)
 		}
 	}
 }

@@ -63,6 +63,8 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		}
 		// Anything committed before LISTEN took effect is found by this
 		// first sweep.
+		f.woken.Store(true)
+		defer f.woken.Store(false)
 		f.Notify()
 		for {
 			if _, err := pc.WaitForNotification(ctx); err != nil {

@@ -19,6 +19,15 @@ type relayLoop struct {
 	after     *sqldialect.Cursor // where the next claim of a drain starts
 	delay     time.Duration      // the backoff after a failed sweep; 0 after a good one
 	lastStats time.Time
+	// poll is the adaptive poll's next wait (see idleWait); idle: the last
+	// sweep found nothing, so the next one probes before it claims.
+	poll time.Duration
+	idle bool
+	// drained: the last claim took every claimable row there was (fewer
+	// than a batch), and nothing failed; unblocked: the last sweep
+	// published a keyed record; woke: a wake-up (not a timer, not a batch
+	// in flight) started this sweep. See claimNow.
+	drained, unblocked, woke bool
 }
 
 // newRelayLoop sets up Run's loop. limit is the pool's cap (0: none), and
@@ -91,7 +100,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	s := swept{stopping: ctx.Err() != nil}
 
 	f.sweepMu.Lock()
-	if !s.stopping {
+	if !s.stopping && l.claimNow() && !l.nothingToClaim(work) {
 		var err error
 		if s.claimed, err = f.claimNext(work, l.after); err != nil {
 			f.reportError(err, ErrorContext{})
@@ -122,6 +131,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
 	s.unblocked = publishedKeyed(done) || publishedKeyed([]*batch{next})
+	l.idle = s.claimed == nil && !s.progressed && !s.failed
+	l.drained = !s.failed && !s.claimed.full(f.cfg.BatchSize)
+	l.unblocked = s.unblocked
 
 	// A drain resumes after the last row claimed; anything that failed
 	// or was left behind sends the next claim back to the head.
@@ -226,12 +238,68 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 		return 0, false // more are waiting, or a batch is in flight
 	default:
 		l.delay = 0
-		return l.f.cfg.PollInterval, true
+		return l.idleWait(s), true
 	}
 }
 
-// pause waits wait, or until ctx ends or the relay is woken.
-func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) {
+// claimNow reports whether this sweep claims. It does not when the last
+// claim drained the table, nothing since could have added a claimable row,
+// and batches are in flight: the sweep only settles them. Without this a
+// relay in a flow of single messages claimed twice per message, the second
+// time finding nothing (four statements on PostgreSQL) while the confirms
+// of the first were out. A wake-up (a commit's NOTIFY, the file watch,
+// Notify), one pending now, a keyed record published (its key's next one
+// became claimable) or a failure all mean a claim.
+func (l *relayLoop) claimNow() bool {
+	if l.woke || !l.drained || l.unblocked || len(l.queue) == 0 {
+		return true
+	}
+	select {
+	case <-l.f.wake:
+		return true
+	default:
+		return false
+	}
+}
+
+// nothingToClaim: an idle relay (the last sweep found nothing, nothing is
+// in flight) asks first whether there is anything to claim, in one
+// statement without a transaction, and claims only if there is. An idle
+// outbox so costs one statement per poll; a claim is three or four, and on
+// SQLite takes the write lock the publishers need. A probe that fails says
+// nothing: the claim runs, and reports the error.
+func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
+	if !l.idle || len(l.queue) > 0 {
+		return false
+	}
+	found, err := l.f.store.hasClaimable(ctx)
+	return err == nil && !found
+}
+
+// idleWait is how long the relay waits for a wake-up when a sweep left
+// nothing to do. Where another process's commit wakes it (PostgreSQL's
+// LISTEN, the watch of SQLite's file), the poll is a safety net:
+// PollInterval. Where nothing does (MySQL; DisableListen; LISTEN without
+// pgx), the poll adapts: MinPollInterval after a sweep that did something,
+// twice the last wait after one that found nothing, up to PollInterval. So
+// it follows a steady flow within a few milliseconds, and an idle outbox
+// costs one statement per PollInterval.
+func (l *relayLoop) idleWait(s swept) time.Duration {
+	cfg := l.f.cfg
+	if l.f.woken.Load() {
+		return cfg.PollInterval
+	}
+	if s.progressed || s.claimed != nil {
+		l.poll = cfg.MinPollInterval
+	} else {
+		l.poll = min(max(2*l.poll, cfg.MinPollInterval), cfg.PollInterval)
+	}
+	return l.poll
+}
+
+// pause waits wait, or until ctx ends or the relay is woken, and reports
+// whether it was woken.
+func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) (woken bool) {
 	timer := time.NewTimer(wait)
 	select {
 	case <-ctx.Done():
@@ -243,8 +311,10 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 			// still there, and each try of a refused record counts.
 			l.f.sleep(ctx, l.delay)
 		}
+		return true
 	case <-timer.C:
 	}
+	return false
 }
 
 // publishedKeyed reports whether a keyed record of the settled batches bs

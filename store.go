@@ -123,6 +123,20 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 // (PostgreSQL's LISTEN/NOTIFY).
 func (s *Store) listens() bool { return s.dialect.sql().Listens() }
 
+// hasClaimable reports whether a claim would find a row now (Probe).
+func (s *Store) hasClaimable(ctx context.Context) (bool, error) {
+	q := s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()})
+	var one int
+	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// watchesFile: see sqldialect.Dialect.WatchesFile.
+func (s *Store) watchesFile() bool { return s.dialect.sql().WatchesFile() }
+
 // leases reports whether claims are leases committed before publishing
 // (SQLite) rather than row locks held by an open transaction, which hold a
 // connection until the batch is marked.

@@ -32,6 +32,8 @@ func (mysql) rebind(q string) string { return q }
 
 func (mysql) Listens() bool { return false }
 
+func (mysql) WatchesFile() bool { return false }
+
 // Leases: MySQL 8 and MariaDB 10.6 have FOR UPDATE SKIP LOCKED, so a claim
 // is a row lock held by the relay's transaction, released at once if the
 // relay dies.

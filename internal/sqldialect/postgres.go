@@ -31,6 +31,8 @@ func (postgres) rebind(q string) string { return rebindDollar(q) }
 // (sqlschema/postgres/0003_notify_acemq_outbox.up.sql).
 func (postgres) Listens() bool { return true }
 
+func (postgres) WatchesFile() bool { return false }
+
 // NotifyChannel is the channel the acemq_outbox trigger notifies on commit.
 const NotifyChannel = "acemq_outbox"
 

@@ -282,6 +282,15 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 	return o.d.claim(o.table, p, where, args)
 }
 
+// Claimable tells whether a Claim with p (its MaxAttempts and Now) would find a
+// row, in one statement that locks and leases nothing: what an idle relay
+// asks instead of claiming, a claim being a transaction of three or four
+// statements (on SQLite a write). Column: 1; no row when there is none.
+func (o *Outbox) Claimable(p ClaimParams) Query {
+	where := strings.Replace(claimable, keyHead, fmt.Sprintf(keyHeadFormat, o.table, claimAlias), 1)
+	return o.query("SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+where+" LIMIT 1", p.MaxAttempts, o.d.TimeArg(p.Now))
+}
+
 // ClaimSetup, if its SQL is not empty, runs first in a locking claim's
 // transaction.
 func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }

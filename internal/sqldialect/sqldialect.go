@@ -46,6 +46,9 @@ type Dialect interface {
 	TimeArg(t time.Time) any
 	// Listens: the database can wake the relay at commit (LISTEN/NOTIFY).
 	Listens() bool
+	// WatchesFile: a commit by any process writes a file whose writes the
+	// relay can be told of (SQLite's write-ahead log).
+	WatchesFile() bool
 	// Leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	Leases() bool

@@ -64,6 +64,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			queries["insert numbered "+strconv.Itoa(i)] = q
 		}
 		queries["lock keys"] = o.LockKeys(keys)
+		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
 		for _, seq := range []int64{1, 2} {
 			for i, step := range NewOrderedInbox(d).Apply(in, InOrder{Consumer: "c", Key: "k", Seq: seq, MessageID: "a", At: now}) {
 				queries["apply in order, seq "+strconv.FormatInt(seq, 10)+", step "+strconv.Itoa(i)] = step.Query

@@ -28,6 +28,8 @@ func (sqlite) rebind(q string) string { return q }
 
 func (sqlite) Listens() bool { return false }
 
+func (sqlite) WatchesFile() bool { return true }
+
 // Leases: SQLite has no row locks, so a claim writes a lease into
 // locked_by/locked_until and commits before publishing. A relay that dies
 // leaves its rows until the lease expires.
@@ -135,3 +137,7 @@ func (sqlite) createMigrationsTable() string {
 func (sqlite) insertMigration() string {
 	return "INSERT INTO acemq_schema_migrations (version, name) VALUES (?, ?)"
 }
+
+// DatabaseList lists an SQLite connection's databases: seq, name, file
+// ("" for an in-memory database). The relay watches the file of "main".
+func DatabaseList() Query { return Query{SQL: "PRAGMA database_list"} }
