@@ -323,6 +323,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 	for {
 		loop.refreshStats(ctx)
 		s := loop.sweep(ctx)
+		loop.countStatements()
 		if s.stopping {
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jmoiron/sqlx"
+	"github.com/prometheus/client_golang/prometheus"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
@@ -50,4 +51,48 @@ func TestForwarder_SQLite_CommitElsewhere_WakesRelayWithoutPoll(t *testing.T) {
 			t.Fatalf("message %d did not arrive within 10 s: the commit on another pool did not wake the relay", i)
 		}
 	}
+}
+
+// An idle relay costs one statement per PollInterval (a probe; a claim is
+// three or four), whatever wakes it or does not: counted by the relay
+// itself in outbox_forwarder_statements_total. And with nothing to wake it
+// (DisableListen) it still finds a row another pool commits, by its poll.
+func TestForwarder_Idle_OneStatementPerPoll_AndThePollFindsRows(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, disable := range []bool{false, true} {
+			b := testamqp.New(t)
+			queue := b.Queue("t")
+			reg := prometheus.NewRegistry()
+			m, err := outbox.NewMetrics(reg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const poll = 100 * time.Millisecond
+			f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: poll, DisableListen: disable, Metrics: m, StatsInterval: time.Hour})
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { defer close(done); _ = f.Run(ctx) }()
+			<-f.Running()
+			// Past the adaptive poll's climb from MinPollInterval.
+			waitFor(t, 10*time.Second, "the first statements", func() bool {
+				return metricValue(t, reg, "outbox_forwarder_statements_total", "") > 0
+			})
+			time.Sleep(500 * time.Millisecond)
+			const window = 2 * time.Second
+			before := metricValue(t, reg, "outbox_forwarder_statements_total", "")
+			time.Sleep(window)
+			idle := metricValue(t, reg, "outbox_forwarder_statements_total", "") - before
+			// window/poll probes, and a few for the timers' drift; a claim
+			// per poll would be three or four times as many.
+			if budget := float64(window/poll) * 1.3; idle > budget || idle < float64(window/poll)/2 {
+				t.Errorf("DisableListen %v: %.0f statements in %s idle, want about %d (at most %.0f)", disable, idle, window, window/poll, budget)
+			}
+			publishN(t, otherPool(t, db), b.Exchange, "t", 1)
+			if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+				t.Errorf("DisableListen %v: a row committed on another pool was not published", disable)
+			}
+			cancel()
+			<-done
+		}
+	})
 }

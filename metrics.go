@@ -27,6 +27,7 @@ type Metrics struct {
 	heldMessages    prometheus.Gauge
 	heldGaps        prometheus.Gauge
 	oldestGap       prometheus.Gauge
+	statements      prometheus.Counter
 }
 
 // NewMetrics creates the metrics and registers them with reg. Their names
@@ -91,16 +92,28 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_inbox_oldest_gap_age_seconds",
 			Help: "How long the longest-held message of the ordered inbox has been held; 0 when none is.",
 		}),
+		statements: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "outbox_forwarder_statements_total",
+			Help: "Statements the relay sent to the database, BEGIN and COMMIT included: its load on the database, busy or idle.",
+		}),
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
-		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap} {
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap, m.statements} {
 		errs = append(errs, reg.Register(c))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
 	return m, nil
+}
+
+// sentStatements adds n statements the relay sent.
+func (m *Metrics) sentStatements(n int64) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.statements.Add(float64(n))
 }
 
 // batch records one settled batch of the relay: what was marked published

@@ -28,6 +28,10 @@ type relayLoop struct {
 	// published a keyed record; woke: a wake-up (not a timer, not a batch
 	// in flight) started this sweep. See claimNow.
 	drained, unblocked, woke bool
+	// counted is the store's statement count last reported to Metrics.
+	counted int64
+	// swept is when the last sweep started (see pause).
+	swept time.Time
 }
 
 // newRelayLoop sets up Run's loop. limit is the pool's cap (0: none), and
@@ -81,6 +85,13 @@ type swept struct {
 	unblocked bool
 }
 
+// countStatements reports the statements sent since the last call.
+func (l *relayLoop) countStatements() {
+	n := l.f.store.sent.Load()
+	l.f.cfg.Metrics.sentStatements(n - l.counted)
+	l.counted = n
+}
+
 // refreshStats sets the metrics' gauges, every StatsInterval.
 func (l *relayLoop) refreshStats(ctx context.Context) {
 	f := l.f
@@ -98,6 +109,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// finishes what it claimed, bounded by the publish timeout.
 	work := context.WithoutCancel(ctx)
 	s := swept{stopping: ctx.Err() != nil}
+	l.swept = time.Now()
 
 	f.sweepMu.Lock()
 	if !s.stopping && l.claimNow() && !l.nothingToClaim(work) {
@@ -297,6 +309,14 @@ func (l *relayLoop) idleWait(s swept) time.Duration {
 	return l.poll
 }
 
+// wakeCooldown is the least time from one sweep to the next that a wake-up
+// starts: in a flow of commits, each waking the relay (NOTIFY, the file
+// watch, Notify), the commits of that time share one claim and one batch
+// rather than each taking its own, and a flow slower than one commit per
+// millisecond waits for nothing. (River's FetchCooldown, at 100 ms by
+// default, does the same for its job fetches.)
+const wakeCooldown = time.Millisecond
+
 // pause waits wait, or until ctx ends or the relay is woken, and reports
 // whether it was woken.
 func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) (woken bool) {
@@ -310,6 +330,8 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 			// A wake-up does not cut a backoff short: the failure is
 			// still there, and each try of a refused record counts.
 			l.f.sleep(ctx, l.delay)
+		} else if cool := time.Until(l.swept.Add(wakeCooldown)); cool > 0 {
+			l.f.sleep(ctx, cool)
 		}
 		return true
 	case <-timer.C:

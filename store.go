@@ -72,6 +72,10 @@ type Store struct {
 	// On MySQL the locking claim names the pending index, looked up at the
 	// first claim (see sqldialect's mysql pendingIndex): index is its name,
 	// "" until found. Not found, it is looked up again after indexRecheck.
+	// sent counts the statements the relay's calls sent, BEGIN and COMMIT
+	// included (outbox_forwarder_statements_total).
+	sent atomic.Int64
+
 	claimMu      sync.Mutex
 	index        string
 	indexChecked time.Time
@@ -126,6 +130,7 @@ func (s *Store) listens() bool { return s.dialect.sql().Listens() }
 // hasClaimable reports whether a claim would find a row now (Probe).
 func (s *Store) hasClaimable(ctx context.Context) (bool, error) {
 	q := s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()})
+	s.sent.Add(1)
 	var one int
 	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -179,10 +184,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	// business transaction that inserts an outbox row wait for the relay's
 	// batch to finish.
 	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	s.sent.Add(2) // BEGIN, the claim
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
 	if setup := s.q.ClaimSetup(); setup.SQL != "" {
+		s.sent.Add(1)
 		if _, err := tx.ExecContext(ctx, setup.SQL, setup.Args...); err != nil {
 			_ = tx.Rollback()
 			return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -361,6 +368,7 @@ func (s *Store) claimsOverlap() bool {
 }
 
 func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID string) (*claim, error) {
+	s.sent.Add(3) // BEGIN, the lease, COMMIT
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
@@ -407,6 +415,7 @@ func claimedLess(a, b sqldialect.ClaimedRow) bool {
 // finish marks the published rows (one statement), records the failures,
 // releases whatever else the claim held, and ends the claim.
 func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
+	s.sent.Add(1) // COMMIT
 	if c.tx != nil {
 		err := s.mark(ctx, c.tx, time.Now(), published, failures)
 		if err != nil {
@@ -418,6 +427,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		}
 		return nil
 	}
+	s.sent.Add(1) // BEGIN
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("outbox: mark: %w", err)
@@ -441,6 +451,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 // again at once.
 func (s *Store) abandon(ctx context.Context, c *claim) error {
 	if c.tx != nil {
+		s.sent.Add(1)
 		return c.tx.Rollback()
 	}
 	return s.release(ctx, s.db, c, nil, nil)
@@ -465,6 +476,7 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 		return nil
 	}
 	release := s.q.ReleaseLease(c.lease, free)
+	s.sent.Add(1)
 	if _, err := q.ExecContext(ctx, release.SQL, release.Args...); err != nil {
 		return fmt.Errorf("outbox: release lease: %w", err)
 	}
@@ -472,7 +484,9 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 }
 
 func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
+	s.sent.Add(int64(len(failures)))
 	if len(published) > 0 {
+		s.sent.Add(1)
 		if _, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published)); err != nil {
 			return fmt.Errorf("outbox: mark published: %w", err)
 		}
@@ -516,6 +530,7 @@ func (s *Store) Stats(ctx context.Context) (Stats, error) {
 	var st Stats
 	oldest := sqldialect.NewTime(s.dialect.sql())
 	q := s.q.Stats(s.cfg.MaxAttempts)
+	s.sent.Add(1)
 	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, oldest); err != nil {
 		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
 	}
