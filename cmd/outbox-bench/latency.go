@@ -245,7 +245,7 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		}
 
 		rec.reset()
-		cpu0, _, err := relay.sample()
+		cpu0, st0, err := relay.sample()
 		if err != nil {
 			return err
 		}
@@ -257,12 +257,15 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		if lat, at, err = rec.wait(ctx, ids, latencyDrain, start); err != nil {
 			return err
 		}
-		cpu1, _, err := relay.sample()
+		cpu1, st1, err := relay.sample()
 		if err != nil {
 			return err
 		}
 		name := v.kind + v.suffix
 		out.metric("relay_cpu_"+name, 100*(cpu1-cpu0)/time.Since(start).Seconds(), "%")
+		// What the relay asked of the database per message: its claims,
+		// probes and marks over the run (the idle polls in it too).
+		out.metric("relay_statements_per_msg_"+name, (st1-st0)/float64(len(ids)), "stmt")
 		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook))
 		if v.idle {
 			return measureIdle(ctx, relay, v.kind, out)
