@@ -44,6 +44,11 @@ import (
 //	                          sequence order costs (the claim's key-head
 //	                          probe, and rows the claim skips while their
 //	                          key's previous record is in flight).
+//	                          With -relay-pairs N, N pairs of drains,
+//	                          keyed first in every other pair, each ratio
+//	                          within its pair, and their mean: the drains of
+//	                          a pair are seconds apart, and what else runs
+//	                          on the machine then weighs on both.
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -76,6 +81,7 @@ var (
 	rawInflight = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
 	relayCount  = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
 	relayExtras = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
+	relayPairs  = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
 )
 
 const (
@@ -117,6 +123,9 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	}
 	if *relayCount < 1 {
 		return errors.New("-relays must be at least 1")
+	}
+	if *relayPairs < 1 {
+		return errors.New("-relay-pairs must be at least 1")
 	}
 	q, err := openBenchQueue("relay")
 	if err != nil {
@@ -180,6 +189,13 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	if err != nil {
 		return err
 	}
+	keyedDrain := func(kind string) (res relayResult, err error) {
+		err = q.undisturbed(fmt.Sprintf("relay %s (keyed)", kind), func() error {
+			res, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, true)
+			return err
+		})
+		return res, err
+	}
 	for _, kind := range cfg.kinds {
 		res, err := drain(kind, relayRun)
 		if err != nil {
@@ -198,16 +214,34 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 			note("relay %s: %d batches, %.0f us per batch of which %.0f us in Publish; first claim %s",
 				kind, res.batches, micros(res.took)*perRelay, micros(res.publish)*perRelay, res.first.Round(time.Microsecond))
 		}
-		var keyed relayResult
-		err = q.undisturbed(fmt.Sprintf("relay %s (keyed)", kind), func() error {
-			keyed, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, true)
-			return err
-		})
+		keyed, err := keyedDrain(kind)
 		if err != nil {
 			return err
 		}
-		out.metric("relay_keyed_throughput_"+kind, rate(n, keyed.took), "msg/s")
-		out.metric("relay_keyed_vs_unkeyed_"+kind, rate(n, keyed.took)/r, "ratio")
+		ratios := []float64{rate(n, keyed.took) / r}
+		keyedRates := []float64{rate(n, keyed.took)}
+		for i := 1; i < *relayPairs; i++ {
+			// Keyed first in every other pair, so that neither drain is
+			// always the one that runs after the other.
+			var u, k relayResult
+			if i%2 == 1 {
+				if k, err = keyedDrain(kind); err == nil {
+					u, err = drain(kind, relayRun)
+				}
+			} else if u, err = drain(kind, relayRun); err == nil {
+				k, err = keyedDrain(kind)
+			}
+			if err != nil {
+				return err
+			}
+			ratios = append(ratios, float64(u.took)/float64(k.took))
+			keyedRates = append(keyedRates, rate(n, k.took))
+		}
+		if len(ratios) > 1 {
+			note("relay %s: keyed over unkeyed per pair %.3f", kind, ratios)
+		}
+		out.metric("relay_keyed_throughput_"+kind, mean(keyedRates...), "msg/s")
+		out.metric("relay_keyed_vs_unkeyed_"+kind, mean(ratios...), "ratio")
 		before = after
 	}
 	out.metric("raw_amqp_pipelined", mean(raws...), "msg/s")
