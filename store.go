@@ -135,6 +135,9 @@ func (s *Store) hasClaimable(ctx context.Context) (bool, error) {
 	q := s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()})
 	s.sent.Add(1)
 	var one int
+	// Unprepared: an idle relay probes a few times a second, and a
+	// statement prepared on the pool would run on whatever connection
+	// database/sql picks, where the claims' run in their transaction.
 	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil

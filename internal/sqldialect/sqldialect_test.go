@@ -101,6 +101,9 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	after := p
 	after.After = &Cursor{CreatedAt: now, ID: "x"}
 	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.MarkPublished(now, make([]string, 100)).SQL}
+	if len(got) != len(want) {
+		t.Fatalf("%d statements, want %d", len(got), len(want))
+	}
 	for i := range want {
 		if got[i] != want[i] {
 			t.Errorf("statement %d:\n got %s\nwant %s", i, got[i], want[i])
