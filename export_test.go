@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"time"
 )
 
 // SetAfterPublishHook installs fn to run between the broker's confirms and
@@ -16,7 +17,15 @@ func ClaimsOverlap(s *Store) bool { return s.claimsOverlap() }
 // PendingIndex is the step of a locking claim that looks the pending index
 // up in tx if it is not known yet, and returns the index the claim names.
 func PendingIndex(s *Store, tx *sql.Tx) (string, error) {
-	return s.pendingIndex(context.Background(), tx)
+	index, _, err := s.claimIndexes(context.Background(), tx)
+	return index, err
+}
+
+// KeyIndex is the same step's index of a key's pending rows, which the
+// claim's key-head probe names.
+func KeyIndex(s *Store, tx *sql.Tx) (string, error) {
+	_, keyIndex, err := s.claimIndexes(context.Background(), tx)
+	return keyIndex, err
 }
 
 // SwapPrepared replaces each statement the relay prepared with the same SQL
@@ -47,3 +56,37 @@ func Prepared(f *Forwarder) int {
 	}
 	return 0
 }
+
+// HeldClaim is a claim a test holds: its rows are in flight until it
+// publishes or abandons them.
+type HeldClaim struct {
+	s *Store
+	c *claim
+}
+
+// Claim claims up to n rows as a relay's sweep does (leased to relayID on
+// SQLite), and returns their ids in claim order.
+func Claim(s *Store, n int, relayID string) ([]string, *HeldClaim, error) {
+	c, err := s.claimBatch(context.Background(), n, relayID, time.Minute, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	ids := make([]string, len(c.rows))
+	for i, r := range c.rows {
+		ids[i] = r.ID
+	}
+	return ids, &HeldClaim{s: s, c: c}, nil
+}
+
+// Publish marks the claim's rows published, as the relay does once the
+// broker confirmed them, and ends the claim.
+func (h *HeldClaim) Publish() error {
+	ids := make([]string, len(h.c.rows))
+	for i, r := range h.c.rows {
+		ids[i] = r.ID
+	}
+	return h.s.finish(context.Background(), h.c, ids, nil)
+}
+
+// Abandon ends the claim, marking nothing.
+func (h *HeldClaim) Abandon() error { return h.s.abandon(context.Background(), h.c) }

@@ -69,11 +69,14 @@ type Store struct {
 	cfg     StoreConfig
 	q       *sqldialect.Outbox
 
-	// On MySQL the locking claim names the pending index, looked up at the
-	// first claim (see sqldialect's mysql pendingIndex): index is its name,
-	// "" until found. Not found, it is looked up again after indexRecheck.
+	// On MySQL the locking claim names the pending index, and its key-head
+	// probe the index of a key's pending rows, looked up at the first claim
+	// (see sqldialect's mysql pendingIndex and keyIndex): index and
+	// keyIndex are their names, "" until found. One not found, both are
+	// looked up again after indexRecheck.
 	claimMu      sync.Mutex
 	index        string
+	keyIndex     string
 	indexChecked time.Time
 
 	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
@@ -174,7 +177,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 			return nil, fmt.Errorf("outbox: claim: %w", err)
 		}
 	}
-	if p.Index, err = s.pendingIndex(ctx, tx); err != nil {
+	if p.Index, p.KeyIndex, err = s.claimIndexes(ctx, tx); err != nil {
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
@@ -192,69 +195,91 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	return &claim{rows: claimed, tx: tx}, nil
 }
 
-// pendingIndex is the index a locking claim names, "" for none: on MySQL
-// the pending index, looked up the first time, in the claim's transaction
-// (a capped pool may have no other connection to give).
-func (s *Store) pendingIndex(ctx context.Context, tx *sql.Tx) (string, error) {
+// claimIndexes are the indexes a locking claim names, "" for none: on
+// MySQL the pending index and the index of a key's pending rows, looked up
+// the first time, in the claim's transaction (a capped pool may have no
+// other connection to give).
+func (s *Store) claimIndexes(ctx context.Context, tx *sql.Tx) (index, keyIndex string, err error) {
 	if _, ok := s.q.PendingIndex(); !ok {
-		return "", nil
+		return "", "", nil
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if s.index == "" && time.Since(s.indexChecked) >= indexRecheck {
-		index, err := s.findIndex(ctx, tx)
+	if s.indexMissing() && time.Since(s.indexChecked) >= indexRecheck {
+		index, keyIndex, err := s.findIndexes(ctx, tx)
 		if err != nil {
-			return "", err
+			return "", "", err
 		}
-		s.index, s.indexChecked = index, time.Now()
+		s.index, s.keyIndex, s.indexChecked = index, keyIndex, time.Now()
 	}
-	return s.index, nil
+	return s.index, s.keyIndex, nil
 }
 
-// findIndex looks the pending index up and returns its name, or "" if the
-// table has none.
-func (s *Store) findIndex(ctx context.Context, q interface {
+// indexMissing reports whether an index the claims would name is not
+// known (under claimMu).
+func (s *Store) indexMissing() bool {
+	_, keyed := s.q.KeyIndex()
+	return s.index == "" || keyed && s.keyIndex == ""
+}
+
+// findIndexes looks the pending index and the index of a key's pending rows
+// up and returns their names, "" for one the table does not have.
+func (s *Store) findIndexes(ctx context.Context, q interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}) (string, error) {
+}) (index, keyIndex string, err error) {
 	lookup, _ := s.q.PendingIndex()
+	// No pending index: claims as the optimizer sees fit, and never
+	// overlapping, so the relay cannot wait on itself.
+	if index, err = findIndex(ctx, q, lookup); err != nil {
+		return "", "", fmt.Errorf("look up the pending index of %s: %w", s.q.Table(), err)
+	}
+	if lookup, ok := s.q.KeyIndex(); ok {
+		// None: the key-head probe as the optimizer sees fit, slower,
+		// in the same order.
+		if keyIndex, err = findIndex(ctx, q, lookup); err != nil {
+			return "", "", fmt.Errorf("look up the pending key index of %s: %w", s.q.Table(), err)
+		}
+	}
+	return index, keyIndex, nil
+}
+
+// findIndex runs an index lookup: the index's name, or "" if there is none.
+func findIndex(ctx context.Context, q interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}, lookup sqldialect.Query) (string, error) {
 	var index string
 	err := q.QueryRowContext(ctx, lookup.SQL, lookup.Args...).Scan(&index)
-	switch {
-	case errors.Is(err, sql.ErrNoRows):
-		// No such index: claims as the optimizer sees fit, and never
-		// overlapping, so the relay cannot wait on itself.
+	if errors.Is(err, sql.ErrNoRows) {
 		return "", nil
-	case err != nil:
-		return "", fmt.Errorf("look up the pending index of %s: %w", s.q.Table(), err)
 	}
-	return index, nil
+	return index, err
 }
 
 // prepareRelay prepares the statements the relay runs for every batch, if
 // the dialect wants it (see sqldialect.Dialect.PreparesRelay): the claims,
-// from the head and after a cursor, naming the pending index if there is
-// one, and the mark of a full batch. Run calls it when it starts, while the
-// relay holds no connection, since preparing takes one from the pool for a
-// moment; it holds no lock meanwhile, so a Sweep that holds the pool's last
-// connection goes on. A statement that could not be prepared (a proxy that
-// refuses to) runs unprepared, as do all of them after one fails (see
-// queryTx); the error says which.
+// from the head and after a cursor, naming the indexes the table has (see
+// claimIndexes), and the mark of a full batch. Run calls it when it
+// starts, while the relay holds no connection, since preparing takes one
+// from the pool for a moment; it holds no lock meanwhile, so a Sweep that
+// holds the pool's last connection goes on. A statement that could not be
+// prepared (a proxy that refuses to) runs unprepared, as do all of them
+// after one fails (see queryTx); the error says which.
 func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
 	if !s.dialect.sql().PreparesRelay() {
 		return nil
 	}
-	queries := s.q.RelayStatements("", batchSize)
+	queries := s.q.RelayStatements("", "", batchSize)
 	if _, ok := s.q.PendingIndex(); ok {
-		index, err := s.findIndex(ctx, s.db)
+		index, keyIndex, err := s.findIndexes(ctx, s.db)
 		if err != nil {
 			return err
 		}
 		s.claimMu.Lock()
-		if s.index == "" {
-			s.index, s.indexChecked = index, time.Now()
+		if s.indexMissing() {
+			s.index, s.keyIndex, s.indexChecked = index, keyIndex, time.Now()
 		}
-		if s.index != "" {
-			queries = append(queries, s.q.RelayStatements(s.index, batchSize)[:2]...)
+		if s.index != "" || s.keyIndex != "" {
+			queries = append(queries, s.q.RelayStatements(s.index, s.keyIndex, batchSize)[:2]...)
 		}
 		s.claimMu.Unlock()
 	}
@@ -323,14 +348,14 @@ func (s *Store) prepared(q string) *sql.Stmt {
 	return nil
 }
 
-// forgetIndex makes the next claim look the pending index up again.
+// forgetIndex makes the next claim look the indexes it names up again.
 func (s *Store) forgetIndex() {
 	if _, ok := s.q.PendingIndex(); !ok {
 		return
 	}
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	s.index, s.indexChecked = "", time.Time{}
+	s.index, s.keyIndex, s.indexChecked = "", "", time.Time{}
 }
 
 // claimsOverlap reports whether a relay may claim a batch while it holds the

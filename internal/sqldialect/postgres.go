@@ -59,6 +59,10 @@ func (postgres) claim(table string, p ClaimParams, where string, args []any) Que
 	return Query{SQL: rebindDollar(lockingClaim(table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
+func (postgres) keyHead(table, alias string, _ ClaimParams) string {
+	return keyHeadNotExists(table, alias)
+}
+
 // claimSetup makes the planner walk the pending index in order, which is the
 // only good plan for the claim. Statistics gathered while the table was
 // small (a new table, or a quiet one before an outage's backlog) make it
@@ -70,6 +74,8 @@ func (postgres) claimSetup() string { return "SET LOCAL enable_sort = off" }
 
 // pendingIndex: the partial index is found by the planner; nothing to name.
 func (postgres) pendingIndex() string { return "" }
+
+func (postgres) keyIndex() string { return "" }
 
 func (postgres) purgePublished(table string) string { return purgePublishedByKey(table) }
 

@@ -34,33 +34,34 @@ const claimColumns = "id, exchange_name, routing_key, body, body_encoding, conte
 // schema of the outbox table it numbers.
 const SequencesTable = "acemq_outbox_sequences"
 
-// claimAlias names the claimed table in a claim, so that keyHead's subquery
-// can tell its own rows from the claim's.
+// claimAlias names the claimed table in a claim, so that the key-head
+// probe's subquery can tell its own rows from the claim's.
 const claimAlias = "c"
 
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
-// not under a live lease (ours, or one written by an AceMQ relay in another
-// language), and, for a keyed row, at the head of its key (keyHead).
-// Arguments: max attempts, now.
-const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?) AND " + keyHead
+// and not under a live lease (ours, or one written by an AceMQ relay in
+// another language). Claim adds the dialect's keyHead: a keyed row must be
+// at the head of its key. Arguments: max attempts, now.
+const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
 
-// keyHead keeps a key's records in sequence order across batches, pipelined
+// keyHeadNotExists is the key-head condition of PostgreSQL and SQLite. It
+// keeps a key's records in sequence order across batches, pipelined
 // batches and relays: a keyed row is claimable only once no row of its key
 // with a smaller seq is unpublished, so a key has at most one record in
 // flight anywhere, and its next becomes claimable when the relay that sent
 // it marks it published (after the broker's confirm). A stuck row (at
 // MaxAttempts) is unpublished: it holds its key until an operator retries
-// it. Unkeyed rows (aggregate_id NULL) pass at the first test. The probe
+// it. Unkeyed rows (aggregate_id NULL) pass at the first test, and so does
+// a row without a seq, which has no place in its key's order. The probe
 // walks 0007's acemq_outbox_pending_key, which holds a key's pending rows
-// only (on PostgreSQL, through 0005's index alone the planner ANDed it with
-// the pending index's bitmap, reading every pending entry per probe: 11
-// times slower drains of keyed rows). %[1]s is the table,
-// %[2]s the claim's alias.
-const keyHeadFormat = "(aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM %[1]s p WHERE p.aggregate_id = %[2]s.aggregate_id" +
-	" AND p.seq < %[2]s.seq AND p.published_at IS NULL))"
-
-// keyHead is keyHeadFormat with a placeholder for the table, filled by Claim.
-const keyHead = "{keyhead}"
+// only, as a range that ends below the row's seq (on PostgreSQL, through
+// 0005's index alone the planner ANDed it with the pending index's bitmap,
+// reading every pending entry per probe: 11 times slower drains of keyed
+// rows). MySQL's is its own: see mysql's keyHead.
+func keyHeadNotExists(table, alias string) string {
+	return "(" + alias + ".aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM " + table + " p WHERE p.aggregate_id = " + alias + ".aggregate_id" +
+		" AND p.seq < " + alias + ".seq AND p.published_at IS NULL))"
+}
 
 // afterCursor resumes a drain after the last row claimed, rather than at the
 // head of the pending index, where the entries of rows just marked published
@@ -200,6 +201,9 @@ type ClaimParams struct {
 	After *Cursor
 	// Index, if set, is the pending index a locking claim walks (MySQL).
 	Index string
+	// KeyIndex, if set, is the index of a key's pending rows its key-head
+	// probe walks (MySQL).
+	KeyIndex string
 	// RelayID and LeaseUntil fill locked_by and locked_until of a leasing
 	// claim (SQLite).
 	RelayID    string
@@ -209,7 +213,7 @@ type ClaimParams struct {
 // Claim claims up to p.Limit claimable rows in created_at, id order.
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
-	where := strings.Replace(claimable, keyHead, fmt.Sprintf(keyHeadFormat, o.table, claimAlias), 1)
+	where := claimable + " AND " + o.d.keyHead(o.table, claimAlias, p)
 	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
 	if p.After != nil {
 		at := o.d.TimeArg(p.After.CreatedAt)
@@ -228,6 +232,21 @@ func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }
 // Column: the index name; no row when there is none.
 func (o *Outbox) PendingIndex() (Query, bool) {
 	q := o.d.pendingIndex()
+	if q == "" {
+		return Query{}, false
+	}
+	var schema any // NULL: the current one
+	if o.schema != "" {
+		schema = o.schema
+	}
+	return Query{SQL: q, Args: []any{schema, o.name}}, true
+}
+
+// KeyIndex is the lookup of the name of the table's index of a key's
+// pending rows, if the dialect's claims name it (see PendingIndex). Column:
+// the index name; no row when there is none.
+func (o *Outbox) KeyIndex() (Query, bool) {
+	q := o.d.keyIndex()
 	if q == "" {
 		return Query{}, false
 	}
@@ -385,10 +404,11 @@ func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 }
 
 // RelayStatements are the statements a relay runs for every batch of
-// batchSize, as the claims on index name them: what it prepares.
-func (o *Outbox) RelayStatements(index string, batchSize int) []string {
-	head := ClaimParams{Index: index}
-	after := ClaimParams{Index: index, After: &Cursor{}}
+// batchSize, as the claims on index and keyIndex name them: what it
+// prepares.
+func (o *Outbox) RelayStatements(index, keyIndex string, batchSize int) []string {
+	head := ClaimParams{Index: index, KeyIndex: keyIndex}
+	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{}}
 	return []string{o.Claim(head).SQL, o.Claim(after).SQL, o.MarkPublished(time.Time{}, make([]string, batchSize)).SQL}
 }
 

@@ -70,8 +70,14 @@ type Dialect interface {
 	// claim claims p.Limit rows of table that meet where (filled by
 	// whereArgs), in created_at, id order.
 	claim(table string, p ClaimParams, where string, whereArgs []any) Query
+	// keyHead is the claim's condition that a keyed row of table (alias
+	// in the claim) is at the head of its key: see keyHeadNotExists.
+	keyHead(table, alias string, p ClaimParams) string
 	claimSetup() string
 	pendingIndex() string
+	// keyIndex looks up the index of a key's pending rows that keyHead
+	// names, "" if the dialect's claims name none (see pendingIndex).
+	keyIndex() string
 	purgePublished(table string) string
 	insertProcessed(table string) string
 	purgeProcessed(table string) string

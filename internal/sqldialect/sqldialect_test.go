@@ -29,6 +29,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"claim":              {Limit: 10, MaxAttempts: 5, Now: now, RelayID: "r", LeaseUntil: now},
 			"claim after cursor": {Limit: 10, MaxAttempts: 5, Now: now, After: &Cursor{CreatedAt: now, ID: "x"}, RelayID: "r", LeaseUntil: now},
 			"claim on index":     {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending"},
+			"claim on indexes":   {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"},
 		}
 		queries := map[string]Query{
 			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}, false),
@@ -62,6 +63,9 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		if q, ok := o.PendingIndex(); ok {
 			queries["pending index"] = q
 		}
+		if q, ok := o.KeyIndex(); ok {
+			queries["key index"] = q
+		}
 		for name, q := range queries {
 			if got := len(placeholderRE.FindAllString(q.SQL, -1)); got != len(q.Args) {
 				t.Errorf("%s %s: %d placeholders, %d arguments: %s", d.Name(), name, got, len(q.Args), q.SQL)
@@ -80,20 +84,21 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := o.RelayStatements("acemq_outbox_pending", 100)
+	got := o.RelayStatements("acemq_outbox_pending", "acemq_outbox_pending_key", 100)
 	now := time.Now()
-	want := []string{
-		o.Claim(ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending"}).SQL,
-		o.Claim(ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending", After: &Cursor{CreatedAt: now, ID: "x"}}).SQL,
-		o.MarkPublished(now, make([]string, 100)).SQL,
-	}
+	p := ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"}
+	after := p
+	after.After = &Cursor{CreatedAt: now, ID: "x"}
+	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.MarkPublished(now, make([]string, 100)).SQL}
 	for i := range want {
 		if got[i] != want[i] {
 			t.Errorf("statement %d:\n got %s\nwant %s", i, got[i], want[i])
 		}
 	}
-	if !strings.Contains(got[0], "FORCE INDEX (`acemq_outbox_pending`)") {
-		t.Errorf("the claim does not name the index: %s", got[0])
+	for _, index := range []string{"FORCE INDEX (`acemq_outbox_pending`)", "FORCE INDEX (`acemq_outbox_pending_key`)"} {
+		if !strings.Contains(got[0], index) {
+			t.Errorf("the claim does not name %s: %s", index, got[0])
+		}
 	}
 }
 

@@ -56,9 +56,15 @@ func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query
 	}
 }
 
+func (sqlite) keyHead(table, alias string, _ ClaimParams) string {
+	return keyHeadNotExists(table, alias)
+}
+
 func (sqlite) claimSetup() string { return "" }
 
 func (sqlite) pendingIndex() string { return "" }
+
+func (sqlite) keyIndex() string { return "" }
 
 func (sqlite) purgePublished(table string) string { return purgePublishedByKey(table) }
 
