@@ -178,7 +178,10 @@ func (q *benchQueue) close() error {
 // With every > 0 it waits for all confirms after each every messages, as a
 // relay that publishes a batch and waits for its confirms before the next
 // does: what the broker gives that pattern, with no database at all.
-func rawPublish(ctx context.Context, q *benchQueue, ids []string, payload []byte, inflight, every int) (time.Duration, error) {
+//
+// keyed adds the headers the relay sends with a keyed record, aggregateId
+// and seq, numbered as relayFill numbers the keyed drain's rows.
+func rawPublish(ctx context.Context, q *benchQueue, ids []string, payload []byte, inflight, every int, keyed bool) (time.Duration, error) {
 	if err := q.reopen(); err != nil {
 		return 0, err
 	}
@@ -234,8 +237,13 @@ func rawPublish(ctx context.Context, q *benchQueue, ids []string, payload []byte
 				return 0, err
 			}
 		}
+		headers := amqp.Table{outbox.HeaderMessageID: id, outbox.HeaderWatermillUUID: id}
+		if keyed {
+			headers[outbox.HeaderAggregateID] = fmt.Sprintf("aggregate-%04d", i%relayKeys)
+			headers[outbox.HeaderSeq] = int64(i/relayKeys + 1)
+		}
 		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", q.name, true, false, amqp.Publishing{
-			Headers:      amqp.Table{outbox.HeaderMessageID: id, outbox.HeaderWatermillUUID: id},
+			Headers:      headers,
 			ContentType:  outbox.DefaultContentType,
 			DeliveryMode: amqp.Persistent,
 			MessageId:    id,

@@ -49,6 +49,12 @@ import (
 //	                          within its pair, and their mean: the drains of
 //	                          a pair are seconds apart, and what else runs
 //	                          on the machine then weighs on both.
+//	raw_amqp_keyed_vs_plain:  the raw client with the headers the relay
+//	                          adds to a keyed record (aggregateId, seq) over
+//	                          the raw client without: the broker's own price
+//	                          of a keyed message, which bounds
+//	                          relay_keyed_vs_unkeyed from above. One pair of
+//	                          raw runs, or -relay-pairs.
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -140,11 +146,14 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	note("relay: queue %s, %d messages of %d bytes per run; batch %s, window %s, raw in flight %d",
 		q.name, n, len(payload), orDefault(*relayBatch), orDefault(*relayWindow), *rawInflight)
 
-	var raws []float64
-	raw := func() (float64, error) {
+	rawRun := func(keyed bool) (float64, error) {
 		ids := make([]string, n)
 		for i := range ids {
 			ids[i] = watermill.NewUUID()
+		}
+		name := "raw_amqp_pipelined"
+		if keyed {
+			name += " (keyed headers)"
 		}
 		var r float64
 		err := q.undisturbed("relay: raw", func() error {
@@ -152,7 +161,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 				return err
 			}
 			cpu := readCPU()
-			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0)
+			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0, keyed)
 			if err != nil {
 				return err
 			}
@@ -161,9 +170,14 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 				return fmt.Errorf("VERIFY FAILED: raw: queue holds %d messages, want %d (%v)", got, n, err)
 			}
 			r = rate(n, took)
-			note("relay: raw_amqp_pipelined %.0f msg/s (%s, machine CPU %.0f%% busy)", r, took.Round(time.Millisecond), 100*busy)
+			note("relay: %s %.0f msg/s (%s, machine CPU %.0f%% busy)", name, r, took.Round(time.Millisecond), 100*busy)
 			return q.purge()
 		})
+		return r, err
+	}
+	var raws []float64
+	raw := func() (float64, error) {
+		r, err := rawRun(false)
 		raws = append(raws, r)
 		return r, err
 	}
@@ -181,7 +195,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	for i := range warm {
 		warm[i] = watermill.NewUUID()
 	}
-	if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0); err != nil {
+	if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0, false); err != nil {
 		return err
 	}
 
@@ -247,6 +261,27 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	out.metric("raw_amqp_pipelined", mean(raws...), "msg/s")
 	note("relay: raw runs %v msg/s; each ratio is over the mean of the raw runs on either side", roundAll(raws))
 
+	// What the broker itself charges for a keyed message, its two more
+	// headers, with no relay and no database: the ceiling of
+	// relay_keyed_vs_unkeyed. As many pairs as -relay-pairs, keyed first in
+	// every other one.
+	var headerRatios []float64
+	for i := 0; i < *relayPairs; i++ {
+		var plain, keyed float64
+		if i%2 == 1 {
+			if keyed, err = rawRun(true); err == nil {
+				plain, err = rawRun(false)
+			}
+		} else if plain, err = rawRun(false); err == nil {
+			keyed, err = rawRun(true)
+		}
+		if err != nil {
+			return err
+		}
+		headerRatios = append(headerRatios, keyed/plain)
+	}
+	out.metric("raw_amqp_keyed_vs_plain", mean(headerRatios...), "ratio")
+
 	if !*relayExtras {
 		return nil
 	}
@@ -268,7 +303,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 		if err := q.purge(); err != nil {
 			return err
 		}
-		took, err := rawPublish(ctx, q, ids, payload, *rawInflight, batch)
+		took, err := rawPublish(ctx, q, ids, payload, *rawInflight, batch, false)
 		if err != nil {
 			return err
 		}
