@@ -83,8 +83,11 @@ func TestForwarder_Idle_OneStatementPerPoll_AndThePollFindsRows(t *testing.T) {
 			time.Sleep(window)
 			idle := metricValue(t, reg, "outbox_forwarder_statements_total", "") - before
 			// window/poll probes, and a few for the timers' drift; a claim
-			// per poll would be three or four times as many.
-			if budget := float64(window/poll) * 1.3; idle > budget || idle < float64(window/poll)/2 {
+			// per poll would be three or four times as many. Not with
+			// LISTEN: NOTIFY acemq_outbox is the database's, and other
+			// tests' commits in their schemas wake this relay too.
+			listening := db.Kind == testdb.Postgres && !disable
+			if budget := float64(window/poll) * 1.3; !listening && (idle > budget || idle < float64(window/poll)/2) {
 				t.Errorf("DisableListen %v: %.0f statements in %s idle, want about %d (at most %.0f)", disable, idle, window, window/poll, budget)
 			}
 			publishN(t, otherPool(t, db), b.Exchange, "t", 1)
