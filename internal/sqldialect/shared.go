@@ -276,8 +276,7 @@ type ClaimParams struct {
 // Claim claims up to p.Limit claimable rows in created_at, id order.
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
-	where := claimable + " AND " + o.d.keyHead(o.table, claimAlias, p)
-	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	where, args := o.claimWhere(p)
 	if p.After != nil {
 		at := o.d.TimeArg(p.After.CreatedAt)
 		where += " AND " + afterCursor
@@ -291,8 +290,14 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 // asks instead of claiming, a claim being a transaction of three or four
 // statements (on SQLite a write). Column: 1; no row when there is none.
 func (o *Outbox) Claimable(p ClaimParams) Query {
-	where := claimable + " AND " + o.d.keyHead(o.table, claimAlias, p)
-	return o.query("SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+where+" LIMIT 1", p.MaxAttempts, o.d.TimeArg(p.Now))
+	where, args := o.claimWhere(p)
+	return o.query("SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+where+" LIMIT 1", args...)
+}
+
+// claimWhere is the condition a row must meet to be claimed now, on the
+// claim's alias, and its arguments.
+func (o *Outbox) claimWhere(p ClaimParams) (string, []any) {
+	return claimable + " AND " + o.d.keyHead(o.table, claimAlias, p), []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
 }
 
 // ClaimSetup, if its SQL is not empty, runs first in a locking claim's
