@@ -5,9 +5,11 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -58,6 +60,7 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 			return errNotPgx
 		}
 		pc := sc.Conn()
+		ours := f.notifyPayload(ctx, pc)
 		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
 			return err
 		}
@@ -67,13 +70,40 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		defer f.woken.Store(false)
 		f.Notify()
 		for {
-			if _, err := pc.WaitForNotification(ctx); err != nil {
+			n, err := pc.WaitForNotification(ctx)
+			if err != nil {
 				// Never hand a listening connection back to the pool.
 				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 			}
 			heard = true
+			if othersTable(n.Payload, ours) {
+				continue
+			}
 			f.Notify()
 		}
 	})
 	return heard, err
+}
+
+// notifyPayload is the payload the trigger sends for this relay's table, or
+// "" when it cannot tell (the table is not there yet, say): then every
+// notification wakes the relay, as before the payload was read.
+func (f *Forwarder) notifyPayload(ctx context.Context, pc *pgx.Conn) string {
+	q := f.store.q.NotifyPayload()
+	var name *string
+	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&name); err != nil || name == nil {
+		if err != nil && ctx.Err() == nil {
+			f.log.Info("Cannot tell the outbox table's notifications from other tables'; every one wakes the relay", watermill.LogFields{"err": err.Error()})
+		}
+		return ""
+	}
+	return *name
+}
+
+// othersTable reports whether a notification's payload names another
+// schema's or table's outbox. A payload that names no table (a trigger
+// other than this library's, an older one) is not known to be another's,
+// and wakes the relay.
+func othersTable(payload, ours string) bool {
+	return ours != "" && strings.Contains(payload, ".") && payload != ours
 }

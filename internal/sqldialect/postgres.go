@@ -39,6 +39,16 @@ const NotifyChannel = "acemq_outbox"
 // Listen subscribes a connection to NotifyChannel.
 func Listen() Query { return Query{SQL: "LISTEN " + NotifyChannel} }
 
+// NotifyPayload is the payload the trigger sends for the outbox table,
+// schema.table as TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME spell it, read
+// back from the catalog so that an unqualified name resolves as the
+// connection's search_path resolves it. It returns NULL for a table that is
+// not there. The channel is the database's: every schema's outbox notifies
+// on it, and this is how a relay tells its own table's commits from others'.
+func (o *Outbox) NotifyPayload() Query {
+	return o.query(`SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)`, o.table)
+}
+
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
 // held by the relay's transaction. A relay that dies releases it with its
 // connection, at once; a second relay skips the locked rows.
