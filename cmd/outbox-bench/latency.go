@@ -35,6 +35,9 @@ import (
 //	commit_to_broker_p50/p99_<db>_process_<rate>: every database: the relay is
 //	                                          `outboxctl relay`, a process of its own, at
 //	                                          500 and 2,000 msg/s (latency_process.go)
+//	commit_to_broker_p50/p99_broker_only_<rate>: their floor: the bench publishes
+//	                                          straight to the broker at the same rate,
+//	                                          no database, no relay (latencyRawRun)
 //
 // -n is the number of measured messages of the main (postgres LISTEN) run;
 // the other runs send half as many. A few warm-up messages precede each run
@@ -62,6 +65,9 @@ type latencyVariant struct {
 	// cost.
 	process, idle bool
 	rate          int
+	// raw: no database and no relay: the bench publishes to the broker
+	// itself, on a confirm channel, at rate (latencyRawRun).
+	raw bool
 }
 
 func runLatency(ctx context.Context, cfg config, out *reporter) error {
@@ -82,6 +88,12 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		default:
 			variants = append(variants, latencyVariant{kind: kind, suffix: "_nudge", nudge: true, n: max(n/2, 1)})
 		}
+	}
+	// The floor of the process variants: no database and no relay, the
+	// bench publishing straight to the broker at the same rates, so that
+	// each rate's figures have the broker's own share beside them.
+	for _, r := range processRates {
+		variants = append(variants, latencyVariant{suffix: fmt.Sprintf("broker_only_%d", r), raw: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 	}
 	for _, kind := range cfg.kinds {
 		for i, r := range processRates {
@@ -124,7 +136,9 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 			v.rate = *latencyRate
 		}
 		err := q.undisturbed("latency "+name, func() (err error) {
-			if v.process {
+			if v.raw {
+				lat, at, err = latencyRawRun(ctx, q, rec, v, payload)
+			} else if v.process {
 				lat, at, err = latencyProcessRun(ctx, cfg, q, rec, v, payload, out)
 			} else {
 				lat, at, err = latencyRun(ctx, cfg, q, rec, v, payload)
@@ -319,6 +333,86 @@ func latencySend(ctx context.Context, db *testdb.DB, queue string, f *outbox.For
 	}
 	wg.Wait()
 	return ids, errors.Join(errs...)
+}
+
+// latencyRawRun publishes v.n messages at v.rate to the queue with the raw
+// amqp091-go client, persistent and mandatory on a confirm channel as the
+// relay publishes them, and returns their latencies from publish to
+// delivery: what the broker takes at that rate on this machine, with no
+// database and no relay.
+func latencyRawRun(ctx context.Context, q *benchQueue, rec *latencyRecorder, v latencyVariant, payload []byte) (lat, at []time.Duration, err error) {
+	if err := q.purge(); err != nil {
+		return nil, nil, err
+	}
+	conn, err := q.dial(q.name + " raw publisher")
+	if err != nil {
+		return nil, nil, err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := ch.Confirm(false); err != nil {
+		return nil, nil, err
+	}
+	// Confirms are drained as they come, never waited for: the measure is
+	// the delivery, and a relay does not wait for one confirm before the
+	// next publish either.
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation, 1024))
+	go func() {
+		for range confirms {
+		}
+	}()
+	send := func(count int) ([]string, error) {
+		interval := time.Second / time.Duration(v.rate)
+		ids := make([]string, 0, count)
+		start := time.Now()
+		for i := 0; i < count; i++ {
+			if wait := time.Until(start.Add(time.Duration(i) * interval)); wait > 0 {
+				select {
+				case <-ctx.Done():
+					return ids, ctx.Err()
+				case <-time.After(wait):
+				}
+			}
+			id := watermill.NewUUID()
+			rec.committed(id, time.Now())
+			err := ch.PublishWithContext(ctx, "", q.name, true, false, amqp.Publishing{
+				Headers:      amqp.Table{outbox.HeaderMessageID: id, outbox.HeaderWatermillUUID: id},
+				ContentType:  outbox.DefaultContentType,
+				DeliveryMode: amqp.Persistent,
+				MessageId:    id,
+				Timestamp:    time.Now(),
+				Body:         payload,
+			})
+			if err != nil {
+				return ids, fmt.Errorf("raw publish: %w", err)
+			}
+			ids = append(ids, id)
+		}
+		return ids, nil
+	}
+	rec.reset()
+	ids, err := send(latencyWarmup)
+	if err == nil {
+		_, _, err = rec.wait(ctx, ids, latencyDrain, time.Now())
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("warm-up: %w", err)
+	}
+	rec.reset()
+	cpu := readCPU()
+	start := time.Now()
+	if ids, err = send(v.n); err != nil {
+		return nil, nil, err
+	}
+	sendTook, busy := time.Since(start), cpu.busySince()
+	if lat, at, err = rec.wait(ctx, ids, latencyDrain, start); err != nil {
+		return nil, nil, err
+	}
+	note("latency %s: %d messages published in %s (%.0f msg/s, machine CPU %.0f%% busy)", v.suffix, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook), 100*busy)
+	return lat, at, nil
 }
 
 // latencyCommit commits one transaction that publishes one message.
