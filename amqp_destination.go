@@ -283,7 +283,9 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 
 // dialLocked connects to the first node that answers, from d.next on and
 // round the list, so that the node of a lost connection is tried last. It
-// gives up once every node failed or ctx ended.
+// gives up once every node failed or ctx ended. The log of the connect
+// names the node, the one before it if another, and the nodes that did not
+// answer first.
 func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 	var failed nodeErrors
 	for i := range d.nodes {
@@ -296,10 +298,6 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 			if ctx.Err() != nil {
 				break
 			}
-			if i < len(d.nodes)-1 {
-				next := d.nodes[(k+1)%len(d.nodes)].addr
-				d.cfg.Logger.Info("RabbitMQ node does not answer; trying the next", watermill.LogFields{"node": node.addr, "next": next, "error": err.Error()})
-			}
 			continue
 		}
 		d.conn, d.wire = conn, w
@@ -310,6 +308,11 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		fields := watermill.LogFields{"node": node.addr, "connection_name": d.cfg.ConnectionName}
 		if d.last != "" && d.last != node.addr {
 			fields["previous_node"] = d.last
+		}
+		if len(failed) > 0 {
+			// Said once the round is over, with its outcome: a round that
+			// fails says it all in its error, which the caller logs.
+			fields["unanswered"] = failed.Error()
 		}
 		d.last = node.addr
 		d.current.Store(&nodeConn{node: node.addr, conn: conn})

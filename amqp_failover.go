@@ -30,8 +30,9 @@ import (
 // that carry a name they share, and set it there. AMQPDestination needs
 // none of this: it dials each node with its own URL.
 //
-// It logs the node each connection goes to, and each node that does not
-// answer, on logger (nil: no logging). One Dial may serve several clients;
+// It logs the node each connection goes to, with the nodes that did not
+// answer before it, on logger (nil: no logging); a call that finds no node
+// returns an error naming each, for the client to log. One Dial may serve several clients;
 // their connections then spread over the nodes.
 func FailoverDial(urls []string, timeout time.Duration, logger watermill.LoggerAdapter) (func(network, addr string) (net.Conn, error), error) {
 	if len(urls) == 0 {
@@ -79,9 +80,6 @@ func (f *failoverDialer) dial(network, _ string) (net.Conn, error) {
 		conn, err := net.DialTimeout(network, f.addrs[k], f.timeout)
 		if err != nil {
 			failed = append(failed, fmt.Errorf("%s: %w", f.addrs[k], err))
-			if i < len(f.addrs)-1 {
-				f.log.Info("RabbitMQ node does not answer; trying the next", watermill.LogFields{"node": f.addrs[k], "next": f.addrs[(k+1)%len(f.addrs)], "error": err.Error()})
-			}
 			continue
 		}
 		// As amqp091-go's DefaultDial: a deadline for the handshake, which
@@ -97,7 +95,11 @@ func (f *failoverDialer) dial(network, _ string) (net.Conn, error) {
 		f.mu.Lock()
 		f.next = (k + 1) % len(f.addrs)
 		f.mu.Unlock()
-		f.log.Info("Dialled RabbitMQ node", watermill.LogFields{"node": f.addrs[k]})
+		fields := watermill.LogFields{"node": f.addrs[k]}
+		if len(failed) > 0 {
+			fields["unanswered"] = failed.Error()
+		}
+		f.log.Info("Dialled RabbitMQ node", fields)
 		return conn, nil
 	}
 	return nil, fmt.Errorf("no RabbitMQ node answers: %w", failed)

@@ -81,16 +81,29 @@ func (c *cli) relay(args []string) error {
 	log := slog.New(slog.NewTextHandler(c.stderr, nil))
 	wlog := watermill.NewSlogLogger(log)
 
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	)
+	metrics, err := outbox.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	// A URL that does not parse is a usage error, before any database. The
+	// destination has the metrics from the start: the nodes that do not
+	// answer the first connect count.
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: amqpURLs, ConnectionName: "outboxctl relay", Logger: wlog, Metrics: metrics})
+	if err != nil {
+		return usagef("--amqp %s: %v", amqpShown, err)
+	}
 	d, err := c.openOutbox()
 	if err != nil {
+		_ = dest.Close()
 		return err
 	}
 	defer d.Close()
 
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: amqpURLs, ConnectionName: "outboxctl relay", Logger: wlog})
-	if err != nil {
-		return usagef("--amqp %s: %v", amqpShown, err)
-	}
 	// A broker that is down when the relay starts is an operator's to fix;
 	// one lost later is the relay's to wait out (it backs off and claims
 	// nothing meanwhile).
@@ -110,17 +123,7 @@ func (c *cli) relay(args []string) error {
 		return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, connectError(err))
 	}
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		collectors.NewDBStatsCollector(d.db, "outbox"),
-	)
-	metrics, err := outbox.NewMetrics(reg)
-	if err != nil {
-		_ = dest.Close()
-		return err
-	}
+	reg.MustRegister(collectors.NewDBStatsCollector(d.db, "outbox"))
 	fwd, err := outbox.NewForwarder(d.db, dest, outbox.ForwarderConfig{
 		Dialect:       d.dialect,
 		Table:         c.g.table,
