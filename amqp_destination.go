@@ -141,8 +141,9 @@ func parseNode(raw string) (brokerNode, error) {
 // queue takes comes back, and counts as a failure of its record), persistent
 // delivery, and the id in the message_id property and the x-acemq-id header.
 //
-// It connects on first use and again after the connection or channel is
-// lost; the Forwarder's backoff spaces the attempts. It owns no goroutine of
+// It connects on first use, to the first node of its URLs that answers,
+// and again after the connection or channel is lost, to the next node
+// first; the Forwarder's backoff spaces the attempts. It owns no goroutine of
 // its own beyond amqp091-go's, which end with the connection on Close.
 type AMQPDestination struct {
 	cfg   AMQPConfig
