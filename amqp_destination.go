@@ -4,7 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -31,10 +37,20 @@ const maxWindow = 1000
 
 // AMQPConfig configures an AMQPDestination.
 type AMQPConfig struct {
-	// URL of the broker, amqp://user:pass@host:5672/vhost. Required.
-	URL string
-	// AMQP is passed to amqp091-go's DialConfig (TLS, heartbeat, vhost, …).
-	// A zero Dial gets a 10 s connection timeout.
+	// URLs of the broker, amqp://user:pass@host:5672/vhost: one for a single
+	// broker, one per node for a cluster. Required. The destination connects
+	// to the first node that answers; after a lost connection it tries the
+	// next node first, then the others in order, the one it lost last, so a
+	// node that went down is not waited for while another answers. A round
+	// in which no node answers fails as a lost connection, and the
+	// Forwarder tries again after its backoff. Each node is dialled with its
+	// own URL: user, password, vhost and TLS server name may differ between
+	// them.
+	URLs []string
+	// AMQP is passed to amqp091-go's DialConfig for each node (TLS,
+	// heartbeat, vhost, …). Its Dial is called once per node with that
+	// node's address. A nil Dial dials with a 10 s timeout per node, cut
+	// short when the Forwarder's PublishTimeout ends.
 	AMQP amqp.Config
 	// Window is how many publishes may wait for the broker's confirm at once.
 	// 0 (the default) sends all of a batch and, under Forwarder.Run, the
@@ -50,15 +66,24 @@ type AMQPConfig struct {
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "watermill-outbox relay".
 	ConnectionName string
-	Logger         watermill.LoggerAdapter
+	// Metrics, if set, shows which node the destination is connected to
+	// (outbox_forwarder_broker_connected) and counts its connects and
+	// failed dials per node. NewForwarder sets it from
+	// ForwarderConfig.Metrics when it is nil and the destination is handed
+	// to it as it is; set it here for one wrapped in a Destination of your
+	// own.
+	Metrics *Metrics
+	Logger  watermill.LoggerAdapter
 }
+
+// dialTimeout bounds the dial of one node when AMQPConfig.AMQP.Dial is nil:
+// amqp091-go's own default is 30 s, which would spend two PublishTimeouts
+// on a node that does not answer before the next node is tried.
+const dialTimeout = 10 * time.Second
 
 func (c *AMQPConfig) setDefaults() {
 	if c.ConnectionName == "" {
 		c.ConnectionName = "watermill-outbox relay"
-	}
-	if c.AMQP.Dial == nil {
-		c.AMQP.Dial = amqp.DefaultDial(10 * time.Second)
 	}
 	if c.AMQP.Properties == nil {
 		c.AMQP.Properties = amqp.NewConnectionProperties()
@@ -72,11 +97,13 @@ func (c *AMQPConfig) setDefaults() {
 }
 
 func (c AMQPConfig) validate() error {
-	if c.URL == "" {
-		return &ConfigError{Field: "URL", Reason: "required"}
+	if len(c.URLs) == 0 {
+		return &ConfigError{Field: "URLs", Reason: "required: at least one broker URL"}
 	}
-	if _, err := amqp.ParseURI(c.URL); err != nil {
-		return &ConfigError{Field: "URL", Reason: err.Error()}
+	for i, u := range c.URLs {
+		if _, err := parseNode(u); err != nil {
+			return &ConfigError{Field: fmt.Sprintf("URLs[%d]", i), Reason: err.Error()}
+		}
 	}
 	if c.AMQP.Recovery != nil {
 		// amqp091-go's recovery reopens channels in place and restarts their
@@ -89,16 +116,38 @@ func (c AMQPConfig) validate() error {
 	return nil
 }
 
+// brokerNode is one node of AMQPConfig.URLs.
+type brokerNode struct {
+	url  string
+	addr string // host:port, what logs and metrics name it by: never the password
+}
+
+// parseNode reads one broker URL. Its error never holds the URL: a URL that
+// does not parse may still hold a password.
+func parseNode(raw string) (brokerNode, error) {
+	uri, err := amqp.ParseURI(raw)
+	if err != nil {
+		var urlErr *url.Error
+		if errors.As(err, &urlErr) { // its text quotes the URL
+			return brokerNode{}, fmt.Errorf("not a URL: %w", urlErr.Err)
+		}
+		return brokerNode{}, err
+	}
+	return brokerNode{url: raw, addr: net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port))}, nil
+}
+
 // AMQPDestination publishes records to RabbitMQ on a confirm channel with
 // confirms pipelined over a window, the mandatory flag set (a message no
 // queue takes comes back, and counts as a failure of its record), persistent
 // delivery, and the id in the message_id property and the x-acemq-id header.
 //
-// It connects on first use and again after the connection or channel is
-// lost; the Forwarder's backoff spaces the attempts. It owns no goroutine of
+// It connects on first use, to the first node of its URLs that answers,
+// and again after the connection or channel is lost, to the next node
+// first; the Forwarder's backoff spaces the attempts. It owns no goroutine of
 // its own beyond amqp091-go's, which end with the connection on Close.
 type AMQPDestination struct {
-	cfg AMQPConfig
+	cfg   AMQPConfig
+	nodes []brokerNode
 
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
@@ -106,6 +155,17 @@ type AMQPDestination struct {
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	closed    bool
+	next      int    // the node a connect tries first
+	last      string // the node of the latest connection, for the log of a failover
+	counted   string // the node this destination counts as connected in cfg.Metrics
+
+	current atomic.Pointer[nodeConn] // for Node, which does not wait for mu
+}
+
+// nodeConn is the connection a destination has open, and its node.
+type nodeConn struct {
+	node string
+	conn *amqp.Connection
 }
 
 // confirmChannel is one confirm channel and what the broker sends back on
@@ -126,14 +186,55 @@ type confirmChannel struct {
 // ErrDestinationClosed is returned by a destination used after Close.
 var ErrDestinationClosed = errors.New("outbox: destination is closed")
 
-// NewAMQPDestination returns a destination for the broker at cfg.URL. It
+// NewAMQPDestination returns a destination for the broker at cfg.URLs. It
 // does not connect until first used.
 func NewAMQPDestination(cfg AMQPConfig) (*AMQPDestination, error) {
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return &AMQPDestination{cfg: cfg}, nil
+	d := &AMQPDestination{cfg: cfg}
+	for _, u := range cfg.URLs {
+		n, _ := parseNode(u) // validated
+		d.nodes = append(d.nodes, n)
+	}
+	d.cfg.URLs = slices.Clone(cfg.URLs)
+	d.cfg.Metrics.brokerNodes(d.nodeAddrs())
+	return d, nil
+}
+
+func (d *AMQPDestination) nodeAddrs() []string {
+	addrs := make([]string, len(d.nodes))
+	for i, n := range d.nodes {
+		addrs[i] = n.addr
+	}
+	return addrs
+}
+
+// Node is the broker node the destination is connected to, host:port as
+// its URL names it, or "" while it has no open connection.
+func (d *AMQPDestination) Node() string {
+	c := d.current.Load()
+	if c == nil || c.conn.IsClosed() {
+		return ""
+	}
+	return c.node
+}
+
+// useMetrics is how NewForwarder hands its Metrics to a destination that
+// has none.
+func (d *AMQPDestination) useMetrics(m *Metrics) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cfg.Metrics != nil || m == nil {
+		return
+	}
+	d.cfg.Metrics = m
+	m.brokerNodes(d.nodeAddrs())
+	if c := d.current.Load(); c != nil && !d.closed {
+		d.counted = c.node
+		m.brokerConnected(c.node, 1)
+	}
 }
 
 // Connect makes sure a connection and a confirm channel are open.
@@ -151,31 +252,13 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		return err
 	}
 	if d.conn == nil || d.conn.IsClosed() {
-		d.dropLocked()
-		cfg := d.cfg.AMQP
-		var (
-			w    *amqpwire.Wire
-			stop = func() bool { return true }
-		)
-		cfg.Dial = amqpwire.Dial(cfg.Dial, func(opened *amqpwire.Wire) {
-			// The handshake, too, is cut short when ctx ends, whatever
-			// deadline the Dial set, if any.
-			w = opened
-			stop = context.AfterFunc(ctx, func() { _ = opened.Conn.SetDeadline(time.Now()) })
-		})
-		conn, err := amqp.DialConfig(d.cfg.URL, cfg)
-		if cut := !stop(); cut || err != nil {
-			if conn != nil { // amqp091-go can return one with its error
-				_ = conn.CloseDeadline(time.Now())
-			}
-			if err == nil {
-				err = ctx.Err()
-			}
-			return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", err))
+		if d.conn != nil {
+			d.cfg.Logger.Info("Connection to RabbitMQ lost", watermill.LogFields{"node": d.last, "connection_name": d.cfg.ConnectionName})
 		}
-		d.conn, d.wire = conn, w
-		d.exchanges = map[string]bool{}
-		d.cfg.Logger.Info("Connected to RabbitMQ", watermill.LogFields{"connection_name": d.cfg.ConnectionName})
+		d.dropLocked()
+		if err := d.dialLocked(ctx); err != nil {
+			return err
+		}
 	}
 	if d.cc == nil || d.cc.ch.IsClosed() {
 		if d.cc != nil {
@@ -198,6 +281,115 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 	}
 	return nil
 }
+
+// dialLocked connects to the first node that answers, from d.next on and
+// round the list, so that the node of a lost connection is tried last. It
+// gives up once every node failed or ctx ended. The log of the connect
+// names the node, the one before it if another, and the nodes that did not
+// answer first.
+func (d *AMQPDestination) dialLocked(ctx context.Context) error {
+	var failed nodeErrors
+	for i := range d.nodes {
+		k := (d.next + i) % len(d.nodes)
+		node := d.nodes[k]
+		conn, w, err := d.dialNode(ctx, node)
+		if err != nil {
+			d.cfg.Metrics.brokerConnectFailed(node.addr)
+			failed = append(failed, fmt.Errorf("%s: %w", node.addr, err))
+			if ctx.Err() != nil {
+				break
+			}
+			continue
+		}
+		d.conn, d.wire = conn, w
+		d.exchanges = map[string]bool{}
+		// The next connect starts after this node: if it is lost, the next
+		// one is the likelier to answer.
+		d.next = (k + 1) % len(d.nodes)
+		fields := watermill.LogFields{"node": node.addr, "connection_name": d.cfg.ConnectionName}
+		if d.last != "" && d.last != node.addr {
+			fields["previous_node"] = d.last
+		}
+		if len(failed) > 0 {
+			// Said once the round is over, with its outcome: a round that
+			// fails says it all in its error, which the caller logs.
+			fields["unanswered"] = failed.Error()
+		}
+		d.last = node.addr
+		d.current.Store(&nodeConn{node: node.addr, conn: conn})
+		d.counted = node.addr
+		d.cfg.Metrics.brokerConnected(node.addr, 1)
+		d.cfg.Logger.Info("Connected to RabbitMQ", fields)
+		return nil
+	}
+	return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", failed))
+}
+
+// dialNode opens a connection to node, within ctx.
+func (d *AMQPDestination) dialNode(ctx context.Context, node brokerNode) (*amqp.Connection, *amqpwire.Wire, error) {
+	cfg := d.cfg.AMQP
+	if cfg.TLSClientConfig != nil {
+		// amqp091-go sets an empty ServerName to the host of the URL it
+		// dials, in the config it is given: a copy keeps each node's own.
+		cfg.TLSClientConfig = cfg.TLSClientConfig.Clone()
+	}
+	dial := cfg.Dial
+	if dial == nil {
+		dial = contextDial(ctx, dialTimeout)
+	}
+	var (
+		w    *amqpwire.Wire
+		stop = func() bool { return true }
+	)
+	cfg.Dial = amqpwire.Dial(dial, func(opened *amqpwire.Wire) {
+		// The handshake, too, is cut short when ctx ends, whatever
+		// deadline the Dial set, if any.
+		w = opened
+		stop = context.AfterFunc(ctx, func() { _ = opened.Conn.SetDeadline(time.Now()) })
+	})
+	conn, err := amqp.DialConfig(node.url, cfg)
+	if cut := !stop(); cut || err != nil {
+		if conn != nil { // amqp091-go can return one with its error
+			_ = conn.CloseDeadline(time.Now())
+		}
+		if err == nil {
+			err = ctx.Err()
+		}
+		return nil, nil, err
+	}
+	return conn, w, nil
+}
+
+// contextDial is amqp091-go's DefaultDial, cut short when ctx ends.
+func contextDial(ctx context.Context, timeout time.Duration) func(network, addr string) (net.Conn, error) {
+	return func(network, addr string) (net.Conn, error) {
+		dialer := net.Dialer{Timeout: timeout}
+		conn, err := dialer.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		// As DefaultDial does: a deadline for the handshake, which the
+		// client clears once the connection is open.
+		if err := conn.SetDeadline(time.Now().Add(timeout)); err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
+		return conn, nil
+	}
+}
+
+// nodeErrors are the failures of a round of connects, one per node tried.
+type nodeErrors []error
+
+func (e nodeErrors) Error() string {
+	msgs := make([]string, len(e))
+	for i, err := range e {
+		msgs[i] = err.Error()
+	}
+	return strings.Join(msgs, "; ")
+}
+
+func (e nodeErrors) Unwrap() []error { return e }
 
 // openConfirmChannel opens a channel in confirm mode, within ctx.
 func (d *AMQPDestination) openConfirmChannel(ctx context.Context) (*amqp.Channel, error) {
@@ -242,6 +434,11 @@ func (d *AMQPDestination) dropLocked() {
 		d.conn, d.wire = nil, nil
 	}
 	d.exchanges = nil
+	d.current.Store(nil)
+	if d.counted != "" {
+		d.cfg.Metrics.brokerConnected(d.counted, -1)
+		d.counted = ""
+	}
 }
 
 // closeTimeout bounds the wait for the broker's answer to connection.close.

@@ -20,7 +20,7 @@ import (
 // marking it published.
 func TestAMQPDestination_ReturnOnAReplacedChannel_StillFailsItsRecord(t *testing.T) {
 	b := testamqp.New(t) // its exchange has no queue bound for "nowhere"
-	d, err := NewAMQPDestination(AMQPConfig{URL: testdb.AMQPURL()})
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 	if err != nil {
 		t.Fatal(err)
 	}

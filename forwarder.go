@@ -78,7 +78,8 @@ type ForwarderConfig struct {
 	// Metrics, if set, counts what the relay publishes and fails, times its
 	// batches, and sets the pending, oldest-pending and stuck gauges every
 	// StatsInterval (default 15 s; each reading is one COUNT over the
-	// pending index).
+	// pending index). An AMQPDestination given to NewForwarder as it is
+	// reports its broker nodes in them too (AMQPConfig.Metrics).
 	Metrics       *Metrics
 	StatsInterval time.Duration
 }
@@ -195,6 +196,10 @@ type Forwarder struct {
 	afterPublish func(published []string) error
 }
 
+// metricsUser is a destination that takes the Forwarder's Metrics when it
+// has none of its own: AMQPDestination, for its broker nodes.
+type metricsUser interface{ useMetrics(*Metrics) }
+
 // NewForwarder returns a relay over db (a *sql.DB or *sqlx.DB) that
 // publishes to dest. The Forwarder owns dest from here on: Close closes it
 // if it has a Close method.
@@ -211,6 +216,9 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 		return nil, err
 	}
 	cfg.Dialect, cfg.MaxAttempts = store.dialect, store.cfg.MaxAttempts
+	if m, ok := dest.(metricsUser); ok && cfg.Metrics != nil {
+		m.useMetrics(cfg.Metrics) // the broker's node shows with the relay's figures
+	}
 	return &Forwarder{
 		store:   store,
 		dest:    dest,

@@ -74,7 +74,7 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 
 			var errs atomic.Int64
 			var firstErr atomic.Value
-			dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+			dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -68,7 +68,7 @@ func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *tes
 	b := testamqp.New(t)
 	b.Queue("t")
 	publishN(t, db, b.Exchange, "t", 3)
-	inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+	inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 	if err != nil {
 		t.Fatal(err)
 	}

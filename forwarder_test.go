@@ -220,7 +220,7 @@ func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {
 	if _, err := outbox.NewForwarder(db.DB.DB, dest, outbox.ForwarderConfig{}); err == nil {
 		t.Error("a *sql.DB without Dialect was accepted")
 	}
-	if _, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: "http://nope"}); err == nil {
+	if _, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{"http://nope"}}); err == nil {
 		t.Error("a non-AMQP URL was accepted")
 	}
 }

@@ -36,7 +36,7 @@ func relayProcess() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL()})
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

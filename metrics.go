@@ -28,6 +28,10 @@ type Metrics struct {
 	heldGaps        prometheus.Gauge
 	oldestGap       prometheus.Gauge
 	statements      prometheus.Counter
+
+	brokerConnectedNodes *prometheus.GaugeVec
+	brokerConnects       *prometheus.CounterVec
+	brokerDialFailures   *prometheus.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them with reg. Their names
@@ -96,10 +100,23 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_forwarder_statements_total",
 			Help: "Statements the relay sent to the database, BEGIN and COMMIT included: its load on the database, busy or idle.",
 		}),
+		brokerConnectedNodes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "outbox_forwarder_broker_connected",
+			Help: "Relay connections open to each RabbitMQ node of AMQPConfig.URLs: 1 on the node a relay is on, 0 on the others.",
+		}, []string{"node"}),
+		brokerConnects: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_forwarder_broker_connects_total",
+			Help: "Connections the relay opened, by RabbitMQ node: after the first, each is a reconnect, to another node a failover.",
+		}, []string{"node"}),
+		brokerDialFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_forwarder_broker_connect_failures_total",
+			Help: "Connects to a RabbitMQ node that failed (refused, timed out, handshake refused), by node.",
+		}, []string{"node"}),
 	}
 	var errs []error
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
-		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap, m.statements} {
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap, m.statements,
+		m.brokerConnectedNodes, m.brokerConnects, m.brokerDialFailures} {
 		errs = append(errs, reg.Register(c))
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -129,6 +146,39 @@ func (m *Metrics) batch(started time.Time, published []Record, failures []failur
 	for _, f := range failures {
 		m.failed.WithLabelValues(f.exchange).Inc()
 	}
+}
+
+// brokerNodes makes the broker metrics of nodes show, at 0, before any
+// connect: a node never connected to is a node that shows 0.
+func (m *Metrics) brokerNodes(nodes []string) {
+	if m == nil {
+		return
+	}
+	for _, n := range nodes {
+		m.brokerConnectedNodes.WithLabelValues(n).Add(0)
+		m.brokerConnects.WithLabelValues(n).Add(0)
+		m.brokerDialFailures.WithLabelValues(n).Add(0)
+	}
+}
+
+// brokerConnected counts a connection to node opened (delta 1) or gone
+// (-1), and the opening in the connects too.
+func (m *Metrics) brokerConnected(node string, delta float64) {
+	if m == nil {
+		return
+	}
+	m.brokerConnectedNodes.WithLabelValues(node).Add(delta)
+	if delta > 0 {
+		m.brokerConnects.WithLabelValues(node).Inc()
+	}
+}
+
+// brokerConnectFailed counts a connect to node that failed.
+func (m *Metrics) brokerConnectFailed(node string) {
+	if m == nil {
+		return
+	}
+	m.brokerDialFailures.WithLabelValues(node).Inc()
 }
 
 // stats sets the gauges from a Stats reading.

@@ -160,7 +160,7 @@ func newSuiteHarness(t *testing.T, kind string) *suiteHarness {
 		queues:   map[string]bool{},
 		exchs:    map[string]bool{},
 	}
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: testdb.AMQPURL(), ConnectionName: "pubsub suite relay"})
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, ConnectionName: "pubsub suite relay"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -84,7 +84,7 @@ func relayMain() int {
 	db.SetMaxOpenConns(8)
 
 	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{
-		URL:            os.Getenv(envRelayAMQP),
+		URLs:           []string{os.Getenv(envRelayAMQP)},
 		ConnectionName: os.Getenv(envRelayConn),
 		Logger:         log,
 	})

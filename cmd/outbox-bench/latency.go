@@ -167,7 +167,7 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 		return nil, nil, err
 	}
 	err = withDatabase(ctx, v.kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
-		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: *amqpURL, Window: *relayWindow, ConnectionName: "outbox-bench latency relay"})
+		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{*amqpURL}, Window: *relayWindow, ConnectionName: "outbox-bench latency relay"})
 		if err != nil {
 			return err
 		}

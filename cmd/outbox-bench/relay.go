@@ -373,7 +373,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		for range *relayCount {
 			t := &timedDest{inner: instantDest{}, sent: sent}
 			if mode != relayDBOnly {
-				amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: *amqpURL, Window: *relayWindow, ConnectionName: "outbox-bench relay"})
+				amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{*amqpURL}, Window: *relayWindow, ConnectionName: "outbox-bench relay"})
 				if err != nil {
 					return err
 				}

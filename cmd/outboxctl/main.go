@@ -11,7 +11,9 @@
 //
 // The database is --db or OUTBOX_DB: a postgres:// URL, a go-sql-driver
 // MySQL DSN (user:pass@tcp(host:port)/db) or mysql:// URL, or an SQLite
-// path or file: URI. The broker is --amqp or OUTBOX_AMQP_URL.
+// path or file: URI. The broker is --amqp or OUTBOX_AMQP_URL: one amqp://
+// URL, or a cluster's nodes' URLs separated by commas, of which the relay
+// uses the first that answers and moves on to the next when it loses it.
 //
 // Exit codes: 0 done, 1 failed (the one line on stderr says why and what to
 // do), 2 the command line was wrong.

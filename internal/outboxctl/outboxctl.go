@@ -90,7 +90,7 @@ func (g *globals) register(fs *flag.FlagSet) {
 	defer func() { *g = current }()
 	d := defaultGlobals
 	fs.StringVar(&g.db, "db", d.db, "database: postgres://… URL, MySQL DSN user:pass@tcp(host:port)/db, or SQLite path (env OUTBOX_DB)")
-	fs.StringVar(&g.amqp, "amqp", d.amqp, "RabbitMQ URL amqp://user:pass@host:5672/vhost, for relay (env OUTBOX_AMQP_URL)")
+	fs.StringVar(&g.amqp, "amqp", d.amqp, "RabbitMQ URL amqp://user:pass@host:5672/vhost, or a cluster's nodes' URLs separated by commas, for relay (env OUTBOX_AMQP_URL)")
 	fs.StringVar(&g.table, "table", d.table, "outbox table, name or schema.name")
 	fs.StringVar(&g.inboxTable, "inbox-table", d.inboxTable, "inbox table, name or schema.name")
 	fs.IntVar(&g.maxAttempts, "max-attempts", d.maxAttempts, "attempts after which the relay leaves a row alone (stuck)")

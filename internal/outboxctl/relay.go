@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -23,6 +24,27 @@ import (
 // progress when the relay stops; the relay's own batch is not bounded by it.
 const shutdownTimeout = 5 * time.Second
 
+// splitURLs reads --amqp: one URL, or the nodes of a cluster separated by
+// commas (a comma in a password is written %2C). Blanks around them and
+// empty items are dropped.
+func splitURLs(s string) []string {
+	var urls []string
+	for _, u := range strings.Split(s, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
+}
+
+// nodeFailures is the destination's account of a connect to several nodes
+// that all failed, without the sentinel and the prefix the library wraps it
+// in: "host:port: error; host:port: error".
+func nodeFailures(err error) string {
+	msg := strings.TrimPrefix(err.Error(), outbox.ErrConnectionLost.Error()+": ")
+	return oneLine(strings.TrimPrefix(msg, "outbox: connect to RabbitMQ: "))
+}
+
 func (c *cli) relay(args []string) error {
 	fs := c.flagSet("relay")
 	batch := fs.Int("batch-size", 100, "rows one claim takes, 1 to 1000")
@@ -30,7 +52,7 @@ func (c *cli) relay(args []string) error {
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
 	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
 	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
-	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL] [--batch-size N] [--poll-interval D] [--listen ADDR]")
+	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--poll-interval D] [--listen ADDR]")
 	if err != nil {
 		return err
 	}
@@ -46,24 +68,42 @@ func (c *cli) relay(args []string) error {
 		return usagef("--stats-interval: %s; want more than 0", *stats)
 	case len(*relayID) > 64:
 		return usagef("--relay-id: longer than the 64 characters locked_by holds")
-	case c.g.amqp == "":
-		return usagef("relay: no broker: pass --amqp or set OUTBOX_AMQP_URL (amqp://user:pass@host:5672/vhost)")
+	case len(splitURLs(c.g.amqp)) == 0:
+		return usagef("relay: no broker: pass --amqp or set OUTBOX_AMQP_URL (amqp://user:pass@host:5672/vhost, or a comma-separated list of a cluster's nodes)")
 	}
-	amqpShown := redactURL(c.g.amqp)
+	amqpURLs := splitURLs(c.g.amqp)
+	shown := make([]string, len(amqpURLs))
+	for i, u := range amqpURLs {
+		shown[i] = redactURL(u)
+	}
+	amqpShown := strings.Join(shown, ",")
 
 	log := slog.New(slog.NewTextHandler(c.stderr, nil))
 	wlog := watermill.NewSlogLogger(log)
 
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+	)
+	metrics, err := outbox.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	// A URL that does not parse is a usage error, before any database. The
+	// destination has the metrics from the start: the nodes that do not
+	// answer the first connect count.
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: amqpURLs, ConnectionName: "outboxctl relay", Logger: wlog, Metrics: metrics})
+	if err != nil {
+		return usagef("--amqp %s: %v", amqpShown, err)
+	}
 	d, err := c.openOutbox()
 	if err != nil {
+		_ = dest.Close()
 		return err
 	}
 	defer d.Close()
 
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: c.g.amqp, ConnectionName: "outboxctl relay", Logger: wlog})
-	if err != nil {
-		return usagef("--amqp %s: %v", amqpShown, err)
-	}
 	// A broker that is down when the relay starts is an operator's to fix;
 	// one lost later is the relay's to wait out (it backs off and claims
 	// nothing meanwhile).
@@ -76,20 +116,14 @@ func (c *cli) relay(args []string) error {
 		if errors.As(err, &amqpErr) {
 			return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, amqpErr)
 		}
+		if len(amqpURLs) > 1 {
+			// Each node's failure, named by its host:port.
+			return fmt.Errorf("cannot connect to RabbitMQ at any of %s: %s", amqpShown, nodeFailures(err))
+		}
 		return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, connectError(err))
 	}
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		collectors.NewDBStatsCollector(d.db, "outbox"),
-	)
-	metrics, err := outbox.NewMetrics(reg)
-	if err != nil {
-		_ = dest.Close()
-		return err
-	}
+	reg.MustRegister(collectors.NewDBStatsCollector(d.db, "outbox"))
 	fwd, err := outbox.NewForwarder(d.db, dest, outbox.ForwarderConfig{
 		Dialect:       d.dialect,
 		Table:         c.g.table,

@@ -14,15 +14,15 @@ import (
 )
 
 // New returns a relay over db (a *sql.DB or *sqlx.DB) to RabbitMQ, with
-// amqpCfg's settings if one is given (its URL is the test broker's). It logs
-// only with OUTBOX_TEST_DEBUG unless cfg has a Logger.
+// amqpCfg's settings if one is given (its URLs: the test broker's alone).
+// It logs only with OUTBOX_TEST_DEBUG unless cfg has a Logger.
 func New(t testing.TB, db any, cfg outbox.ForwarderConfig, amqpCfg ...outbox.AMQPConfig) *outbox.Forwarder {
 	t.Helper()
 	ac := outbox.AMQPConfig{}
 	if len(amqpCfg) > 0 {
 		ac = amqpCfg[0]
 	}
-	ac.URL = testdb.AMQPURL()
+	ac.URLs = []string{testdb.AMQPURL()}
 	dest, err := outbox.NewAMQPDestination(ac)
 	if err != nil {
 		t.Fatal(err)

@@ -46,7 +46,7 @@ func NewCommand(name string, stderr io.Writer) *Command {
 	c.Flags = flag.NewFlagSet(name, flag.ContinueOnError)
 	c.Flags.SetOutput(c.Stderr)
 	c.Flags.StringVar(&c.DSN, "db", "", "a PostgreSQL URL (postgres://…) or a MySQL DSN (user@tcp(host:3306)/db); default: SQLite in a temporary file")
-	c.Flags.StringVar(&c.AMQPURL, "amqp", defaultAMQPURL, "the RabbitMQ URL")
+	c.Flags.StringVar(&c.AMQPURL, "amqp", defaultAMQPURL, "the RabbitMQ URL, or a cluster's nodes' URLs separated by commas")
 	c.Flags.BoolVar(&c.Verbose, "v", false, "log what Watermill and the relay do, to stderr")
 	return c
 }
@@ -74,7 +74,7 @@ func (c *Command) Run(ctx context.Context, file string, stdout io.Writer, body f
 		fmt.Fprintf(c.Stderr, "%s: %v\n", c.Name, err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", c.Name, db.Where, redactURL(c.AMQPURL))
+	fmt.Fprintf(stdout, "%s: %s, RabbitMQ %s\n", c.Name, db.Where, redactURLs(c.AMQPURL))
 
 	s := &Service{Name: c.Name, DB: db, AMQPURL: c.AMQPURL, Stderr: c.Stderr, Log: c.Logger()}
 	err = body(s)

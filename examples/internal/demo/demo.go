@@ -123,17 +123,46 @@ func (db *DB) Close() error {
 
 // checkBroker dials RabbitMQ once, with a short timeout, so that a program
 // without a broker says so in one line instead of retrying in the
-// background.
-func checkBroker(amqpURL string) error {
-	conn, err := amqp.DialConfig(amqpURL, amqp.Config{Dial: amqp.DefaultDial(3 * time.Second)})
+// background. Of a cluster's nodes, one that answers is enough.
+func checkBroker(amqpURLs string) error {
+	urls := SplitURLs(amqpURLs)
+	if len(urls) == 0 {
+		return errors.New("-amqp: no RabbitMQ URL")
+	}
+	dial, err := outbox.FailoverDial(urls, 3*time.Second, nil)
+	if err != nil {
+		return fmt.Errorf("-amqp: %w", err)
+	}
+	conn, err := amqp.DialConfig(urls[0], amqp.Config{Dial: dial})
 	if err != nil {
 		var netErr net.Error
 		if errors.As(err, &netErr) {
-			return fmt.Errorf("no RabbitMQ at %s (%v); start one with: docker compose up -d rabbitmq", redactURL(amqpURL), err)
+			return fmt.Errorf("no RabbitMQ at %s (%v); start one with: docker compose up -d rabbitmq", redactURLs(amqpURLs), err)
 		}
-		return fmt.Errorf("RabbitMQ at %s refused the connection (%v)", redactURL(amqpURL), err)
+		return fmt.Errorf("RabbitMQ at %s refused the connection (%v)", redactURLs(amqpURLs), err)
 	}
 	return conn.Close()
+}
+
+// SplitURLs reads an -amqp flag: one broker URL, or a cluster's nodes'
+// separated by commas.
+func SplitURLs(s string) []string {
+	var urls []string
+	for _, u := range strings.Split(s, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			urls = append(urls, u)
+		}
+	}
+	return urls
+}
+
+// redactURLs hides the passwords of an -amqp flag's URLs.
+func redactURLs(s string) string {
+	urls := SplitURLs(s)
+	for i, u := range urls {
+		urls[i] = redactURL(u)
+	}
+	return strings.Join(urls, ",")
 }
 
 // redactURL hides the password of a URL.
@@ -153,9 +182,29 @@ func redactURL(s string) string {
 // all three when the router subscribes, so they exist before anything is
 // published. outbox.AMQPMarshaler reads what relays of every AceMQ library
 // send: headers of any AMQP type, and the id without Watermill's UUID header.
-func subscriber(amqpURL, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
-	cfg := wamqp.NewDurableTopicConfig(amqpURL, exchange, queue)
+//
+// The queue is a quorum queue: on a cluster it keeps its messages on a
+// majority of the nodes and confirms a publish once they have it, so a node
+// that goes down loses none of them and the relay's confirms mean what they
+// say. (Classic mirrored queues, the former way, are deprecated since
+// RabbitMQ 3.9 and gone in 4.0.) On a single node it costs little, and the
+// program runs the same on both. amqpURLs is one URL or a cluster's nodes';
+// the subscriber's connection fails over between them
+// (outbox.FailoverDial), and watermill-amqp consumes again once it has
+// reconnected.
+func subscriber(amqpURLs, exchange, queue string, logger watermill.LoggerAdapter) (*wamqp.Subscriber, error) {
+	urls := SplitURLs(amqpURLs)
+	if len(urls) == 0 {
+		return nil, errors.New("no RabbitMQ URL")
+	}
+	dial, err := outbox.FailoverDial(urls, 0, logger)
+	if err != nil {
+		return nil, err
+	}
+	cfg := wamqp.NewDurableTopicConfig(urls[0], exchange, queue)
+	cfg.Connection.AmqpConfig = &amqp.Config{Dial: dial}
 	cfg.Exchange.Durable = true // NewDurableTopicConfig leaves the exchange transient
+	cfg.Queue.Arguments = amqp.Table{amqp.QueueTypeArg: amqp.QueueTypeQuorum}
 	cfg.Marshaler = outbox.AMQPMarshaler{}
 	return wamqp.NewSubscriber(cfg, logger)
 }

@@ -18,8 +18,10 @@ import (
 // Command.Run, as a program's child may, fills in the fields it uses.
 type Service struct {
 	// Name is the program's, at the head of what it reports.
-	Name    string
-	DB      *DB
+	Name string
+	DB   *DB
+	// AMQPURL is the broker's URL, or a cluster's nodes' separated by
+	// commas.
 	AMQPURL string
 	Stderr  io.Writer
 	Log     watermill.LoggerAdapter
@@ -176,7 +178,7 @@ type Relay struct {
 // ends, after whatever the service started since (a router that runs it
 // closes it first; this Close is for one that never started).
 func (s *Service) NewRelay(r Relay) (*outbox.Forwarder, error) {
-	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URL: s.AMQPURL, ConnectionName: s.Name + " " + r.Name, Logger: s.Log})
+	amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: SplitURLs(s.AMQPURL), ConnectionName: s.Name + " " + r.Name, Logger: s.Log})
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,107 @@
+package outboxctl
+
+import (
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+func TestSplitURLs_CommaListOfNodes(t *testing.T) {
+	for in, want := range map[string][]string{
+		"amqp://a/":                         {"amqp://a/"},
+		"amqp://a/,amqp://b/":               {"amqp://a/", "amqp://b/"},
+		" amqp://a/ , amqp://b/,,amqp://c/": {"amqp://a/", "amqp://b/", "amqp://c/"},
+		"amqp://u:p%2Cw@a/,amqp://b/":       {"amqp://u:p%2Cw@a/", "amqp://b/"},
+		" , ":                               nil,
+	} {
+		if got := splitURLs(in); !slices.Equal(got, want) {
+			t.Errorf("splitURLs(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestRelay_BadNodeURL_UsageErrorNamingItsIndex(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		amqp, want string
+	}{
+		{"amqp://guest:s3cret@a/,http://b/", "--amqp amqp://guest:xxxxx@a/,http://b/: outbox: URLs[1]: "},
+		{" , ", "no broker: pass --amqp or set OUTBOX_AMQP_URL"},
+	} {
+		r := ctl(t, nil, "relay", "--db", "x.db", "--amqp", tc.amqp)
+		r.wantFailure(t, 2, tc.want)
+		if strings.Contains(r.stderr, "s3cret") {
+			t.Errorf("--amqp %q: stderr shows the password:\n%s", tc.amqp, r.stderr)
+		}
+	}
+}
+
+func TestRelay_NoNodeAnswers_ExitsOneNamingEach(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/,amqp://guest:s3cret@127.0.0.1:2/", "--listen", "")
+	r.wantFailure(t, 1, "cannot connect to RabbitMQ at any of amqp://guest:xxxxx@127.0.0.1:1/,amqp://guest:xxxxx@127.0.0.1:2/: "+
+		"127.0.0.1:1: dial tcp 127.0.0.1:1: connect: connection refused; 127.0.0.1:2: dial tcp 127.0.0.1:2")
+	if strings.Contains(r.stderr, "s3cret") {
+		t.Errorf("stderr shows the password:\n%s", r.stderr)
+	}
+}
+
+// --amqp names two nodes and the first is down: the relay connects to the
+// second, publishes through it, and its log and /metrics name that node.
+func TestRelay_FirstNodeDown_PublishesThroughTheNextAndShowsIt(t *testing.T) {
+	testdb.Require(t, "amqp")
+	db := migrated(t, testdb.SQLite)
+	broker := testamqp.New(t)
+	queue := broker.Queue()
+	node := testamqp.NewNode(t)
+	down := testamqp.NewNode(t)
+	down.Kill()
+
+	relay := startRelay(t, db.DSN, "--amqp", down.URL+","+node.URL)
+	ids := publish(t, db, 20, queue)
+	eventually(t, 30*time.Second, "the relay to publish every row", func() bool {
+		return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
+	})
+	_, metrics := relay.get("/metrics")
+	for _, want := range []string{
+		`outbox_forwarder_broker_connected{node="` + node.Addr + `"} 1`,
+		`outbox_forwarder_broker_connected{node="` + down.Addr + `"} 0`,
+		`outbox_forwarder_broker_connect_failures_total{node="` + down.Addr + `"} 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s:\n%s", want, grepLines(metrics, "outbox_forwarder_broker"))
+		}
+	}
+	if code := relay.stop(); code != 0 {
+		t.Fatalf("relay exited %d after SIGTERM, want 0", code)
+	}
+	logs := relay.stderr.String()
+	line := grepLines(logs, `msg="Connected to RabbitMQ"`)
+	for _, f := range []string{" node=" + node.Addr + " ", ` unanswered="` + down.Addr + ": dial tcp " + down.Addr} {
+		if !strings.Contains(line, f) {
+			t.Errorf("the relay's log of its connect lacks %s:\n%s", f, logs)
+		}
+	}
+	arrived := messageIDs(t, broker, queue, len(ids))
+	for _, id := range ids {
+		if arrived[id] != 1 {
+			t.Errorf("message %s arrived %d times, want once", id, arrived[id])
+		}
+	}
+}
+
+// grepLines is the lines of s that contain sub.
+func grepLines(s, sub string) string {
+	var lines []string
+	for _, l := range regexp.MustCompile(`\r?\n`).Split(s, -1) {
+		if strings.Contains(l, sub) {
+			lines = append(lines, l)
+		}
+	}
+	return strings.Join(lines, "\n")
+}
