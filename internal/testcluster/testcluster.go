@@ -16,8 +16,10 @@
 // (one set of ports and node names). A Cluster therefore holds an exclusive
 // flock on ${OUTBOX_TEST_RABBIT_CLUSTER_DIR}.use.lock from start to Stop: a
 // second package that wants the cluster waits for the first to stop it (or
-// for its context to end), and then starts a fresh one. A package that
-// wants it in several tests starts it once, with Shared and Main.
+// for its context to end), and then starts a fresh one. The script's own
+// start and stop, typed by hand or run by .ci/run, take the same lock, so
+// they never stop a cluster a test is using. A package that wants the
+// cluster in several tests starts it once, with Shared and Main.
 //
 // Starting takes 15 to 25 seconds on two cores; stopping, about 3.
 package testcluster
@@ -138,9 +140,14 @@ func (c *Cluster) run(ctx context.Context, args ...string) (string, error) {
 	return runScript(ctx, c.script, args...)
 }
 
+// heldEnv tells the script that its caller holds the use lock, so it must
+// not wait for it itself.
+const heldEnv = "OUTBOX_TEST_RABBIT_CLUSTER_HELD=1"
+
 func runScript(ctx context.Context, script string, args ...string) (string, error) {
 	var stdout, stderr bytes.Buffer
 	cmd := exec.CommandContext(ctx, script, args...)
+	cmd.Env = append(os.Environ(), heldEnv)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	// The script waits on its own children; give them a moment once it is
 	// killed, rather than hang on their inherited pipes.
@@ -170,6 +177,7 @@ func StartCluster(ctx context.Context) (*Cluster, error) {
 	defer cancel()
 	var stdout, stderr bytes.Buffer
 	cmd := exec.CommandContext(ctx, script, "start")
+	cmd.Env = append(os.Environ(), heldEnv)
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	cmd.WaitDelay = 5 * time.Second
 	if err := cmd.Run(); err != nil {
@@ -183,7 +191,9 @@ func StartCluster(ctx context.Context) (*Cluster, error) {
 	}
 	urls := strings.Fields(stdout.String())
 	if len(urls) != Size {
-		_, _ = runScript(context.Background(), script, "stop")
+		stopCtx, stopCancel := context.WithTimeout(context.Background(), 90*time.Second)
+		defer stopCancel()
+		_, _ = runScript(stopCtx, script, "stop")
 		unlock(lock)
 		return nil, fmt.Errorf("testcluster: %s start printed %d URLs, want %d: %q", script, len(urls), Size, stdout.String())
 	}
