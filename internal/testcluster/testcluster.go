@@ -27,6 +27,7 @@ package testcluster
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -105,6 +106,29 @@ func (c *Cluster) Running(ctx context.Context, i int) ([]string, error) {
 // Ctl runs rabbitmqctl with args against node i and returns its stdout.
 func (c *Cluster) Ctl(ctx context.Context, i int, args ...string) (string, error) {
 	return c.run(ctx, append([]string{"ctl", c.arg(i)}, args...)...)
+}
+
+// QueueLeader is the index of the node that leads the quorum queue named
+// queue (in the default vhost), as node 0 sees it.
+func (c *Cluster) QueueLeader(ctx context.Context, queue string) (int, error) {
+	out, err := c.Ctl(ctx, 0, "-q", "list_queues", "name", "leader", "--formatter", "json")
+	if err != nil {
+		return -1, err
+	}
+	var rows []struct{ Name, Leader string }
+	if err := json.Unmarshal([]byte(out), &rows); err != nil {
+		return -1, fmt.Errorf("testcluster: list_queues: %w in %q", err, out)
+	}
+	for _, r := range rows {
+		if r.Name != queue {
+			continue
+		}
+		if i := c.NodeIndex(r.Leader); i >= 0 {
+			return i, nil
+		}
+		return -1, fmt.Errorf("testcluster: the leader of %s is %q, not a node of %v", queue, r.Leader, c.nodes)
+	}
+	return -1, fmt.Errorf("testcluster: list_queues does not list %s", queue)
 }
 
 // NodeIndex is the index of a node name, or -1.

@@ -3,7 +3,6 @@ package testcluster_test
 import (
 	"context"
 	"crypto/rand"
-	"encoding/json"
 	"fmt"
 	"os"
 	"slices"
@@ -65,7 +64,10 @@ func TestCluster_ThreeNodesAreOneCluster_AndAQuorumQueueSurvivesItsLeaderStoppin
 	}
 
 	// Stop the leader's node: the two others are a majority and confirm.
-	leader := queueLeader(ctx, t, c, queue)
+	leader, err := c.QueueLeader(ctx, queue)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Logf("leader of %s is %s; stopping its app", queue, c.Node(leader))
 	if err := c.StopApp(ctx, leader); err != nil {
 		t.Fatal(err)
@@ -184,29 +186,6 @@ func consumeOne(ctx context.Context, t *testing.T, ch *amqp.Channel, queue strin
 		t.Fatal(ctx.Err())
 	}
 	return ""
-}
-
-// queueLeader asks the cluster which node leads the quorum queue.
-func queueLeader(ctx context.Context, t *testing.T, c *testcluster.Cluster, queue string) int {
-	t.Helper()
-	out, err := c.Ctl(ctx, 0, "-q", "list_queues", "name", "leader", "--formatter", "json")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rows []struct{ Name, Leader string }
-	if err := json.Unmarshal([]byte(out), &rows); err != nil {
-		t.Fatalf("list_queues: %v in %q", err, out)
-	}
-	for _, r := range rows {
-		if r.Name == queue {
-			if i := c.NodeIndex(r.Leader); i >= 0 {
-				return i
-			}
-			t.Fatalf("leader of %s is %q, not a node of the cluster %v", queue, r.Leader, c.Nodes())
-		}
-	}
-	t.Fatalf("list_queues does not list %s: %q", queue, out)
-	return -1
 }
 
 // waitFor polls cond until it holds or a minute passes.
