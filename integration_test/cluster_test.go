@@ -1,0 +1,461 @@
+package integration_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testcluster"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// The cluster run: orders committed continuously on PostgreSQL, a relay
+// with the three nodes' URLs, two consumers behind the inbox reading a
+// quorum queue through nodes of their own. The node the relay is connected
+// to is stopped (its rabbit application; the Erlang node stays, as a
+// crashed broker's host would), started again after a while, and then the
+// node the relay moved to is stopped in turn.
+const (
+	clusterTopic      = "order.placed"
+	clusterPlacers    = 2
+	clusterRate       = 150 // orders a second, over all placers
+	clusterRollback   = 0.1 // share of orders whose transaction rolls back
+	clusterLosses     = 2   // nodes stopped, one after the other
+	clusterDown       = 4 * time.Second
+	clusterSteady     = 3 * time.Second // of flow before each loss, and after the last
+	clusterResumeWait = 60 * time.Second
+	clusterDrainWait  = 90 * time.Second
+)
+
+// TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost is the
+// proof that a relay and its consumers outlive the loss of the node they
+// are connected to: every committed order's message is handled exactly once
+// (the inbox absorbs what the relay sent again after a confirm it never
+// got), none of a rolled-back order's, and nothing stays unpublished.
+func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testing.T) {
+	cl := testcluster.Start(t)
+	ctx := context.Background()
+	db := testdb.New(t, testdb.Postgres)
+	if err := outbox.Migrate(ctx, db.DB.DB, outbox.Postgres); err != nil {
+		t.Fatal(err)
+	}
+	db.MustExec("CREATE TABLE orders (id varchar(64) PRIMARY KEY, placed_us bigint NOT NULL)")
+	// No unique key: a second effect of one order shows as a second row.
+	db.MustExec("CREATE TABLE effects (order_id varchar(64) NOT NULL, message_id varchar(64) NOT NULL)")
+
+	exchange, queue := "cluster-ex-"+testdb.RandomName(), "cluster-q-"+testdb.RandomName()
+	declareQuorum(t, cl, exchange, queue)
+
+	// The relay.
+	reg := prometheus.NewRegistry()
+	metrics, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{
+		URLs:           cl.URLs(),
+		ConnectionName: "cluster-relay",
+		Logger:         debugLogger(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fwd, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
+		BatchSize:      50,
+		PublishTimeout: 3 * time.Second,
+		RetryMin:       20 * time.Millisecond,
+		RetryMax:       500 * time.Millisecond,
+		Metrics:        metrics,
+		StatsInterval:  time.Hour,
+		Logger:         debugLogger(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayCtx, stopRelay := context.WithCancel(ctx)
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- fwd.Run(relayCtx) }()
+	t.Cleanup(func() {
+		stopRelay()
+		if err := <-relayDone; err != nil && !errors.Is(err, context.Canceled) {
+			t.Errorf("relay: %v", err)
+		}
+		_ = fwd.Close()
+	})
+	<-fwd.Running()
+	published := func() float64 { return counterValue(t, reg, "outbox_forwarder_published_total") }
+
+	// Two consumers, each starting at a node of its own.
+	inbox, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "cluster-orders"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	insertEffect := db.Rebind("INSERT INTO effects (order_id, message_id) VALUES (?, ?)")
+	var handled, delivered atomic.Int64
+	handle := func(msg *message.Message) error {
+		tx, ok := outbox.TxFromContext(msg.Context())
+		if !ok {
+			return errors.New("no inbox transaction in the message context")
+		}
+		var o orderPlaced
+		if err := json.Unmarshal(msg.Payload, &o); err != nil || o.OrderID == "" {
+			return fmt.Errorf("payload %q: %v", msg.Payload, err)
+		}
+		if _, err := tx.ExecContext(msg.Context(), insertEffect, o.OrderID, msg.UUID); err != nil {
+			return err
+		}
+		handled.Add(1)
+		return nil
+	}
+	// Two consumers, on nodes the relay is not on at first. The relay
+	// starts on node 0 and moves on to node 1, the next, so the second loss
+	// takes node 1 from under the first consumer, which moves on to node 2.
+	// Not under -race: watermill-amqp's reconnect races
+	// (closeConsumerConnection), so there both consumers sit on node 2 and
+	// read on throughout without losing their connection.
+	for i := range 2 {
+		first := 2
+		if closeConsumerConnection() {
+			first = i + 1
+		}
+		startClusterConsumer(t, cl, first, exchange, queue, &delivered, inbox, handle)
+	}
+
+	// Orders.
+	var (
+		mu         sync.Mutex
+		committed  = map[string]bool{}
+		rolledBack = map[string]bool{}
+		placeErrs  atomic.Int64
+	)
+	insertOrder := db.Rebind("INSERT INTO orders (id, placed_us) VALUES (?, ?)")
+	place := func(rng *rand.Rand) {
+		id := watermill.NewUUID()
+		rollback := rng.Float64() < clusterRollback
+		err := func() error {
+			tx, err := db.Beginx()
+			if err != nil {
+				return err
+			}
+			defer func() { _ = tx.Rollback() }()
+			if _, err := tx.Exec(insertOrder, id, time.Now().UnixMicro()); err != nil {
+				return err
+			}
+			pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange})
+			if err != nil {
+				return err
+			}
+			payload, _ := json.Marshal(orderPlaced{OrderID: id})
+			if err := pub.Publish(clusterTopic, message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+				return err
+			}
+			if rollback {
+				return tx.Rollback()
+			}
+			return tx.Commit()
+		}()
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case err != nil:
+			placeErrs.Add(1) // the order is not known committed: it counts as neither
+		case rollback:
+			rolledBack[id] = true
+		default:
+			committed[id] = true
+		}
+	}
+	placeCtx, stopPlacing := context.WithCancel(ctx)
+	var placers sync.WaitGroup
+	for p := range clusterPlacers {
+		placers.Add(1)
+		go func() {
+			defer placers.Done()
+			rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), uint64(p)))
+			tick := time.NewTicker(time.Second * clusterPlacers / clusterRate)
+			defer tick.Stop()
+			for {
+				select {
+				case <-placeCtx.Done():
+					return
+				case <-tick.C:
+					place(rng)
+				}
+			}
+		}()
+	}
+	t.Cleanup(func() { stopPlacing(); placers.Wait() })
+
+	// The losses.
+	type loss struct {
+		node    string
+		resumed time.Duration // stop to the relay's first publish elsewhere
+		movedTo string
+	}
+	var losses []loss
+	for range clusterLosses {
+		if !sleepCtx(ctx, clusterSteady) {
+			t.Fatal("interrupted")
+		}
+		on := dest.Node()
+		idx := nodeByAddr(t, cl, on)
+		before := published()
+		stopped := time.Now()
+		if err := cl.StopApp(ctx, idx); err != nil {
+			t.Fatalf("stop_app %s: %v", cl.Node(idx), err)
+		}
+		// Resumed: publishes confirmed through another node.
+		if !waitUntil(clusterResumeWait, func() bool { return dest.Node() != on && dest.Node() != "" && published() > before }) {
+			t.Fatalf("the relay did not publish through another node within %s of %s's stop (on %q, published %v → %v)",
+				clusterResumeWait, cl.Node(idx), dest.Node(), before, published())
+		}
+		l := loss{node: cl.Node(idx), resumed: time.Since(stopped), movedTo: dest.Node()}
+		// Resumed is measured to the first counted publish after the stop,
+		// which can be one confirmed just before it: ask for a second batch
+		// through the new node for the figure to mean the new node.
+		after := published()
+		if !waitUntil(clusterResumeWait, func() bool { return published() > after }) {
+			t.Fatalf("no publish through %s after the move", dest.Node())
+		}
+		losses = append(losses, l)
+		t.Logf("%s stopped: the relay published through %s %s later", l.node, l.movedTo, l.resumed.Round(time.Millisecond))
+		if !sleepCtx(ctx, clusterDown) {
+			t.Fatal("interrupted")
+		}
+		if err := cl.StartApp(ctx, idx); err != nil {
+			t.Fatalf("start_app %s: %v", cl.Node(idx), err)
+		}
+	}
+	if !sleepCtx(ctx, clusterSteady) {
+		t.Fatal("interrupted")
+	}
+	stopPlacing()
+	placers.Wait()
+
+	// Drain: every committed order's effect, then a moment for duplicates.
+	mu.Lock()
+	nCommitted, nRolledBack := len(committed), len(rolledBack)
+	mu.Unlock()
+	effectsOf := func() (map[string]int, error) {
+		var rows []struct {
+			OrderID string `db:"order_id"`
+			N       int    `db:"n"`
+		}
+		if err := db.Select(&rows, "SELECT order_id, count(*) AS n FROM effects GROUP BY order_id"); err != nil {
+			return nil, err
+		}
+		m := make(map[string]int, len(rows))
+		for _, r := range rows {
+			m[r.OrderID] = r.N
+		}
+		return m, nil
+	}
+	drained := waitUntil(clusterDrainWait, func() bool {
+		m, err := effectsOf()
+		if err != nil {
+			return false
+		}
+		for id := range committed {
+			if m[id] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	effects, err := effectsOf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lost, twice, ofRolledBack int
+	for id := range committed {
+		switch n := effects[id]; {
+		case n == 0:
+			lost++
+		case n > 1:
+			twice++
+		}
+	}
+	for id := range rolledBack {
+		if effects[id] > 0 {
+			ofRolledBack++
+		}
+	}
+	var unpublished int
+	if err := db.Get(&unpublished, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL"); err != nil {
+		t.Fatal(err)
+	}
+
+	rows := []string{
+		row("orders committed", nCommitted, fmt.Sprintf("%d rolled back, %d failed to place", nRolledBack, placeErrs.Load())),
+		row("deliveries", int(delivered.Load()), fmt.Sprintf("%d let through by the inbox, the rest copies it absorbed", handled.Load())),
+		row("lost (committed, no effect)", lost, "must be 0"),
+		row("effects twice", twice, "must be 0"),
+		row("effects of rolled-back orders", ofRolledBack, "must be 0"),
+		row("outbox rows left unpublished", unpublished, "must be 0"),
+	}
+	for i, l := range losses {
+		rows = append(rows, fmt.Sprintf("%-44s %8s  %s", fmt.Sprintf("relay resumed after node loss %d", i+1),
+			l.resumed.Round(time.Millisecond), "stopped "+l.node+", moved to "+l.movedTo))
+	}
+	say(t, "Cluster (3 RabbitMQ nodes, quorum queue, relay's node stopped %d times):\n%s", clusterLosses, strings.Join(rows, "\n"))
+
+	if !drained || lost > 0 {
+		t.Errorf("%d committed orders have no effect after %s", lost, clusterDrainWait)
+	}
+	if twice > 0 {
+		t.Errorf("%d orders had their effect twice: the inbox let a copy through", twice)
+	}
+	if ofRolledBack > 0 {
+		t.Errorf("%d rolled-back orders had an effect", ofRolledBack)
+	}
+	if unpublished > 0 {
+		t.Errorf("%d outbox rows left unpublished", unpublished)
+	}
+	if nCommitted == 0 {
+		t.Error("no order committed: the test proved nothing")
+	}
+}
+
+// declareQuorum declares a durable direct exchange and a quorum queue bound
+// to it for clusterTopic, through node 0, and deletes both when the test
+// ends (if the cluster still runs).
+func declareQuorum(t *testing.T, cl *testcluster.Cluster, exchange, queue string) {
+	t.Helper()
+	with := func(fn func(ch *amqp.Channel) error) error {
+		conn, err := amqp.Dial(cl.URL(0))
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err != nil {
+			return err
+		}
+		return fn(ch)
+	}
+	if err := with(func(ch *amqp.Channel) error {
+		if err := ch.ExchangeDeclare(exchange, amqp.ExchangeDirect, true, false, false, false, nil); err != nil {
+			return err
+		}
+		if _, err := ch.QueueDeclare(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+			return err
+		}
+		return ch.QueueBind(queue, clusterTopic, exchange, false, nil)
+	}); err != nil {
+		t.Fatalf("declaring the quorum queue: %v", err)
+	}
+}
+
+// startClusterConsumer starts a Watermill router whose watermill-amqp
+// subscriber dials the cluster's nodes starting at node first, through
+// outbox.FailoverDial, with the inbox middleware before handle.
+func startClusterConsumer(t *testing.T, cl *testcluster.Cluster, first int, exchange, queue string, delivered *atomic.Int64, inbox *outbox.Inbox, handle message.NoPublishHandlerFunc) {
+	t.Helper()
+	urls := cl.URLs()
+	urls = append(urls[first%len(urls):], urls[:first%len(urls)]...)
+	dial, err := outbox.FailoverDial(urls, 3*time.Second, debugLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	amqpCfg := amqp.Config{Dial: dial, Properties: amqp.NewConnectionProperties()}
+	amqpCfg.Properties.SetClientConnectionName("cluster-consumer-on-" + strconv.Itoa(first))
+	sub, err := wamqp.NewSubscriber(wamqp.Config{
+		Connection: wamqp.ConnectionConfig{
+			AmqpURI:    urls[0],
+			AmqpConfig: &amqpCfg,
+			Reconnect: &wamqp.ReconnectConfig{
+				BackoffInitialInterval: 100 * time.Millisecond, BackoffRandomizationFactor: 0.5,
+				BackoffMultiplier: 1.5, BackoffMaxInterval: time.Second,
+			},
+		},
+		Marshaler: wamqp.DefaultMarshaler{},
+		Exchange:  wamqp.ExchangeConfig{GenerateName: wamqp.GenerateExchangeNameConstant(exchange), Type: amqp.ExchangeDirect, Durable: true},
+		Queue: wamqp.QueueConfig{GenerateName: wamqp.GenerateQueueNameConstant(queue), Durable: true,
+			Arguments: amqp.Table{"x-queue-type": "quorum"}},
+		QueueBind: wamqp.QueueBindConfig{GenerateRoutingKey: func(topic string) string { return topic }},
+		Consume:   wamqp.ConsumeConfig{Qos: wamqp.QosConfig{PrefetchCount: 20}},
+
+		TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
+	}, debugLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, debugLogger())
+	if err != nil {
+		_ = sub.Close()
+		t.Fatal(err)
+	}
+	count := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			delivered.Add(1)
+			return h(msg)
+		}
+	}
+	router.AddMiddleware(count, inbox.Middleware)
+	router.AddConsumerHandler("cluster-orders", clusterTopic, sub, handle)
+	done := make(chan error, 1)
+	go func() { done <- router.Run(context.Background()) }()
+	t.Cleanup(func() {
+		_ = router.Close()
+		<-done
+		_ = sub.Close()
+	})
+	select {
+	case <-router.Running():
+	case err := <-done:
+		t.Fatalf("router stopped at start: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("router did not start within 30 s")
+	}
+}
+
+// nodeByAddr is the index of the node whose URL has host:port addr.
+func nodeByAddr(t *testing.T, cl *testcluster.Cluster, addr string) int {
+	t.Helper()
+	for i, u := range cl.URLs() {
+		uri, err := amqp.ParseURI(u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if net.JoinHostPort(uri.Host, strconv.Itoa(uri.Port)) == addr {
+			return i
+		}
+	}
+	t.Fatalf("the relay is on %q, none of the cluster's nodes %v", addr, cl.URLs())
+	return -1
+}
+
+// counterValue is the sum of a counter's series in reg.
+func counterValue(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			v += m.GetCounter().GetValue()
+		}
+	}
+	return v
+}
