@@ -39,17 +39,24 @@ var (
 // tell a disturbed run and run it again (see undisturbed).
 type benchQueue struct {
 	name  string
+	url   string // the broker node it is declared through; *amqpURL if ""
 	conn  *amqp.Connection
 	ch    *amqp.Channel // admin channel: count, purge, delete
 	drops atomic.Int64
 }
 
 func openBenchQueue(prefix string) (*benchQueue, error) {
-	q := &benchQueue{name: "outbox-bench-" + prefix + "-" + testdb.RandomName()}
+	return openBenchQueueAt(prefix, "", nil)
+}
+
+// openBenchQueueAt declares the queue through the node at url (*amqpURL if
+// "") with args ({"x-queue-type": "quorum"}, say).
+func openBenchQueueAt(prefix, url string, args amqp.Table) (*benchQueue, error) {
+	q := &benchQueue{name: "outbox-bench-" + prefix + "-" + testdb.RandomName(), url: url}
 	if err := q.reopen(); err != nil {
 		return nil, err
 	}
-	if _, err := q.ch.QueueDeclare(q.name, true, false, false, false, nil); err != nil {
+	if _, err := q.ch.QueueDeclare(q.name, true, false, false, false, args); err != nil {
 		_ = q.conn.Close()
 		return nil, fmt.Errorf("declaring queue %s: %w", q.name, err)
 	}
@@ -58,12 +65,12 @@ func openBenchQueue(prefix string) (*benchQueue, error) {
 
 // dial opens a connection whose loss from outside counts in drops.
 func (q *benchQueue) dial(name string) (*amqp.Connection, error) {
-	conn, err := amqp.DialConfig(*amqpURL, amqp.Config{
+	conn, err := amqp.DialConfig(q.brokerURL(), amqp.Config{
 		Dial:       amqp.DefaultDial(10 * time.Second),
 		Properties: amqp.Table{"connection_name": "outbox-bench " + name},
 	})
 	if err != nil {
-		return nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(*amqpURL), err)
+		return nil, fmt.Errorf("rabbitmq at %s: %w", redactURL(q.brokerURL()), err)
 	}
 	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
 	go func() {
@@ -72,6 +79,14 @@ func (q *benchQueue) dial(name string) (*amqp.Connection, error) {
 		}
 	}()
 	return conn, nil
+}
+
+// brokerURL is the URL of the node the queue is declared through.
+func (q *benchQueue) brokerURL() string {
+	if q.url != "" {
+		return q.url
+	}
+	return *amqpURL
 }
 
 // reopen makes sure the connection and the admin channel are open.

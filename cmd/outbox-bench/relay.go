@@ -12,8 +12,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testcluster"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -55,6 +57,15 @@ import (
 //	                          of a keyed message, which bounds
 //	                          relay_keyed_vs_unkeyed from above. One pair of
 //	                          raw runs, or -relay-pairs.
+//	raw_quorum_vs_classic:    on a three-node cluster of the bench's own
+//	                          (scripts/rabbitmq-cluster; -cluster=false skips
+//	                          it), the raw client into a quorum queue over the
+//	                          raw client into a classic queue, both declared
+//	                          through node 1: what replication costs, a
+//	                          confirm coming once a majority has the message.
+//	relay_vs_raw_quorum:      the relay draining into that quorum queue (the
+//	                          first -db), twice, over the raw client doing
+//	                          the same three times, before, between, after.
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -84,10 +95,11 @@ import (
 // that close every RabbitMQ connection (the library's tests do) disturb a
 // run; such a run is repeated.
 var (
-	rawInflight = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
-	relayCount  = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
-	relayExtras = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
-	relayPairs  = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
+	rawInflight  = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
+	relayCount   = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
+	relayExtras  = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
+	relayCluster = flag.Bool("cluster", true, "relay: also start a three-node RabbitMQ cluster (scripts/rabbitmq-cluster) and measure a quorum queue on it")
+	relayPairs   = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
 )
 
 const (
@@ -282,6 +294,12 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	}
 	out.metric("raw_amqp_keyed_vs_plain", mean(headerRatios...), "ratio")
 
+	if *relayCluster {
+		if err := relayOnCluster(ctx, cfg, n, payload, out); err != nil {
+			return err
+		}
+	}
+
 	if !*relayExtras {
 		return nil
 	}
@@ -373,7 +391,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		for range *relayCount {
 			t := &timedDest{inner: instantDest{}, sent: sent}
 			if mode != relayDBOnly {
-				amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{*amqpURL}, Window: *relayWindow, ConnectionName: "outbox-bench relay"})
+				amqpDest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{q.brokerURL()}, Window: *relayWindow, ConnectionName: "outbox-bench relay"})
 				if err != nil {
 					return err
 				}
@@ -754,4 +772,107 @@ func (c *markedCounter) total() float64 {
 		}
 	}
 	return sum
+}
+
+// relayOnCluster measures raw_quorum_vs_classic and relay_vs_raw_quorum on a
+// three-node cluster it starts and stops. A machine that cannot start one
+// gets a note and no figures: the rest of the scenario stands.
+func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out *reporter) error {
+	started := time.Now()
+	cl, err := testcluster.StartCluster(ctx)
+	if err != nil {
+		note("relay: no three-node cluster, so no quorum figures: %v", err)
+		return nil
+	}
+	defer func() {
+		if err := cl.Stop(); err != nil {
+			note("relay: stopping the cluster: %v", err)
+		}
+	}()
+	note("relay: three-node cluster up in %s", time.Since(started).Round(100*time.Millisecond))
+	classic, err := openBenchQueueAt("relay-classic", cl.URL(0), nil)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = classic.close() }()
+	quorum, err := openBenchQueueAt("relay-quorum", cl.URL(0), amqp.Table{"x-queue-type": "quorum"})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = quorum.close() }()
+
+	raw := func(q *benchQueue, what string) (float64, error) {
+		ids := make([]string, n)
+		for i := range ids {
+			ids[i] = watermill.NewUUID()
+		}
+		var r float64
+		err := q.undisturbed("relay: raw "+what, func() error {
+			if err := q.purge(); err != nil {
+				return err
+			}
+			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0, false)
+			if err != nil {
+				return err
+			}
+			if got, err := q.waitCount(ctx, n, 10*time.Second); err != nil || got != n {
+				return fmt.Errorf("VERIFY FAILED: raw %s: queue holds %d messages, want %d (%v)", what, got, n, err)
+			}
+			r = rate(n, took)
+			note("relay: raw %s %.0f msg/s", what, r)
+			return q.purge()
+		})
+		return r, err
+	}
+	// Warm-up of both queues, discarded.
+	for _, q := range []*benchQueue{classic, quorum} {
+		warm := make([]string, min(n, 2000))
+		for i := range warm {
+			warm[i] = watermill.NewUUID()
+		}
+		if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0, false); err != nil {
+			return err
+		}
+	}
+	// classic, quorum, relay, quorum, relay, quorum, classic: each ratio
+	// over runs on either side of what it compares, the cluster's queues
+	// being noisier than the single node's.
+	var (
+		classics, quorums []float64
+		relayRates        []float64
+	)
+	for _, step := range []string{"classic", "quorum", "relay", "quorum", "relay", "quorum", "classic"} {
+		switch step {
+		case "classic":
+			r, err := raw(classic, "classic (cluster)")
+			if err != nil {
+				return err
+			}
+			classics = append(classics, r)
+		case "quorum":
+			r, err := raw(quorum, "quorum (cluster)")
+			if err != nil {
+				return err
+			}
+			quorums = append(quorums, r)
+		case "relay":
+			kind := cfg.kinds[0]
+			var res relayResult
+			err := quorum.undisturbed("relay "+kind+" (quorum)", func() (err error) {
+				res, err = relayDrain(ctx, cfg, kind, quorum, n, payload, relayRun, false)
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			r := rate(n, res.took)
+			note("relay: %s into the quorum queue %.0f msg/s", kind, r)
+			out.metric("relay_quorum_throughput_"+kind, r, "msg/s")
+			relayRates = append(relayRates, r)
+		}
+	}
+	out.metric("raw_quorum_throughput", mean(quorums...), "msg/s")
+	out.metric("raw_quorum_vs_classic", mean(quorums...)/mean(classics...), "ratio")
+	out.metric("relay_vs_raw_quorum", mean(relayRates...)/mean(quorums...), "ratio")
+	return nil
 }
