@@ -159,33 +159,11 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 		q.name, n, len(payload), orDefault(*relayBatch), orDefault(*relayWindow), *rawInflight)
 
 	rawRun := func(keyed bool) (float64, error) {
-		ids := make([]string, n)
-		for i := range ids {
-			ids[i] = watermill.NewUUID()
-		}
 		name := "raw_amqp_pipelined"
 		if keyed {
 			name += " (keyed headers)"
 		}
-		var r float64
-		err := q.undisturbed("relay: raw", func() error {
-			if err := q.purge(); err != nil {
-				return err
-			}
-			cpu := readCPU()
-			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0, keyed)
-			if err != nil {
-				return err
-			}
-			busy := cpu.busySince()
-			if got, err := q.waitCount(ctx, n, 5*time.Second); err != nil || got != n {
-				return fmt.Errorf("VERIFY FAILED: raw: queue holds %d messages, want %d (%v)", got, n, err)
-			}
-			r = rate(n, took)
-			note("relay: %s %.0f msg/s (%s, machine CPU %.0f%% busy)", name, r, took.Round(time.Millisecond), 100*busy)
-			return q.purge()
-		})
-		return r, err
+		return rawDrain(ctx, q, n, payload, keyed, name)
 	}
 	var raws []float64
 	raw := func() (float64, error) {
@@ -203,11 +181,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 
 	// Warm-up: the broker's queue process, its message store and this
 	// client's connection, discarded.
-	warm := make([]string, min(n, 2000))
-	for i := range warm {
-		warm[i] = watermill.NewUUID()
-	}
-	if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0, false); err != nil {
+	if err := rawWarmUp(ctx, q, n, payload); err != nil {
 		return err
 	}
 
@@ -801,36 +775,9 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 	}
 	defer func() { _ = quorum.close() }()
 
-	raw := func(q *benchQueue, what string) (float64, error) {
-		ids := make([]string, n)
-		for i := range ids {
-			ids[i] = watermill.NewUUID()
-		}
-		var r float64
-		err := q.undisturbed("relay: raw "+what, func() error {
-			if err := q.purge(); err != nil {
-				return err
-			}
-			took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0, false)
-			if err != nil {
-				return err
-			}
-			if got, err := q.waitCount(ctx, n, 10*time.Second); err != nil || got != n {
-				return fmt.Errorf("VERIFY FAILED: raw %s: queue holds %d messages, want %d (%v)", what, got, n, err)
-			}
-			r = rate(n, took)
-			note("relay: raw %s %.0f msg/s", what, r)
-			return q.purge()
-		})
-		return r, err
-	}
 	// Warm-up of both queues, discarded.
 	for _, q := range []*benchQueue{classic, quorum} {
-		warm := make([]string, min(n, 2000))
-		for i := range warm {
-			warm[i] = watermill.NewUUID()
-		}
-		if _, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0, false); err != nil {
+		if err := rawWarmUp(ctx, q, n, payload); err != nil {
 			return err
 		}
 	}
@@ -844,13 +791,13 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 	for _, step := range []string{"classic", "quorum", "relay", "quorum", "relay", "quorum", "classic"} {
 		switch step {
 		case "classic":
-			r, err := raw(classic, "classic (cluster)")
+			r, err := rawDrain(ctx, classic, n, payload, false, "raw classic (cluster)")
 			if err != nil {
 				return err
 			}
 			classics = append(classics, r)
 		case "quorum":
-			r, err := raw(quorum, "quorum (cluster)")
+			r, err := rawDrain(ctx, quorum, n, payload, false, "raw quorum (cluster)")
 			if err != nil {
 				return err
 			}
@@ -875,4 +822,46 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 	out.metric("raw_quorum_vs_classic", mean(quorums...)/mean(classics...), "ratio")
 	out.metric("relay_vs_raw_quorum", mean(relayRates...)/mean(quorums...), "ratio")
 	return nil
+}
+
+// rawDrain has the raw client publish n messages to the empty queue q
+// (rawPublish, -inflight unconfirmed), checks that the queue holds all of
+// them, empties it again and returns the rate. A run disturbed from outside
+// is repeated (undisturbed).
+func rawDrain(ctx context.Context, q *benchQueue, n int, payload []byte, keyed bool, name string) (float64, error) {
+	ids := make([]string, n)
+	for i := range ids {
+		ids[i] = watermill.NewUUID()
+	}
+	var r float64
+	err := q.undisturbed("relay: "+name, func() error {
+		if err := q.purge(); err != nil {
+			return err
+		}
+		cpu := readCPU()
+		took, err := rawPublish(ctx, q, ids, payload, *rawInflight, 0, keyed)
+		if err != nil {
+			return err
+		}
+		busy := cpu.busySince()
+		if got, err := q.waitCount(ctx, n, 10*time.Second); err != nil || got != n {
+			return fmt.Errorf("VERIFY FAILED: %s: queue holds %d messages, want %d (%v)", name, got, n, err)
+		}
+		r = rate(n, took)
+		note("relay: %s %.0f msg/s (%s, machine CPU %.0f%% busy)", name, r, took.Round(time.Millisecond), 100*busy)
+		return q.purge()
+	})
+	return r, err
+}
+
+// rawWarmUp warms the broker's queue process, its message store and the
+// client's connection up with up to 2,000 messages, left in the queue for
+// the next run's purge.
+func rawWarmUp(ctx context.Context, q *benchQueue, n int, payload []byte) error {
+	warm := make([]string, min(n, 2000))
+	for i := range warm {
+		warm[i] = watermill.NewUUID()
+	}
+	_, err := rawPublish(ctx, q, warm, payload, *rawInflight, 0, false)
+	return err
 }

@@ -307,23 +307,16 @@ func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }
 // PendingIndex is the lookup of the name of the table's index of pending
 // rows (its first column published_at), if the dialect's claims name it.
 // Column: the index name; no row when there is none.
-func (o *Outbox) PendingIndex() (Query, bool) {
-	q := o.d.pendingIndex()
-	if q == "" {
-		return Query{}, false
-	}
-	var schema any // NULL: the current one
-	if o.schema != "" {
-		schema = o.schema
-	}
-	return Query{SQL: q, Args: []any{schema, o.name}}, true
-}
+func (o *Outbox) PendingIndex() (Query, bool) { return o.indexLookup(o.d.pendingIndex()) }
 
 // KeyIndex is the lookup of the name of the table's index of a key's
 // pending rows, if the dialect's claims name it (see PendingIndex). Column:
 // the index name; no row when there is none.
-func (o *Outbox) KeyIndex() (Query, bool) {
-	q := o.d.keyIndex()
+func (o *Outbox) KeyIndex() (Query, bool) { return o.indexLookup(o.d.keyIndex()) }
+
+// indexLookup gives a dialect's index-name lookup q the table's schema and
+// name; false when the dialect has none.
+func (o *Outbox) indexLookup(q string) (Query, bool) {
 	if q == "" {
 		return Query{}, false
 	}
