@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -57,7 +58,7 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	}
 	db.MustExec("CREATE TABLE orders (id varchar(64) PRIMARY KEY, placed_us bigint NOT NULL)")
 	// No unique key: a second effect of one order shows as a second row.
-	db.MustExec("CREATE TABLE effects (order_id varchar(64) NOT NULL, message_id varchar(64) NOT NULL)")
+	db.MustExec("CREATE TABLE effects (order_id varchar(64) NOT NULL, message_id varchar(64) NOT NULL, applied_us bigint NOT NULL)")
 
 	exchange, queue := "cluster-ex-"+testdb.RandomName(), "cluster-q-"+testdb.RandomName()
 	declareQuorum(t, cl, exchange, queue)
@@ -101,27 +102,9 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	<-fwd.Running()
 	published := func() float64 { return counterValue(t, reg, "outbox_forwarder_published_total") }
 
-	// Two consumers, each starting at a node of its own.
 	inbox, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "cluster-orders"})
 	if err != nil {
 		t.Fatal(err)
-	}
-	insertEffect := db.Rebind("INSERT INTO effects (order_id, message_id) VALUES (?, ?)")
-	var handled, delivered atomic.Int64
-	handle := func(msg *message.Message) error {
-		tx, ok := outbox.TxFromContext(msg.Context())
-		if !ok {
-			return errors.New("no inbox transaction in the message context")
-		}
-		var o orderPlaced
-		if err := json.Unmarshal(msg.Payload, &o); err != nil || o.OrderID == "" {
-			return fmt.Errorf("payload %q: %v", msg.Payload, err)
-		}
-		if _, err := tx.ExecContext(msg.Context(), insertEffect, o.OrderID, msg.UUID); err != nil {
-			return err
-		}
-		handled.Add(1)
-		return nil
 	}
 	// Two consumers, on nodes the relay is not on at first. The relay
 	// starts on node 0 and moves on to node 1, the next, so the second loss
@@ -129,13 +112,21 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	// Not under -race: watermill-amqp's reconnect races
 	// (closeConsumerConnection), so there both consumers sit on node 2 and
 	// read on throughout without losing their connection.
-	for i := range 2 {
-		first := 2
-		if closeConsumerConnection() {
-			first = i + 1
-		}
-		startClusterConsumer(t, cl, first, exchange, queue, &delivered, inbox, handle)
-	}
+	oc := &orderConsumer{insertEffect: db.Rebind("INSERT INTO effects (order_id, message_id, applied_us) VALUES (?, ?, ?)")}
+	urls := cl.URLs()
+	consumers := startConsumer(t, consumerConfig{
+		name: "cluster-orders", instances: 2, prefetch: 20, topic: clusterTopic, queue: queue, exchange: exchange,
+		marshaler: wamqp.DefaultMarshaler{}, inbox: inbox, handle: oc.handle,
+		connName: func(i int) string { return "cluster-consumer-" + strconv.Itoa(i) },
+		nodes: func(i int) []string {
+			first := 2
+			if closeConsumerConnection() {
+				first = i + 1
+			}
+			return slices.Concat(urls[first:], urls[:first])
+		},
+		queueArgs: amqp.Table{"x-queue-type": "quorum"},
+	})
 
 	// Orders.
 	var (
@@ -303,7 +294,7 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 
 	rows := []string{
 		row("orders committed", nCommitted, fmt.Sprintf("%d rolled back, %d failed to place", nRolledBack, placeErrs.Load())),
-		row("deliveries", int(delivered.Load()), fmt.Sprintf("%d let through by the inbox, the rest copies it absorbed", handled.Load())),
+		row("deliveries", int(consumers.deliveries.Load()), fmt.Sprintf("%d let through by the inbox, %d copies it absorbed", consumers.handlerRuns.Load(), consumers.duplicates.Load())),
 		row("lost (committed, no effect)", lost, "must be 0"),
 		row("effects twice", twice, "must be 0"),
 		row("effects of rolled-back orders", ofRolledBack, "must be 0"),
@@ -359,69 +350,6 @@ func declareQuorum(t *testing.T, cl *testcluster.Cluster, exchange, queue string
 		return ch.QueueBind(queue, clusterTopic, exchange, false, nil)
 	}); err != nil {
 		t.Fatalf("declaring the quorum queue: %v", err)
-	}
-}
-
-// startClusterConsumer starts a Watermill router whose watermill-amqp
-// subscriber dials the cluster's nodes starting at node first, through
-// outbox.FailoverDial, with the inbox middleware before handle.
-func startClusterConsumer(t *testing.T, cl *testcluster.Cluster, first int, exchange, queue string, delivered *atomic.Int64, inbox *outbox.Inbox, handle message.NoPublishHandlerFunc) {
-	t.Helper()
-	urls := cl.URLs()
-	urls = append(urls[first%len(urls):], urls[:first%len(urls)]...)
-	dial, err := outbox.FailoverDial(urls, 3*time.Second, debugLogger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	amqpCfg := amqp.Config{Dial: dial, Properties: amqp.NewConnectionProperties()}
-	amqpCfg.Properties.SetClientConnectionName("cluster-consumer-on-" + strconv.Itoa(first))
-	sub, err := wamqp.NewSubscriber(wamqp.Config{
-		Connection: wamqp.ConnectionConfig{
-			AmqpURI:    urls[0],
-			AmqpConfig: &amqpCfg,
-			Reconnect: &wamqp.ReconnectConfig{
-				BackoffInitialInterval: 100 * time.Millisecond, BackoffRandomizationFactor: 0.5,
-				BackoffMultiplier: 1.5, BackoffMaxInterval: time.Second,
-			},
-		},
-		Marshaler: wamqp.DefaultMarshaler{},
-		Exchange:  wamqp.ExchangeConfig{GenerateName: wamqp.GenerateExchangeNameConstant(exchange), Type: amqp.ExchangeDirect, Durable: true},
-		Queue: wamqp.QueueConfig{GenerateName: wamqp.GenerateQueueNameConstant(queue), Durable: true,
-			Arguments: amqp.Table{"x-queue-type": "quorum"}},
-		QueueBind: wamqp.QueueBindConfig{GenerateRoutingKey: func(topic string) string { return topic }},
-		Consume:   wamqp.ConsumeConfig{Qos: wamqp.QosConfig{PrefetchCount: 20}},
-
-		TopologyBuilder: &wamqp.DefaultTopologyBuilder{},
-	}, debugLogger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 15 * time.Second}, debugLogger())
-	if err != nil {
-		_ = sub.Close()
-		t.Fatal(err)
-	}
-	count := func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			delivered.Add(1)
-			return h(msg)
-		}
-	}
-	router.AddMiddleware(count, inbox.Middleware)
-	router.AddConsumerHandler("cluster-orders", clusterTopic, sub, handle)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(context.Background()) }()
-	t.Cleanup(func() {
-		_ = router.Close()
-		<-done
-		_ = sub.Close()
-	})
-	select {
-	case <-router.Running():
-	case err := <-done:
-		t.Fatalf("router stopped at start: %v", err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("router did not start within 30 s")
 	}
 }
 

@@ -74,6 +74,11 @@ type consumerConfig struct {
 	// inbox runs: the broker redelivers them, later than their successors.
 	nackRate float64
 	connName func(i int) string
+	// nodes, if set, are the broker URLs instance i dials, first to last,
+	// through outbox.FailoverDial (a cluster's); nil: the test broker.
+	nodes func(i int) []string
+	// queueArgs are the queue's arguments ({"x-queue-type": "quorum"}).
+	queueArgs amqp.Table
 }
 
 // routerRun is one incarnation of a consumer instance.
@@ -163,9 +168,18 @@ func (c *consumer) start(i int) error {
 	log := &watchLogger{LoggerAdapter: debugLogger(), match: "Received close notification from AMQP, reconnecting", n: &c.reconnects}
 	amqpCfg := amqp.Config{Properties: amqp.NewConnectionProperties()}
 	amqpCfg.Properties.SetClientConnectionName(c.connName(i))
+	uri := testdb.AMQPURL()
+	if c.nodes != nil {
+		nodes := c.nodes(i)
+		dial, err := outbox.FailoverDial(nodes, 3*time.Second, debugLogger())
+		if err != nil {
+			return err
+		}
+		amqpCfg.Dial, uri = dial, nodes[0]
+	}
 	sub, err := wamqp.NewSubscriber(wamqp.Config{
 		Connection: wamqp.ConnectionConfig{
-			AmqpURI:    testdb.AMQPURL(),
+			AmqpURI:    uri,
 			AmqpConfig: &amqpCfg,
 			Reconnect: &wamqp.ReconnectConfig{
 				BackoffInitialInterval: 100 * time.Millisecond, BackoffRandomizationFactor: 0.5,
@@ -174,7 +188,7 @@ func (c *consumer) start(i int) error {
 		},
 		Marshaler: c.marshaler,
 		Exchange:  wamqp.ExchangeConfig{GenerateName: wamqp.GenerateExchangeNameConstant(c.exchange), Type: amqp.ExchangeDirect, Durable: true},
-		Queue:     wamqp.QueueConfig{GenerateName: wamqp.GenerateQueueNameConstant(c.queue), Durable: true},
+		Queue:     wamqp.QueueConfig{GenerateName: wamqp.GenerateQueueNameConstant(c.queue), Durable: true, Arguments: c.queueArgs},
 		QueueBind: wamqp.QueueBindConfig{GenerateRoutingKey: func(topic string) string { return topic }},
 		Publish:   wamqp.PublishConfig{GenerateRoutingKey: func(topic string) string { return topic }},
 		Consume:   wamqp.ConsumeConfig{Qos: wamqp.QosConfig{PrefetchCount: c.prefetch}},
