@@ -66,6 +66,14 @@ import (
 //	relay_vs_raw_quorum:      the relay draining into that quorum queue (the
 //	                          first -db), twice, over the raw client doing
 //	                          the same three times, before, between, after.
+//	raw_quorum_beside_relay_db_vs_alone: the raw client into the quorum queue
+//	                          while a relay does the database work of a drain
+//	                          at the rate the relay just reached (claims and
+//	                          marks, a destination that publishes nothing),
+//	                          over the raw client alone: what that work takes
+//	                          from brokers sharing the machine with it.
+//	relay_vs_raw_quorum_beside_relay_db: the relay over that raw client: the
+//	                          relay's own share, the machine's set aside.
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -781,15 +789,24 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 			return err
 		}
 	}
-	// classic, quorum, relay, quorum, relay, quorum, classic: each ratio
-	// over runs on either side of what it compares, the cluster's queues
-	// being noisier than the single node's.
+	// classic, quorum, relay, beside, quorum, relay, beside, quorum,
+	// classic: each ratio over runs on either side of what it compares, the
+	// cluster's queues being noisier than the single node's.
 	var (
 		classics, quorums []float64
 		relayRates        []float64
+		besides           []float64
 	)
-	for _, step := range []string{"classic", "quorum", "relay", "quorum", "relay", "quorum", "classic"} {
+	for _, step := range []string{"classic", "quorum", "relay", "beside", "quorum", "relay", "beside", "quorum", "classic"} {
 		switch step {
+		case "beside":
+			// The raw client again, while the relay's database work for
+			// the rate it just reached runs beside it, against no broker.
+			r, err := rawBesideRelayDB(ctx, cfg, quorum, n, payload, relayRates[len(relayRates)-1])
+			if err != nil {
+				return err
+			}
+			besides = append(besides, r)
 		case "classic":
 			r, err := rawDrain(ctx, classic, n, payload, false, "raw classic (cluster)")
 			if err != nil {
@@ -821,7 +838,62 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 	out.metric("raw_quorum_throughput", mean(quorums...), "msg/s")
 	out.metric("raw_quorum_vs_classic", mean(quorums...)/mean(classics...), "ratio")
 	out.metric("relay_vs_raw_quorum", mean(relayRates...)/mean(quorums...), "ratio")
+	out.metric("raw_quorum_beside_relay_db_vs_alone", mean(besides...)/mean(quorums...), "ratio")
+	out.metric("relay_vs_raw_quorum_beside_relay_db", mean(relayRates...)/mean(besides...), "ratio")
 	return nil
+}
+
+// rawBesideRelayDB measures the raw client draining n messages into q while
+// a relay does the database work of a drain at rate msg/s beside it: claims
+// and marks on a table of its own, its destination (pacedDest) confirming
+// at the rate the relay reached into the queue before. On a machine where
+// the database and the broker share the cores and the disk, that work
+// slows the broker whoever publishes; the raw client so measured is what
+// the broker gives a relay that costs nothing of its own.
+func rawBesideRelayDB(ctx context.Context, cfg config, q *benchQueue, n int, payload []byte, rate float64) (float64, error) {
+	var r float64
+	err := withDatabase(ctx, cfg.kinds[0], cfg.dir, func(db *testdb.DB, d outbox.Dialect) error {
+		// Twice the rows: the relay does not run dry before the raw
+		// client is done, though the broker be faster for it.
+		if err := relayFill(ctx, db, q.name, 2*n, payload, false); err != nil {
+			return err
+		}
+		f, err := outbox.NewForwarder(db.DB, &pacedDest{rate: rate}, outbox.ForwarderConfig{Dialect: d, BatchSize: *relayBatch, StatsInterval: time.Hour})
+		if err != nil {
+			return err
+		}
+		defer func() { _ = f.Close() }()
+		runCtx, stop := context.WithCancel(ctx)
+		ran := make(chan error, 1)
+		go func() { ran <- f.Run(runCtx) }()
+		r, err = rawDrain(ctx, q, n, payload, false, "raw quorum (cluster) beside the relay's database work")
+		stop()
+		return errors.Join(err, <-ran)
+	})
+	return r, err
+}
+
+// pacedDest confirms records at rate msg/s, on a schedule from its first
+// batch (the database's time between batches counts toward it), and
+// publishes nothing. Run calls Publish from one goroutine.
+type pacedDest struct {
+	rate  float64
+	start time.Time
+	done  int
+}
+
+func (p *pacedDest) Publish(ctx context.Context, records []outbox.Record) []error {
+	if p.start.IsZero() {
+		p.start = time.Now()
+	}
+	p.done += len(records)
+	t := time.NewTimer(time.Until(p.start.Add(time.Duration(float64(p.done) / p.rate * float64(time.Second)))))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+	return make([]error, len(records))
 }
 
 // rawDrain has the raw client publish n messages to the empty queue q
