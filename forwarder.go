@@ -353,7 +353,8 @@ func (f *Forwarder) refreshStats(ctx context.Context) {
 	f.cfg.Metrics.stats(st, time.Now())
 }
 
-func (f *Forwarder) sleep(ctx context.Context, d time.Duration) bool {
+// sleepCtx waits d, or less when ctx ends first: then it reports false.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -38,7 +38,7 @@ func (f *Forwarder) listen(ctx context.Context) {
 			delay = 0
 		}
 		delay = f.nextDelay(delay)
-		if !f.sleep(ctx, delay) {
+		if !sleepCtx(ctx, delay) {
 			return
 		}
 	}

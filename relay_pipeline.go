@@ -329,9 +329,9 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 		if failed {
 			// A wake-up does not cut a backoff short: the failure is
 			// still there, and each try of a refused record counts.
-			l.f.sleep(ctx, l.delay)
+			sleepCtx(ctx, l.delay)
 		} else if cool := time.Until(l.swept.Add(wakeCooldown)); cool > 0 {
-			l.f.sleep(ctx, cool)
+			sleepCtx(ctx, cool)
 		}
 		return true
 	case <-timer.C:

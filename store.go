@@ -73,6 +73,12 @@ type Store struct {
 	// included (outbox_forwarder_statements_total).
 	sent atomic.Int64
 
+	// busyWait is the pool's busy_timeout on SQLite, once busyKnown (see
+	// writeTx).
+	busyMu    sync.Mutex
+	busyWait  time.Duration
+	busyKnown bool
+
 	// On MySQL the locking claim names the pending index, and its key-head
 	// probe the index of a key's pending rows, looked up at the first claim
 	// (see sqldialect's mysql pendingIndex and keyIndex): index and
@@ -396,26 +402,24 @@ func (s *Store) claimsOverlap() bool {
 }
 
 func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID string) (*claim, error) {
-	s.sent.Add(3) // BEGIN, the lease, COMMIT
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: claim: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	// The update is conditional on the rows still being free, so of two
-	// relays the second claims other rows, or none.
-	rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: claim: %w", err)
-	}
-	claimed, err := s.q.ScanClaimed(rows)
-	if err != nil {
-		return nil, fmt.Errorf("outbox: claim: %w", err)
-	}
+	var claimed []sqldialect.ClaimedRow
 	// Committed before anything is published: SQLite has one writer, and the
 	// services' own transactions must not wait for the broker.
-	if err := tx.Commit(); err != nil {
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+	err := s.writeTx(ctx, "claim", func(tx *sql.Tx) error {
+		s.sent.Add(1)
+		// The update is conditional on the rows still being free, so of two
+		// relays the second claims other rows, or none.
+		rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
+		if err == nil {
+			claimed, err = s.q.ScanClaimed(rows)
+		}
+		if err != nil {
+			return fmt.Errorf("outbox: claim: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	sortClaimed(claimed) // RETURNING promises no order
 	return &claim{rows: claimed, lease: relayID}, nil
@@ -443,8 +447,8 @@ func claimedLess(a, b sqldialect.ClaimedRow) bool {
 // finish marks the published rows (one statement), records the failures,
 // releases whatever else the claim held, and ends the claim.
 func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
-	s.sent.Add(1) // COMMIT
 	if c.tx != nil {
+		s.sent.Add(1) // COMMIT
 		err := s.mark(ctx, c.tx, time.Now(), published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
@@ -455,24 +459,14 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		}
 		return nil
 	}
-	s.sent.Add(1) // BEGIN
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return fmt.Errorf("outbox: mark: %w", err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	if err := s.mark(ctx, tx, time.Now(), published, failures); err != nil {
-		return err
-	}
-	// Rows claimed but neither published nor failed (not sent, behind a
-	// failure) are free for the next sweep at once, not at lease expiry.
-	if err := s.release(ctx, tx, c, published, failures); err != nil {
-		return err
-	}
-	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("outbox: commit marks: %w", err)
-	}
-	return nil
+	return s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
+		if err := s.mark(ctx, tx, time.Now(), published, failures); err != nil {
+			return err
+		}
+		// Rows claimed but neither published nor failed (not sent, behind a
+		// failure) are free for the next sweep at once, not at lease expiry.
+		return s.release(ctx, tx, c, published, failures)
+	})
 }
 
 // abandon gives a claim up without marking anything: the rows are claimable

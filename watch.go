@@ -74,7 +74,7 @@ func (f *Forwarder) watch(ctx context.Context) {
 			f.Notify()
 			if !errors.Is(err, fsnotify.ErrEventOverflow) {
 				f.log.Error("Outbox forwarder: file watch error", err, nil)
-				if !f.sleep(ctx, time.Second) {
+				if !sleepCtx(ctx, time.Second) {
 					return
 				}
 			}

@@ -136,6 +136,9 @@ func (d mysql) keyHead(table, alias string, p ClaimParams) string {
 
 func (mysql) claimSetup() string { return "" }
 
+// busyTimeout: the server queues writers.
+func (mysql) busyTimeout() string { return "" }
+
 // pendingIndex: every claim names the index of pending rows (FORCE INDEX),
 // whatever the optimizer would pick for a small table. A claim that reached
 // a row through the primary key instead locked only its clustered record;

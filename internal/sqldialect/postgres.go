@@ -98,6 +98,9 @@ func (postgres) keyHead(table, alias string, _ ClaimParams) string {
 // claim's transaction.
 func (postgres) claimSetup() string { return "SET LOCAL enable_sort = off" }
 
+// busyTimeout: the server queues writers.
+func (postgres) busyTimeout() string { return "" }
+
 // pendingIndex: the partial index is found by the planner; nothing to name.
 func (postgres) pendingIndex() string { return "" }
 

@@ -304,6 +304,20 @@ func (o *Outbox) claimWhere(p ClaimParams) (string, []any) {
 // transaction.
 func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }
 
+// BusyTimeout reads (ms < 0: one row, one integer column, milliseconds) or
+// sets a connection's wait for another connection's write lock. ok is
+// false where the server queues writers itself.
+func (o *Outbox) BusyTimeout(ms int) (q Query, ok bool) {
+	setting := o.d.busyTimeout()
+	if setting == "" {
+		return Query{}, false
+	}
+	if ms < 0 {
+		return Query{SQL: setting}, true
+	}
+	return Query{SQL: setting + " = " + strconv.Itoa(ms)}, true
+}
+
 // PendingIndex is the lookup of the name of the table's index of pending
 // rows (its first column published_at), if the dialect's claims name it.
 // Column: the index name; no row when there is none.

@@ -80,6 +80,10 @@ type Dialect interface {
 	// in the claim) is at the head of its key: see keyHeadNotExists.
 	keyHead(table, alias string, p ClaimParams) string
 	claimSetup() string
+	// busyTimeout is the setting that says how long a connection waits
+	// for another connection's write lock, "" where the server queues
+	// writers itself.
+	busyTimeout() string
 	pendingIndex() string
 	// keyIndex looks up the index of a key's pending rows that keyHead
 	// names, "" if the dialect's claims name none (see pendingIndex).

@@ -3,6 +3,7 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"strings"
 	"time"
 )
 
@@ -72,6 +73,23 @@ func (sqlite) keyHead(table, alias string, _ ClaimParams) string {
 }
 
 func (sqlite) claimSetup() string { return "" }
+
+// busyTimeout: a write that finds the database locked by another
+// connection fails with SQLITE_BUSY unless the connection's busy handler
+// waits. The handler SQLite installs for busy_timeout (which the driver's
+// _busy_timeout sets, 5 s by default) sleeps 1, 2, 5, 10, 15, 20, 25, 25,
+// 25, 50, 50 and then 100 ms between tries: under a steady flow of commits
+// a waiter that misses the lock a few times sleeps tens of milliseconds
+// while the lock is free most of that time.
+func (sqlite) busyTimeout() string { return "PRAGMA busy_timeout" }
+
+// Busy reports whether err is SQLite's SQLITE_BUSY, "database is locked"
+// (mattn/go-sqlite3 gives the text of sqlite3_errstr; its extended codes,
+// BUSY_SNAPSHOT among them, keep it): another connection holds the write
+// lock, and a new transaction may get it.
+func Busy(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "database is locked")
+}
 
 func (sqlite) pendingIndex() string { return "" }
 
