@@ -280,6 +280,10 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		// What the relay asked of the database per message: its claims,
 		// probes and marks over the run (the idle polls in it too).
 		out.metric("relay_statements_per_msg_"+name, (st1-st0)/float64(len(ids)), "stmt")
+		// The services' side: their transactions share the database, and
+		// on SQLite its one write lock, with the relay's claims and marks.
+		out.metric("publish_tx_p50_"+name, millis(rec.txQuantile(0.5)), "ms")
+		out.metric("publish_tx_p99_"+name, millis(rec.txQuantile(0.99)), "ms")
 		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook))
 		if v.idle {
 			return measureIdle(ctx, relay, v.kind, out)
@@ -316,12 +320,15 @@ func latencySend(ctx context.Context, db *testdb.DB, queue string, f *outbox.For
 					case <-time.After(wait):
 					}
 				}
+				began := time.Now()
 				id, err := latencyCommit(ctx, db, queue, payload)
 				if err != nil {
 					errs[w] = err
 					return
 				}
-				rec.committed(id, time.Now())
+				now := time.Now()
+				rec.committed(id, now)
+				rec.took(now.Sub(began))
 				if nudge {
 					f.Notify()
 				}
@@ -444,6 +451,7 @@ type latencyRecorder struct {
 	commit    map[string]time.Time
 	delivered map[string]time.Time
 	dups      int
+	txs       []time.Duration // each publishing transaction, begin to commit
 }
 
 func newLatencyRecorder() *latencyRecorder {
@@ -455,7 +463,21 @@ func newLatencyRecorder() *latencyRecorder {
 func (r *latencyRecorder) reset() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.commit, r.delivered, r.dups = map[string]time.Time{}, map[string]time.Time{}, 0
+	r.commit, r.delivered, r.dups, r.txs = map[string]time.Time{}, map[string]time.Time{}, 0, nil
+}
+
+// took records how long a publishing transaction took, begin to commit.
+func (r *latencyRecorder) took(d time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.txs = append(r.txs, d)
+}
+
+// txQuantile is the q-quantile of the publishing transactions since reset.
+func (r *latencyRecorder) txQuantile(q float64) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return quantile(r.txs, q)
 }
 
 func (r *latencyRecorder) committed(id string, at time.Time) {

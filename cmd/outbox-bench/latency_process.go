@@ -29,6 +29,7 @@ import (
 //	commit_to_broker_p50/p99_<db>_process_<rate>  ms, at 500 and 2,000 msg/s
 //	relay_cpu_<db>_process_<rate>                 % of one core the relay process used while the messages were sent
 //	relay_statements_per_msg_<db>_process_<rate>  statements the relay sent per message over the run
+//	publish_tx_p50/p99_<db>_process_<rate>        ms, the publishers' transactions, begin to commit
 //	idle_queries_per_s_<db>                       statements the relay sent to an idle outbox, over idleWindow
 //
 // The statements are the relay's own count (outbox_forwarder_statements_total
