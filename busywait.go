@@ -20,10 +20,10 @@ import (
 // times under a steady flow of commits waits tens of milliseconds while the
 // lock is free most of that time, and every record pending waits with it:
 // at 2,000 commits a second, the relay in its own process, that was a p99
-// of 67-165 ms from commit to broker. The relay so waits itself instead: on
+// of 29-166 ms from commit to broker. The relay so waits itself instead: on
 // a connection whose busy_timeout it sets to 0 for the transaction, it
-// tries again within a millisecond (busyPause), as long as the connection's own
-// busy_timeout would have waited, and gives it back as it found it.
+// tries again within a millisecond (busyPause) for as long as the pool's
+// busy_timeout would have waited, and then sets the pool's value back.
 
 // busyPause is the relay's pause before its try-th try again of a busy
 // lock: 50 µs doubling to 800 µs, each at random between half and one and
@@ -37,8 +37,7 @@ func busyPause(try int) time.Duration {
 // writeTx runs fn in a transaction of its own and commits it. Where the
 // database makes a writer wait in the client (SQLite), the transaction is
 // tried again while another connection holds the write lock (see above);
-// elsewhere it is one try on the pool.
-// Its BEGIN's or COMMIT's error says "outbox: <what>: …"; fn's is returned
+// elsewhere it is one try on the pool. Its BEGIN's or COMMIT's error says "outbox: <what>: …"; fn's is returned
 // as it is.
 func (s *Store) writeTx(ctx context.Context, what string, fn func(tx *sql.Tx) error) error {
 	if _, ok := s.q.BusyTimeout(0); !ok {
@@ -73,23 +72,27 @@ func (s *Store) writeTx(ctx context.Context, what string, fn func(tx *sql.Tx) er
 // txOn runs fn in a transaction begun by begin and commits it, or rolls it
 // back when fn fails.
 func (s *Store) txOn(ctx context.Context, what string, begin func(context.Context, *sql.TxOptions) (*sql.Tx, error), fn func(tx *sql.Tx) error) error {
-	s.sent.Add(2) // BEGIN, COMMIT
+	s.sent.Add(1) // BEGIN
 	tx, err := begin(ctx, nil)
 	if err != nil {
 		return fmt.Errorf("outbox: %s: begin: %w", what, err)
 	}
 	if err := fn(tx); err != nil {
+		s.sent.Add(1)
 		_ = tx.Rollback()
 		return err
 	}
+	s.sent.Add(1)
 	if err := tx.Commit(); err != nil {
 		return fmt.Errorf("outbox: %s: commit: %w", what, err)
 	}
 	return nil
 }
 
-// busyPatience is the busy_timeout of the pool's connections, read once:
-// how long the relay waits for a busy lock, as the services' writers do.
+// busyPatience is the busy_timeout of the pool's connections, read once
+// from the first (the DSN's _busy_timeout, or the driver's default, sets
+// it alike on every connection): how long the relay waits for a busy lock,
+// as the services' writers do, and what each connection is given back.
 func (s *Store) busyPatience(ctx context.Context, conn *sql.Conn) (time.Duration, error) {
 	s.busyMu.Lock()
 	defer s.busyMu.Unlock()
