@@ -37,8 +37,8 @@ func busyPause(try int) time.Duration {
 // writeTx runs fn in a transaction of its own and commits it. Where the
 // database makes a writer wait in the client (SQLite), the transaction is
 // tried again while another connection holds the write lock (see above);
-// elsewhere it is one try on the pool. Its BEGIN's or COMMIT's error says "outbox: <what>: …"; fn's is returned
-// as it is.
+// elsewhere it is one try on the pool. Its BEGIN's or COMMIT's error says
+// "outbox: <what>: …"; fn's is returned as it is.
 func (s *Store) writeTx(ctx context.Context, what string, fn func(tx *sql.Tx) error) error {
 	if _, ok := s.q.BusyTimeout(0); !ok {
 		return s.txOn(ctx, what, s.db.BeginTx, fn)
@@ -52,11 +52,11 @@ func (s *Store) writeTx(ctx context.Context, what string, fn func(tx *sql.Tx) er
 	if err != nil {
 		return err
 	}
-	restore, err := s.setBusyTimeout(ctx, conn, 0)
+	restore, err := s.suspendBusyTimeout(ctx, conn, patience)
 	if err != nil {
 		return err
 	}
-	defer restore(patience)
+	defer restore()
 	deadline := time.Now().Add(patience)
 	for try := 0; ; try++ {
 		err := s.txOn(ctx, what, conn.BeginTx, fn)
@@ -109,17 +109,17 @@ func (s *Store) busyPatience(ctx context.Context, conn *sql.Conn) (time.Duration
 	return s.busyWait, nil
 }
 
-// setBusyTimeout sets conn's busy_timeout to ms, and returns what sets it
-// back to patience. A connection whose setting could not be given back is
-// discarded, not returned to the pool: a service's transaction on it would
-// fail at once where it should wait.
-func (s *Store) setBusyTimeout(ctx context.Context, conn *sql.Conn, ms int) (restore func(patience time.Duration), err error) {
-	set, _ := s.q.BusyTimeout(ms)
+// suspendBusyTimeout sets conn's busy_timeout to 0, and returns what sets
+// it back to patience. A connection whose setting could not be given back
+// is discarded, not returned to the pool: a service's transaction on it
+// would fail at once where it should wait.
+func (s *Store) suspendBusyTimeout(ctx context.Context, conn *sql.Conn, patience time.Duration) (restore func(), err error) {
+	off, _ := s.q.BusyTimeout(0)
 	s.sent.Add(1)
-	if _, err := conn.ExecContext(ctx, set.SQL); err != nil {
+	if _, err := conn.ExecContext(ctx, off.SQL); err != nil {
 		return nil, fmt.Errorf("outbox: set busy_timeout: %w", err)
 	}
-	return func(patience time.Duration) {
+	return func() {
 		back, _ := s.q.BusyTimeout(int(patience / time.Millisecond))
 		s.sent.Add(1)
 		if _, err := conn.ExecContext(context.WithoutCancel(ctx), back.SQL); err != nil {

@@ -63,6 +63,19 @@ func placeholder(db *testdb.DB, n int) string {
 	return "?"
 }
 
+// publishAllAt marks every row of db's acemq_outbox published at at, as a
+// relay long ago would have.
+func publishAllAt(t testing.TB, db *testdb.DB, at time.Time) {
+	t.Helper()
+	var arg any = at.UTC()
+	if db.Kind != testdb.Postgres {
+		arg = at.UTC().Format("2006-01-02 15:04:05.000000")
+	}
+	if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ?"), arg); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // countRows counts the rows of acemq_outbox, published or not.
 func countRows(t testing.TB, db *testdb.DB) int {
 	t.Helper()

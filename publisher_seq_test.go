@@ -253,14 +253,7 @@ func TestTxPublisher_Keyed_DifferentKeysDoNotWaitForEachOther(t *testing.T) {
 func TestTxPublisher_Keyed_PurgeOfPublishedRows_SequenceContinues(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		inTx(t, db, true, []*message.Message{keyed("order-a"), keyed("order-a")})
-		old := time.Now().Add(-48 * time.Hour).UTC()
-		var oldArg any = old
-		if db.Kind != testdb.Postgres {
-			oldArg = old.Format("2006-01-02 15:04:05.000000")
-		}
-		if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ?"), oldArg); err != nil {
-			t.Fatal(err)
-		}
+		publishAllAt(t, db, time.Now().Add(-48*time.Hour))
 		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{})
 		if err != nil {
 			t.Fatal(err)

@@ -35,14 +35,7 @@ func TestSchemaQualifiedTable_KeyedPublishRelayAndPurge(t *testing.T) {
 				t.Fatalf("published %d, want 3", n)
 			}
 
-			old := time.Now().Add(-48 * time.Hour).UTC()
-			var oldArg any = old
-			if kind != testdb.Postgres {
-				oldArg = old.Format("2006-01-02 15:04:05.000000")
-			}
-			if _, err := home.Exec(home.Rebind("UPDATE acemq_outbox SET published_at = ?"), oldArg); err != nil {
-				t.Fatal(err)
-			}
+			publishAllAt(t, home, time.Now().Add(-48*time.Hour))
 			store, err := outbox.NewStore(app.DB, outbox.StoreConfig{Table: table})
 			if err != nil {
 				t.Fatal(err)
