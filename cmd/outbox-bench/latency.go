@@ -150,6 +150,12 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		}
 		out.metric("commit_to_broker_p50_"+name, millis(quantile(lat, 0.5)), "ms")
 		out.metric("commit_to_broker_p99_"+name, millis(quantile(lat, 0.99)), "ms")
+		if tx := rec.txQuantile(0.5); v.process && tx > 0 {
+			// A ratio, which this machine's load moves less than either
+			// figure: the relay claims in statements that wait for the
+			// same CPU and disk as the services' own.
+			out.metric("commit_to_broker_p50_vs_publish_tx_"+name, float64(quantile(lat, 0.5))/float64(tx), "ratio")
+		}
 		if csv != nil {
 			for i := range lat {
 				fmt.Fprintf(csv, "%s,%.3f,%.3f\n", name, millis(at[i]), millis(lat[i]))

@@ -30,6 +30,10 @@ import (
 //	relay_cpu_<db>_process_<rate>                 % of one core the relay process used while the messages were sent
 //	relay_statements_per_msg_<db>_process_<rate>  statements the relay sent per message over the run
 //	publish_tx_p50/p99_<db>_process_<rate>        ms, the publishers' transactions, begin to commit
+//	commit_to_broker_p50_vs_publish_tx_<db>_process_<rate>
+//	                                              ratio, the first p50 over the second: the relay's
+//	                                              latency in units of what one of the services'
+//	                                              transactions takes at the same load on the same machine
 //	idle_queries_per_s_<db>                       statements the relay sent to an idle outbox, over idleWindow
 //
 // The statements are the relay's own count (outbox_forwarder_statements_total
