@@ -65,6 +65,9 @@ type latencyVariant struct {
 	// cost.
 	process, idle bool
 	rate          int
+	// noNotify: PostgreSQL's NOTIFY trigger is disabled, so the relay
+	// polls adaptively and the services' commits do not notify.
+	noNotify bool
 	// raw: no database and no relay: the bench publishes to the broker
 	// itself, on a confirm channel, at rate (latencyRawRun).
 	raw bool
@@ -99,6 +102,14 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		for i, r := range processRates {
 			variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d", r), process: true,
 				idle: i == len(processRates)-1, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+		}
+		if kind == testdb.Postgres {
+			// What NOTIFY costs the services and buys the relay (see
+			// txpublish's concurrent figures).
+			for _, r := range processRates {
+				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_no_notify", r), process: true,
+					noNotify: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+			}
 		}
 	}
 
@@ -247,6 +258,11 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		return nil, nil, err
 	}
 	err = withDatabase(ctx, v.kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
+		if v.noNotify {
+			if _, err := db.ExecContext(ctx, "ALTER TABLE acemq_outbox DISABLE TRIGGER acemq_outbox_notify"); err != nil {
+				return err
+			}
+		}
 		relay, err := startRelayProcess(ctx, db.DSN)
 		if err != nil {
 			return err

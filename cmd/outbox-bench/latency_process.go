@@ -35,6 +35,8 @@ import (
 //	                                              latency in units of what one of the services'
 //	                                              transactions takes at the same load on the same machine
 //	idle_queries_per_s_<db>                       statements the relay sent to an idle outbox, over idleWindow
+//	…_postgres_process_<rate>_no_notify           the same figures with the NOTIFY trigger disabled: the
+//	                                              services' commits notify nobody, the relay polls adaptively
 //
 // The statements are the relay's own count (outbox_forwarder_statements_total
 // on its /metrics: every statement, BEGIN and COMMIT included, that it sends

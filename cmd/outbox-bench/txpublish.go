@@ -57,7 +57,10 @@ func runTxPublish(ctx context.Context, cfg config, out *reporter) error {
 	}
 	for _, kind := range cfg.kinds {
 		err := withDatabase(ctx, kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) error {
-			return txPublishOn(ctx, db, n, warmup, out)
+			if err := txPublishOn(ctx, db, n, warmup, out); err != nil || kind != testdb.Postgres {
+				return err
+			}
+			return txPublishConcurrent(ctx, db, out)
 		})
 		if err != nil {
 			return err

@@ -1,0 +1,108 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/jmoiron/sqlx"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// On PostgreSQL the NOTIFY that wakes the relay at commit (migration 0003's
+// trigger) is not free for the services once they commit at the same time:
+// PostgreSQL serialises the commits of transactions that notify (it holds a
+// lock on the notification queue from before the commit record until the
+// commit is durable), so they no longer share a WAL flush. txpublish
+// measures it with concurrentSessions sessions committing order-and-message
+// transactions as fast as they can, with the trigger and without, in
+// alternating order:
+//
+//	txpublish_concurrent_tps_postgres            with the trigger
+//	txpublish_concurrent_tps_postgres_no_notify  with it disabled
+//	txpublish_concurrent_notify_vs_none_postgres the first over the second
+const (
+	concurrentSessions = 8
+	concurrentSpell    = 3 * time.Second
+	concurrentRounds   = 2
+)
+
+func txPublishConcurrent(ctx context.Context, db *testdb.DB, out *reporter) error {
+	db.SetMaxOpenConns(concurrentSessions)
+	db.SetMaxIdleConns(concurrentSessions)
+	insertOrder := db.Rebind("INSERT INTO orders (id, customer, total, created_at) VALUES (?, ?, ?, ?)")
+	setTrigger := func(on bool) error {
+		verb := "DISABLE"
+		if on {
+			verb = "ENABLE"
+		}
+		_, err := db.ExecContext(ctx, "ALTER TABLE acemq_outbox "+verb+" TRIGGER acemq_outbox_notify")
+		return err
+	}
+	defer func() { _ = setTrigger(true) }()
+
+	var commits [2]int // [0] without the trigger, [1] with it
+	var spent [2]time.Duration
+	for r := 0; r < concurrentRounds; r++ {
+		for _, notify := range [2]bool{r%2 == 0, r%2 != 0} {
+			if err := setTrigger(notify); err != nil {
+				return fmt.Errorf("setting the notify trigger: %w", err)
+			}
+			start := time.Now()
+			n, err := commitFlatOut(ctx, db.DB, insertOrder, concurrentSpell)
+			if err != nil {
+				return err
+			}
+			i := 0
+			if notify {
+				i = 1
+			}
+			commits[i] += n
+			spent[i] += time.Since(start)
+		}
+	}
+	with, without := rate(commits[1], spent[1]), rate(commits[0], spent[0])
+	note("txpublish %s: %d sessions committing at once, %d rounds of %s each way", db.Kind, concurrentSessions, concurrentRounds, concurrentSpell)
+	out.metric("txpublish_concurrent_tps_"+db.Kind, with, "tx/s")
+	out.metric("txpublish_concurrent_tps_"+db.Kind+"_no_notify", without, "tx/s")
+	out.metric("txpublish_concurrent_notify_vs_none_"+db.Kind, with/without, "ratio")
+	return nil
+}
+
+// commitFlatOut commits order-and-message transactions on
+// concurrentSessions sessions for spell, and returns how many committed.
+func commitFlatOut(ctx context.Context, db *sqlx.DB, insertOrder string, spell time.Duration) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, spell)
+	defer cancel()
+	var (
+		n    atomic.Int64
+		wg   sync.WaitGroup
+		errs = make([]error, concurrentSessions)
+	)
+	for s := 0; s < concurrentSessions; s++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := s; ctx.Err() == nil; i += concurrentSessions {
+				o := newOrder(i)
+				_, err := orderTx(ctx, db, insertOrder, o, func(tx *sqlx.Tx) error {
+					return publishOrderCreated(ctx, tx, watermill.NewUUID(), orderPayload(o), o, "")
+				})
+				if err != nil {
+					if ctx.Err() == nil {
+						errs[s] = err
+					}
+					return
+				}
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return int(n.Load()), errors.Join(errs...)
+}
