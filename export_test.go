@@ -90,3 +90,11 @@ func (h *HeldClaim) Publish() error {
 
 // Abandon ends the claim, marking nothing.
 func (h *HeldClaim) Abandon() error { return h.s.abandon(context.Background(), h.c) }
+
+// SetTriggerRecheck sets how often a listening relay looks at the NOTIFY
+// trigger, and returns a func that sets it back.
+func SetTriggerRecheck(d time.Duration) (restore func()) {
+	old := triggerRecheck
+	triggerRecheck = d
+	return func() { triggerRecheck = old }
+}

@@ -36,8 +36,9 @@ type ForwarderConfig struct {
 	// woke it. Default 250 ms. On PostgreSQL LISTEN/NOTIFY wakes it at any
 	// process's commit, on SQLite a watch of the database file's writes,
 	// and Notify from the same process: there the poll only bounds the
-	// latency of what those miss. Where nothing wakes it (MySQL), the poll
-	// adapts: MinPollInterval after a sweep that published, doubling while
+	// latency of what those miss. Where nothing wakes it (MySQL; a
+	// PostgreSQL table whose NOTIFY trigger is missing or disabled), the
+	// poll adapts: MinPollInterval after a sweep that published, doubling while
 	// sweeps find nothing, up to PollInterval. An idle relay sends one
 	// statement per PollInterval (a probe, not a claim); the first row
 	// after an idle spell waits up to PollInterval on MySQL.
@@ -172,8 +173,9 @@ type Forwarder struct {
 
 	sweepMu sync.Mutex // one batch at a time
 	wake    chan struct{}
-	// woken: a LISTEN or a file watch is in place, so another process's
-	// commit wakes the relay and the poll is only a safety net.
+	// woken: a LISTEN on a table whose NOTIFY trigger fires, or a file
+	// watch, is in place, so another process's commit wakes the relay and
+	// the poll is only a safety net.
 	woken atomic.Bool
 
 	mu        sync.Mutex

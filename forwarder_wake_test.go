@@ -154,3 +154,51 @@ func TestForwarder_Postgres_NotifyOfAnotherSchema_DoesNotWakeRelay(t *testing.T)
 	notify(db.Name + ".acemq_outbox")
 	waitFor(t, 10*time.Second, "a sweep for its own table's notification", func() bool { return statements() > before })
 }
+
+// A relay listening on a table whose NOTIFY trigger does not fire (another
+// library created the table and this library's migrations never ran, or an
+// operator disabled the trigger to spare the services' commits the NOTIFY)
+// is never woken by a commit. It says so, and polls adaptively, as on
+// MySQL: rows committed one after another arrive within milliseconds
+// rather than at PollInterval each. Once the trigger fires again it says
+// that too.
+func TestForwarder_Postgres_NotifyTriggerDisabled_RelayPollsAdaptively(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	if _, err := db.Exec("ALTER TABLE acemq_outbox DISABLE TRIGGER acemq_outbox_notify"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(outbox.SetTriggerRecheck(200 * time.Millisecond)) // runs after the relay's Close
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	logs := &recordingLogger{}
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 3 * time.Second, Logger: logs})
+	go func() { _ = f.Run(context.Background()) }()
+	<-f.Running()
+	logged := func(msg string) func() bool {
+		return func() bool { return len(logs.find(msg)) > 0 }
+	}
+	waitFor(t, 10*time.Second, "the log that no trigger fires", logged("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively"))
+
+	publishN(t, db, b.Exchange, "t", 1)
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+		t.Fatal("the first row did not arrive")
+	}
+	// Each row right after the last one arrived: the relay's poll is at
+	// its shortest after a sweep that published. Counting on the trigger,
+	// it would wait PollInterval (3 s) for each.
+	for i := 0; i < 4; i++ {
+		start := time.Now()
+		publishN(t, db, b.Exchange, "t", 1)
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+			t.Fatalf("row %d did not arrive", i)
+		}
+		if took := time.Since(start); took > time.Second {
+			t.Fatalf("row %d took %s from commit to broker: the relay waited for a NOTIFY that never comes", i, took)
+		}
+	}
+
+	if _, err := db.Exec("ALTER TABLE acemq_outbox ENABLE TRIGGER acemq_outbox_notify"); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the log that the trigger fires again", logged("The outbox table's NOTIFY trigger fires again: commits wake the relay"))
+}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -61,17 +62,26 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		}
 		pc := sc.Conn()
 		ours := f.notifyPayload(ctx, pc)
+		defer f.woken.Store(false)
+		var trigger triggerState
+		trigger.look(ctx, f, pc) // before LISTEN, which pg_stat_activity then shows
 		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
 			return err
 		}
 		// Anything committed before LISTEN took effect is found by this
 		// first sweep.
-		f.woken.Store(true)
-		defer f.woken.Store(false)
 		f.Notify()
 		for {
-			n, err := pc.WaitForNotification(ctx)
+			if time.Now().After(trigger.next) {
+				trigger.look(ctx, f, pc)
+			}
+			waitCtx, cancel := context.WithDeadline(ctx, trigger.next)
+			n, err := pc.WaitForNotification(waitCtx)
+			cancel()
 			if err != nil {
+				if ctx.Err() == nil && pgconn.Timeout(err) {
+					continue // time to look again; pgx keeps the connection usable
+				}
 				// Never hand a listening connection back to the pool.
 				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 			}
@@ -83,6 +93,50 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		}
 	})
 	return heard, err
+}
+
+// triggerRecheck is how often a listening relay looks again whether the
+// table's NOTIFY trigger is there and enabled. A variable for tests.
+var triggerRecheck = time.Minute
+
+// triggerState is what a listening relay last found of the table's NOTIFY
+// trigger (sqldialect.NotifyTriggerName), and when it looks next.
+type triggerState struct {
+	found int // 0 not looked yet, 1 it fires, 2 it does not
+	next  time.Time
+}
+
+// look reads whether the table's NOTIFY trigger fires, sets the
+// relay's woken accordingly, and when to look next: with it, every commit that wrote rows wakes
+// the relay and the poll is only a safety net at PollInterval; without it
+// (a table another library created and this library's migrations never
+// touched, or a trigger disabled to spare the services' commits the
+// NOTIFY: see the README) the relay polls adaptively, as on MySQL, rather
+// than wait PollInterval for every row. Each change is logged. A reading
+// that fails changes nothing (the first one counts on the trigger).
+func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
+	q := f.store.q.NotifyTrigger()
+	s.next = time.Now().Add(triggerRecheck)
+	var fires bool
+	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&fires); err != nil {
+		fires = s.found != 2
+	}
+	found := 2
+	if fires {
+		found = 1
+	}
+	if found == s.found {
+		return
+	}
+	switch {
+	case !fires:
+		f.log.Info("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively", watermill.LogFields{
+			"trigger": sqldialect.NotifyTriggerName, "min_poll_interval": f.cfg.MinPollInterval, "poll_interval": f.cfg.PollInterval})
+	case s.found == 2:
+		f.log.Info("The outbox table's NOTIFY trigger fires again: commits wake the relay", watermill.LogFields{"trigger": sqldialect.NotifyTriggerName})
+	}
+	s.found = found
+	f.woken.Store(fires)
 }
 
 // notifyPayload is the payload the trigger sends for this relay's table, or

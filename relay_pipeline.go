@@ -292,7 +292,7 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 // nothing to do. Where another process's commit wakes it (PostgreSQL's
 // LISTEN, the watch of SQLite's file), the poll is a safety net:
 // PollInterval. Where nothing does (MySQL; DisableListen; LISTEN without
-// pgx), the poll adapts: MinPollInterval after a sweep that did something,
+// pgx, or on a table whose NOTIFY trigger does not fire), the poll adapts: MinPollInterval after a sweep that did something,
 // twice the last wait after one that found nothing, up to PollInterval. So
 // it follows a steady flow within a few milliseconds, and an idle outbox
 // costs one statement per PollInterval.

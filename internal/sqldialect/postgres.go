@@ -49,6 +49,19 @@ func (o *Outbox) NotifyPayload() Query {
 	return o.query(`SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)`, o.table)
 }
 
+// NotifyTriggerName is the trigger of migration 0003 that notifies
+// NotifyChannel when a transaction that inserted outbox rows commits.
+const NotifyTriggerName = "acemq_outbox_notify"
+
+// NotifyTrigger reads whether the outbox table's NotifyTriggerName fires
+// for an ordinary session (enabled, 'O', or ALWAYS, 'A'): false when it is
+// missing (a table another library created, before this library's
+// migrations ran), disabled (ALTER TABLE … DISABLE TRIGGER) or set to fire
+// on replicas only, and when the table is not there.
+func (o *Outbox) NotifyTrigger() Query {
+	return o.query(`SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass(?) AND tgname = '`+NotifyTriggerName+`' AND tgenabled IN ('O', 'A'))`, o.table)
+}
+
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
 // held by the relay's transaction. A relay that dies releases it with its
 // connection, at once; a second relay skips the locked rows.
