@@ -200,5 +200,5 @@ func TestForwarder_Postgres_NotifyTriggerDisabled_RelayPollsAdaptively(t *testin
 	if _, err := db.Exec("ALTER TABLE acemq_outbox ENABLE TRIGGER acemq_outbox_notify"); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 10*time.Second, "the log that the trigger fires again", logged("The outbox table's NOTIFY trigger fires again: commits wake the relay"))
+	waitFor(t, 10*time.Second, "the log that the trigger fires again", logged("The outbox table's NOTIFY trigger fires now: commits wake the relay"))
 }

@@ -102,40 +102,36 @@ var triggerRecheck = time.Minute
 // triggerState is what a listening relay last found of the table's NOTIFY
 // trigger (sqldialect.NotifyTriggerName), and when it looks next.
 type triggerState struct {
-	found int // 0 not looked yet, 1 it fires, 2 it does not
-	next  time.Time
+	looked, fires bool
+	next          time.Time
 }
 
-// look reads whether the table's NOTIFY trigger fires, sets the
-// relay's woken accordingly, and when to look next: with it, every commit that wrote rows wakes
-// the relay and the poll is only a safety net at PollInterval; without it
-// (a table another library created and this library's migrations never
-// touched, or a trigger disabled to spare the services' commits the
-// NOTIFY: see the README) the relay polls adaptively, as on MySQL, rather
-// than wait PollInterval for every row. Each change is logged. A reading
-// that fails changes nothing (the first one counts on the trigger).
+// look reads whether the table's NOTIFY trigger fires, sets the relay's
+// woken to match, and sets when to look next. With the trigger, every
+// commit that wrote rows wakes the relay, and the poll is only a safety
+// net at PollInterval. Without it (a table another library created and
+// this library's migrations never touched, or a trigger disabled to spare
+// the services' commits the NOTIFY: see the README) the relay polls
+// adaptively, as on MySQL, rather than wait PollInterval for every row.
+// Each change is logged. A reading that fails changes nothing; the first
+// one counts on the trigger.
 func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	q := f.store.q.NotifyTrigger()
 	s.next = time.Now().Add(triggerRecheck)
 	var fires bool
 	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&fires); err != nil {
-		fires = s.found != 2
+		fires = !s.looked || s.fires
 	}
-	found := 2
-	if fires {
-		found = 1
-	}
-	if found == s.found {
+	if s.looked && fires == s.fires {
 		return
 	}
-	switch {
-	case !fires:
+	if !fires {
 		f.log.Info("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively", watermill.LogFields{
 			"trigger": sqldialect.NotifyTriggerName, "min_poll_interval": f.cfg.MinPollInterval, "poll_interval": f.cfg.PollInterval})
-	case s.found == 2:
-		f.log.Info("The outbox table's NOTIFY trigger fires again: commits wake the relay", watermill.LogFields{"trigger": sqldialect.NotifyTriggerName})
+	} else if s.looked {
+		f.log.Info("The outbox table's NOTIFY trigger fires now: commits wake the relay", watermill.LogFields{"trigger": sqldialect.NotifyTriggerName})
 	}
-	s.found = found
+	s.looked, s.fires = true, fires
 	f.woken.Store(fires)
 }
 
