@@ -83,7 +83,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"database", "inbox_table", "max_attempts", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"database", "inbox_table", "max_attempts", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
@@ -115,6 +115,28 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		} {
 			if !regexp.MustCompile(`(?m)` + line).MatchString(human) {
 				t.Errorf("status output has no line matching %s:\n%s", line, human)
+			}
+		}
+
+		// The wake-up, on PostgreSQL: the trigger fires after migrate, and
+		// status says so when it is disabled; null elsewhere.
+		if kind != "postgres" {
+			if got["notify_trigger"] != nil {
+				t.Errorf("notify_trigger = %v on %s, want null", got["notify_trigger"], kind)
+			}
+		} else {
+			if got["notify_trigger"] != true {
+				t.Errorf("notify_trigger = %v after migrate, want true", got["notify_trigger"])
+			}
+			if !regexp.MustCompile(`(?m)^wake-up\s+NOTIFY at commit \(trigger acemq_outbox_notify\)$`).MatchString(human) {
+				t.Errorf("status output has no wake-up line:\n%s", human)
+			}
+			execSQL(t, f.db, "ALTER TABLE acemq_outbox DISABLE TRIGGER acemq_outbox_notify")
+			if got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json")); got["notify_trigger"] != false {
+				t.Errorf("notify_trigger = %v with the trigger disabled, want false", got["notify_trigger"])
+			}
+			if human := mustCtl(t, "status", "--db", f.db.DSN); !strings.Contains(human, "missing or disabled, relays poll adaptively") {
+				t.Errorf("status does not say the trigger is disabled:\n%s", human)
 			}
 		}
 

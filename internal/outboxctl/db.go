@@ -311,6 +311,18 @@ func (d *database) hasTable(ctx context.Context, table string) (bool, error) {
 	return err == nil, err
 }
 
+// notifyTrigger reads whether table's NOTIFY trigger fires (PostgreSQL).
+func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error) {
+	o, err := sqldialect.NewOutbox(sqldialect.Postgres, table)
+	if err != nil {
+		return false, err
+	}
+	q := o.NotifyTrigger()
+	var fires bool
+	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&fires)
+	return fires, err
+}
+
 // missingTableError is a table the statement needed that is not there.
 type missingTableError struct {
 	table string

@@ -7,6 +7,8 @@ import (
 	"math"
 	"text/tabwriter"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // statusReport is status --json. The field names are a contract with the
@@ -22,6 +24,9 @@ type statusReport struct {
 	PublishedLastHour int64      `json:"published_last_hour"`
 	InboxTable        string     `json:"inbox_table"`
 	Processed         *int64     `json:"processed_messages"` // null when the inbox table is not in this database
+	// NotifyTrigger: on PostgreSQL, whether the table's NOTIFY trigger
+	// fires, so that a commit wakes a listening relay; null elsewhere.
+	NotifyTrigger *bool `json:"notify_trigger"`
 }
 
 func (c *cli) status(args []string) error {
@@ -60,6 +65,13 @@ func (c *cli) status(args []string) error {
 	if r.PublishedLastHour, err = s.PublishedSince(c.ctx, now.Add(-time.Hour)); err != nil {
 		return d.explain(err, c.g.table)
 	}
+	if d.kind == kindPostgres {
+		fires, err := d.notifyTrigger(c.ctx, c.g.table)
+		if err != nil {
+			return d.explain(err, c.g.table)
+		}
+		r.NotifyTrigger = &fires
+	}
 	// The inbox may live in the consumers' database rather than this one.
 	if ok, err := d.hasTable(c.ctx, c.g.inboxTable); err != nil {
 		return err
@@ -88,6 +100,13 @@ func (c *cli) status(args []string) error {
 	}
 	fmt.Fprintf(tw, "stuck\t%d (at %d attempts; see outboxctl stuck)\n", r.Stuck, r.MaxAttempts)
 	fmt.Fprintf(tw, "published in the last hour\t%d\n", r.PublishedLastHour)
+	if r.NotifyTrigger != nil {
+		if *r.NotifyTrigger {
+			fmt.Fprintf(tw, "wake-up\tNOTIFY at commit (trigger %s)\n", sqldialect.NotifyTriggerName)
+		} else {
+			fmt.Fprintf(tw, "wake-up\tnone: trigger %s missing or disabled, relays poll adaptively\n", sqldialect.NotifyTriggerName)
+		}
+	}
 	if r.Processed == nil {
 		fmt.Fprintf(tw, "%s\t- (no such table in this database)\n", r.InboxTable)
 	} else {
