@@ -98,3 +98,8 @@ func SetTriggerRecheck(d time.Duration) (restore func()) {
 	triggerRecheck = d
 	return func() { triggerRecheck = old }
 }
+
+// Woken reports whether the relay counts on being woken at another
+// process's commit (a LISTEN on a table whose NOTIFY trigger fires, or
+// SQLite's file watch), so that its poll is only a safety net.
+func Woken(f *Forwarder) bool { return f.woken.Load() }

@@ -227,3 +227,74 @@ func TestForwarder_MySQL_PreparedStatementsFail_RelayGoesOnUnprepared(t *testing
 		t.Errorf("the relay still runs %d statements prepared after they failed", n)
 	}
 }
+
+// On MySQL nothing wakes the relay at a commit. While its claims find rows
+// it claims again at once, with the last batch's confirms still out,
+// rather than wait for its poll: in a steady flow of commits the rows reach
+// the broker in milliseconds even with a poll of seconds. Waiting for the
+// poll after every batch, half of them would wait a second or more.
+func TestForwarder_MySQL_Flow_ClaimsAgainWithoutWaitingForThePoll(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 2 * time.Second, MinPollInterval: 2 * time.Second})
+	go func() { _ = f.Run(context.Background()) }()
+	<-f.Running()
+
+	// Four services committing one message per transaction, back to back.
+	ctx, stop := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer stop()
+	var (
+		committed atomic.Int64
+		failed    atomic.Value
+		done      = make(chan struct{})
+	)
+	for w := 0; w < 4; w++ {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			for ctx.Err() == nil {
+				if err := commitOne(db, b.Exchange, "t"); err != nil {
+					failed.Store(err)
+					return
+				}
+				committed.Add(1)
+			}
+		}()
+	}
+	for w := 0; w < 4; w++ {
+		<-done
+	}
+	if err, _ := failed.Load().(error); err != nil {
+		t.Fatal(err)
+	}
+	n := int(committed.Load())
+	if got := countIDs(b.Drain(queue, n, 30*time.Second)); len(got) != n {
+		t.Fatalf("%d of %d messages arrived", len(got), n)
+	}
+	var median float64
+	if err := db.Get(&median, `SELECT TIMESTAMPDIFF(MICROSECOND, created_at, published_at) / 1000 AS ms FROM acemq_outbox
+		ORDER BY ms LIMIT 1 OFFSET ?`, n/2); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d messages, median commit to published %.1f ms", n, median)
+	if median > 500 {
+		t.Fatalf("median commit to published %.0f ms with a poll of 2 s: the relay waited for its poll between claims that found rows", median)
+	}
+}
+
+// commitOne commits one message on topic in a transaction of its own.
+func commitOne(db *testdb.DB, exchange, topic string) error {
+	tx, err := db.Beginx()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange})
+	if err != nil {
+		return err
+	}
+	if err := pub.Publish(topic, message.NewMessage(watermill.NewUUID(), []byte(`{}`))); err != nil {
+		return err
+	}
+	return tx.Commit()
+}

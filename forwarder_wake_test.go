@@ -127,10 +127,12 @@ func TestForwarder_Postgres_NotifyOfAnotherSchema_DoesNotWakeRelay(t *testing.T)
 	// The sweeps the relay starts with (its first, and the one the start
 	// of LISTEN wakes, which may come after LISTEN shows above) are over
 	// once the count holds still.
+	last, since := -1.0, time.Now()
 	waitFor(t, 10*time.Second, "the first sweeps", func() bool {
-		n := statements()
-		time.Sleep(300 * time.Millisecond)
-		return n > 0 && statements() == n
+		if n := statements(); n != last {
+			last, since = n, time.Now()
+		}
+		return last > 0 && time.Since(since) >= 300*time.Millisecond
 	})
 	notify := func(payload string) {
 		t.Helper()
@@ -184,6 +186,9 @@ func TestForwarder_Postgres_NotifyTriggerDisabled_RelayPollsAdaptively(t *testin
 		return func() bool { return len(logs.find(msg)) > 0 }
 	}
 	waitFor(t, 10*time.Second, "the log that no trigger fires", logged("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively"))
+	if outbox.Woken(f) {
+		t.Fatal("the relay counts on a NOTIFY trigger that is disabled")
+	}
 
 	publishN(t, db, b.Exchange, "t", 1)
 	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
@@ -207,4 +212,8 @@ func TestForwarder_Postgres_NotifyTriggerDisabled_RelayPollsAdaptively(t *testin
 		t.Fatal(err)
 	}
 	waitFor(t, 10*time.Second, "the log that the trigger fires again", logged("The outbox table's NOTIFY trigger fires now: commits wake the relay"))
+	waitFor(t, 10*time.Second, "the relay to count on the trigger again", func() bool { return outbox.Woken(f) })
+	if n := len(logs.find("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively")); n != 1 {
+		t.Errorf("the disabled trigger was logged %d times over several looks, want once", n)
+	}
 }

@@ -23,8 +23,9 @@ import (
 // to its poll interval.
 func (f *Forwarder) listen(ctx context.Context) {
 	delay := time.Duration(0)
+	var trigger triggerState // kept across reconnects: each change is logged once
 	for {
-		heard, err := f.listenOnce(ctx)
+		heard, err := f.listenOnce(ctx, &trigger)
 		if ctx.Err() != nil {
 			return
 		}
@@ -48,8 +49,10 @@ func (f *Forwarder) listen(ctx context.Context) {
 var errNotPgx = fmt.Errorf("outbox: not a pgx connection")
 
 // listenOnce listens on one connection until it fails or ctx ends, and
-// reports whether it heard anything.
-func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
+// reports whether it heard anything. It looks at the table's NOTIFY
+// trigger before LISTEN (which pg_stat_activity then shows) and every
+// triggerRecheck after.
+func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (heard bool, err error) {
 	conn, err := f.store.db.Conn(ctx)
 	if err != nil {
 		return false, err
@@ -63,8 +66,7 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		pc := sc.Conn()
 		ours := f.notifyPayload(ctx, pc)
 		defer f.woken.Store(false)
-		var trigger triggerState
-		trigger.look(ctx, f, pc) // before LISTEN, which pg_stat_activity then shows
+		trigger.look(ctx, f, pc)
 		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
 			return err
 		}
@@ -74,12 +76,16 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 		for {
 			if time.Now().After(trigger.next) {
 				trigger.look(ctx, f, pc)
+				if ours == "" && trigger.table {
+					ours = f.notifyPayload(ctx, pc) // the table came after LISTEN
+				}
 			}
 			waitCtx, cancel := context.WithDeadline(ctx, trigger.next)
 			n, err := pc.WaitForNotification(waitCtx)
+			due := errors.Is(waitCtx.Err(), context.DeadlineExceeded)
 			cancel()
 			if err != nil {
-				if ctx.Err() == nil && pgconn.Timeout(err) {
+				if due && ctx.Err() == nil && pgconn.Timeout(err) {
 					continue // time to look again; pgx keeps the connection usable
 				}
 				// Never hand a listening connection back to the pool.
@@ -95,15 +101,21 @@ func (f *Forwarder) listenOnce(ctx context.Context) (heard bool, err error) {
 	return heard, err
 }
 
-// triggerRecheck is how often a listening relay looks again whether the
-// table's NOTIFY trigger is there and enabled. A variable for tests.
+// triggerRecheck is how often a listening relay looks again at the
+// table's NOTIFY trigger: one query on the LISTEN connection each time. A
+// trigger disabled while the relay runs leaves rows waiting up to
+// PollInterval each for as long as this; one enabled again, the relay
+// polling adaptively (more probes) for as long. A variable for tests.
 var triggerRecheck = time.Minute
 
-// triggerState is what a listening relay last found of the table's NOTIFY
-// trigger (sqldialect.NotifyTriggerName), and when it looks next.
+// triggerState is what a listening relay last found of its table and the
+// table's NOTIFY trigger (sqldialect.NotifyTriggerName), and when it looks
+// next. It outlives a lost LISTEN connection.
 type triggerState struct {
-	looked, fires bool
-	next          time.Time
+	looked       bool // a reading succeeded
+	table, fires bool // the last reading's
+	failed       bool // the last reading failed, and said so
+	next         time.Time
 }
 
 // look reads whether the table's NOTIFY trigger fires, sets the relay's
@@ -111,27 +123,38 @@ type triggerState struct {
 // commit that wrote rows wakes the relay, and the poll is only a safety
 // net at PollInterval. Without it (a table another library created and
 // this library's migrations never touched, or a trigger disabled to spare
-// the services' commits the NOTIFY: see the README) the relay polls
-// adaptively, as on MySQL, rather than wait PollInterval for every row.
-// Each change is logged. A reading that fails changes nothing; the first
-// one counts on the trigger.
+// the services' commits the NOTIFY: see the README; or no table yet) the
+// relay polls adaptively, as on MySQL, rather than wait PollInterval for
+// every row. Each change is logged once. A reading that fails is logged
+// once and changes nothing; until one succeeds the relay counts on the
+// trigger.
 func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	q := f.store.q.NotifyTrigger()
 	s.next = time.Now().Add(triggerRecheck)
-	var fires bool
-	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&fires); err != nil {
-		fires = !s.looked || s.fires
-	}
-	if s.looked && fires == s.fires {
+	var table, fires bool
+	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&table, &fires); err != nil {
+		if !s.failed && ctx.Err() == nil {
+			f.log.Info("Cannot read the outbox table's NOTIFY trigger; the relay keeps to its last reading (before any, that it fires)", watermill.LogFields{
+				"trigger": sqldialect.NotifyTriggerName, "err": err.Error()})
+		}
+		s.failed = true
+		f.woken.Store(!s.looked || s.fires)
 		return
 	}
-	if !fires {
-		f.log.Info("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively", watermill.LogFields{
-			"trigger": sqldialect.NotifyTriggerName, "min_poll_interval": f.cfg.MinPollInterval, "poll_interval": f.cfg.PollInterval})
-	} else if s.looked {
-		f.log.Info("The outbox table's NOTIFY trigger fires now: commits wake the relay", watermill.LogFields{"trigger": sqldialect.NotifyTriggerName})
+	s.failed = false
+	if !s.looked || table != s.table || fires != s.fires {
+		fields := watermill.LogFields{"trigger": sqldialect.NotifyTriggerName,
+			"min_poll_interval": f.cfg.MinPollInterval, "poll_interval": f.cfg.PollInterval}
+		switch {
+		case !table:
+			f.log.Info("The outbox table is not there yet: nothing wakes the relay, which polls adaptively", fields)
+		case !fires:
+			f.log.Info("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively", fields)
+		case s.looked:
+			f.log.Info("The outbox table's NOTIFY trigger fires now: commits wake the relay", fields)
+		}
 	}
-	s.looked, s.fires = true, fires
+	s.looked, s.table, s.fires = true, table, fires
 	f.woken.Store(fires)
 }
 

@@ -147,7 +147,11 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
 	s.unblocked = publishedKeyed(done) || publishedKeyed([]*batch{next})
-	l.idle = s.claimed == nil && !s.progressed && !s.failed
+	// On MySQL a sweep that claimed nothing makes the next one probe
+	// first even when it settled batches: the claim that ends a flow
+	// found nothing, and the poll after it need not claim again to learn
+	// that there is still nothing.
+	l.idle = s.claimed == nil && !s.failed && (!s.progressed || l.claimInFlow)
 	l.drained = !s.failed && !s.claimed.full(f.cfg.BatchSize)
 	l.unblocked = s.unblocked
 	l.found = s.claimed != nil
@@ -316,10 +320,11 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 // nothing to do. Where another process's commit wakes it (PostgreSQL's
 // LISTEN, the watch of SQLite's file), the poll is a safety net:
 // PollInterval. Where nothing does (MySQL; DisableListen; LISTEN without
-// pgx, or on a table whose NOTIFY trigger does not fire), the poll adapts: MinPollInterval after a sweep that did something,
-// twice the last wait after one that found nothing, up to PollInterval. So
-// it follows a steady flow within a few milliseconds, and an idle outbox
-// costs one statement per PollInterval.
+// pgx, or on a table whose NOTIFY trigger does not fire), the poll adapts:
+// MinPollInterval after a sweep that did something, twice the last wait
+// after one that found nothing, up to PollInterval. So it follows a steady
+// flow within a few milliseconds, and an idle outbox costs one statement
+// per PollInterval.
 func (l *relayLoop) idleWait(s swept) time.Duration {
 	cfg := l.f.cfg
 	if l.f.woken.Load() {

@@ -318,8 +318,8 @@ func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error
 		return false, err
 	}
 	q := o.NotifyTrigger()
-	var fires bool
-	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&fires)
+	var there, fires bool
+	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&there, &fires)
 	return fires, err
 }
 

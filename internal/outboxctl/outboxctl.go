@@ -110,7 +110,7 @@ type command struct {
 }
 
 var commands = []command{
-	{"status", "pending, oldest pending age, stuck, published in the last hour, inbox size", (*cli).status},
+	{"status", "pending, oldest pending age, stuck, published in the last hour, inbox size, PostgreSQL's wake-up", (*cli).status},
 	{"stuck", "the rows the relay gave up on, with where they go and why they failed", (*cli).stuck},
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},

@@ -53,13 +53,14 @@ func (o *Outbox) NotifyPayload() Query {
 // NotifyChannel when a transaction that inserted outbox rows commits.
 const NotifyTriggerName = "acemq_outbox_notify"
 
-// NotifyTrigger reads whether the outbox table's NotifyTriggerName fires
-// for an ordinary session (enabled, 'O', or ALWAYS, 'A'): false when it is
-// missing (a table another library created, before this library's
-// migrations ran), disabled (ALTER TABLE … DISABLE TRIGGER) or set to fire
-// on replicas only, and when the table is not there.
+// NotifyTrigger reads whether the outbox table is there, and whether its
+// NotifyTriggerName fires for an ordinary session (enabled, 'O', or
+// ALWAYS, 'A'): false when it is missing (a table another library created,
+// before this library's migrations ran), disabled (ALTER TABLE … DISABLE
+// TRIGGER) or set to fire on replicas only. One row, two booleans.
 func (o *Outbox) NotifyTrigger() Query {
-	return o.query(`SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass(?) AND tgname = '`+NotifyTriggerName+`' AND tgenabled IN ('O', 'A'))`, o.table)
+	return o.query(`SELECT t IS NOT NULL, EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = t AND tgname = '`+NotifyTriggerName+
+		`' AND tgenabled IN ('O', 'A')) FROM (SELECT to_regclass(?) AS t) r`, o.table)
 }
 
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
