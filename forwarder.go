@@ -38,10 +38,12 @@ type ForwarderConfig struct {
 	// and Notify from the same process: there the poll only bounds the
 	// latency of what those miss. Where nothing wakes it (MySQL; a
 	// PostgreSQL table whose NOTIFY trigger is missing or disabled), the
-	// poll adapts: MinPollInterval after a sweep that published, doubling while
-	// sweeps find nothing, up to PollInterval. An idle relay sends one
-	// statement per PollInterval (a probe, not a claim); the first row
-	// after an idle spell waits up to PollInterval on MySQL.
+	// poll adapts: MinPollInterval after a sweep that published, doubling
+	// while sweeps find nothing, up to PollInterval; and on MySQL, while
+	// its claims find rows, the relay claims again without waiting. An
+	// idle relay sends one statement per PollInterval (a probe, not a
+	// claim); the first row after an idle spell waits up to PollInterval
+	// on MySQL.
 	PollInterval time.Duration
 	// MinPollInterval is the adaptive poll's shortest wait, right after a
 	// sweep that published. Default 1 ms: in a steady flow the relay looks
