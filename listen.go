@@ -64,7 +64,6 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (hear
 			return errNotPgx
 		}
 		pc := sc.Conn()
-		ours := f.notifyPayload(ctx, pc)
 		defer f.woken.Store(false)
 		trigger.look(ctx, f, pc)
 		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
@@ -76,9 +75,6 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (hear
 		for {
 			if time.Now().After(trigger.next) {
 				trigger.look(ctx, f, pc)
-				if ours == "" && trigger.table {
-					ours = f.notifyPayload(ctx, pc) // the table came after LISTEN
-				}
 			}
 			waitCtx, cancel := context.WithDeadline(ctx, trigger.next)
 			n, err := pc.WaitForNotification(waitCtx)
@@ -92,7 +88,7 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (hear
 				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 			}
 			heard = true
-			if othersTable(n.Payload, ours) {
+			if othersTable(n.Payload, trigger.payload) {
 				continue
 			}
 			f.Notify()
@@ -112,14 +108,18 @@ var triggerRecheck = time.Minute
 // table's NOTIFY trigger (sqldialect.NotifyTriggerName), and when it looks
 // next. It outlives a lost LISTEN connection.
 type triggerState struct {
-	looked       bool // a reading succeeded
-	table, fires bool // the last reading's
-	failed       bool // the last reading failed, and said so
-	next         time.Time
+	looked bool // a reading succeeded
+	// payload is the one the trigger sends for the table, "" when the
+	// table is not there or nothing was read yet: then every notification
+	// wakes the relay.
+	payload string
+	fires   bool // the last reading's
+	failed  bool // the last reading failed, and said so
+	next    time.Time
 }
 
-// look reads whether the table's NOTIFY trigger fires, sets the relay's
-// woken to match, and sets when to look next. With the trigger, every
+// look reads the table's notify payload and whether its NOTIFY trigger
+// fires, sets the relay's woken to match, and sets when to look next. With the trigger, every
 // commit that wrote rows wakes the relay, and the poll is only a safety
 // net at PollInterval. Without it (a table another library created and
 // this library's migrations never touched, or a trigger disabled to spare
@@ -131,10 +131,12 @@ type triggerState struct {
 func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	q := f.store.q.NotifyTrigger()
 	s.next = time.Now().Add(triggerRecheck)
-	var table, fires bool
-	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&table, &fires); err != nil {
+	var payload *string
+	var fires bool
+	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&payload, &fires); err != nil {
 		if !s.failed && ctx.Err() == nil {
-			f.log.Info("Cannot read the outbox table's NOTIFY trigger; the relay keeps to its last reading (before any, that it fires)", watermill.LogFields{
+			f.log.Info("Cannot read the outbox table's NOTIFY trigger; the relay keeps to its last reading "+
+				"(before any, that it fires and that every notification is its table's)", watermill.LogFields{
 				"trigger": sqldialect.NotifyTriggerName, "err": err.Error()})
 		}
 		s.failed = true
@@ -142,7 +144,8 @@ func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 		return
 	}
 	s.failed = false
-	if !s.looked || table != s.table || fires != s.fires {
+	table := payload != nil
+	if !s.looked || table != (s.payload != "") || fires != s.fires {
 		fields := watermill.LogFields{"trigger": sqldialect.NotifyTriggerName,
 			"min_poll_interval": f.cfg.MinPollInterval, "poll_interval": f.cfg.PollInterval}
 		switch {
@@ -154,23 +157,11 @@ func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 			f.log.Info("The outbox table's NOTIFY trigger fires now: commits wake the relay", fields)
 		}
 	}
-	s.looked, s.table, s.fires = true, table, fires
-	f.woken.Store(fires)
-}
-
-// notifyPayload is the payload the trigger sends for this relay's table, or
-// "" when it cannot tell (the table is not there yet, say): then every
-// notification wakes the relay, as before the payload was read.
-func (f *Forwarder) notifyPayload(ctx context.Context, pc *pgx.Conn) string {
-	q := f.store.q.NotifyPayload()
-	var name *string
-	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&name); err != nil || name == nil {
-		if err != nil && ctx.Err() == nil {
-			f.log.Info("Cannot tell the outbox table's notifications from other tables'; every one wakes the relay", watermill.LogFields{"err": err.Error()})
-		}
-		return ""
+	s.looked, s.payload, s.fires = true, "", fires
+	if table {
+		s.payload = *payload
 	}
-	return *name
+	f.woken.Store(fires)
 }
 
 // othersTable reports whether a notification's payload names another

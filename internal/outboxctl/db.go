@@ -318,8 +318,9 @@ func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error
 		return false, err
 	}
 	q := o.NotifyTrigger()
-	var there, fires bool
-	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&there, &fires)
+	var payload *string
+	var fires bool
+	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&payload, &fires)
 	return fires, err
 }
 

@@ -39,28 +39,26 @@ const NotifyChannel = "acemq_outbox"
 // Listen subscribes a connection to NotifyChannel.
 func Listen() Query { return Query{SQL: "LISTEN " + NotifyChannel} }
 
-// NotifyPayload is the payload the trigger sends for the outbox table,
-// schema.table as TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME spell it, read
-// back from the catalog so that an unqualified name resolves as the
-// connection's search_path resolves it. It returns NULL for a table that is
-// not there. The channel is the database's: every schema's outbox notifies
-// on it, and this is how a relay tells its own table's commits from others'.
-func (o *Outbox) NotifyPayload() Query {
-	return o.query(`SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)`, o.table)
-}
-
 // NotifyTriggerName is the trigger of migration 0003 that notifies
 // NotifyChannel when a transaction that inserted outbox rows commits.
 const NotifyTriggerName = "acemq_outbox_notify"
 
-// NotifyTrigger reads whether the outbox table is there, and whether its
-// NotifyTriggerName fires for an ordinary session (enabled, 'O', or
-// ALWAYS, 'A'): false when it is missing (a table another library created,
-// before this library's migrations ran), disabled (ALTER TABLE … DISABLE
-// TRIGGER) or set to fire on replicas only. One row, two booleans.
+// NotifyTrigger reads what a listening relay needs to know of the outbox
+// table, one row:
+//   - the payload the trigger sends for it, schema.table as
+//     TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME spell it, read back from the
+//     catalog so that an unqualified name resolves as the connection's
+//     search_path resolves it; NULL when the table is not there. The
+//     channel is the database's: every schema's outbox notifies on it, and
+//     this is how a relay tells its own table's commits from others';
+//   - whether its NotifyTriggerName fires for an ordinary session (enabled,
+//     'O', or ALWAYS, 'A'): false when it is missing (a table another
+//     library created, before this library's migrations ran), disabled
+//     (ALTER TABLE … DISABLE TRIGGER) or set to fire on replicas only.
 func (o *Outbox) NotifyTrigger() Query {
-	return o.query(`SELECT t IS NOT NULL, EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = t AND tgname = '`+NotifyTriggerName+
-		`' AND tgenabled IN ('O', 'A')) FROM (SELECT to_regclass(?) AS t) r`, o.table)
+	return o.query(`SELECT n.nspname || '.' || c.relname, EXISTS (SELECT 1 FROM pg_trigger g WHERE g.tgrelid = c.oid AND g.tgname = '`+
+		NotifyTriggerName+`' AND g.tgenabled IN ('O', 'A')) FROM (SELECT to_regclass(?) AS t) r`+
+		` LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`, o.table)
 }
 
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
