@@ -21,15 +21,22 @@ import (
 //	candidate: BEGIN; INSERT one order; NewTxPublisher(tx).Publish(one 256-byte message); COMMIT
 //	floor:     BEGIN; INSERT one order; INSERT one 36-character key into a table of one column; COMMIT
 //	keyed:     the candidate with the message keyed (MetadataAggregateID), 1,000 keys in turn
+//	message floor: the floor with the message's bytes: its id, its 256-byte
+//	           body and its headers' JSON in a table of those three columns
 //
 // The floor is what any second statement costs: one more round trip to the
 // server. It separates what the outbox costs from what a second statement
 // costs, which on a server whose commit is cheap is most of the overhead.
+// The message floor is what writing the message itself costs, which any
+// outbox pays: over it (txpublish_overhead_vs_message_floor), the outbox row
+// is left, its other columns and its pending index, and the library's own
+// code. On SQLite, whose commit writes every page a transaction changed,
+// bytes and B-trees are the whole cost, and the two floors tell them apart.
 //
 // keyed against the candidate is what per-aggregate order costs a
 // transaction: the key's sequence number, one more statement.
 //
-// The four run interleaved on one connection, in rotating order, so that
+// The five run interleaved on one connection, in rotating order, so that
 // noise on this machine, the growth of the tables and any position effect
 // fall on all alike. Warm-up iterations
 // (connection set-up, statement caches, the first pages of each table) are
@@ -81,8 +88,12 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 	if _, err := db.ExecContext(ctx, "CREATE TABLE floor_keys (id varchar(64) PRIMARY KEY)"); err != nil {
 		return fmt.Errorf("creating floor_keys: %w", err)
 	}
+	if _, err := db.ExecContext(ctx, "CREATE TABLE floor_messages (id varchar(64) PRIMARY KEY, body text NOT NULL, headers text NOT NULL)"); err != nil {
+		return fmt.Errorf("creating floor_messages: %w", err)
+	}
 	insertOrder := db.Rebind("INSERT INTO orders (id, customer, total, created_at) VALUES (?, ?, ?, ?)")
 	insertFloor := db.Rebind("INSERT INTO floor_keys (id) VALUES (?)")
+	insertMessageFloor := db.Rebind("INSERT INTO floor_messages (id, body, headers) VALUES (?, ?, ?)")
 
 	note("txpublish %s: %d warm-up + %d measured iterations per variant", db.Kind, warmup, n)
 	start := time.Now()
@@ -91,6 +102,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		candidate = make([]time.Duration, 0, n)
 		floor     = make([]time.Duration, 0, n)
 		keyedOut  = make([]time.Duration, 0, n)
+		msgFloor  = make([]time.Duration, 0, n)
 		published = 0
 		lastMsgID string
 		lastBody  []byte
@@ -99,7 +111,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		var a, b, c, k time.Duration
+		var a, b, c, k, m time.Duration
 		for _, variant := range rotation(i) {
 			o := newOrder(i)
 			var (
@@ -113,6 +125,17 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 					return err
 				})
 				c = took
+			case variantMessageFloor:
+				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
+				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				if herr != nil {
+					return herr
+				}
+				took, err = orderTx(ctx, db.DB, insertOrder, o, func(tx *sqlx.Tx) error {
+					_, err := tx.ExecContext(ctx, insertMessageFloor, msg.UUID, string(msg.Payload), headers)
+					return err
+				})
+				m = took
 			case variantOutbox, variantKeyed:
 				msgID := watermill.NewUUID()
 				payload := orderPayload(o)
@@ -145,6 +168,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 			candidate = append(candidate, b)
 			floor = append(floor, c)
 			keyedOut = append(keyedOut, k)
+			msgFloor = append(msgFloor, m)
 		}
 	}
 	elapsed := time.Since(start)
@@ -177,6 +201,12 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 	out.metric("txpublish_keyed_"+k+"_us", micros(keyedMed), "us")
 	// What the key's sequence number adds to an outbox message.
 	out.metric("txpublish_keyed_vs_unkeyed_"+k, float64(keyedMed)/float64(candMed), "ratio")
+	// What the outbox costs beyond the message's own bytes: its row's other
+	// columns, its pending index, the library's code.
+	msgFloorMed := quantile(msgFloor, 0.5)
+	out.metric("txpublish_message_floor_"+k+"_us", micros(msgFloorMed), "us")
+	out.metric("txpublish_message_floor_vs_floor_"+k, float64(msgFloorMed)/float64(floorMed), "ratio")
+	out.metric("txpublish_overhead_vs_message_floor_"+k, float64(candMed)/float64(msgFloorMed), "ratio")
 	return nil
 }
 
@@ -185,12 +215,13 @@ const (
 	variantOutbox
 	variantFloor
 	variantKeyed
+	variantMessageFloor
 )
 
-// rotation gives the order of the four variants in iteration i, rotating
+// rotation gives the order of the five variants in iteration i, rotating
 // so that each takes each position equally often.
-func rotation(i int) [4]int {
-	var v [4]int
+func rotation(i int) [5]int {
+	var v [5]int
 	for j := range v {
 		v[j] = (i + j) % len(v)
 	}
@@ -270,18 +301,25 @@ func publishOrderCreated(ctx context.Context, tx *sqlx.Tx, msgID string, payload
 	if err != nil {
 		return fmt.Errorf("new publisher: %w", err)
 	}
-	msg := message.NewMessage(msgID, payload)
+	msg := orderMessage(msgID, payload, o, key)
 	msg.SetContext(ctx)
+	if err := pub.Publish(txPublishTopic, msg); err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	return pub.Close()
+}
+
+// orderMessage is the order-created message the bench publishes, keyed by
+// key if not empty.
+func orderMessage(msgID string, payload []byte, o order, key string) *message.Message {
+	msg := message.NewMessage(msgID, payload)
 	msg.Metadata.Set(outbox.MetadataContentType, "application/json")
 	msg.Metadata.Set("order_id", o.id)
 	msg.Metadata.Set("source", "outbox-bench")
 	if key != "" {
 		msg.Metadata.Set(outbox.MetadataAggregateID, key)
 	}
-	if err := pub.Publish(txPublishTopic, msg); err != nil {
-		return fmt.Errorf("publish: %w", err)
-	}
-	return pub.Close()
+	return msg
 }
 
 // verifyTxPublish checks that every committed transaction left its rows:
