@@ -267,6 +267,10 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 	if err != nil {
 		return err
 	}
+	// One row per id, the first message's: readBack tells the rows this
+	// call inserted by their stamps, and a later copy's stamp is not the
+	// row's.
+	rows = dedupeIDs(rows)
 	// Stamps are strictly increasing within the process, so the relay's
 	// ORDER BY created_at, id keeps the order the messages were given in,
 	// within this call and across calls.
@@ -290,7 +294,7 @@ func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
 	if err != nil {
 		return err
 	}
-	if inserted < int64(distinctIDs(rows)) {
+	if inserted < int64(len(rows)) {
 		// Some ids were there already: a retried transaction (the same
 		// message again, harmless) or the same id sent somewhere else, which
 		// would lose that copy without a word.
@@ -372,17 +376,6 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 	return ours, conflict, nil
 }
 
-func distinctIDs(rows []sqldialect.Row) int {
-	if len(rows) == 1 {
-		return 1 // the common call: no map on the hot path
-	}
-	seen := make(map[string]struct{}, len(rows))
-	for i := range rows {
-		seen[rows[i].ID] = struct{}{}
-	}
-	return len(seen)
-}
-
 // checkCallDuplicates refuses one id sent to two destinations, or under two
 // ordering keys, in one call; the same message twice to the same place is
 // one row. keyed reports a message with an ordering key.
@@ -415,7 +408,6 @@ func checkCallDuplicates(rows []sqldialect.Row) (keyed bool, err error) {
 // all or nothing as the unkeyed path (under a savepoint when the rows take
 // several statements, whose rollback also gives the numbers back).
 func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) error {
-	rows = dedupeIDs(rows)
 	if len(splitRows(rows)) == 1 {
 		return p.insertKeyed(ctx, rows)
 	}
@@ -567,7 +559,8 @@ func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCo
 }
 
 // dedupeIDs keeps the first of messages with the same id (checkCallDuplicates
-// made sure they go to one place under one key): one row, one number.
+// made sure they go to one place under one key): one row, one number, one
+// stamp.
 func dedupeIDs(rows []sqldialect.Row) []sqldialect.Row {
 	if len(rows) < 2 {
 		return rows

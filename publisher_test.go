@@ -617,6 +617,35 @@ func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
 	}
 }
 
+// A call that holds a message twice (one row) and a message whose id a row
+// to another destination holds is refused whole: the row of the message
+// given twice is taken out too. The call's later copy once carried another
+// stamp than the row, so the row was not recognised as the call's and
+// stayed, to be published if the caller committed after the error.
+func TestTxPublisher_SameIDTwiceAndAConflict_NothingOfTheCallWritten(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		taken := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		publishInTx(t, db, "topic-a", []*message.Message{taken})
+
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		pub, _ := outbox.NewTxPublisher(tx)
+		m := message.NewMessage(watermill.NewUUID(), []byte("y"))
+		if err := pub.Publish("topic-b", m, m.Copy(), taken.Copy()); !errors.Is(err, outbox.ErrDuplicateID) {
+			t.Fatalf("err = %v, want ErrDuplicateID", err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if rows := readRows(t, db); len(rows) != 1 || rows[0].ID != taken.UUID {
+			t.Fatalf("rows %+v, want only %s: nothing of the refused call", rows, taken.UUID)
+		}
+	})
+}
+
 // A copy of a message (Watermill's Copy keeps the UUID) published to a
 // second topic would be dropped as a "retry" and lost without a word: it is
 // refused instead, and nothing of that call is written.
