@@ -181,6 +181,12 @@ type confirmChannel struct {
 	closes   chan *amqp.Error
 	reason   string // the close's, once read from closes
 	dropped  bool   // closed by the destination, over a failure or a new connection
+
+	// inflight are the windows sent on the channel whose confirms are not
+	// collected yet, oldest first; blamed, once the broker closed the
+	// channel, the confirms of the records that closed it (see blame).
+	inflight []*sent
+	blamed   map[*amqp.DeferredConfirmation]bool
 }
 
 // ErrDestinationClosed is returned by a destination used after Close.
@@ -651,6 +657,9 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 			p.res[i] = ErrNotSent
 		}
 	}
+	if len(p.confirms) > 0 {
+		p.on.inflight = append(p.on.inflight, p)
+	}
 	return p
 }
 
@@ -663,6 +672,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	if p.on == nil {
 		return res // not connected: nothing went out
 	}
+	defer func() { p.on.inflight = slices.DeleteFunc(p.on.inflight, func(w *sent) bool { return w == p }) }()
 	timedOut := false
 	for i, dc := range p.confirms {
 		acked, err := dc.WaitContext(ctx)
@@ -678,10 +688,15 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// window's failure: whether the broker has the message is
 			// unknown, and the record is not at fault.
 			res[i] = connectionLost(fmt.Errorf("channel closed before the broker confirmed: %s", p.on.closeReason()))
-		case p.on.ch.IsClosed():
+		case p.on.ch.IsClosed() && p.on.blame(ctx, dc):
 			// The broker closed this channel and kept the connection: a
-			// channel error, caused by something published on it.
+			// channel error, caused by this record.
 			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
+		case p.on.ch.IsClosed():
+			// Closed over another record: the broker dropped this one, or
+			// has it unconfirmed. Not its fault, so it counts no attempt,
+			// and it is sent again (the consumers' inbox absorbs a copy).
+			res[i] = fmt.Errorf("%w: the broker closed the channel over another message before it confirmed this one: %s", ErrNotSent, p.on.closeReason())
 		default:
 			res[i] = errors.New("nacked by the broker")
 		}
@@ -720,6 +735,63 @@ func (c *confirmChannel) drainReturns() {
 			return
 		}
 	}
+}
+
+// blame reports whether the record of confirm dc, unconfirmed when the
+// broker closed the channel, is what closed it. Every record unconfirmed
+// then gets a nack, from this window and from those in flight behind it,
+// and charging each an attempt would make one refused record (an internal
+// exchange, one the relay's user may not write to) take the others down
+// with it, every try, until all are stuck. The broker names the exchange
+// it refused ("… exchange 'x' in vhost '/'"): the records to it are to
+// blame. A close that names none (a message over the broker's size limit)
+// blames the first record left unconfirmed, the likeliest one; one blamed
+// wrongly goes through on its retry. Decided once per channel, over every
+// window still in flight on it.
+func (c *confirmChannel) blame(ctx context.Context, dc *amqp.DeferredConfirmation) bool {
+	if c.blamed == nil {
+		c.blamed = map[*amqp.DeferredConfirmation]bool{}
+		exchange, named := refusedExchange(c.closeReason())
+		var first *amqp.DeferredConfirmation
+		for _, w := range c.inflight {
+			for i, d := range w.confirms {
+				select { // the close nacks them all at once
+				case <-d.Done():
+				case <-ctx.Done():
+				}
+				if d.Acked() {
+					continue
+				}
+				if first == nil {
+					first = d
+				}
+				if named && sameExchange(w.recs[i].Exchange, exchange) {
+					c.blamed[d] = true
+				}
+			}
+		}
+		if len(c.blamed) == 0 && first != nil {
+			c.blamed[first] = true
+		}
+	}
+	return c.blamed[dc]
+}
+
+// refusedExchange reads the exchange a channel close names, as RabbitMQ
+// writes it: "NOT_FOUND - no exchange 'x' in vhost '/'", "ACCESS_REFUSED -
+// cannot publish to internal exchange 'x' in vhost '/'".
+func refusedExchange(reason string) (string, bool) {
+	_, rest, ok := strings.Cut(reason, "exchange '")
+	if !ok {
+		return "", false
+	}
+	name, _, ok := strings.Cut(rest, "' in vhost '")
+	return name, ok
+}
+
+// sameExchange: RabbitMQ names the default exchange amq.default.
+func sameExchange(recExchange, named string) bool {
+	return recExchange == named || (recExchange == "" && named == "amq.default")
 }
 
 // closeReason says why the channel closed, as the broker or the client

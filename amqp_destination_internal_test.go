@@ -141,3 +141,23 @@ func manyHeaders(n int) map[string]any {
 	}
 	return m
 }
+
+// The exchange a channel close blames, as RabbitMQ words its refusals; a
+// close that names none blames the first record left unconfirmed.
+func TestRefusedExchange_ReadsRabbitMQsWording(t *testing.T) {
+	for reason, want := range map[string]string{
+		`Exception (403) Reason: "ACCESS_REFUSED - cannot publish to internal exchange 'orders.internal' in vhost '/'"`:           "orders.internal",
+		`Exception (403) Reason: "ACCESS_REFUSED - write access to exchange 'orders' in vhost 'shop' refused for user 'relay'"`:   "orders",
+		`Exception (404) Reason: "NOT_FOUND - no exchange 'gone' in vhost '/'"`:                                                   "gone",
+		`Exception (403) Reason: "ACCESS_REFUSED - write access to exchange 'amq.default' in vhost '/' refused for user 'relay'"`: "amq.default",
+		`Exception (406) Reason: "PRECONDITION_FAILED - message size 200000000 is larger than configured max size 134217728"`:     "",
+	} {
+		got, named := refusedExchange(reason)
+		if got != want || named != (want != "") {
+			t.Errorf("refusedExchange(%q) = %q, %v; want %q", reason, got, named, want)
+		}
+	}
+	if !sameExchange("", "amq.default") || sameExchange("orders", "amq.default") {
+		t.Error("the default exchange is amq.default in the broker's words, and only it")
+	}
+}

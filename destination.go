@@ -11,7 +11,10 @@ import (
 
 // ErrNotSent is the result of a record a Destination did not send because an
 // earlier record of the batch failed: the records behind a failure wait for
-// it, so the relay never steps over a record.
+// it, so the relay never steps over a record. AMQPDestination also gives it
+// to the records that another record's publish took down with it (the
+// broker closing the channel over that one): they count no attempt and go
+// out again.
 var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 
 // ErrConnectionLost is the result of a record whose publish the broker
