@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -225,5 +226,99 @@ func TestForwarder_MySQL_PreparedStatementsFail_RelayGoesOnUnprepared(t *testing
 	}
 	if n := outbox.Prepared(f); n != 0 {
 		t.Errorf("the relay still runs %d statements prepared after they failed", n)
+	}
+}
+
+// InnoDB reads a claim's rows as they are now (a locking read) and its
+// key-head probe as they were when the probe first ran (the statement's
+// consistent view). A key's seq 1 and seq 2 committed while a long claim
+// scans (here past 300,000 stuck rows) were seen as seq 2 alone: seq 2
+// was claimed and published while seq 1 was pending. The claim now checks
+// its keyed rows again in a statement of their own. Without that check
+// this failed in every one of three runs; a run whose sweep ends before
+// the commits proves nothing, and says so.
+func TestForwarder_MySQL_KeyCommittedDuringALongClaim_StaysInOrder(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	b := testamqp.New(t)
+	b.Queue("k")
+	at := func(tm time.Time) string { return tm.UTC().Format("2006-01-02 15:04:05.000000") }
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	ctx := context.Background()
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(ctx, "SET SESSION max_recursive_iterations = 10000000"); err != nil {
+		t.Fatal(err)
+	}
+	// Stuck rows (at MaxAttempts) between seq 1 and seq 2: a long scan.
+	if _, err := conn.ExecContext(ctx, `INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts)
+		WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i+1 FROM n WHERE i < 300000)
+		SELECT CONCAT('stuck-', i), ?, 'k', 'x', 'utf-8', 'text/plain', '{}', DATE_ADD(?, INTERVAL i MICROSECOND), 100 FROM n`,
+		b.Exchange, at(t0.Add(time.Second))); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.Close()
+	// Another key's row at the head: its probe runs first and fixes the
+	// probe's view before seq 1 commits.
+	insertKeyed(t, db, []keyedRow{{id: "x#1", exchange: b.Exchange, routingKey: "k", aggregate: "x", seq: 1, createdAt: t0}})
+	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 100, OnError: func(error, outbox.ErrorContext) {}})
+
+	ins := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, aggregate_id, seq)" +
+		" VALUES (?, ?, 'k', 'b', 'utf-8', 'text/plain', '{}', ?, 'K', ?)")
+	tx1, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx1.Exec(ins, "K#1", b.Exchange, at(t0.Add(500*time.Millisecond)), 1); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { _, err := f.Sweep(ctx); done <- err }()
+	time.Sleep(30 * time.Millisecond) // into the sweep's scan, which takes some 300 ms
+	if err := tx1.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec(ins, "K#2", b.Exchange, at(t0.Add(3*time.Second)), 2); err != nil {
+		t.Fatal(err)
+	}
+	committed := time.Since(start)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took < committed {
+		t.Logf("the sweep (%s) ended before seq 1 and 2 were committed (%s): this run proves nothing", took, committed)
+	}
+	if s1, s2 := stateOf(t, db, "K#1"), stateOf(t, db, "K#2"); s2.Published && !s1.Published {
+		t.Errorf("K seq 2 was published while seq 1 is pending (seq 1 %+v, seq 2 %+v)", s1, s2)
+	}
+}
+
+// The claim's second look at its keyed rows keeps the head of each key and
+// drops a row behind a pending record of its key, on the rows as they are
+// when it runs.
+func TestForwarder_MySQL_RecheckKeyHeads_DropsRowsBehindTheirKeysHead(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	b := testamqp.New(t)
+	t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	insertKeyed(t, db, []keyedRow{
+		{id: "a#1", exchange: b.Exchange, routingKey: "k", aggregate: "a", seq: 1, createdAt: t0},
+		{id: "a#2", exchange: b.Exchange, routingKey: "k", aggregate: "a", seq: 2, createdAt: t0.Add(time.Millisecond)},
+		{id: "b#5", exchange: b.Exchange, routingKey: "k", aggregate: "b", seq: 5, createdAt: t0.Add(2 * time.Millisecond)},
+	})
+	s := newForwarder(t, db, outbox.ForwarderConfig{}).Store()
+	kept, err := outbox.RecheckKeyHeads(s, []outbox.KeyedRow{{ID: "a#2", Key: "a", Seq: 2}, {ID: "a#1", Key: "a", Seq: 1}, {ID: "b#5", Key: "b", Seq: 5}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(kept) != "[a#1 b#5]" {
+		t.Fatalf("kept %v, want [a#1 b#5]: a#2 is behind a#1, which is pending", kept)
+	}
+	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = created_at WHERE id = 'a#1'"); err != nil {
+		t.Fatal(err)
+	}
+	if kept, err = outbox.RecheckKeyHeads(s, []outbox.KeyedRow{{ID: "a#2", Key: "a", Seq: 2}}); err != nil || fmt.Sprint(kept) != "[a#2]" {
+		t.Fatalf("kept %v (%v), want [a#2]: a#1 is published", kept, err)
 	}
 }

@@ -99,6 +99,16 @@ func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert, Args: args}}
 }
 
+// RechecksKeyHeads: InnoDB reads the claim's rows as they are now (a
+// locking read sees the latest committed version) and its key-head probe
+// as they were when the probe first ran (a consistent read keeps the
+// statement's view). A key's seq 1 and seq 2 committed while a claim scans
+// can so be seen as seq 2 without seq 1, and seq 2 claimed while seq 1 is
+// pending: out of order, with a long scan (a backlog, rows skipped or
+// stuck) and two commits in it. A second statement has a view of its own,
+// which sees seq 1 if it sees seq 2, since seq 1 committed first.
+func (mysql) RechecksKeyHeads() bool { return true }
+
 // claim walks p.Index when it is set (see pendingIndex).
 func (d mysql) claim(table string, p ClaimParams, where string, args []any) Query {
 	from := table + " " + claimAlias // the alias comes before the hint
