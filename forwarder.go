@@ -449,15 +449,17 @@ func (f *Forwarder) publish(ctx context.Context, b *batch) {
 type batch struct {
 	claim     *claim
 	claimedAt time.Time
-	records   []Record       // the decodable rows, in order
-	failures  []failure      // malformed rows, failed at once
-	errs      []error        // their errors, then the publish failures
-	malformed int            // the failures that are malformed rows
-	isolated  int            // the failures of keyed records: they hold nothing back
-	attempts  map[string]int // attempts before this batch, by id
-	pending   Sent           // sent, confirms not yet collected (pipelined)
-	deadline  time.Time      // for the confirms of pending
-	results   []error        // one per record once known
+	records   []Record  // the decodable rows, in order
+	failures  []failure // malformed rows, failed at once
+	errs      []error   // their errors, then the publish failures
+	// isolated counts the failures that hold nothing back: keyed records'
+	// (see keyedFailure), and rows stuck at once (malformed, or refused for
+	// good), which no retry will send.
+	isolated int
+	attempts map[string]int // attempts before this batch, by id
+	pending  Sent           // sent, confirms not yet collected (pipelined)
+	deadline time.Time      // for the confirms of pending
+	results  []error        // one per record once known
 }
 
 // holdBack makes every record of the batch not sent (whether it went out or
@@ -475,23 +477,31 @@ func (b *batch) holdBack() {
 // clean reports whether nothing in the batch holds back what comes after
 // it: every record went out, or the first that did not is a keyed record
 // that failed (not for a lost connection), which holds back only its own
-// key (see keyedFailure), and what the destination did not send after it.
+// key (see keyedFailure), or one refused for good, which no retry will
+// send, and what the destination did not send after it. Malformed rows,
+// never sent, hold nothing back either.
 func (b *batch) clean() bool {
-	if b.malformed > 0 || len(b.results) != len(b.records) {
+	if len(b.results) != len(b.records) {
 		return false
 	}
-	keyedFailed := false
+	stopped := false
 	for i, err := range b.results {
 		switch {
 		case err == nil:
-		case keyedFailed && errors.Is(err, ErrNotSent):
-		case keyedFailure(b.records[i], err):
-			keyedFailed = true
+		case stopped && errors.Is(err, ErrNotSent):
+		case keyedFailure(b.records[i], err), isRefusedForGood(err):
+			stopped = true
 		default:
 			return false
 		}
 	}
 	return true
+}
+
+// isRefusedForGood reports whether err is a permanent failure of the record
+// itself, not a lost connection: it is stuck at once, and holds nobody back.
+func isRefusedForGood(err error) bool {
+	return IsPermanent(err) && !errors.Is(err, ErrNotSent) && !errors.Is(err, ErrConnectionLost)
 }
 
 // keyedFailure reports whether err is a failure of keyed record rec that
@@ -557,7 +567,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor) (*b
 			perr := &PublishError{Dest: ErrorContext{row.Exchange, row.RoutingKey, row.ID}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
 			b.failures = append(b.failures, failure{id: row.ID, exchange: row.Exchange, attempts: max(row.Attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
 			b.errs = append(b.errs, perr)
-			b.malformed++
+			b.isolated++
 			continue
 		}
 		b.records = append(b.records, rec)
@@ -637,8 +647,10 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.isolated++
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
-			// back, as a malformed row does not.
+			// back, as a malformed row does not: the relay neither backs
+			// off nor holds the batches in flight behind it.
 			b.fail(rec, max(b.attempts[rec.ID]+1, f.cfg.MaxAttempts), err)
+			b.isolated++
 		default:
 			failedOne = true
 			b.fail(rec, b.attempts[rec.ID]+1, err)

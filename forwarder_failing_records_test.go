@@ -294,3 +294,54 @@ func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
 		}
 	})
 }
+
+// A row that fails at once and for good (malformed, or one the client
+// cannot encode) holds nobody back: under the pipelined Run the batches in
+// flight behind it are marked as the broker confirms them, not held back
+// and sent again, and the relay does not back off. Every other row arrives
+// once.
+func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		const half = 300
+		t0 := time.Now().Add(-time.Hour)
+		var rows []keyedRow
+		for i := range 2 * half {
+			at := t0.Add(time.Duration(i) * time.Millisecond)
+			if i >= half {
+				at = time.Now().Add(time.Hour + time.Duration(i)*time.Millisecond) // after the bad row
+			}
+			rows = append(rows, keyedRow{id: fmt.Sprintf("row-%03d", i), exchange: b.Exchange, routingKey: "ok", createdAt: at})
+		}
+		insertKeyed(t, db, rows[:half])
+		insertRaw(t, db, "bad-json", b.Exchange, "ok", "{not json", "utf-8")
+		insertRaw(t, db, "long-header-name", b.Exchange, "ok", `{"`+strings.Repeat("k", 300)+`":"v"}`, "utf-8")
+		insertKeyed(t, db, rows[half:])
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 20, RetryMin: time.Second, RetryMax: time.Second, OnError: func(error, outbox.ErrorContext) {}})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() { done <- f.Run(ctx) }()
+		waitFor(t, 30*time.Second, "every good row published", func() bool { return pendingCount(t, f) == 0 })
+		took := time.Since(start)
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		got := countIDs(b.Drain(queue, 10*half, 2*time.Second))
+		for _, r := range rows {
+			if got[r.id] != 1 {
+				t.Errorf("%s arrived %d times, want once", r.id, got[r.id])
+			}
+		}
+		if len(got) != len(rows) {
+			t.Errorf("%d distinct messages arrived, want %d", len(got), len(rows))
+		}
+		// Two backoffs of RetryMin would take 2 s; the drain takes well under.
+		if took > 1900*time.Millisecond {
+			t.Logf("the drain took %s: did the relay back off over the bad rows?", took)
+		}
+	})
+}
