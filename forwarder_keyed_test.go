@@ -311,3 +311,40 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 		})
 	}
 }
+
+// The records a destination did not send behind a keyed failure (here a
+// missing exchange) are released with the claim, before the cursor of the
+// drain: the next claim goes back to the head for them, rather than leave
+// them for the end of the backlog.
+func TestForwarder_Run_RecordsReleasedBehindAKeyedFailure_GoOutAtOnce(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("k")
+		const n, batch, failAt = 1500, 20, 104
+		t0 := time.Now().Add(-time.Hour)
+		var rows []keyedRow
+		for i := range n {
+			rows = append(rows, keyedRow{id: fmt.Sprintf("row-%04d", i), exchange: b.Exchange, routingKey: "k", createdAt: t0.Add(time.Duration(2*i) * time.Millisecond)})
+		}
+		rows = append(rows, keyedRow{id: keyedID("k", 1), exchange: b.Exchange + "-missing", routingKey: "k", aggregate: "k", seq: 1,
+			createdAt: t0.Add(time.Duration(2*failAt+1) * time.Millisecond)})
+		insertKeyed(t, db, rows)
+		runForwarders(t, db, 1, outbox.ForwarderConfig{BatchSize: batch, MaxAttempts: 1000, OnError: func(error, outbox.ErrorContext) {}})
+		got := b.Drain(queue, n, 30*time.Second)
+		if len(got) < n {
+			t.Fatalf("%d of %d arrived", len(got), n)
+		}
+		at := map[string]int{}
+		for i, d := range got {
+			if _, ok := at[d.MessageId]; !ok {
+				at[d.MessageId] = i
+			}
+		}
+		// Released: the records after the failed one in its batch.
+		for i := failAt + 1; i < (failAt/batch+1)*batch; i++ {
+			if id := rows[i].id; at[id] > 10*batch {
+				t.Errorf("%s, released behind the failed record, arrived %dth of %d: left for the end of the drain", id, at[id]+1, n)
+			}
+		}
+	})
+}

@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -157,12 +158,30 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	l.found = s.claimed != nil
 
 	// A drain resumes after the last row claimed; anything that failed
-	// or was left behind sends the next claim back to the head.
+	// or was left behind (records not sent behind a keyed failure or one
+	// stuck at once, released with the claim) sends the next claim back
+	// to the head, which they are nearer than the cursor.
 	l.after = nil
-	if !s.failed && s.claimed.full(f.cfg.BatchSize) {
+	if !s.failed && s.claimed.full(f.cfg.BatchSize) && !leftBehind(done) && !leftBehind([]*batch{next}) {
 		l.after = s.claimed.last()
 	}
 	return s
+}
+
+// leftBehind reports whether a settled batch of bs released records it did
+// not send: they are pending again, before the cursor of the drain.
+func leftBehind(bs []*batch) bool {
+	for _, b := range bs {
+		if b == nil || len(b.results) != len(b.records) {
+			continue
+		}
+		for _, err := range b.results {
+			if errors.Is(err, ErrNotSent) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // pipelines reports whether b goes down the pipeline. Pipelined once the
