@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sort"
 	"strconv"
 	"sync"
 	"time"
@@ -195,6 +196,20 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Co
 		// handler and its returned messages need.
 		o.routes[consumer] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
 	}
+}
+
+// routedConsumers lists, sorted, the consumers whose handler this inbox
+// has seen.
+func (in *Inbox) routedConsumers() []string {
+	o := in.ordered
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	names := make([]string, 0, len(o.routes))
+	for name := range o.routes {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names
 }
 
 func (in *Inbox) route(consumer string) (orderedRoute, bool) {
@@ -507,8 +522,14 @@ func heldMessage(id, payload, encoding, metadata string) (*message.Message, erro
 	return msg, nil
 }
 
-// applyHeldBatch is how many ready keys one query of ApplyHeld reads.
+// applyHeldBatch is how many ready keys one query of ApplyHeld reads; it
+// reads page after page until it has seen every ready key of a consumer.
 const applyHeldBatch = 100
+
+// applyHeldErrs is how many failed keys ApplyHeld's error spells out; it
+// counts the rest. A hundred keys whose handler keeps failing must not make
+// the error of every tick a hundred lines long.
+const applyHeldErrs = 10
 
 // ApplyHeld applies every held message whose predecessor is applied, key by
 // key in order, each in a transaction of its own, and then refreshes the
@@ -516,32 +537,51 @@ const applyHeldBatch = 100
 // applied right after its predecessor commits; this retries those whose
 // handler failed then, and applies what SkipGap released from outboxctl. It
 // applies only the consumers whose handler has run behind this inbox in this
-// process (it needs the handler); it returns how many it applied. Call it
-// from a ticker in the service, every minute or so.
+// process (it needs the handler), and reads only theirs: keys of other
+// consumers sharing the tables cost it nothing. It reaches every ready key
+// of those consumers in one call: a key whose handler fails stays held, the
+// error says so, and the keys after it are applied all the same. It returns
+// how many it applied. Call it from a ticker in the service, every minute or
+// so.
 func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 	if in.ordered == nil {
 		return 0, nil
 	}
-	q := in.ordered.q.Ready(applyHeldBatch)
-	var ready []struct {
-		Consumer string `db:"consumer_name"`
-		Key      string `db:"aggregate_id"`
-	}
-	if err := in.db.SelectContext(ctx, &ready, q.SQL, q.Args...); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: ready held messages: %w", err)
-	}
-	applied := 0
+	applied, failed := 0, 0
 	var errs []error
-	for _, r := range ready {
-		rt, ok := in.route(r.Consumer)
-		if !ok {
-			continue
+	for _, consumer := range in.routedConsumers() {
+		rt, _ := in.route(consumer)
+		// Paged on the key, not re-read from the start: the keys whose
+		// handler fails stay ready, and a first page full of them would
+		// otherwise be all that any call ever reached.
+		after := ""
+		for {
+			if err := ctx.Err(); err != nil {
+				return applied, errors.Join(append(errs, err)...)
+			}
+			q := in.ordered.q.Ready(consumer, after, applyHeldBatch)
+			var keys []string
+			if err := in.db.SelectContext(ctx, &keys, q.SQL, q.Args...); err != nil {
+				return applied, errors.Join(append(errs, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err))...)
+			}
+			for _, key := range keys {
+				n, err := in.drain(rt.ctx, rt.h, consumer, key)
+				applied += n
+				if err != nil {
+					failed++
+					if len(errs) < applyHeldErrs {
+						errs = append(errs, err)
+					}
+				}
+			}
+			if len(keys) < applyHeldBatch {
+				break
+			}
+			after = keys[len(keys)-1]
 		}
-		n, err := in.drain(rt.ctx, rt.h, r.Consumer, r.Key)
-		applied += n
-		if err != nil {
-			errs = append(errs, err)
-		}
+	}
+	if failed > len(errs) {
+		errs = append(errs, fmt.Errorf("outbox: inbox: held messages of %d more keys failed", failed-len(errs)))
 	}
 	if err := in.RefreshStats(ctx); err != nil {
 		errs = append(errs, err)

@@ -3,9 +3,11 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand"
 	"reflect"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -292,6 +294,91 @@ func TestOrderedInbox_HeldMessageHandlerFails_StaysHeldAppliedLaterInOrder(t *te
 			t.Fatalf("applied %v, want [1 2 3]", got)
 		}
 		assertEffectsOnce(t, db, "a", 3)
+	})
+}
+
+// failSeq2 fails the handler for every message of seq 2 while *on, as a
+// downstream that is down would.
+func failSeq2(on *bool) func(msg *message.Message) error {
+	return func(msg *message.Message) error {
+		if *on && msg.Metadata.Get(outbox.HeaderSeq) == "2" {
+			return errors.New("downstream unavailable")
+		}
+		return nil
+	}
+}
+
+// Another service sharing the tables, whose consumer has 100 ready keys
+// held longer than this one's: ApplyHeld reads this process's consumers
+// only, and applies its key.
+func TestOrderedInbox_ApplyHeld_OtherConsumersOlderReadyKeys_OwnKeyApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		// "billing": 100 keys whose held seq 2 failed when its turn came, so
+		// they are ready, and stay so.
+		billingDown := true
+		bl := applyLog{fail: failSeq2(&billingDown)}
+		bh := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"}).Middleware(bl.handler(t, db))
+		for i := 0; i < 100; i++ {
+			deliver(t, bh, fmt.Sprintf("b%03d", i), 2, 1)
+		}
+
+		down := true
+		l := applyLog{fail: failSeq2(&down)}
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "fulfilment"})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "mine", 2, 1)
+		down = false
+
+		n, err := in.ApplyHeld(context.Background())
+		if err != nil || n != 1 {
+			t.Fatalf("ApplyHeld: %d, %v; want 1 applied: fulfilment's ready key behind billing's older ones", n, err)
+		}
+		if got := l.of("mine"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("applied %v, want [1 2]", got)
+		}
+		if n := countHeld(t, db); n != 100 {
+			t.Errorf("%d held, want billing's 100: its handler is not this process's", n)
+		}
+	})
+}
+
+// More keys than a page whose held message keeps failing, held before a
+// key of the same consumer whose message would now apply: one ApplyHeld
+// reaches that key, and says which failed.
+func TestOrderedInbox_ApplyHeld_ManyFailingKeysAhead_KeyBehindThemApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		const poison = 101 // a page is 100
+		down := true
+		l := applyLog{}
+		l.fail = func(msg *message.Message) error {
+			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && (down || msg.Metadata.Get(outbox.HeaderAggregateID) != "good") {
+				return errors.New("poison")
+			}
+			return nil
+		}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		for i := 0; i < poison; i++ {
+			deliver(t, h, fmt.Sprintf("bad-%03d", i), 2, 1)
+		}
+		deliver(t, h, "good", 2, 1)
+		down = false
+
+		n, err := in.ApplyHeld(context.Background())
+		if n != 1 {
+			t.Fatalf("ApplyHeld applied %d (%v), want 1: the key after %d failing ones", n, err, poison)
+		}
+		if err == nil || !strings.Contains(err.Error(), "poison") || !strings.Contains(err.Error(), fmt.Sprintf("%d more keys", poison-10)) {
+			t.Errorf("ApplyHeld error %v; want the first failures and a count of the rest", err)
+		}
+		if got := l.of("good"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("applied %v, want [1 2]", got)
+		}
+		if n := countHeld(t, db); n != poison {
+			t.Errorf("%d held, want the %d failing", n, poison)
+		}
 	})
 }
 

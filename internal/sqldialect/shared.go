@@ -848,12 +848,17 @@ func (o *OrderedInbox) LowestHeld(consumer, key string) Query {
 	return o.query("SELECT MIN(seq) FROM "+InboxHeldTable+" WHERE consumer_name = ? AND aggregate_id = ?", consumer, key)
 }
 
-// Ready lists up to limit keys whose next message is held, to apply now.
-// Columns: consumer_name, aggregate_id.
-func (o *OrderedInbox) Ready(limit int) Query {
-	return o.query("SELECT h.consumer_name, h.aggregate_id FROM "+InboxHeldTable+" h JOIN "+InboxSequencesTable+
-		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id WHERE h.seq = s.last_seq + 1"+
-		" ORDER BY h.held_at LIMIT ?", limit)
+// Ready lists up to limit keys of consumer after afterKey, in key order,
+// whose next message is held, to apply now: "" starts at the first. The
+// caller pages on the last key it read. The primary key of held messages,
+// (consumer_name, aggregate_id, seq), serves the consumer's range in that
+// order, and a page's cursor is the key text the database returned, so it
+// compares exactly as it did (a held_at cursor would compare against a time
+// in whatever format its writer chose). Columns: aggregate_id.
+func (o *OrderedInbox) Ready(consumer, afterKey string, limit int) Query {
+	return o.query("SELECT h.aggregate_id FROM "+InboxHeldTable+" h JOIN "+InboxSequencesTable+
+		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id AND s.last_seq + 1 = h.seq"+
+		" WHERE h.consumer_name = ? AND h.aggregate_id > ? ORDER BY h.aggregate_id LIMIT ?", consumer, afterKey, limit)
 }
 
 // Gaps lists the keys with a message held since before cutoff, oldest
