@@ -37,6 +37,12 @@ var ErrInvalidSeq = errors.New("outbox: inbox: keyed message without a valid seq
 // no gap to skip.
 var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
 
+// ErrGapChanged is returned by SkipGap, which then skips nothing, when the
+// numbers it was asked to skip are no longer all missing: the key applied
+// or held some of them since its gap was looked at. Look again (Gaps,
+// outboxctl held).
+var ErrGapChanged = errors.New("outbox: inbox: the numbers to skip are no longer all missing")
+
 // orderedRoute is what the inbox needs to apply a consumer's held messages
 // outside a delivery (ApplyHeld, SkipGap): the handler behind the
 // middleware and a router context holding the handler's name and topics.
@@ -641,30 +647,43 @@ func gaps(ctx context.Context, db *sqlx.DB, d Dialect, olderThan time.Duration) 
 	return out, nil
 }
 
-// SkipGap gives up on the sequence numbers a key waits for: its last
-// applied becomes its lowest held message's predecessor, and its held
-// messages are applied in order, if this inbox has run the consumer's
-// handler (otherwise at the consumer's next ApplyHeld or delivery of the
-// key). A message of a skipped number that arrives later is acked as a
-// duplicate without running. It returns the new last applied, and
-// ErrNoHeld when the key holds nothing.
-func (in *Inbox) SkipGap(ctx context.Context, consumer, key string) (int64, error) {
-	last, err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key)
+// SkipGap gives up on the sequence numbers a key waits for, up to and
+// including through: the key's last applied becomes through, and the
+// messages held after it are applied in order, if this inbox has run the
+// consumer's handler (otherwise at the consumer's next ApplyHeld or
+// delivery of the key). A message of a skipped number that arrives later is
+// acked as a duplicate without running. It returns the first number
+// skipped: it skipped from..through.
+//
+// through names the gap, as Gaps showed it (LowestHeld-1 skips all of it):
+// the key may have moved on since, and a skip that named only a key would
+// then skip numbers nobody saw missing, in flight, and lose them. So it
+// skips nothing and returns ErrGapChanged when a number up to through is
+// no longer missing: applied (last applied at or past through) or held.
+// It returns ErrNoHeld when the key holds nothing.
+func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, through int64) (int64, error) {
+	from, err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, through)
 	if err != nil {
 		return 0, err
 	}
-	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "last_applied": last})
+	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	if in.ordered != nil {
 		if rt, ok := in.route(consumer); ok {
 			if _, err := in.drain(rt.ctx, rt.h, consumer, key); err != nil {
-				return last, err
+				return from, err
 			}
 		}
 	}
-	return last, nil
+	return from, nil
 }
 
-func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel, consumer, key string) (int64, error) {
+// skipGap decides on the key's row, locked as every delivery of the key
+// locks it, so that no message of the key is applied or held between what
+// it reads and what it writes.
+func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel, consumer, key string, through int64) (int64, error) {
+	if through < 1 {
+		return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s through %d: want a positive sequence number", key, consumer, through)
+	}
 	q := sqldialect.NewOrderedInbox(d.sql())
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: iso})
 	if err != nil {
@@ -676,6 +695,9 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 	if err != nil {
 		return 0, err
 	}
+	if last >= through {
+		return 0, fmt.Errorf("%w: %q for %s: last applied is %d, at or past %d", ErrGapChanged, key, consumer, last, through)
+	}
 	var lowest sql.NullInt64
 	low := q.LowestHeld(consumer, key)
 	if err := tx.QueryRowContext(ctx, low.SQL, low.Args...).Scan(&lowest); err != nil {
@@ -684,17 +706,18 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 	if !lowest.Valid {
 		return 0, fmt.Errorf("%w: %q for %s", ErrNoHeld, key, consumer)
 	}
-	if lowest.Int64-1 > last {
-		last = lowest.Int64 - 1
-		set := q.SetSequence(consumer, key, last)
-		if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
-			return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
-		}
+	if lowest.Int64 <= through {
+		// Held, not missing: skipping it would drop a message that is here.
+		return 0, fmt.Errorf("%w: %q for %s: seq %d is held, not missing (last applied %d)", ErrGapChanged, key, consumer, lowest.Int64, last)
+	}
+	set := q.SetSequence(consumer, key, through)
+	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+		return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
 	}
 	if err := tx.Commit(); err != nil {
 		return 0, fmt.Errorf("outbox: inbox: commit skip gap of %q for %s: %w", key, consumer, err)
 	}
-	return last, nil
+	return last + 1, nil
 }
 
 // RefreshStats reads the held messages into the Metrics gauges:

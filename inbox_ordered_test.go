@@ -466,9 +466,9 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 			t.Fatalf("before the skip: applied %v, want [1]", got)
 		}
 
-		last, err := in.SkipGap(context.Background(), "fulfilment", "a")
-		if err != nil || last != 2 {
-			t.Fatalf("SkipGap: %d, %v; want last applied 2", last, err)
+		from, err := in.SkipGap(context.Background(), "fulfilment", "a", g.LowestHeld-1)
+		if err != nil || from != 2 {
+			t.Fatalf("SkipGap through %d: %d, %v; want 2 skipped", g.LowestHeld-1, from, err)
 		}
 		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
 			t.Fatalf("after the skip: applied %v, want [1 3 4]", got)
@@ -477,7 +477,10 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
 			t.Fatalf("skipped seq 2 arriving late ran: applied %v", got)
 		}
-		if _, err := in.SkipGap(context.Background(), "fulfilment", "a"); !errors.Is(err, outbox.ErrNoHeld) {
+		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 2); !errors.Is(err, outbox.ErrGapChanged) {
+			t.Errorf("SkipGap through 2 again: %v, want ErrGapChanged", err)
+		}
+		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 5); !errors.Is(err, outbox.ErrNoHeld) {
 			t.Errorf("SkipGap with nothing held: %v, want ErrNoHeld", err)
 		}
 		if err := in.RefreshStats(context.Background()); err != nil {
@@ -485,6 +488,114 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 		}
 		if got := metricValue(t, reg, "outbox_inbox_held", ""); got != 0 {
 			t.Errorf("outbox_inbox_held %v after the skip, want 0", got)
+		}
+	})
+}
+
+// The operator sees a key waiting for 2 (3 and 6 held) and skips through
+// 2; meanwhile 2 arrives and 2 and 3 are applied. The skip refuses, with
+// no change, instead of skipping 4 and 5, which nobody saw missing (they
+// were in flight) and which run when they arrive.
+func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		l := applyLog{}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 3, 6)
+		gaps, err := in.Gaps(context.Background(), 0)
+		if err != nil || len(gaps) != 1 || gaps[0].LowestHeld-1 != 2 {
+			t.Fatalf("gaps %+v, %v; want a waiting for 2", gaps, err)
+		}
+		deliver(t, h, "a", 2) // the missing one arrives; 3 is drained
+		_, err = in.SkipGap(context.Background(), "fulfilment", "a", gaps[0].LowestHeld-1)
+		if !errors.Is(err, outbox.ErrGapChanged) {
+			t.Fatalf("SkipGap through 2 after 2 and 3 were applied: %v, want ErrGapChanged", err)
+		}
+		deliver(t, h, "a", 4, 5) // in flight all along
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(6)) {
+			t.Fatalf("applied %v, want [1..6]: nothing but 2 was named, and 2 came", got)
+		}
+		assertEffectsOnce(t, db, "a", 6)
+	})
+}
+
+// A skip names its last number: up to a number below the held ones it
+// skips only that far, and the key waits for the rest; up to a held
+// number it refuses, since that number is not missing.
+func TestOrderedInbox_SkipGap_ThroughNamesTheLastSkipped_HeldNumberNotSkipped(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		l := applyLog{}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 5)
+		for _, through := range []int64{5, 6} {
+			if _, err := in.SkipGap(context.Background(), "fulfilment", "a", through); !errors.Is(err, outbox.ErrGapChanged) {
+				t.Fatalf("SkipGap through held %d: %v, want ErrGapChanged", through, err)
+			}
+		}
+		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 0); err == nil {
+			t.Fatal("SkipGap through 0: nil, want an error")
+		}
+		from, err := in.SkipGap(context.Background(), "fulfilment", "a", 3)
+		if err != nil || from != 2 {
+			t.Fatalf("SkipGap through 3: %d, %v; want 2..3 skipped", from, err)
+		}
+		gaps, err := in.Gaps(context.Background(), 0)
+		if err != nil || len(gaps) != 1 || gaps[0].LastApplied != 3 || gaps[0].LowestHeld != 5 {
+			t.Fatalf("gaps %+v, %v; want a at 3, waiting for 4", gaps, err)
+		}
+		deliver(t, h, "a", 4, 2, 3) // 4 not skipped; 2 and 3 late
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 4, 5}) {
+			t.Fatalf("applied %v, want [1 4 5]", got)
+		}
+	})
+}
+
+// A skip racing the delivery of the very number it skips: whichever takes
+// the key's row first wins, the other sees what it did. Either the message
+// runs and the skip refuses, or the skip wins and the message is a
+// duplicate; either way the held messages run once, in order, and nothing
+// but the named number is skipped.
+func TestOrderedInbox_SkipGapRacingTheMissingMessage_OneWinsNothingElseSkipped(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		for round := 0; round < 10; round++ {
+			key := "race-" + strconv.Itoa(round)
+			l := applyLog{}
+			in := orderedInbox(t, db, outbox.InboxConfig{})
+			h := in.Middleware(l.handler(t, db))
+			deliver(t, h, key, 1, 3, 4)
+			start := make(chan struct{})
+			var wg sync.WaitGroup
+			var skipErr, deliverErr error
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, skipErr = in.SkipGap(context.Background(), "fulfilment", key, 2)
+			}()
+			go func() {
+				defer wg.Done()
+				<-start
+				_, deliverErr = h(keyedMsg(key, 2))
+			}()
+			close(start)
+			wg.Wait()
+			if deliverErr != nil {
+				t.Fatalf("%s: delivery of 2: %v", key, deliverErr)
+			}
+			want := []int{1, 2, 3, 4}
+			if skipErr == nil {
+				want = []int{1, 3, 4}
+			} else if !errors.Is(skipErr, outbox.ErrGapChanged) {
+				t.Fatalf("%s: SkipGap: %v, want nil or ErrGapChanged", key, skipErr)
+			}
+			deliver(t, h, key, 5)
+			if got := l.of(key); !reflect.DeepEqual(got, append(want, 5)) {
+				t.Fatalf("%s: applied %v, want %v (skip: %v)", key, got, append(want, 5), skipErr)
+			}
 		}
 	})
 }

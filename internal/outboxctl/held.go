@@ -79,7 +79,7 @@ func (c *cli) held(args []string) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K gives up on the numbers a key waits for")
+	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --through N gives up on the numbers a key waits for, up to N (the end of WAITING FOR)")
 	return nil
 }
 
@@ -87,15 +87,19 @@ func (c *cli) skipGap(args []string) error {
 	fs := c.flagSet("skip-gap")
 	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
 	key := fs.String("key", "", "the ordering key (aggregateId)")
-	rest, err := c.parse(fs, args, "outboxctl skip-gap --consumer C --key K")
+	through := fs.Int64("through", 0, "the last sequence number to give up on: the end of WAITING FOR in outboxctl held")
+	rest, err := c.parse(fs, args, "outboxctl skip-gap --consumer C --key K --through N")
 	if err != nil {
 		return err
 	}
 	if err := noArgs(fs, rest); err != nil {
 		return err
 	}
-	if *consumer == "" || *key == "" {
-		return usagef("skip-gap: give --consumer and --key (see outboxctl held)")
+	if *consumer == "" || *key == "" || *through == 0 {
+		return usagef("skip-gap: give --consumer, --key and --through (see outboxctl held)")
+	}
+	if *through < 0 {
+		return usagef("--through: %d; want a sequence number, 1 or more", *through)
 	}
 	d, err := c.openChecked(false)
 	if err != nil {
@@ -106,14 +110,20 @@ func (c *cli) skipGap(args []string) error {
 	if err != nil {
 		return err
 	}
-	last, err := in.SkipGap(c.ctx, *consumer, *key)
-	if errors.Is(err, outbox.ErrNoHeld) {
+	from, err := in.SkipGap(c.ctx, *consumer, *key, *through)
+	switch {
+	case errors.Is(err, outbox.ErrNoHeld):
 		return fmt.Errorf("skip-gap: %s holds nothing for key %q: no gap to skip", *consumer, *key)
-	}
-	if err != nil {
+	case errors.Is(err, outbox.ErrGapChanged):
+		return fmt.Errorf("skip-gap: nothing skipped: %w (see outboxctl held)", err)
+	case err != nil:
 		return d.explain(err, "acemq_inbox_sequences")
 	}
-	fmt.Fprintf(c.stdout, "%s, key %q: last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
-		*consumer, *key, last)
+	skipped := fmt.Sprint(from)
+	if from < *through {
+		skipped = fmt.Sprintf("%d..%d", from, *through)
+	}
+	fmt.Fprintf(c.stdout, "%s, key %q: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
+		*consumer, *key, skipped, *through)
 	return nil
 }

@@ -46,8 +46,17 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 			t.Errorf("held --json key %v, want last 1, 2 held from 3, 1 missing", k)
 		}
 
-		out = mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7")
-		if !strings.Contains(out, "last applied is now 2") {
+		if !strings.Contains(out, "--through N") {
+			t.Errorf("held does not say how to skip:\n%s", out)
+		}
+
+		// Through a held number: 3 is not missing, and nothing changes.
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "3").wantFailure(t, 1, "nothing skipped")
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 1"); n != 1 {
+			t.Errorf("a refused skip-gap moved last_seq")
+		}
+		out = mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "2")
+		if !strings.Contains(out, "skipped 2;") || !strings.Contains(out, "last applied is now 2") {
 			t.Errorf("skip-gap:\n%s", out)
 		}
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2"); n != 1 {
@@ -56,7 +65,32 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held"); n != 2 {
 			t.Errorf("%d held after skip-gap, want 2: they are the service's to apply, with its handler", n)
 		}
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-8").wantFailure(t, 1, "no gap to skip")
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing").wantFailure(t, 2, "--key")
+		// The same skip again, as from a stale screen: 2 is gone already.
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "2").wantFailure(t, 1, "last applied is 2")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-8", "--through", "2").wantFailure(t, 1, "no gap to skip")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--through", "2").wantFailure(t, 2, "--key")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7").wantFailure(t, 2, "--through")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "-1").wantFailure(t, 2, "--through")
+	})
+}
+
+// A gap of several numbers skipped through the middle: the output names
+// the range skipped, and the key waits for the rest.
+func TestSkipGap_ThroughInsideTheGap_SkipsThatFarAndSaysSo(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-9", 1, 1)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "order-9", 6, "m6", "{}", "utf-8", "{}", ts(kind, time.Now().Add(-time.Hour)))
+		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, " 2..5 ") {
+			t.Errorf("held does not say 2..5:\n%s", out)
+		}
+		out := mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-9", "--through", "4")
+		if !strings.Contains(out, "skipped 2..4;") || !strings.Contains(out, "last applied is now 4") {
+			t.Errorf("skip-gap:\n%s", out)
+		}
+		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, "billing") || !strings.Contains(out, " 5 ") {
+			t.Errorf("held after skipping 2..4 does not say the key waits for 5:\n%s", out)
+		}
 	})
 }
