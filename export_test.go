@@ -4,8 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"time"
-
-	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // SetAfterPublishHook installs fn to run between the broker's confirms and
@@ -78,33 +76,6 @@ func Claim(s *Store, n int, relayID string) ([]string, *HeldClaim, error) {
 		ids[i] = r.ID
 	}
 	return ids, &HeldClaim{s: s, c: c}, nil
-}
-
-// KeyedRow is a claimed row's key and number, for RecheckKeyHeads.
-type KeyedRow struct {
-	ID, Key string
-	Seq     int64
-}
-
-// RecheckKeyHeads runs a claim's second look at its keyed rows, in a
-// transaction of its own, and returns the ids it keeps.
-func RecheckKeyHeads(s *Store, rows []KeyedRow) ([]string, error) {
-	claimed := make([]sqldialect.ClaimedRow, len(rows))
-	for i, r := range rows {
-		claimed[i] = sqldialect.ClaimedRow{ID: r.ID, AggregateID: r.Key, Seq: r.Seq}
-	}
-	ctx := context.Background()
-	tx, err := s.db.BeginTx(ctx, nil)
-	if err != nil {
-		return nil, err
-	}
-	defer func() { _ = tx.Rollback() }()
-	kept, err := s.recheckKeyHeads(ctx, tx, claimed, sqldialect.ClaimParams{})
-	ids := make([]string, len(kept))
-	for i, r := range kept {
-		ids[i] = r.ID
-	}
-	return ids, err
 }
 
 // Publish marks the claim's rows published, as the relay does once the

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -223,52 +222,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		_ = tx.Rollback()
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	if claimed, err = s.recheckKeyHeads(ctx, tx, claimed, p); err != nil {
-		_ = tx.Rollback()
-		return nil, fmt.Errorf("outbox: claim: %w", err)
-	}
 	return &claim{rows: claimed, tx: tx}, nil
-}
-
-// recheckKeyHeads drops the keyed rows of a claim that are not at the head
-// of their key after all, where the dialect's claim may take such a row
-// (see sqldialect.Dialect.RechecksKeyHeads). They stay locked until the
-// claim ends, and are claimed again once their key's earlier records are
-// published.
-func (s *Store) recheckKeyHeads(ctx context.Context, tx *sql.Tx, claimed []sqldialect.ClaimedRow, p sqldialect.ClaimParams) ([]sqldialect.ClaimedRow, error) {
-	if !s.dialect.sql().RechecksKeyHeads() {
-		return claimed, nil
-	}
-	var keyed []string
-	for _, r := range claimed {
-		if r.AggregateID != "" && r.Seq != 0 {
-			keyed = append(keyed, r.ID)
-		}
-	}
-	if len(keyed) == 0 {
-		return claimed, nil
-	}
-	s.sent.Add(1)
-	rows, err := s.queryTx(ctx, tx, s.q.BehindKeyHeads(keyed, p))
-	if err != nil {
-		return nil, fmt.Errorf("check the claimed rows' keys: %w", err)
-	}
-	behind := map[string]bool{}
-	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
-			_ = rows.Close()
-			return nil, fmt.Errorf("check the claimed rows' keys: %w", err)
-		}
-		behind[id] = true
-	}
-	if err := errors.Join(rows.Err(), rows.Close()); err != nil {
-		return nil, fmt.Errorf("check the claimed rows' keys: %w", err)
-	}
-	if len(behind) == 0 {
-		return claimed, nil
-	}
-	return slices.DeleteFunc(claimed, func(r sqldialect.ClaimedRow) bool { return behind[r.ID] }), nil
 }
 
 // claimIndexes are the indexes a locking claim names, "" for none: on

@@ -99,16 +99,6 @@ func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert, Args: args}}
 }
 
-// RechecksKeyHeads: InnoDB reads the claim's rows as they are now (a
-// locking read sees the latest committed version) and its key-head probe
-// as they were when the probe first ran (a consistent read keeps the
-// statement's view). A key's seq 1 and seq 2 committed while a claim scans
-// can so be seen as seq 2 without seq 1, and seq 2 claimed while seq 1 is
-// pending: out of order, with a long scan (a backlog, rows skipped or
-// stuck) and two commits in it. A second statement has a view of its own,
-// which sees seq 1 if it sees seq 2, since seq 1 committed first.
-func (mysql) RechecksKeyHeads() bool { return true }
-
 // claim walks p.Index when it is set (see pendingIndex).
 func (d mysql) claim(table string, p ClaimParams, where string, args []any) Query {
 	from := table + " " + claimAlias // the alias comes before the hint
@@ -134,14 +124,26 @@ func (d mysql) claim(table string, p ClaimParams, where string, args []any) Quer
 // first, are stepped over. Should the subquery find no pending row (the
 // claimed row was published after the statement's snapshot), COALESCE
 // lets the outer row's own check decide, as NOT EXISTS would.
+//
+// The row must also be in the statement's snapshot (the COUNT(*) probe).
+// InnoDB's locking scan reads rows as they are now, and the subqueries as
+// they were when the statement's first one ran: a key's seq 1 and seq 2
+// committed while a claim scans (a backlog, rows skipped or stuck) were
+// seen as seq 2 alone, and seq 2 was claimed while seq 1 was pending. Seq
+// 1 commits before seq 2 (its counter's row lock), so a snapshot that
+// holds seq 2 holds seq 1; a row committed since is left to the next
+// claim. Written as scalar subqueries, which MySQL does not fold into the
+// locking join: they stay reads of the snapshot.
 func (d mysql) keyHead(table, alias string, p ClaimParams) string {
 	from := table + " p"
 	if p.KeyIndex != "" {
 		from += " FORCE INDEX (" + d.quoteIdent(p.KeyIndex) + ")"
 	}
-	return "(" + alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR COALESCE((SELECT p.seq FROM " + from +
+	return "(" + alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR (" +
+		"(SELECT COUNT(*) FROM " + table + " v WHERE v.id = " + alias + ".id) = 1 AND " +
+		"COALESCE((SELECT p.seq FROM " + from +
 		" WHERE p.aggregate_id = " + alias + ".aggregate_id AND p.published_at IS NULL AND p.seq IS NOT NULL ORDER BY p.seq LIMIT 1), " +
-		alias + ".seq) >= " + alias + ".seq)"
+		alias + ".seq) >= " + alias + ".seq))"
 }
 
 func (mysql) claimSetup() string { return "" }

@@ -66,10 +66,6 @@ func (o *Outbox) NotifyTrigger() Query {
 // connection, at once; a second relay skips the locked rows.
 func (postgres) Leases() bool { return false }
 
-// RechecksKeyHeads: the claim's scan and its key-head probe read one
-// snapshot, the statement's.
-func (postgres) RechecksKeyHeads() bool { return false }
-
 // PreparesRelay: pgx caches the statements it prepares on each connection
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.

@@ -300,14 +300,6 @@ func (o *Outbox) claimWhere(p ClaimParams) (string, []any) {
 	return claimable + " AND " + o.d.keyHead(o.table, claimAlias, p), []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
 }
 
-// BehindKeyHeads reads which of the claimed rows of ids are not at the head
-// of their key: a pending row of their key has a lower seq. Column: id. p
-// names the indexes as for the claim.
-func (o *Outbox) BehindKeyHeads(ids []string, p ClaimParams) Query {
-	return o.query("SELECT "+claimAlias+".id FROM "+o.table+" "+claimAlias+" WHERE "+claimAlias+".id IN ("+placeholders(len(ids))+
-		") AND NOT "+o.d.keyHead(o.table, claimAlias, p), stringArgs(nil, ids)...)
-}
-
 // ClaimSetup, if its SQL is not empty, runs first in a locking claim's
 // transaction.
 func (o *Outbox) ClaimSetup() Query { return Query{SQL: o.d.claimSetup()} }

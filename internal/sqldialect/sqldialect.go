@@ -55,10 +55,6 @@ type Dialect interface {
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool
-	// RechecksKeyHeads: a claim's key-head probe may not see rows its own
-	// scan takes, so a claim's keyed rows are checked again in a statement
-	// of their own (see Outbox.BehindKeyHeads).
-	RechecksKeyHeads() bool
 	// WithMigrationLock runs fn while no other process migrates the same
 	// database, on one connection.
 	WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error

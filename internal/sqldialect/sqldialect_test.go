@@ -58,7 +58,6 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		}
 		for name, p := range claims {
 			queries[name] = o.Claim(p)
-			queries[name+", rows behind their key's head"] = o.BehindKeyHeads(ids, p)
 		}
 		keys := []KeyCount{{Key: "a", N: 2}, {Key: "b", N: 1}}
 		numbered := []Row{{ID: "1", AggregateID: "b"}, {ID: "2"}, {ID: "3", AggregateID: "a"}, {ID: "4", AggregateID: "a"}}

@@ -36,10 +36,6 @@ func (sqlite) WatchesFile() bool { return true }
 // leaves its rows until the lease expires.
 func (sqlite) Leases() bool { return true }
 
-// RechecksKeyHeads: one writer at a time; nothing commits while a claim
-// runs.
-func (sqlite) RechecksKeyHeads() bool { return false }
-
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
