@@ -643,7 +643,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			}
 			b.fail(rec, n, err)
 			last := &b.failures[len(b.failures)-1]
-			last.holdBy, last.holdUntil = f.cfg.RelayID, time.Now().Add(f.retryDelay(n))
+			last.holdBy, last.holdUntil = sqldialect.RetryHold, time.Now().Add(f.retryDelay(n))
 			b.isolated++
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody

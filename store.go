@@ -172,7 +172,8 @@ type claim struct {
 
 // failure is a row whose publish failed: attempts becomes attempts, and the
 // reason is stored in last_error. A failure with holdBy set keeps the row
-// leased to holdBy until holdUntil: a keyed record's retry-after.
+// leased to holdBy (sqldialect.RetryHold) until holdUntil: a keyed record's
+// retry-after.
 type failure struct {
 	id        string
 	exchange  string
@@ -599,20 +600,24 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 
 // Retry makes the given unpublished rows pending again, attempts reset, and
 // returns how many it changed. last_error is kept until the next failure.
+// A row a relay holds under a live lease (in flight: on SQLite, or claimed
+// by another library's relay) is left alone, so that no second relay
+// publishes it meanwhile; a failed keyed record's backoff is ended.
 func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 	if len(ids) == 0 {
 		return 0, nil
 	}
-	n, err := execAffected(ctx, s.db, s.q.Retry(ids))
+	n, err := execAffected(ctx, s.db, s.q.Retry(ids, time.Now()))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry: %w", err)
 	}
 	return n, nil
 }
 
-// RetryAllStuck makes every stuck row pending again and returns how many.
+// RetryAllStuck makes every stuck row pending again and returns how many,
+// but for rows a relay holds under a live lease (see Retry).
 func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
-	n, err := execAffected(ctx, s.db, s.q.RetryStuck(s.cfg.MaxAttempts))
+	n, err := execAffected(ctx, s.db, s.q.RetryStuck(s.cfg.MaxAttempts, time.Now()))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry stuck: %w", err)
 	}

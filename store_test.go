@@ -52,3 +52,60 @@ func TestStore_PurgePublished_BoundedBatchesNeverPending(t *testing.T) {
 		}
 	})
 }
+
+// An operator's retry leaves alone a row a relay holds under a live lease:
+// one in flight on SQLite, or one another library's relay claimed. Clearing
+// that lease let a second relay claim the row and publish it too. A failed
+// keyed record's backoff is a lease of another kind, which a retry ends (see
+// TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff), and an expired lease
+// is no claim.
+func TestStore_Retry_LeavesRowsUnderALiveLeaseAlone(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d, MaxAttempts: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		insertRaw(t, db, "foreign-live", "ex", "k", "{}", "utf-8")
+		insertRaw(t, db, "foreign-expired", "ex", "k", "{}", "utf-8")
+		lease := db.Rebind("UPDATE acemq_outbox SET attempts = 3, locked_by = 'rails-relay-1', locked_until = ? WHERE id = ?")
+		for id, until := range map[string]time.Time{"foreign-live": time.Now().Add(time.Hour), "foreign-expired": time.Now().Add(-time.Hour)} {
+			var at any = until.UTC()
+			if db.Kind != testdb.Postgres {
+				at = until.UTC().Format("2006-01-02 15:04:05.000000")
+			}
+			if _, err := db.Exec(lease, at, id); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx := context.Background()
+		if n, err := s.Retry(ctx, "foreign-live"); n != 0 || err != nil {
+			t.Errorf("retry of a row under another relay's live lease: %d, %v; want 0, nil", n, err)
+		}
+		if n, err := s.RetryAllStuck(ctx); n != 1 || err != nil {
+			t.Errorf("retry of every stuck row: %d, %v; want 1, the one whose lease expired", n, err)
+		}
+		if st := stateOf(t, db, "foreign-live"); st.Attempts != 3 {
+			t.Errorf("the leased row: %+v, want left as it was", st)
+		}
+
+		if db.Kind != testdb.SQLite {
+			return
+		}
+		// Ours in flight: on SQLite a claim is a lease.
+		publishN(t, db, "ex", "k", 1)
+		a, heldA, err := outbox.Claim(s, 10, "relay-a") // and the row retried above
+		if err != nil || len(a) != 2 {
+			t.Fatalf("relay-a claim: %v, %v", a, err)
+		}
+		defer func() { _ = heldA.Publish() }()
+		if n, err := s.Retry(ctx, a...); n != 0 || err != nil {
+			t.Errorf("retry of a row in flight: %d, %v; want 0, nil", n, err)
+		}
+		if b, heldB, err := outbox.Claim(s, 10, "relay-b"); err != nil || len(b) != 0 {
+			t.Errorf("relay-b claimed %v (%v) while relay-a holds it in flight: both would publish it", b, err)
+			if heldB != nil {
+				_ = heldB.Publish()
+			}
+		}
+	})
+}

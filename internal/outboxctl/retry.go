@@ -61,7 +61,7 @@ func (c *cli) retry(args []string) error {
 	if !*all && n < int64(len(ids)) {
 		// MySQL counts changed rows only, so a row pending at 0 attempts
 		// already is among these too.
-		fmt.Fprintf(c.stdout, "%d of the %d ids given: published already, pending already, or not in %s\n",
+		fmt.Fprintf(c.stdout, "%d of the %d ids given: published already, pending already, in flight (a relay's live lease), or not in %s\n",
 			int64(len(ids))-n, len(ids), c.g.table)
 	}
 	return nil

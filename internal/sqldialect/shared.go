@@ -534,16 +534,30 @@ func (o *Outbox) Stuck(maxAttempts, limit int) Query {
 		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", maxAttempts, limit)
 }
 
-// Retry makes the unpublished rows of ids pending again.
-func (o *Outbox) Retry(ids []string) Query {
+// RetryHold is the locked_by of a lease that is a failed keyed record's
+// backoff (its retry-after), not a relay's claim: an operator's retry ends
+// it, where it leaves a claim alone.
+const RetryHold = "retry-after"
+
+// notClaimed is the condition of a row no relay has claimed under a lease
+// now: a lease written by a relay (ours on SQLite, another library's
+// anywhere) is a row in flight, and clearing it would let a second relay
+// publish it too. Arguments: now.
+const notClaimed = "(locked_until IS NULL OR locked_until < ? OR locked_by = '" + RetryHold + "')"
+
+// Retry makes the unpublished rows of ids pending again, but for those a
+// relay holds under a live lease (see notClaimed).
+func (o *Outbox) Retry(ids []string, now time.Time) Query {
+	args := append([]any{o.d.TimeArg(now)}, stringArgs(nil, ids)...)
 	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NULL AND id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+		" WHERE published_at IS NULL AND "+notClaimed+" AND id IN ("+placeholders(len(ids))+")", args...)
 }
 
-// RetryStuck makes every row at maxAttempts pending again.
-func (o *Outbox) RetryStuck(maxAttempts int) Query {
+// RetryStuck makes every row at maxAttempts pending again, but for those a
+// relay holds under a live lease (see notClaimed).
+func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
 	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NULL AND attempts >= ?", maxAttempts)
+		" WHERE published_at IS NULL AND "+notClaimed+" AND attempts >= ?", o.d.TimeArg(now), maxAttempts)
 }
 
 // PurgePublished deletes at most limit rows published before cutoff.
