@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"io/fs"
 	"reflect"
 	"slices"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
@@ -352,4 +354,83 @@ func indexes(t *testing.T, db *testdb.DB) []string {
 	}
 	slices.Sort(names) // byte order, whatever the database's collation
 	return names
+}
+
+// On a MySQL table another library created in a collation that folds case
+// and accents, 0005 added aggregate_id in that collation: "Order-1" and
+// "order-1" were one key to the unique (aggregate_id, seq) index and two
+// to the counters, and the second key's publishes failed. 0008 makes the
+// column compare byte for byte, as the counters do.
+func TestMigrate_MySQLRailsTable_KeysDifferingInCaseOrAccentAreTwoKeys(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	testrails.CreateTable(t, db)
+	d := migrate(t, db)
+	collation := func() string {
+		var c string
+		if err := db.Get(&c, "SELECT COLLATION_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME = 'aggregate_id'"); err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	if c := collation(); c != "utf8mb4_bin" {
+		t.Errorf("aggregate_id collation %s, want utf8mb4_bin", c)
+	}
+	// A table migrated through 0007 before 0005 said its collation: 0008
+	// mends it.
+	for _, q := range []string{
+		"ALTER TABLE acemq_outbox MODIFY COLUMN aggregate_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NULL",
+		"DELETE FROM acemq_schema_migrations WHERE version = 8",
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+		t.Fatal(err)
+	}
+	if c := collation(); c != "utf8mb4_bin" {
+		t.Errorf("aggregate_id collation %s after 0008, want utf8mb4_bin", c)
+	}
+	for _, key := range []string{"Order-1", "order-1", "cafe", "café"} {
+		inTx(t, db, true, []*message.Message{keyed(key)})
+		if got := seqsOf(t, db, key); fmt.Sprint(got) != "[1]" {
+			t.Errorf("key %q numbered %v, want [1]: a key of its own", key, got)
+		}
+	}
+}
+
+// Rolling back past 0005 (golang-migrate down 0008 … 0005) and migrating
+// up again goes on numbering each key where it was: 0005's down keeps the
+// counters. It dropped them, and a key's next message was numbered 1
+// again, which its consumers, having applied 1 and 2, dropped as a
+// duplicate (and on SQLite, whose down keeps the columns, every keyed
+// publish on an old key failed).
+func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := migrate(t, db)
+		inTx(t, db, true, []*message.Message{keyed("order-42")})
+		inTx(t, db, true, []*message.Message{keyed("order-42")})
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := len(migs) - 1; i >= 0 && migs[i].Version >= 5; i-- {
+			for _, stmt := range sqlschema.Statements(migs[i].Down) {
+				if _, err := db.Exec(stmt); err != nil {
+					t.Fatalf("%s down: %v", migs[i].Name, err)
+				}
+			}
+			if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+			t.Fatalf("migrate up again: %v", err)
+		}
+		msg := keyed("order-42")
+		inTx(t, db, true, []*message.Message{msg})
+		if _, seq := seqOf(t, db, msg.UUID); seq != 3 {
+			t.Errorf("order-42's next message numbered %d after down and up, want 3", seq)
+		}
+	})
 }

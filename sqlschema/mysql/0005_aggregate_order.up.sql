@@ -8,7 +8,7 @@
 --
 -- MySQL 8 has no ADD COLUMN IF NOT EXISTS: each step reads
 -- information_schema into a statement, as 0004 does.
-SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, 'ALTER TABLE acemq_outbox ADD COLUMN aggregate_id varchar(255) NULL, ADD COLUMN seq bigint NULL', 'DO 0')
+SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, 'ALTER TABLE acemq_outbox ADD COLUMN aggregate_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, ADD COLUMN seq bigint NULL', 'DO 0')
     FROM information_schema.COLUMNS
     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME = 'aggregate_id');
 PREPARE acemq_ddl FROM @acemq_ddl;

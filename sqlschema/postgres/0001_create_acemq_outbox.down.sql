@@ -1,1 +1,2 @@
+DROP TABLE IF EXISTS acemq_outbox_sequences;
 DROP TABLE IF EXISTS acemq_outbox;

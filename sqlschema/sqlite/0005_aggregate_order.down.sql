@@ -1,4 +1,7 @@
 -- The columns stay: SQLite's tools cannot drop them only where the Run steps
 -- added them, and 0001's down drops the table with them.
-DROP TABLE IF EXISTS acemq_outbox_sequences;
+-- acemq_outbox_sequences stays: it holds each key's last number, and a key
+-- numbered from 1 again after an up would send numbers its consumers have
+-- applied already, which their ordered inbox drops as duplicates. 0001's
+-- down, which drops the outbox, drops it too.
 DROP INDEX IF EXISTS acemq_outbox_aggregate_seq;
