@@ -154,6 +154,7 @@ type AMQPDestination struct {
 	wire      *amqpwire.Wire  // conn's socket
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
+	suspects  map[string]bool // records that each go alone (see blame)
 	closed    bool
 	next      int    // the node a connect tries first
 	last      string // the node of the latest connection, for the log of a failover
@@ -180,6 +181,7 @@ type confirmChannel struct {
 	returned map[string]amqp.Return // drained, not yet claimed by a wait
 	closes   chan *amqp.Error
 	reason   string // the close's, once read from closes
+	refusal  string // the broker's words in it, unquoted
 	dropped  bool   // closed by the destination, over a failure or a new connection
 
 	// inflight are the windows sent on the channel whose confirms are not
@@ -199,7 +201,7 @@ func NewAMQPDestination(cfg AMQPConfig) (*AMQPDestination, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	d := &AMQPDestination{cfg: cfg}
+	d := &AMQPDestination{cfg: cfg, suspects: map[string]bool{}}
 	for _, u := range cfg.URLs {
 		n, _ := parseNode(u) // validated
 		d.nodes = append(d.nodes, n)
@@ -520,11 +522,15 @@ func (d *AMQPDestination) Publish(ctx context.Context, records []Record) []error
 }
 
 // windowEnd is where the window starting at start ends: at Window records,
-// and before any record that failed before, which goes alone and is
-// confirmed before anything behind it is sent, so that nothing overtakes a
-// record on its retry.
+// and before any record that failed before or is a suspect (see blame),
+// which goes alone and is confirmed before anything behind it is sent, so
+// that nothing overtakes a record on its retry, and a suspect that closes
+// the channel again is the only one to blame.
 func (d *AMQPDestination) windowEnd(records []Record, start int) int {
-	if records[start].Attempts > 0 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	alone := func(r Record) bool { return r.Attempts > 0 || d.suspects[r.ID] }
+	if alone(records[start]) {
 		return start + 1
 	}
 	limit := len(records)
@@ -532,7 +538,7 @@ func (d *AMQPDestination) windowEnd(records []Record, start int) int {
 		limit = min(limit, start+d.cfg.Window)
 	}
 	for i := start + 1; i < limit; i++ {
-		if records[i].Attempts > 0 {
+		if alone(records[i]) {
 			return i
 		}
 	}
@@ -678,6 +684,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		acked, err := dc.WaitContext(ctx)
 		switch {
 		case acked:
+			delete(d.suspects, p.recs[i].ID)
 		case err != nil:
 			// The broker is up but does not confirm (a memory or disk alarm)
 			// or the network went quiet: nothing this record did.
@@ -688,7 +695,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// window's failure: whether the broker has the message is
 			// unknown, and the record is not at fault.
 			res[i] = connectionLost(fmt.Errorf("channel closed before the broker confirmed: %s", p.on.closeReason()))
-		case p.on.ch.IsClosed() && p.on.blame(ctx, dc):
+		case p.on.ch.IsClosed() && d.blame(ctx, p.on, dc):
 			// The broker closed this channel and kept the connection: a
 			// channel error, caused by this record.
 			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
@@ -743,55 +750,101 @@ func (c *confirmChannel) drainReturns() {
 // and charging each an attempt would make one refused record (an internal
 // exchange, one the relay's user may not write to) take the others down
 // with it, every try, until all are stuck. The broker names the exchange
-// it refused ("… exchange 'x' in vhost '/'"): the records to it are to
-// blame. A close that names none (a message over the broker's size limit)
-// blames the first record left unconfirmed, the likeliest one; one blamed
-// wrongly goes through on its retry. Decided once per channel, over every
-// window still in flight on it.
-func (c *confirmChannel) blame(ctx context.Context, dc *amqp.DeferredConfirmation) bool {
+// it refused ("… exchange 'x' in vhost '/'", cut short past 255 bytes):
+// the records to it are to blame. A close that names none (a header the
+// broker refuses, a message over its size limit) blames the record if it
+// was the only one unconfirmed; else nobody, and each of those records
+// becomes a suspect, which goes alone until it is through (see isolates),
+// so that the next close has one record to blame. (The first record left
+// unconfirmed is no good guess: the broker confirms in bursts, and holds
+// the records before the refused one unconfirmed.) Decided once per
+// channel, over every window still in flight on it.
+func (d *AMQPDestination) blame(ctx context.Context, c *confirmChannel, dc *amqp.DeferredConfirmation) bool {
 	if c.blamed == nil {
 		c.blamed = map[*amqp.DeferredConfirmation]bool{}
-		exchange, named := refusedExchange(c.closeReason())
-		var first *amqp.DeferredConfirmation
+		c.closeReason()
+		exchange, named := refusedExchange(c.refusal)
+		var unconfirmed []string
+		var only *amqp.DeferredConfirmation
 		for _, w := range c.inflight {
-			for i, d := range w.confirms {
+			for i, conf := range w.confirms {
 				select { // the close nacks them all at once
-				case <-d.Done():
+				case <-conf.Done():
 				case <-ctx.Done():
 				}
-				if d.Acked() {
+				if conf.Acked() {
 					continue
 				}
-				if first == nil {
-					first = d
-				}
+				unconfirmed = append(unconfirmed, w.recs[i].ID)
+				only = conf
 				if named && sameExchange(w.recs[i].Exchange, exchange) {
-					c.blamed[d] = true
+					c.blamed[conf] = true
 				}
 			}
 		}
-		if len(c.blamed) == 0 && first != nil {
-			c.blamed[first] = true
+		switch {
+		case len(c.blamed) > 0:
+		case len(unconfirmed) == 1:
+			c.blamed[only] = true
+		default:
+			if len(d.suspects) > maxSuspects {
+				clear(d.suspects) // rows published by another relay, say: never seen again
+			}
+			for _, id := range unconfirmed {
+				d.suspects[id] = true
+			}
 		}
 	}
 	return c.blamed[dc]
 }
 
+// maxSuspects bounds the suspects a destination remembers.
+const maxSuspects = 10000
+
+// isolates reports whether records hold a suspect (see blame), which the
+// relay then sends through Publish, where it goes alone.
+func (d *AMQPDestination) isolates(records []Record) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, r := range records {
+		if d.suspects[r.ID] {
+			return true
+		}
+	}
+	return false
+}
+
 // refusedExchange reads the exchange a channel close names, as RabbitMQ
 // writes it: "NOT_FOUND - no exchange 'x' in vhost '/'", "ACCESS_REFUSED -
-// cannot publish to internal exchange 'x' in vhost '/'".
-func refusedExchange(reason string) (string, bool) {
+// cannot publish to internal exchange 'x' in vhost '/'". A reason the
+// broker cut short at 255 bytes ends within the name: what is left of it,
+// less the "..." of the cut, is a prefix (named, but not whole).
+func refusedExchange(reason string) (exchange, bool) {
 	_, rest, ok := strings.Cut(reason, "exchange '")
 	if !ok {
-		return "", false
+		return exchange{}, false
 	}
-	name, _, ok := strings.Cut(rest, "' in vhost '")
-	return name, ok
+	if name, _, ok := strings.Cut(rest, "' in vhost '"); ok {
+		return exchange{name: name, whole: true}, true
+	}
+	return exchange{name: strings.TrimSuffix(rest, "...")}, rest != ""
+}
+
+// exchange is the exchange a channel close names, whole or cut short.
+type exchange struct {
+	name  string
+	whole bool
 }
 
 // sameExchange: RabbitMQ names the default exchange amq.default.
-func sameExchange(recExchange, named string) bool {
-	return recExchange == named || (recExchange == "" && named == "amq.default")
+func sameExchange(recExchange string, named exchange) bool {
+	if recExchange == "" {
+		recExchange = "amq.default"
+	}
+	if named.whole {
+		return recExchange == named.name
+	}
+	return strings.HasPrefix(recExchange, named.name)
 }
 
 // closeReason says why the channel closed, as the broker or the client
@@ -801,7 +854,7 @@ func (c *confirmChannel) closeReason() string {
 		select {
 		case e, ok := <-c.closes:
 			if ok && e != nil {
-				c.reason = e.Error()
+				c.reason, c.refusal = e.Error(), e.Reason
 			}
 		default:
 		}

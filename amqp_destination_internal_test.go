@@ -142,22 +142,36 @@ func manyHeaders(n int) map[string]any {
 	return m
 }
 
-// The exchange a channel close blames, as RabbitMQ words its refusals; a
-// close that names none blames the first record left unconfirmed.
+// The exchange a channel close blames, as RabbitMQ words its refusals,
+// whole or cut short at 255 bytes; a close that names none blames no record
+// among several.
 func TestRefusedExchange_ReadsRabbitMQsWording(t *testing.T) {
-	for reason, want := range map[string]string{
-		`Exception (403) Reason: "ACCESS_REFUSED - cannot publish to internal exchange 'orders.internal' in vhost '/'"`:           "orders.internal",
-		`Exception (403) Reason: "ACCESS_REFUSED - write access to exchange 'orders' in vhost 'shop' refused for user 'relay'"`:   "orders",
-		`Exception (404) Reason: "NOT_FOUND - no exchange 'gone' in vhost '/'"`:                                                   "gone",
-		`Exception (403) Reason: "ACCESS_REFUSED - write access to exchange 'amq.default' in vhost '/' refused for user 'relay'"`: "amq.default",
-		`Exception (406) Reason: "PRECONDITION_FAILED - message size 200000000 is larger than configured max size 134217728"`:     "",
+	for reason, want := range map[string]exchange{
+		"ACCESS_REFUSED - cannot publish to internal exchange 'orders.internal' in vhost '/'":           {name: "orders.internal", whole: true},
+		"ACCESS_REFUSED - write access to exchange 'orders' in vhost 'shop' refused for user 'relay'":   {name: "orders", whole: true},
+		"NOT_FOUND - no exchange 'gone' in vhost '/'":                                                   {name: "gone", whole: true},
+		"ACCESS_REFUSED - write access to exchange 'amq.default' in vhost '/' refused for user 'relay'": {name: "amq.default", whole: true},
+		"ACCESS_REFUSED - cannot publish to internal exchange 'a-very-long-name...":                     {name: "a-very-long-name"},
+		"PRECONDITION_FAILED - invalid message: {unacceptable_type_in_header,\"CC\",longstr}":           {},
 	} {
 		got, named := refusedExchange(reason)
-		if got != want || named != (want != "") {
-			t.Errorf("refusedExchange(%q) = %q, %v; want %q", reason, got, named, want)
+		if got != want || named != (want.name != "") {
+			t.Errorf("refusedExchange(%q) = %+v, %v; want %+v", reason, got, named, want)
 		}
 	}
-	if !sameExchange("", "amq.default") || sameExchange("orders", "amq.default") {
-		t.Error("the default exchange is amq.default in the broker's words, and only it")
+	for _, c := range []struct {
+		rec   string
+		named exchange
+		want  bool
+	}{
+		{"", exchange{name: "amq.default", whole: true}, true},
+		{"orders", exchange{name: "amq.default", whole: true}, false},
+		{"orders", exchange{name: "orders", whole: true}, true},
+		{"orders.internal", exchange{name: "orders", whole: true}, false},
+		{"a-very-long-name-of-an-exchange", exchange{name: "a-very-long-name"}, true},
+	} {
+		if got := sameExchange(c.rec, c.named); got != c.want {
+			t.Errorf("sameExchange(%q, %+v) = %v, want %v", c.rec, c.named, got, c.want)
+		}
 	}
 }

@@ -255,57 +255,92 @@ func TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff(t
 	})
 }
 
-// A record whose publish makes the broker close the confirm channel (here
-// one to an internal exchange: 403) fails alone. Every record unconfirmed
-// on that channel gets a nack with the close; charging each an attempt
-// made the poison record take the records of other keys down with it, try
-// after try, until all were stuck. Keyed, the others flow while the poison
-// record waits out its backoff; unkeyed, they wait behind it, as unkeyed
-// records do, and go out once it is stuck. Either way none of them is
-// charged an attempt.
+// A record whose publish makes the broker close the confirm channel fails
+// alone: one to an internal exchange (403, the broker names the exchange),
+// or one whose CC header is not an array, as another library may write
+// (406, naming nothing). Every record unconfirmed on that channel gets a
+// nack with the close; charging each an attempt made the poison record
+// take the records of other keys down with it, try after try, until all
+// were stuck. Keyed, the others flow while the poison record waits out its
+// backoff; unkeyed, they wait behind it, as unkeyed records do, and go out
+// once it is stuck. Either way none of them is charged an attempt.
 func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
-	for _, keyed := range []bool{true, false} {
-		t.Run(map[bool]string{true: "keyed", false: "unkeyed"}[keyed], func(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		keyed     bool
+		internal  bool   // the poison record goes to an internal exchange
+		headers   string // else it carries these headers
+		lastError string
+	}{
+		{"internal exchange, keyed", true, true, "", "internal exchange"},
+		{"internal exchange, unkeyed", false, true, "", "internal exchange"},
+		{"refused header, keyed", true, false, `{"CC":"not-an-array"}`, "PRECONDITION_FAILED"},
+		{"refused header, unkeyed", false, false, `{"CC":"not-an-array"}`, "PRECONDITION_FAILED"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 				b := testamqp.New(t)
 				queue := b.Queue("k")
-				internal := b.Exchange + "-internal"
-				b.With(func(ch *amqp.Channel) error {
-					return ch.ExchangeDeclare(internal, amqp.ExchangeDirect, false, true, true, false, nil)
-				})
-				t.Cleanup(func() { b.With(func(ch *amqp.Channel) error { return ch.ExchangeDelete(internal, false, false) }) })
+				poisonExchange := b.Exchange
+				if c.internal {
+					poisonExchange = b.Exchange + "-internal"
+					b.With(func(ch *amqp.Channel) error {
+						return ch.ExchangeDeclare(poisonExchange, amqp.ExchangeDirect, false, true, true, false, nil)
+					})
+					t.Cleanup(func() {
+						b.With(func(ch *amqp.Channel) error { return ch.ExchangeDelete(poisonExchange, false, false) })
+					})
+				}
 				key := func(k string) string {
-					if keyed {
+					if c.keyed {
 						return k
 					}
 					return ""
 				}
 				base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
 				poison := keyedID("poison", 1)
-				rows := []keyedRow{{id: poison, exchange: internal, routingKey: "k", aggregate: key("poison"), seq: 1, createdAt: base}}
 				const n = 20
+				var rows []keyedRow
 				for i := range n {
 					k := fmt.Sprintf("other-%02d", i)
 					rows = append(rows, keyedRow{id: keyedID(k, 1), exchange: b.Exchange, routingKey: "k", aggregate: key(k), seq: 1,
 						createdAt: base.Add(time.Duration(i+1) * time.Millisecond)})
 				}
+				// First, or among the others: both ways round the window.
+				at := base
+				if !c.internal {
+					at = base.Add(10*time.Millisecond + 500*time.Microsecond)
+				}
+				rows = append(rows, keyedRow{id: poison, exchange: poisonExchange, routingKey: "k", aggregate: key("poison"), seq: 1, createdAt: at})
 				insertKeyed(t, db, rows)
+				if c.headers != "" {
+					if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET headers = ? WHERE id = ?"), c.headers, poison); err != nil {
+						t.Fatal(err)
+					}
+				}
 				runForwarders(t, db, 1, outbox.ForwarderConfig{
 					MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond,
 					OnError: func(error, outbox.ErrorContext) {},
 				})
-				got := b.Drain(queue, n, 30*time.Second)
-				if len(got) < n {
-					t.Fatalf("%d of %d other records arrived; poison %+v", len(got), n, stateOf(t, db, poison))
-				}
 				waitFor(t, 30*time.Second, "the poison record stuck", func() bool { return stateOf(t, db, poison).Attempts >= 3 })
-				if s := stateOf(t, db, poison); s.Published || !strings.Contains(s.LastError, "internal exchange") {
-					t.Errorf("poison record %+v, want unpublished, its last error the broker's refusal", s)
-				}
-				for _, r := range rows[1:] {
-					if s := stateOf(t, db, r.id); !s.Published || s.Attempts != 0 {
-						t.Errorf("record %s: %+v, want published with no attempt charged", r.id, s)
+				waitFor(t, 30*time.Second, "the others published", func() bool {
+					for _, r := range rows[:n] {
+						if !stateOf(t, db, r.id).Published {
+							return false
+						}
 					}
+					return true
+				})
+				if s := stateOf(t, db, poison); s.Published || !strings.Contains(s.LastError, c.lastError) {
+					t.Errorf("poison record %+v, want unpublished, its last error the broker's refusal (%s)", s, c.lastError)
+				}
+				for _, r := range rows[:n] {
+					if s := stateOf(t, db, r.id); s.Attempts != 0 {
+						t.Errorf("record %s: %+v, want no attempt charged", r.id, s)
+					}
+				}
+				if got := countIDs(b.Drain(queue, 10*n, 2*time.Second)); len(got) != n {
+					t.Errorf("%d distinct records arrived, want %d", len(got), n)
 				}
 			})
 		})

@@ -186,10 +186,18 @@ func leftBehind(bs []*batch) bool {
 
 // pipelines reports whether b goes down the pipeline. Pipelined once the
 // store knows its claims may overlap (on MySQL, once the claim found the
-// pending index). A batch holding a record that failed before goes through
-// Publish, which sends that record alone.
+// pending index). A batch holding a record that failed before, or one the
+// destination wants alone, goes through Publish, which sends that record
+// alone.
 func (l *relayLoop) pipelines(b *batch) bool {
-	return b != nil && len(b.records) > 0 && l.pipe != nil && l.f.store.claimsOverlap() && !hasRetries(b.records)
+	return b != nil && len(b.records) > 0 && l.pipe != nil && l.f.store.claimsOverlap() && !hasRetries(b.records) && !isolates(l.f.dest, b.records)
+}
+
+// isolates reports whether dest wants one of records sent alone, through
+// Publish: AMQPDestination's suspects (see its blame).
+func isolates(dest Destination, records []Record) bool {
+	i, ok := dest.(interface{ isolates([]Record) bool })
+	return ok && i.isolates(records)
 }
 
 // send sends b down the pipeline, after collecting the oldest batch in
