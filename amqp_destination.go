@@ -155,6 +155,7 @@ type AMQPDestination struct {
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
+	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
 	closed    bool
 	next      int    // the node a connect tries first
 	last      string // the node of the latest connection, for the log of a failover
@@ -184,11 +185,9 @@ type confirmChannel struct {
 	refusal  string // the broker's words in it, unquoted
 	dropped  bool   // closed by the destination, over a failure or a new connection
 
-	// inflight are the windows sent on the channel whose confirms are not
-	// collected yet, oldest first; blamed, once the broker closed the
-	// channel, the confirms of the records that closed it (see blame).
-	inflight []*sent
-	blamed   map[*amqp.DeferredConfirmation]bool
+	// blamed, once the broker closed the channel, the confirms of the
+	// records that closed it (see blame).
+	blamed map[*amqp.DeferredConfirmation]bool
 }
 
 // ErrDestinationClosed is returned by a destination used after Close.
@@ -588,6 +587,7 @@ type sent struct {
 	res      []error // failures known at send time
 	confirms []*amqp.DeferredConfirmation
 	on       *confirmChannel // the channel they went out on
+	at       time.Time       // when they went out
 }
 
 func (p *sent) Records() []Record { return p.recs }
@@ -600,6 +600,10 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 	p := &sent{recs: recs, res: make([]error, len(recs))}
 	if err := d.ensure(ctx); err != nil {
 		fillNotSent(p.res, 0, connectionLost(err))
+		return p
+	}
+	if d.behindAClosedChannel() {
+		fillNotSent(p.res, 0, errBehindClosedChannel)
 		return p
 	}
 	p.on = d.cc
@@ -664,10 +668,36 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		}
 	}
 	if len(p.confirms) > 0 {
-		p.on.inflight = append(p.on.inflight, p)
+		p.at = time.Now()
+		d.inflight = append(d.inflight, p)
 	}
 	return p
 }
+
+// errBehindClosedChannel is the result of the records of a window not sent
+// because windows before it are still out on a channel that closed.
+var errBehindClosedChannel = fmt.Errorf("%w: windows sent before it are out on a channel that closed", ErrNotSent)
+
+// behindAClosedChannel reports whether windows are still out on a channel
+// the destination has moved on from (closed by the broker or with its
+// connection): what they carried may be released and sent again, and a
+// window sent now on the new channel would overtake it. It goes out once
+// they are collected. A window nobody collected for staleWindow is
+// forgotten: a caller that never will must not stop every send after it.
+func (d *AMQPDestination) behindAClosedChannel() bool {
+	d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return time.Since(w.at) > staleWindow })
+	for _, w := range d.inflight {
+		if w.on != d.cc {
+			return true
+		}
+	}
+	return false
+}
+
+// staleWindow is how long a window may stay uncollected before
+// behindAClosedChannel forgets it; the relay collects each within its
+// PublishTimeout.
+const staleWindow = 10 * time.Minute
 
 // wait collects the confirms and returns of a sent window, one result per
 // record.
@@ -678,7 +708,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	if p.on == nil {
 		return res // not connected: nothing went out
 	}
-	defer func() { p.on.inflight = slices.DeleteFunc(p.on.inflight, func(w *sent) bool { return w == p }) }()
+	defer func() { d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p }) }()
 	timedOut := false
 	for i, dc := range p.confirms {
 		acked, err := dc.WaitContext(ctx)
@@ -766,7 +796,10 @@ func (d *AMQPDestination) blame(ctx context.Context, c *confirmChannel, dc *amqp
 		exchange, named := refusedExchange(c.refusal)
 		var unconfirmed []string
 		var only *amqp.DeferredConfirmation
-		for _, w := range c.inflight {
+		for _, w := range d.inflight {
+			if w.on != c {
+				continue
+			}
 			for i, conf := range w.confirms {
 				select { // the close nacks them all at once
 				case <-conf.Done():

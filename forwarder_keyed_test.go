@@ -383,3 +383,55 @@ func TestForwarder_Run_RecordsReleasedBehindAKeyedFailure_GoOutAtOnce(t *testing
 		}
 	})
 }
+
+// A keyed record that makes the broker close the channel, among unkeyed
+// records, under the pipelined Run: the records released with the close
+// (those after it, and those in flight behind it) go out before any
+// claimed later, so the unkeyed records first arrive in created_at order.
+// The batch claimed in the same sweep used to overtake them.
+func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("k")
+		internal := b.Exchange + "-internal"
+		b.With(func(ch *amqp.Channel) error {
+			return ch.ExchangeDeclare(internal, amqp.ExchangeDirect, false, true, true, false, nil)
+		})
+		t.Cleanup(func() { b.With(func(ch *amqp.Channel) error { return ch.ExchangeDelete(internal, false, false) }) })
+		const n, poisonAt = 600, 45
+		t0 := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+		var rows []keyedRow
+		for i := range n {
+			rows = append(rows, keyedRow{id: fmt.Sprintf("row-%04d", i), exchange: b.Exchange, routingKey: "k", createdAt: t0.Add(time.Duration(2*i) * time.Millisecond)})
+		}
+		rows = append(rows, keyedRow{id: keyedID("poison", 1), exchange: internal, routingKey: "k", aggregate: "poison", seq: 1,
+			createdAt: t0.Add(time.Duration(2*poisonAt+1) * time.Millisecond)})
+		insertKeyed(t, db, rows)
+		runForwarders(t, db, 1, outbox.ForwarderConfig{BatchSize: 20, MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+			OnError: func(error, outbox.ErrorContext) {}})
+		got := b.Drain(queue, n, 30*time.Second)
+		seen := map[string]bool{}
+		var order []string
+		for _, d := range got {
+			if !seen[d.MessageId] {
+				seen[d.MessageId] = true
+				order = append(order, d.MessageId)
+			}
+		}
+		if len(order) < n {
+			t.Fatalf("%d of %d arrived", len(order), n)
+		}
+		inversions := 0
+		for i := 1; i < len(order); i++ {
+			if order[i] < order[i-1] {
+				if inversions < 5 {
+					t.Errorf("%s first arrived after %s", order[i], order[i-1])
+				}
+				inversions++
+			}
+		}
+		if inversions > 0 {
+			t.Errorf("%d records first arrived out of created_at order (%d deliveries of %d records)", inversions, len(got), n)
+		}
+	})
+}

@@ -142,7 +142,15 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		done, l.queue = append(done, l.queue...), nil
 	}
 	done, s.failed = l.settle(work, done, s.failed)
-	if next != nil {
+	switch {
+	case next == nil:
+	case !s.failed && leftBehind(done):
+		// Records of the settled batches were released, before next in
+		// the order: next goes back too, to be claimed again after them,
+		// rather than overtake them. Nothing failed; no backoff.
+		next.holdBack()
+		_, s.failed, _ = f.settle(work, next, true)
+	default:
 		s.failed = l.publish(work, next, s.failed)
 	}
 	f.sweepMu.Unlock()
