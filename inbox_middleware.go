@@ -310,7 +310,7 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 }
 
 // process runs one message through the inbox, and says what became of it
-// and for which consumer ("" before the consumer is known).
+// and for which consumer ("" if it has no valid name).
 func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
@@ -319,6 +319,17 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
 	}
 	key := dedupeKey(msg)
+	// The consumer first: a message refused before it is read (no id, a
+	// bad seq) still counts, under the consumer's name if it has a valid
+	// one.
+	consumer = in.cfg.ConsumerName
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(ctx)
+	}
+	counted := consumer
+	if checkName(consumer) != nil {
+		counted = ""
+	}
 	var (
 		aggregate string
 		seq       int64
@@ -326,13 +337,13 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	)
 	if in.ordered != nil {
 		if aggregate, seq, keyed, err = orderKey(msg); err != nil {
-			return inboxFailed, "", err
+			return inboxFailed, counted, err
 		}
 	}
 	if key == "" {
 		if keyed {
 			// Held, it could not be told from its redelivery.
-			return inboxFailed, "", fmt.Errorf("%w (a keyed message, aggregateId %.80q: AllowMissingID does not apply)", ErrNoMessageID, aggregate)
+			return inboxFailed, counted, fmt.Errorf("%w (a keyed message, aggregateId %.80q: AllowMissingID does not apply)", ErrNoMessageID, aggregate)
 		}
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
@@ -340,16 +351,15 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 			if err == nil {
 				err = in.writeReturnedAlone(ctx, out)
 			}
-			return inboxProcessed, "", err
+			if err != nil {
+				return inboxFailed, counted, err
+			}
+			return inboxProcessed, counted, nil
 		}
-		return inboxFailed, "", ErrNoMessageID
+		return inboxFailed, counted, ErrNoMessageID
 	}
 	if err := checkID(key); err != nil {
-		return inboxFailed, "", fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
-	}
-	consumer = in.cfg.ConsumerName
-	if consumer == "" {
-		consumer = message.HandlerNameFromCtx(ctx)
+		return inboxFailed, counted, fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
 	}
 	if consumer == "" {
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}

@@ -19,8 +19,10 @@ import (
 	mysqldrv "github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -766,4 +768,46 @@ func TestOrderedInbox_HeldCount_FollowsHoldsAndAppliesHealsWhenDeletedByHand(t *
 			t.Errorf("held count %d after the next apply, want 0", n)
 		}
 	})
+}
+
+// The reference relay sends aggregateId and seq on every row, void for an
+// unkeyed one, which AMQPMarshaler renders as "null". The ordered inbox took
+// "null" for an ordering key, refused seq "null", and nacked the message on
+// every delivery (29,896 times in three seconds when a review found it); it
+// is an unkeyed message, and runs once.
+func TestOrderedInbox_ViaAMQP_VoidAggregateIDAndSeq_IsUnkeyed(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	createEffects(t, db)
+	b := testamqp.New(t)
+	input := b.Queue()
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Ordered: true})
+	var ran, failed atomic.Int32
+	router := newRouter(t)
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err != nil {
+				failed.Add(1)
+			}
+			return out, err
+		}
+	}, in.Middleware)
+	router.AddConsumerHandler("ledger", input, amqpSubscriber(t), func(msg *message.Message) error {
+		ran.Add(1)
+		return nil
+	})
+	startRouter(t, router)
+
+	id := "pay-" + testdb.RandomName()
+	b.With(func(ch *amqp.Channel) error {
+		return ch.PublishWithContext(context.Background(), "", input, true, false, amqp.Publishing{
+			MessageId: id, DeliveryMode: amqp.Persistent, Body: []byte(`{"amount":"42.50"}`),
+			Headers: amqp.Table{outbox.HeaderMessageID: id, "aggregateId": nil, "seq": nil}, // as amqplib sends an unkeyed row's
+		})
+	})
+	waitFor(t, 10*time.Second, "the handler to run", func() bool { return ran.Load() > 0 || failed.Load() > 0 })
+	time.Sleep(200 * time.Millisecond) // a redelivery, if there were one, would show by now
+	if ran.Load() != 1 || failed.Load() != 0 {
+		t.Errorf("handler ran %d times, the inbox failed %d deliveries; want 1 and 0", ran.Load(), failed.Load())
+	}
 }

@@ -144,3 +144,30 @@ func TestMetrics_AtMostOnce_ExactValues(t *testing.T) {
 		}
 	}
 }
+
+// A message refused before the inbox reads it (a keyed message with a bad
+// seq, one without an id) is counted failed under the consumer's name: it
+// was not counted at all, and a message refused on every delivery stayed
+// out of sight of alerting.
+func TestMetrics_Inbox_RefusedBeforeItIsRead_CountedFailed(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Ordered: true, Metrics: m})
+	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, nil })
+	badSeq := message.NewMessage("m1", nil)
+	badSeq.Metadata.Set(outbox.HeaderAggregateID, "order-1")
+	badSeq.Metadata.Set(outbox.HeaderSeq, "first")
+	if _, err := h(badSeq); !errors.Is(err, outbox.ErrInvalidSeq) {
+		t.Fatalf("err = %v, want ErrInvalidSeq", err)
+	}
+	if _, err := h(message.NewMessage("", nil)); !errors.Is(err, outbox.ErrNoMessageID) {
+		t.Fatalf("err = %v, want ErrNoMessageID", err)
+	}
+	if got := metricValue(t, reg, "outbox_inbox_failed_total", "ledger"); got != 2 {
+		t.Errorf("outbox_inbox_failed_total{consumer=ledger} = %v, want 2", got)
+	}
+}
