@@ -268,18 +268,24 @@ func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 // first, in seconds; past it Migrate fails rather than hanging a deploy.
 const migrationLockTimeout = 60
 
+// migrationLockName names the migration lock after the database: its name
+// and ".acemq_migrate", as earlier versions do, where that fits the 64
+// characters MySQL 8 allows a lock name, else a hash of it (a database
+// name over 50 characters failed Migrate there).
+const migrationLockName = "IF(CHAR_LENGTH(DATABASE()) <= 50, CONCAT(DATABASE(), '.acemq_migrate'), CONCAT('acemq_migrate.', MD5(DATABASE())))"
+
 func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) (err error) {
 	// DDL commits implicitly on MySQL, so a transaction cannot hold the
 	// lock: a named lock on this connection does, scoped to the database.
 	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK(CONCAT(DATABASE(), '.acemq_migrate'), ?)", migrationLockTimeout).Scan(&got); err != nil {
+	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK("+migrationLockName+", ?)", migrationLockTimeout).Scan(&got); err != nil {
 		return err
 	}
 	if !got.Valid || got.Int64 != 1 {
 		return fmt.Errorf("another process held the migration lock for %ds", migrationLockTimeout)
 	}
 	defer func() {
-		_, relErr := conn.ExecContext(context.WithoutCancel(ctx), "SELECT RELEASE_LOCK(CONCAT(DATABASE(), '.acemq_migrate'))")
+		_, relErr := conn.ExecContext(context.WithoutCancel(ctx), "SELECT RELEASE_LOCK("+migrationLockName+")")
 		err = errors.Join(err, relErr)
 	}()
 	return fn(conn)
