@@ -568,7 +568,7 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 		// Paged on the key, not re-read from the start: the keys whose
 		// handler fails stay ready, and a first page full of them would
 		// otherwise be all that any call ever reached.
-		after := ""
+		var after *string
 		for {
 			if err := ctx.Err(); err != nil {
 				return applied, errors.Join(append(errs, err)...)
@@ -591,7 +591,7 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 			if len(keys) < applyHeldBatch {
 				break
 			}
-			after = keys[len(keys)-1]
+			after = &keys[len(keys)-1]
 		}
 	}
 	if failed > len(errs) {

@@ -24,6 +24,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
 // keyedMsg is the message a relay delivers for seq of aggregate key: its id
@@ -810,4 +811,78 @@ func TestOrderedInbox_ViaAMQP_VoidAggregateIDAndSeq_IsUnkeyed(t *testing.T) {
 	if ran.Load() != 1 || failed.Load() != 0 {
 		t.Errorf("handler ran %d times, the inbox failed %d deliveries; want 1 and 0", ran.Load(), failed.Load())
 	}
+}
+
+// ApplyHeld reaches keys that sort at or below the empty string where the
+// collation pads with spaces (MySQL's _bin): a key of spaces equals ”, and
+// one starting with a control byte sorts below it. Its first page had the
+// lower bound ”, and never read them.
+func TestOrderedInbox_ApplyHeld_KeysOfSpacesOrControlBytes_Reached(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		keys := []string{"a", " ", "\tx", "\x01k", " \x01"}
+		down := true
+		l := applyLog{fail: failSeq2(&down)}
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "c"})
+		h := in.Middleware(l.handler(t, db))
+		for i, k := range keys {
+			for _, seq := range []int{2, 1} {
+				msg := keyedMsg(k, seq)
+				msg.UUID = fmt.Sprintf("k%d-%d", i, seq)
+				if _, err := h(msg); err != nil {
+					t.Fatalf("delivery of %q seq %d: %v", k, seq, err)
+				}
+			}
+		}
+		down = false
+		n, err := in.ApplyHeld(context.Background())
+		if err != nil {
+			t.Fatalf("ApplyHeld: %v", err)
+		}
+		var missed []string
+		for _, k := range keys {
+			if got := l.of(k); !reflect.DeepEqual(got, upTo(2)) {
+				missed = append(missed, k)
+			}
+		}
+		if n != len(keys) || len(missed) > 0 {
+			t.Errorf("ApplyHeld applied %d of %d ready keys; never reached %q", n, len(keys), missed)
+		}
+	})
+}
+
+// Rolling back past 0006 and migrating up again keeps the ordered inbox's
+// state: its down dropped the held messages (acked to the broker already)
+// and every key's last applied number.
+func TestMigrations_DownPast0006ThenUp_OrderedInboxKeepsItsState(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := migrate(t, db)
+		createEffects(t, db)
+		var l applyLog
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "c"})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "k", 1, 2, 4) // 4 held
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := len(migs) - 1; i >= 0 && migs[i].Version >= 6; i-- {
+			for _, stmt := range sqlschema.Statements(migs[i].Down) {
+				if _, err := db.Exec(stmt); err != nil {
+					t.Fatalf("%s down: %v", migs[i].Name, err)
+				}
+			}
+			if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+			t.Fatal(err)
+		}
+		in2 := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "c"})
+		deliver(t, in2.Middleware(l.handler(t, db)), "k", 3)
+		if got := l.of("k"); !reflect.DeepEqual(got, upTo(4)) {
+			t.Errorf("key k applied %v after a down past 0006 and an up, want [1 2 3 4]", got)
+		}
+	})
 }

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"reflect"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -362,8 +363,26 @@ func indexes(t *testing.T, db *testdb.DB) []string {
 // to the counters, and the second key's publishes failed. 0008 makes the
 // column compare byte for byte, as the counters do.
 func TestMigrate_MySQLRailsTable_KeysDifferingInCaseOrAccentAreTwoKeys(t *testing.T) {
+	for _, legacy := range []bool{false, true} {
+		t.Run(map[bool]string{false: "utf8mb4", true: "utf8mb3 compact"}[legacy], func(t *testing.T) {
+			mysqlRailsTableKeys(t, legacy)
+		})
+	}
+}
+
+// mysqlRailsTableKeys is the test above on a Rails table in utf8mb4, or in
+// an older table's utf8mb3 and COMPACT row format, whose index columns
+// take at most 767 bytes: aggregate_id keeps the table's character set.
+func mysqlRailsTableKeys(t *testing.T, legacy bool) {
 	db := testdb.New(t, testdb.MySQL)
 	testrails.CreateTable(t, db)
+	want := "utf8mb4_bin"
+	if legacy {
+		want = "utf8mb3_bin"
+		if _, err := db.Exec("ALTER TABLE acemq_outbox ROW_FORMAT=COMPACT, CONVERT TO CHARACTER SET utf8mb3 COLLATE utf8mb3_general_ci"); err != nil {
+			t.Fatal(err)
+		}
+	}
 	d := migrate(t, db)
 	collation := func() string {
 		var c string
@@ -372,13 +391,13 @@ func TestMigrate_MySQLRailsTable_KeysDifferingInCaseOrAccentAreTwoKeys(t *testin
 		}
 		return c
 	}
-	if c := collation(); c != "utf8mb4_bin" {
-		t.Errorf("aggregate_id collation %s, want utf8mb4_bin", c)
+	if c := collation(); c != want {
+		t.Errorf("aggregate_id collation %s, want %s", c, want)
 	}
 	// A table migrated through 0007 before 0005 said its collation: 0008
 	// mends it.
 	for _, q := range []string{
-		"ALTER TABLE acemq_outbox MODIFY COLUMN aggregate_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NULL",
+		"ALTER TABLE acemq_outbox MODIFY COLUMN aggregate_id varchar(255) COLLATE " + strings.TrimSuffix(want, "_bin") + "_general_ci NULL",
 		"DELETE FROM acemq_schema_migrations WHERE version = 8",
 	} {
 		if _, err := db.Exec(q); err != nil {
@@ -388,8 +407,8 @@ func TestMigrate_MySQLRailsTable_KeysDifferingInCaseOrAccentAreTwoKeys(t *testin
 	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
 		t.Fatal(err)
 	}
-	if c := collation(); c != "utf8mb4_bin" {
-		t.Errorf("aggregate_id collation %s after 0008, want utf8mb4_bin", c)
+	if c := collation(); c != want {
+		t.Errorf("aggregate_id collation %s after 0008, want %s", c, want)
 	}
 	for _, key := range []string{"Order-1", "order-1", "cafe", "café"} {
 		inTx(t, db, true, []*message.Message{keyed(key)})

@@ -860,11 +860,20 @@ func (o *OrderedInbox) LowestHeld(consumer, key string) Query {
 // (consumer_name, aggregate_id, seq), serves the consumer's range in that
 // order, and a page's cursor is the key text the database returned, so it
 // compares exactly as it did (a held_at cursor would compare against a time
-// in whatever format its writer chose). Columns: aggregate_id.
-func (o *OrderedInbox) Ready(consumer, afterKey string, limit int) Query {
-	return o.query("SELECT h.aggregate_id FROM "+InboxHeldTable+" h JOIN "+InboxSequencesTable+
-		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id AND s.last_seq + 1 = h.seq"+
-		" WHERE h.consumer_name = ? AND h.aggregate_id > ? ORDER BY h.aggregate_id LIMIT ?", consumer, afterKey, limit)
+// in whatever format its writer chose). The first page (after nil) has no
+// lower bound: under MySQL's PAD SPACE collations a key of spaces equals
+// ”, and one starting with a control byte sorts below it. Columns:
+// aggregate_id.
+func (o *OrderedInbox) Ready(consumer string, after *string, limit int) Query {
+	q := "SELECT h.aggregate_id FROM " + InboxHeldTable + " h JOIN " + InboxSequencesTable +
+		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id AND s.last_seq + 1 = h.seq" +
+		" WHERE h.consumer_name = ?"
+	args := []any{consumer}
+	if after != nil {
+		q += " AND h.aggregate_id > ?"
+		args = append(args, *after)
+	}
+	return o.query(q+" ORDER BY h.aggregate_id LIMIT ?", append(args, limit)...)
 }
 
 // Gaps lists the keys with a message held since before cutoff, oldest

@@ -1,1 +1,3 @@
+DROP TABLE IF EXISTS acemq_inbox_held;
+DROP TABLE IF EXISTS acemq_inbox_sequences;
 DROP TABLE IF EXISTS processed_messages;
