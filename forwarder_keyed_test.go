@@ -390,6 +390,17 @@ func TestForwarder_Run_RecordsReleasedBehindAKeyedFailure_GoOutAtOnce(t *testing
 // claimed later, so the unkeyed records first arrive in created_at order.
 // The batch claimed in the same sweep used to overtake them.
 func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing.T) {
+	// Within a batch, and first in one: a batch whose first record failed
+	// and the rest were released counted as clean, and the next batch went
+	// down the pipeline ahead of them.
+	for _, first := range []bool{false, true} {
+		t.Run(map[bool]string{false: "within a batch", true: "first in a batch"}[first], func(t *testing.T) {
+			channelClosedOverAKeyedRecord(t, first)
+		})
+	}
+}
+
+func channelClosedOverAKeyedRecord(t *testing.T, first bool) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("k")
@@ -404,8 +415,11 @@ func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing
 		for i := range n {
 			rows = append(rows, keyedRow{id: fmt.Sprintf("row-%04d", i), exchange: b.Exchange, routingKey: "k", createdAt: t0.Add(time.Duration(2*i) * time.Millisecond)})
 		}
-		rows = append(rows, keyedRow{id: keyedID("poison", 1), exchange: internal, routingKey: "k", aggregate: "poison", seq: 1,
-			createdAt: t0.Add(time.Duration(2*poisonAt+1) * time.Millisecond)})
+		at := t0.Add(time.Duration(2*poisonAt+1) * time.Millisecond) // after row 45, within the third batch
+		if first {
+			at = t0.Add(time.Duration(2*40-1) * time.Millisecond) // before row 40: first in the third batch
+		}
+		rows = append(rows, keyedRow{id: keyedID("poison", 1), exchange: internal, routingKey: "k", aggregate: "poison", seq: 1, createdAt: at})
 		insertKeyed(t, db, rows)
 		runForwarders(t, db, 1, outbox.ForwarderConfig{BatchSize: 20, MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 			OnError: func(error, outbox.ErrorContext) {}})

@@ -222,7 +222,7 @@ func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held boo
 		l.queue = l.queue[1:]
 		l.collect(ctx, oldest)
 		done = append(done, oldest)
-		held = !oldest.clean()
+		held = !oldest.clean() || leftBehind([]*batch{oldest})
 	}
 	if !held {
 		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)

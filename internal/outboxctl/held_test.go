@@ -94,3 +94,22 @@ func TestSkipGap_ThroughInsideTheGap_SkipsThatFarAndSaysSo(t *testing.T) {
 		}
 	})
 }
+
+// retry --all-stuck leaves a stuck row another library's relay holds under
+// a live lease alone, and says so rather than report only the rows it
+// retried.
+func TestRetryAllStuck_RowUnderALiveLease_LeftAloneAndSaid(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?",
+			"rails-relay-1", ts(kind, time.Now().Add(time.Hour)), f.stuck[0])
+		out := mustCtl(t, "retry", "--all-stuck", "--db", db.DSN)
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND attempts >= 10", f.stuck[0]); n != 1 {
+			t.Fatalf("the leased stuck row was retried")
+		}
+		if !strings.Contains(out, "1 row still stuck: a relay holds them under a live lease") {
+			t.Errorf("retry --all-stuck did not say it left the leased row alone:\n%s", out)
+		}
+	})
+}

@@ -58,6 +58,13 @@ func (c *cli) retry(args []string) error {
 		return writeJSON(c.stdout, map[string]int64{"retried": n})
 	}
 	fmt.Fprintf(c.stdout, "%s made pending again (attempts reset to 0)\n", rows(n))
+	if *all {
+		// What is still stuck was left alone: a relay holds it under a
+		// live lease (another library's, or ours in flight on SQLite).
+		if st, err := s.Stats(c.ctx); err == nil && st.Stuck > 0 {
+			fmt.Fprintf(c.stdout, "%s still stuck: a relay holds them under a live lease (locked_until in the future); retry once it runs out\n", rows(st.Stuck))
+		}
+	}
 	if !*all && n < int64(len(ids)) {
 		// MySQL counts changed rows only, so a row pending at 0 attempts
 		// already is among these too.
