@@ -696,8 +696,8 @@ func (d *AMQPDestination) behindAClosedChannel() bool {
 
 // staleWindow is how long a window may stay uncollected before
 // behindAClosedChannel forgets it; the relay collects each within its
-// PublishTimeout.
-const staleWindow = 10 * time.Minute
+// PublishTimeout, far shorter.
+const staleWindow = time.Hour
 
 // wait collects the confirms and returns of a sent window, one result per
 // record.

@@ -153,6 +153,8 @@ func (c ForwarderConfig) validate() error {
 		return &ConfigError{Field: "RetryMin", Reason: fmt.Sprintf("want 0 < RetryMin (%s) <= RetryMax (%s)", c.RetryMin, c.RetryMax)}
 	case len(c.RelayID) > 64:
 		return &ConfigError{Field: "RelayID", Reason: "longer than the 64 characters locked_by holds"}
+	case c.RelayID == sqldialect.RetryHold:
+		return &ConfigError{Field: "RelayID", Reason: fmt.Sprintf("%q marks a failed keyed record's backoff in locked_by, which a retry ends", sqldialect.RetryHold)}
 	}
 	return nil
 }

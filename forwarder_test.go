@@ -217,6 +217,11 @@ func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {
 			t.Errorf("%s: err = %v, want a *ConfigError naming it", field, err)
 		}
 	}
+	// The backoff marker in locked_by, which a retry clears: a relay of
+	// that name would have its claims cleared too.
+	if _, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{RelayID: "retry-after"}); err == nil {
+		t.Error(`RelayID "retry-after" was accepted`)
+	}
 	if _, err := outbox.NewForwarder(db.DB.DB, dest, outbox.ForwarderConfig{}); err == nil {
 		t.Error("a *sql.DB without Dialect was accepted")
 	}

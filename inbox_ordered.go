@@ -173,14 +173,14 @@ func (p *preparedSteps) closeLocked() {
 	}
 }
 
+// voidHeader is how AMQPMarshaler renders a void header in metadata.
+const voidHeader = "null"
+
 // orderKey reads a message's ordering key and sequence number: keyed is
 // false for a message without aggregateId metadata, which takes the
 // unordered path, and for one whose aggregateId and seq are both void: the
 // reference relay sends them on every row, void for an unkeyed one, and
 // AMQPMarshaler renders void as "null".
-// voidHeader is how AMQPMarshaler renders a void header in metadata.
-const voidHeader = "null"
-
 func orderKey(msg *message.Message) (key string, seq int64, keyed bool, err error) {
 	key = msg.Metadata.Get(HeaderAggregateID)
 	if key == "" {

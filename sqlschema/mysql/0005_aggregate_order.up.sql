@@ -12,10 +12,12 @@
 -- aggregate_id takes the binary collation of the table's character set
 -- (utf8mb4_bin on 0001's table): keys differing in case or accent are two
 -- keys, as acemq_outbox_sequences numbers them. The character set stays
--- the table's, so that the index on it fits an older row format.
-SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, CONCAT('ALTER TABLE acemq_outbox ADD COLUMN aggregate_id varchar(255) COLLATE ',
-        (SELECT CONCAT(SUBSTRING_INDEX(TABLE_COLLATION, '_', 1), '_bin') FROM information_schema.TABLES
-         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox'),
+-- the table's, so that the index on it fits an older row format; a table
+-- of the binary character set gets varbinary.
+SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, CONCAT('ALTER TABLE acemq_outbox ADD COLUMN aggregate_id ',
+        (SELECT IF(TABLE_COLLATION IS NULL OR TABLE_COLLATION = 'binary', 'varbinary(255)',
+                   CONCAT('varchar(255) COLLATE ', SUBSTRING_INDEX(TABLE_COLLATION, '_', 1), '_bin'))
+         FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox'),
         ' NULL, ADD COLUMN seq bigint NULL'), 'DO 0')
     FROM information_schema.COLUMNS
     WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME = 'aggregate_id');
