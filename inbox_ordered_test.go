@@ -24,7 +24,6 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
-	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
 // keyedMsg is the message a relay delivers for seq of aggregate key: its id
@@ -862,23 +861,7 @@ func TestMigrations_DownPast0006ThenUp_OrderedInboxKeepsItsState(t *testing.T) {
 		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "c"})
 		h := in.Middleware(l.handler(t, db))
 		deliver(t, h, "k", 1, 2, 4) // 4 held
-		migs, err := sqlschema.Migrations(d.Name())
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i := len(migs) - 1; i >= 0 && migs[i].Version >= 6; i-- {
-			for _, stmt := range sqlschema.Statements(migs[i].Down) {
-				if _, err := db.Exec(stmt); err != nil {
-					t.Fatalf("%s down: %v", migs[i].Name, err)
-				}
-			}
-			if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-			t.Fatal(err)
-		}
+		downAndUpAgain(t, db, d, 6)
 		in2 := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "c"})
 		deliver(t, in2.Middleware(l.handler(t, db)), "k", 3)
 		if got := l.of("k"); !reflect.DeepEqual(got, upTo(4)) {

@@ -429,27 +429,34 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 		d := migrate(t, db)
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
-		migs, err := sqlschema.Migrations(d.Name())
-		if err != nil {
-			t.Fatal(err)
-		}
-		for i := len(migs) - 1; i >= 0 && migs[i].Version >= 5; i-- {
-			for _, stmt := range sqlschema.Statements(migs[i].Down) {
-				if _, err := db.Exec(stmt); err != nil {
-					t.Fatalf("%s down: %v", migs[i].Name, err)
-				}
-			}
-			if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-			t.Fatalf("migrate up again: %v", err)
-		}
+		downAndUpAgain(t, db, d, 5)
 		msg := keyed("order-42")
 		inTx(t, db, true, []*message.Message{msg})
 		if _, seq := seqOf(t, db, msg.UUID); seq != 3 {
 			t.Errorf("order-42's next message numbered %d after down and up, want 3", seq)
 		}
 	})
+}
+
+// downAndUpAgain runs the down migrations from the latest to version from,
+// as golang-migrate down would, and then Migrate.
+func downAndUpAgain(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) {
+	t.Helper()
+	migs, err := sqlschema.Migrations(d.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := len(migs) - 1; i >= 0 && migs[i].Version >= from; i-- {
+		for _, stmt := range sqlschema.Statements(migs[i].Down) {
+			if _, err := db.Exec(stmt); err != nil {
+				t.Fatalf("%s down: %v", migs[i].Name, err)
+			}
+		}
+		if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+		t.Fatalf("migrate up again: %v", err)
+	}
 }
