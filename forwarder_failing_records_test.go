@@ -345,3 +345,46 @@ func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) 
 		}
 	})
 }
+
+// A record the broker nacks (here its queue is full and rejects publishes,
+// x-overflow reject-publish) is not marked published: it fails with an
+// attempt counted and "nacked" in last_error, and goes out once the queue
+// has room. No other test had the broker nack a publish: a nack read as a
+// confirm passed the whole suite, marking a message the broker dropped.
+func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		full := "test-q-full-" + testdb.RandomName()
+		b.With(func(ch *amqp.Channel) error {
+			if _, err := ch.QueueDeclare(full, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
+				return err
+			}
+			if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
+				return err
+			}
+			return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
+		})
+		t.Cleanup(func() {
+			b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
+		})
+		waitFor(t, 5*time.Second, "the filler in the queue", func() bool { return b.Count(full) == 1 })
+
+		insertRaw(t, db, "nacked", b.Exchange, "full", "{}", "utf-8")
+		f := newForwarder(t, db, outbox.ForwarderConfig{OnError: func(error, outbox.ErrorContext) {}})
+		if n, _ := f.Sweep(context.Background()); n != 0 {
+			t.Fatalf("sweep published %d, want 0: the broker nacked the record", n)
+		}
+		if s := stateOf(t, db, "nacked"); s.Published || s.Attempts != 1 || !strings.Contains(s.LastError, "nacked") {
+			t.Fatalf("nacked record %+v, want unpublished, one attempt, last_error naming the nack", s)
+		}
+
+		b.With(func(ch *amqp.Channel) error { _, err := ch.QueuePurge(full, false); return err })
+		waitFor(t, 10*time.Second, "the record published once the queue has room", func() bool {
+			_, _ = f.Sweep(context.Background())
+			return stateOf(t, db, "nacked").Published
+		})
+		if got := countIDs(b.Drain(full, 1, 5*time.Second)); got["nacked"] != 1 {
+			t.Errorf("the record arrived %d times, want once", got["nacked"])
+		}
+	})
+}
