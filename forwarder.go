@@ -477,27 +477,35 @@ func (b *batch) holdBack() {
 }
 
 // clean reports whether nothing in the batch holds back what comes after
-// it: every record went out, or the first that did not is a keyed record
-// that failed (not for a lost connection), which holds back only its own
-// key (see keyedFailure), or one refused for good, which no retry will
-// send, and what the destination did not send after it. Malformed rows,
-// never sent, hold nothing back either.
+// it: every record went out, or failed as a keyed record (not for a lost
+// connection), which holds back only its own key (see keyedFailure), or
+// was refused for good, which no retry will send. A record released unsent
+// holds back what comes after it: it is claimed again, and nothing claimed
+// after it may overtake it. Malformed rows, never sent, hold nothing back.
 func (b *batch) clean() bool {
 	if len(b.results) != len(b.records) {
 		return false
 	}
-	stopped := false
 	for i, err := range b.results {
-		switch {
-		case err == nil:
-		case stopped && errors.Is(err, ErrNotSent):
-		case keyedFailure(b.records[i], err), isRefusedForGood(err):
-			stopped = true
-		default:
+		if err != nil && !keyedFailure(b.records[i], err) && !isRefusedForGood(err) {
 			return false
 		}
 	}
 	return true
+}
+
+// released reports whether the settled batch released records it did not
+// send: they are pending again, before the cursor of the drain.
+func (b *batch) released() bool {
+	if b == nil || len(b.results) != len(b.records) {
+		return false
+	}
+	for _, err := range b.results {
+		if errors.Is(err, ErrNotSent) {
+			return true
+		}
+	}
+	return false
 }
 
 // isRefusedForGood reports whether err is a permanent failure of the record

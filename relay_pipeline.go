@@ -2,7 +2,7 @@ package outbox
 
 import (
 	"context"
-	"errors"
+	"slices"
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -170,26 +170,15 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// stuck at once, released with the claim) sends the next claim back
 	// to the head, which they are nearer than the cursor.
 	l.after = nil
-	if !s.failed && s.claimed.full(f.cfg.BatchSize) && !leftBehind(done) && !leftBehind([]*batch{next}) {
+	if !s.failed && s.claimed.full(f.cfg.BatchSize) && !leftBehind(done) && !next.released() {
 		l.after = s.claimed.last()
 	}
 	return s
 }
 
-// leftBehind reports whether a settled batch of bs released records it did
-// not send: they are pending again, before the cursor of the drain.
+// leftBehind reports whether a batch of bs released records (see released).
 func leftBehind(bs []*batch) bool {
-	for _, b := range bs {
-		if b == nil || len(b.results) != len(b.records) {
-			continue
-		}
-		for _, err := range b.results {
-			if errors.Is(err, ErrNotSent) {
-				return true
-			}
-		}
-	}
-	return false
+	return slices.ContainsFunc(bs, (*batch).released)
 }
 
 // pipelines reports whether b goes down the pipeline. Pipelined once the
@@ -222,7 +211,7 @@ func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held boo
 		l.queue = l.queue[1:]
 		l.collect(ctx, oldest)
 		done = append(done, oldest)
-		held = !oldest.clean() || leftBehind([]*batch{oldest})
+		held = !oldest.clean()
 	}
 	if !held {
 		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)
