@@ -326,8 +326,8 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 	}
-	counted := consumer
-	if checkName(consumer) != nil {
+	counted, nameErr := consumer, checkName(consumer)
+	if nameErr != nil {
 		counted = ""
 	}
 	var (
@@ -364,8 +364,8 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	if consumer == "" {
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
 	}
-	if err := checkName(consumer); err != nil {
-		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, err)}
+	if nameErr != nil {
+		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, nameErr)}
 	}
 	if keyed {
 		outcome, err := in.processOrdered(ctx, h, msg, consumer, key, aggregate, seq)
