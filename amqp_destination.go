@@ -25,14 +25,14 @@ import (
 // channel that receives basic.return: every one of them can come back, and
 // the client's reader must never block on a return (amqp091-go drops one it
 // cannot deliver within 5 s) while the relay waits for confirms. 3000 is
-// three batches of the Forwarder's largest BatchSize (1000), as many as Run
-// keeps in flight at that size: smaller, Run would keep fewer; larger, every
+// three batches of the Forwarder's largest claim (MaxBatchSize 1000, the
+// default), as many as Run keeps in flight at that size: smaller, Run would keep fewer; larger, every
 // channel would hold a bigger buffer for nothing.
 const pipelineCapacity = 3000
 
 // maxWindow bounds AMQPConfig.Window. A window's returns come back
 // together, so it must fit the returns channel (pipelineCapacity); and at
-// the Forwarder's largest BatchSize (1000) a window is the whole batch.
+// the Forwarder's largest claim (1000) a window is the whole batch.
 const maxWindow = 1000
 
 // AMQPConfig configures an AMQPDestination.

@@ -85,9 +85,10 @@ type Pipeline interface {
 	// skipped.
 	Destination() Destination
 	// Capacity is the most records that may be sent and not yet waited for.
-	// Run keeps no more than that in flight: with BatchSize records a
-	// batch, Capacity()/BatchSize batches at most, and it publishes every
-	// batch through Publish when that is less than one.
+	// Run keeps no more than that in flight: Capacity()/BatchSize batches
+	// at most (ForwarderConfig), a drain's claims growing no larger than
+	// keeps them within it; it publishes every batch through Publish when
+	// Capacity is less than one batch.
 	Capacity() int
 	// Send publishes records in their order and returns without waiting for
 	// their confirms. It stops at the first record it cannot publish; the

@@ -11,6 +11,10 @@ import (
 // An error fails the marks, as a database failure would.
 func SetAfterPublishHook(f *Forwarder, fn func(published []string) error) { f.afterPublish = fn }
 
+// SetGrowBytes sets the bodies' size at which a drain's claims stop growing
+// (growBytes), before Run.
+func SetGrowBytes(f *Forwarder, n int) { f.growBytes = n }
+
 // ClaimsOverlap reports whether the store's claims may overlap (pipelining).
 func ClaimsOverlap(s *Store) bool { return s.claimsOverlap() }
 

@@ -181,7 +181,7 @@ func TestForwarderPlugin_RouterClosedMidStream_BatchFinishedNothingClaimedNoGoro
 		const backlog, batchSize = 3000, 25
 		publishBatch(t, db, b.Exchange, "t", backlog)
 
-		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: batchSize})
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: batchSize, MaxBatchSize: batchSize})
 		// The fifth batch is held between the broker's confirms and its
 		// marks until the router is closing.
 		var (

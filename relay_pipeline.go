@@ -18,6 +18,8 @@ type relayLoop struct {
 
 	queue     []*batch           // sent, their confirms not yet collected, oldest first
 	after     *sqldialect.Cursor // where the next claim of a drain starts
+	size      int                // rows the next claim takes (see grow)
+	maxSize   int                // the most it grows to
 	delay     time.Duration      // the backoff after a failed sweep; 0 after a good one
 	lastStats time.Time
 	// poll is the adaptive poll's next wait (see idleWait); idle: the last
@@ -61,7 +63,16 @@ func (f *Forwarder) newRelayLoop(limit int, listen bool) *relayLoop {
 	if depth < 0 {
 		pipe = nil
 	}
-	return &relayLoop{f: f, pipe: pipe, depth: depth, claimInFlow: !f.store.listens() && !f.store.watchesFile()}
+	// A drain's claims grow as far as the pipeline holds depth+1 of them.
+	// Where batches go one at a time through Publish they stay at
+	// BatchSize: a destination that publishes a batch record by record (a
+	// Window) would gain nothing from larger ones but a longer wait
+	// against PublishTimeout.
+	maxSize := f.cfg.BatchSize
+	if pipe != nil {
+		maxSize = max(f.cfg.BatchSize, min(f.cfg.MaxBatchSize, pipe.Capacity()/(depth+1)))
+	}
+	return &relayLoop{f: f, pipe: pipe, depth: depth, size: f.cfg.BatchSize, maxSize: maxSize, claimInFlow: !f.store.listens() && !f.store.watchesFile()}
 }
 
 // pipelineOf returns dest's pipeline, or nil when dest publishes one batch
@@ -82,6 +93,7 @@ func pipelineOf(dest Destination) Pipeline {
 // swept is what one sweep of Run did.
 type swept struct {
 	claimed    *batch // nil: nothing claimed, or the claim failed
+	size       int    // the rows the claim asked for
 	failed     bool   // the claim, a record or a mark failed
 	stopping   bool   // ctx had ended: nothing was claimed, everything settled
 	progressed bool   // a batch was settled or published
@@ -113,13 +125,13 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// The batches are not cut short by ctx or Close: a stopping relay
 	// finishes what it claimed, bounded by the publish timeout.
 	work := context.WithoutCancel(ctx)
-	s := swept{stopping: ctx.Err() != nil}
+	s := swept{stopping: ctx.Err() != nil, size: l.size}
 	l.swept = time.Now()
 
 	f.sweepMu.Lock()
 	if !s.stopping && l.claimNow() && !l.nothingToClaim(work) {
 		var err error
-		if s.claimed, err = f.claimNext(work, l.after); err != nil {
+		if s.claimed, err = f.claimNext(work, l.after, s.size); err != nil {
 			f.reportError(err, ErrorContext{})
 			s.failed = true
 		}
@@ -161,7 +173,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// found nothing, and the poll after it need not claim again to learn
 	// that there is still nothing.
 	l.idle = s.claimed == nil && !s.failed && (!s.progressed || l.claimInFlow)
-	l.drained = !s.failed && !s.claimed.full(f.cfg.BatchSize)
+	l.drained = !s.failed && !s.full()
 	l.unblocked = s.unblocked
 	l.found = s.claimed != nil
 
@@ -170,10 +182,44 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// stuck at once, released with the claim) sends the next claim back
 	// to the head, which they are nearer than the cursor.
 	l.after = nil
-	if !s.failed && s.claimed.full(f.cfg.BatchSize) && !leftBehind(done) && !next.released() {
+	if !s.failed && s.full() && !leftBehind(done) && !next.released() {
 		l.after = s.claimed.last()
 	}
+	l.size = l.grow(s)
 	return s
+}
+
+// sizes are the sizes the loop's claims take: BatchSize, and each size a
+// drain grows them to.
+func (l *relayLoop) sizes() []int {
+	sizes := []int{l.f.cfg.BatchSize}
+	for n := l.f.cfg.BatchSize; n < l.maxSize; {
+		n = min(2*n, l.maxSize)
+		sizes = append(sizes, n)
+	}
+	return sizes
+}
+
+// full reports whether the sweep's claim took as many rows as it asked
+// for: more are probably waiting.
+func (s swept) full() bool { return s.claimed.full(s.size) }
+
+// grow is the size of the next claim. A drain's claims double while they
+// come back full of unkeyed records and the drain goes on from where they
+// ended, and stay at their size where twice as many bodies would pass
+// growBytes; anything else (a short claim, a keyed record, a failure,
+// records left behind) starts again at BatchSize. See
+// ForwarderConfig.MaxBatchSize for why, and for the figures.
+func (l *relayLoop) grow(s swept) int {
+	cfg := l.f.cfg
+	switch {
+	case l.after == nil || s.claimed.keyed():
+		return cfg.BatchSize
+	case 2*s.claimed.bodyBytes() > l.f.growBytes:
+		return s.size
+	default:
+		return min(2*s.size, l.maxSize)
+	}
 }
 
 // leftBehind reports whether a batch of bs released records (see released).
@@ -276,7 +322,7 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
-	case len(l.queue) > 0 || s.claimed.full(l.f.cfg.BatchSize) || s.unblocked:
+	case len(l.queue) > 0 || s.full() || s.unblocked:
 		if s.progressed {
 			l.delay = 0 // a batch went through: the failure is over
 		}

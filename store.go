@@ -289,17 +289,17 @@ func findIndex(ctx context.Context, q interface {
 // prepareRelay prepares the statements the relay runs for every batch, if
 // the dialect wants it (see sqldialect.Dialect.PreparesRelay): the claims,
 // from the head and after a cursor, naming the indexes the table has (see
-// claimIndexes), and the mark of a full batch. Run calls it when it
+// claimIndexes), and the mark of a full batch of each size a claim takes. Run calls it when it
 // starts, while the relay holds no connection, since preparing takes one
 // from the pool for a moment; it holds no lock meanwhile, so a Sweep that
 // holds the pool's last connection goes on. A statement that could not be
 // prepared (a proxy that refuses to) runs unprepared, as do all of them
 // after one fails (see queryTx); the error says which.
-func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
+func (s *Store) prepareRelay(ctx context.Context, batchSizes []int) error {
 	if !s.dialect.sql().PreparesRelay() {
 		return nil
 	}
-	queries := s.q.RelayStatements("", "", batchSize)
+	queries := s.q.RelayStatements("", "", batchSizes)
 	if _, ok := s.q.PendingIndex(); ok {
 		index, keyIndex, err := s.findIndexes(ctx, s.db)
 		if err != nil {
@@ -310,7 +310,7 @@ func (s *Store) prepareRelay(ctx context.Context, batchSize int) error {
 			s.index, s.keyIndex, s.indexChecked = index, keyIndex, time.Now()
 		}
 		if s.index != "" || s.keyIndex != "" {
-			queries = append(queries, s.q.RelayStatements(s.index, s.keyIndex, batchSize)[:2]...)
+			queries = append(queries, s.q.RelayStatements(s.index, s.keyIndex, nil)...)
 		}
 		s.claimMu.Unlock()
 	}

@@ -487,13 +487,17 @@ func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 		placeholders(len(ids))+")", stringArgs(args, ids)...)
 }
 
-// RelayStatements are the statements a relay runs for every batch of
-// batchSize, as the claims on index and keyIndex name them: what it
-// prepares.
-func (o *Outbox) RelayStatements(index, keyIndex string, batchSize int) []string {
+// RelayStatements are the statements a relay runs for every batch, as the
+// claims on index and keyIndex name them, and the marks of full batches of
+// batchSizes: what it prepares.
+func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []string {
 	head := ClaimParams{Index: index, KeyIndex: keyIndex}
 	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{}}
-	return []string{o.Claim(head).SQL, o.Claim(after).SQL, o.MarkPublished(time.Time{}, make([]string, batchSize)).SQL}
+	stmts := []string{o.Claim(head).SQL, o.Claim(after).SQL}
+	for _, n := range batchSizes {
+		stmts = append(stmts, o.MarkPublished(time.Time{}, make([]string, n)).SQL)
+	}
+	return stmts
 }
 
 // MarkFailed records a failed publish of the row id: its attempts and why.

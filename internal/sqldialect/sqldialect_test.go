@@ -95,12 +95,12 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := o.RelayStatements("acemq_outbox_pending", "acemq_outbox_pending_key", 100)
+	got := o.RelayStatements("acemq_outbox_pending", "acemq_outbox_pending_key", []int{100, 200})
 	now := time.Now()
 	p := ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"}
 	after := p
 	after.After = &Cursor{CreatedAt: now, ID: "x"}
-	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.MarkPublished(now, make([]string, 100)).SQL}
+	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.MarkPublished(now, make([]string, 100)).SQL, o.MarkPublished(now, make([]string, 200)).SQL}
 	if len(got) != len(want) {
 		t.Fatalf("%d statements, want %d", len(got), len(want))
 	}

@@ -1,0 +1,222 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// batchLog is a destination that publishes nothing and confirms every
+// record, keeping the size of each batch and the records in the order they
+// came. With capacity > 0 it is a Pipeliner whose pipeline takes that many
+// records in flight; without, Run hands it one claim at a time.
+type batchLog struct {
+	capacity int
+
+	mu      sync.Mutex
+	sizes   []int
+	records []outbox.Record
+}
+
+func (d *batchLog) Publish(_ context.Context, records []outbox.Record) []error {
+	d.log(records)
+	return make([]error, len(records))
+}
+
+func (d *batchLog) log(records []outbox.Record) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.sizes = append(d.sizes, len(records))
+	d.records = append(d.records, records...)
+}
+
+func (d *batchLog) Pipeline() outbox.Pipeline {
+	if d.capacity == 0 {
+		return nil
+	}
+	return logPipe{d}
+}
+
+// logPipe is a batchLog's pipeline: a batch is logged when it is sent, and
+// confirmed when it is waited for.
+type logPipe struct{ d *batchLog }
+
+type logSent []outbox.Record
+
+func (s logSent) Records() []outbox.Record { return s }
+
+func (p logPipe) Destination() outbox.Destination { return p.d }
+func (p logPipe) Capacity() int                   { return p.d.capacity }
+func (p logPipe) Send(_ context.Context, records []outbox.Record) outbox.Sent {
+	p.d.log(records)
+	return logSent(records)
+}
+func (p logPipe) Wait(_ context.Context, s outbox.Sent) []error {
+	return make([]error, len(s.Records()))
+}
+
+// got returns the batch sizes so far, and how many times each id came.
+func (d *batchLog) got() (sizes []int, ids map[string]int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	ids = make(map[string]int, len(d.records))
+	for _, r := range d.records {
+		ids[r.ID]++
+	}
+	return slices.Clone(d.sizes), ids
+}
+
+// runBatchLog runs a Forwarder over db into a batchLog until the test ends.
+func runBatchLog(t *testing.T, db *testdb.DB, d outbox.Dialect, cfg outbox.ForwarderConfig, capacity, growBytes int) *batchLog {
+	t.Helper()
+	dest := &batchLog{capacity: capacity}
+	cfg.Dialect = d
+	f, err := outbox.NewForwarder(db.DB, dest, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if growBytes > 0 {
+		outbox.SetGrowBytes(f, growBytes)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+		_ = f.Close()
+	})
+	return dest
+}
+
+// waitDelivered waits until dest got n distinct records, and fails the test
+// if one came twice.
+func waitDelivered(t *testing.T, dest *batchLog, n int) []int {
+	t.Helper()
+	var sizes []int
+	waitFor(t, 60*time.Second, fmt.Sprintf("%d records", n), func() bool {
+		var ids map[string]int
+		sizes, ids = dest.got()
+		return len(ids) >= n
+	})
+	_, ids := dest.got()
+	for id, c := range ids {
+		if c > 1 {
+			t.Errorf("record %s published %d times", id, c)
+		}
+	}
+	return sizes
+}
+
+// A drain's claims start at BatchSize and double while they come back full
+// of unkeyed records, up to MaxBatchSize and no further than the pipeline
+// holds three of them; the next drain starts again at BatchSize. Batches
+// that go one at a time through Publish stay at BatchSize.
+func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		for _, c := range []struct {
+			name         string
+			capacity     int
+			first, again []int
+		}{
+			{"pipelined", 3000, []int{50, 100, 200, 400, 400, 350}, []int{50, 100, 200, 150}},
+			{"pipeline of 600", 600, []int{50, 100, 200, 200, 200, 200, 200, 200, 150}, []int{50, 100, 200, 150}},
+			{"one batch at a time", 0, slices.Repeat([]int{50}, 30), slices.Repeat([]int{50}, 10)},
+		} {
+			t.Run(c.name, func(t *testing.T) {
+				publishBatch(t, db, "amq.topic", "grow", 1500)
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, c.capacity, 0)
+				sizes := waitDelivered(t, dest, 1500)
+				if !slices.Equal(sizes, c.first) {
+					t.Errorf("first drain: batches %v, want %v", sizes, c.first)
+				}
+				publishBatch(t, db, "amq.topic", "grow", 500)
+				if sizes = waitDelivered(t, dest, 2000)[len(sizes):]; !slices.Equal(sizes, c.again) {
+					t.Errorf("second drain: batches %v, want %v (from BatchSize again)", sizes, c.again)
+				}
+			})
+		}
+	})
+}
+
+// A claim holding keyed records does not grow: a key has one record in
+// flight, and a larger claim would only search further for keys that are
+// not. Each key still arrives in order.
+func TestForwarder_Run_KeyedDrain_ClaimsStayAtBatchSize(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		start := time.Now().Add(-time.Hour)
+		var rows []keyedRow
+		for seq := int64(1); seq <= 3; seq++ {
+			for k := 0; k < 200; k++ {
+				key := fmt.Sprintf("order-%03d", k)
+				rows = append(rows, keyedRow{id: keyedID(key, seq), exchange: "amq.topic", routingKey: "keyed", aggregate: key, seq: seq, createdAt: start.Add(time.Duration(len(rows)) * time.Millisecond)})
+			}
+		}
+		insertKeyed(t, db, rows)
+		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, 3000, 0)
+		sizes := waitDelivered(t, dest, len(rows))
+		if slices.Max(sizes) > 50 {
+			t.Errorf("batches %v: a keyed claim grew past BatchSize 50", sizes)
+		}
+		dest.mu.Lock()
+		defer dest.mu.Unlock()
+		last := map[string]int64{}
+		for _, r := range dest.records {
+			if r.Seq != last[r.AggregateID]+1 {
+				t.Fatalf("%s seq %d came after seq %d", r.AggregateID, r.Seq, last[r.AggregateID])
+			}
+			last[r.AggregateID] = r.Seq
+		}
+	})
+}
+
+// A drain's claims stop growing before their bodies would pass growBytes,
+// so a drain of large messages holds no more memory than that, or than
+// BatchSize of them.
+func TestForwarder_Run_ClaimOfLargeBodies_GrowsNoFurther(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		body := []byte(strings.Repeat("x", 1024))
+		for _, c := range []struct {
+			limit int
+			want  []int
+		}{
+			{40 * 1024, []int{20, 40, 40}},           // 40 bodies fit; 80 would not
+			{40*1024 - 1, []int{20, 20, 20, 20, 20}}, // 40 would not
+		} {
+			t.Run(fmt.Sprint(c.limit), func(t *testing.T) {
+				msgs := make([]*message.Message, 100)
+				for j := range msgs {
+					msgs[j] = message.NewMessage(watermill.NewUUID(), body)
+				}
+				publishInTx(t, db, "large", msgs, outbox.TxPublisherConfig{Exchange: "amq.topic"})
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 20, MaxBatchSize: 400}, 3000, c.limit)
+				if sizes := waitDelivered(t, dest, len(msgs)); !slices.Equal(sizes, c.want) {
+					t.Errorf("bodies of 1 KiB, growth up to %d bytes: batches %v, want %v", c.limit, sizes, c.want)
+				}
+			})
+		}
+	})
+}
+
+// MaxBatchSize below BatchSize, or above 1000, is refused.
+func TestNewForwarder_MaxBatchSizeOutOfRange_Refused(t *testing.T) {
+	for _, cfg := range []outbox.ForwarderConfig{{BatchSize: 200, MaxBatchSize: 100}, {MaxBatchSize: 1001}} {
+		cfg.Dialect = outbox.SQLite
+		_, err := outbox.NewForwarder(testdb.New(t, testdb.SQLite).DB, &batchLog{}, cfg)
+		if err == nil || !strings.Contains(err.Error(), "MaxBatchSize") {
+			t.Errorf("BatchSize %d, MaxBatchSize %d: %v, want a MaxBatchSize error", cfg.BatchSize, cfg.MaxBatchSize, err)
+		}
+	}
+}
