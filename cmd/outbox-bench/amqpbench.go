@@ -25,6 +25,7 @@ var (
 	// 0 keeps the library's defaults, so that the numbers are those a user
 	// gets without tuning.
 	relayBatch  = flag.Int("batch", 0, "relay, latency: ForwarderConfig.BatchSize (0 = the library's default)")
+	relayMax    = flag.Int("max-batch", 0, "relay, latency: ForwarderConfig.MaxBatchSize, what a drain's claims grow to (0 = the library's default; -batch's value keeps every claim at -batch)")
 	relayWindow = flag.Int("window", 0, "relay, latency: AMQPConfig.Window (0 = the library's default)")
 )
 

@@ -194,6 +194,7 @@ func latencyRun(ctx context.Context, cfg config, q *benchQueue, rec *latencyReco
 		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
 			Dialect:       d,
 			BatchSize:     *relayBatch,
+			MaxBatchSize:  *relayMax,
 			DisableListen: !v.listen,
 			OnError:       relayErr.add,
 		})

@@ -80,6 +80,9 @@ func startRelayProcess(ctx context.Context, dsn string) (*relayProcess, error) {
 	if *relayBatch > 0 {
 		args = append(args, "--batch-size", strconv.Itoa(*relayBatch))
 	}
+	if *relayMax > 0 {
+		args = append(args, "--max-batch-size", strconv.Itoa(*relayMax))
+	}
 	cmd := exec.Command(self, args...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {

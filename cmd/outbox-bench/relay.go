@@ -163,8 +163,8 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 		}
 	}()
 	payload := benchPayload(relayPayloadSize)
-	note("relay: queue %s, %d messages of %d bytes per run; batch %s, window %s, raw in flight %d",
-		q.name, n, len(payload), orDefault(*relayBatch), orDefault(*relayWindow), *rawInflight)
+	note("relay: queue %s, %d messages of %d bytes per run; batch %s, max batch %s, window %s, raw in flight %d",
+		q.name, n, len(payload), orDefault(*relayBatch), orDefault(*relayMax), orDefault(*relayWindow), *rawInflight)
 
 	rawRun := func(keyed bool) (float64, error) {
 		name := "raw_amqp_pipelined"
@@ -388,8 +388,9 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 				dest = t.inner
 			}
 			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
-				Dialect:   d,
-				BatchSize: *relayBatch,
+				Dialect:      d,
+				BatchSize:    *relayBatch,
+				MaxBatchSize: *relayMax,
 				// Run's drain is seen to end by its published counter, not
 				// by querying the database it measures (one Stats for the
 				// gauges as Run starts, none after).
@@ -858,7 +859,7 @@ func rawBesideRelayDB(ctx context.Context, cfg config, q *benchQueue, n int, pay
 		if err := relayFill(ctx, db, q.name, 2*n, payload, false); err != nil {
 			return err
 		}
-		f, err := outbox.NewForwarder(db.DB, &pacedDest{rate: rate}, outbox.ForwarderConfig{Dialect: d, BatchSize: *relayBatch, StatsInterval: time.Hour})
+		f, err := outbox.NewForwarder(db.DB, &pacedDest{rate: rate}, outbox.ForwarderConfig{Dialect: d, BatchSize: *relayBatch, MaxBatchSize: *relayMax, StatsInterval: time.Hour})
 		if err != nil {
 			return err
 		}

@@ -408,6 +408,7 @@ func TestCommandLine_Mistakes_AreUsageErrors(t *testing.T) {
 		{[]string{"status", "--db", "x.db", "--max-attempts", "0"}, nil, "--max-attempts: 0"},
 		{[]string{"relay", "--db", "x.db"}, nil, "no broker: pass --amqp or set OUTBOX_AMQP_URL"},
 		{[]string{"relay", "--db", "x.db", "--amqp", "amqp://x/", "--batch-size", "5000"}, nil, "--batch-size: 5000; want 1 to 1000"},
+		{[]string{"relay", "--db", "x.db", "--amqp", "amqp://x/", "--batch-size", "200", "--max-batch-size", "100"}, nil, "--max-batch-size: 100; want --batch-size (200) to 1000"},
 		{[]string{"relay", "--amqp", "amqp://x/"}, map[string]string{"OUTBOX_DB": "x.db"}, "the sqlite database x.db does not exist"},
 	} {
 		r := ctl(t, tc.env, tc.args...)

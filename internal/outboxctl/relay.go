@@ -47,12 +47,13 @@ func nodeFailures(err error) string {
 
 func (c *cli) relay(args []string) error {
 	fs := c.flagSet("relay")
-	batch := fs.Int("batch-size", 100, "rows one claim takes, 1 to 1000")
+	batch := fs.Int("batch-size", 100, "rows one claim takes in a flow, and the first claim of a drain; 1 to 1000")
+	maxBatch := fs.Int("max-batch-size", 1000, "rows a drain's claims grow to, doubling while they come back full of unkeyed rows; --batch-size to 1000 (--batch-size keeps every claim at it)")
 	poll := fs.Duration("poll-interval", 250*time.Millisecond, "the longest the relay waits for new rows when nothing woke it (PostgreSQL's NOTIFY and SQLite's file watch wake it at commit; on MySQL the poll tightens to 1 ms while rows flow); an idle relay sends one statement per poll")
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
 	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
 	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
-	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--poll-interval D] [--listen ADDR]")
+	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--max-batch-size N] [--poll-interval D] [--listen ADDR]")
 	if err != nil {
 		return err
 	}
@@ -62,6 +63,8 @@ func (c *cli) relay(args []string) error {
 	switch {
 	case *batch < 1 || *batch > 1000:
 		return usagef("--batch-size: %d; want 1 to 1000", *batch)
+	case *maxBatch < *batch || *maxBatch > 1000:
+		return usagef("--max-batch-size: %d; want --batch-size (%d) to 1000", *maxBatch, *batch)
 	case *poll <= 0:
 		return usagef("--poll-interval: %s; want more than 0", *poll)
 	case *stats <= 0:
@@ -128,6 +131,7 @@ func (c *cli) relay(args []string) error {
 		Dialect:       d.dialect,
 		Table:         c.g.table,
 		BatchSize:     *batch,
+		MaxBatchSize:  *maxBatch,
 		MaxAttempts:   c.g.maxAttempts,
 		PollInterval:  *poll,
 		RelayID:       *relayID,

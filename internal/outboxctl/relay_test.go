@@ -166,7 +166,7 @@ func TestRelay_SIGTERMMidStream_ExitsZeroUnlockedAndLosesNothing(t *testing.T) {
 		published := func() int { return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL") }
 
 		// Small batches, so that SIGTERM lands while rows are still pending.
-		relay := startRelay(t, relayDSN(db, appName), "--batch-size", "5")
+		relay := startRelay(t, relayDSN(db, appName), "--batch-size", "5", "--max-batch-size", "5")
 		eventually(t, 30*time.Second, "the relay to publish", func() bool { return published() >= 50 })
 		if code, body := relay.get("/healthz"); code != http.StatusOK {
 			t.Errorf("/healthz while running: %d %q, want 200", code, body)
@@ -253,8 +253,8 @@ func TestRelay_TwoReplicas_PublishEachRowExactlyOnce(t *testing.T) {
 		queue := broker.Queue()
 
 		// Both running before the rows commit, so that both compete for them.
-		a := startRelay(t, db.DSN, "--batch-size", "20")
-		b := startRelay(t, db.DSN, "--batch-size", "20")
+		a := startRelay(t, db.DSN, "--batch-size", "20", "--max-batch-size", "20")
+		b := startRelay(t, db.DSN, "--batch-size", "20", "--max-batch-size", "20")
 		ids := publish(t, db, rows, queue)
 		eventually(t, 40*time.Second, "the relays to publish every row", func() bool {
 			return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
