@@ -33,21 +33,25 @@ type ForwarderConfig struct {
 	// failed, the next claims twice as many, up to MaxBatchSize; any
 	// other claim sends the next back to BatchSize. Default 1000, at least
 	// BatchSize; MaxBatchSize = BatchSize keeps every claim at BatchSize.
-	// Claims grow only where batches are pipelined (a Pipeliner such as
-	// AMQPDestination without a Window), and no further than the
-	// pipeline's Capacity holds the batches in flight.
+	// Claims grow only where the destination pipelines (a Pipeliner such
+	// as AMQPDestination without a Window), and no further than its
+	// Capacity holds the batches in flight.
 	//   - Why: a batch costs the relay its statements and a commit whatever
 	//     its size, so larger batches drain a backlog faster. On two cores
-	//     shared with the broker, going from 100 to 1000 took a PostgreSQL
-	//     drain from 0.74–0.77 of the broker's raw rate to 0.88–1.0
-	//     (outbox-bench -scenario relay, see the README).
-	//   - A claim holding keyed records does not grow: a key has one record
-	//     in flight, so a larger claim only searches further for keys that
-	//     are not (MariaDB: 0.53–0.59 of the unkeyed drain at claims of
-	//     300–1000, 0.92–1.03 at 100).
-	//   - A drain stops growing before a claim's bodies would pass 16 MiB,
-	//     so its memory stays at what BatchSize rows take, or 16 MiB a
-	//     batch.
+	//     shared with the broker an unkeyed drain went from 0.58–0.88 of
+	//     the broker's raw rate to 0.93–1.10 (outbox-bench -scenario relay,
+	//     see the README).
+	//   - After a claim holding keyed records the next is BatchSize again: a
+	//     key has one record in flight, so a larger claim only searches
+	//     further for keys that are not (MariaDB: 0.53–0.59 of the unkeyed
+	//     drain at claims of 300–1000, 0.92–1.03 at 100).
+	//   - A claim takes no more rows than 16 MiB holds at the mean body
+	//     size of the claim before it (and never fewer than BatchSize), so
+	//     a drain that meets larger bodies shrinks its claims again.
+	//   - A claim stays at its size while batches stay in flight (from
+	//     their send to their confirms) over an eighth of PublishTimeout,
+	//     and halves over a quarter: a slow broker or link gets smaller
+	//     batches rather than timeouts.
 	//
 	// Sweep claims BatchSize.
 	MaxBatchSize int
@@ -161,8 +165,8 @@ func (c *ForwarderConfig) setDefaults() {
 	}
 }
 
-// growBytes bounds a drain's growth: no claim grows to bodies of more than
-// this (see MaxBatchSize). Forwarder.growBytes holds it, for tests.
+// growBytes bounds a drain's claims: no more rows than this holds at the
+// mean body size of the claim before (see MaxBatchSize). Forwarder.growBytes holds it, for tests.
 const growBytes = 16 << 20
 
 func (c ForwarderConfig) validate() error {
@@ -495,6 +499,7 @@ type batch struct {
 	attempts map[string]int // attempts before this batch, by id
 	pending  Sent           // sent, confirms not yet collected (pipelined)
 	deadline time.Time      // for the confirms of pending
+	inFlight time.Duration  // from its Send to its confirms collected
 	results  []error        // one per record once known
 }
 

@@ -22,6 +22,7 @@ import (
 // records in flight; without, Run hands it one claim at a time.
 type batchLog struct {
 	capacity int
+	wait     time.Duration // each Wait of the pipeline takes this long
 
 	mu      sync.Mutex
 	sizes   []int
@@ -62,6 +63,7 @@ func (p logPipe) Send(_ context.Context, records []outbox.Record) outbox.Sent {
 	return logSent(records)
 }
 func (p logPipe) Wait(_ context.Context, s outbox.Sent) []error {
+	time.Sleep(p.d.wait)
 	return make([]error, len(s.Records()))
 }
 
@@ -77,9 +79,8 @@ func (d *batchLog) got() (sizes []int, ids map[string]int) {
 }
 
 // runBatchLog runs a Forwarder over db into a batchLog until the test ends.
-func runBatchLog(t *testing.T, db *testdb.DB, d outbox.Dialect, cfg outbox.ForwarderConfig, capacity, growBytes int) *batchLog {
+func runBatchLog(t *testing.T, db *testdb.DB, d outbox.Dialect, cfg outbox.ForwarderConfig, dest *batchLog, growBytes int) *batchLog {
 	t.Helper()
-	dest := &batchLog{capacity: capacity}
 	cfg.Dialect = d
 	f, err := outbox.NewForwarder(db.DB, dest, cfg)
 	if err != nil {
@@ -120,9 +121,11 @@ func waitDelivered(t *testing.T, dest *batchLog, n int) []int {
 	return sizes
 }
 
-// A drain's claims start at BatchSize and double while they come back full
-// of unkeyed records, up to MaxBatchSize and no further than the pipeline
-// holds three of them; the next drain starts again at BatchSize. Batches
+// A drain's claims start at BatchSize and, once the first batch is
+// confirmed (the fourth claim: three are in flight before), double while
+// they come back full of unkeyed records, up to MaxBatchSize and no further
+// than the pipeline holds three of them; the next drain starts again at
+// BatchSize. Batches
 // that go one at a time through Publish stay at BatchSize.
 func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
@@ -131,13 +134,13 @@ func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) 
 			capacity     int
 			first, again []int
 		}{
-			{"pipelined", 3000, []int{50, 100, 200, 400, 400, 350}, []int{50, 100, 200, 150}},
-			{"pipeline of 600", 600, []int{50, 100, 200, 200, 200, 200, 200, 200, 150}, []int{50, 100, 200, 150}},
+			{"pipelined", 3000, []int{50, 50, 50, 50, 100, 200, 400, 400, 200}, []int{50, 50, 50, 50, 100, 200}},
+			{"pipeline of 600", 600, []int{50, 50, 50, 50, 100, 200, 200, 200, 200, 200, 200}, []int{50, 50, 50, 50, 100, 200}},
 			{"one batch at a time", 0, slices.Repeat([]int{50}, 30), slices.Repeat([]int{50}, 10)},
 		} {
 			t.Run(c.name, func(t *testing.T) {
 				publishBatch(t, db, "amq.topic", "grow", 1500)
-				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, c.capacity, 0)
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: c.capacity}, 0)
 				sizes := waitDelivered(t, dest, 1500)
 				if !slices.Equal(sizes, c.first) {
 					t.Errorf("first drain: batches %v, want %v", sizes, c.first)
@@ -165,7 +168,7 @@ func TestForwarder_Run_KeyedDrain_ClaimsStayAtBatchSize(t *testing.T) {
 			}
 		}
 		insertKeyed(t, db, rows)
-		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, 3000, 0)
+		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: 3000}, 0)
 		sizes := waitDelivered(t, dest, len(rows))
 		if slices.Max(sizes) > 50 {
 			t.Errorf("batches %v: a keyed claim grew past BatchSize 50", sizes)
@@ -182,30 +185,52 @@ func TestForwarder_Run_KeyedDrain_ClaimsStayAtBatchSize(t *testing.T) {
 	})
 }
 
-// A drain's claims stop growing before their bodies would pass growBytes,
-// so a drain of large messages holds no more memory than that, or than
-// BatchSize of them.
-func TestForwarder_Run_ClaimOfLargeBodies_GrowsNoFurther(t *testing.T) {
+// A drain's claims take no more rows than growBytes holds at the mean body
+// of the claim before: they grow to it, and shrink to it when the bodies
+// grow larger.
+func TestForwarder_Run_ClaimsFitGrowBytes(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
-		body := []byte(strings.Repeat("x", 1024))
+		commit := func(n, size int) {
+			msgs := make([]*message.Message, n)
+			for j := range msgs {
+				msgs[j] = message.NewMessage(watermill.NewUUID(), []byte(strings.Repeat("x", size)))
+			}
+			publishInTx(t, db, "large", msgs, outbox.TxPublisherConfig{Exchange: "amq.topic"})
+		}
 		for _, c := range []struct {
-			limit int
-			want  []int
+			name   string
+			batch  int
+			limit  int
+			commit func()
+			n      int
+			want   []int
 		}{
-			{40 * 1024, []int{20, 40, 40}},           // 40 bodies fit; 80 would not
-			{40*1024 - 1, []int{20, 20, 20, 20, 20}}, // 40 would not
+			{"40 bodies fit", 20, 40 * 1024, func() { commit(300, 1024) }, 300, []int{20, 20, 20, 20, 40, 40, 40, 40, 40, 20}},
+			{"30 bodies fit", 20, 30 * 1024, func() { commit(300, 1024) }, 300, []int{20, 20, 20, 20, 30, 30, 30, 30, 30, 30, 30, 10}},
+			// 64 of 1 KiB fit; the claim of 64 is all of 8 KiB, so the
+			// next takes BatchSize, 8 of 8 KiB being all that fit.
+			{"bodies grow", 10, 64 * 1024, func() { commit(100, 1024); commit(100, 8192) }, 200, []int{10, 10, 10, 10, 20, 40, 64, 10, 10, 10, 6}},
 		} {
-			t.Run(fmt.Sprint(c.limit), func(t *testing.T) {
-				msgs := make([]*message.Message, 100)
-				for j := range msgs {
-					msgs[j] = message.NewMessage(watermill.NewUUID(), body)
-				}
-				publishInTx(t, db, "large", msgs, outbox.TxPublisherConfig{Exchange: "amq.topic"})
-				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 20, MaxBatchSize: 400}, 3000, c.limit)
-				if sizes := waitDelivered(t, dest, len(msgs)); !slices.Equal(sizes, c.want) {
-					t.Errorf("bodies of 1 KiB, growth up to %d bytes: batches %v, want %v", c.limit, sizes, c.want)
+			t.Run(c.name, func(t *testing.T) {
+				c.commit()
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: c.batch, MaxBatchSize: 400}, &batchLog{capacity: 3000}, c.limit)
+				if sizes := waitDelivered(t, dest, c.n); !slices.Equal(sizes, c.want) {
+					t.Errorf("batches %v, want %v", sizes, c.want)
 				}
 			})
+		}
+	})
+}
+
+// Batches that stay in flight over a quarter of PublishTimeout halve the
+// claims (to BatchSize at least): a slow broker gets smaller batches, not
+// timeouts.
+func TestForwarder_Run_SlowConfirms_ClaimsDoNotGrow(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		publishBatch(t, db, "amq.topic", "slow", 150)
+		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 25, MaxBatchSize: 400, PublishTimeout: 2 * time.Second}, &batchLog{capacity: 3000, wait: 600 * time.Millisecond}, 0)
+		if sizes := waitDelivered(t, dest, 150); !slices.Equal(sizes, slices.Repeat([]int{25}, 6)) {
+			t.Errorf("confirms of 0.6 s under a PublishTimeout of 2 s: batches %v, want 6 of 25", sizes)
 		}
 	})
 }

@@ -185,7 +185,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if !s.failed && s.full() && !leftBehind(done) && !next.released() {
 		l.after = s.claimed.last()
 	}
-	l.size = l.grow(s)
+	l.size = l.grow(s, done)
 	return s
 }
 
@@ -206,20 +206,34 @@ func (s swept) full() bool { return s.claimed.full(s.size) }
 
 // grow is the size of the next claim. A drain's claims double while they
 // come back full of unkeyed records and the drain goes on from where they
-// ended, and stay at their size where twice as many bodies would pass
-// growBytes; anything else (a short claim, a keyed record, a failure,
-// records left behind) starts again at BatchSize. See
+// ended and a batch was confirmed (done), up to maxSize and to the rows
+// growBytes holds at the claim's mean body; they stay at their size while
+// the batches settled were in flight over an eighth of PublishTimeout, and
+// halve over a quarter. Anything else (a short claim, a keyed record, a
+// failure, records left behind) starts again at BatchSize. See
 // ForwarderConfig.MaxBatchSize for why, and for the figures.
-func (l *relayLoop) grow(s swept) int {
+func (l *relayLoop) grow(s swept, done []*batch) int {
 	cfg := l.f.cfg
-	switch {
-	case l.after == nil || s.claimed.keyed():
+	if l.after == nil || s.claimed.keyed() {
 		return cfg.BatchSize
-	case 2*s.claimed.bodyBytes() > l.f.growBytes:
-		return s.size
-	default:
-		return min(2*s.size, l.maxSize)
 	}
+	var slowest time.Duration
+	for _, b := range done {
+		slowest = max(slowest, b.inFlight)
+	}
+	next := min(2*s.size, l.maxSize)
+	switch {
+	case slowest > cfg.PublishTimeout/4:
+		next = s.size / 2
+	case slowest > cfg.PublishTimeout/8 || len(done) == 0:
+		// No batch confirmed since the last claim: nothing yet says
+		// how fast the broker takes them.
+		next = s.size
+	}
+	if bytes := s.claimed.bodyBytes(); bytes > 0 {
+		next = min(next, int(int64(l.f.growBytes)*int64(len(s.claimed.records))/int64(bytes)))
+	}
+	return max(next, cfg.BatchSize)
 }
 
 // leftBehind reports whether a batch of bs released records (see released).
@@ -278,6 +292,7 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 	defer cancel()
 	b.results = l.pipe.Wait(waitCtx, b.pending)
 	b.pending = nil
+	b.inFlight = time.Since(b.deadline.Add(-l.f.cfg.PublishTimeout))
 }
 
 // settle collects the confirms of the batches in done, if they are still

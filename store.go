@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -430,19 +432,14 @@ func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID stri
 // whose created_at could not be read (the zero time) goes first: it fails
 // alone, and holds nothing back.
 func sortClaimed(rows []sqldialect.ClaimedRow) {
-	// Insertion sort: a batch is small and usually sorted already.
-	for i := 1; i < len(rows); i++ {
-		for j := i; j > 0 && claimedLess(rows[j], rows[j-1]); j-- {
-			rows[j], rows[j-1] = rows[j-1], rows[j]
+	// Not an insertion sort: a drain's claims grow to 1000 rows, which
+	// SQLite's UPDATE … RETURNING gives in no particular order.
+	slices.SortFunc(rows, func(a, b sqldialect.ClaimedRow) int {
+		if c := a.CreatedAt.Compare(b.CreatedAt); c != 0 {
+			return c
 		}
-	}
-}
-
-func claimedLess(a, b sqldialect.ClaimedRow) bool {
-	if !a.CreatedAt.Equal(b.CreatedAt) {
-		return a.CreatedAt.Before(b.CreatedAt)
-	}
-	return a.ID < b.ID
+		return strings.Compare(a.ID, b.ID)
+	})
 }
 
 // finish marks the published rows (one statement), records the failures,
