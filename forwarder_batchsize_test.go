@@ -228,9 +228,9 @@ func TestForwarder_Run_ClaimsFitGrowBytes(t *testing.T) {
 func TestForwarder_Run_SlowConfirms_ClaimsDoNotGrow(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		publishBatch(t, db, "amq.topic", "slow", 150)
-		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 25, MaxBatchSize: 400, PublishTimeout: 2 * time.Second}, &batchLog{capacity: 3000, wait: 600 * time.Millisecond}, 0)
+		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 25, MaxBatchSize: 400, PublishTimeout: 1200 * time.Millisecond}, &batchLog{capacity: 3000, wait: 350 * time.Millisecond}, 0)
 		if sizes := waitDelivered(t, dest, 150); !slices.Equal(sizes, slices.Repeat([]int{25}, 6)) {
-			t.Errorf("confirms of 0.6 s under a PublishTimeout of 2 s: batches %v, want 6 of 25", sizes)
+			t.Errorf("confirms of 0.35 s under a PublishTimeout of 1.2 s: batches %v, want 6 of 25", sizes)
 		}
 	})
 }

@@ -89,10 +89,13 @@ func brokerClosedMidStream(t *testing.T, window int) {
 		// Window 1 keeps a message in flight nearly all the time, and the
 		// default window keeps a whole batch in flight while the one before
 		// is marked, so the close lands mid-batch.
+		// Claims stay at 10: grown to 1,000 they drain the rows before
+		// rabbitmqctl has started, and the test has to add rows and try
+		// again (a grown batch lost mid-flight is released the same way).
 		connects := &countingLogger{LoggerAdapter: watermill.NopLogger{}, match: "Connected to RabbitMQ"}
 		name := "outbox-test-relay-" + testdb.RandomName()
 		f := newForwarder(t, db, outbox.ForwarderConfig{
-			BatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond,
+			BatchSize: 10, MaxBatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond,
 		}, outbox.AMQPConfig{Window: window, Logger: connects, ConnectionName: name})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)

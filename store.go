@@ -291,12 +291,14 @@ func findIndex(ctx context.Context, q interface {
 // prepareRelay prepares the statements the relay runs for every batch, if
 // the dialect wants it (see sqldialect.Dialect.PreparesRelay): the claims,
 // from the head and after a cursor, naming the indexes the table has (see
-// claimIndexes), and the mark of a full batch of each size a claim takes. Run calls it when it
-// starts, while the relay holds no connection, since preparing takes one
-// from the pool for a moment; it holds no lock meanwhile, so a Sweep that
-// holds the pool's last connection goes on. A statement that could not be
-// prepared (a proxy that refuses to) runs unprepared, as do all of them
-// after one fails (see queryTx); the error says which.
+// claimIndexes), and the mark of a full batch of each size on a drain's
+// doubling from BatchSize to MaxBatchSize (a claim cut short to fit
+// growBytes marks unprepared). Run calls it when it starts, while the
+// relay holds no connection, since preparing takes one from the pool for a
+// moment; it holds no lock meanwhile, so a Sweep that holds the pool's
+// last connection goes on. A statement that could not be prepared (a proxy
+// that refuses to) runs unprepared, as do all of them after one fails (see
+// queryTx); the error says which.
 func (s *Store) prepareRelay(ctx context.Context, batchSizes []int) error {
 	if !s.dialect.sql().PreparesRelay() {
 		return nil
