@@ -401,7 +401,13 @@ func (l *relayLoop) claimNow() bool {
 // the row to the poll (measured: about one commit in 400 from another
 // process). The claim is a write, which waits for the writer's lock and
 // reads the latest snapshot once it holds it, so it sees every commit that
-// wrote before the wake-up.
+// wrote before the wake-up. What it costs: a commit to another table of the
+// file wakes the relay to an empty claim, a write transaction, rather than
+// a probe. A service committing to another table as fast as it could (over
+// 20,000 a second) kept 0.61-0.62 of its rate without a relay, against
+// 0.75-0.81 with probes. Probing first and claiming only when no wake-up
+// followed within 2 ms measured between (0.64-0.73), and costs an isolated
+// commit a probe and a claim: not kept.
 func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 	if !l.idle || len(l.queue) > 0 || (l.woke && l.f.store.watchesFile()) {
 		return false
