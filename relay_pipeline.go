@@ -394,26 +394,28 @@ func (l *relayLoop) claimNow() bool {
 // SQLite takes the write lock the publishers need. A probe that fails says
 // nothing: the claim runs, and reports the error.
 //
-// On SQLite a wake-up claims without probing. The file watch reports the
-// commit's write to the log, and the commit becomes visible to readers
-// only when the writer then updates the log's index, after its fsync: a
-// probe in between read the snapshot before it, found nothing, and left
-// the row to the poll (measured: about one commit in 400 from another
-// process). The claim is a write, which waits for the writer's lock and
-// reads the latest snapshot once it holds it, so it sees every commit that
-// wrote before the wake-up. What it costs: a commit to another table of the
-// file wakes the relay to an empty claim, a write transaction, rather than
-// a probe. A service committing to another table as fast as it could (over
-// 20,000 a second) kept 0.61-0.62 of its rate without a relay, against
-// 0.75-0.81 with probes. Probing first and claiming only when no wake-up
-// followed within 2 ms measured between (0.64-0.73), and costs an isolated
-// commit a probe and a claim: not kept.
+// A wake-up probes after the writers of the moment (hasClaimableNow). On
+// SQLite the file watch reports a commit's write to the log, and the
+// commit becomes visible to readers only when the writer then updates the
+// log's index: a plain probe in between read the snapshot before it, found
+// nothing, and left the row to the poll (measured: about one commit in 400
+// from another pool). A probe that waited for the write lock as long as
+// busy_timeout and still found it held says nothing to claim: the holder
+// has not committed, and its commit writes the log and wakes the relay
+// again.
 func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
-	if !l.idle || len(l.queue) > 0 || (l.woke && l.f.store.watchesFile()) {
+	if !l.idle || len(l.queue) > 0 {
 		return false
 	}
-	found, err := l.f.store.hasClaimable(ctx)
-	return err == nil && !found
+	probe := l.f.store.hasClaimable
+	if l.woke {
+		probe = l.f.store.hasClaimableNow
+	}
+	found, err := probe(ctx)
+	if err != nil {
+		return l.woke && sqldialect.Busy(err)
+	}
+	return !found
 }
 
 // idleWait is how long the relay waits for a wake-up when a sweep left

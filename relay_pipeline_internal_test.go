@@ -3,8 +3,10 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"path/filepath"
 	"testing"
+	"time"
 
 	_ "github.com/go-sql-driver/mysql"
 	_ "github.com/jackc/pgx/v5/stdlib"
@@ -60,30 +62,69 @@ func TestClaimNow_BatchesOut_ClaimsOnAWakeUpOrInAFlowWithoutOne(t *testing.T) {
 	}
 }
 
-// An idle relay probes before it claims, except on SQLite when a wake-up
-// started the sweep: the file watch reports the commit's write before the
-// commit is visible, and the probe's snapshot missed it about once in 400
-// commits (TestForwarder_SQLite_CommitElsewhere_WakesRelayWithoutPoll).
-// The claim waits for the writer's lock instead.
-func TestNothingToClaim_SQLiteWokenClaimsWithoutProbing(t *testing.T) {
-	db, err := sql.Open("sqlite3", "file:"+filepath.Join(t.TempDir(), "outbox.db")+"?_journal_mode=WAL")
+// A wake-up's probe on SQLite waits for the writer of the moment: the file
+// watch reports a commit's write to the log before the commit is visible,
+// and a plain probe then missed it (about once in 400 commits,
+// TestForwarder_SQLite_CommitElsewhere_WakesRelayWithoutPoll). Here a
+// writer holds the lock with its row written and not yet committed, as at
+// that moment: the plain probe (a poll's) finds nothing; the woken one
+// waits for the commit and finds the row. A writer that holds the lock past
+// busy_timeout leaves nothing to claim for now, and no error: its commit
+// will wake the relay again. The pool's BEGIN is deferred here, the
+// driver's default, which the probe must not depend on.
+func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "outbox.db")
+	open := func(busyMs int) *sql.DB {
+		db, err := sql.Open("sqlite3", fmt.Sprintf("file:%s?_journal_mode=WAL&_busy_timeout=%d", path, busyMs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = db.Close() })
+		return db
+	}
+	relayDB, writer := open(300), open(300)
+	if err := Migrate(context.Background(), relayDB, SQLite); err != nil {
+		t.Fatal(err)
+	}
+	store, err := NewStore(relayDB, StoreConfig{Dialect: SQLite})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer db.Close()
-	if err := Migrate(context.Background(), db, SQLite); err != nil {
+	ctx := context.Background()
+	loop := func(woke bool) *relayLoop { return &relayLoop{f: &Forwarder{store: store}, idle: true, woke: woke} }
+	write := func(id string) *sql.Tx {
+		tx, err := writer.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body) VALUES (?, 'ex', 'rk', 'b')", id); err != nil {
+			t.Fatal(err)
+		}
+		return tx
+	}
+
+	tx := write("committed-while-probing")
+	if !loop(false).nothingToClaim(ctx) {
+		t.Fatal("a plain probe saw a row its writer has not committed")
+	}
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		_ = tx.Commit()
+	}()
+	if loop(true).nothingToClaim(ctx) {
+		t.Fatal("a woken probe found nothing: it read before the writer that woke it had committed")
+	}
+
+	if _, err := writer.Exec("UPDATE acemq_outbox SET published_at = CURRENT_TIMESTAMP"); err != nil {
 		t.Fatal(err)
 	}
-	store, err := NewStore(db, StoreConfig{Dialect: SQLite})
-	if err != nil {
-		t.Fatal(err)
+	tx = write("held-past-busy-timeout")
+	defer func() { _ = tx.Rollback() }()
+	start := time.Now()
+	if !loop(true).nothingToClaim(ctx) {
+		t.Fatal("a woken probe that could not get the lock within busy_timeout claims, and would fail on the same lock")
 	}
-	f := &Forwarder{store: store}
-	idle := func(woke bool) *relayLoop { return &relayLoop{f: f, idle: true, woke: woke} }
-	if !idle(false).nothingToClaim(context.Background()) {
-		t.Error("an idle poll of an empty outbox claimed: its probe should have found nothing")
-	}
-	if idle(true).nothingToClaim(context.Background()) {
-		t.Error("a woken idle sweep on SQLite probed: a commit whose log write woke it may not be visible to a probe yet")
+	if waited := time.Since(start); waited < 250*time.Millisecond {
+		t.Fatalf("the woken probe gave up after %s, want busy_timeout (300 ms)", waited)
 	}
 }

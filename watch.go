@@ -20,10 +20,10 @@ import (
 // process (outboxctl relay) so learns of a commit within a millisecond and
 // sends nothing to an idle database. The watch is on the directory, so the
 // log is seen again after SQLite deletes and recreates it. The write comes
-// before the commit is visible, so a woken relay claims rather than probes
-// (see nothingToClaim). Commits to other tables of the file wake the relay
-// too; each costs an empty claim, and wake-ups that come while the relay
-// works coalesce into one. Where the watch cannot
+// before the commit is visible, so a woken relay's probe waits for the
+// writer (see Store.hasClaimableNow). Commits to other tables of the file
+// wake the relay too; each costs such a probe, and wake-ups that come while
+// the relay works coalesce into one. Where the watch cannot
 // be set up (an in-memory database, a file system without notifications)
 // the relay says so once and polls.
 func (f *Forwarder) watch(ctx context.Context) {

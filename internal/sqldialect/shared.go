@@ -318,6 +318,17 @@ func (o *Outbox) BusyTimeout(ms int) (q Query, ok bool) {
 	return Query{SQL: setting + " = " + strconv.Itoa(ms)}, true
 }
 
+// WriteLock is a statement that takes the database's write lock for the
+// rest of its transaction and changes nothing, where writers wait in the
+// client (SQLite; see BusyTimeout): a read after it sees every commit
+// whose writer held the lock before. ok is false elsewhere.
+func (o *Outbox) WriteLock() (q Query, ok bool) {
+	if o.d.busyTimeout() == "" {
+		return Query{}, false
+	}
+	return Query{SQL: "UPDATE " + o.table + " SET attempts = attempts WHERE 0 = 1"}, true
+}
+
 // PendingIndex is the lookup of the name of the table's index of pending
 // rows (its first column published_at), if the dialect's claims name it.
 // Column: the index name; no row when there is none.
