@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"database/sql"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sort"
@@ -432,17 +431,14 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 
 // hold writes msg into acemq_inbox_held; false if it is there already.
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
-	md, err := json.Marshal(map[string]string(msg.Metadata))
+	md, err := rowcodec.EncodeMetadata(msg.Metadata)
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
-	}
-	if msg.Metadata == nil {
-		md = []byte("{}")
 	}
 	body, enc := rowcodec.EncodeBody(msg.Payload)
 	q := in.ordered.q.Hold(sqldialect.HeldRow{
 		Consumer: consumer, Key: key, Seq: seq, MessageID: id,
-		Payload: body, PayloadEncoding: enc, Metadata: string(md), HeldAt: time.Now(),
+		Payload: body, PayloadEncoding: enc, Metadata: md, HeldAt: time.Now(),
 	})
 	res, err := tx.ExecContext(ctx, q.SQL, q.Args...)
 	if err != nil {
@@ -527,9 +523,9 @@ func heldMessage(id, payload, encoding, metadata string) (*message.Message, erro
 	if err != nil {
 		return nil, err
 	}
-	md := message.Metadata{}
-	if err := json.Unmarshal([]byte(metadata), &md); err != nil {
-		return nil, fmt.Errorf("metadata: %w", err)
+	md, err := rowcodec.DecodeMetadata(metadata)
+	if err != nil {
+		return nil, err
 	}
 	msg := message.NewMessage(id, body)
 	msg.Metadata = md

@@ -1,9 +1,11 @@
 package outbox_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand"
 	"reflect"
 	"strconv"
@@ -181,6 +183,47 @@ func TestOrderedInbox_OutOfOrder_HandlerSeesEachSeqOnceInOrder(t *testing.T) {
 		assertEffectsOnce(t, db, "b", 50)
 		if n := countHeld(t, db); n != 0 {
 			t.Errorf("%d held after all applied, want 0", n)
+		}
+	})
+}
+
+// A held message reaches the handler as it arrived: its id, payload and
+// metadata byte for byte, also metadata that is not UTF-8 (AMQP header strings are
+// bytes; another language's producer may send any), which JSON in the held
+// row would have turned into U+FFFD.
+func TestOrderedInbox_HeldMessage_AppliedWithItsPayloadAndMetadataByteForByte(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var (
+			l    applyLog
+			seen []*message.Message
+		)
+		inner := l.handler(t, db)
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			seen = append(seen, msg)
+			return inner(msg)
+		})
+		held := keyedMsg("bytes", 2)
+		held.Metadata.Set("raw", "\xff\xfe\x00")
+		held.Metadata.Set("\xc3(", "key not UTF-8")
+		held.Metadata.Set("text", "<é & \u00a0>")
+		want := maps.Clone(held.Metadata)
+		if _, err := h(held); err != nil {
+			t.Fatal(err)
+		}
+		if n := countHeld(t, db); n != 1 {
+			t.Fatalf("%d held, want seq 2 held", n)
+		}
+		deliver(t, h, "bytes", 1)
+		if got := l.of("bytes"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("applied %v, want [1 2]", got)
+		}
+		applied := seen[len(seen)-1]
+		if applied.UUID != held.UUID || !bytes.Equal(applied.Payload, held.Payload) {
+			t.Errorf("held message applied as %s %q, want %s %q", applied.UUID, applied.Payload, held.UUID, held.Payload)
+		}
+		if !maps.Equal(map[string]string(applied.Metadata), map[string]string(want)) {
+			t.Errorf("held message applied with metadata %q, want %q", applied.Metadata, want)
 		}
 	})
 }

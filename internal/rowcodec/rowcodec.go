@@ -230,3 +230,63 @@ func jsonKind(v any) string {
 	}
 	return fmt.Sprintf("%T", v)
 }
+
+// EncodeMetadata renders a held message's metadata (acemq_inbox_held's
+// metadata column) so that DecodeMetadata gives back the same bytes. Text
+// goes as a JSON object of strings, readable in the table. Metadata with a
+// key or value that is not valid UTF-8 (AMQP header strings are bytes, and
+// another language's producer may send any), which encoding/json would
+// turn into U+FFFD, goes as a JSON array of [key, value] pairs, each
+// base64.
+func EncodeMetadata(md map[string]string) (string, error) {
+	text := true
+	for k, v := range md {
+		text = text && utf8.ValidString(k) && utf8.ValidString(v)
+	}
+	if text {
+		if len(md) == 0 {
+			return "{}", nil
+		}
+		var buf bytes.Buffer
+		enc := json.NewEncoder(&buf)
+		enc.SetEscapeHTML(false)
+		if err := enc.Encode(md); err != nil {
+			return "", err
+		}
+		return string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), nil
+	}
+	pairs := make([][2]string, 0, len(md))
+	for k, v := range md {
+		pairs = append(pairs, [2]string{base64.StdEncoding.EncodeToString([]byte(k)), base64.StdEncoding.EncodeToString([]byte(v))})
+	}
+	out, err := json.Marshal(pairs)
+	return string(out), err
+}
+
+// DecodeMetadata reads what EncodeMetadata wrote: a JSON object of
+// strings, or an array of base64 [key, value] pairs.
+func DecodeMetadata(s string) (map[string]string, error) {
+	md := map[string]string{}
+	if t := strings.TrimSpace(s); !strings.HasPrefix(t, "[") {
+		if err := json.Unmarshal([]byte(t), &md); err != nil {
+			return nil, fmt.Errorf("metadata: %w", err)
+		}
+		return md, nil
+	}
+	var pairs [][2]string
+	if err := json.Unmarshal([]byte(s), &pairs); err != nil {
+		return nil, fmt.Errorf("metadata: %w", err)
+	}
+	for _, p := range pairs {
+		k, err := base64.StdEncoding.DecodeString(p[0])
+		if err != nil {
+			return nil, fmt.Errorf("metadata: key: %w", err)
+		}
+		v, err := base64.StdEncoding.DecodeString(p[1])
+		if err != nil {
+			return nil, fmt.Errorf("metadata: value of %q: %w", k, err)
+		}
+		md[string(k)] = string(v)
+	}
+	return md, nil
+}

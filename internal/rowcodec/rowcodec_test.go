@@ -140,3 +140,46 @@ func TestEncodeHeaders_DecodeHeaders_StringsRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// A held message's metadata comes back byte for byte: text as a readable
+// JSON object, and metadata holding bytes that are not UTF-8 (which JSON
+// would turn into U+FFFD) as base64 pairs.
+func TestEncodeMetadata_DecodeMetadata_BytesRoundTrip(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		md   map[string]string
+		want string // how the column starts
+	}{
+		{"none", nil, "{}"},
+		{"text", map[string]string{"aggregateId": "order-1", "note": "<é & \u00a0>", "nul": "a\x00b"}, "{"},
+		{"invalid value", map[string]string{"aggregateId": "order-1", "raw": "\xff\xfe"}, "["},
+		{"invalid key", map[string]string{"\xc3(": "v", "seq": "2"}, "["},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, err := EncodeMetadata(c.md)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !strings.HasPrefix(s, c.want) {
+				t.Errorf("encoded %q, want it to start with %q", s, c.want)
+			}
+			got, err := DecodeMetadata(s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(c.md) {
+				t.Fatalf("decoded %q from %q, want %q", got, s, c.md)
+			}
+			for k, v := range c.md {
+				if got[k] != v {
+					t.Errorf("decoded %q = %q from %q, want %q", k, got[k], s, v)
+				}
+			}
+		})
+	}
+	for _, bad := range []string{"[[\"!\",\"\"]]", "{", "[1]"} {
+		if _, err := DecodeMetadata(bad); err == nil {
+			t.Errorf("DecodeMetadata(%q): no error", bad)
+		}
+	}
+}
