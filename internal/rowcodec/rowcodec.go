@@ -56,10 +56,17 @@ func EncodeHeaders(headers map[string]string) (string, error) {
 			return "", fmt.Errorf("value of %q is not valid UTF-8", k)
 		}
 	}
+	return jsonObject(headers)
+}
+
+// jsonObject renders m, all of it valid UTF-8, as a JSON object of strings,
+// with <, > and & as they are: the tables are read by people during
+// incidents.
+func jsonObject(m map[string]string) (string, error) {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false) // the table is read by people during incidents
-	if err := enc.Encode(headers); err != nil {
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(m); err != nil {
 		return "", err
 	}
 	return string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), nil
@@ -247,13 +254,7 @@ func EncodeMetadata(md map[string]string) (string, error) {
 		if len(md) == 0 {
 			return "{}", nil
 		}
-		var buf bytes.Buffer
-		enc := json.NewEncoder(&buf)
-		enc.SetEscapeHTML(false)
-		if err := enc.Encode(md); err != nil {
-			return "", err
-		}
-		return string(bytes.TrimSuffix(buf.Bytes(), []byte{'\n'})), nil
+		return jsonObject(md)
 	}
 	pairs := make([][2]string, 0, len(md))
 	for k, v := range md {
