@@ -321,7 +321,9 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	say(t, "Cluster (3 RabbitMQ nodes, quorum queue, relay's node stopped %d times):\n%s", clusterLosses, strings.Join(rows, "\n"))
 
 	if !drained || lost > 0 {
-		t.Errorf("%d committed orders have no effect after %s", lost, clusterDrainWait)
+		// Published and still in the queue means a consumer that stopped
+		// reading, not a message lost: say which.
+		t.Errorf("%d committed orders have no effect after %s; the queue: %s", lost, clusterDrainWait, queueState(cl, queue))
 	}
 	if twice > 0 {
 		t.Errorf("%d orders had their effect twice: the inbox let a copy through", twice)
@@ -429,4 +431,30 @@ func (c *lossClock) after(t time.Time) time.Time {
 		return c.last
 	}
 	return time.Time{}
+}
+
+// queueState is what the cluster's first answering node says of queue:
+// its ready messages and consumers, or why it could not say.
+func queueState(cl *testcluster.Cluster, queue string) string {
+	var errs []string
+	for _, url := range cl.URLs() {
+		conn, err := amqp.Dial(url)
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		defer conn.Close()
+		ch, err := conn.Channel()
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		q, err := ch.QueueDeclarePassive(queue, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+		if err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		return fmt.Sprintf("%d ready, %d consumers", q.Messages, q.Consumers)
+	}
+	return "unknown: " + strings.Join(errs, "; ")
 }
