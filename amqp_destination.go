@@ -26,8 +26,9 @@ import (
 // the client's reader must never block on a return (amqp091-go drops one it
 // cannot deliver within 5 s) while the relay waits for confirms. 3000 is
 // three batches of the Forwarder's largest claim (MaxBatchSize 1000, the
-// default), as many as Run keeps in flight at that size: smaller, Run would keep fewer; larger, every
-// channel would hold a bigger buffer for nothing.
+// default), as many as Run keeps in flight at that size: smaller, Run
+// would keep fewer; larger, every channel would hold a bigger buffer for
+// nothing.
 const pipelineCapacity = 3000
 
 // maxWindow bounds AMQPConfig.Window. A window's returns come back

@@ -121,8 +121,9 @@ type ForwarderConfig struct {
 // takes fewer records (Pipeline.Capacity).
 const pipelineDepth = 2
 
-// maxBatchSize bounds BatchSize and MaxBatchSize: a claim's IN lists and the confirms in
-// flight stay of a size every database and the broker take in their stride.
+// maxBatchSize bounds BatchSize and MaxBatchSize: a claim's IN lists and
+// the confirms in flight stay of a size every database and the broker take
+// in their stride.
 const maxBatchSize = 1000
 
 func (c *ForwarderConfig) setDefaults() {
@@ -130,7 +131,7 @@ func (c *ForwarderConfig) setDefaults() {
 		c.BatchSize = 100
 	}
 	if c.MaxBatchSize == 0 {
-		c.MaxBatchSize = max(c.BatchSize, maxBatchSize)
+		c.MaxBatchSize = maxBatchSize
 	}
 	if c.PollInterval == 0 {
 		c.PollInterval = 250 * time.Millisecond
@@ -166,7 +167,8 @@ func (c *ForwarderConfig) setDefaults() {
 }
 
 // growBytes bounds a drain's claims: no more rows than this holds at the
-// mean body size of the claim before (see MaxBatchSize). Forwarder.growBytes holds it, for tests.
+// mean body size of the claim before (see MaxBatchSize).
+// Forwarder.growBytes holds it, for tests.
 const growBytes = 16 << 20
 
 func (c ForwarderConfig) validate() error {

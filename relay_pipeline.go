@@ -399,10 +399,7 @@ func (l *relayLoop) claimNow() bool {
 // commit becomes visible to readers only when the writer then updates the
 // log's index: a plain probe in between read the snapshot before it, found
 // nothing, and left the row to the poll (measured: about one commit in 400
-// from another pool). A probe that waited for the write lock as long as
-// busy_timeout and still found it held says nothing to claim: the holder
-// has not committed, and its commit writes the log and wakes the relay
-// again.
+// from another pool).
 func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 	if !l.idle || len(l.queue) > 0 {
 		return false
@@ -412,10 +409,7 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 		probe = l.f.store.hasClaimableNow
 	}
 	found, err := probe(ctx)
-	if err != nil {
-		return l.woke && sqldialect.Busy(err)
-	}
-	return !found
+	return err == nil && !found
 }
 
 // idleWait is how long the relay waits for a wake-up when a sweep left

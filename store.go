@@ -142,7 +142,10 @@ func (s *Store) listens() bool { return s.dialect.sql().Listens() }
 // where writers wait in the client (SQLite), in a transaction that takes
 // the write lock first, waiting for it as the relay's claims do, so a
 // commit whose write to the log woke the relay is visible to it. It
-// changes nothing, and so writes nothing to the log. What it costs: a
+// changes nothing, and so writes nothing to the log. A lock still held
+// after busy_timeout is a writer that has not committed: nothing to claim
+// yet, and no error, since its commit writes the log and wakes the relay
+// again. What it costs: a
 // commit to another table of the file wakes the relay to a write
 // transaction rather than a read. A service committing to another table
 // as fast as it could (over 20,000 a second) kept 0.64 of its rate with
@@ -158,33 +161,35 @@ func (s *Store) hasClaimableNow(ctx context.Context) (bool, error) {
 	var found bool
 	err := s.writeTx(ctx, "probe", func(tx *sql.Tx) error {
 		s.sent.Add(1)
-		if _, err := tx.ExecContext(ctx, lock.SQL); err != nil {
-			return fmt.Errorf("outbox: probe: %w", err)
+		_, err := tx.ExecContext(ctx, lock.SQL)
+		if err == nil {
+			found, err = s.probe(ctx, tx)
 		}
-		q := s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()})
-		s.sent.Add(1)
-		var one int
-		switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one); {
-		case errors.Is(err, sql.ErrNoRows):
-		case err != nil:
+		if err != nil {
 			return fmt.Errorf("outbox: probe: %w", err)
-		default:
-			found = true
 		}
 		return nil
 	})
+	if sqldialect.Busy(err) {
+		return false, nil
+	}
 	return found, err
 }
 
 // hasClaimable reports whether a claim would find a row now (Probe).
-func (s *Store) hasClaimable(ctx context.Context) (bool, error) {
+// Unprepared: an idle relay probes a few times a second, and a statement
+// prepared on the pool would run on whatever connection database/sql
+// picks, where the claims' run in their transaction.
+func (s *Store) hasClaimable(ctx context.Context) (bool, error) { return s.probe(ctx, s.db) }
+
+// probe runs the query of hasClaimable on db.
+func (s *Store) probe(ctx context.Context, db interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}) (bool, error) {
 	q := s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()})
 	s.sent.Add(1)
 	var one int
-	// Unprepared: an idle relay probes a few times a second, and a
-	// statement prepared on the pool would run on whatever connection
-	// database/sql picks, where the claims' run in their transaction.
-	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
+	err := db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
