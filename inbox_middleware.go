@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"runtime"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -225,8 +224,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
 	if cfg.Ordered {
-		in.ordered = newOrderedState(xdb, cfg.Dialect.sql(), in.log)
-		runtime.AddCleanup(in, (*preparedSteps).close, in.ordered.prepared)
+		in.ordered = newOrderedState(cfg.Dialect.sql())
 	}
 	return in, nil
 }
@@ -415,8 +413,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 // processed before, by a delivery whose transaction committed.
 func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) (fresh bool, err error) {
 	now := time.Now()
-	insert := in.q.Insert(consumer, key, now)
-	res, err := tx.ExecContext(ctx, insert.SQL, insert.Args...)
+	res, err := in.exec(ctx, tx, in.q.Insert(consumer, key, now))
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
 	}
@@ -429,14 +426,26 @@ func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) 
 	return true, in.markProcessed(ctx, tx, key, now)
 }
 
+// exec and queryRow run q in a message's transaction, its arguments written
+// into its text where that saves round trips (sqldialect.Inline; on MySQL
+// one round trip where go-sql-driver would prepare, execute and close).
+func (in *Inbox) exec(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) (sql.Result, error) {
+	q = sqldialect.Inline(in.dialect.sql(), q)
+	return tx.ExecContext(ctx, q.SQL, q.Args...)
+}
+
+func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) *sql.Row {
+	q = sqldialect.Inline(in.dialect.sql(), q)
+	return tx.QueryRowContext(ctx, q.SQL, q.Args...)
+}
+
 // markProcessed, with MarkOutboxProcessed, marks the outbox record of a key
 // just recorded processed, in tx.
 func (in *Inbox) markProcessed(ctx context.Context, tx *sqlx.Tx, key string, now time.Time) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
-	mark := in.outbox.MarkProcessed(key, now)
-	if _, err := tx.ExecContext(ctx, mark.SQL, mark.Args...); err != nil {
+	if _, err := in.exec(ctx, tx, in.outbox.MarkProcessed(key, now)); err != nil {
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 	}
 	return nil

@@ -52,124 +52,13 @@ type orderedRoute struct {
 
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
-	q        *sqldialect.OrderedInbox
-	mu       sync.Mutex
-	routes   map[string]orderedRoute // by consumer, the first handler seen
-	prepared *preparedSteps
+	q      *sqldialect.OrderedInbox
+	mu     sync.Mutex
+	routes map[string]orderedRoute // by consumer, the first handler seen
 }
 
-func newOrderedState(db *sqlx.DB, d sqldialect.Dialect, log watermill.LoggerAdapter) *orderedState {
-	return &orderedState{
-		q:        sqldialect.NewOrderedInbox(d),
-		routes:   map[string]orderedRoute{},
-		prepared: &preparedSteps{db: db, log: log, stmts: map[string]*sql.Stmt{}},
-	}
-}
-
-// preparedSteps are the in-order statements the inbox runs prepared
-// (sqldialect.ApplyStep.Prepare), by text: each prepared on the pool the
-// first time a message needs it, and by database/sql on each connection
-// the first time a transaction there runs it. A prepare or a prepared run
-// that fails gives them all up, and the inbox runs them unprepared from
-// then on, as it would without them, as the relay does: a proxy that does
-// not keep a connection's statements, or a server out of them
-// (max_prepared_stmt_count), must not fail every message. The Inbox has no
-// Close: a cleanup closes them when it is collected.
-type preparedSteps struct {
-	db    *sqlx.DB
-	log   watermill.LoggerAdapter
-	mu    sync.Mutex
-	stmts map[string]*sql.Stmt
-	off   bool
-}
-
-// forSteps returns the prepared statement of each of steps that asks for
-// one, nil for the others (nil for all once given up), preparing those
-// missing. It is called before the message's transaction begins: a
-// prepare takes a connection from the pool for a moment, and would wait
-// for ever for one the transaction holds, the pool's last. No lock is held
-// while preparing, so a prepare that hangs holds up only its own message.
-func (p *preparedSteps) forSteps(ctx context.Context, steps []sqldialect.ApplyStep) []*sql.Stmt {
-	var out []*sql.Stmt
-	for i, step := range steps {
-		if !step.Prepare {
-			continue
-		}
-		st, ok := p.stmt(ctx, step.SQL)
-		if !ok {
-			return nil
-		}
-		if out == nil {
-			out = make([]*sql.Stmt, len(steps))
-		}
-		out[i] = st
-	}
-	return out
-}
-
-// stmt returns the statement of query, prepared now if it is not yet;
-// false once given up.
-func (p *preparedSteps) stmt(ctx context.Context, query string) (*sql.Stmt, bool) {
-	p.mu.Lock()
-	st, ok := p.stmts[query]
-	off := p.off
-	p.mu.Unlock()
-	if off {
-		return nil, false
-	}
-	if ok {
-		return st, true
-	}
-	st, err := p.db.PrepareContext(ctx, query)
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err != nil {
-		if ctx.Err() == nil {
-			p.giveUpLocked(fmt.Errorf("prepare %.40q…: %w", query, err))
-		}
-		return nil, false
-	}
-	if p.off {
-		_ = st.Close()
-		return nil, false
-	}
-	if first, ok := p.stmts[query]; ok { // another message prepared it meanwhile
-		_ = st.Close()
-		return first, true
-	}
-	p.stmts[query] = st
-	return st, true
-}
-
-// giveUp stops preparing after err, and closes what was prepared. A
-// transaction running one of them meanwhile is not disturbed: database/sql
-// closes a statement on a connection in use when it is released.
-func (p *preparedSteps) giveUp(err error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.giveUpLocked(err)
-}
-
-func (p *preparedSteps) giveUpLocked(err error) {
-	if p.off {
-		return
-	}
-	p.off = true
-	p.closeLocked()
-	p.log.Info("Ordered inbox: a prepared statement failed; running the in-order statements unprepared from now on", watermill.LogFields{"error": err.Error()})
-}
-
-func (p *preparedSteps) close() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	p.closeLocked()
-}
-
-func (p *preparedSteps) closeLocked() {
-	for q, st := range p.stmts {
-		_ = st.Close()
-		delete(p.stmts, q)
-	}
+func newOrderedState(d sqldialect.Dialect) *orderedState {
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[string]orderedRoute{}}
 }
 
 // voidHeader is how AMQPMarshaler renders a void header in metadata.
@@ -239,11 +128,11 @@ func (in *Inbox) route(consumer string) (orderedRoute, bool) {
 // applied and its count of held messages.
 func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key string) (last, held int64, err error) {
 	ensure := in.ordered.q.EnsureSequence(consumer, key)
-	if _, err := tx.ExecContext(ctx, ensure.SQL, ensure.Args...); err != nil {
+	if _, err := in.exec(ctx, tx, ensure); err != nil {
 		return 0, 0, fmt.Errorf("outbox: inbox: sequence of %q for %s: %w", key, consumer, err)
 	}
 	lock := in.ordered.q.LockSequence(consumer, key)
-	if err := tx.QueryRowContext(ctx, lock.SQL, lock.Args...).Scan(&last, &held); err != nil {
+	if err := in.queryRow(ctx, tx, lock).Scan(&last, &held); err != nil {
 		return 0, 0, fmt.Errorf("outbox: inbox: lock sequence of %q for %s: %w", key, consumer, err)
 	}
 	return last, held, nil
@@ -261,7 +150,6 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	now := time.Now()
 	m := sqldialect.InOrder{Consumer: consumer, Key: key, Seq: seq, MessageID: id, At: now}
 	steps := in.ordered.q.Apply(in.q, m)
-	stmts := in.ordered.prepared.forSteps(ctx, steps)
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -272,7 +160,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			_ = tx.Rollback()
 		}
 	}()
-	applied, err := in.applyInOrder(ctx, tx, m, steps, stmts)
+	applied, err := in.applyInOrder(ctx, tx, m, steps)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -328,7 +216,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	// held behind it are applied.
 	var held int64
 	count := in.ordered.q.HeldUpTo(consumer, key, seq+1)
-	if err := tx.QueryRowContext(ctx, count.SQL, count.Args...).Scan(&held); err != nil {
+	if err := in.queryRow(ctx, tx, count).Scan(&held); err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
 	}
 	outcome, err := in.applyInTx(ctx, tx, h, msg, consumer, id, key, seq, held > 0)
@@ -352,23 +240,11 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 	return outcome, nil
 }
 
-// applyInOrder runs the in-order statements of m in tx, those of stmts
-// prepared, and reports whether they moved the key to m.Seq and recorded
-// m's dedupe key.
-func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InOrder, steps []sqldialect.ApplyStep, stmts []*sql.Stmt) (bool, error) {
-	for i, step := range steps {
-		var (
-			res sql.Result
-			err error
-		)
-		if stmts != nil && stmts[i] != nil {
-			res, err = tx.StmtContext(ctx, stmts[i]).ExecContext(ctx, step.Args...)
-			if err != nil && ctx.Err() == nil {
-				in.ordered.prepared.giveUp(err)
-			}
-		} else {
-			res, err = tx.ExecContext(ctx, step.SQL, step.Args...)
-		}
+// applyInOrder runs the in-order statements of m in tx, and reports whether
+// they moved the key to m.Seq and recorded m's dedupe key.
+func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InOrder, steps []sqldialect.ApplyStep) (bool, error) {
+	for _, step := range steps {
+		res, err := in.exec(ctx, tx, step.Query)
 		if err != nil {
 			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
 		}
@@ -404,12 +280,12 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 	}
 	if clearHeld {
 		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
-		if _, err := tx.ExecContext(ctx, del.SQL, del.Args...); err != nil {
+		if _, err := in.exec(ctx, tx, del); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err)
 		}
 	}
 	set := in.ordered.q.SetSequence(consumer, key, seq)
-	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+	if _, err := in.exec(ctx, tx, set); err != nil {
 		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
 	}
 	return outcome, nil
@@ -440,7 +316,7 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 		Consumer: consumer, Key: key, Seq: seq, MessageID: id,
 		Payload: body, PayloadEncoding: enc, Metadata: md, HeldAt: time.Now(),
 	})
-	res, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+	res, err := in.exec(ctx, tx, q)
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
 	}
@@ -452,7 +328,7 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 		return false, nil
 	}
 	count := in.ordered.q.CountHold(consumer, key)
-	if _, err := tx.ExecContext(ctx, count.SQL, count.Args...); err != nil {
+	if _, err := in.exec(ctx, tx, count); err != nil {
 		return false, fmt.Errorf("outbox: inbox: count held %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
 	}
 	return true, nil
@@ -486,7 +362,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consu
 	next := last + 1
 	var id, payload, encoding, metadata string
 	q := in.ordered.q.Held(consumer, key, next)
-	switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&id, &payload, &encoding, &metadata); {
+	switch err := in.queryRow(ctx, tx, q).Scan(&id, &payload, &encoding, &metadata); {
 	case errors.Is(err, sql.ErrNoRows):
 		return false, nil
 	case err != nil:
@@ -694,7 +570,7 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 		return 0, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	in := &Inbox{ordered: &orderedState{q: q}}
+	in := &Inbox{dialect: d, ordered: &orderedState{q: q}}
 	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return 0, err
@@ -704,7 +580,7 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 	}
 	var lowest sql.NullInt64
 	low := q.LowestHeld(consumer, key)
-	if err := tx.QueryRowContext(ctx, low.SQL, low.Args...).Scan(&lowest); err != nil {
+	if err := in.queryRow(ctx, tx, low).Scan(&lowest); err != nil {
 		return 0, fmt.Errorf("outbox: inbox: lowest held of %q for %s: %w", key, consumer, err)
 	}
 	if !lowest.Valid {
@@ -715,7 +591,7 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 		return 0, fmt.Errorf("%w: %q for %s: seq %d is held, not missing (last applied %d)", ErrGapChanged, key, consumer, lowest.Int64, last)
 	}
 	set := q.SetSequence(consumer, key, through)
-	if _, err := tx.ExecContext(ctx, set.SQL, set.Args...); err != nil {
+	if _, err := in.exec(ctx, tx, set); err != nil {
 		return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
 	}
 	if err := tx.Commit(); err != nil {

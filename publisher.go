@@ -290,7 +290,7 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 }
 
 func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
-	inserted, err := p.tx.exec(ctx, p.q.Insert(rows))
+	inserted, err := p.exec(ctx, p.q.Insert(rows))
 	if err != nil {
 		return err
 	}
@@ -313,7 +313,7 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 		return err
 	}
 	if len(ours) > 0 {
-		if _, err := p.tx.exec(ctx, p.q.Delete(ours)); err != nil {
+		if _, err := p.exec(ctx, p.q.Delete(ours)); err != nil {
 			return errors.Join(conflict, err)
 		}
 	}
@@ -338,7 +338,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 		for i := start; i < end; i++ {
 			ids = append(ids, rows[i].ID)
 		}
-		found, err := p.tx.query(ctx, p.q.Destinations(ids))
+		found, err := p.query(ctx, p.q.Destinations(ids))
 		if err != nil {
 			return nil, nil, err
 		}
@@ -411,14 +411,14 @@ func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) e
 	if len(splitRows(rows)) == 1 {
 		return p.insertKeyed(ctx, rows)
 	}
-	if _, err := p.tx.exec(ctx, p.q.Savepoint()); err != nil {
+	if _, err := p.exec(ctx, p.q.Savepoint()); err != nil {
 		return err
 	}
 	if err := p.insertKeyed(ctx, rows); err != nil {
-		_, rbErr := p.tx.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
+		_, rbErr := p.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
 		return errors.Join(err, rbErr)
 	}
-	_, err := p.tx.exec(ctx, p.q.ReleaseSavepoint())
+	_, err := p.exec(ctx, p.q.ReleaseSavepoint())
 	return err
 }
 
@@ -438,7 +438,7 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 			// Every key of the call first, in sorted order, as one
 			// statement would take them: the chunks' own keys are sorted
 			// within a chunk only.
-			if _, err := p.tx.exec(ctx, p.q.LockKeys(taken)); err != nil {
+			if _, err := p.exec(ctx, p.q.LockKeys(taken)); err != nil {
 				return p.seqErr(err)
 			}
 		}
@@ -467,7 +467,7 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 			return err
 		}
 		if len(ours) > 0 {
-			if _, err := p.tx.exec(ctx, p.q.Delete(ours)); err != nil {
+			if _, err := p.exec(ctx, p.q.Delete(ours)); err != nil {
 				return err
 			}
 		}
@@ -499,7 +499,7 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 func (p *TxPublisher) insertNumbered(ctx context.Context, rows []sqldialect.Row) (inserted int64, took bool, err error) {
 	qs := p.q.InsertNumbered(rows, keyCounts(rows))
 	for i, q := range qs {
-		if inserted, err = p.tx.exec(ctx, q); err != nil {
+		if inserted, err = p.exec(ctx, q); err != nil {
 			return 0, i > 0, err
 		}
 	}
@@ -551,7 +551,7 @@ func keyCounts(rows []sqldialect.Row) []sqldialect.KeyCount {
 // giveBackSeqs returns the numbers of taken to their keys.
 func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCount) error {
 	for _, kc := range taken {
-		if _, err := p.tx.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
+		if _, err := p.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
 			return fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.N, kc.Key, p.q.Sequences(), err)
 		}
 	}
@@ -580,16 +580,16 @@ func dedupeIDs(rows []sqldialect.Row) []sqldialect.Row {
 // and SQLite a failed statement does not undo the ones before it, and the
 // caller may still commit its transaction after our error.
 func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]sqldialect.Row) error {
-	if _, err := p.tx.exec(ctx, p.q.Savepoint()); err != nil {
+	if _, err := p.exec(ctx, p.q.Savepoint()); err != nil {
 		return err
 	}
 	for _, c := range chunks {
 		if err := p.insert(ctx, c); err != nil {
-			_, rbErr := p.tx.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
+			_, rbErr := p.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
 			return errors.Join(err, rbErr)
 		}
 	}
-	_, err := p.tx.exec(ctx, p.q.ReleaseSavepoint())
+	_, err := p.exec(ctx, p.q.ReleaseSavepoint())
 	return err
 }
 
@@ -763,4 +763,17 @@ func reserveStamps(n int) time.Time {
 			return time.UnixMicro(now).UTC()
 		}
 	}
+}
+
+// exec and query run q in the caller's transaction, its arguments written
+// into its text where that saves round trips (sqldialect.Inline: on MySQL
+// one round trip where go-sql-driver would prepare, execute and close, for
+// every statement whatever the DSN; 0.95-0.99 of the floor's time instead of
+// 1.11-1.12, see the README's Measuring).
+func (p *TxPublisher) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
+	return p.tx.exec(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
+}
+
+func (p *TxPublisher) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
+	return p.tx.query(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
 }

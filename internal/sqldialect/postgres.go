@@ -25,6 +25,8 @@ func (postgres) TimeArg(t time.Time) any { return t.UTC() }
 // timestamp as its stored wall clock in UTC, which is the UTC time written.
 func (postgres) fromDriver(t time.Time) time.Time { return instant(t) }
 
+func (postgres) inline(q Query) (Query, bool) { return q, false }
+
 func (postgres) rebind(q string) string { return rebindDollar(q) }
 
 // Listens: a trigger notifies NotifyChannel at commit

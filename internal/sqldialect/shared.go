@@ -760,11 +760,6 @@ type InOrder struct {
 type ApplyStep struct {
 	Query
 	Done func(sql.Result) (bool, error)
-	// Prepare: the statement's text is the same for every message, and
-	// worth preparing once per connection where the driver would otherwise
-	// prepare, run and close it every time (see the dialect's
-	// applyInOrder).
-	Prepare bool
 }
 
 // oneRow is the Done of a statement that did its part when it affected one

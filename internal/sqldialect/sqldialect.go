@@ -64,6 +64,8 @@ type Dialect interface {
 	fromDriver(t time.Time) time.Time
 	quoteIdent(part string) string
 	rebind(query string) string
+	// inline writes a statement's arguments into its text (see Inline).
+	inline(q Query) (Query, bool)
 	// insertOutbox inserts rows rows of the n columns cols, skipping ids
 	// already present.
 	insertOutbox(table, cols string, n, rows int) string

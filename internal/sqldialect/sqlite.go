@@ -25,6 +25,8 @@ func (sqlite) TimeArg(t time.Time) any { return t.UTC().Format(timeLayout) }
 // the instant.
 func (sqlite) fromDriver(t time.Time) time.Time { return instant(t) }
 
+func (sqlite) inline(q Query) (Query, bool) { return q, false }
+
 func (sqlite) rebind(q string) string { return q }
 
 func (sqlite) Listens() bool { return false }

@@ -1,0 +1,118 @@
+package sqldialect
+
+import (
+	"strconv"
+	"strings"
+)
+
+// maxInlineBytes bounds the literals Inline writes into one statement: past
+// it the arguments go as they are, whatever that costs in round trips, so
+// that hex (two characters a byte) never takes a statement over MySQL's
+// max_allowed_packet where the arguments alone would fit.
+const maxInlineBytes = 1 << 20
+
+// Inline writes q's arguments into its text as literals, where the dialect
+// sends a statement with arguments in more round trips than one without
+// (MySQL: go-sql-driver prepares, executes and closes a statement with
+// arguments unless the DSN sets interpolateParams, and the DSN is the
+// caller's). ok is false, and q is to be sent as it is, elsewhere, or when an
+// argument is of a type it does not write, or the literals would be large.
+//
+// A string is written as a hex literal with a utf8mb4 introducer
+// (_utf8mb4 X'…'): it reads the same under every sql_mode (backslash
+// escapes or not, ANSI quotes or not) and in every connection character
+// set, and holds any bytes.
+func (d mysql) inline(q Query) (Query, bool) {
+	if len(q.Args) == 0 {
+		return q, true
+	}
+	if strings.Contains(q.SQL, "--") || strings.Contains(q.SQL, "/*") || strings.IndexByte(q.SQL, '#') >= 0 {
+		return q, false // a comment could hold a quote or a question mark
+	}
+	size := len(q.SQL)
+	for _, a := range q.Args {
+		switch v := a.(type) {
+		case string:
+			size += 12 + 2*len(v)
+		case []byte:
+			size += 3 + 2*len(v)
+		case int, int64, nil:
+			size += 20
+		default:
+			return q, false
+		}
+	}
+	if size > maxInlineBytes {
+		return q, false
+	}
+	var b strings.Builder
+	b.Grow(size)
+	next := 0
+	for i := 0; i < len(q.SQL); i++ {
+		c := q.SQL[i]
+		switch c {
+		case '\'', '`', '"':
+			// A quoted literal or identifier of the statement's own text:
+			// copied whole, its question marks are not placeholders.
+			j := strings.IndexByte(q.SQL[i+1:], c)
+			if j < 0 {
+				return q, false
+			}
+			b.WriteString(q.SQL[i : i+j+2])
+			i += j + 1
+			continue
+		case '?':
+			if next == len(q.Args) {
+				return q, false
+			}
+			writeLiteral(&b, q.Args[next])
+			next++
+			continue
+		}
+		b.WriteByte(c)
+	}
+	if next != len(q.Args) {
+		return q, false
+	}
+	return Query{SQL: b.String()}, true
+}
+
+func writeLiteral(b *strings.Builder, a any) {
+	switch v := a.(type) {
+	case string:
+		if v == "" {
+			b.WriteString("''")
+			return
+		}
+		b.WriteString("_utf8mb4 X'")
+		writeHex(b, v)
+		b.WriteByte('\'')
+	case []byte:
+		b.WriteString("X'")
+		writeHex(b, string(v))
+		b.WriteByte('\'')
+	case int:
+		b.WriteString(strconv.Itoa(v))
+	case int64:
+		b.WriteString(strconv.FormatInt(v, 10))
+	case nil:
+		b.WriteString("NULL")
+	}
+}
+
+func writeHex(b *strings.Builder, s string) {
+	const digits = "0123456789ABCDEF"
+	for i := 0; i < len(s); i++ {
+		b.WriteByte(digits[s[i]>>4])
+		b.WriteByte(digits[s[i]&0x0f])
+	}
+}
+
+// Inline is q with its arguments written into its text where the dialect
+// saves round trips that way (see mysql's inline), else q as it is.
+func Inline(d Dialect, q Query) Query {
+	if in, ok := d.inline(q); ok {
+		return in
+	}
+	return q
+}

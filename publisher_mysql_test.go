@@ -1,0 +1,147 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// On MySQL the publisher writes its arguments into the statement (one round
+// trip where go-sql-driver would prepare, execute and close): the row holds
+// every value exactly as given, whatever it holds and whatever the
+// session's sql_mode makes of quotes and backslashes, and nothing is
+// prepared.
+func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	ctx := context.Background()
+	awkward := "it's \\' \"q\" ? -- # /* ` \x00 ζ 😀 \\x41"
+	modes := []string{"", "NO_BACKSLASH_ESCAPES,ANSI_QUOTES,PIPES_AS_CONCAT", "STRICT_ALL_TABLES,NO_ZERO_DATE"}
+	for i, mode := range modes {
+		unkeyed := message.NewMessage("unkeyed-"+string(rune('a'+i))+"'?", []byte(awkward+" body"))
+		unkeyed.Metadata.Set("h'?\\", awkward)
+		unkeyed.Metadata.Set(outbox.MetadataContentType, "text/plain; q='?'")
+		keyed := message.NewMessage("keyed-"+string(rune('a'+i)), []byte{0xff, 0x00, '\'', '\\'}) // stored as base64
+		key := strings.ReplaceAll(awkward, "\x00", "")                                            // a key holds no NUL
+		keyed.Metadata.Set(outbox.MetadataAggregateID, key)
+		keyed.Metadata.Set(outbox.MetadataRoutingKey, "rk.'?\\")
+
+		tx, err := db.BeginTxx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.ExecContext(ctx, "SET SESSION sql_mode = '"+mode+"'"); err != nil {
+			t.Fatal(err)
+		}
+		before := prepares(t, tx)
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "ex'\\?"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := pub.Publish("topic`?", unkeyed, keyed); err != nil {
+			t.Fatalf("sql_mode %q: publish: %v", mode, err)
+		}
+		// A retried transaction's message again: the slow path (read back,
+		// give the numbers back) runs inlined too.
+		if err := pub.Publish("topic`?", keyed); err != nil {
+			t.Fatalf("sql_mode %q: publish again: %v", mode, err)
+		}
+		if n := prepares(t, tx) - before; n != 0 {
+			t.Errorf("sql_mode %q: %d statements prepared, want 0 (every statement in one round trip)", mode, n)
+		}
+		if _, err := tx.ExecContext(ctx, "SET SESSION sql_mode = DEFAULT"); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+
+		for _, m := range []*message.Message{unkeyed, keyed} {
+			var r row
+			if err := db.Get(&r, "SELECT * FROM acemq_outbox WHERE id = ?", m.UUID); err != nil {
+				t.Fatalf("sql_mode %q: reading %q: %v", mode, m.UUID, err)
+			}
+			body := []byte(r.Body)
+			if r.BodyEncoding == "base64" {
+				if body, err = base64.StdEncoding.DecodeString(r.Body); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if string(body) != string(m.Payload) || r.Exchange != "ex'\\?" {
+				t.Errorf("sql_mode %q: %q body %q exchange %q, want %q, %q", mode, m.UUID, body, r.Exchange, m.Payload, "ex'\\?")
+			}
+			var headers map[string]string
+			if err := json.Unmarshal([]byte(r.Headers), &headers); err != nil {
+				t.Fatalf("sql_mode %q: headers %s: %v", mode, r.Headers, err)
+			}
+			for k, v := range m.Metadata {
+				if got := headers[k]; got != v {
+					t.Errorf("sql_mode %q: %q header %q = %q, want %q", mode, m.UUID, k, got, v)
+				}
+			}
+		}
+		var u, k row
+		_ = db.Get(&u, "SELECT * FROM acemq_outbox WHERE id = ?", unkeyed.UUID)
+		_ = db.Get(&k, "SELECT * FROM acemq_outbox WHERE id = ?", keyed.UUID)
+		if u.RoutingKey != "topic`?" || u.ContentType != "text/plain; q='?'" || u.AggregateID.Valid {
+			t.Errorf("sql_mode %q: unkeyed row %+v", mode, u)
+		}
+		if k.RoutingKey != "rk.'?\\" || k.AggregateID.String != key || k.Seq.Int64 != int64(i+1) {
+			t.Errorf("sql_mode %q: keyed row routing key %q key %q seq %d, want %q %q %d", mode, k.RoutingKey, k.AggregateID.String, k.Seq.Int64, "rk.'?\\", key, i+1)
+		}
+	}
+}
+
+// prepares is the session's count of prepared statements so far.
+func prepares(t testing.TB, tx *sqlx.Tx) int64 {
+	t.Helper()
+	var (
+		name string
+		n    int64
+	)
+	if err := tx.QueryRowx("SHOW SESSION STATUS LIKE 'Com_stmt_prepare'").Scan(&name, &n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// The inbox's own statements in a message's transaction (its key, and the
+// outbox record marked processed) go in one round trip each on MySQL too,
+// and the key, whatever it holds, dedupes the next delivery. The handler
+// reads the session's prepare count: between two messages on the one
+// connection nothing was prepared.
+func TestInbox_MySQL_OneRoundTrip_KeyExact(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	db.SetMaxOpenConns(1)
+	var counts []int64
+	ran := 0
+	h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ran++
+		tx, _ := outbox.TxFromContext(msg.Context())
+		counts = append(counts, prepares(t, tx))
+		return nil, nil
+	})
+	ids := []string{"first'it''s'\\?", "second\"`--#/*"}
+	for _, id := range append(ids, ids...) {
+		if _, err := h(message.NewMessage(id, []byte("x"))); err != nil {
+			t.Fatalf("%q: %v", id, err)
+		}
+	}
+	if ran != 2 || len(counts) != 2 || counts[1] != counts[0] {
+		t.Errorf("handler ran %d times (want 2), prepare counts %v (want equal)", ran, counts)
+	}
+	var stored []string
+	if err := db.Select(&stored, "SELECT message_id FROM processed_messages ORDER BY message_id"); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(stored, "|") != strings.Join(ids, "|") {
+		t.Errorf("processed_messages holds %q, want %q", stored, ids)
+	}
+}
