@@ -912,3 +912,37 @@ func TestMigrations_DownPast0006ThenUp_OrderedInboxKeepsItsState(t *testing.T) {
 		}
 	})
 }
+
+// Keys that differ only in trailing spaces are two keys on every database.
+// MySQL's _bin collations ignore trailing spaces, so before 0009 "k " seq 1
+// from a publisher on PostgreSQL (another language's, say) was "k" seq 1 on
+// a MariaDB consumer: acked as a duplicate without running, lost. Held
+// messages too are kept apart.
+func TestOrderedInbox_KeysDifferingInTrailingSpaces_AreTwoKeys(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		keys := []string{"k", "k ", "k  "}
+		msg := func(k, seq int) *message.Message {
+			m := message.NewMessage(fmt.Sprintf("key%d-seq%d", k, seq), []byte("event"))
+			m.Metadata.Set(outbox.HeaderAggregateID, keys[k])
+			m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(seq))
+			return m
+		}
+		// Key 2's seq 2 first: held under its own key, not "k"'s.
+		for _, d := range [][2]int{{0, 1}, {2, 2}, {1, 1}, {1, 2}, {0, 2}, {2, 1}} {
+			if _, err := h(msg(d[0], d[1])); err != nil {
+				t.Fatalf("key %q seq %d: %v", keys[d[0]], d[1], err)
+			}
+		}
+		for _, k := range keys {
+			if got := l.of(k); !reflect.DeepEqual(got, upTo(2)) {
+				t.Errorf("key %q applied %v, want [1 2]", k, got)
+			}
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}

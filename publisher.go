@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -647,6 +648,9 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		}
 		if err := checkName(aggregateID); err != nil {
 			return invalid("aggregate id", err.Error())
+		}
+		if strings.HasSuffix(aggregateID, " ") && p.cfg.Dialect.sql().PadsKeys() {
+			return invalid("aggregate id", fmt.Sprintf("ends in a space, which MySQL's _bin collations ignore: it would share %q's sequence numbers; trim it", strings.TrimRight(aggregateID, " ")))
 		}
 	}
 	contentType := p.cfg.ContentType

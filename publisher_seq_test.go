@@ -314,6 +314,40 @@ func TestTxPublisher_BadAggregateID_InvalidMessageErrorNothingWritten(t *testing
 	})
 }
 
+// A key ending in a space is refused on MySQL, whose _bin collations ignore
+// trailing spaces: "k " would take "k"'s numbers, and a consumer of "k "
+// would wait for ever for the ones "k" took. Elsewhere it is a key of its
+// own, numbered from 1.
+func TestTxPublisher_KeyEndingInSpace_RefusedOnMySQLAKeyOfItsOwnElsewhere(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		inTx(t, db, true, []*message.Message{keyed("k")})
+		spaced := keyed("k ")
+		tx, _ := db.Beginx()
+		defer func() { _ = tx.Rollback() }()
+		pub, _ := outbox.NewTxPublisher(tx)
+		err := pub.Publish("orders", spaced)
+		if d == outbox.MySQL {
+			var invalid *outbox.InvalidMessageError
+			if !errors.As(err, &invalid) || invalid.Field != "aggregate id" || !strings.Contains(err.Error(), "trim") {
+				t.Fatalf("err = %v, want an InvalidMessageError on the aggregate id", err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if got := seqsOf(t, db, "k "); fmt.Sprint(got) != "[1]" {
+			t.Errorf(`"k " numbered %v, want [1]: a key of its own`, got)
+		}
+		if got := seqsOf(t, db, "k"); fmt.Sprint(got) != "[1]" {
+			t.Errorf(`"k" numbered %v, want [1]`, got)
+		}
+	})
+}
+
 // A message already in the table takes no number: the ordered inbox would
 // wait for ever for one that never arrives.
 func TestTxPublisher_Keyed_DuplicateIDs_TakeNoNumber(t *testing.T) {

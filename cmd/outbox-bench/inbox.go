@@ -28,7 +28,7 @@ import (
 //	          inbox's work and the move of the key's last applied, which
 //	          locks the key's row: on PostgreSQL folded into the dedupe
 //	          key's insert (one statement, as the inbox's), elsewhere one
-//	          statement more (on MySQL prepared once per connection)
+//	          statement more
 //
 // The floor is the least any transactional inbox can cost: one more
 // statement, so one more round trip. Its key goes in before the effect, as

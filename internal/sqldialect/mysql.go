@@ -39,6 +39,11 @@ func (mysql) WatchesFile() bool { return false }
 // relay dies.
 func (mysql) Leases() bool { return false }
 
+// PadsKeys: acemq_outbox.aggregate_id and acemq_outbox_sequences are
+// varchar in a _bin collation, which MySQL 8 and MariaDB compare PAD SPACE.
+// (The ordered inbox's keys are varbinary since 0009: exact.)
+func (mysql) PadsKeys() bool { return true }
+
 // PreparesRelay: go-sql-driver prepares, executes and closes a statement for
 // every query with arguments (unless the DSN sets interpolateParams), two
 // round trips and a parse of a hundred placeholders for each claim and mark.

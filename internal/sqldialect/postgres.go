@@ -68,6 +68,8 @@ func (o *Outbox) NotifyTrigger() Query {
 // connection, at once; a second relay skips the locked rows.
 func (postgres) Leases() bool { return false }
 
+func (postgres) PadsKeys() bool { return false }
+
 // PreparesRelay: pgx caches the statements it prepares on each connection
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.

@@ -52,6 +52,10 @@ type Dialect interface {
 	// Leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	Leases() bool
+	// PadsKeys: the outbox's key columns ignore trailing spaces in
+	// comparisons (MySQL's _bin collations are PAD SPACE), so "k" and "k "
+	// would share one key's sequence numbers.
+	PadsKeys() bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

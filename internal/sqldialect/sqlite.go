@@ -38,6 +38,8 @@ func (sqlite) WatchesFile() bool { return true }
 // leaves its rows until the lease expires.
 func (sqlite) Leases() bool { return true }
 
+func (sqlite) PadsKeys() bool { return false }
+
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
