@@ -24,7 +24,10 @@ import (
 // is brought up to date in place: what this library needs and the table
 // lacks (processed_at, the index of pending rows the relay's claim walks, on
 // PostgreSQL the trigger that wakes the relay) is added, and no row is
-// rewritten or dropped; the columns keep their types.
+// rewritten or dropped; the columns keep their types. On PostgreSQL that
+// is the table the unqualified name acemq_outbox resolves to on db's
+// search_path: with search_path=svc,public and the estate's table in
+// public, Migrate works in public, and creates nothing in svc.
 func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 	if d == nil {
 		return &ConfigError{Field: "dialect", Reason: "nil; pass outbox.Postgres, outbox.MySQL or outbox.SQLite"}

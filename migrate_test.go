@@ -460,3 +460,55 @@ func downAndUpAgain(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) {
 		t.Fatalf("migrate up again: %v", err)
 	}
 }
+
+// With search_path=svc,public and the estate's acemq_outbox in public (the
+// Rails library created it there), an unqualified acemq_outbox names
+// public's table, and Migrate brings that one up to date, with the rest of
+// the schema beside it. CREATE TABLE IF NOT EXISTS alone would look in svc
+// only, create a second, empty acemq_outbox there, and from then on the
+// name would mean svc's: this service's messages in one table, the
+// estate's relays reading the other.
+func TestMigrate_PostgresSearchPath_AdoptsTheTableTheNameResolvesTo(t *testing.T) {
+	base := testdb.New(t, testdb.Postgres) // its schema plays public
+	testrails.CreateTable(t, base)
+	svc := base.Name + "_svc"
+	if _, err := base.Exec("CREATE SCHEMA " + svc); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = base.Exec("DROP SCHEMA " + svc + " CASCADE") })
+	dsn := strings.Replace(base.DSN, "search_path="+base.Name, "search_path="+svc+"%2C"+base.Name, 1)
+	if dsn == base.DSN {
+		t.Fatalf("no search_path in %s", base.DSN)
+	}
+	x, err := sqlx.Open("pgx", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = x.Close() })
+	db := &testdb.DB{DB: x, Kind: testdb.Postgres, DSN: dsn, Name: svc}
+	for i := 0; i < 2; i++ {
+		if err := outbox.Migrate(context.Background(), x.DB, outbox.Postgres); err != nil {
+			t.Fatalf("migrate #%d: %v", i+1, err)
+		}
+	}
+	var inSvc []string
+	if err := x.Select(&inSvc, "SELECT table_name FROM information_schema.tables WHERE table_schema = $1 ORDER BY 1", svc); err != nil {
+		t.Fatal(err)
+	}
+	if len(inSvc) != 0 {
+		t.Errorf("Migrate created %v in %s, want nothing: acemq_outbox is %s's", inSvc, svc, base.Name)
+	}
+	var adopted bool
+	if err := x.Get(&adopted, "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'acemq_outbox' AND column_name = 'processed_at')", base.Name); err != nil {
+		t.Fatal(err)
+	}
+	if !adopted {
+		t.Errorf("%s.acemq_outbox has no processed_at: not migrated", base.Name)
+	}
+	msg := keyed("order-1")
+	inTx(t, db, true, []*message.Message{msg})
+	var n int
+	if err := base.Get(&n, "SELECT COUNT(*) FROM acemq_outbox WHERE id = $1 AND seq = 1", msg.UUID); err != nil || n != 1 {
+		t.Errorf("%s.acemq_outbox holds %d rows of the message (%v), want 1", base.Name, n, err)
+	}
+}

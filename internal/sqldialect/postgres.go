@@ -166,11 +166,29 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
 		return err
 	}
+	if _, err := tx.ExecContext(ctx, migrateWhereOutboxIs); err != nil {
+		return err
+	}
 	if err := fn(tx); err != nil {
 		return err
 	}
 	return tx.Commit()
 }
+
+// migrateWhereOutboxIs puts the schema of the acemq_outbox an unqualified
+// name resolves to first in the migration's search_path, for its
+// transaction only (set_config's is_local), when that is not the schema
+// CREATE TABLE would use (current_schema). With search_path=svc,public and
+// the estate's table in public, the name means public's table, and the
+// migrations' CREATE TABLE IF NOT EXISTS would otherwise make a second,
+// empty one in svc, which the name would mean from then on. The rest of the
+// schema (its counters, the inbox's tables, the record of migrations) goes
+// beside the table it serves. Without such a table nothing changes (nor
+// for a view or a temporary table of that name).
+const migrateWhereOutboxIs = `SELECT set_config('search_path', quote_ident(n.nspname) || ', ' || current_setting('search_path'), true)
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE c.oid = to_regclass('acemq_outbox') AND c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
+      AND n.nspname IS DISTINCT FROM current_schema()`
 
 func (postgres) createMigrationsTable() string {
 	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
