@@ -4,6 +4,9 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"fmt"
+	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -143,5 +146,31 @@ func TestInbox_MySQL_OneRoundTrip_KeyExact(t *testing.T) {
 	}
 	if strings.Join(stored, "|") != strings.Join(ids, "|") {
 		t.Errorf("processed_messages holds %q, want %q", stored, ids)
+	}
+}
+
+// A key that is not UTF-8 (AMQP header strings are bytes, and another
+// language's producer may send any) is applied in order on MySQL, held and
+// all: its statements go with arguments, which the varbinary key columns
+// store as they are, where a _utf8mb4 literal would be refused.
+func TestOrderedInbox_MySQL_KeyNotUTF8_AppliedInOrder(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	var l applyLog
+	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+	key := "k\xff\xfe"
+	for _, seq := range []int{1, 3, 2} {
+		m := message.NewMessage(fmt.Sprintf("bytes-%d", seq), []byte("event"))
+		m.Metadata.Set(outbox.HeaderAggregateID, key)
+		m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(seq))
+		if _, err := h(m); err != nil {
+			t.Fatalf("seq %d: %v", seq, err)
+		}
+	}
+	if got := l.of(key); !reflect.DeepEqual(got, upTo(3)) {
+		t.Errorf("applied %v, want [1 2 3]", got)
+	}
+	if n := countHeld(t, db); n != 0 {
+		t.Errorf("%d held, want 0", n)
 	}
 }

@@ -3,13 +3,15 @@ package sqldialect
 import (
 	"strconv"
 	"strings"
+	"unicode/utf8"
 )
 
-// maxInlineBytes bounds the literals Inline writes into one statement: past
-// it the arguments go as they are, whatever that costs in round trips, so
-// that hex (two characters a byte) never takes a statement over MySQL's
-// max_allowed_packet where the arguments alone would fit.
-const maxInlineBytes = 1 << 20
+// maxInlineBytes bounds the statement Inline writes: past it the arguments
+// go as they are. Hex takes two characters a byte, and a server with a
+// small max_allowed_packet could refuse a statement whose arguments alone
+// would fit; and a round trip saved is worth nothing beside a statement of
+// that size.
+const maxInlineBytes = 64 << 10
 
 // Inline writes q's arguments into its text as literals, where the dialect
 // sends a statement with arguments in more round trips than one without
@@ -21,7 +23,8 @@ const maxInlineBytes = 1 << 20
 // A string is written as a hex literal with a utf8mb4 introducer
 // (_utf8mb4 X'…'): it reads the same under every sql_mode (backslash
 // escapes or not, ANSI quotes or not) and in every connection character
-// set, and holds any bytes.
+// set. A string that is not UTF-8 cannot be so written, and its statement
+// goes as it is.
 func (d mysql) inline(q Query) (Query, bool) {
 	if len(q.Args) == 0 {
 		return q, true
@@ -33,6 +36,13 @@ func (d mysql) inline(q Query) (Query, bool) {
 	for _, a := range q.Args {
 		switch v := a.(type) {
 		case string:
+			if !utf8.ValidString(v) {
+				// _utf8mb4 X'…' must hold UTF-8 (MySQL refuses it, error
+				// 1300, where an argument's bytes go into a varbinary
+				// column as they are): a key from another language's
+				// producer may not be.
+				return q, false
+			}
 			size += 12 + 2*len(v)
 		case []byte:
 			size += 3 + 2*len(v)
