@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -510,5 +511,63 @@ func TestMigrate_PostgresSearchPath_AdoptsTheTableTheNameResolvesTo(t *testing.T
 	var n int
 	if err := base.Get(&n, "SELECT COUNT(*) FROM acemq_outbox WHERE id = $1 AND seq = 1", msg.UUID); err != nil || n != 1 {
 		t.Errorf("%s.acemq_outbox holds %d rows of the message (%v), want 1", base.Name, n, err)
+	}
+}
+
+// A role that may use the estate's schema but not create in it (the table
+// is another role's) migrates a database whose migrations have all run:
+// Migrate creates nothing there, where PostgreSQL's CREATE TABLE IF NOT
+// EXISTS checks the privilege before it looks for the table. A migration
+// still to run fails, and says in which schema.
+func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testing.T) {
+	base := testdb.New(t, testdb.Postgres)
+	testrails.CreateTable(t, base)
+	migrate(t, base)
+	svc, role := base.Name+"_svc", "r_"+base.Name
+	for _, q := range []string{
+		"CREATE SCHEMA " + svc,
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE ON SCHEMA " + base.Name + " TO " + role,
+		"GRANT ALL ON SCHEMA " + svc + " TO " + role,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + base.Name + " TO " + role,
+	} {
+		if _, err := base.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = base.Exec("DROP SCHEMA " + svc + " CASCADE")
+		_, _ = base.Exec("DROP OWNED BY " + role)
+		_, _ = base.Exec("DROP ROLE " + role)
+	})
+	u, err := url.Parse(base.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	q := u.Query()
+	q.Set("search_path", svc+","+base.Name)
+	u.RawQuery = q.Encode()
+	x, err := sqlx.Open("pgx", u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = x.Close() })
+	if err := outbox.Migrate(context.Background(), x.DB, outbox.Postgres); err != nil {
+		t.Fatalf("migrate as %s, every migration applied: %v", role, err)
+	}
+	var inSvc int
+	if err := x.Get(&inSvc, "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = $1", svc); err != nil || inSvc != 0 {
+		t.Errorf("%d tables in %s (%v), want 0", inSvc, svc, err)
+	}
+	msg := keyed("order-1")
+	inTx(t, &testdb.DB{DB: x, Kind: testdb.Postgres}, true, []*message.Message{msg})
+
+	if _, err := base.Exec("DELETE FROM acemq_schema_migrations WHERE version = 3"); err != nil {
+		t.Fatal(err)
+	}
+	err = outbox.Migrate(context.Background(), x.DB, outbox.Postgres)
+	if err == nil || !strings.Contains(err.Error(), "in schema "+base.Name) || !strings.Contains(err.Error(), "permission denied") {
+		t.Fatalf("migrate as %s with 0003 to run: %v, want a permission error naming schema %s", role, err, base.Name)
 	}
 }

@@ -3,8 +3,12 @@ package outboxctl
 import (
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	outbox "github.com/acemq/watermill-outbox"
 )
@@ -73,7 +77,7 @@ func (c *cli) held(args []string) error {
 		} else if k.Missing <= 0 {
 			waiting = "nothing (next is held: its handler failed; the service's ApplyHeld retries it)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), printable(k.AggregateID), k.LastApplied, k.Held,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
 	}
 	if err := tw.Flush(); err != nil {
@@ -126,4 +130,21 @@ func (c *cli) skipGap(args []string) error {
 	fmt.Fprintf(c.stdout, "%s, key %q: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
 		*consumer, *key, skipped, *through)
 	return nil
+}
+
+// keyText is a key as the table shows it: as it is when that says which
+// key it is, else quoted as Go quotes it ("k ", "k\xff"). Keys that differ
+// in trailing spaces or in bytes a terminal does not show are different
+// keys, and --key must name the right one.
+func keyText(k string) string {
+	plain := k != "" && utf8.ValidString(k) && strings.TrimSpace(k) == k && !strings.HasPrefix(k, `"`)
+	for _, r := range k {
+		if !unicode.IsPrint(r) || unicode.IsSpace(r) && r != ' ' {
+			plain = false
+		}
+	}
+	if plain {
+		return k
+	}
+	return strconv.Quote(k)
 }

@@ -3,6 +3,8 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"errors"
+	"fmt"
 	"time"
 )
 
@@ -166,10 +168,16 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
 		return err
 	}
-	if _, err := tx.ExecContext(ctx, migrateWhereOutboxIs); err != nil {
+	var schema, path string
+	switch err := tx.QueryRowContext(ctx, migrateWhereOutboxIs).Scan(&schema, &path); {
+	case errors.Is(err, sql.ErrNoRows):
+	case err != nil:
 		return err
 	}
 	if err := fn(tx); err != nil {
+		if schema != "" {
+			return fmt.Errorf("in schema %s, where acemq_outbox resolves on the search_path: %w", schema, err)
+		}
 		return err
 	}
 	return tx.Commit()
@@ -185,17 +193,28 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 // schema (its counters, the inbox's tables, the record of migrations) goes
 // beside the table it serves. Without such a table nothing changes (nor
 // for a view or a temporary table of that name).
-const migrateWhereOutboxIs = `SELECT set_config('search_path', quote_ident(n.nspname) || ', ' || current_setting('search_path'), true)
+const migrateWhereOutboxIs = `SELECT n.nspname, set_config('search_path', quote_ident(n.nspname) || ', ' || current_setting('search_path'), true)
     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
     WHERE c.oid = to_regclass('acemq_outbox') AND c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
       AND n.nspname IS DISTINCT FROM current_schema()`
 
+// createMigrationsTable creates the table only where current_schema has
+// none: PostgreSQL checks the CREATE privilege on the schema before it
+// looks whether the table exists, so CREATE TABLE IF NOT EXISTS alone made
+// Migrate fail for a role that may not create tables there (a service
+// running with least privilege, or one whose outbox is in a schema another
+// role owns), even on a database with every migration applied.
 func (postgres) createMigrationsTable() string {
-	return `CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
-    version    integer        PRIMARY KEY,
-    name       varchar(255)   NOT NULL,
-    applied_at timestamptz(6) NOT NULL DEFAULT now()
-)`
+	return `DO $acemq$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = current_schema() AND c.relname = 'acemq_schema_migrations') THEN
+        CREATE TABLE IF NOT EXISTS acemq_schema_migrations (
+            version    integer        PRIMARY KEY,
+            name       varchar(255)   NOT NULL,
+            applied_at timestamptz(6) NOT NULL DEFAULT now()
+        );
+    END IF;
+END $acemq$`
 }
 
 func (postgres) insertMigration() string {
