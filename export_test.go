@@ -107,3 +107,6 @@ func SetTriggerRecheck(d time.Duration) (restore func()) {
 // process's commit (a LISTEN on a table whose NOTIFY trigger fires, or
 // SQLite's file watch), so that its poll is only a safety net.
 func Woken(f *Forwarder) bool { return f.woken.Load() }
+
+// StatementsSent is how many statements the store's relay sent.
+func StatementsSent(s *Store) int64 { return s.sent.Load() }

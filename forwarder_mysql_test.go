@@ -117,6 +117,9 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 // On MySQL the relay's claims and marks are prepared once per connection,
 // not prepared, run and closed for every batch (go-sql-driver's way with a
 // query that has arguments): a round trip and a parse fewer per statement.
+// What it does not prepare (an idle relay's probes, the mark of a batch of
+// another size) goes with its arguments in its text, one round trip too,
+// and prepares nothing either.
 func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
 	b := testamqp.New(t)
@@ -132,13 +135,20 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 		return n
 	}
 	before := prepares()
-	// No poll while the test runs: an idle relay's probes run unprepared,
-	// and would be counted here.
-	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, PollInterval: time.Hour, MinPollInterval: time.Hour})
+	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, PollInterval: 20 * time.Millisecond})
 	ran := make(chan error, 1)
 	go func() { ran <- f.Run(context.Background()) }()
 	if got := countIDs(b.Drain(queue, 100, 30*time.Second)); len(got) != 100 {
 		t.Fatalf("%d distinct messages arrived, want 100", len(got))
+	}
+	// Idle, probing every 20 ms (five probes at least); then a batch of 7,
+	// whose mark is of a size not prepared.
+	sent := outbox.StatementsSent(f.Store())
+	waitFor(t, 10*time.Second, "five idle probes", func() bool { return outbox.StatementsSent(f.Store()) >= sent+5 })
+	idle := prepares()
+	publishN(t, db, b.Exchange, "t", 7)
+	if got := countIDs(b.Drain(queue, 7, 30*time.Second)); len(got) != 7 {
+		t.Fatalf("%d distinct messages arrived, want 7", len(got))
 	}
 	if err := f.Close(); err != nil { // settles every batch
 		t.Fatal(err)
@@ -147,9 +157,13 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Ten batches and an empty claim: unprepared, 21 prepares or more.
-	if n := prepares() - before; n > 8 {
-		t.Errorf("the relay prepared %d statements for 10 batches, want each of its few once", n)
+	if n := idle - before; n > 8 {
+		t.Errorf("the relay prepared %d statements for 10 batches and its idle probes, want each of its few once", n)
 	}
+	if n := prepares() - idle; n != 0 {
+		t.Errorf("the relay prepared %d statements for a batch of 7, want 0: its mark goes in its text", n)
+	}
+	t.Logf("prepared %d for the drain and the idle probes, %d for the batch of 7", idle-before, prepares()-idle)
 	var pending int
 	if err := db.QueryRowx("SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil {
 		t.Fatal(err)
