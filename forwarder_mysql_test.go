@@ -141,12 +141,13 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 	if got := countIDs(b.Drain(queue, 100, 30*time.Second)); len(got) != 100 {
 		t.Fatalf("%d distinct messages arrived, want 100", len(got))
 	}
-	// Idle, probing every 20 ms (five probes at least); then a batch of 7,
-	// whose mark is of a size not prepared.
+	// Idle, probing every 20 ms (five probes at least); then 7 rows in one
+	// commit, claimed as a batch of 7, whose mark is of a size not
+	// prepared.
 	sent := outbox.StatementsSent(f.Store())
 	waitFor(t, 10*time.Second, "five idle probes", func() bool { return outbox.StatementsSent(f.Store()) >= sent+5 })
 	idle := prepares()
-	publishN(t, db, b.Exchange, "t", 7)
+	publishBatch(t, db, b.Exchange, "t", 7)
 	if got := countIDs(b.Drain(queue, 7, 30*time.Second)); len(got) != 7 {
 		t.Fatalf("%d distinct messages arrived, want 7", len(got))
 	}

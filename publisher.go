@@ -772,8 +772,7 @@ func reserveStamps(n int) time.Time {
 // exec and query run q in the caller's transaction, its arguments written
 // into its text where that saves round trips (sqldialect.Inline: on MySQL
 // one round trip where go-sql-driver would prepare, execute and close, for
-// every statement whatever the DSN; 0.95-0.99 of the floor's time instead of
-// 1.11-1.12, see the README's Measuring).
+// every statement whatever the DSN).
 func (p *TxPublisher) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
 	return p.tx.exec(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
 }

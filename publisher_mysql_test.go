@@ -43,7 +43,7 @@ func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.
 		if _, err := tx.ExecContext(ctx, "SET SESSION sql_mode = '"+mode+"'"); err != nil {
 			t.Fatal(err)
 		}
-		before := prepares(t, tx)
+		before := sessionPrepares(t, tx)
 		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "ex'\\?"})
 		if err != nil {
 			t.Fatal(err)
@@ -56,7 +56,7 @@ func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.
 		if err := pub.Publish("topic`?", keyed); err != nil {
 			t.Fatalf("sql_mode %q: publish again: %v", mode, err)
 		}
-		if n := prepares(t, tx) - before; n != 0 {
+		if n := sessionPrepares(t, tx) - before; n != 0 {
 			t.Errorf("sql_mode %q: %d statements prepared, want 0 (every statement in one round trip)", mode, n)
 		}
 		if _, err := tx.ExecContext(ctx, "SET SESSION sql_mode = DEFAULT"); err != nil {
@@ -102,8 +102,8 @@ func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.
 	}
 }
 
-// prepares is the session's count of prepared statements so far.
-func prepares(t testing.TB, tx *sqlx.Tx) int64 {
+// sessionPrepares is the session's count of prepared statements so far.
+func sessionPrepares(t testing.TB, tx *sqlx.Tx) int64 {
 	t.Helper()
 	var (
 		name string
@@ -128,7 +128,7 @@ func TestInbox_MySQL_OneRoundTrip_KeyExact(t *testing.T) {
 	h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ran++
 		tx, _ := outbox.TxFromContext(msg.Context())
-		counts = append(counts, prepares(t, tx))
+		counts = append(counts, sessionPrepares(t, tx))
 		return nil, nil
 	})
 	ids := []string{"first'it''s'\\?", "second\"`--#/*"}

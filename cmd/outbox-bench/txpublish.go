@@ -25,7 +25,9 @@ import (
 //	           body and its headers' JSON in a table of those three columns
 //
 // The floor is what any second statement costs: one more round trip to the
-// server. It separates what the outbox costs from what a second statement
+// server (on MySQL two: go-sql-driver prepares, executes and closes a
+// statement with arguments, where the publisher sends its statement in
+// one, so a ratio under 1 there is that round trip). It separates what the outbox costs from what a second statement
 // costs, which on a server whose commit is cheap is most of the overhead.
 // The message floor is what writing the message itself costs, which any
 // outbox pays: over it (txpublish_overhead_vs_message_floor), the outbox row

@@ -102,6 +102,15 @@ func (c *cli) skipGap(args []string) error {
 	if *consumer == "" || *key == "" || *through == 0 {
 		return usagef("skip-gap: give --consumer, --key and --through (see outboxctl held)")
 	}
+	if strings.HasPrefix(*key, `"`) {
+		// A key held shows quoted (see keyText), which it does for every
+		// key that starts with a quote: pasted as shown, it is unquoted.
+		k, err := strconv.Unquote(*key)
+		if err != nil {
+			return usagef("--key %s: starts with a quote but is not a quoted key as outboxctl held shows one: %v", *key, err)
+		}
+		*key = k
+	}
 	if *through < 0 {
 		return usagef("--through: %d; want a sequence number, 1 or more", *through)
 	}

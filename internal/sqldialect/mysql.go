@@ -241,16 +241,10 @@ func (mysql) lockInboxSequence() string { return selectInboxSequence + " FOR UPD
 // 0. A new row moved the key only for seq 1, written at 1.
 //
 // Each goes in one round trip, its arguments in its text (see inline; the
-// inbox sends every statement of a message's transaction so). Before, the
-// advance was prepared once per connection for the same one round trip,
-// and the dedupe key's insert took two (go-sql-driver prepares, executes
-// and closes a statement with arguments unless the DSN sets
-// interpolateParams): the in-order path then cost 1.13-1.23 of the plain
-// inbox, whose key took two round trips too. With every statement in one,
-// the in-order path is the plain inbox's statements and one more, 1.27-1.31
-// of a plain inbox that got faster (0.90 of its floor, from 1.03), and the
-// prepared statements, with their failure modes behind proxies that do not
-// keep them, are gone.
+// inbox sends every statement of a message's transaction so), as a
+// statement prepared once per connection would, but with nothing prepared
+// for a proxy to lose or a server to run out of. The in-order path is the
+// plain inbox's statements and this one more (CHANGELOG has the figures).
 func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 	advance := ApplyStep{
 		Query: Query{

@@ -168,11 +168,11 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
 		return err
 	}
-	var schema, path string
-	switch err := tx.QueryRowContext(ctx, migrateWhereOutboxIs).Scan(&schema, &path); {
+	var schema string
+	switch err := tx.QueryRowContext(ctx, migrateWhereOutboxIs).Scan(&schema, new(string)); {
 	case errors.Is(err, sql.ErrNoRows):
 	case err != nil:
-		return err
+		return fmt.Errorf("find the schema acemq_outbox resolves to: %w", err)
 	}
 	if err := fn(tx); err != nil {
 		if schema != "" {

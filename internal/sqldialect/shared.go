@@ -871,8 +871,9 @@ func (o *OrderedInbox) LowestHeld(consumer, key string) Query {
 // order, and a page's cursor is the key text the database returned, so it
 // compares exactly as it did (a held_at cursor would compare against a time
 // in whatever format its writer chose). The first page (after nil) has no
-// lower bound: under MySQL's PAD SPACE collations a key of spaces equals
-// ”, and one starting with a control byte sorts below it. Columns:
+// lower bound: a key starting with a control byte sorts below any bound,
+// and on a MySQL database not yet migrated to 0009 (keys in a PAD SPACE
+// collation) a key of spaces equals the empty string. Columns:
 // aggregate_id.
 func (o *OrderedInbox) Ready(consumer string, after *string, limit int) Query {
 	q := "SELECT h.aggregate_id FROM " + InboxHeldTable + " h JOIN " + InboxSequencesTable +
