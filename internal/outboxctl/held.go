@@ -19,8 +19,13 @@ type heldReport struct {
 }
 
 type heldKey struct {
-	Consumer     string    `json:"consumer"`
-	AggregateID  string    `json:"aggregate_id"`
+	Consumer    string `json:"consumer"`
+	AggregateID string `json:"aggregate_id"`
+	// Key is the key as skip-gap's --key takes it (see keyText):
+	// aggregate_id itself, or quoted where that text would not say which
+	// key it is, as for a key that is not UTF-8, which aggregate_id, a
+	// JSON string, holds with U+FFFD in place of its bytes.
+	Key          string    `json:"key"`
 	LastApplied  int64     `json:"last_applied"`
 	Held         int64     `json:"held"`
 	LowestHeld   int64     `json:"lowest_held"`
@@ -57,7 +62,7 @@ func (c *cli) held(args []string) error {
 	}
 	r := heldReport{Keys: make([]heldKey, len(gaps))}
 	for i, g := range gaps {
-		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, LastApplied: g.LastApplied, Held: g.Held,
+		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
 	}
 	if *asJSON {

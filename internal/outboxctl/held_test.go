@@ -89,6 +89,15 @@ func TestHeld_KeysDifferingInTrailingSpaces_Quoted(t *testing.T) {
 		if !strings.Contains(out, ` "order-7 " `) || !strings.Contains(out, " order-7 ") {
 			t.Errorf("held does not tell the two keys apart:\n%s", out)
 		}
+		js := decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
+		keys, _ := js["keys"].([]any)
+		var forSkip []string
+		for _, k := range keys {
+			forSkip = append(forSkip, k.(map[string]any)["key"].(string))
+		}
+		if strings.Join(forSkip, "|") != `order-7|"order-7 "` {
+			t.Errorf("held --json keys for skip-gap %q, want order-7 and \"order-7 \"", forSkip)
+		}
 		// As held shows it, quoted.
 		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", `"order-7 "`, "--through", "2")
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2 AND aggregate_id = 'order-7 '"); n != 1 {
