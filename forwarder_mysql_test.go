@@ -126,15 +126,7 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 	queue := b.Queue("t")
 	publishN(t, db, b.Exchange, "t", 100)
 	db.DB.SetMaxOpenConns(1) // one session, whose counters the test reads
-	prepares := func() int {
-		var name string
-		var n int
-		if err := db.QueryRowx("SHOW SESSION STATUS LIKE 'Com_stmt_prepare'").Scan(&name, &n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
-	before := prepares()
+	before := sessionPrepares(t, db)
 	f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 10, PollInterval: 20 * time.Millisecond})
 	ran := make(chan error, 1)
 	go func() { ran <- f.Run(context.Background()) }()
@@ -146,7 +138,7 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 	// prepared.
 	sent := outbox.StatementsSent(f.Store())
 	waitFor(t, 10*time.Second, "five idle probes", func() bool { return outbox.StatementsSent(f.Store()) >= sent+5 })
-	idle := prepares()
+	idle := sessionPrepares(t, db)
 	publishBatch(t, db, b.Exchange, "t", 7)
 	if got := countIDs(b.Drain(queue, 7, 30*time.Second)); len(got) != 7 {
 		t.Fatalf("%d distinct messages arrived, want 7", len(got))
@@ -161,10 +153,10 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 	if n := idle - before; n > 8 {
 		t.Errorf("the relay prepared %d statements for 10 batches and its idle probes, want each of its few once", n)
 	}
-	if n := prepares() - idle; n != 0 {
+	if n := sessionPrepares(t, db) - idle; n != 0 {
 		t.Errorf("the relay prepared %d statements for a batch of 7, want 0: its mark goes in its text", n)
 	}
-	t.Logf("prepared %d for the drain and the idle probes, %d for the batch of 7", idle-before, prepares()-idle)
+	t.Logf("prepared %d for the drain and the idle probes, %d for the batch of 7", idle-before, sessionPrepares(t, db)-idle)
 	var pending int
 	if err := db.QueryRowx("SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil {
 		t.Fatal(err)

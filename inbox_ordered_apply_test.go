@@ -209,24 +209,16 @@ func TestOrderedInbox_MySQL_NothingPrepared(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
 	db.DB.SetMaxOpenConns(1) // one session, whose counters the test reads
-	prepares := func() int {
-		var name string
-		var n int
-		if err := db.QueryRowx("SHOW SESSION STATUS LIKE 'Com_stmt_prepare'").Scan(&name, &n); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
 	var l applyLog
 	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
 	const n = 20
-	before := prepares()
+	before := sessionPrepares(t, db)
 	// In order, then a gap: held, then applied from the database.
 	deliver(t, h, "a", upTo(n)...)
 	deliver(t, h, "b", 1, 3, 2)
 	// Per message the handler's effect, prepared, run and closed by the
 	// driver (the test's own statement); nothing of the inbox's.
-	if got := prepares() - before; got != n+3 {
+	if got := sessionPrepares(t, db) - before; got != n+3 {
 		t.Errorf("%d prepares for %d messages, want %d: the handler's effects only", got, n+3, n+3)
 	}
 	if got := l.of("a"); !reflect.DeepEqual(got, upTo(n)) {

@@ -102,8 +102,11 @@ func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.
 	}
 }
 
-// sessionPrepares is the session's count of prepared statements so far.
-func sessionPrepares(t testing.TB, tx *sqlx.Tx) int64 {
+// sessionPrepares is the session's count of prepared statements so far, on
+// a transaction's connection, or a pool's with one connection.
+func sessionPrepares(t testing.TB, tx interface {
+	QueryRowx(query string, args ...any) *sqlx.Row
+}) int64 {
 	t.Helper()
 	var (
 		name string

@@ -27,8 +27,9 @@ import (
 // The floor is what any second statement costs: one more round trip to the
 // server (on MySQL two: go-sql-driver prepares, executes and closes a
 // statement with arguments, where the publisher sends its statement in
-// one, so a ratio under 1 there is that round trip). It separates what the outbox costs from what a second statement
-// costs, which on a server whose commit is cheap is most of the overhead.
+// one, so a ratio under 1 there is that round trip). It separates what the
+// outbox costs from what a second statement costs, which on a server whose
+// commit is cheap is most of the overhead.
 // The message floor is what writing the message itself costs, which any
 // outbox pays: over it (txpublish_overhead_vs_message_floor), the outbox row
 // is left, its other columns and its pending index, and the library's own
