@@ -334,7 +334,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		keyed     bool
 	)
 	if in.ordered != nil {
-		if aggregate, seq, keyed, err = orderKey(msg); err != nil {
+		if aggregate, seq, keyed, err = orderKey(msg, in.dialect.sql().TextKeys()); err != nil {
 			return inboxFailed, counted, err
 		}
 	}

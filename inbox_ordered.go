@@ -32,6 +32,15 @@ const maxAggregateID = 255
 // router's poison queue middleware can take it aside.
 var ErrInvalidSeq = errors.New("outbox: inbox: keyed message without a valid seq")
 
+// ErrInvalidKey is returned (and the message nacked) for a keyed message
+// whose aggregateId the ordered inbox cannot hold: longer than 255 bytes,
+// or, on PostgreSQL, whose text columns refuse them, not valid UTF-8 or
+// holding a NUL. This library's publisher never sends such a key; another
+// language's, on an outbox in MySQL or SQLite, can. Running the message
+// would apply it out of its key's order, and dropping it would lose it; a
+// router's poison queue middleware can take it aside.
+var ErrInvalidKey = errors.New("outbox: inbox: keyed message whose aggregateId the inbox cannot hold")
+
 // ErrNoHeld is returned by SkipGap for a key with no held message: there is
 // no gap to skip.
 var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
@@ -68,8 +77,9 @@ const voidHeader = "null"
 // false for a message without aggregateId metadata, which takes the
 // unordered path, and for one whose aggregateId and seq are both void: the
 // reference relay sends them on every row, void for an unkeyed one, and
-// AMQPMarshaler renders void as "null".
-func orderKey(msg *message.Message) (key string, seq int64, keyed bool, err error) {
+// AMQPMarshaler renders void as "null". textKeys: the database holds a
+// key as text (sqldialect.Dialect.TextKeys).
+func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed bool, err error) {
 	key = msg.Metadata.Get(HeaderAggregateID)
 	if key == "" {
 		return "", 0, false, nil
@@ -78,7 +88,12 @@ func orderKey(msg *message.Message) (key string, seq int64, keyed bool, err erro
 		return "", 0, false, nil
 	}
 	if len(key) > maxAggregateID {
-		return key, 0, true, fmt.Errorf("outbox: inbox: aggregateId %.80q… is longer than %d bytes", key, maxAggregateID)
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q… is %d bytes, over %d", ErrInvalidKey, dedupeKey(msg), key, len(key), maxAggregateID)
+	}
+	if textKeys {
+		if err := checkName(key); err != nil {
+			return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q %v, which PostgreSQL's text columns refuse", ErrInvalidKey, dedupeKey(msg), key, err)
+		}
 	}
 	text := msg.Metadata.Get(HeaderSeq)
 	seq, perr := strconv.ParseInt(text, 10, 64)

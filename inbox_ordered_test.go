@@ -684,6 +684,57 @@ func TestOrderedInbox_KeyedMessageWithoutValidSeq_FailsNamingItHandlerNotRun(t *
 	}
 }
 
+// A key the database cannot hold fails, naming the message and the key,
+// as ErrInvalidKey, which a poison queue middleware can take aside, rather
+// than with the driver's error on every delivery: over 255 bytes anywhere,
+// and on PostgreSQL (text columns) a NUL or bytes that are not UTF-8.
+// MySQL (varbinary) and SQLite hold those, and apply them in order.
+func TestOrderedInbox_KeyTheDatabaseCannotHold_ErrInvalidKeyNothingWritten(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		refused := []string{strings.Repeat("k", 256)}
+		held := []string{"k\x00nul", "k\xff\xfe"}
+		if d == outbox.Postgres {
+			refused = append(refused, held...)
+			held = nil
+		}
+		for i, key := range refused {
+			m := message.NewMessage(fmt.Sprintf("refused-%d", i), []byte("event"))
+			m.Metadata.Set(outbox.HeaderAggregateID, key)
+			m.Metadata.Set(outbox.HeaderSeq, "1")
+			_, err := h(m)
+			if !errors.Is(err, outbox.ErrInvalidKey) || !strings.Contains(err.Error(), m.UUID) {
+				t.Errorf("key %.20q: %v, want ErrInvalidKey naming %s", key, err, m.UUID)
+			}
+			if got := l.of(key); len(got) != 0 {
+				t.Errorf("key %.20q: handler ran for %v", key, got)
+			}
+			if n := countProcessed(t, db, m.UUID); n != 0 {
+				t.Errorf("key %.20q: %d dedupe rows, want none", key, n)
+			}
+		}
+		for i, key := range held {
+			for _, seq := range []int{1, 3, 2} {
+				m := message.NewMessage(fmt.Sprintf("bytes-%d-%d", i, seq), []byte("event"))
+				m.Metadata.Set(outbox.HeaderAggregateID, key)
+				m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(seq))
+				if _, err := h(m); err != nil {
+					t.Fatalf("key %q seq %d: %v", key, seq, err)
+				}
+			}
+			if got := l.of(key); !reflect.DeepEqual(got, upTo(3)) {
+				t.Errorf("key %q: applied %v, want [1 2 3]", key, got)
+			}
+		}
+		var n int
+		if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_inbox_sequences"); err != nil || n != len(held) {
+			t.Errorf("%d sequence rows (%v), want %d", n, err, len(held))
+		}
+	})
+}
+
 func TestOrderedInbox_WithoutOrdered_KeyedMessagesRunAsTheyCome(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)

@@ -44,6 +44,8 @@ func (mysql) Leases() bool { return false }
 // (The ordered inbox's keys are varbinary since 0009: exact.)
 func (mysql) PadsKeys() bool { return true }
 
+func (mysql) TextKeys() bool { return false }
+
 // PreparesRelay: go-sql-driver prepares, executes and closes a statement for
 // every query with arguments (unless the DSN sets interpolateParams), two
 // round trips and a parse of a hundred placeholders for each claim and mark.

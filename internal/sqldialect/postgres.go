@@ -72,6 +72,8 @@ func (postgres) Leases() bool { return false }
 
 func (postgres) PadsKeys() bool { return false }
 
+func (postgres) TextKeys() bool { return true }
+
 // PreparesRelay: pgx caches the statements it prepares on each connection
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.

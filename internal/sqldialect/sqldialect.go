@@ -56,6 +56,10 @@ type Dialect interface {
 	// comparisons (MySQL's _bin collations are PAD SPACE), so "k" and "k "
 	// would share one key's sequence numbers.
 	PadsKeys() bool
+	// TextKeys: the ordered inbox's key columns are text, which holds
+	// valid UTF-8 without NUL only (PostgreSQL); elsewhere they hold any
+	// bytes (MySQL's varbinary since 0009, SQLite's TEXT).
+	TextKeys() bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

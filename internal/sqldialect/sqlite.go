@@ -40,6 +40,8 @@ func (sqlite) Leases() bool { return true }
 
 func (sqlite) PadsKeys() bool { return false }
 
+func (sqlite) TextKeys() bool { return false }
+
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
