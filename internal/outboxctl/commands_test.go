@@ -3,6 +3,7 @@ package outboxctl
 import (
 	"encoding/json"
 	"math"
+	"net/url"
 	"regexp"
 	"slices"
 	"sort"
@@ -83,7 +84,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"database", "inbox_table", "max_attempts", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
@@ -121,12 +122,15 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		// The wake-up, on PostgreSQL: the trigger fires after migrate, and
 		// status says so when it is disabled; null elsewhere.
 		if kind != "postgres" {
-			if got["notify_trigger"] != nil {
-				t.Errorf("notify_trigger = %v on %s, want null", got["notify_trigger"], kind)
+			if got["notify_trigger"] != nil || got["also_on_search_path"] != nil {
+				t.Errorf("notify_trigger = %v, also_on_search_path = %v on %s, want null", got["notify_trigger"], got["also_on_search_path"], kind)
 			}
 		} else {
 			if got["notify_trigger"] != true {
 				t.Errorf("notify_trigger = %v after migrate, want true", got["notify_trigger"])
+			}
+			if v, ok := got["also_on_search_path"].([]any); !ok || len(v) != 0 {
+				t.Errorf("also_on_search_path = %v, want []", got["also_on_search_path"])
 			}
 			if !regexp.MustCompile(`(?m)^wake-up\s+NOTIFY at commit \(trigger acemq_outbox_notify\)$`).MatchString(human) {
 				t.Errorf("status output has no wake-up line:\n%s", human)
@@ -160,6 +164,41 @@ func TestStatus_InboxElsewhere_ReportsNoTableRatherThanFailing(t *testing.T) {
 			t.Errorf("status does not say the inbox table is absent:\n%s", human)
 		}
 	})
+}
+
+// A table of the outbox's name in a later schema of the search path is what
+// a process with another search_path uses under the same name (a database
+// an earlier Migrate split): status names it. Not one off the path, not the
+// one the name resolves to, and nothing for a schema-qualified --table.
+func TestStatus_Postgres_NamesTheOutboxElsewhereOnTheSearchPath(t *testing.T) {
+	db := migrated(t, "postgres")
+	later, off := db.Name+"_later", db.Name+"_off"
+	for _, schema := range []string{later, off} {
+		execSQL(t, db, "CREATE SCHEMA "+schema)
+		t.Cleanup(func() { execSQL(t, db, "DROP SCHEMA "+schema+" CASCADE") })
+		execSQL(t, db, "CREATE TABLE "+schema+".acemq_outbox (id text PRIMARY KEY)")
+	}
+	u, err := url.Parse(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	q.Set("search_path", db.Name+","+later)
+	u.RawQuery = q.Encode()
+	dsn := u.String()
+
+	got := decodeJSON(t, mustCtl(t, "status", "--db", dsn, "--json"))
+	if v, _ := got["also_on_search_path"].([]any); len(v) != 1 || v[0] != later+".acemq_outbox" {
+		t.Errorf("also_on_search_path = %v, want [%s.acemq_outbox]", got["also_on_search_path"], later)
+	}
+	human := mustCtl(t, "status", "--db", dsn)
+	if !regexp.MustCompile(`(?m)^also on the search path\s+` + later + `\.acemq_outbox: `).MatchString(human) {
+		t.Errorf("status does not name %s.acemq_outbox:\n%s", later, human)
+	}
+	got = decodeJSON(t, mustCtl(t, "status", "--db", dsn, "--json", "--table", db.Name+".acemq_outbox"))
+	if v, ok := got["also_on_search_path"].([]any); !ok || len(v) != 0 {
+		t.Errorf("with a schema-qualified --table: also_on_search_path = %v, want []", got["also_on_search_path"])
+	}
 }
 
 func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {

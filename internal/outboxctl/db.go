@@ -324,6 +324,30 @@ func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error
 	return fires, err
 }
 
+// alsoOnSearchPath (PostgreSQL) lists the tables of table's name in the
+// search path's other schemas (sqldialect.Outbox.AlsoOnSearchPath).
+func (d *database) alsoOnSearchPath(ctx context.Context, table string) ([]string, error) {
+	o, err := sqldialect.NewOutbox(sqldialect.Postgres, table)
+	if err != nil {
+		return nil, err
+	}
+	q := o.AlsoOnSearchPath()
+	rows, err := d.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	tables := []string{}
+	for rows.Next() {
+		var t string
+		if err := rows.Scan(&t); err != nil {
+			return nil, err
+		}
+		tables = append(tables, t)
+	}
+	return tables, rows.Err()
+}
+
 // missingTableError is a table the statement needed that is not there.
 type missingTableError struct {
 	table string

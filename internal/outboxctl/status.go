@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -27,6 +28,11 @@ type statusReport struct {
 	// NotifyTrigger: on PostgreSQL, whether the table's NOTIFY trigger
 	// fires, so that a commit wakes a listening relay; null elsewhere.
 	NotifyTrigger *bool `json:"notify_trigger"`
+	// AlsoOnSearchPath: on PostgreSQL, the tables of the outbox's name in
+	// the search path's other schemas (schema.table, path order), which a
+	// process with another search_path reads and writes under the same
+	// name; [] when none, null elsewhere.
+	AlsoOnSearchPath []string `json:"also_on_search_path"`
 }
 
 func (c *cli) status(args []string) error {
@@ -71,6 +77,9 @@ func (c *cli) status(args []string) error {
 			return d.explain(err, c.g.table)
 		}
 		r.NotifyTrigger = &fires
+		if r.AlsoOnSearchPath, err = d.alsoOnSearchPath(c.ctx, c.g.table); err != nil {
+			return d.explain(err, c.g.table)
+		}
 	}
 	// The inbox may live in the consumers' database rather than this one.
 	if ok, err := d.hasTable(c.ctx, c.g.inboxTable); err != nil {
@@ -106,6 +115,10 @@ func (c *cli) status(args []string) error {
 		} else {
 			fmt.Fprintf(tw, "wake-up\tnone: trigger %s missing or disabled, relays poll adaptively\n", sqldialect.NotifyTriggerName)
 		}
+	}
+	if len(r.AlsoOnSearchPath) > 0 {
+		fmt.Fprintf(tw, "also on the search path\t%s: a service with another search_path uses it under the same name "+
+			"(a database split by an earlier migrate? see the CHANGELOG)\n", strings.Join(r.AlsoOnSearchPath, ", "))
 	}
 	if r.Processed == nil {
 		fmt.Fprintf(tw, "%s\t- (no such table in this database)\n", r.InboxTable)

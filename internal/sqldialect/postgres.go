@@ -65,6 +65,18 @@ func (o *Outbox) NotifyTrigger() Query {
 		` LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`, o.table)
 }
 
+// AlsoOnSearchPath (PostgreSQL) lists, as schema.table in search-path
+// order, the tables of the outbox's name in the path's other schemas than
+// the one the name resolves to: what a process with another search_path
+// would read and write under the same name (a database an earlier Migrate
+// split, say; see the CHANGELOG). No row for a schema-qualified name.
+// Column: text.
+func (o *Outbox) AlsoOnSearchPath() Query {
+	return o.query(`SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace`+
+		` WHERE ? = '' AND c.relname = ? AND c.relkind IN ('r', 'p') AND n.nspname = ANY (current_schemas(false))`+
+		` AND c.oid IS DISTINCT FROM to_regclass(?) ORDER BY array_position(current_schemas(false), n.nspname)`, o.schema, o.name, o.table)
+}
+
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
 // held by the relay's transaction. A relay that dies releases it with its
 // connection, at once; a second relay skips the locked rows.
