@@ -625,6 +625,12 @@ type StuckRecord struct {
 	Attempts   int
 	LastError  string
 	CreatedAt  time.Time // UTC
+	// LockedBy and LockedUntil (UTC) are the row's lease as written: a
+	// relay that claimed it under another MaxAttempts (another library's,
+	// say) holds it while LockedUntil is in the future, and Retry leaves it
+	// alone meanwhile. "" and the zero time for a row never leased.
+	LockedBy    string
+	LockedUntil time.Time
 }
 
 // Stuck lists up to limit rows at MaxAttempts, oldest first.
@@ -638,14 +644,16 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 	var out []StuckRecord
 	for rows.Next() {
 		var (
-			r                             StuckRecord
-			exchange, routingKey, lastErr sql.NullString
-			created                       = sqldialect.NewTime(s.dialect.sql())
+			r                                       StuckRecord
+			exchange, routingKey, lastErr, lockedBy sql.NullString
+			created                                 = sqldialect.NewTime(s.dialect.sql())
+			lockedUntil                             = sqldialect.NewTime(s.dialect.sql())
 		)
-		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created); err != nil {
+		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil); err != nil {
 			return nil, fmt.Errorf("outbox: stuck: %w", err)
 		}
 		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
+		r.LockedBy, r.LockedUntil = lockedBy.String, lockedUntil.T
 		out = append(out, r)
 	}
 	return out, rows.Err()

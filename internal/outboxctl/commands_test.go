@@ -225,8 +225,11 @@ func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {
 			t.Errorf("JSON fields %v, want %v", keys(raw), want)
 		}
 		row := raw["rows"].([]any)[0].(map[string]any)
-		if want := []string{"attempts", "created_at", "exchange", "id", "last_error", "routing_key"}; !slices.Equal(keys(row), want) {
+		if want := []string{"attempts", "created_at", "exchange", "id", "last_error", "leased_by", "leased_until", "routing_key"}; !slices.Equal(keys(row), want) {
 			t.Errorf("row fields %v, want %v", keys(row), want)
+		}
+		if row["leased_by"] != nil || row["leased_until"] != nil {
+			t.Errorf("leased_by %v, leased_until %v for a row no relay holds, want null", row["leased_by"], row["leased_until"])
 		}
 
 		human := mustCtl(t, "stuck", "--db", f.db.DSN)
@@ -243,6 +246,35 @@ func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {
 			t.Errorf("stuck --limit 1 should show one row and say there are two:\n%s", limited)
 		}
 		ctl(t, nil, "stuck", "--db", f.db.DSN, "--limit", "0").wantFailure(t, 2, "--limit: 0")
+
+		// A relay with a higher ceiling (another library's) holds the
+		// second under a live lease: stuck says by whom and until when,
+		// which is why retry leaves it alone; an expired lease is none.
+		until := time.Now().Add(time.Hour).UTC().Truncate(time.Second)
+		execSQL(t, f.db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
+		execSQL(t, f.db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "gone-relay", ts(kind, until.Add(-2*time.Hour)), f.stuck[0])
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", f.db.DSN, "--json")), &got); err != nil {
+			t.Fatal(err)
+		}
+		if r := got.Rows[0]; r.LeasedBy != nil || r.LeasedUntil != nil {
+			t.Errorf("%s under an expired lease: leased_by %v, leased_until %v, want null", r.ID, r.LeasedBy, r.LeasedUntil)
+		}
+		if r := got.Rows[1]; r.LeasedBy == nil || *r.LeasedBy != "rails-relay-7" || r.LeasedUntil == nil || !r.LeasedUntil.Equal(until) {
+			t.Errorf("%s under a live lease: leased_by %v, leased_until %v, want rails-relay-7 until %s", r.ID, r.LeasedBy, r.LeasedUntil, until)
+		}
+		human = mustCtl(t, "stuck", "--db", f.db.DSN)
+		for _, line := range []*regexp.Regexp{
+			regexp.MustCompile(`(?m)^ID\s+DESTINATION \(EXCHANGE / ROUTING KEY\)\s+ATTEMPTS\s+CREATED\s+LEASED BY \(UNTIL\)\s+LAST ERROR$`),
+			regexp.MustCompile(`(?m)^` + f.stuck[1] + `\s+\(default\) / orders\s+12\s+\S+ \S+Z\s+rails-relay-7 \(` + regexp.QuoteMeta(until.Format("2006-01-02 15:04:05Z")) + `\)\s+unroutable$`),
+			regexp.MustCompile(`(?m)^` + f.stuck[0] + `\s+\(default\) / orders\s+10\s+\S+ \S+Z\s+-\s+connection reset by peer$`),
+		} {
+			if !line.MatchString(human) {
+				t.Errorf("stuck output does not match %s:\n%s", line, human)
+			}
+		}
+		if out := mustCtl(t, "retry", "--all-stuck", "--db", f.db.DSN); !strings.HasPrefix(out, "1 row made pending again") || !strings.Contains(out, "1 row still stuck") {
+			t.Errorf("retry --all-stuck with one row under a live lease: %q", out)
+		}
 	})
 }
 

@@ -22,6 +22,11 @@ type stuckRow struct {
 	Attempts   int       `json:"attempts"`
 	LastError  string    `json:"last_error"`
 	CreatedAt  time.Time `json:"created_at"`
+	// LeasedBy and LeasedUntil: the relay that holds the row under a live
+	// lease (one with another MaxAttempts, another library's say), which
+	// retry leaves alone until LeasedUntil; null when none holds it.
+	LeasedBy    *string    `json:"leased_by"`
+	LeasedUntil *time.Time `json:"leased_until"`
 }
 
 func (c *cli) stuck(args []string) error {
@@ -56,9 +61,14 @@ func (c *cli) stuck(args []string) error {
 		return d.explain(err, c.g.table)
 	}
 	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(st.Stuck, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
+	now, leased := time.Now(), false
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: rec.ID, Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
+		if rec.LockedUntil.After(now) {
+			by, until := rec.LockedBy, rec.LockedUntil.UTC()
+			r.Rows[i].LeasedBy, r.Rows[i].LeasedUntil, leased = &by, &until, true
+		}
 	}
 	if *asJSON {
 		return writeJSON(c.stdout, r)
@@ -68,14 +78,27 @@ func (c *cli) stuck(args []string) error {
 		return nil
 	}
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tDESTINATION (EXCHANGE / ROUTING KEY)\tATTEMPTS\tCREATED\tLAST ERROR")
+	// A lease column only when a relay holds one of them: retry leaves
+	// those alone, and this says why and until when.
+	lease := func(stuckRow) string { return "" }
+	header := "ID\tDESTINATION (EXCHANGE / ROUTING KEY)\tATTEMPTS\tCREATED\tLAST ERROR"
+	if leased {
+		header = "ID\tDESTINATION (EXCHANGE / ROUTING KEY)\tATTEMPTS\tCREATED\tLEASED BY (UNTIL)\tLAST ERROR"
+		lease = func(row stuckRow) string {
+			if row.LeasedBy == nil {
+				return "-\t"
+			}
+			return fmt.Sprintf("%s (%s)\t", printable(*row.LeasedBy), row.LeasedUntil.Format("2006-01-02 15:04:05Z"))
+		}
+	}
+	fmt.Fprintln(tw, header)
 	for _, row := range r.Rows {
 		exchange := row.Exchange
 		if exchange == "" {
 			exchange = "(default)"
 		}
-		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s\n", printable(row.ID), printable(exchange), printable(row.RoutingKey),
-			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), printable(row.LastError))
+		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", printable(row.ID), printable(exchange), printable(row.RoutingKey),
+			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), lease(row), printable(row.LastError))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

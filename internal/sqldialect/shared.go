@@ -545,7 +545,7 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 // Stuck lists up to limit rows at maxAttempts, oldest first. Columns: id,
 // exchange_name, routing_key, attempts, last_error, created_at.
 func (o *Outbox) Stuck(maxAttempts, limit int) Query {
-	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at FROM "+o.table+
+	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at, locked_by, locked_until FROM "+o.table+
 		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", maxAttempts, limit)
 }
 
