@@ -2,6 +2,8 @@ package outbox_test
 
 import (
 	"context"
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"testing"
 	"time"
 
@@ -217,5 +219,87 @@ func TestForwarder_Postgres_NotifyTriggerDisabled_RelayPollsAdaptively(t *testin
 	waitFor(t, 10*time.Second, "the relay to count on the trigger again", func() bool { return outbox.Woken(f) })
 	if n := len(logs.find("The outbox table has no enabled NOTIFY trigger: commits do not wake the relay, which polls adaptively")); n != 1 {
 		t.Errorf("the disabled trigger was logged %d times over several looks, want once", n)
+	}
+}
+
+// On PostgreSQL a row made pending again by an UPDATE in another process
+// (outboxctl retry, a Republish at another service's boot) wakes a
+// listening relay as an insert does, though the NOTIFY trigger fires on
+// INSERT only: the relay, which polls once an hour here, sends it at once.
+func TestForwarder_Postgres_RetryAndRepublishElsewhere_WakeTheRelay(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, MinPollInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go func() { _ = f.Run(ctx) }()
+	<-f.Running()
+	other := otherPool(t, db)
+	// A first message shows the relay hears the trigger's notification.
+	waitFor(t, 10*time.Second, "LISTEN", func() bool {
+		var n int
+		_ = db.Get(&n, "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN acemq_outbox' AND datname = current_database()")
+		return n > 0
+	})
+	publishN(t, other, b.Exchange, "t", 1)
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+		t.Fatal("the first message did not arrive: the relay does not hear the trigger")
+	}
+
+	// A row stuck when its transaction commits: the commit's notification
+	// wakes the relay, which finds nothing to claim.
+	tx, err := other.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: b.Exchange})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(watermill.NewUUID(), []byte("stuck"))
+	if err := pub.Publish("t", msg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec("UPDATE acemq_outbox SET attempts = 10 WHERE id = $1", msg.UUID); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.Drain(queue, 1, 300*time.Millisecond); len(got) != 0 {
+		t.Fatalf("a stuck row was published")
+	}
+
+	store, err := outbox.NewStore(other.DB, outbox.StoreConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := store.Retry(context.Background(), msg.UUID); err != nil || n != 1 {
+		t.Fatalf("retry: %d, %v", n, err)
+	}
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != msg.UUID {
+		t.Fatal("the retried row did not arrive within 10 s: the retry did not wake the relay")
+	}
+
+	// Published an hour ago and never processed: Republish makes it
+	// pending again.
+	waitFor(t, 10*time.Second, "the mark", func() bool {
+		var n int
+		_ = db.Get(&n, "SELECT count(*) FROM acemq_outbox WHERE id = $1 AND published_at IS NOT NULL", msg.UUID)
+		return n == 1
+	})
+	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = published_at - interval '1 hour' WHERE id = $1", msg.UUID); err != nil {
+		t.Fatal(err)
+	}
+	rp, err := outbox.NewRepublisher(other.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("t"), Grace: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rp.Republish(context.Background()); err != nil || n != 1 {
+		t.Fatalf("republish: %d, %v", n, err)
+	}
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != msg.UUID {
+		t.Fatal("the republished row did not arrive within 10 s: the republish did not wake the relay")
 	}
 }

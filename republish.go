@@ -129,6 +129,7 @@ func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("outbox: republish: %w", err)
 	}
+	r.store.wake(ctx, n)
 	if n > 0 {
 		r.cfg.Logger.Info("Unprocessed outbox records made pending again", watermill.LogFields{"records": n, "grace": r.cfg.Grace})
 		if r.cfg.Notify != nil {

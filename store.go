@@ -672,6 +672,7 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry: %w", err)
 	}
+	s.wake(ctx, n)
 	return n, nil
 }
 
@@ -682,7 +683,20 @@ func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry stuck: %w", err)
 	}
+	s.wake(ctx, n)
 	return n, nil
+}
+
+// wake tells listening relays, on PostgreSQL, of n rows an UPDATE made
+// pending again (the NOTIFY trigger fires on INSERT only), so that they
+// claim them now rather than at their next poll, a PollInterval away. The
+// rows are pending whether or not it is heard: its error is dropped, and
+// the poll still finds them.
+func (s *Store) wake(ctx context.Context, n int64) {
+	if n > 0 && s.listens() {
+		q := s.q.Wake()
+		_, _ = s.db.ExecContext(ctx, q.SQL, q.Args...)
+	}
 }
 
 // PurgePublished deletes rows published longer than olderThan ago, in

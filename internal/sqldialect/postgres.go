@@ -65,6 +65,16 @@ func (o *Outbox) NotifyTrigger() Query {
 		` LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`, o.table)
 }
 
+// Wake (PostgreSQL) sends the notification the table's NOTIFY trigger
+// sends when rows are inserted, for rows an UPDATE made pending again
+// (retry, republish), which the trigger does not see: listening relays
+// claim them now rather than at their next poll. No row, and no
+// notification, when the table is not there.
+func (o *Outbox) Wake() Query {
+	return o.query(`SELECT pg_notify('`+NotifyChannel+`', n.nspname || '.' || c.relname) FROM pg_class c`+
+		` JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)`, o.table)
+}
+
 // AlsoOnSearchPath (PostgreSQL) lists, as schema.table in search-path
 // order, the tables of the outbox's name in the path's other schemas than
 // the one the name resolves to: what a process with another search_path
