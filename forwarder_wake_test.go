@@ -2,11 +2,11 @@ package outbox_test
 
 import (
 	"context"
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -249,47 +249,59 @@ func TestForwarder_Postgres_RetryAndRepublishElsewhere_WakeTheRelay(t *testing.T
 
 	// A row stuck when its transaction commits: the commit's notification
 	// wakes the relay, which finds nothing to claim.
-	tx, err := other.Beginx()
-	if err != nil {
-		t.Fatal(err)
+	stuckRow := func() string {
+		t.Helper()
+		tx, err := other.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: b.Exchange})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg := message.NewMessage(watermill.NewUUID(), []byte("stuck"))
+		if err := pub.Publish("t", msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec("UPDATE acemq_outbox SET attempts = 10 WHERE id = $1", msg.UUID); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if got := b.Drain(queue, 1, 300*time.Millisecond); len(got) != 0 {
+			t.Fatalf("a stuck row was published")
+		}
+		return msg.UUID
 	}
-	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: b.Exchange})
-	if err != nil {
-		t.Fatal(err)
-	}
-	msg := message.NewMessage(watermill.NewUUID(), []byte("stuck"))
-	if err := pub.Publish("t", msg); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec("UPDATE acemq_outbox SET attempts = 10 WHERE id = $1", msg.UUID); err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if got := b.Drain(queue, 1, 300*time.Millisecond); len(got) != 0 {
-		t.Fatalf("a stuck row was published")
-	}
-
 	store, err := outbox.NewStore(other.DB, outbox.StoreConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, err := store.Retry(context.Background(), msg.UUID); err != nil || n != 1 {
-		t.Fatalf("retry: %d, %v", n, err)
+	var id string // the last row retried
+	for _, retry := range []struct {
+		name string
+		run  func(id string) (int64, error)
+	}{
+		{"Retry", func(id string) (int64, error) { return store.Retry(context.Background(), id) }},
+		{"RetryAllStuck", func(string) (int64, error) { return store.RetryAllStuck(context.Background()) }},
+	} {
+		id = stuckRow()
+		if n, err := retry.run(id); err != nil || n != 1 {
+			t.Fatalf("%s: %d, %v", retry.name, n, err)
+		}
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != id {
+			t.Fatalf("the row did not arrive within 10 s: %s did not wake the relay", retry.name)
+		}
 	}
-	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != msg.UUID {
-		t.Fatal("the retried row did not arrive within 10 s: the retry did not wake the relay")
-	}
-
 	// Published an hour ago and never processed: Republish makes it
 	// pending again.
 	waitFor(t, 10*time.Second, "the mark", func() bool {
 		var n int
-		_ = db.Get(&n, "SELECT count(*) FROM acemq_outbox WHERE id = $1 AND published_at IS NOT NULL", msg.UUID)
+		_ = db.Get(&n, "SELECT count(*) FROM acemq_outbox WHERE id = $1 AND published_at IS NOT NULL", id)
 		return n == 1
 	})
-	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = published_at - interval '1 hour' WHERE id = $1", msg.UUID); err != nil {
+	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = published_at - interval '1 hour' WHERE id = $1", id); err != nil {
 		t.Fatal(err)
 	}
 	rp, err := outbox.NewRepublisher(other.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("t"), Grace: time.Minute})
@@ -299,7 +311,7 @@ func TestForwarder_Postgres_RetryAndRepublishElsewhere_WakeTheRelay(t *testing.T
 	if n, err := rp.Republish(context.Background()); err != nil || n != 1 {
 		t.Fatalf("republish: %d, %v", n, err)
 	}
-	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != msg.UUID {
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != id {
 		t.Fatal("the republished row did not arrive within 10 s: the republish did not wake the relay")
 	}
 }

@@ -85,8 +85,8 @@ type InboxConfig struct {
 	// itself as the key's last applied in the handler's transaction; a later
 	// one is held in acemq_inbox_held and acked, and runs, in a transaction
 	// of its own, right after its predecessor commits. A keyed message whose
-	// seq is missing or not a positive integer fails with ErrInvalidSeq.
-	// Unkeyed messages take the unordered path. Needs sqlschema's 0006
+	// seq is missing or not a positive integer fails with ErrInvalidSeq, and
+	// one whose key the database cannot hold with ErrInvalidKey. Unkeyed messages take the unordered path. Needs sqlschema's 0006
 	// tables; not with AtMostOnce (a held message's effect would have no
 	// key committed before it). See ApplyHeld, Gaps and SkipGap.
 	Ordered bool

@@ -625,17 +625,18 @@ type StuckRecord struct {
 	Attempts   int
 	LastError  string
 	CreatedAt  time.Time // UTC
-	// LockedBy and LockedUntil (UTC) are the row's lease as written: a
-	// relay that claimed it under another MaxAttempts (another library's,
-	// say) holds it while LockedUntil is in the future, and Retry leaves it
-	// alone meanwhile. "" and the zero time for a row never leased.
-	LockedBy    string
-	LockedUntil time.Time
+	// Leased: a relay holds the row under a live lease (one that claimed
+	// it under a higher MaxAttempts, another library's say), which Retry
+	// leaves alone until LeasedUntil (UTC), by LeasedBy, its locked_by. A
+	// failed keyed record's backoff is no lease: Retry ends it.
+	Leased      bool
+	LeasedBy    string
+	LeasedUntil time.Time
 }
 
 // Stuck lists up to limit rows at MaxAttempts, oldest first.
 func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
-	q := s.q.Stuck(s.cfg.MaxAttempts, limit)
+	q := s.q.Stuck(s.cfg.MaxAttempts, limit, time.Now())
 	rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return nil, fmt.Errorf("outbox: stuck: %w", err)
@@ -649,11 +650,13 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 			created                                 = sqldialect.NewTime(s.dialect.sql())
 			lockedUntil                             = sqldialect.NewTime(s.dialect.sql())
 		)
-		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil); err != nil {
+		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil, &r.Leased); err != nil {
 			return nil, fmt.Errorf("outbox: stuck: %w", err)
 		}
 		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
-		r.LockedBy, r.LockedUntil = lockedBy.String, lockedUntil.T
+		if r.Leased {
+			r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
+		}
 		out = append(out, r)
 	}
 	return out, rows.Err()

@@ -249,7 +249,9 @@ func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {
 
 		// A relay with a higher ceiling (another library's) holds the
 		// second under a live lease: stuck says by whom and until when,
-		// which is why retry leaves it alone; an expired lease is none.
+		// which is why retry leaves it alone. An expired lease is none, and
+		// neither is a failed keyed record's backoff (retry-after), which
+		// retry ends.
 		until := time.Now().Add(time.Hour).UTC().Truncate(time.Second)
 		execSQL(t, f.db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
 		execSQL(t, f.db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "gone-relay", ts(kind, until.Add(-2*time.Hour)), f.stuck[0])
@@ -272,8 +274,15 @@ func TestStuck_ListsRowsAtTheCeilingWithDestinationAndError(t *testing.T) {
 				t.Errorf("stuck output does not match %s:\n%s", line, human)
 			}
 		}
+		execSQL(t, f.db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "retry-after", ts(kind, until), f.stuck[0])
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", f.db.DSN, "--json")), &got); err != nil {
+			t.Fatal(err)
+		}
+		if r := got.Rows[0]; r.LeasedBy != nil || r.LeasedUntil != nil {
+			t.Errorf("%s in a keyed record's backoff: leased_by %v, leased_until %v, want null (no lease: retry ends it)", r.ID, r.LeasedBy, r.LeasedUntil)
+		}
 		if out := mustCtl(t, "retry", "--all-stuck", "--db", f.db.DSN); !strings.HasPrefix(out, "1 row made pending again") || !strings.Contains(out, "1 row still stuck") {
-			t.Errorf("retry --all-stuck with one row under a live lease: %q", out)
+			t.Errorf("retry --all-stuck with one row under a live lease and one in a backoff: %q", out)
 		}
 	})
 }

@@ -23,8 +23,9 @@ type stuckRow struct {
 	LastError  string    `json:"last_error"`
 	CreatedAt  time.Time `json:"created_at"`
 	// LeasedBy and LeasedUntil: the relay that holds the row under a live
-	// lease (one with another MaxAttempts, another library's say), which
-	// retry leaves alone until LeasedUntil; null when none holds it.
+	// lease (one with a higher ceiling, another library's say), which retry
+	// leaves alone until LeasedUntil; null when none holds it. LeasedUntil
+	// is null too for a lease whose end cannot be read.
 	LeasedBy    *string    `json:"leased_by"`
 	LeasedUntil *time.Time `json:"leased_until"`
 }
@@ -61,13 +62,17 @@ func (c *cli) stuck(args []string) error {
 		return d.explain(err, c.g.table)
 	}
 	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(st.Stuck, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
-	now, leased := time.Now(), false
+	leased := false
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: rec.ID, Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
-		if rec.LockedUntil.After(now) {
-			by, until := rec.LockedBy, rec.LockedUntil.UTC()
-			r.Rows[i].LeasedBy, r.Rows[i].LeasedUntil, leased = &by, &until, true
+		if rec.Leased {
+			by := rec.LeasedBy
+			r.Rows[i].LeasedBy, leased = &by, true
+			if !rec.LeasedUntil.IsZero() {
+				until := rec.LeasedUntil.UTC()
+				r.Rows[i].LeasedUntil = &until
+			}
 		}
 	}
 	if *asJSON {
@@ -88,7 +93,14 @@ func (c *cli) stuck(args []string) error {
 			if row.LeasedBy == nil {
 				return "-\t"
 			}
-			return fmt.Sprintf("%s (%s)\t", printable(*row.LeasedBy), row.LeasedUntil.Format("2006-01-02 15:04:05Z"))
+			by, until := printable(*row.LeasedBy), "?"
+			if by == "" {
+				by = "(no locked_by)"
+			}
+			if row.LeasedUntil != nil {
+				until = row.LeasedUntil.Format("2006-01-02 15:04:05Z")
+			}
+			return fmt.Sprintf("%s (%s)\t", by, until)
 		}
 	}
 	fmt.Fprintln(tw, header)

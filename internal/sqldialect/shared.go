@@ -543,10 +543,13 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 }
 
 // Stuck lists up to limit rows at maxAttempts, oldest first. Columns: id,
-// exchange_name, routing_key, attempts, last_error, created_at.
-func (o *Outbox) Stuck(maxAttempts, limit int) Query {
-	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at, locked_by, locked_until FROM "+o.table+
-		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", maxAttempts, limit)
+// exchange_name, routing_key, attempts, last_error, created_at, locked_by,
+// locked_until, and leased: 1 when a relay holds the row under a live lease
+// now, which Retry leaves alone (the negation of notClaimed), else 0.
+func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
+	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at, locked_by, locked_until, "+
+		"CASE WHEN "+notClaimed+" THEN 0 ELSE 1 END FROM "+o.table+
+		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", o.d.TimeArg(now), maxAttempts, limit)
 }
 
 // RetryHold is the locked_by of a lease that is a failed keyed record's

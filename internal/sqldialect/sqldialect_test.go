@@ -42,7 +42,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"mark failed, held": o.MarkFailed("a", 3, "nack", "r", now),
 			"release lease":     o.ReleaseLease("r", ids),
 			"stats":             o.Stats(10),
-			"stuck":             o.Stuck(10, 50),
+			"stuck":             o.Stuck(10, 50, now),
 			"retry":             o.Retry(ids, now),
 			"retry stuck":       o.RetryStuck(10, now),
 			"purge published":   o.PurgePublished(now, 1000),
