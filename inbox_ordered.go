@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"sort"
 	"strconv"
 	"sync"
@@ -51,23 +52,37 @@ var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
 // outboxctl held).
 var ErrGapChanged = errors.New("outbox: inbox: the numbers to skip are no longer all missing")
 
-// orderedRoute is what the inbox needs to apply a consumer's held messages
-// outside a delivery (ApplyHeld, SkipGap): the handler behind the
-// middleware and a router context holding the handler's name and topics.
+// orderedRoute is what the inbox needs to apply a held message outside its
+// own delivery (after its predecessor's, ApplyHeld, SkipGap): the handler
+// it was delivered to, behind the middleware, and a router context holding
+// that handler's name and topics.
 type orderedRoute struct {
 	h   message.HandlerFunc
 	ctx context.Context
 }
 
+// routeKey names a route: the consumer and the router's handler name. Two
+// handlers may share a consumer (InboxConfig.ConsumerName), and so a key's
+// sequence, when a key's events come on several topics: each held message
+// is applied by the handler it was delivered to.
+type routeKey struct{ consumer, handler string }
+
+// heldHandlerKey is the metadata key under which a held message keeps the
+// name of the handler it was delivered to, in acemq_inbox_held.metadata;
+// it is taken out before the handler sees the message. A row held by an
+// earlier version has none, and goes to the consumer's first handler seen.
+const heldHandlerKey = "x-acemq-inbox-handler"
+
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
 	q      *sqldialect.OrderedInbox
 	mu     sync.Mutex
-	routes map[string]orderedRoute // by consumer, the first handler seen
+	routes map[routeKey]orderedRoute
+	first  map[string]routeKey // by consumer, its first handler seen
 }
 
 func newOrderedState(d sqldialect.Dialect) *orderedState {
-	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[string]orderedRoute{}}
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}}
 }
 
 // voidHeader is how AMQPMarshaler renders a void header in metadata.
@@ -105,35 +120,49 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 
 func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Context) {
 	o := in.ordered
+	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if _, ok := o.routes[consumer]; !ok {
+	if _, ok := o.routes[k]; !ok {
 		// Without its cancellation: the route outlives the delivery. It keeps
 		// the router's handler name and topics, which a held message's
 		// handler and its returned messages need.
-		o.routes[consumer] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
+		o.routes[k] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
+	}
+	if _, ok := o.first[consumer]; !ok {
+		o.first[consumer] = k
 	}
 }
 
-// routedConsumers lists, sorted, the consumers whose handler this inbox
+// routedConsumers lists, sorted, the consumers with a handler this inbox
 // has seen.
 func (in *Inbox) routedConsumers() []string {
 	o := in.ordered
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	names := make([]string, 0, len(o.routes))
-	for name := range o.routes {
+	names := make([]string, 0, len(o.first))
+	for name := range o.first {
 		names = append(names, name)
 	}
 	sort.Strings(names)
 	return names
 }
 
-func (in *Inbox) route(consumer string) (orderedRoute, bool) {
+// route is the route of a held message of consumer delivered to handler;
+// ok false when this inbox has not seen that handler (yet). byName false:
+// the row names no handler (held by an earlier version), and the
+// consumer's first handler seen takes it.
+func (in *Inbox) route(consumer, handler string, byName bool) (r orderedRoute, ok bool) {
 	o := in.ordered
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	r, ok := o.routes[consumer]
+	k := routeKey{consumer, handler}
+	if !byName {
+		if k, ok = o.first[consumer]; !ok {
+			return orderedRoute{}, false
+		}
+	}
+	r, ok = o.routes[k]
 	return r, ok
 }
 
@@ -213,10 +242,24 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		if err != nil {
 			return inboxFailed, err
 		}
+		// The key's next may be held already: its handler failed when its
+		// turn came (or had not run here yet). This delivery of the key
+		// retries it, as the next one of any number would.
+		var ready int64
+		count := in.ordered.q.HeldUpTo(consumer, key, last+1)
+		if err := in.queryRow(ctx, tx, count).Scan(&ready); err != nil {
+			return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
+		}
 		if err := tx.Commit(); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", id, consumer, err)
 		}
 		committed = true
+		if ready > 0 {
+			handler := message.HandlerNameFromCtx(msg.Context())
+			if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
+				in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
+			}
+		}
 		if !fresh {
 			in.log.Debug("Message held already acked again", fields)
 			return inboxDuplicate, nil
@@ -248,7 +291,8 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		// context, for its router values; a failure is logged, not returned,
 		// since this message is committed and a nack would only redeliver a
 		// duplicate.
-		if _, err := in.drain(msg.Context(), h, consumer, key); err != nil {
+		handler := message.HandlerNameFromCtx(msg.Context())
+		if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
 			in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
 		}
 	}
@@ -320,9 +364,13 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 	return in.writeReturned(hctx, stdTx{tx.Tx}, out)
 }
 
-// hold writes msg into acemq_inbox_held; false if it is there already.
+// hold writes msg into acemq_inbox_held, with the name of the handler it
+// was delivered to (heldHandlerKey); false if it is there already.
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
-	md, err := rowcodec.EncodeMetadata(msg.Metadata)
+	kept := make(message.Metadata, len(msg.Metadata)+1)
+	maps.Copy(kept, msg.Metadata)
+	kept[heldHandlerKey] = message.HandlerNameFromCtx(msg.Context())
+	md, err := rowcodec.EncodeMetadata(kept)
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
 	}
@@ -350,11 +398,14 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 }
 
 // drain applies the key's held messages that are next in order, each in a
-// transaction of its own, until the next is not held or one fails.
-func (in *Inbox) drain(ctx context.Context, h message.HandlerFunc, consumer, key string) (int, error) {
+// transaction of its own, until the next is not held, its handler has not
+// been seen here, or one fails. delivery, if not nil, names the handler of
+// the delivery whose context ctx is: a held message of that handler runs
+// under ctx, one of another handler under that handler's route.
+func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key string) (int, error) {
 	n := 0
 	for {
-		applied, err := in.applyNextHeld(ctx, h, consumer, key)
+		applied, err := in.applyNextHeld(ctx, delivery, consumer, key)
 		if err != nil || !applied {
 			return n, err
 		}
@@ -362,9 +413,9 @@ func (in *Inbox) drain(ctx context.Context, h message.HandlerFunc, consumer, key
 	}
 }
 
-// applyNextHeld applies the key's next message if it is held, and says
-// whether it did.
-func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consumer, key string) (bool, error) {
+// applyNextHeld applies the key's next message if it is held and its
+// handler is known here, and says whether it did.
+func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (bool, error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -390,7 +441,22 @@ func (in *Inbox) applyNextHeld(ctx context.Context, h message.HandlerFunc, consu
 		// by hand can).
 		return false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
 	}
-	mctx := ctx
+	heldBy, byName := msg.Metadata[heldHandlerKey]
+	delete(msg.Metadata, heldHandlerKey)
+	rt, ok := in.route(consumer, heldBy, byName)
+	if !ok {
+		// Its handler has not run behind this inbox in this process: it
+		// stays held, and its key with it, until that handler's next
+		// delivery, or an ApplyHeld after it.
+		in.log.Debug("Held message waits for its handler", watermill.LogFields{
+			"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
+		return false, nil
+	}
+	mctx := rt.ctx
+	if byName && delivery != nil && heldBy == *delivery {
+		mctx = ctx // the delivery's own handler: its context, cancellation and all
+	}
+	h := rt.h
 	if in.cfg.Propagator != nil {
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
 	}
@@ -436,10 +502,12 @@ const applyHeldErrs = 10
 // key in order, each in a transaction of its own, and then refreshes the
 // held-message gauges (see RefreshStats). A held message is normally
 // applied right after its predecessor commits; this retries those whose
-// handler failed then, and applies what SkipGap released from outboxctl. It
-// applies only the consumers whose handler has run behind this inbox in this
-// process (it needs the handler), and reads only theirs: keys of other
-// consumers sharing the tables cost it nothing. It reaches every ready key
+// handler failed then, and applies what SkipGap released from outboxctl.
+// Each held message runs in the handler it was delivered to, so it applies
+// the held messages of the handlers that have run behind this inbox in this
+// process (it needs the handler and its router context), and reads only
+// their consumers' keys: keys of other consumers sharing the tables cost it
+// nothing. It reaches every ready key
 // of those consumers in one call: a key whose handler fails stays held, the
 // error says so, and the keys after it are applied all the same. It returns
 // how many it applied. Call it from a ticker in the service, every minute or
@@ -451,7 +519,6 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 	applied, failed := 0, 0
 	var errs []error
 	for _, consumer := range in.routedConsumers() {
-		rt, _ := in.route(consumer)
 		// Paged on the key, not re-read from the start: the keys whose
 		// handler fails stay ready, and a first page full of them would
 		// otherwise be all that any call ever reached.
@@ -466,7 +533,7 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 				return applied, errors.Join(append(errs, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err))...)
 			}
 			for _, key := range keys {
-				n, err := in.drain(rt.ctx, rt.h, consumer, key)
+				n, err := in.drain(ctx, nil, consumer, key)
 				applied += n
 				if err != nil {
 					failed++
@@ -563,10 +630,8 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, through int6
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	if in.ordered != nil {
-		if rt, ok := in.route(consumer); ok {
-			if _, err := in.drain(rt.ctx, rt.h, consumer, key); err != nil {
-				return from, err
-			}
+		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
+			return from, err
 		}
 	}
 	return from, nil

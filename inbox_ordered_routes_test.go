@@ -1,0 +1,148 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// Two router handlers share one ordered consumer (ConsumerName), as they
+// must when a key's events come on two topics: its numbers run across
+// both. A message held on one topic is applied, when its predecessor on
+// the other arrives, by the handler it was delivered to, with that
+// handler's router context, not by the handler of the predecessor.
+func TestOrderedInbox_SharedConsumer_HeldMessageRunsInItsOwnHandler(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		router.AddMiddleware(in.Middleware)
+		var (
+			mu  sync.Mutex
+			ran []string
+		)
+		handler := func(name string) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error {
+				mu.Lock()
+				defer mu.Unlock()
+				ran = append(ran, name+" "+msg.Metadata.Get(outbox.HeaderSeq)+" from "+message.SubscribeTopicFromCtx(msg.Context()))
+				if _, held := msg.Metadata["x-acemq-inbox-handler"]; held {
+					return errors.New("the inbox's own metadata reached the handler")
+				}
+				return nil
+			}
+		}
+		router.AddConsumerHandler("on_created", "order.created", pubsub, handler("on_created"))
+		router.AddConsumerHandler("on_paid", "order.paid", pubsub, handler("on_paid"))
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- router.Run(ctx) }()
+		t.Cleanup(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Error(err)
+			}
+			_ = pubsub.Close()
+		})
+		<-router.Running()
+
+		if err := pubsub.Publish("order.paid", keyedMsg("order-42", 2)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "seq 2 held", func() bool { return countHeld(t, db) == 1 })
+		if err := pubsub.Publish("order.created", keyedMsg("order-42", 1)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "both applied", func() bool { mu.Lock(); defer mu.Unlock(); return len(ran) >= 2 })
+		mu.Lock()
+		defer mu.Unlock()
+		if want := []string{"on_created 1 from order.created", "on_paid 2 from order.paid"}; !reflect.DeepEqual(ran, want) {
+			t.Errorf("ran %q, want %q", ran, want)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}
+
+// A held message whose handler failed when its turn came is retried by the
+// key's next delivery, also one that is itself held (a later number): not
+// only by ApplyHeld.
+func TestOrderedInbox_HeldMessageFailed_NextDeliveryOfTheKeyRetriesIt(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		failing := true
+		l := applyLog{fail: failSeq2(&failing)}
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "a", 2, 1) // 1 applied; 2's turn comes, and it fails
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1}) {
+			t.Fatalf("applied %v, want [1]", got)
+		}
+		failing = false
+		deliver(t, h, "a", 4) // held, and 2 is retried
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("after 4 arrived: applied %v, want [1 2]", got)
+		}
+		deliver(t, h, "a", 3)
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(4)) {
+			t.Errorf("applied %v, want [1 2 3 4]", got)
+		}
+		assertEffectsOnce(t, db, "a", 4)
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}
+
+// A row held by an earlier version names no handler: the consumer's first
+// handler seen applies it, as every held row was applied before. One that
+// names a handler this process has not seen stays held, rather than run
+// in another handler.
+func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	var l applyLog
+	in := orderedInbox(t, db, outbox.InboxConfig{})
+	h := in.Middleware(l.handler(t, db))
+	deliver(t, h, "a", 1) // the consumer's handler is seen
+	hold := func(key, metadata string) {
+		t.Helper()
+		m := keyedMsg(key, 2)
+		if _, err := db.Exec("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, 'utf-8', ?, ?)",
+			"fulfilment", key, 2, m.UUID, string(m.Payload), metadata, time.Now().UTC().Format("2006-01-02 15:04:05.000000")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec("UPDATE acemq_inbox_sequences SET held = held + 1 WHERE consumer_name = 'fulfilment' AND aggregate_id = ?", key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deliver(t, h, "b", 1)
+	hold("a", `{"aggregateId":"a","seq":"2"}`)
+	hold("b", `{"aggregateId":"b","seq":"2","x-acemq-inbox-handler":"on_paid"}`)
+	n, err := in.ApplyHeld(context.Background())
+	if err != nil || n != 1 {
+		t.Fatalf("ApplyHeld: %d, %v; want 1 (the row naming no handler)", n, err)
+	}
+	if got := l.of("a"); !reflect.DeepEqual(got, upTo(2)) {
+		t.Errorf("a applied %v, want [1 2]", got)
+	}
+	if got := l.of("b"); !reflect.DeepEqual(got, upTo(1)) {
+		t.Errorf("b applied %v, want [1]: its held message is on_paid's, which this process has not seen", got)
+	}
+	if n := countHeld(t, db); n != 1 {
+		t.Errorf("%d held, want 1 (b's)", n)
+	}
+}
