@@ -32,6 +32,11 @@ type heldKey struct {
 	LowestHeld   int64     `json:"lowest_held"`
 	Missing      int64     `json:"missing"`
 	OldestHeldAt time.Time `json:"oldest_held_at"`
+	// From and Through are the numbers the key waits for, as skip-gap's
+	// --from and --through take them; null for a key that waits for
+	// nothing (its next message is held: its handler failed).
+	From    *int64 `json:"from"`
+	Through *int64 `json:"through"`
 }
 
 func (c *cli) held(args []string) error {
@@ -65,6 +70,10 @@ func (c *cli) held(args []string) error {
 	for i, g := range gaps {
 		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
+		if g.Missing() > 0 {
+			from, through := g.LastApplied+1, g.LowestHeld-1
+			r.Keys[i].From, r.Keys[i].Through = &from, &through
+		}
 	}
 	if *asJSON {
 		return writeJSON(c.stdout, r)

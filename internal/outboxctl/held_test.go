@@ -102,6 +102,40 @@ func TestSkipGap_FromAndThroughRequired_UsageErrorNamingTheFlag(t *testing.T) {
 	})
 }
 
+// held --json says what skip-gap takes: from and through, the ends of
+// WAITING FOR; and a gap whose start moved on since it was shown (2
+// arrived) is refused, not skipped from its end.
+func TestHeld_JSONNamesFromAndThrough_SkipOfAMovedGapRefused(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-5", 1, 1)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "order-5", 5, "m5", "{}", "utf-8", "{}", ts(kind, time.Now().Add(-time.Hour)))
+		js := decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
+		keys, _ := js["keys"].([]any)
+		if len(keys) != 1 {
+			t.Fatalf("held --json: %v, want one key", js)
+		}
+		k := keys[0].(map[string]any)
+		if k["from"] != 2.0 || k["through"] != 4.0 || k["last_applied"] != 1.0 || k["lowest_held"] != 5.0 {
+			t.Fatalf("held --json key %v, want from 2 through 4 (last 1, 5 held)", k)
+		}
+		// 2 arrives and is applied, as the service would do it.
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 2 WHERE aggregate_id = ?", "order-5")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-5", "--from", "2", "--through", "4").wantFailure(t, 1, "nothing skipped")
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2"); n != 1 {
+			t.Errorf("a refused skip-gap moved last_seq")
+		}
+		// A key whose next message is held waits for nothing: no ends.
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 4 WHERE aggregate_id = ?", "order-5")
+		js = decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
+		k = js["keys"].([]any)[0].(map[string]any)
+		if f, ok := k["from"]; !ok || f != nil || k["through"] != nil {
+			t.Errorf("held --json key waiting for nothing %v, want from and through null", k)
+		}
+	})
+}
+
 // Keys that differ only in trailing spaces (two keys on every database,
 // MySQL's since 0009) are told apart in the table: the one whose text does
 // not say which key it is is quoted, and skip-gap takes it as --key.
