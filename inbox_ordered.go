@@ -47,10 +47,9 @@ var ErrInvalidKey = errors.New("outbox: inbox: keyed message whose aggregateId t
 var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
 
 // ErrGapChanged is returned by SkipGap, which then skips nothing, when the
-// numbers it was asked to skip are no longer all missing: the key applied
-// or held some of them since its gap was looked at. Look again (Gaps,
-// outboxctl held).
-var ErrGapChanged = errors.New("outbox: inbox: the numbers to skip are no longer all missing")
+// gap it names is no longer the key's gap: the key applied or held a
+// number since the gap was looked at. Look again (Gaps, outboxctl held).
+var ErrGapChanged = errors.New("outbox: inbox: the gap to skip is no longer the key's gap")
 
 // orderedRoute is what the inbox needs to apply a held message outside its
 // own delivery (after its predecessor's, ApplyHeld, SkipGap): the handler
@@ -609,75 +608,95 @@ func gaps(ctx context.Context, db *sqlx.DB, d Dialect, olderThan time.Duration) 
 	return out, nil
 }
 
-// SkipGap gives up on the sequence numbers a key waits for, up to and
-// including through: the key's last applied becomes through, and the
-// messages held after it are applied in order, if this inbox has run the
-// consumer's handler (otherwise at the consumer's next ApplyHeld or
-// delivery of the key). A message of a skipped number that arrives later is
-// acked as a duplicate without running. It returns the first number
-// skipped: it skipped from..through.
+// SkipGap gives up on the sequence numbers from..through, the ones a key
+// waits for: the key's last applied becomes through, and the messages held
+// after it are applied in order, if this inbox has run the consumer's
+// handler (otherwise at the consumer's next ApplyHeld or delivery of the
+// key). A message of a skipped number that arrives later is acked as a
+// duplicate without running.
 //
-// through names the gap, as Gaps showed it (LowestHeld-1 skips all of it):
-// the key may have moved on since, and a skip that named only a key would
-// then skip numbers nobody saw missing, in flight, and lose them. So it
-// skips nothing and returns ErrGapChanged when a number up to through is
-// no longer missing: applied (last applied at or past through) or held.
-// It returns ErrNoHeld when the key holds nothing.
-func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, through int64) (int64, error) {
-	from, err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, through)
-	if err != nil {
-		return 0, err
+// from and through name the gap by both ends, as it was seen: a listed Gap
+// g is skipped whole with SkipGap(ctx, g.Consumer, g.AggregateID,
+// g.LastApplied+1, g.LowestHeld-1), and its start alone with a smaller
+// through. The key may have moved on since it was seen (its next number
+// arrived), and a skip that named less would then skip numbers nobody saw
+// missing, merely in flight, and lose them. So it skips nothing and
+// returns ErrGapChanged unless the key's last applied is still from-1 and
+// no number up to through is held. It returns ErrNoHeld when the key holds
+// nothing and has applied none of from..through.
+func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, through int64) error {
+	if err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, from, through); err != nil {
+		return err
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	if in.ordered != nil {
 		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
-			return from, err
+			return err
 		}
 	}
-	return from, nil
+	return nil
 }
 
 // skipGap decides on the key's row, locked as every delivery of the key
 // locks it, so that no message of the key is applied or held between what
 // it reads and what it writes.
-func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel, consumer, key string, through int64) (int64, error) {
-	if through < 1 {
-		return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s through %d: want a positive sequence number", key, consumer, through)
+func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel, consumer, key string, from, through int64) error {
+	if from < 1 || through < from {
+		return fmt.Errorf("outbox: inbox: skip gap %d..%d of %q for %s: want 1 <= from <= through", from, through, key, consumer)
 	}
 	q := sqldialect.NewOrderedInbox(d.sql())
 	tx, err := db.BeginTxx(ctx, &sql.TxOptions{Isolation: iso})
 	if err != nil {
-		return 0, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	in := &Inbox{dialect: d, ordered: &orderedState{q: q}}
 	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
-		return 0, err
-	}
-	if last >= through {
-		return 0, fmt.Errorf("%w: %q for %s: last applied is %d, at or past %d", ErrGapChanged, key, consumer, last, through)
+		return err
 	}
 	var lowest sql.NullInt64
 	low := q.LowestHeld(consumer, key)
 	if err := in.queryRow(ctx, tx, low).Scan(&lowest); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: lowest held of %q for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: lowest held of %q for %s: %w", key, consumer, err)
 	}
-	if !lowest.Valid {
-		return 0, fmt.Errorf("%w: %q for %s", ErrNoHeld, key, consumer)
+	// Both ends, not through alone: with 1 applied and 5 held, a skip of
+	// 2..4 after 2 arrived would pass a check of through and skip 3 and 4,
+	// which are in flight. A key that moved into the skip is a changed gap
+	// even when it holds nothing now: the skip was meant for what the
+	// operator saw.
+	if !lowest.Valid && last < from {
+		return fmt.Errorf("%w: %q for %s (last applied %d)", ErrNoHeld, key, consumer, last)
 	}
-	if lowest.Int64 <= through {
-		// Held, not missing: skipping it would drop a message that is here.
-		return 0, fmt.Errorf("%w: %q for %s: seq %d is held, not missing (last applied %d)", ErrGapChanged, key, consumer, lowest.Int64, last)
+	if last != from-1 || !lowest.Valid || lowest.Int64 <= through {
+		now := "nothing held"
+		if lowest.Valid {
+			now = fmt.Sprintf("lowest held %d (waiting for %s)", lowest.Int64, seqRange(last+1, lowest.Int64-1))
+		}
+		return fmt.Errorf("%w: %q for %s: skip of %s was for last applied %d and nothing held up to %d; last applied is now %d, %s",
+			ErrGapChanged, key, consumer, seqRange(from, through), from-1, through, last, now)
 	}
 	set := q.SetSequence(consumer, key, through)
 	if _, err := in.exec(ctx, tx, set); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: skip gap of %q for %s: %w", key, consumer, err)
 	}
 	if err := tx.Commit(); err != nil {
-		return 0, fmt.Errorf("outbox: inbox: commit skip gap of %q for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: commit skip gap of %q for %s: %w", key, consumer, err)
 	}
-	return last + 1, nil
+	return nil
+}
+
+// seqRange is the numbers from..through as an operator reads them: "2..4",
+// "2", or "nothing" when through is below from (a key whose next number is
+// held: its handler failed).
+func seqRange(from, through int64) string {
+	switch {
+	case through < from:
+		return "nothing"
+	case through == from:
+		return strconv.FormatInt(from, 10)
+	}
+	return fmt.Sprintf("%d..%d", from, through)
 }
 
 // RefreshStats reads the held messages into the Metrics gauges:

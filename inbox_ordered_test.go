@@ -511,9 +511,8 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 			t.Fatalf("before the skip: applied %v, want [1]", got)
 		}
 
-		from, err := in.SkipGap(context.Background(), "fulfilment", "a", g.LowestHeld-1)
-		if err != nil || from != 2 {
-			t.Fatalf("SkipGap through %d: %d, %v; want 2 skipped", g.LowestHeld-1, from, err)
+		if err := in.SkipGap(context.Background(), g.Consumer, g.AggregateID, g.LastApplied+1, g.LowestHeld-1); err != nil {
+			t.Fatalf("SkipGap %d..%d: %v; want 2 skipped", g.LastApplied+1, g.LowestHeld-1, err)
 		}
 		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
 			t.Fatalf("after the skip: applied %v, want [1 3 4]", got)
@@ -522,11 +521,11 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4}) {
 			t.Fatalf("skipped seq 2 arriving late ran: applied %v", got)
 		}
-		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 2); !errors.Is(err, outbox.ErrGapChanged) {
-			t.Errorf("SkipGap through 2 again: %v, want ErrGapChanged", err)
+		if err := in.SkipGap(context.Background(), "fulfilment", "a", 2, 2); !errors.Is(err, outbox.ErrGapChanged) {
+			t.Errorf("SkipGap 2 again: %v, want ErrGapChanged", err)
 		}
-		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 5); !errors.Is(err, outbox.ErrNoHeld) {
-			t.Errorf("SkipGap with nothing held: %v, want ErrNoHeld", err)
+		if err := in.SkipGap(context.Background(), "fulfilment", "a", 5, 5); !errors.Is(err, outbox.ErrNoHeld) {
+			t.Errorf("SkipGap 5 with nothing held: %v, want ErrNoHeld", err)
 		}
 		if err := in.RefreshStats(context.Background()); err != nil {
 			t.Fatal(err)
@@ -537,8 +536,8 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 	})
 }
 
-// The operator sees a key waiting for 2 (3 and 6 held) and skips through
-// 2; meanwhile 2 arrives and 2 and 3 are applied. The skip refuses, with
+// The operator sees a key waiting for 2 (3 and 6 held) and skips 2;
+// meanwhile 2 arrives and 2 and 3 are applied. The skip refuses, with
 // no change, instead of skipping 4 and 5, which nobody saw missing (they
 // were in flight) and which run when they arrive.
 func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t *testing.T) {
@@ -553,9 +552,10 @@ func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t 
 			t.Fatalf("gaps %+v, %v; want a waiting for 2", gaps, err)
 		}
 		deliver(t, h, "a", 2) // the missing one arrives; 3 is drained
-		_, err = in.SkipGap(context.Background(), "fulfilment", "a", gaps[0].LowestHeld-1)
+		g := gaps[0]
+		err = in.SkipGap(context.Background(), g.Consumer, g.AggregateID, g.LastApplied+1, g.LowestHeld-1)
 		if !errors.Is(err, outbox.ErrGapChanged) {
-			t.Fatalf("SkipGap through 2 after 2 and 3 were applied: %v, want ErrGapChanged", err)
+			t.Fatalf("SkipGap 2 after 2 and 3 were applied: %v, want ErrGapChanged", err)
 		}
 		deliver(t, h, "a", 4, 5) // in flight all along
 		if got := l.of("a"); !reflect.DeepEqual(got, upTo(6)) {
@@ -565,27 +565,98 @@ func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t 
 	})
 }
 
-// A skip names its last number: up to a number below the held ones it
-// skips only that far, and the key waits for the rest; up to a held
-// number it refuses, since that number is not missing.
-func TestOrderedInbox_SkipGap_ThroughNamesTheLastSkipped_HeldNumberNotSkipped(t *testing.T) {
+// The operator sees a key waiting for 2..4 (1 applied, 5 held); then 2
+// arrives and is applied, and the skip of 2..4 comes. It must refuse,
+// saying what changed, and skip nothing: 3 and 4 were merely in flight,
+// and a skip that checked only its end (4 is below every held number)
+// would skip them and ack them as duplicates when they come.
+func TestOrderedInbox_SkipGap_PredecessorArrivedMeanwhile_RefusesAndSkipsNothingInFlight(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
 		in := orderedInbox(t, db, outbox.InboxConfig{})
 		h := in.Middleware(l.handler(t, db))
 		deliver(t, h, "a", 1, 5)
-		for _, through := range []int64{5, 6} {
-			if _, err := in.SkipGap(context.Background(), "fulfilment", "a", through); !errors.Is(err, outbox.ErrGapChanged) {
-				t.Fatalf("SkipGap through held %d: %v, want ErrGapChanged", through, err)
+		gaps, err := in.Gaps(context.Background(), 0)
+		if err != nil || len(gaps) != 1 || gaps[0].LastApplied != 1 || gaps[0].LowestHeld != 5 {
+			t.Fatalf("gaps %+v, %v; want a waiting for 2..4", gaps, err)
+		}
+		g := gaps[0]
+		deliver(t, h, "a", 2) // the first missing one arrives
+		err = in.SkipGap(context.Background(), g.Consumer, g.AggregateID, g.LastApplied+1, g.LowestHeld-1)
+		if !errors.Is(err, outbox.ErrGapChanged) {
+			t.Fatalf("SkipGap 2..4 after 2 was applied: %v, want ErrGapChanged", err)
+		}
+		for _, want := range []string{"last applied is now 2", "lowest held 5", "waiting for 3..4"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("SkipGap error %q does not say %q", err, want)
 			}
 		}
-		if _, err := in.SkipGap(context.Background(), "fulfilment", "a", 0); err == nil {
-			t.Fatal("SkipGap through 0: nil, want an error")
+		if now, err := in.Gaps(context.Background(), 0); err != nil || len(now) != 1 || now[0].LastApplied != 2 || now[0].LowestHeld != 5 {
+			t.Fatalf("gaps after the refused skip %+v, %v; want a at 2, 5 held: nothing skipped", now, err)
 		}
-		from, err := in.SkipGap(context.Background(), "fulfilment", "a", 3)
-		if err != nil || from != 2 {
-			t.Fatalf("SkipGap through 3: %d, %v; want 2..3 skipped", from, err)
+		deliver(t, h, "a", 3, 4) // in flight all along
+		if got := l.of("a"); !reflect.DeepEqual(got, upTo(5)) {
+			t.Fatalf("applied %v, want [1..5] in order: nothing was missing but 2, and 2 came", got)
+		}
+		assertEffectsOnce(t, db, "a", 5)
+	})
+}
+
+// The skip of the gap as it was seen, nothing having moved: exactly those
+// numbers are skipped, the held messages are applied after them in order,
+// and a skipped number arriving late does not run.
+func TestOrderedInbox_SkipGap_TheGapAsSeen_SkippedAndHeldAppliedInOrder(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		l := applyLog{}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 5, 6)
+		gaps, err := in.Gaps(context.Background(), 0)
+		if err != nil || len(gaps) != 1 {
+			t.Fatalf("gaps %+v, %v; want one", gaps, err)
+		}
+		g := gaps[0]
+		if err := in.SkipGap(context.Background(), g.Consumer, g.AggregateID, g.LastApplied+1, g.LowestHeld-1); err != nil {
+			t.Fatalf("SkipGap %d..%d: %v, want nil", g.LastApplied+1, g.LowestHeld-1, err)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 5, 6}) {
+			t.Fatalf("after the skip: applied %v, want [1 5 6]", got)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held after the skip, want 0", n)
+		}
+		deliver(t, h, "a", 3, 7) // 3 skipped, late; 7 next
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 5, 6, 7}) {
+			t.Fatalf("applied %v, want [1 5 6 7]: skipped 3 arriving late must not run", got)
+		}
+	})
+}
+
+// A skip names both ends: its start must follow the key's last applied
+// and its end must be below every held number, else it refuses; a skip of
+// the gap's start alone skips that far, and the key waits for the rest.
+func TestOrderedInbox_SkipGap_FromAndThroughNameTheSkip_HeldOrUnseenNumbersRefused(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		l := applyLog{}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		deliver(t, h, "a", 1, 5)
+		for _, r := range [][2]int64{{2, 5}, {2, 6}, {3, 4}, {1, 4}} {
+			if err := in.SkipGap(context.Background(), "fulfilment", "a", r[0], r[1]); !errors.Is(err, outbox.ErrGapChanged) {
+				t.Fatalf("SkipGap %d..%d of a gap 2..4: %v, want ErrGapChanged", r[0], r[1], err)
+			}
+		}
+		for _, r := range [][2]int64{{0, 3}, {3, 2}} {
+			err := in.SkipGap(context.Background(), "fulfilment", "a", r[0], r[1])
+			if err == nil || errors.Is(err, outbox.ErrGapChanged) {
+				t.Fatalf("SkipGap %d..%d: %v, want an error of its arguments", r[0], r[1], err)
+			}
+		}
+		if err := in.SkipGap(context.Background(), "fulfilment", "a", 2, 3); err != nil {
+			t.Fatalf("SkipGap 2..3: %v, want nil", err)
 		}
 		gaps, err := in.Gaps(context.Background(), 0)
 		if err != nil || len(gaps) != 1 || gaps[0].LastApplied != 3 || gaps[0].LowestHeld != 5 {
@@ -619,7 +690,7 @@ func TestOrderedInbox_SkipGapRacingTheMissingMessage_OneWinsNothingElseSkipped(t
 			go func() {
 				defer wg.Done()
 				<-start
-				_, skipErr = in.SkipGap(context.Background(), "fulfilment", key, 2)
+				skipErr = in.SkipGap(context.Background(), "fulfilment", key, 2, 2)
 			}()
 			go func() {
 				defer wg.Done()

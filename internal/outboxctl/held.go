@@ -2,6 +2,7 @@ package outboxctl
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"strconv"
 	"strings"
@@ -31,6 +32,11 @@ type heldKey struct {
 	LowestHeld   int64     `json:"lowest_held"`
 	Missing      int64     `json:"missing"`
 	OldestHeldAt time.Time `json:"oldest_held_at"`
+	// From and Through are the numbers the key waits for, as skip-gap's
+	// --from and --through take them; null for a key that waits for
+	// nothing (its next message is held: its handler failed).
+	From    *int64 `json:"from"`
+	Through *int64 `json:"through"`
 }
 
 func (c *cli) held(args []string) error {
@@ -64,6 +70,10 @@ func (c *cli) held(args []string) error {
 	for i, g := range gaps {
 		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
+		if g.Missing() > 0 {
+			from, through := g.LastApplied+1, g.LowestHeld-1
+			r.Keys[i].From, r.Keys[i].Through = &from, &through
+		}
 	}
 	if *asJSON {
 		return writeJSON(c.stdout, r)
@@ -88,24 +98,35 @@ func (c *cli) held(args []string) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --through N gives up on the numbers a key waits for, up to N (the end of WAITING FOR)")
+	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
 	return nil
 }
 
 func (c *cli) skipGap(args []string) error {
+	const synopsis = "outboxctl skip-gap --consumer C --key K --from A --through B"
 	fs := c.flagSet("skip-gap")
 	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
-	key := fs.String("key", "", "the ordering key (aggregateId)")
+	key := fs.String("key", "", "the ordering key (aggregateId), as outboxctl held shows it")
+	from := fs.Int64("from", 0, "the first sequence number to give up on: the start of WAITING FOR in outboxctl held")
 	through := fs.Int64("through", 0, "the last sequence number to give up on: the end of WAITING FOR in outboxctl held")
-	rest, err := c.parse(fs, args, "outboxctl skip-gap --consumer C --key K --through N")
+	rest, err := c.parse(fs, args, synopsis)
 	if err != nil {
 		return err
 	}
 	if err := noArgs(fs, rest); err != nil {
 		return err
 	}
-	if *consumer == "" || *key == "" || *through == 0 {
-		return usagef("skip-gap: give --consumer, --key and --through (see outboxctl held)")
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	for _, name := range []string{"consumer", "key", "from", "through"} {
+		if !given[name] {
+			// Both ends, always: a skip that named one would skip, from a
+			// screen gone stale, numbers nobody saw missing.
+			return usagef("skip-gap: give --%s (%s; see outboxctl held)", name, synopsis)
+		}
+	}
+	if *consumer == "" || *key == "" {
+		return usagef("skip-gap: --consumer and --key must not be empty")
 	}
 	if strings.HasPrefix(*key, `"`) {
 		// A key held shows quoted (see keyText), which it does for every
@@ -116,8 +137,11 @@ func (c *cli) skipGap(args []string) error {
 		}
 		*key = k
 	}
-	if *through < 0 {
-		return usagef("--through: %d; want a sequence number, 1 or more", *through)
+	if *from < 1 {
+		return usagef("--from: %d; want a sequence number, 1 or more", *from)
+	}
+	if *through < *from {
+		return usagef("--through: %d, below --from %d; want the end of WAITING FOR, --from itself for a single number", *through, *from)
 	}
 	d, err := c.openChecked(false)
 	if err != nil {
@@ -128,7 +152,7 @@ func (c *cli) skipGap(args []string) error {
 	if err != nil {
 		return err
 	}
-	from, err := in.SkipGap(c.ctx, *consumer, *key, *through)
+	err = in.SkipGap(c.ctx, *consumer, *key, *from, *through)
 	switch {
 	case errors.Is(err, outbox.ErrNoHeld):
 		return fmt.Errorf("skip-gap: %s holds nothing for key %q: no gap to skip", *consumer, *key)
@@ -137,9 +161,9 @@ func (c *cli) skipGap(args []string) error {
 	case err != nil:
 		return d.explain(err, "acemq_inbox_sequences")
 	}
-	skipped := fmt.Sprint(from)
-	if from < *through {
-		skipped = fmt.Sprintf("%d..%d", from, *through)
+	skipped := fmt.Sprint(*from)
+	if *from < *through {
+		skipped = fmt.Sprintf("%d..%d", *from, *through)
 	}
 	fmt.Fprintf(c.stdout, "%s, key %q: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
 		*consumer, *key, skipped, *through)

@@ -46,16 +46,19 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 			t.Errorf("held --json key %v, want last 1, 2 held from 3, 1 missing", k)
 		}
 
-		if !strings.Contains(out, "--through N") {
+		if !strings.Contains(out, "--from A --through B") {
 			t.Errorf("held does not say how to skip:\n%s", out)
 		}
 
 		// Through a held number: 3 is not missing, and nothing changes.
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "3").wantFailure(t, 1, "nothing skipped")
+		skip := func(from, through string) []string {
+			return []string{"skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--from", from, "--through", through}
+		}
+		ctl(t, nil, skip("2", "3")...).wantFailure(t, 1, "nothing skipped")
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 1"); n != 1 {
 			t.Errorf("a refused skip-gap moved last_seq")
 		}
-		out = mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "2")
+		out = mustCtl(t, skip("2", "2")...)
 		if !strings.Contains(out, "skipped 2;") || !strings.Contains(out, "last applied is now 2") {
 			t.Errorf("skip-gap:\n%s", out)
 		}
@@ -66,11 +69,70 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 			t.Errorf("%d held after skip-gap, want 2: they are the service's to apply, with its handler", n)
 		}
 		// The same skip again, as from a stale screen: 2 is gone already.
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "2").wantFailure(t, 1, "last applied is 2")
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-8", "--through", "2").wantFailure(t, 1, "no gap to skip")
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--through", "2").wantFailure(t, 2, "--key")
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7").wantFailure(t, 2, "--through")
-		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--through", "-1").wantFailure(t, 2, "--through")
+		ctl(t, nil, skip("2", "2")...).wantFailure(t, 1, "last applied is now 2")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-8", "--from", "2", "--through", "2").wantFailure(t, 1, "no gap to skip")
+	})
+}
+
+// skip-gap takes the gap by both ends, as held shows it: without either
+// end, or with ends that name no numbers, it is a usage error naming the
+// flag, and it changes nothing.
+func TestSkipGap_FromAndThroughRequired_UsageErrorNamingTheFlag(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		holdRows(t, db, kind)
+		base := []string{"skip-gap", "--db", db.DSN}
+		for _, c := range []struct {
+			args []string
+			want string
+		}{
+			{[]string{"--consumer", "billing", "--from", "2", "--through", "2"}, "--key"},
+			{[]string{"--key", "order-7", "--from", "2", "--through", "2"}, "--consumer"},
+			{[]string{"--consumer", "billing", "--key", "order-7", "--through", "2"}, "--from"},
+			{[]string{"--consumer", "billing", "--key", "order-7", "--from", "2"}, "--through"},
+			{[]string{"--consumer", "billing", "--key", "order-7", "--from", "0", "--through", "2"}, "--from"},
+			{[]string{"--consumer", "billing", "--key", "order-7", "--from", "-1", "--through", "2"}, "--from"},
+			{[]string{"--consumer", "billing", "--key", "order-7", "--from", "3", "--through", "2"}, "--through"},
+		} {
+			ctl(t, nil, append(base, c.args...)...).wantFailure(t, 2, c.want)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 1"); n != 1 {
+			t.Errorf("a skip-gap refused for its flags moved last_seq")
+		}
+	})
+}
+
+// held --json says what skip-gap takes: from and through, the ends of
+// WAITING FOR; and a gap whose start moved on since it was shown (2
+// arrived) is refused, not skipped from its end.
+func TestHeld_JSONNamesFromAndThrough_SkipOfAMovedGapRefused(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-5", 1, 1)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "order-5", 5, "m5", "{}", "utf-8", "{}", ts(kind, time.Now().Add(-time.Hour)))
+		js := decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
+		keys, _ := js["keys"].([]any)
+		if len(keys) != 1 {
+			t.Fatalf("held --json: %v, want one key", js)
+		}
+		k := keys[0].(map[string]any)
+		if k["from"] != 2.0 || k["through"] != 4.0 || k["last_applied"] != 1.0 || k["lowest_held"] != 5.0 {
+			t.Fatalf("held --json key %v, want from 2 through 4 (last 1, 5 held)", k)
+		}
+		// 2 arrives and is applied, as the service would do it.
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 2 WHERE aggregate_id = ?", "order-5")
+		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-5", "--from", "2", "--through", "4").wantFailure(t, 1, "nothing skipped")
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2"); n != 1 {
+			t.Errorf("a refused skip-gap moved last_seq")
+		}
+		// A key whose next message is held waits for nothing: no ends.
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 4 WHERE aggregate_id = ?", "order-5")
+		js = decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
+		k = js["keys"].([]any)[0].(map[string]any)
+		if f, ok := k["from"]; !ok || f != nil || k["through"] != nil {
+			t.Errorf("held --json key waiting for nothing %v, want from and through null", k)
+		}
 	})
 }
 
@@ -99,7 +161,7 @@ func TestHeld_KeysDifferingInTrailingSpaces_Quoted(t *testing.T) {
 			t.Errorf("held --json keys for skip-gap %q, want order-7 and \"order-7 \"", forSkip)
 		}
 		// As held shows it, quoted.
-		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", `"order-7 "`, "--through", "2")
+		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", `"order-7 "`, "--from", "2", "--through", "2")
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2 AND aggregate_id = 'order-7 '"); n != 1 {
 			t.Errorf("%d keys moved to 2, want 1: only \"order-7 \"", n)
 		}
@@ -120,7 +182,7 @@ func TestSkipGap_ThroughInsideTheGap_SkipsThatFarAndSaysSo(t *testing.T) {
 		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, " 2..5 ") {
 			t.Errorf("held does not say 2..5:\n%s", out)
 		}
-		out := mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-9", "--through", "4")
+		out := mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "order-9", "--from", "2", "--through", "4")
 		if !strings.Contains(out, "skipped 2..4;") || !strings.Contains(out, "last applied is now 4") {
 			t.Errorf("skip-gap:\n%s", out)
 		}
