@@ -727,3 +727,83 @@ func (in *Inbox) RefreshStats(ctx context.Context) error {
 	in.cfg.Metrics.held(held, overdue, oldest)
 	return nil
 }
+
+// SkippedMessage is a held message an operator gave up on (SkipHeld): what
+// is needed to resend it by hand or park it elsewhere.
+type SkippedMessage struct {
+	ID       string
+	Payload  []byte
+	Metadata message.Metadata
+}
+
+// SkipHeld gives up on a key's held message seq that is the key's next
+// (the last applied is seq-1), whose handler keeps failing: it deletes
+// it, makes seq the key's last applied, applies the messages held behind
+// it (if this inbox has run their handler; otherwise at their handler's
+// next delivery or ApplyHeld), and returns it. It is the way past a poison
+// message the broker no longer has (a held message was acked): SkipGap
+// skips missing numbers only. A copy of it that arrives later is acked as a
+// duplicate without running.
+//
+// It skips nothing and returns ErrGapChanged when seq is not the key's
+// next any more (applied since, or the key waits for a number before it),
+// and ErrNoHeld when seq is not held.
+func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
+	if seq < 1 {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: want a positive sequence number", key, seq, consumer)
+	}
+	skipped, err := in.skipHeld(ctx, consumer, key, seq)
+	if err != nil {
+		return SkippedMessage{}, err
+	}
+	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": skipped.ID})
+	if in.ordered != nil {
+		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
+			return skipped, err
+		}
+	}
+	return skipped, nil
+}
+
+// skipHeld decides on the key's row, locked as every delivery of the key
+// locks it. in need not be Ordered (outboxctl's is not).
+func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
+	q := sqldialect.NewOrderedInbox(in.dialect.sql())
+	in = &Inbox{dialect: in.dialect, db: in.db, cfg: in.cfg, ordered: &orderedState{q: q}}
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	last, _, err := in.lockSequence(ctx, tx, consumer, key)
+	if err != nil {
+		return SkippedMessage{}, err
+	}
+	var id, payload, encoding, metadata string
+	switch err := in.queryRow(ctx, tx, q.Held(consumer, key, seq)).Scan(&id, &payload, &encoding, &metadata); {
+	case errors.Is(err, sql.ErrNoRows):
+		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s (last applied %d)", ErrNoHeld, key, seq, consumer, last)
+	case err != nil:
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	if last != seq-1 {
+		return SkippedMessage{}, fmt.Errorf("%w: %q for %s: seq %d is not the key's next: last applied is %d", ErrGapChanged, key, consumer, seq, last)
+	}
+	// What can be read of it goes back to the operator; a row that cannot
+	// be decoded (the likely poison) is skipped all the same.
+	skipped := SkippedMessage{ID: id}
+	if msg, err := heldMessage(id, payload, encoding, metadata); err == nil {
+		delete(msg.Metadata, heldHandlerKey)
+		skipped.Payload, skipped.Metadata = msg.Payload, msg.Metadata
+	}
+	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	if _, err := in.exec(ctx, tx, q.SetSequence(consumer, key, seq)); err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: commit skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	return skipped, nil
+}

@@ -146,3 +146,52 @@ func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
 		t.Errorf("%d held, want 1 (b's)", n)
 	}
 }
+
+// A held message whose handler always fails (a poison message the broker no
+// longer has: it was acked when held) blocks its key until an operator
+// gives up on it: SkipHeld deletes it, hands it back, and the messages held
+// behind it are applied. A later copy of it is a duplicate. It skips only
+// the key's next, and only a held one.
+func TestOrderedInbox_SkipHeld_PoisonSkippedHandedBackTheRestApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		poison := true
+		l := applyLog{fail: failSeq2(&poison)}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		ctx := context.Background()
+		deliver(t, h, "a", 2, 3, 1, 6) // 1 applied; 2 fails; 3 and 6 held
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1}) {
+			t.Fatalf("applied %v, want [1]", got)
+		}
+		for _, bad := range []struct {
+			seq  int64
+			want error
+		}{{3, outbox.ErrGapChanged}, {6, outbox.ErrGapChanged}, {4, outbox.ErrNoHeld}, {1, outbox.ErrNoHeld}} {
+			if _, err := in.SkipHeld(ctx, "fulfilment", "a", bad.seq); !errors.Is(err, bad.want) {
+				t.Errorf("SkipHeld seq %d: %v, want %v", bad.seq, err, bad.want)
+			}
+		}
+		skipped, err := in.SkipHeld(ctx, "fulfilment", "a", 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := keyedMsg("a", 2)
+		if skipped.ID != want.UUID || string(skipped.Payload) != string(want.Payload) || !reflect.DeepEqual(skipped.Metadata, want.Metadata) {
+			t.Errorf("skipped %+v, want %s with its payload and metadata %v", skipped, want.UUID, want.Metadata)
+		}
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3}) {
+			t.Errorf("after the skip: applied %v, want [1 3]", got)
+		}
+		deliver(t, h, "a", 2, 4, 5) // 2 again: a duplicate
+		if got := l.of("a"); !reflect.DeepEqual(got, []int{1, 3, 4, 5, 6}) {
+			t.Errorf("applied %v, want [1 3 4 5 6]", got)
+		}
+		if n := countEffects(t, db, want.UUID); n != 0 {
+			t.Errorf("%d effects of the skipped message, want 0", n)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d held, want 0", n)
+		}
+	})
+}

@@ -90,7 +90,7 @@ func (c *cli) held(args []string) error {
 		if k.Missing == 1 {
 			waiting = fmt.Sprint(k.LastApplied + 1)
 		} else if k.Missing <= 0 {
-			waiting = "nothing (next is held: its handler failed; the service's ApplyHeld retries it)"
+			waiting = "nothing (next is held: its handler failed or has not run since the service started; the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
@@ -128,14 +128,8 @@ func (c *cli) skipGap(args []string) error {
 	if *consumer == "" || *key == "" {
 		return usagef("skip-gap: --consumer and --key must not be empty")
 	}
-	if strings.HasPrefix(*key, `"`) {
-		// A key held shows quoted (see keyText), which it does for every
-		// key that starts with a quote: pasted as shown, it is unquoted.
-		k, err := strconv.Unquote(*key)
-		if err != nil {
-			return usagef("--key %s: starts with a quote but is not a quoted key as outboxctl held shows one: %v", *key, err)
-		}
-		*key = k
+	if *key, err = keyFlag(*key); err != nil {
+		return err
 	}
 	if *from < 1 {
 		return usagef("--from: %d; want a sequence number, 1 or more", *from)
@@ -167,6 +161,79 @@ func (c *cli) skipGap(args []string) error {
 	}
 	fmt.Fprintf(c.stdout, "%s, key %q: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
 		*consumer, *key, skipped, *through)
+	return nil
+}
+
+// keyFlag is the key a --key names. A key held shows quoted (see keyText),
+// which it does for every key that starts with a quote: pasted as shown,
+// it is unquoted.
+func keyFlag(key string) (string, error) {
+	if !strings.HasPrefix(key, `"`) {
+		return key, nil
+	}
+	k, err := strconv.Unquote(key)
+	if err != nil {
+		return "", usagef("--key %s: starts with a quote but is not a quoted key as outboxctl held shows one: %v", key, err)
+	}
+	return k, nil
+}
+
+// skippedReport is skip-held --json; its names do not change.
+type skippedReport struct {
+	Consumer  string            `json:"consumer"`
+	Key       string            `json:"key"` // as outboxctl held shows it
+	Seq       int64             `json:"seq"`
+	MessageID string            `json:"message_id"`
+	Payload   []byte            `json:"payload"` // base64
+	Metadata  map[string]string `json:"metadata"`
+}
+
+func (c *cli) skipHeld(args []string) error {
+	const synopsis = "outboxctl skip-held --consumer C --key K --seq N [--json]"
+	fs := c.flagSet("skip-held")
+	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
+	key := fs.String("key", "", "the ordering key (aggregateId), as outboxctl held shows it")
+	seq := fs.Int64("seq", 0, "the held message to give up on: the key's next, LAST APPLIED+1 in outboxctl held")
+	asJSON := fs.Bool("json", false, "print the skipped message, payload (base64) and metadata, for scripts and to resend it by hand")
+	rest, err := c.parse(fs, args, synopsis)
+	if err != nil {
+		return err
+	}
+	if err := noArgs(fs, rest); err != nil {
+		return err
+	}
+	if *consumer == "" || *key == "" || *seq == 0 {
+		return usagef("skip-held: give --consumer, --key and --seq (%s; see outboxctl held)", synopsis)
+	}
+	if *key, err = keyFlag(*key); err != nil {
+		return err
+	}
+	if *seq < 1 {
+		return usagef("--seq: %d; want a sequence number, 1 or more", *seq)
+	}
+	d, err := c.openChecked(false)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	in, err := c.inbox(d, 0)
+	if err != nil {
+		return err
+	}
+	m, err := in.SkipHeld(c.ctx, *consumer, *key, *seq)
+	switch {
+	case errors.Is(err, outbox.ErrNoHeld):
+		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
+	case errors.Is(err, outbox.ErrGapChanged):
+		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
+	case err != nil:
+		return d.explain(err, "acemq_inbox_sequences")
+	}
+	if *asJSON {
+		return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
+	}
+	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key (--json prints the message)\n",
+		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq)
 	return nil
 }
 

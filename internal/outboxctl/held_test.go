@@ -1,6 +1,9 @@
 package outboxctl
 
 import (
+	"encoding/json"
+	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -207,6 +210,47 @@ func TestRetryAllStuck_RowUnderALiveLease_LeftAloneAndSaid(t *testing.T) {
 		}
 		if !strings.Contains(out, "1 row still stuck: a relay holds them under a live lease") {
 			t.Errorf("retry --all-stuck did not say it left the leased row alone:\n%s", out)
+		}
+	})
+}
+
+// A key's next message is held and its handler keeps failing (1 applied, 2
+// held and failing, 4 held behind a missing 3): skip-held gives up on 2,
+// hands it back with --json, and moves the key on to wait for 3; it skips
+// only the key's next, only a held one, and takes a key as held shows it.
+func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-7 ", 1, 2)
+		for _, seq := range []int{2, 4} {
+			execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+				"billing", "order-7 ", seq, "m"+string(rune('0'+seq)), "event", "utf-8", `{"aggregateId":"order-7 ","seq":"`+string(rune('0'+seq))+`","x-acemq-inbox-handler":"on_order"}`, ts(kind, time.Now().Add(-time.Hour)))
+		}
+		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, "skip-held gives up on it") {
+			t.Errorf("held does not say how to give up on a failing next message:\n%s", out)
+		}
+		skip := func(seq string, more ...string) []string {
+			return append([]string{"skip-held", "--db", db.DSN, "--consumer", "billing", "--key", `"order-7 "`, "--seq", seq}, more...)
+		}
+		ctl(t, nil, skip("4")...).wantFailure(t, 1, "nothing skipped")
+		ctl(t, nil, skip("3")...).wantFailure(t, 1, "nothing skipped")
+		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7").wantFailure(t, 2, "give --consumer, --key and --seq")
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held"); n != 2 {
+			t.Fatalf("a refused skip-held changed the held rows: %d left", n)
+		}
+		var got skippedReport
+		if err := json.Unmarshal([]byte(mustCtl(t, skip("2", "--json")...)), &got); err != nil {
+			t.Fatal(err)
+		}
+		if got.MessageID != "m2" || string(got.Payload) != "event" || got.Key != `"order-7 "` || got.Seq != 2 ||
+			!reflect.DeepEqual(got.Metadata, map[string]string{"aggregateId": "order-7 ", "seq": "2"}) {
+			t.Errorf("skip-held --json: %+v, want m2 with its payload and metadata, without the inbox's own", got)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2 AND held = 1"); n != 1 {
+			t.Errorf("after skip-held: last_seq not 2 with 1 held")
+		}
+		if out := mustCtl(t, "held", "--db", db.DSN); !regexp.MustCompile(`(?m)^billing\s+"order-7 "\s+2\s+1\s+3\s`).MatchString(out) {
+			t.Errorf("held after skip-held does not show the key waiting for 3:\n%s", out)
 		}
 	})
 }

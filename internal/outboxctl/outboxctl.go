@@ -116,6 +116,7 @@ var commands = []command{
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},
 	{"held", "ordered inbox: keys with held messages, what they wait for and since when", (*cli).held},
 	{"skip-gap", "ordered inbox: give up on a key's missing messages: skip-gap --consumer C --key K --from A --through B", (*cli).skipGap},
+	{"skip-held", "ordered inbox: give up on a key's next message, held and failing: skip-held --consumer C --key K --seq N", (*cli).skipHeld},
 	{"relay", "publish pending rows to RabbitMQ until SIGINT/SIGTERM; serves /metrics and /healthz", (*cli).relay},
 	{"migrate", "create or update acemq_outbox and processed_messages", (*cli).migrate},
 }
