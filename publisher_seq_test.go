@@ -484,6 +484,26 @@ func TestTxPublisher_Keyed_ManyMessagesInOneCall_Consecutive(t *testing.T) {
 	})
 }
 
+// A call too big for one statement whose keyed rows all fall in one of
+// its statements: the others have nothing to number, and go as plain
+// inserts (a raise of no keys was a syntax error).
+func TestTxPublisher_Keyed_StatementWithoutAKeyedRow_Inserted(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		msgs := []*message.Message{keyed("k")}
+		for range 1500 {
+			msgs = append(msgs, keyed(""))
+		}
+		msgs = append(msgs, keyed("k"))
+		inTx(t, db, true, msgs[:1501], msgs[1501:])
+		wantSeq(t, db, msgs[0], "k", 1)
+		wantSeq(t, db, msgs[1501], "k", 2)
+		var n int
+		if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_outbox"); err != nil || n != 1502 {
+			t.Errorf("%d rows (%v), want 1502", n, err)
+		}
+	})
+}
+
 func TestForwarder_KeyedRow_ArrivesWithAggregateIDStringAndSeqInteger(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)

@@ -158,6 +158,12 @@ type KeyCount struct {
 // travel to the client and back, and on PostgreSQL the whole is one
 // statement (one round trip, as an unkeyed Publish).
 func (o *Outbox) InsertNumbered(rows []Row, keys []KeyCount) []Query {
+	if len(keys) == 0 {
+		// A statement's share of a call whose keyed rows are all in its
+		// other statements: nothing to number (a raise of no keys is no
+		// SQL).
+		return []Query{o.Insert(rows)}
+	}
 	return o.d.insertNumbered(o, rows, keys)
 }
 
