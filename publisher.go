@@ -450,12 +450,18 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 				// Best effort, for a caller who commits after our error on
 				// MySQL or SQLite, where a failed statement leaves the
 				// transaction open; on PostgreSQL the transaction is
-				// aborted and takes the numbers with it.
-				end := chunkEnd(chunks, i-1)
-				if tookOwn {
-					end = chunkEnd(chunks, i)
+				// aborted and takes the numbers with it. Not after an error
+				// that ended the transaction (a deadlock): its raise is
+				// undone already, another transaction may have taken the
+				// numbers since, and the give-back, committed on its own,
+				// would leave the counter below them for good.
+				if !p.cfg.Dialect.sql().EndsTransaction(err) {
+					end := chunkEnd(chunks, i-1)
+					if tookOwn {
+						end = chunkEnd(chunks, i)
+					}
+					_ = p.giveBackSeqs(context.WithoutCancel(ctx), keyCounts(rows[:end]))
 				}
-				_ = p.giveBackSeqs(context.WithoutCancel(ctx), keyCounts(rows[:end]))
 				return p.seqErr(err)
 			}
 			inserted += n

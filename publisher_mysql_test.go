@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
@@ -175,5 +176,79 @@ func TestOrderedInbox_MySQL_KeyNotUTF8_AppliedInOrder(t *testing.T) {
 	}
 	if n := countHeld(t, db); n != 0 {
 		t.Errorf("%d held, want 0", n)
+	}
+}
+
+// Two transactions, each with a gap lock on acemq_outbox (an inbox marking
+// an id of another service's processed, under REPEATABLE READ), publish on
+// one key: the second one's insert deadlocks the first, which InnoDB rolls
+// back whole, counter raise and all. The first's Publish must not then
+// give its numbers back: run outside the transaction, that would commit
+// the counter below the number the second took, and every later Publish
+// on the key would fail.
+func TestTxPublisher_MySQL_DeadlockedPublish_CounterStaysWithTheCommittedNumbers(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	if _, err := db.Exec("CREATE TABLE work (id int AUTO_INCREMENT PRIMARY KEY, v int)"); err != nil {
+		t.Fatal(err)
+	}
+	inTx(t, db, true, []*message.Message{keyed("a")})
+	t1, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t1.Rollback() }()
+	t2, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = t2.Rollback() }()
+	mark := "UPDATE acemq_outbox SET processed_at = NOW(6) WHERE id = ? AND processed_at IS NULL"
+	for _, tx := range []*sqlx.Tx{t1, t2} {
+		if _, err := tx.Exec(mark, "zzzz-of-another-service"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 20 { // the second did more work: InnoDB rolls back the first
+		if _, err := t2.Exec("INSERT INTO work (v) VALUES (1)"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p1, err := outbox.NewTxPublisher(t1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2, err := outbox.NewTxPublisher(t2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := keyed("a")
+	first.UUID = "zzzz-returned-1" // in the locked gap, after every row
+	firstErr := make(chan error, 1)
+	go func() { firstErr <- p1.Publish("orders", first) }()
+	waitFor(t, 10*time.Second, "the first publish waiting for a lock", func() bool {
+		var n int
+		_ = db.Get(&n, "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'")
+		return n > 0
+	})
+	if err := p2.Publish("orders", keyed("a")); err != nil {
+		t.Fatalf("second publish: %v", err)
+	}
+	if err := t2.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-firstErr; err == nil || !strings.Contains(err.Error(), "Error 1213") {
+		t.Fatalf("first publish: %v, want the deadlock (1213)", err)
+	}
+	_ = t1.Rollback()
+	var last int64
+	if err := db.Get(&last, "SELECT last_seq FROM acemq_outbox_sequences WHERE aggregate_id = 'a'"); err != nil {
+		t.Fatal(err)
+	}
+	if seqs := seqsOf(t, db, "a"); last != 2 || !reflect.DeepEqual(seqs, []int64{1, 2}) {
+		t.Fatalf("counter of a %d, committed numbers %v; want 2 and [1 2]", last, seqs)
+	}
+	inTx(t, db, true, []*message.Message{keyed("a")})
+	if seqs := seqsOf(t, db, "a"); !reflect.DeepEqual(seqs, []int64{1, 2, 3}) {
+		t.Errorf("numbers after one more publish %v, want [1 2 3]", seqs)
 	}
 }

@@ -46,6 +46,19 @@ func (mysql) PadsKeys() bool { return true }
 
 func (mysql) TextKeys() bool { return false }
 
+// EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
+// (1213), and on a lock wait timeout (1205) when innodb_rollback_on_timeout
+// is on, which a session cannot see cheaply: both count. Matched on
+// go-sql-driver's text ("Error 1213 (40001): …"), as the library imports
+// no driver.
+func (mysql) EndsTransaction(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1205")
+}
+
 // PreparesRelay: go-sql-driver prepares, executes and closes a statement for
 // every query with arguments (unless the DSN sets interpolateParams), two
 // round trips and a parse of a hundred placeholders for each claim and mark.

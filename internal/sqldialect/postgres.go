@@ -96,6 +96,8 @@ func (postgres) PadsKeys() bool { return false }
 
 func (postgres) TextKeys() bool { return true }
 
+func (postgres) EndsTransaction(err error) bool { return err != nil }
+
 // PreparesRelay: pgx caches the statements it prepares on each connection
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.

@@ -60,6 +60,13 @@ type Dialect interface {
 	// valid UTF-8 without NUL only (PostgreSQL); elsewhere they hold any
 	// bytes (MySQL's varbinary since 0009, SQLite's TEXT).
 	TextKeys() bool
+	// EndsTransaction reports whether err, a statement's, may have ended
+	// the transaction it ran in: what the statement changed before it is
+	// gone, and a statement sent after it would run outside it, committed
+	// on its own (MySQL's deadlock, SQLite's automatic rollbacks). A
+	// PostgreSQL error aborts the transaction, and every later statement
+	// fails.
+	EndsTransaction(err error) bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

@@ -42,6 +42,17 @@ func (sqlite) PadsKeys() bool { return false }
 
 func (sqlite) TextKeys() bool { return false }
 
+// EndsTransaction: SQLite may roll a transaction back on SQLITE_FULL,
+// SQLITE_IOERR, SQLITE_BUSY and SQLITE_NOMEM ("Response To Errors Within A
+// Transaction"), matched on mattn/go-sqlite3's text, sqlite3_errstr's.
+func (sqlite) EndsTransaction(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return Busy(err) || strings.Contains(s, "database or disk is full") || strings.Contains(s, "disk I/O error") || strings.Contains(s, "out of memory")
+}
+
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
