@@ -157,6 +157,7 @@ type AMQPDestination struct {
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
 	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
+	short     []*sent         // windows not collected yet whose send stopped short (see behindAShortWindow)
 	closed    bool
 	next      int    // the node a connect tries first
 	last      string // the node of the latest connection, for the log of a failover
@@ -598,7 +599,18 @@ func (p *sent) Records() []Record { return p.recs }
 func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	p := &sent{recs: recs, res: make([]error, len(recs))}
+	p := &sent{recs: recs, res: make([]error, len(recs)), at: time.Now()}
+	// A window that stops short, this one refused included, holds back the
+	// ones after it until it is collected.
+	defer func() {
+		if slices.ContainsFunc(p.res, func(err error) bool { return err != nil }) {
+			d.short = append(d.short, p)
+		}
+	}()
+	if d.behindAShortWindow() {
+		fillNotSent(p.res, 0, errBehindShortWindow)
+		return p
+	}
 	if err := d.ensure(ctx); err != nil {
 		fillNotSent(p.res, 0, connectionLost(err))
 		return p
@@ -675,6 +687,22 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 	return p
 }
 
+// errBehindShortWindow is the result of the records of a window not sent
+// because a window sent before it stopped short and is not collected yet.
+var errBehindShortWindow = fmt.Errorf("%w: a window sent before it stopped short of its records", ErrNotSent)
+
+// behindAShortWindow reports whether a window sent earlier stopped short (a
+// record failed or was not sent: a missing exchange, a message the client
+// refuses, a lost connection) and is not collected yet. The records it did
+// not send are released when it is settled, and claimed again; a window
+// sent now would overtake them, so nothing goes out until it is. A window
+// nobody collected for staleWindow is forgotten, as in
+// behindAClosedChannel.
+func (d *AMQPDestination) behindAShortWindow() bool {
+	d.short = slices.DeleteFunc(d.short, func(w *sent) bool { return time.Since(w.at) > staleWindow })
+	return len(d.short) > 0
+}
+
 // errBehindClosedChannel is the result of the records of a window not sent
 // because windows before it are still out on a channel that closed.
 var errBehindClosedChannel = fmt.Errorf("%w: windows sent before it are out on a channel that closed", ErrNotSent)
@@ -706,6 +734,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	res := p.res
+	d.short = slices.DeleteFunc(d.short, func(w *sent) bool { return w == p })
 	if p.on == nil {
 		return res // not connected: nothing went out
 	}

@@ -395,12 +395,29 @@ func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing
 	// down the pipeline ahead of them.
 	for _, first := range []bool{false, true} {
 		t.Run(map[bool]string{false: "within a batch", true: "first in a batch"}[first], func(t *testing.T) {
-			channelClosedOverAKeyedRecord(t, first)
+			releasedRecordsKeepOrder(t, "closes the channel", "poison", first)
 		})
 	}
 }
 
-func channelClosedOverAKeyedRecord(t *testing.T, first bool) {
+// A record the relay cannot send at all (its exchange is missing: the
+// confirm channel stays open, and the send stops at it), keyed or not:
+// the records of its batch after it are released, and the batches sent
+// down the pipeline behind it (claimed after them) used to go out and be
+// marked, so the released records first arrived after records created
+// after them.
+func TestForwarder_Run_SendStoppedAtARecord_ReleasedRecordsNotOvertaken(t *testing.T) {
+	for _, key := range []string{"poison", ""} {
+		t.Run(map[string]string{"poison": "keyed", "": "unkeyed"}[key], func(t *testing.T) {
+			releasedRecordsKeepOrder(t, "missing exchange", key, false)
+		})
+	}
+}
+
+// releasedRecordsKeepOrder drains 600 unkeyed rows with one poison record
+// among them, keyed under key unless key is "": to an exchange whose
+// publish closes the channel, or to a missing exchange.
+func releasedRecordsKeepOrder(t *testing.T, poison, key string, first bool) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("k")
@@ -419,7 +436,14 @@ func channelClosedOverAKeyedRecord(t *testing.T, first bool) {
 		if first {
 			at = t0.Add(time.Duration(2*40-1) * time.Millisecond) // before row 40: first in the third batch
 		}
-		rows = append(rows, keyedRow{id: keyedID("poison", 1), exchange: internal, routingKey: "k", aggregate: "poison", seq: 1, createdAt: at})
+		bad := keyedRow{id: keyedID("poison", 1), exchange: internal, routingKey: "k", createdAt: at}
+		if poison == "missing exchange" {
+			bad.exchange = b.Exchange + "-missing"
+		}
+		if key != "" {
+			bad.aggregate, bad.seq = key, 1
+		}
+		rows = append(rows, bad)
 		insertKeyed(t, db, rows)
 		runForwarders(t, db, 1, outbox.ForwarderConfig{BatchSize: 20, MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 			OnError: func(error, outbox.ErrorContext) {}})
