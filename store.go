@@ -196,6 +196,28 @@ func (s *Store) probe(ctx context.Context, db interface {
 	return err == nil, err
 }
 
+// firstNext is where a drain must resume to find the next records of the
+// keyed records recs: a cursor just before the first of them, nil when
+// none is unpublished (see sqldialect.Outbox.FirstNext).
+func (s *Store) firstNext(ctx context.Context, recs []sqldialect.KeySeq) (*sqldialect.Cursor, error) {
+	q := s.inline(s.q.FirstNext(recs))
+	s.sent.Add(1)
+	var id string
+	at := sqldialect.NewTime(s.dialect.sql())
+	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(at, &id)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("outbox: next records of keys: %w", err)
+	case at.Err != nil || at.T.IsZero():
+		return nil, fmt.Errorf("outbox: next records of keys: created_at of %s: %v", id, at.Err)
+	}
+	// Just before it: the claim resumes after (created_at, id), and every
+	// id is above "".
+	return &sqldialect.Cursor{CreatedAt: at.T, ID: ""}, nil
+}
+
 // watchesFile: see sqldialect.Dialect.WatchesFile.
 func (s *Store) watchesFile() bool { return s.dialect.sql().WatchesFile() }
 

@@ -261,6 +261,29 @@ type Cursor struct {
 	ID        string
 }
 
+// KeySeq is a keyed record's place in its key.
+type KeySeq struct {
+	Key string
+	Seq int64
+}
+
+// FirstNext reads the first, in claim order, of the unpublished records
+// that follow recs in their keys (seq+1). Columns: created_at, id; no row
+// when there is none.
+func (o *Outbox) FirstNext(recs []KeySeq) Query {
+	var b strings.Builder
+	args := make([]any, 0, 2*len(recs))
+	for i, r := range recs {
+		if i > 0 {
+			b.WriteString(" OR ")
+		}
+		b.WriteString("(aggregate_id = ? AND seq = ?)")
+		args = append(args, r.Key, r.Seq+1)
+	}
+	return o.query("SELECT created_at, id FROM "+o.table+" WHERE published_at IS NULL AND ("+b.String()+
+		") ORDER BY created_at, id LIMIT 1", args...)
+}
+
 // ClaimParams says which rows a claim takes.
 type ClaimParams struct {
 	Limit       int
