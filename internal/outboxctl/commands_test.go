@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"math"
 	"net/url"
+	"reflect"
 	"regexp"
 	"slices"
 	"sort"
@@ -84,7 +85,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "narrow_columns", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
@@ -121,6 +122,9 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 
 		// The wake-up, on PostgreSQL: the trigger fires after migrate, and
 		// status says so when it is disabled; null elsewhere.
+		if v, ok := got["narrow_columns"].([]any); kind == "mysql" && (!ok || len(v) != 0) || kind != "mysql" && got["narrow_columns"] != nil {
+			t.Errorf("narrow_columns = %v on %s, want [] on mysql (utf8mb4 after migrate), null elsewhere", got["narrow_columns"], kind)
+		}
 		if kind != "postgres" {
 			if got["notify_trigger"] != nil || got["also_on_search_path"] != nil {
 				t.Errorf("notify_trigger = %v, also_on_search_path = %v on %s, want null", got["notify_trigger"], got["also_on_search_path"], kind)
@@ -198,6 +202,23 @@ func TestStatus_Postgres_NamesTheOutboxElsewhereOnTheSearchPath(t *testing.T) {
 	got = decodeJSON(t, mustCtl(t, "status", "--db", dsn, "--json", "--table", db.Name+".acemq_outbox"))
 	if v, ok := got["also_on_search_path"].([]any); !ok || len(v) != 0 {
 		t.Errorf("with a schema-qualified --table: also_on_search_path = %v, want []", got["also_on_search_path"])
+	}
+}
+
+// An outbox another library created in utf8mb3 (MySQL's old "utf8"):
+// INSERT IGNORE stores an emoji there as "?", with a warning the publisher
+// does not see. status names the columns, so that an operator converts
+// them.
+func TestStatus_MySQL_NamesColumnsThatCannotHoldEveryCharacter(t *testing.T) {
+	db := migrated(t, "mysql")
+	execSQL(t, db, "ALTER TABLE acemq_outbox MODIFY body text CHARACTER SET utf8mb3 NOT NULL, MODIFY headers text CHARACTER SET latin1 NOT NULL")
+	got := decodeJSON(t, mustCtl(t, "status", "--db", db.DSN, "--json"))
+	want := []any{"body (utf8mb3)", "headers (latin1)"}
+	if v, _ := got["narrow_columns"].([]any); !reflect.DeepEqual(v, want) {
+		t.Errorf("narrow_columns = %v, want %v", got["narrow_columns"], want)
+	}
+	if human := mustCtl(t, "status", "--db", db.DSN); !regexp.MustCompile(`(?m)^narrow columns\s+body \(utf8mb3\), headers \(latin1\): `).MatchString(human) {
+		t.Errorf("status does not name the narrow columns:\n%s", human)
 	}
 }
 

@@ -324,6 +324,35 @@ func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error
 	return fires, err
 }
 
+// narrowColumns (MySQL) lists table's text columns that cannot hold every
+// character (sqldialect.Outbox.NarrowColumns).
+func (d *database) narrowColumns(ctx context.Context, table string) ([]string, error) {
+	o, err := sqldialect.NewOutbox(sqldialect.MySQL, table)
+	if err != nil {
+		return nil, err
+	}
+	return d.strings(ctx, o.NarrowColumns())
+}
+
+// strings runs q, a query of one text column, and returns its rows, []
+// for none.
+func (d *database) strings(ctx context.Context, q sqldialect.Query) ([]string, error) {
+	rows, err := d.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	out := []string{}
+	for rows.Next() {
+		var s string
+		if err := rows.Scan(&s); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, rows.Err()
+}
+
 // alsoOnSearchPath (PostgreSQL) lists the tables of table's name in the
 // search path's other schemas (sqldialect.Outbox.AlsoOnSearchPath).
 func (d *database) alsoOnSearchPath(ctx context.Context, table string) ([]string, error) {
@@ -331,21 +360,7 @@ func (d *database) alsoOnSearchPath(ctx context.Context, table string) ([]string
 	if err != nil {
 		return nil, err
 	}
-	q := o.AlsoOnSearchPath()
-	rows, err := d.db.QueryContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	tables := []string{}
-	for rows.Next() {
-		var t string
-		if err := rows.Scan(&t); err != nil {
-			return nil, err
-		}
-		tables = append(tables, t)
-	}
-	return tables, rows.Err()
+	return d.strings(ctx, o.AlsoOnSearchPath())
 }
 
 // missingTableError is a table the statement needed that is not there.

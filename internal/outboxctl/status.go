@@ -33,6 +33,10 @@ type statusReport struct {
 	// process with another search_path reads and writes under the same
 	// name; [] when none, null elsewhere.
 	AlsoOnSearchPath []string `json:"also_on_search_path"`
+	// NarrowColumns: on MySQL, the outbox's text columns whose character
+	// set cannot hold every character, "column (charset)"; [] when none,
+	// null elsewhere.
+	NarrowColumns []string `json:"narrow_columns"`
 }
 
 func (c *cli) status(args []string) error {
@@ -81,6 +85,11 @@ func (c *cli) status(args []string) error {
 			return d.explain(err, c.g.table)
 		}
 	}
+	if d.kind == kindMySQL {
+		if r.NarrowColumns, err = d.narrowColumns(c.ctx, c.g.table); err != nil {
+			return d.explain(err, c.g.table)
+		}
+	}
 	// The inbox may live in the consumers' database rather than this one.
 	if ok, err := d.hasTable(c.ctx, c.g.inboxTable); err != nil {
 		return err
@@ -115,6 +124,10 @@ func (c *cli) status(args []string) error {
 		} else {
 			fmt.Fprintf(tw, "wake-up\tnone: trigger %s missing or disabled, relays poll adaptively\n", sqldialect.NotifyTriggerName)
 		}
+	}
+	if len(r.NarrowColumns) > 0 {
+		fmt.Fprintf(tw, "narrow columns\t%s: a character outside their set (an emoji in utf8mb3) is stored as '?'; "+
+			"convert them to utf8mb4 (README, MySQL)\n", strings.Join(r.NarrowColumns, ", "))
 	}
 	if len(r.AlsoOnSearchPath) > 0 {
 		fmt.Fprintf(tw, "also on the search path\t%s: a service with another search_path uses it under the same name "+

@@ -87,6 +87,24 @@ func (o *Outbox) AlsoOnSearchPath() Query {
 		` AND c.oid IS DISTINCT FROM to_regclass(?) ORDER BY array_position(current_schemas(false), n.nspname)`, o.schema, o.name, o.table)
 }
 
+// NarrowColumns (MySQL) lists the outbox's text columns whose character
+// set cannot hold every character (utf8mb3, latin1: anything but utf8mb4
+// and binary), as "column (charset)" in table order. A table another
+// library created in utf8mb3 is one: INSERT IGNORE, which the publisher
+// uses to skip ids present already, stores a 4-byte character (an emoji)
+// there as "?" with a warning, not an error. Column: text.
+func (o *Outbox) NarrowColumns() Query {
+	schema := "DATABASE()"
+	args := []any{o.name}
+	if o.schema != "" {
+		schema = "?"
+		args = []any{o.schema, o.name}
+	}
+	return o.query("SELECT CONCAT(COLUMN_NAME, ' (', CHARACTER_SET_NAME, ')') FROM information_schema.COLUMNS"+
+		" WHERE TABLE_SCHEMA = "+schema+" AND TABLE_NAME = ? AND CHARACTER_SET_NAME IS NOT NULL"+
+		" AND CHARACTER_SET_NAME NOT IN ('utf8mb4', 'binary') ORDER BY ORDINAL_POSITION", args...)
+}
+
 // Leases: PostgreSQL has FOR UPDATE SKIP LOCKED, so a claim is a row lock
 // held by the relay's transaction. A relay that dies releases it with its
 // connection, at once; a second relay skips the locked rows.
