@@ -225,9 +225,18 @@ func TestTxPublisher_MySQL_DeadlockedPublish_CounterStaysWithTheCommittedNumbers
 	first.UUID = "zzzz-returned-1" // in the locked gap, after every row
 	firstErr := make(chan error, 1)
 	go func() { firstErr <- p1.Publish("orders", first) }()
+	// The first publish's insert waits for the second's gap lock (MariaDB
+	// shows it running, "Sending data", or in LOCK WAIT).
 	waitFor(t, 10*time.Second, "the first publish waiting for a lock", func() bool {
+		select {
+		case err := <-firstErr:
+			t.Fatalf("the first publish returned without waiting: %v", err)
+		default:
+		}
 		var n int
-		_ = db.Get(&n, "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'")
+		if err := db.Get(&n, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND INFO LIKE 'INSERT IGNORE INTO `acemq_outbox`%'"); err != nil {
+			t.Logf("reading the process list: %v", err)
+		}
 		return n > 0
 	})
 	if err := p2.Publish("orders", keyed("a")); err != nil {
