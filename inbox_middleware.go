@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -135,7 +136,7 @@ func (c InboxConfig) validate() error {
 	if c.PurgeBatch < 1 {
 		return &ConfigError{Field: "PurgeBatch", Reason: fmt.Sprintf("%d; want at least 1", c.PurgeBatch)}
 	}
-	if err := checkName(c.ConsumerName); err != nil {
+	if err := checkConsumer(c.Dialect, c.ConsumerName); err != nil {
 		return &ConfigError{Field: "ConsumerName", Reason: err.Error()}
 	}
 	if c.GapAfter < 0 {
@@ -143,6 +144,21 @@ func (c InboxConfig) validate() error {
 	}
 	if c.Ordered && c.AtMostOnce {
 		return &ConfigError{Field: "Ordered", Reason: "not with AtMostOnce: a held message runs after its predecessor's commit, with no key committed before its effect"}
+	}
+	return nil
+}
+
+// checkConsumer accepts a consumer name as checkName does and, on MySQL,
+// one that does not end in a space: processed_messages and the ordered
+// inbox's tables compare consumer names PAD SPACE there (utf8mb4_bin), so
+// "ship " would share the keys of "ship", and a message both handle would
+// be acked as a duplicate by the second without running.
+func checkConsumer(d Dialect, name string) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	if strings.HasSuffix(name, " ") && d.sql().PadsKeys() {
+		return fmt.Errorf("ends in a space, which MySQL's inbox tables compare away: it would share the dedupe keys of %q", strings.TrimRight(name, " "))
 	}
 	return nil
 }
@@ -324,7 +340,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 	}
-	counted, nameErr := consumer, checkName(consumer)
+	counted, nameErr := consumer, checkConsumer(in.dialect, consumer)
 	if nameErr != nil {
 		counted = ""
 	}

@@ -328,3 +328,31 @@ func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t 
 		testamqpDeleteQueue(t, topic)
 	})
 }
+
+// Consumer names that differ only in trailing spaces are one name to
+// MySQL's inbox tables (utf8mb4_bin compares PAD SPACE): "ship " would be
+// handed the keys of "ship", and a message both handle acked by the second
+// as a duplicate without running. MySQL refuses such a name; PostgreSQL and
+// SQLite keep the two apart.
+func TestInbox_ConsumerNamesDifferingInTrailingSpaces_RefusedOnMySQLTwoConsumersElsewhere(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		if d == outbox.MySQL {
+			_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "ship "})
+			if !errors.Is(err, outbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "ends in a space") {
+				t.Fatalf("NewInbox with ConsumerName %q on MySQL: %v, want a ConfigError saying it ends in a space", "ship ", err)
+			}
+			return
+		}
+		var ran atomic.Int32
+		h := func(*message.Message) ([]*message.Message, error) { ran.Add(1); return nil, nil }
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		for _, name := range []string{"ship", "ship "} {
+			if _, err := newInbox(t, db, outbox.InboxConfig{ConsumerName: name}).Middleware(h)(msg.Copy()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if ran.Load() != 2 {
+			t.Fatalf("handler ran %d times for two consumers; want 2", ran.Load())
+		}
+	})
+}
