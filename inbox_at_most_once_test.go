@@ -106,6 +106,59 @@ func TestInbox_AtMostOnce_HandlerFailsOrPanics_KeyTakenBackRetryMakesEffectOnce(
 // after the handler, in a transaction of their own; when that fails the key
 // stays (the effect happened), the error is returned, and the redelivery is
 // dropped rather than run again.
+// A copy delivered while the first one's handler still runs (the broker
+// redelivers after the first's channel closed: a consumer's reconnect)
+// found the key committed and was acked as a duplicate; the first then
+// failed, took its key back and was nacked to a channel that is gone: the
+// message was lost. The copy now waits for the first, and runs once the
+// key is taken back; had the first succeeded, it would be a duplicate.
+func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		for _, firstFails := range []bool{true, false} {
+			var ran atomic.Int32
+			started, release := make(chan struct{}), make(chan struct{})
+			h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
+				if ran.Add(1) == 1 {
+					close(started)
+					<-release
+					if firstFails {
+						return nil, errors.New("SMTP down: not sent")
+					}
+				}
+				return nil, nil
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			first := make(chan error, 1)
+			go func() { _, err := h(msg.Copy()); first <- err }()
+			<-started
+			second := make(chan error, 1)
+			go func() { _, err := h(msg.Copy()); second <- err }()
+			select {
+			case err := <-second:
+				t.Fatalf("first fails %v: the copy returned (%v) while the first still ran", firstFails, err)
+			case <-time.After(200 * time.Millisecond):
+			}
+			close(release)
+			if err := <-first; (err != nil) != firstFails {
+				t.Fatalf("first fails %v: first returned %v", firstFails, err)
+			}
+			if err := <-second; err != nil {
+				t.Fatalf("first fails %v: the copy returned %v, want nil (ack)", firstFails, err)
+			}
+			want := int32(1)
+			if firstFails {
+				want = 2
+			}
+			if got := ran.Load(); got != want {
+				t.Errorf("first fails %v: handler ran %d times, want %d", firstFails, got, want)
+			}
+			if n := countProcessed(t, db, msg.UUID); n != 1 {
+				t.Errorf("first fails %v: %d keys, want 1", firstFails, n)
+			}
+		}
+	})
+}
+
 func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var ran atomic.Int32

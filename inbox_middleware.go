@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -58,6 +59,9 @@ type InboxConfig struct {
 	// the effect loses it. The handler runs with no transaction
 	// (TxFromContext reports none). Return an error only when the effect
 	// did not happen: the key is then taken back and the message retried.
+	// A copy delivered while the handler of the first runs in this process
+	// waits for it, and runs if the key was taken back; one delivered to
+	// another process meanwhile is acked as a duplicate.
 	// A handler's returned messages are written into the outbox in a
 	// transaction of their own after the handler; if that fails the key
 	// stays, so they are lost too, logged with the message's id.
@@ -197,6 +201,11 @@ type Inbox struct {
 	returned TxPublisherConfig  // how returned messages are written, checked once
 	ordered  *orderedState      // nil unless cfg.Ordered
 	log      watermill.LoggerAdapter
+
+	// running holds the at-most-once keys whose handler runs in this
+	// process, each closed when it returns (see processAtMostOnce).
+	runningMu sync.Mutex
+	running   map[[2]string]chan struct{}
 }
 
 // NewInbox returns the inbox over db, a *sql.DB or *sqlx.DB.
@@ -469,21 +478,26 @@ func (in *Inbox) markProcessed(ctx context.Context, tx *sqlx.Tx, key string, now
 
 // processAtMostOnce commits the key before it runs the handler, with no
 // transaction: see InboxConfig.AtMostOnce.
+//
+// A copy delivered while the handler of the first still runs in this
+// process (the broker redelivers it after the first one's channel closed,
+// a consumer's reconnect) finds the key committed, though the effect may
+// yet fail and the key be taken back. Acked then as a duplicate, and the
+// first's nack going to a channel that is gone, the message would be lost.
+// So it waits for the first to return, and looks again: a duplicate if the
+// key stayed, run if it was taken back.
 func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, key string) (inboxOutcome, error) {
-	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	release, err := in.runAlone(ctx, [2]string{consumer, key})
 	if err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return inboxFailed, err
 	}
-	fresh, err := in.record(ctx, tx, consumer, key)
-	if err != nil || !fresh {
-		_ = tx.Rollback()
-		if err != nil {
-			return inboxFailed, err
-		}
+	defer release()
+	fresh, err := in.recordAlone(ctx, consumer, key)
+	if err != nil {
+		return inboxFailed, err
+	}
+	if !fresh {
 		return inboxDuplicate, nil
-	}
-	if err := tx.Commit(); err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
 	}
 	// From here a crash drops the message: its redelivery finds the key.
 	in.cfg.Metrics.inbox(consumer, inboxAtMostOnce)
@@ -513,6 +527,54 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		return inboxFailed, err
 	}
 	return inboxProcessed, nil
+}
+
+// runAlone waits until no delivery of id (consumer, key) is in
+// processAtMostOnce in this process, and takes its place there until
+// release is called.
+func (in *Inbox) runAlone(ctx context.Context, id [2]string) (release func(), err error) {
+	for {
+		in.runningMu.Lock()
+		done, busy := in.running[id]
+		if !busy {
+			if in.running == nil {
+				in.running = map[[2]string]chan struct{}{}
+			}
+			mine := make(chan struct{})
+			in.running[id] = mine
+			in.runningMu.Unlock()
+			return func() {
+				in.runningMu.Lock()
+				delete(in.running, id)
+				in.runningMu.Unlock()
+				close(mine)
+			}, nil
+		}
+		in.runningMu.Unlock()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs: %w", id[1], id[0], ctx.Err())
+		}
+	}
+}
+
+// recordAlone commits the key in a transaction of its own, and says whether
+// it was new.
+func (in *Inbox) recordAlone(ctx context.Context, consumer, key string) (bool, error) {
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	fresh, err := in.record(ctx, tx, consumer, key)
+	if err != nil || !fresh {
+		_ = tx.Rollback()
+		return false, err
+	}
+	if err := tx.Commit(); err != nil {
+		return false, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+	}
+	return true, nil
 }
 
 // writeReturned writes the messages a handler returned into the outbox
