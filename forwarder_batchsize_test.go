@@ -150,6 +150,18 @@ func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) 
 				// also settled the last drain's last batch, a confirm
 				// that says how fast the broker is: [50 50 50 50 100 200]
 				// or [50 100 200 150].
+				// The first drain is over once its last claim found nothing:
+				// a claim that came back full claims again at once, and it
+				// would take rows committed before then at its grown size.
+				// No batch for 300 ms says it has.
+				last, since := len(sizes), time.Now()
+				waitFor(t, 10*time.Second, "the first drain to end", func() bool {
+					if n, _ := dest.got(); len(n) != last {
+						last, since = len(n), time.Now()
+					}
+					return time.Since(since) >= 300*time.Millisecond
+				})
+				sizes, _ = dest.got()
 				publishBatch(t, db, "amq.topic", "grow", 500)
 				sizes = waitDelivered(t, dest, 2000)[len(sizes):]
 				if len(sizes) == 0 || sizes[0] != 50 {
