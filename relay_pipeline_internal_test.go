@@ -128,3 +128,56 @@ func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 		t.Fatalf("the woken probe gave up after %s, want busy_timeout (300 ms)", waited)
 	}
 }
+
+// On SQLite a relay whose lease ran out before it marked (busy waits, a
+// slow broker) may find the row claimed by another relay meanwhile. Its
+// failure mark must leave that relay's live lease alone: clearing it freed
+// the row for a third relay while the second was publishing it. Its own
+// rows it marks as before.
+func TestStoreFinish_SQLiteLeaseTakenOver_FailureMarkLeavesTheOtherLease(t *testing.T) {
+	db, err := sql.Open("sqlite3", "file:"+filepath.Join(t.TempDir(), "outbox.db")+"?_journal_mode=WAL&_busy_timeout=5000&_txlock=immediate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	ctx := context.Background()
+	if err := Migrate(ctx, db, SQLite); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"taken", "kept"} {
+		if _, err := db.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body) VALUES (?, 'ex', 'rk', 'b')", id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	store, err := NewStore(db, StoreConfig{Dialect: SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil)
+	if err != nil || len(c.rows) != 2 {
+		t.Fatalf("claim: %v rows, %v", c, err)
+	}
+	// relay-a's lease on "taken" ran out, and relay-b claimed it.
+	until := time.Now().Add(time.Minute).UTC().Format("2006-01-02 15:04:05.000000")
+	if _, err := db.Exec("UPDATE acemq_outbox SET locked_by = 'relay-b', locked_until = ? WHERE id = 'taken'", until); err != nil {
+		t.Fatal(err)
+	}
+	failures := []failure{{id: "taken", attempts: 1, reason: "nacked"}, {id: "kept", attempts: 1, reason: "nacked"}}
+	if err := store.finish(ctx, c, nil, failures); err != nil {
+		t.Fatal(err)
+	}
+	var by sql.NullString
+	var attempts int
+	if err := db.QueryRow("SELECT locked_by, attempts FROM acemq_outbox WHERE id = 'taken'").Scan(&by, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	if by.String != "relay-b" || attempts != 0 {
+		t.Errorf("taken over: locked_by %q, attempts %d; want relay-b's lease untouched, 0 attempts", by.String, attempts)
+	}
+	if err := db.QueryRow("SELECT locked_by, attempts FROM acemq_outbox WHERE id = 'kept'").Scan(&by, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	if by.Valid || attempts != 1 {
+		t.Errorf("its own row: locked_by %v, attempts %d; want no lease and 1 attempt", by, attempts)
+	}
+}

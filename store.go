@@ -525,7 +525,7 @@ func sortClaimed(rows []sqldialect.ClaimedRow) {
 func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
-		err := s.mark(ctx, c.tx, time.Now(), published, failures)
+		err := s.mark(ctx, c.tx, c.lease, time.Now(), published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
 			return err
@@ -536,7 +536,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		return nil
 	}
 	return s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
-		if err := s.mark(ctx, tx, time.Now(), published, failures); err != nil {
+		if err := s.mark(ctx, tx, c.lease, time.Now(), published, failures); err != nil {
 			return err
 		}
 		// Rows claimed but neither published nor failed (not sent, behind a
@@ -581,7 +581,9 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	return nil
 }
 
-func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
+// mark marks the published and the failed rows of a claim, lease its
+// relay id if it is a leasing claim's ("" for a locking one).
+func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Time, published []string, failures []failure) error {
 	s.sent.Add(int64(len(failures)))
 	if len(published) > 0 {
 		s.sent.Add(1)
@@ -590,7 +592,7 @@ func (s *Store) mark(ctx context.Context, tx *sql.Tx, now time.Time, published [
 		}
 	}
 	for _, f := range failures {
-		q := s.inline(s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason), f.holdBy, f.holdUntil))
+		q := s.inline(s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason), f.holdBy, f.holdUntil, lease))
 		if _, err := tx.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}

@@ -544,10 +544,19 @@ func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []str
 // With holdBy set, the row stays leased to holdBy until holdUntil, a
 // retry-after every relay respects (a keyed record's backoff: see the
 // Forwarder); without, it is free at once.
-func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy string, holdUntil time.Time) Query {
+//
+// leasedBy, if not "", is the relay whose lease the row must still be
+// under (a leasing claim's): when its lease ran out and another relay
+// claimed the row, that relay's outcome decides, and this failure must not
+// clear its live lease and free the row for a third.
+func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy string, holdUntil time.Time, leasedBy string) Query {
 	var by, until any // NULL
 	if holdBy != "" {
 		by, until = holdBy, o.d.TimeArg(holdUntil)
+	}
+	if leasedBy != "" {
+		return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ? AND locked_by = ?",
+			attempts, reason, by, until, id, leasedBy)
 	}
 	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ?",
 		attempts, reason, by, until, id)
