@@ -220,7 +220,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		committed = true
 		return inboxProcessed, nil
 	}
-	last, _, err := in.lockSequence(ctx, tx, consumer, key)
+	last, heldBefore, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -243,11 +243,14 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		}
 		// The key's next may be held already: its handler failed when its
 		// turn came (or had not run here yet). This delivery of the key
-		// retries it, as the next one of any number would.
+		// retries it, as the next one of any number would. Only a key that
+		// held something before this message can hold its next.
 		var ready int64
-		count := in.ordered.q.HeldUpTo(consumer, key, last+1)
-		if err := in.queryRow(ctx, tx, count).Scan(&ready); err != nil {
-			return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
+		if heldBefore > 0 {
+			count := in.ordered.q.HeldUpTo(consumer, key, last+1)
+			if err := in.queryRow(ctx, tx, count).Scan(&ready); err != nil {
+				return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
+			}
 		}
 		if err := tx.Commit(); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", id, consumer, err)
