@@ -442,9 +442,9 @@ func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) 
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
 	}
-	if n, err := res.RowsAffected(); err != nil {
+	if fresh, err := sqldialect.InsertedAll(in.dialect.sql(), res, 1); err != nil {
 		return false, fmt.Errorf("outbox: inbox: %w", err)
-	} else if n == 0 {
+	} else if !fresh {
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
 		return false, nil
 	}

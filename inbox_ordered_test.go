@@ -18,8 +18,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	mysqldrv "github.com/go-sql-driver/mysql"
-	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -871,17 +869,7 @@ func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T)
 func TestOrderedInbox_MySQLClientFoundRows_OrderAndDuplicatesAsWithout(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
-	cfg, err := mysqldrv.ParseDSN(db.DSN)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.ClientFoundRows = true
-	pool, err := sqlx.Open("mysql", cfg.FormatDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pool.Close() })
-	found := &testdb.DB{DB: pool, Kind: testdb.MySQL, DSN: cfg.FormatDSN()}
+	found := withClientFoundRows(t, db)
 	var l applyLog
 	h := orderedInbox(t, found, outbox.InboxConfig{}).Middleware(l.handler(t, found))
 	deliver(t, h, "a", 1, 1, 2, 2, 1)

@@ -113,8 +113,7 @@ func (c TxPublisherConfig) validate() error {
 
 // txConn is the caller's transaction, whatever its type.
 type txConn interface {
-	// exec runs a statement and returns the rows it affected.
-	exec(ctx context.Context, q sqldialect.Query) (int64, error)
+	exec(ctx context.Context, q sqldialect.Query) (sqldialect.Result, error)
 	query(ctx context.Context, q sqldialect.Query) (rowsScanner, error)
 }
 
@@ -126,12 +125,8 @@ type rowsScanner interface {
 
 type stdTx struct{ tx *sql.Tx }
 
-func (t stdTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return 0, err
-	}
-	return res.RowsAffected()
+func (t stdTx) exec(ctx context.Context, q sqldialect.Query) (sqldialect.Result, error) {
+	return t.tx.ExecContext(ctx, q.SQL, q.Args...)
 }
 
 func (t stdTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
@@ -140,12 +135,8 @@ func (t stdTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, erro
 
 type watermillTx struct{ tx wsql.Tx }
 
-func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
-	res, err := t.tx.ExecContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return 0, err
-	}
-	return res.RowsAffected()
+func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (sqldialect.Result, error) {
+	return t.tx.ExecContext(ctx, q.SQL, q.Args...)
 }
 
 func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
@@ -291,11 +282,11 @@ func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message
 }
 
 func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
-	inserted, err := p.exec(ctx, p.q.Insert(rows))
+	all, err := p.insertedAll(ctx, p.q.Insert(rows), len(rows))
 	if err != nil {
 		return err
 	}
-	if inserted < int64(len(rows)) {
+	if !all {
 		// Some ids were there already: a retried transaction (the same
 		// message again, harmless) or the same id sent somewhere else, which
 		// would lose that copy without a word.
@@ -324,8 +315,8 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 // readBack reads the rows under the ids of rows: ours are those this call
 // inserted (by their created_at), and conflict the first of the others
 // that goes to another destination (a *DuplicateIDError), or else a row
-// that is not there at all: MySQL's INSERT IGNORE skips a row for any
-// unique key, and a keyed row whose (aggregate_id, seq) another row holds
+// that is not there at all: MySQL's insert skips a row for any unique key
+// (ON DUPLICATE KEY UPDATE leaving the row there as it is), and a keyed row whose (aggregate_id, seq) another row holds
 // (a counter behind the table) would otherwise be lost without a word.
 func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours []string, conflict error, err error) {
 	seen := make(map[string]bool, len(rows))
@@ -443,9 +434,9 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 				return p.seqErr(err)
 			}
 		}
-		var inserted int64
+		insertedAll := true
 		for i, c := range chunks {
-			n, tookOwn, err := p.insertNumbered(ctx, c)
+			all, tookOwn, err := p.insertNumbered(ctx, c)
 			if err != nil {
 				// Best effort, for a caller who commits after our error on
 				// MySQL or SQLite, where a failed statement leaves the
@@ -464,9 +455,9 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 				}
 				return p.seqErr(err)
 			}
-			inserted += n
+			insertedAll = insertedAll && all
 		}
-		if inserted == int64(len(rows)) {
+		if insertedAll {
 			return nil
 		}
 		ours, conflict, err := p.readBack(ctx, rows)
@@ -500,17 +491,19 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 	return nil
 }
 
-// insertNumbered runs InsertNumbered for one chunk and returns the rows it
-// inserted. On an error, took says the chunk's numbers were taken: the
-// raise ran and the insert did not.
-func (p *TxPublisher) insertNumbered(ctx context.Context, rows []sqldialect.Row) (inserted int64, took bool, err error) {
+// insertNumbered runs InsertNumbered for one chunk and reports whether it
+// inserted every row. On an error, took says the chunk's numbers were
+// taken: the raise ran and the insert did not.
+func (p *TxPublisher) insertNumbered(ctx context.Context, rows []sqldialect.Row) (all, took bool, err error) {
 	qs := p.q.InsertNumbered(rows, keyCounts(rows))
+	var res sqldialect.Result
 	for i, q := range qs {
-		if inserted, err = p.exec(ctx, q); err != nil {
-			return 0, i > 0, err
+		if res, err = p.exec(ctx, q); err != nil {
+			return false, i > 0, err
 		}
 	}
-	return inserted, false, nil
+	all, err = sqldialect.InsertedAll(p.cfg.Dialect.sql(), res, len(rows))
+	return all, false, err
 }
 
 // seqErr says where numbering failed: a sequences table that is missing
@@ -779,8 +772,18 @@ func reserveStamps(n int) time.Time {
 // into its text where that saves round trips (sqldialect.Inline: on MySQL
 // one round trip where go-sql-driver would prepare, execute and close, for
 // every statement whatever the DSN).
-func (p *TxPublisher) exec(ctx context.Context, q sqldialect.Query) (int64, error) {
+func (p *TxPublisher) exec(ctx context.Context, q sqldialect.Query) (sqldialect.Result, error) {
 	return p.tx.exec(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
+}
+
+// insertedAll runs q, an insert of n rows that skips the ids already in
+// the table, and reports whether it inserted all of them.
+func (p *TxPublisher) insertedAll(ctx context.Context, q sqldialect.Query, n int) (bool, error) {
+	res, err := p.exec(ctx, q)
+	if err != nil {
+		return false, err
+	}
+	return sqldialect.InsertedAll(p.cfg.Dialect.sql(), res, n)
 }
 
 func (p *TxPublisher) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {

@@ -234,7 +234,7 @@ func TestTxPublisher_MySQL_DeadlockedPublish_CounterStaysWithTheCommittedNumbers
 		default:
 		}
 		var n int
-		if err := db.Get(&n, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND INFO LIKE 'INSERT IGNORE INTO `acemq_outbox`%'"); err != nil {
+		if err := db.Get(&n, "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() AND INFO LIKE 'INSERT INTO `acemq_outbox`%'"); err != nil {
 			t.Logf("reading the process list: %v", err)
 		}
 		return n > 0

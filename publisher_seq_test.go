@@ -424,7 +424,7 @@ func TestTxPublisher_Keyed_DuplicateIDToAnotherDestination_ErrorAndNumbersGivenB
 // A key whose counter is behind the table (another library wrote a keyed
 // row without raising it, or the counters came back from an older backup):
 // the number Publish takes is another row's. Every database refuses the
-// call, MySQL too, whose INSERT IGNORE skips such a row without an error;
+// call, MySQL too, whose insert skips such a row without an error;
 // the call writes nothing, and a caller who commits anyway finds the
 // counter as it was.
 func TestTxPublisher_Keyed_SeqHeldByAnotherRow_ErrorNothingWrittenNumberGivenBack(t *testing.T) {

@@ -205,10 +205,9 @@ func TestStatus_Postgres_NamesTheOutboxElsewhereOnTheSearchPath(t *testing.T) {
 	}
 }
 
-// An outbox another library created in utf8mb3 (MySQL's old "utf8"):
-// INSERT IGNORE stores an emoji there as "?", with a warning the publisher
-// does not see. status names the columns, so that an operator converts
-// them.
+// An outbox another library created in utf8mb3 (MySQL's old "utf8"): a
+// Publish with an emoji fails there (stored as "?" outside strict mode).
+// status names the columns, so that an operator converts them.
 func TestStatus_MySQL_NamesColumnsThatCannotHoldEveryCharacter(t *testing.T) {
 	db := migrated(t, "mysql")
 	execSQL(t, db, "ALTER TABLE acemq_outbox MODIFY body text CHARACTER SET utf8mb3 NOT NULL, MODIFY headers text CHARACTER SET latin1 NOT NULL")

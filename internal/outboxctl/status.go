@@ -126,7 +126,7 @@ func (c *cli) status(args []string) error {
 		}
 	}
 	if len(r.NarrowColumns) > 0 {
-		fmt.Fprintf(tw, "narrow columns\t%s: a character outside their set (an emoji in utf8mb3) is stored as '?'; "+
+		fmt.Fprintf(tw, "narrow columns\t%s: a message with a character outside their set (an emoji in utf8mb3) fails to publish; "+
 			"convert them to utf8mb4 (README, MySQL)\n", strings.Join(r.NarrowColumns, ", "))
 	}
 	if len(r.AlsoOnSearchPath) > 0 {

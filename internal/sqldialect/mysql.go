@@ -71,14 +71,44 @@ func (mysql) PreparesRelay() bool { return true }
 func (mysql) insertOutbox(table, cols string, n, rows int) string {
 	var b strings.Builder
 	b.Grow(64 + rows*n*3)
-	// IGNORE, for its affected-row count: inserted rows only, whatever the
-	// DSN's clientFoundRows says, which is how a duplicate id is noticed.
-	// Its other effect, storing a truncated or altered value with a warning
-	// where strict mode would refuse it, cannot reach this statement: every
-	// value was checked against its column before it was built.
-	b.WriteString("INSERT IGNORE INTO " + table + " (" + cols + ") VALUES ")
+	b.WriteString("INSERT INTO " + table + " (" + cols + ") VALUES ")
 	valuesList(&b, rows, n, questionMark)
+	b.WriteString(" ON DUPLICATE KEY UPDATE " + flagSkipped("id"))
 	return b.String()
+}
+
+// flagSkipped is the update clause of an insert that skips a row whose
+// unique key another row holds, leaving that row as it is, and says so
+// through the result's LastInsertId (see insertedAll). The tables have no
+// AUTO_INCREMENT, so a statement that skips nothing reports 0; a skip sets
+// LAST_INSERT_ID to the connection's value as it was (the caller's last
+// AUTO_INCREMENT id, which stays theirs), or to 1 where that was 0.
+//
+// Not INSERT IGNORE, whose affected-row count told a skip the same way:
+// IGNORE also turns every error of a value into a warning, and stores what
+// the column makes of it. A table another library created in utf8mb3 or
+// latin1 stored an emoji as "?", and a narrower column cut a value, where
+// strict mode, the default, now refuses the statement and the caller sees
+// the error. Nor the count of ON DUPLICATE KEY UPDATE alone: under the
+// DSN's clientFoundRows=true a row left as it is counts 1, as an insert.
+func flagSkipped(col string) string {
+	return col + " = IF(LAST_INSERT_ID(IF(LAST_INSERT_ID() = 0, 1, LAST_INSERT_ID())) <> 0, " + col + ", " + col + ")"
+}
+
+// insertedAll: a skipped row counts 0 affected, or 1 under
+// clientFoundRows, and sets the result's LastInsertId (flagSkipped). A
+// result that hides LastInsertId (a watermill-sql Tx of another kind than
+// its database/sql adapter) leaves the count, right under the driver's
+// default clientFoundRows=false.
+func (mysql) insertedAll(res Result, n int) (bool, error) {
+	if r, ok := res.(interface{ LastInsertId() (int64, error) }); ok {
+		id, err := r.LastInsertId()
+		if err != nil || id != 0 {
+			return false, err
+		}
+	}
+	affected, err := res.RowsAffected()
+	return affected == int64(n), err
 }
 
 // raiseSeqs: MySQL's upsert refers to the row it would have inserted
@@ -115,8 +145,8 @@ func (mysql) raiseSeqs(sequences string, keys []KeyCount) Query {
 // back; MySQL has neither RETURNING nor data-modifying CTEs. The read sees
 // this transaction's own raise, whatever the isolation level.
 func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
-	insert, args := o.numberedInsert("INSERT IGNORE INTO", rows, keys, o.sequences)
-	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert, Args: args}}
+	insert, args := o.numberedInsert("INSERT INTO", rows, keys, o.sequences)
+	return []Query{d.raiseSeqs(o.sequences, keys), {SQL: insert + " ON DUPLICATE KEY UPDATE " + flagSkipped("id"), Args: args}}
 }
 
 // claim walks p.Index when it is set (see pendingIndex).
@@ -214,13 +244,15 @@ func (mysql) purgePublished(table string) string {
 	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?"
 }
 
-// insertProcessed uses INSERT IGNORE, whose affected-row count tells a
-// duplicate (0) from an insert (1) whatever the DSN's clientFoundRows says;
-// ON DUPLICATE KEY UPDATE reports 1 for both under clientFoundRows=true.
-// IGNORE's other effect, turning bad values into warnings, cannot reach this
-// statement: the Inbox checks both values' lengths before it runs.
+// insertProcessed skips a key that is there as the outbox insert skips an
+// id (flagSkipped): a processed_messages another library created in
+// utf8mb3, or with a message_id narrower than the Inbox's 255, would have
+// stored two ids as one under INSERT IGNORE ("?" for an emoji, or the
+// first characters of a long id), and the second message was acked as a
+// duplicate without running. Strict mode refuses such an id instead, and
+// the delivery fails with the error.
 func (mysql) insertProcessed(table string) string {
-	return "INSERT IGNORE INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"
+	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE " + flagSkipped("message_id")
 }
 
 func (mysql) purgeProcessed(table string) string {
@@ -235,8 +267,10 @@ func (mysql) insertInboxSequence() string {
 	return "INSERT INTO " + InboxSequencesTable + " (consumer_name, aggregate_id, last_seq) VALUES (?, ?, 0) ON DUPLICATE KEY UPDATE last_seq = last_seq"
 }
 
-// insertInboxHeld uses INSERT IGNORE, as insertProcessed does, for its
-// affected-row count; every value was checked against its column first.
+// insertInboxHeld uses INSERT IGNORE for its affected-row count: the table
+// is this library's own (0006, utf8mb4), and every value was checked
+// against its column first, so IGNORE's other effect, storing a value the
+// column alters, cannot reach it.
 func (mysql) insertInboxHeld() string {
 	return "INSERT IGNORE INTO " + InboxHeldTable + " (" + inboxHeldColumns + ") VALUES (" + placeholders(inboxHeldColumnCount) + ")"
 }
@@ -276,7 +310,8 @@ func (mysql) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 			return n == 1 && id == 0 && m.Seq == 1, err
 		},
 	}
-	return []ApplyStep{advance, {Query: in.Insert(m.Consumer, m.MessageID, m.At), Done: oneRow}}
+	key := func(res sql.Result) (bool, error) { return mysql{}.insertedAll(res, 1) }
+	return []ApplyStep{advance, {Query: in.Insert(m.Consumer, m.MessageID, m.At), Done: key}}
 }
 
 // migrationLockTimeout is how long a second migrating process waits for the

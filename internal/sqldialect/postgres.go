@@ -90,9 +90,9 @@ func (o *Outbox) AlsoOnSearchPath() Query {
 // NarrowColumns (MySQL) lists the outbox's text columns whose character
 // set cannot hold every character (utf8mb3, latin1: anything but utf8mb4
 // and binary), as "column (charset)" in table order. A table another
-// library created in utf8mb3 is one: INSERT IGNORE, which the publisher
-// uses to skip ids present already, stores a 4-byte character (an emoji)
-// there as "?" with a warning, not an error. Column: text.
+// library created in utf8mb3 is one: the publisher's Publish of a 4-byte
+// character (an emoji) fails there under strict mode, and is stored as "?"
+// with a warning without it. Column: text.
 func (o *Outbox) NarrowColumns() Query {
 	schema := "DATABASE()"
 	args := []any{o.name}
@@ -120,6 +120,8 @@ func (postgres) EndsTransaction(err error) bool { return err != nil }
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.
 func (postgres) PreparesRelay() bool { return false }
+
+func (postgres) insertedAll(res Result, n int) (bool, error) { return affectedAll(res, n) }
 
 func (postgres) insertOutbox(table, cols string, n, rows int) string {
 	return insertOutboxOnConflict(table, cols, n, rows, dollar)

@@ -810,6 +810,20 @@ func oneRow(res sql.Result) (bool, error) {
 	return n == 1, err
 }
 
+// InsertedAll reports whether an insert of n rows that skips those whose
+// unique key is taken (Outbox.Insert, InsertNumbered's last statement,
+// Inbox.Insert) inserted every one, from the statement's result.
+func InsertedAll(d Dialect, res Result, n int) (bool, error) {
+	return d.insertedAll(res, n)
+}
+
+// affectedAll is insertedAll where a skipped row counts 0 affected (ON
+// CONFLICT DO NOTHING).
+func affectedAll(res Result, n int) (bool, error) {
+	affected, err := res.RowsAffected()
+	return affected == int64(n), err
+}
+
 // OrderedInbox is the SQL of the ordered inbox: the last sequence number
 // applied per (consumer, key), and the messages held until their
 // predecessor is applied.

@@ -23,6 +23,12 @@ type Query struct {
 	Args []any
 }
 
+// Result is the part of a statement's result every transaction type gives
+// (database/sql's, and watermill-sql's, which has no LastInsertId).
+type Result interface {
+	RowsAffected() (int64, error)
+}
+
 // Execer is the part of *sql.Conn and *sql.Tx the migrator uses.
 type Execer interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
@@ -84,6 +90,10 @@ type Dialect interface {
 	// insertOutbox inserts rows rows of the n columns cols, skipping ids
 	// already present.
 	insertOutbox(table, cols string, n, rows int) string
+	// insertedAll reports whether an insert that skips rows whose unique
+	// key is taken (insertOutbox, InsertNumbered's insert, insertProcessed)
+	// inserted all n of its rows, from its result.
+	insertedAll(res Result, n int) (bool, error)
 	// raiseSeqs raises each key's counter by N (creating it at N), in the
 	// order of keys, holding the rows' locks: one statement, all or nothing.
 	raiseSeqs(sequences string, keys []KeyCount) Query

@@ -56,6 +56,8 @@ func (sqlite) EndsTransaction(err error) bool {
 // PreparesRelay: compiling a statement in process costs no round trip.
 func (sqlite) PreparesRelay() bool { return false }
 
+func (sqlite) insertedAll(res Result, n int) (bool, error) { return affectedAll(res, n) }
+
 func (sqlite) insertOutbox(table, cols string, n, rows int) string {
 	return insertOutboxOnConflict(table, cols, n, rows, questionMark)
 }

@@ -1,0 +1,203 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// The publisher and the inbox skip an id that is there already on MySQL
+// without INSERT IGNORE, which also turned a value its column cannot hold
+// into a warning and stored what the column made of it. These tests hold
+// the two sides of that: what is skipped is still told apart whatever the
+// DSN says (clientFoundRows=true counts a row left as it is as affected),
+// and what does not fit a table another library created is refused, not
+// changed.
+
+func TestTxPublisher_MySQL_ClientFoundRows_RetriedIDSkippedConflictRefused(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	fr := withClientFoundRows(t, db)
+	ctx := context.Background()
+	if _, err := db.Exec("CREATE TABLE orders (id bigint AUTO_INCREMENT PRIMARY KEY, note varchar(16))"); err != nil {
+		t.Fatal(err)
+	}
+	plain := message.NewMessage(watermill.NewUUID(), []byte("plain"))
+	key := keyed("order-a")
+	publishInTx(t, db, "orders", []*message.Message{plain, key})
+
+	// The caller's transaction retried: both messages again, and a new one.
+	tx, err := fr.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	res, err := tx.Exec("INSERT INTO orders (note) VALUES ('retried')")
+	if err != nil {
+		t.Fatal(err)
+	}
+	orderID, _ := res.LastInsertId()
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	next := keyed("order-a")
+	if err := pub.Publish("orders", plain.Copy(), key.Copy(), next); err != nil {
+		t.Fatalf("publishing a retried call again: %v", err)
+	}
+	// The skip leaves the connection's LAST_INSERT_ID the caller's.
+	var last int64
+	if err := tx.Get(&last, "SELECT LAST_INSERT_ID()"); err != nil {
+		t.Fatal(err)
+	}
+	if last != orderID {
+		t.Errorf("LAST_INSERT_ID() = %d after a skipped id, want the order's %d", last, orderID)
+	}
+	// The same id to another place is still refused, and writes nothing.
+	elsewhere := plain.Copy()
+	elsewhere.Metadata.Set(outbox.MetadataRoutingKey, "elsewhere")
+	fresh := message.NewMessage(watermill.NewUUID(), nil)
+	if err := pub.Publish("orders", fresh, elsewhere); !errors.Is(err, outbox.ErrDuplicateID) {
+		t.Fatalf("the same id to another routing key: err = %v, want ErrDuplicateID", err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if n := countRows(t, db); n != 3 {
+		t.Errorf("%d rows, want 3: the two first messages once each and the new one", n)
+	}
+	wantSeq(t, db, key, "order-a", 1)
+	wantSeq(t, db, next, "order-a", 2) // the skipped copy took no number
+	var counter int64
+	if err := db.Get(&counter, "SELECT last_seq FROM acemq_outbox_sequences WHERE aggregate_id = 'order-a'"); err != nil {
+		t.Fatal(err)
+	}
+	if counter != 2 {
+		t.Errorf("order-a's counter is %d, want 2", counter)
+	}
+}
+
+func TestInbox_MySQL_ClientFoundRows_DuplicateAckedHandlerNotRun(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	fr := withClientFoundRows(t, db)
+	in, err := outbox.NewInbox(fr.DB, outbox.InboxConfig{ConsumerName: "fulfilment"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ran atomic.Int32
+	h := in.Middleware(writeEffect(t, db, &ran))
+	msg := message.NewMessage(watermill.NewUUID(), []byte("order 1"))
+	for i := 0; i < 3; i++ {
+		if _, err := h(msg.Copy()); err != nil {
+			t.Fatalf("delivery %d: %v, want nil (ack)", i+1, err)
+		}
+	}
+	if ran.Load() != 1 || countEffects(t, db, msg.UUID) != 1 {
+		t.Fatalf("handler ran %d times, %d effects; want 1 each", ran.Load(), countEffects(t, db, msg.UUID))
+	}
+}
+
+// An acemq_outbox another library created with narrower columns: utf8mb3
+// (MySQL's old "utf8") and a routing_key of 32 characters. An emoji, or a
+// routing key the column would cut, fails the Publish with MySQL's error
+// (strict mode, the default) and writes nothing, keyed or not; INSERT
+// IGNORE stored "?" and a cut key.
+func TestTxPublisher_MySQL_NarrowerColumnsOfAnotherLibrary_RefusedNotChanged(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	if _, err := db.Exec("ALTER TABLE acemq_outbox MODIFY body text CHARACTER SET utf8mb3 NOT NULL," +
+		" MODIFY routing_key varchar(32) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("r", 40)
+	emoji := func() *message.Message { return message.NewMessage(watermill.NewUUID(), []byte("paid 😀")) }
+	for _, c := range []struct {
+		name, topic string
+		msg         *message.Message
+		want        string
+	}{
+		{"emoji", "orders", emoji(), "Incorrect string value"},
+		{"keyed emoji", "orders", func() *message.Message { m := emoji(); m.Metadata.Set(outbox.MetadataAggregateID, "order-a"); return m }(), "Incorrect string value"},
+		{"long routing key", long, message.NewMessage(watermill.NewUUID(), []byte("x")), "Data too long"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tx, err := db.Beginx()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback() }()
+			pub, err := outbox.NewTxPublisher(tx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = pub.Publish(c.topic, c.msg)
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("err = %v, want MySQL's %q", err, c.want)
+			}
+			// A caller who commits anyway finds nothing of the message.
+			if err := tx.Commit(); err != nil {
+				t.Fatal(err)
+			}
+			if n := countRows(t, db); n != 0 {
+				t.Fatalf("%d rows after the refused publish, want 0", n)
+			}
+		})
+	}
+	var counter int64
+	if err := db.Get(&counter, "SELECT COALESCE(MAX(last_seq), 0) FROM acemq_outbox_sequences"); err != nil {
+		t.Fatal(err)
+	}
+	if counter != 0 {
+		t.Errorf("order-a's counter is %d after the refused keyed publish, want 0", counter)
+	}
+	// What fits goes in as before.
+	publishInTx(t, db, "orders", []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("paid"))})
+	if n := countRows(t, db); n != 1 {
+		t.Fatalf("%d rows, want 1", n)
+	}
+}
+
+// A processed_messages another library created with a message_id of 36
+// characters (a UUID's) in utf8mb3: two ids that share their first 36
+// characters, or differ by an emoji, were one key under INSERT IGNORE, and
+// the second message was acked as a duplicate without running. Now its
+// delivery fails (to be retried, or sent to a poison queue) and the first
+// message's key stays the only one.
+func TestInbox_MySQL_NarrowerKeyColumnOfAnotherLibrary_DeliveryFailsNotAckedAsDuplicate(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	createEffects(t, db)
+	if _, err := db.Exec("ALTER TABLE processed_messages MODIFY message_id varchar(36) CHARACTER SET utf8mb3 COLLATE utf8mb3_bin NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	var ran atomic.Int32
+	h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+	first := message.NewMessage("00000000-0000-0000-0000-000000000001", []byte("1"))
+	if _, err := h(first); err != nil {
+		t.Fatalf("first delivery: %v", err)
+	}
+	for _, id := range []string{first.UUID + "-retry", "order-😀"} {
+		if _, err := h(message.NewMessage(id, []byte("2"))); err == nil {
+			t.Errorf("message %q: acked, want the delivery to fail", id)
+		}
+		if n := countEffects(t, db, id); n != 0 {
+			t.Errorf("message %q: %d effects of a failed delivery, want 0", id, n)
+		}
+	}
+	if ran.Load() != 1 {
+		t.Errorf("the handler ran %d times, want once: the key is written before it runs", ran.Load())
+	}
+	var keys int
+	if err := db.Get(&keys, "SELECT COUNT(*) FROM processed_messages"); err != nil {
+		t.Fatal(err)
+	}
+	if keys != 1 {
+		t.Errorf("%d keys, want the first message's only", keys)
+	}
+}
