@@ -22,9 +22,11 @@ import (
 
 // pipelineCapacity is the most records the destination's pipeline takes
 // sent and not yet waited for (its Capacity), and so the capacity of the
-// channel that receives basic.return: every one of them can come back, and
-// the client's reader must never block on a return (amqp091-go drops one it
-// cannot deliver within 5 s) while the relay waits for confirms. 3000 is
+// channel that receives basic.return: every one of them can come back
+// while no wait is draining the channel, and the client's reader must never
+// block on a return (amqp091-go drops one it cannot deliver within 5 s). A
+// wait drains it as it goes (waitConfirm), so a Sweep's batch sent behind a
+// full pipeline fits too. 3000 is
 // three batches of the Forwarder's largest claim (MaxBatchSize 1000, the
 // default), as many as Run keeps in flight at that size: smaller, Run
 // would keep fewer; larger, every channel would hold a bigger buffer for
@@ -181,7 +183,7 @@ type confirmChannel struct {
 	conn     *amqp.Connection
 	ch       *amqp.Channel
 	returns  chan amqp.Return
-	returned map[string]amqp.Return // drained, not yet claimed by a wait
+	returned map[string][]amqp.Return // drained, not yet taken by a wait; see file
 	closes   chan *amqp.Error
 	reason   string // the close's, once read from closes
 	refusal  string // the broker's words in it, unquoted
@@ -284,7 +286,7 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 			conn:     d.conn,
 			ch:       ch,
 			returns:  ch.NotifyReturn(make(chan amqp.Return, pipelineCapacity)),
-			returned: map[string]amqp.Return{},
+			returned: map[string][]amqp.Return{},
 			closes:   ch.NotifyClose(make(chan *amqp.Error, 1)),
 		}
 	}
@@ -328,6 +330,7 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		d.current.Store(&nodeConn{node: node.addr, conn: conn})
 		d.counted = node.addr
 		d.cfg.Metrics.brokerConnected(node.addr, 1)
+		go d.uncountWhenClosed(conn, conn.NotifyClose(make(chan *amqp.Error, 1)))
 		d.cfg.Logger.Info("Connected to RabbitMQ", fields)
 		return nil
 	}
@@ -445,6 +448,20 @@ func (d *AMQPDestination) dropLocked() {
 	d.exchanges = nil
 	d.current.Store(nil)
 	if d.counted != "" {
+		d.cfg.Metrics.brokerConnected(d.counted, -1)
+		d.counted = ""
+	}
+}
+
+// uncountWhenClosed takes conn out of outbox_forwarder_broker_connected
+// once it closes, however it closes. dropLocked does so when the relay next
+// uses the destination, and an idle relay uses it only when a row comes:
+// until then an alert on the gauge would not see the broker gone.
+func (d *AMQPDestination) uncountWhenClosed(conn *amqp.Connection, closed <-chan *amqp.Error) {
+	<-closed
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.conn == conn && d.counted != "" {
 		d.cfg.Metrics.brokerConnected(d.counted, -1)
 		d.counted = ""
 	}
@@ -741,7 +758,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	defer func() { d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p }) }()
 	timedOut := false
 	for i, dc := range p.confirms {
-		acked, err := dc.WaitContext(ctx)
+		acked, err := p.on.waitConfirm(ctx, dc)
 		switch {
 		case acked:
 			delete(d.suspects, p.recs[i].ID)
@@ -774,9 +791,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	// window is in its channel's buffer once its confirms are in.
 	p.on.drainReturns()
 	for i := range p.confirms {
-		id := p.recs[i].ID
-		if ret, ok := p.on.returned[id]; ok {
-			delete(p.on.returned, id)
+		if ret, ok := p.on.takeReturn(p.recs[i].ID); ok {
 			if res[i] == nil {
 				res[i] = &UnroutableError{Exchange: ret.Exchange, RoutingKey: ret.RoutingKey, ReplyCode: ret.ReplyCode, ReplyText: ret.ReplyText}
 			}
@@ -790,18 +805,65 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	return res
 }
 
+// waitConfirm waits for dc, filing the channel's returns as they come
+// rather than after: the buffer of returns holds pipelineCapacity, and more
+// can be out on one channel (a Sweep's batch behind Run's full pipeline).
+// Once it is full the client's reader waits 5 s for room, then drops the
+// return and reads on, and the ack that follows would mark an unroutable
+// message published. The wait runs under d.mu, so no other wait drains
+// them meanwhile.
+func (c *confirmChannel) waitConfirm(ctx context.Context, dc *amqp.DeferredConfirmation) (bool, error) {
+	for {
+		select {
+		case <-dc.Done():
+			return dc.Acked(), nil
+		case ret, ok := <-c.returns:
+			if !ok {
+				c.returns = nil // closed with the channel; dc is settled too
+				continue
+			}
+			c.file(ret)
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
+}
+
 func (c *confirmChannel) drainReturns() {
 	for {
 		select {
 		case ret, ok := <-c.returns:
 			if !ok {
+				c.returns = nil
 				return
 			}
-			c.returned[ret.MessageId] = ret
+			c.file(ret)
 		default:
 			return
 		}
 	}
+}
+
+// file keeps a return until the wait of its record takes it. One id may be
+// out twice on a channel (a claim whose lease ran out while its batch was
+// in flight, claimed again by the same relay), so each id keeps its returns
+// in order: one return per copy, taken by one wait each.
+func (c *confirmChannel) file(ret amqp.Return) {
+	c.returned[ret.MessageId] = append(c.returned[ret.MessageId], ret)
+}
+
+// takeReturn takes the oldest return filed for id.
+func (c *confirmChannel) takeReturn(id string) (amqp.Return, bool) {
+	rets := c.returned[id]
+	if len(rets) == 0 {
+		return amqp.Return{}, false
+	}
+	if len(rets) == 1 {
+		delete(c.returned, id)
+	} else {
+		c.returned[id] = rets[1:]
+	}
+	return rets[0], true
 }
 
 // blame reports whether the record of confirm dc, unconfirmed when the

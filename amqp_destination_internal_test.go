@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -53,6 +54,66 @@ func TestAMQPDestination_ReturnOnAReplacedChannel_StillFailsItsRecord(t *testing
 // A record's typed headers become the AMQP field values amqp091-go writes:
 // an object a nested Table (a map[string]any it refuses), in arrays too,
 // an int an int64; the record itself is left as it was, to be sent again.
+// More records out on one channel than its buffer of returns holds (Run's
+// full pipeline of three windows of 1,000, and a Sweep's batch published
+// between their sends and their waits), every one unroutable: each still
+// fails as unroutable. With the returns drained only after a window's
+// confirms, the client's reader blocked on the full buffer, dropped a
+// return after 5 s and read on, and its ack marked the record published.
+func TestAMQPDestination_ReturnsBeyondTheBuffer_EveryRecordStillUnroutable(t *testing.T) {
+	b := testamqp.New(t) // nothing bound for "nowhere"
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	records := func(prefix string, n int) []Record {
+		recs := make([]Record, n)
+		for i := range recs {
+			recs[i] = Record{ID: prefix + strconv.Itoa(i) + "-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "nowhere", Body: []byte("x")}
+		}
+		return recs
+	}
+	pipe := d.Pipeline()
+	var windows []Sent
+	for w := range 3 {
+		windows = append(windows, pipe.Send(ctx, records("run"+strconv.Itoa(w)+"-", maxWindow)))
+	}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	check := func(what string, res []error) {
+		t.Helper()
+		for i, err := range res {
+			var u *UnroutableError
+			if !errors.As(err, &u) {
+				t.Fatalf("%s, record %d: %v, want an *UnroutableError", what, i, err)
+			}
+		}
+	}
+	check("the sweep's batch", d.Publish(wctx, records("sweep-", 100)))
+	for w, s := range windows {
+		check("window "+strconv.Itoa(w), pipe.Wait(wctx, s))
+	}
+}
+
+// One id out twice on a channel (a claim whose lease ran out in flight,
+// claimed again by the same relay), both copies returned: each wait takes
+// one return, so neither copy reads as confirmed.
+func TestConfirmChannel_TwoReturnsOfOneID_OnePerWait(t *testing.T) {
+	c := &confirmChannel{returned: map[string][]amqp.Return{}}
+	c.file(amqp.Return{MessageId: "a", RoutingKey: "first"})
+	c.file(amqp.Return{MessageId: "a", RoutingKey: "second"})
+	for _, want := range []string{"first", "second"} {
+		if ret, ok := c.takeReturn("a"); !ok || ret.RoutingKey != want {
+			t.Fatalf("takeReturn = %+v, %v; want the %s return", ret, ok, want)
+		}
+	}
+	if _, ok := c.takeReturn("a"); ok || len(c.returned) != 0 {
+		t.Fatalf("a third take found a return, or returns are left: %v", c.returned)
+	}
+}
+
 func TestPublishing_TypedHeaders_BecomeAMQPFieldValues(t *testing.T) {
 	tags := []any{"a", map[string]any{"k": 1}}
 	rec := Record{ID: "r", Headers: map[string]any{

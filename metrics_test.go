@@ -171,3 +171,40 @@ func TestMetrics_Inbox_RefusedBeforeItIsRead_CountedFailed(t *testing.T) {
 		t.Errorf("outbox_inbox_failed_total{consumer=ledger} = %v, want 2", got)
 	}
 }
+
+// An idle relay whose broker goes: outbox_forwarder_broker_connected drops
+// to 0 when the connection closes, not when the next row comes, so that
+// an alert on it sees the broker gone during a quiet spell.
+func TestMetrics_IdleRelay_BrokerGone_ConnectedDropsToZero(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	b := testamqp.New(t)
+	_ = b.Queue("x")
+	node := testamqp.NewNode(t)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{node.URL}, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m, PollInterval: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = f.Run(ctx) }()
+	<-f.Running()
+	publishBatch(t, db, b.Exchange, "x", 1)
+	connected := func() float64 { return metricValue(t, reg, "outbox_forwarder_broker_connected", node.Addr) }
+	waitFor(t, 20*time.Second, "the connected gauge at 1", func() bool { return connected() == 1 })
+	waitFor(t, 20*time.Second, "the row sent", func() bool { return pendingCount(t, f) == 0 })
+	node.Kill()
+	waitFor(t, 10*time.Second, "the connected gauge at 0 with the relay idle", func() bool { return connected() == 0 })
+	if n := dest.Node(); n != "" {
+		t.Errorf("Node() = %q after the broker went, want \"\"", n)
+	}
+}
