@@ -391,8 +391,15 @@ type missingTableError struct {
 }
 
 func (e *missingTableError) Error() string {
-	if e.table == outbox.DefaultTable || e.table == outbox.DefaultInboxTable {
+	switch e.table {
+	case outbox.DefaultTable, outbox.DefaultInboxTable:
 		return fmt.Sprintf("%s does not exist: run `outboxctl migrate` (database %s)", e.table, e.db)
+	case sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable:
+		// No flag names the ordered inbox's tables, and migrate makes both
+		// at once; a statement that reads both fails on either, so the
+		// hint names the two.
+		return fmt.Sprintf("%s or %s does not exist: run `outboxctl migrate`, which creates the ordered inbox's tables in migration 0006 (database %s)",
+			sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable, e.db)
 	}
 	return fmt.Sprintf("%s does not exist in the database %s: check --table/--inbox-table (outboxctl migrate creates %s and %s)",
 		e.table, e.db, outbox.DefaultTable, outbox.DefaultInboxTable)
