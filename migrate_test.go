@@ -257,6 +257,104 @@ func TestMigrate_TableWithoutPendingIndex_GetsOne(t *testing.T) {
 	})
 }
 
+// An acemq_outbox another library made on MySQL with an index on
+// published_at alone has no index the claim can walk: through it, the
+// claim's ORDER BY created_at, id sorts every pending row, and its FOR
+// UPDATE SKIP LOCKED locks them all before the sort, so a second relay
+// claimed nothing while the first held its batch (10 pending, 2 a claim:
+// 2 and 0). The relay names no such index, and 0004 adds its own
+// acemq_outbox_pending_claim beside it, once, whether Migrate runs the file
+// or a migration tool runs it twice; the relays' claims then go apart.
+func TestMigrate_MySQL_IndexOnPublishedAtAlone_ClaimIndexAdded_SecondRelayClaims(t *testing.T) {
+	migs, err := sqlschema.Migrations("mysql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, by := range []string{"Migrate", "a migration tool, twice"} {
+		t.Run(by, func(t *testing.T) {
+			db := testdb.New(t, testdb.MySQL)
+			testrails.CreateTable(t, db)
+			for _, stmt := range []string{
+				"DROP INDEX acemq_outbox_pending ON acemq_outbox",
+				"CREATE INDEX acemq_outbox_by_published ON acemq_outbox (published_at)",
+			} {
+				if _, err := db.Exec(stmt); err != nil {
+					t.Fatalf("%s: %v", stmt, err)
+				}
+			}
+			pendingIndex := func() string {
+				t.Helper()
+				s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+				if err != nil {
+					t.Fatal(err)
+				}
+				tx, err := db.DB.DB.Begin()
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = tx.Rollback() }()
+				index, err := outbox.PendingIndex(s, tx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return index
+			}
+			if index := pendingIndex(); index != "" {
+				t.Errorf("before the migration the claim names %q, an index on published_at alone; want none", index)
+			}
+
+			if by == "Migrate" {
+				migrate(t, db)
+			} else {
+				for i := 0; i < 2; i++ {
+					for _, m := range migs {
+						for _, stmt := range sqlschema.Statements(m.Up) {
+							if _, err := db.Exec(stmt); err != nil {
+								t.Fatalf("run #%d, %s: %v", i+1, m.Name, err)
+							}
+						}
+					}
+				}
+			}
+			want := []string{"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_by_published", "acemq_outbox_pending_claim", "acemq_outbox_pending_key"}
+			if got := indexes(t, db); !reflect.DeepEqual(got, want) {
+				t.Errorf("indexes %v, want %v: the other library's kept, and the one the claim walks added once", got, want)
+			}
+			if index := pendingIndex(); index != "acemq_outbox_pending_claim" {
+				t.Errorf("the claim names %q, want acemq_outbox_pending_claim", index)
+			}
+
+			publishBatch(t, db, "shop", "order.placed", 10)
+			a, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+			if err != nil {
+				t.Fatal(err)
+			}
+			idsA, heldA, err := outbox.Claim(a, 2, "relay-a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = heldA.Abandon() }()
+			idsB, heldB, err := outbox.Claim(b, 2, "relay-b")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = heldB.Abandon() }()
+			if len(idsA) != 2 || len(idsB) != 2 {
+				t.Fatalf("relay A claimed %d, relay B %d while A held its claim, of 10 pending; want 2 each", len(idsA), len(idsB))
+			}
+			for _, id := range idsB {
+				if slices.Contains(idsA, id) {
+					t.Errorf("%s claimed by both relays", id)
+				}
+			}
+		})
+	}
+}
+
 // goose and golang-migrate run the files as plain SQL. On PostgreSQL and
 // MySQL that alone brings a Rails table up to date, twice over without
 // harm; on SQLite the file's guarded step is Migrate's (plain SQL cannot

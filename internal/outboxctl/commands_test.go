@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"database/sql"
 	"encoding/json"
 	"math"
 	"net/url"
@@ -454,6 +455,49 @@ func TestMigrate_SQLitePath_CreatesTheFile(t *testing.T) {
 	mustCtl(t, "migrate", "--db", path)
 	if out := mustCtl(t, "status", "--db", path); !strings.Contains(out, "pending") {
 		t.Errorf("status after migrate: %q", out)
+	}
+}
+
+// journalMode reads an SQLite file's journal mode over a read-only
+// connection, which cannot change it.
+func journalMode(t *testing.T, path string) string {
+	t.Helper()
+	db, err := sql.Open("sqlite3", "file:"+path+"?mode=ro")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	var mode string
+	if err := db.QueryRow("PRAGMA journal_mode").Scan(&mode); err != nil {
+		t.Fatal(err)
+	}
+	return mode
+}
+
+// WAL stays in the file: an operator's look (status, stuck, held) leaves a
+// rollback-journal database as it is, and works on a file opened
+// read-only, which a switch to WAL would fail; migrate, which sets the
+// database up for the relay and the services, puts it in WAL unless its
+// DSN chose a journal mode.
+func TestSQLite_ReadingCommands_KeepTheJournalMode_AndWorkReadOnly(t *testing.T) {
+	path := t.TempDir() + "/shop.db"
+	mustCtl(t, "migrate", "--db", "file:"+path+"?_journal_mode=DELETE")
+	if mode := journalMode(t, path); mode != "delete" {
+		t.Fatalf("journal mode %q after migrate with _journal_mode=DELETE, want delete: the DSN's choice", mode)
+	}
+	for _, args := range [][]string{{"status"}, {"status", "--json"}, {"stuck"}, {"held"}} {
+		mustCtl(t, append(args, "--db", path)...)
+		if mode := journalMode(t, path); mode != "delete" {
+			t.Fatalf("journal mode %q after outboxctl %s, want delete as it was", mode, strings.Join(args, " "))
+		}
+		mustCtl(t, append(args, "--db", "file:"+path+"?mode=ro")...)
+	}
+	if out := mustCtl(t, "status", "--db", "file:"+path+"?mode=ro"); !strings.Contains(out, "pending") {
+		t.Errorf("status read-only: %q", out)
+	}
+	mustCtl(t, "migrate", "--db", path)
+	if mode := journalMode(t, path); mode != "wal" {
+		t.Errorf("journal mode %q after migrate, want wal", mode)
 	}
 }
 

@@ -45,10 +45,25 @@ type target struct {
 // sqliteParams make concurrent writers (the relay, the services, this tool)
 // wait for each other rather than fail with SQLITE_BUSY, and take the write
 // lock at BEGIN so that two of them never deadlock on the upgrade.
-var sqliteParams = [][2]string{{"_txlock", "immediate"}, {"_busy_timeout", "5000"}, {"_journal_mode", "WAL"}}
+var sqliteParams = [][2]string{{"_txlock", "immediate"}, {"_busy_timeout", "5000"}}
 
-// parseTarget tells the database from the form of --db.
-func parseTarget(raw string) (target, error) {
+// switchesToWAL are the commands that put an SQLite database in WAL mode,
+// which stays in the file: those that set the database up for the services
+// or write beside them as a service does. migrate makes the database the
+// relay and the services share; relay writes (claims, marks) at every poll
+// for as long as it runs, and in rollback-journal mode every one of those
+// commits would keep the services' readers out. The other commands leave
+// the journal mode as they find it. status, stuck and held only read: an
+// operator's look must change nothing, and must work on a file opened
+// read-only (mode=ro), where switching fails. retry, purge, skip-gap and
+// skip-held write once, at an operator's hand, and work in either mode,
+// waiting their turn (_busy_timeout); the journal mode is a choice of the
+// database's owner, not something a repair should make for them.
+var switchesToWAL = map[string]bool{"migrate": true, "relay": true}
+
+// parseTarget tells the database from the form of --db. wal asks for an
+// SQLite database to be put in WAL mode (see switchesToWAL).
+func parseTarget(raw string, wal bool) (target, error) {
 	switch {
 	case raw == "":
 		return target{}, usagef("no database: pass --db or set OUTBOX_DB (a postgres:// URL, a MySQL DSN user:pass@tcp(host:port)/db, or an SQLite path)")
@@ -60,12 +75,12 @@ func parseTarget(raw string) (target, error) {
 		strings.HasPrefix(raw, "tcp("), strings.HasPrefix(raw, "unix("):
 		return mysqlTarget(raw)
 	case strings.HasPrefix(raw, "file:"):
-		return sqliteTarget(raw)
+		return sqliteTarget(raw, wal)
 	case strings.Contains(raw, "://"):
 		scheme, _, _ := strings.Cut(raw, "://")
 		return target{}, usagef("--db: %s:// is not a database outboxctl knows; want a postgres:// URL, a MySQL DSN user:pass@tcp(host:port)/db, or an SQLite path", scheme)
 	}
-	return sqliteTarget(raw)
+	return sqliteTarget(raw, wal)
 }
 
 func postgresTarget(raw string) (target, error) {
@@ -121,7 +136,7 @@ func mysqlConfigTarget(cfg *mysql.Config, shown string) (target, error) {
 	return target{kind: kindMySQL, driver: "mysql", dsn: cfg.FormatDSN(), shown: shown, dialect: outbox.MySQL}, nil
 }
 
-func sqliteTarget(raw string) (target, error) {
+func sqliteTarget(raw string, wal bool) (target, error) {
 	path, query, _ := strings.Cut(raw, "?")
 	dsn := raw
 	if !strings.HasPrefix(raw, "file:") {
@@ -151,6 +166,12 @@ func sqliteTarget(raw string) (target, error) {
 		if !values.Has(p[0]) {
 			add = append(add, p[0]+"="+p[1])
 		}
+	}
+	// Not on a file opened read-only, where the switch fails the open
+	// ("attempt to write a readonly database"), nor over a journal mode
+	// the DSN chose (mattn/go-sqlite3 takes _journal as _journal_mode).
+	if wal && values.Get("mode") != "ro" && !values.Has("_journal_mode") && !values.Has("_journal") {
+		add = append(add, "_journal_mode=WAL")
 	}
 	if len(add) > 0 {
 		sep := "?"
@@ -237,7 +258,7 @@ type database struct {
 // unless create is set (migrate): opening a mistyped path would otherwise
 // create an empty database and report its outbox as missing.
 func (c *cli) open(create bool) (*database, error) {
-	t, err := parseTarget(c.g.db)
+	t, err := parseTarget(c.g.db, switchesToWAL[c.command])
 	if err != nil {
 		return nil, err
 	}
@@ -370,8 +391,15 @@ type missingTableError struct {
 }
 
 func (e *missingTableError) Error() string {
-	if e.table == outbox.DefaultTable || e.table == outbox.DefaultInboxTable {
+	switch e.table {
+	case outbox.DefaultTable, outbox.DefaultInboxTable:
 		return fmt.Sprintf("%s does not exist: run `outboxctl migrate` (database %s)", e.table, e.db)
+	case sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable:
+		// No flag names the ordered inbox's tables, and migrate makes both
+		// at once; a statement that reads both fails on either, so the
+		// hint names the two.
+		return fmt.Sprintf("%s or %s does not exist: run `outboxctl migrate`, which creates the ordered inbox's tables in migration 0006 (database %s)",
+			sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable, e.db)
 	}
 	return fmt.Sprintf("%s does not exist in the database %s: check --table/--inbox-table (outboxctl migrate creates %s and %s)",
 		e.table, e.db, outbox.DefaultTable, outbox.DefaultInboxTable)

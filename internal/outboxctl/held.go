@@ -12,6 +12,7 @@ import (
 	"unicode/utf8"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // heldReport is held --json; its names do not change.
@@ -64,7 +65,7 @@ func (c *cli) held(args []string) error {
 	}
 	gaps, err := in.Gaps(c.ctx, *older)
 	if err != nil {
-		return d.explain(err, "acemq_inbox_held")
+		return d.explain(err, sqldialect.InboxHeldTable)
 	}
 	r := heldReport{Keys: make([]heldKey, len(gaps))}
 	for i, g := range gaps {
@@ -153,7 +154,7 @@ func (c *cli) skipGap(args []string) error {
 	case errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-gap: nothing skipped: %w (see outboxctl held)", err)
 	case err != nil:
-		return d.explain(err, "acemq_inbox_sequences")
+		return d.explain(err, sqldialect.InboxSequencesTable)
 	}
 	skipped := fmt.Sprint(*from)
 	if *from < *through {
@@ -227,7 +228,7 @@ func (c *cli) skipHeld(args []string) error {
 	case errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
 	case err != nil:
-		return d.explain(err, "acemq_inbox_sequences")
+		return d.explain(err, sqldialect.InboxSequencesTable)
 	}
 	if *asJSON {
 		return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})

@@ -254,3 +254,27 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 		}
 	})
 }
+
+// held, skip-gap and skip-held on a database without the ordered inbox's
+// tables (migrated before 0006, or by a tool stopped short) say to run
+// migrate, which makes them; not to check --table or --inbox-table, which
+// do not name them.
+func TestHeldAndSkips_OrderedInboxTablesMissing_SayMigrateCreatesThem(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "DROP TABLE acemq_inbox_held")
+		execSQL(t, db, "DROP TABLE acemq_inbox_sequences")
+		const want = "acemq_inbox_sequences or acemq_inbox_held does not exist: run `outboxctl migrate`, which creates the ordered inbox's tables in migration 0006"
+		for _, args := range [][]string{
+			{"held"}, {"held", "--json"},
+			{"skip-gap", "--consumer", "billing", "--key", "order-7", "--from", "2", "--through", "2"},
+			{"skip-held", "--consumer", "billing", "--key", "order-7", "--seq", "2"},
+		} {
+			r := ctl(t, nil, append(args, "--db", db.DSN)...)
+			r.wantFailure(t, 1, want)
+			if strings.Contains(r.stderr, "--table") {
+				t.Errorf("outboxctl %s points at --table/--inbox-table, which do not name the ordered inbox's tables:\n%s", args[0], r.stderr)
+			}
+		}
+	})
+}

@@ -101,6 +101,7 @@ type cli struct {
 	env            func(string) string
 	stdout, stderr io.Writer
 	g              globals
+	command        string // the command's name, once main found it
 }
 
 type command struct {
@@ -152,6 +153,7 @@ func (c *cli) main(args []string) error {
 	}
 	for _, cmd := range commands {
 		if cmd.name == name {
+			c.command = name
 			return cmd.run(c, rest)
 		}
 	}

@@ -48,7 +48,7 @@ func TestParseTarget_TellsTheDatabaseFromTheDSN(t *testing.T) {
 		{"/var/lib/shop.db", kindSQLite, "/var/lib/shop.db?_txlock=immediate&_busy_timeout=5000&_journal_mode=WAL", "/var/lib/shop.db"},
 		{"file:shop.db?_busy_timeout=100", kindSQLite, "file:shop.db?_busy_timeout=100&_txlock=immediate&_journal_mode=WAL", "file:shop.db?_busy_timeout=100"},
 	} {
-		got, err := parseTarget(tc.in)
+		got, err := parseTarget(tc.in, true)
 		if err != nil {
 			t.Errorf("parseTarget(%q): %v", tc.in, err)
 			continue
@@ -58,8 +58,38 @@ func TestParseTarget_TellsTheDatabaseFromTheDSN(t *testing.T) {
 				tc.in, got.kind, got.dsn, got.shown, tc.kind, tc.dsnHas, tc.shown)
 		}
 	}
-	if got, _ := parseTarget("file:///tmp/a%20b.db?mode=rw"); got.path != "/tmp/a b.db" {
+	if got, _ := parseTarget("file:///tmp/a%20b.db?mode=rw", false); got.path != "/tmp/a b.db" {
 		t.Errorf("file URI path = %q, want /tmp/a b.db", got.path)
+	}
+}
+
+// WAL stays in the file, so it is asked for only by the commands that
+// write as a service does, and never over a read-only open, where the
+// switch fails, nor over the DSN's own journal mode.
+func TestParseTarget_SQLite_WALOnlyWhenAskedWritableAndNotChosen(t *testing.T) {
+	for _, tc := range []struct {
+		in      string
+		wal     bool
+		wantWAL bool
+	}{
+		{"/var/lib/shop.db", true, true},
+		{"/var/lib/shop.db", false, false},
+		{"file:shop.db?mode=rw", true, true},
+		{"file:shop.db?mode=ro", true, false},
+		{"file:shop.db?_journal_mode=DELETE", true, false},
+		{"file:shop.db?_journal=TRUNCATE", true, false},
+	} {
+		got, err := parseTarget(tc.in, tc.wal)
+		if err != nil {
+			t.Errorf("parseTarget(%q, %v): %v", tc.in, tc.wal, err)
+			continue
+		}
+		if gotWAL := strings.Contains(got.dsn, "_journal_mode=WAL"); gotWAL != tc.wantWAL {
+			t.Errorf("parseTarget(%q, %v) = dsn %q; want _journal_mode=WAL in it: %v", tc.in, tc.wal, got.dsn, tc.wantWAL)
+		}
+		if !strings.Contains(got.dsn, "_txlock=immediate") || !strings.Contains(got.dsn, "_busy_timeout=") {
+			t.Errorf("parseTarget(%q, %v) = dsn %q; want _txlock and _busy_timeout whatever the journal", tc.in, tc.wal, got.dsn)
+		}
 	}
 }
 

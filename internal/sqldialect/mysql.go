@@ -213,15 +213,20 @@ func (mysql) busyTimeout() string { return "" }
 // holding nothing, so a relay may claim the next batch while the one before
 // is in flight. The index is looked up rather than named: sqlschema calls it
 // acemq_outbox_pending, and a table made with CREATE TABLE … LIKE keeps that
-// name, one made from edited SQL may not. Of several, the one that goes on
-// with created_at, the claim's order, is taken. Arguments: the table's
+// name, one made from edited SQL may not. Only an index on (published_at,
+// created_at, …) will do: it holds the pending rows in the claim's order,
+// so the claim locks the rows it takes and stops. Through one on
+// published_at alone the claim sorts every pending row, and locks them all
+// before the sort: a second relay then claimed nothing while the first held
+// its batch. A table with no such index is claimed unnamed (sqlschema's
+// 0004 adds acemq_outbox_pending_claim to it). Arguments: the table's
 // schema (or NULL for the current one), its name.
 func (mysql) pendingIndex() string {
 	return "SELECT s1.INDEX_NAME FROM information_schema.STATISTICS s1" +
-		" LEFT JOIN information_schema.STATISTICS s2 ON s2.TABLE_SCHEMA = s1.TABLE_SCHEMA AND s2.TABLE_NAME = s1.TABLE_NAME" +
+		" JOIN information_schema.STATISTICS s2 ON s2.TABLE_SCHEMA = s1.TABLE_SCHEMA AND s2.TABLE_NAME = s1.TABLE_NAME" +
 		" AND s2.INDEX_NAME = s1.INDEX_NAME AND s2.SEQ_IN_INDEX = 2 AND s2.COLUMN_NAME = 'created_at'" +
 		" WHERE s1.TABLE_SCHEMA = COALESCE(?, DATABASE()) AND s1.TABLE_NAME = ? AND s1.SEQ_IN_INDEX = 1" +
-		" AND s1.COLUMN_NAME = 'published_at' ORDER BY s2.INDEX_NAME IS NULL, s1.INDEX_NAME LIMIT 1"
+		" AND s1.COLUMN_NAME = 'published_at' ORDER BY s1.INDEX_NAME LIMIT 1"
 }
 
 // keyIndex: the index keyHead names, looked up as pendingIndex's is: one

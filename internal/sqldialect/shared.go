@@ -359,7 +359,7 @@ func (o *Outbox) WriteLock() (q Query, ok bool) {
 }
 
 // PendingIndex is the lookup of the name of the table's index of pending
-// rows (its first column published_at), if the dialect's claims name it.
+// rows (on published_at, then created_at), if the dialect's claims name it.
 // Column: the index name; no row when there is none.
 func (o *Outbox) PendingIndex() (Query, bool) { return o.indexLookup(o.d.pendingIndex()) }
 

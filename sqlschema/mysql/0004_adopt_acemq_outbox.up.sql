@@ -20,12 +20,17 @@ PREPARE acemq_ddl FROM @acemq_ddl;
 EXECUTE acemq_ddl;
 DEALLOCATE PREPARE acemq_ddl;
 
--- The relay's claim names an index whose first column is published_at
--- (see the relay's pending-index lookup); Rails' acemq_outbox_pending is
--- one. A table without any gets one under a name of its own.
+-- The relay's claim names an index on (published_at, created_at, …), the
+-- claim's order (see the relay's pending-index lookup); Rails'
+-- acemq_outbox_pending is one. One on published_at alone is not: the claim
+-- would lock every pending row before sorting them, and a second relay
+-- would claim nothing while the first holds its batch. A table without
+-- such an index gets one under a name of its own, beside any it has.
 SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, 'CREATE INDEX acemq_outbox_pending_claim ON acemq_outbox (published_at, created_at, id)', 'DO 0')
-    FROM information_schema.STATISTICS
-    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND SEQ_IN_INDEX = 1 AND COLUMN_NAME = 'published_at');
+    FROM information_schema.STATISTICS s1
+    JOIN information_schema.STATISTICS s2 ON s2.TABLE_SCHEMA = s1.TABLE_SCHEMA AND s2.TABLE_NAME = s1.TABLE_NAME
+        AND s2.INDEX_NAME = s1.INDEX_NAME AND s2.SEQ_IN_INDEX = 2 AND s2.COLUMN_NAME = 'created_at'
+    WHERE s1.TABLE_SCHEMA = DATABASE() AND s1.TABLE_NAME = 'acemq_outbox' AND s1.SEQ_IN_INDEX = 1 AND s1.COLUMN_NAME = 'published_at');
 PREPARE acemq_ddl FROM @acemq_ddl;
 EXECUTE acemq_ddl;
 DEALLOCATE PREPARE acemq_ddl;
