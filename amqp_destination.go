@@ -155,6 +155,7 @@ type AMQPDestination struct {
 	mu        sync.Mutex // one Publish or Connect at a time
 	conn      *amqp.Connection
 	wire      *amqpwire.Wire  // conn's socket
+	blocked   *blockedFlag    // conn's connection.blocked, as the broker last said
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
@@ -181,6 +182,7 @@ type nodeConn struct {
 // marked published.
 type confirmChannel struct {
 	conn     *amqp.Connection
+	blocked  *blockedFlag // conn's
 	ch       *amqp.Channel
 	returns  chan amqp.Return
 	returned map[string][]amqp.Return // drained, not yet taken by a wait; see file
@@ -284,6 +286,7 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 		}
 		d.cc = &confirmChannel{
 			conn:     d.conn,
+			blocked:  d.blocked,
 			ch:       ch,
 			returns:  ch.NotifyReturn(make(chan amqp.Return, pipelineCapacity)),
 			returned: map[string][]amqp.Return{},
@@ -313,6 +316,7 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 			continue
 		}
 		d.conn, d.wire = conn, w
+		d.blocked = watchBlocked(conn)
 		d.exchanges = map[string]bool{}
 		// The next connect starts after this node: if it is lost, the next
 		// one is the likelier to answer.
@@ -450,6 +454,48 @@ func (d *AMQPDestination) dropLocked() {
 	if d.counted != "" {
 		d.cfg.Metrics.brokerConnected(d.counted, -1)
 		d.counted = ""
+	}
+}
+
+// blockedFlag is what the broker last said of a connection with
+// connection.blocked and connection.unblocked: the reason while it is
+// blocked (a memory or disk alarm), nil otherwise.
+type blockedFlag struct{ reason atomic.Pointer[string] }
+
+// watchBlocked follows conn's blocked notifications until it closes. The
+// client's reader sends each one and waits until it is taken, so they are
+// taken at once, never under d.mu (held through a wait for confirms).
+func watchBlocked(conn *amqp.Connection) *blockedFlag {
+	f := &blockedFlag{}
+	notes := conn.NotifyBlocked(make(chan amqp.Blocking, 1))
+	go func() {
+		for b := range notes {
+			if b.Active {
+				f.reason.Store(&b.Reason)
+			} else {
+				f.reason.Store(nil)
+			}
+		}
+	}()
+	return f
+}
+
+// markBlocked makes each ErrConnectionLost of res also ErrBrokerBlocked
+// when the broker had blocked the connection it went out on: under a
+// memory or disk alarm RabbitMQ blocks a connection at its first publish
+// and reads nothing more from it, so that the publish times out.
+func markBlocked(res []error, f *blockedFlag) {
+	if f == nil {
+		return
+	}
+	reason := f.reason.Load()
+	if reason == nil {
+		return
+	}
+	for i, err := range res {
+		if errors.Is(err, ErrConnectionLost) && !errors.Is(err, ErrBrokerBlocked) {
+			res[i] = fmt.Errorf("%w (%w: %s)", err, ErrBrokerBlocked, *reason)
+		}
 	}
 }
 
@@ -623,6 +669,11 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		if slices.ContainsFunc(p.res, func(err error) bool { return err != nil }) {
 			d.short = append(d.short, p)
 		}
+		blocked := d.blocked // the latest connection's, dropped or not
+		if p.on != nil {
+			blocked = p.on.blocked
+		}
+		markBlocked(p.res, blocked)
 	}()
 	if d.behindAShortWindow() {
 		fillNotSent(p.res, 0, errBehindShortWindow)
@@ -797,6 +848,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			}
 		}
 	}
+	markBlocked(res, p.on.blocked)
 	if timedOut && p.on == d.cc {
 		// Late confirms of a timed-out window must not be read as confirms
 		// of the next: a fresh connection starts afresh.

@@ -28,6 +28,15 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // breaks it.
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
+// ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
+// had blocked (connection.blocked: a memory or disk alarm, during which
+// RabbitMQ reads nothing more from a publishing connection, and a publish
+// times out). The Forwarder never counts an attempt for it, however many
+// times in a row it comes: an alarm of any length makes no row stuck, where
+// a connection lost at the same record time after time otherwise charges
+// the record.
+var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
+
 // connectionLost wraps err as ErrConnectionLost.
 func connectionLost(err error) error {
 	if err == nil || errors.Is(err, ErrConnectionLost) {

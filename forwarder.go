@@ -690,10 +690,11 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// The broker went, not the record: it is held up like a
 			// failure, keeps its last_error, and counts no attempt, unless
 			// the connection is lost at the same record time after time:
-			// then the record is what breaks it.
+			// then the record is what breaks it. Not while the broker
+			// blocks the connection (an alarm): then no record is.
 			failedOne = true
 			n := b.attempts[rec.ID]
-			if f.lostAgain(rec.ID) {
+			if !errors.Is(err, ErrBrokerBlocked) && f.lostAgain(rec.ID) {
 				n++
 			}
 			b.fail(rec, n, err)

@@ -369,3 +369,50 @@ func TestForwarder_BrokerStopsReading_RelayDoesNotHang(t *testing.T) {
 		})
 	}
 }
+
+// A memory alarm of any length makes no row stuck. Under one, RabbitMQ
+// accepts connections and blocks each at its first publish
+// (connection.blocked) and reads nothing more from it, so every batch's
+// publish times out, on a fresh connection each time: the same head record
+// lost time after time, which otherwise charges it an attempt after three
+// losses in a row and makes it stuck at MaxAttempts. Once the alarm clears,
+// every row arrives.
+func TestForwarder_BrokerAlarm_NoAttemptCountedNoRowStuck(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	proxy := testamqp.NewProxy(t)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	var lastErr atomic.Value
+	cfg := outbox.ForwarderConfig{
+		PublishTimeout: 300 * time.Millisecond, Lease: 2 * time.Second, MaxAttempts: 2,
+		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond,
+		OnError: func(err error, _ outbox.ErrorContext) { lastErr.Store(err) },
+	}
+	f := newForwarder(t, db, cfg, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = f.Run(ctx) }()
+	<-f.Running()
+
+	proxy.Alarm("low on memory")
+	ids := publishN(t, db, b.Exchange, "t", 20)
+	f.Notify()
+	// Past lostRepeats (3) and MaxAttempts (2) losses at the head record.
+	waitFor(t, 60*time.Second, "eight connections blocked at their first publish", func() bool { return proxy.Blocked() >= 8 })
+	for _, id := range ids {
+		if s := stateOf(t, db, id); s.Published || s.Attempts != 0 {
+			t.Fatalf("row %s under the alarm: %+v, want unpublished with no attempt counted", id, s)
+		}
+	}
+	if err, _ := lastErr.Load().(error); !errors.Is(err, outbox.ErrBrokerBlocked) || !errors.Is(err, outbox.ErrConnectionLost) {
+		t.Errorf("error reported under the alarm: %v, want ErrBrokerBlocked and ErrConnectionLost", err)
+	}
+	if s := stateOf(t, db, ids[0]); !strings.Contains(s.LastError, "low on memory") {
+		t.Errorf("head row's last_error %q does not give the broker's reason", s.LastError)
+	}
+
+	proxy.ClearAlarm()
+	if seen := countIDs(b.Drain(queue, len(ids), 30*time.Second)); len(seen) != len(ids) {
+		t.Errorf("%d of %d messages arrived once the alarm cleared", len(seen), len(ids))
+	}
+}

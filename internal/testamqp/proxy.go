@@ -1,6 +1,7 @@
 package testamqp
 
 import (
+	"encoding/binary"
 	"io"
 	"net"
 	"net/url"
@@ -22,8 +23,16 @@ type Proxy struct {
 
 	mu      sync.Mutex
 	stalled chan struct{} // nil while the proxy passes everything on
+	alarm   *alarm        // nil while no alarm is raised
 	conns   []net.Conn
 	closed  bool
+}
+
+// alarm is a memory alarm the proxy plays (see Alarm).
+type alarm struct {
+	reason  string
+	cleared chan struct{}
+	blocked int // connections blocked under it
 }
 
 // NewProxy returns a proxy to the test broker, closed when the test ends.
@@ -54,36 +63,145 @@ func (p *Proxy) Dial(network, _ string) (net.Conn, error) {
 	}
 	p.conns = append(p.conns, proxySide, upstream)
 	p.mu.Unlock()
-	go p.fromClient(proxySide, upstream)
+	toClient := &frameWriter{w: proxySide}
+	go p.fromClient(proxySide, upstream, toClient)
 	go func() {
-		_, _ = io.Copy(proxySide, upstream)
-		_ = proxySide.Close()
+		defer proxySide.Close()
+		for {
+			frame, err := readFrame(upstream)
+			if err != nil || toClient.write(frame) != nil {
+				return
+			}
+		}
 	}()
 	return client, nil
 }
 
-// fromClient passes the client's bytes on, and reads nothing while stalled.
-func (p *Proxy) fromClient(client, upstream net.Conn) {
+// frameWriter writes whole frames to the client, so that the proxy's own
+// (connection.blocked, unblocked) go between the broker's, never inside one.
+type frameWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (f *frameWriter) write(frame []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	_, err := f.w.Write(frame)
+	return err
+}
+
+// readFrame reads one AMQP frame: type, channel, size, payload, frame end.
+func readFrame(r io.Reader) ([]byte, error) {
+	head := make([]byte, 7)
+	if _, err := io.ReadFull(r, head); err != nil {
+		return nil, err
+	}
+	frame := make([]byte, 7+int(binary.BigEndian.Uint32(head[3:7]))+1)
+	copy(frame, head)
+	_, err := io.ReadFull(r, frame[7:])
+	return frame, err
+}
+
+// connectionFrame is a method frame of class connection on channel 0.
+func connectionFrame(method uint16, args []byte) []byte {
+	payload := binary.BigEndian.AppendUint16(binary.BigEndian.AppendUint16(nil, 10), method)
+	payload = append(payload, args...)
+	frame := []byte{1, 0, 0}
+	frame = binary.BigEndian.AppendUint32(frame, uint32(len(payload)))
+	return append(append(frame, payload...), 0xCE)
+}
+
+// isPublish reports whether frame is basic.publish.
+func isPublish(frame []byte) bool {
+	return frame[0] == 1 && len(frame) >= 12 && binary.BigEndian.Uint16(frame[7:9]) == 60 && binary.BigEndian.Uint16(frame[9:11]) == 40
+}
+
+// fromClient passes the client's frames on, and reads nothing while
+// stalled; under an alarm it blocks the connection at its first publish.
+func (p *Proxy) fromClient(client, upstream net.Conn, toClient *frameWriter) {
 	defer upstream.Close()
-	buf := make([]byte, 32<<10)
+	p.waitWhileStalled()
+	header := make([]byte, 8) // "AMQP" 0 0 9 1
+	if _, err := io.ReadFull(client, header); err != nil {
+		return
+	}
+	if _, err := upstream.Write(header); err != nil {
+		return
+	}
+	for {
+		p.waitWhileStalled()
+		frame, err := readFrame(client)
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		a := p.alarm
+		if a != nil && isPublish(frame) {
+			a.blocked++
+		}
+		p.mu.Unlock()
+		if a != nil && isPublish(frame) {
+			// As RabbitMQ: connection.blocked, then nothing read until the
+			// alarm clears.
+			if toClient.write(connectionFrame(60, append([]byte{byte(len(a.reason))}, a.reason...))) != nil {
+				return
+			}
+			<-a.cleared
+			if toClient.write(connectionFrame(61, nil)) != nil {
+				return
+			}
+		}
+		if _, err := upstream.Write(frame); err != nil {
+			return
+		}
+	}
+}
+
+// waitWhileStalled returns once the proxy is not stalled.
+func (p *Proxy) waitWhileStalled() {
 	for {
 		p.mu.Lock()
 		stalled := p.stalled
 		p.mu.Unlock()
-		if stalled != nil {
-			<-stalled
-			continue
-		}
-		n, err := client.Read(buf)
-		if n > 0 {
-			if _, werr := upstream.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
+		if stalled == nil {
 			return
 		}
+		<-stalled
 	}
+}
+
+// Alarm plays a memory alarm of the broker: connections open and work as
+// before until they publish; at its first basic.publish a connection gets
+// connection.blocked, and nothing more it sends is read until ClearAlarm.
+// reason is at most 255 bytes.
+func (p *Proxy) Alarm(reason string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.alarm == nil {
+		p.alarm = &alarm{reason: reason, cleared: make(chan struct{})}
+	}
+}
+
+// ClearAlarm ends the alarm: blocked connections get connection.unblocked
+// and are read again.
+func (p *Proxy) ClearAlarm() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.alarm != nil {
+		close(p.alarm.cleared)
+		p.alarm = nil
+	}
+}
+
+// Blocked is how many connections the current alarm has blocked.
+func (p *Proxy) Blocked() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.alarm == nil {
+		return 0
+	}
+	return p.alarm.blocked
 }
 
 // Stall stops reading from the clients (from their next read on).
@@ -107,6 +225,7 @@ func (p *Proxy) Resume() {
 
 func (p *Proxy) close() {
 	p.Resume()
+	p.ClearAlarm()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true
