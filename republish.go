@@ -59,6 +59,14 @@ type RepublisherConfig struct {
 	// TrackedTopics are the topics whose unprocessed records are sent
 	// again. Required: records of other topics are never touched.
 	TrackedTopics *TrackedTopics
+	// Exchanges, if set, narrows TrackedTopics to records published to
+	// one of these exchanges ("" is the default exchange). In an
+	// acemq_outbox shared with other services, set it to the exchanges
+	// this service's consumers read: another service's records under a
+	// tracked routing key to an exchange of its own are processed by no
+	// consumer of yours, and without it every boot would send them again.
+	// Empty: records of a tracked topic to any exchange.
+	Exchanges []string
 	// Grace is how long ago a record must have been published to be sent
 	// again: younger ones may still be on their way to a consumer. Default
 	// 5 minutes. Too short a grace resends what is merely slow to process;
@@ -93,6 +101,11 @@ func (c RepublisherConfig) validate() error {
 	case c.Timeout < 0:
 		return &ConfigError{Field: "Timeout", Reason: "negative"}
 	}
+	for _, e := range c.Exchanges {
+		if err := checkName(e); err != nil {
+			return &ConfigError{Field: "Exchanges", Reason: fmt.Sprintf("%q %v", e, err)}
+		}
+	}
 	return nil
 }
 
@@ -119,12 +132,13 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 }
 
 // Republish makes pending again (published_at and attempts reset) every
-// record of a tracked topic that was published longer than Grace ago and
+// record of a tracked topic (to one of Exchanges, if set) that was
+// published longer than Grace ago and
 // that no consumer processed, and returns how many. It is one conditional
 // UPDATE: of two instances booting together, the second finds the records
 // pending already, and each record is resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
-	q := r.store.q.Republish(time.Now().Add(-r.cfg.Grace), r.cfg.TrackedTopics.Topics())
+	q := r.store.q.Republish(time.Now().Add(-r.cfg.Grace), r.cfg.TrackedTopics.Topics(), r.cfg.Exchanges)
 	n, err := execAffected(ctx, r.store.db, q)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: republish: %w", err)

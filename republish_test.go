@@ -187,6 +187,40 @@ func TestRepublish_TwoInstancesRacing_EachRecordResentOnce(t *testing.T) {
 	})
 }
 
+// A shared acemq_outbox: another service's records under a tracked routing
+// key, to an exchange of its own, that no consumer of this service
+// processes. With Exchanges set, a boot sends only this service's records
+// again; without it, both (as before).
+func TestRepublish_Exchanges_AnotherServicesRecordsOfTheTopicLeftAlone(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		ours := publishN(t, db, "shop", "orders", 3)
+		theirs := publishN(t, db, "billing", "orders", 2)
+		ageRecords(t, db, time.Hour, append(ours, theirs...)...)
+		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Exchanges: []string{"shop", ""}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := rp.Republish(context.Background()); err != nil || n != int64(len(ours)) {
+			t.Fatalf("Republish = %d, %v; want this service's %d records", n, err, len(ours))
+		}
+		for _, id := range theirs {
+			if s := stateOf(t, db, id); !s.Published {
+				t.Errorf("another service's record %s was made pending", id)
+			}
+		}
+		all, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := all.Republish(context.Background()); err != nil || n != int64(len(theirs)) {
+			t.Fatalf("Republish without Exchanges = %d, %v; want the other %d", n, err, len(theirs))
+		}
+		if _, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Exchanges: []string{"bad\x00"}}); err == nil {
+			t.Error("an exchange name with a NUL was accepted")
+		}
+	})
+}
+
 func TestTrackedTopics_UntrackedLookup_NoAllocation(t *testing.T) {
 	track := outbox.NewTrackedTopics("orders", "payments")
 	topic := "audit.events"

@@ -634,15 +634,20 @@ func (o *Outbox) PublishedBefore(t time.Time) Query {
 	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND published_at < ?", o.d.TimeArg(t))
 }
 
-// Republish makes published, unprocessed records of routingKeys published
-// before cutoff pending again. The conditions are re-checked on the row the
-// update locks, so a record two instances race for is made pending once.
-func (o *Outbox) Republish(cutoff time.Time, routingKeys []string) Query {
-	args := make([]any, 0, len(routingKeys)+1)
+// Republish makes published, unprocessed records of routingKeys (to one of
+// exchanges, unless it is empty) published before cutoff pending again. The
+// conditions are re-checked on the row the update locks, so a record two
+// instances race for is made pending once.
+func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string) Query {
+	args := make([]any, 0, len(routingKeys)+len(exchanges)+1)
 	args = append(args, o.d.TimeArg(cutoff))
-	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NOT NULL AND published_at < ? AND processed_at IS NULL AND routing_key IN ("+
-		placeholders(len(routingKeys))+")", stringArgs(args, routingKeys)...)
+	where := " WHERE published_at IS NOT NULL AND published_at < ? AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
+	args = stringArgs(args, routingKeys)
+	if len(exchanges) > 0 {
+		where += " AND exchange_name IN (" + placeholders(len(exchanges)) + ")"
+		args = stringArgs(args, exchanges)
+	}
+	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+where, args...)
 }
 
 // MarkProcessed sets the record id's processed_at, if still null.
