@@ -343,7 +343,34 @@ func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Exec
 		_, relErr := conn.ExecContext(context.WithoutCancel(ctx), "SELECT RELEASE_LOCK("+migrationLockName+")")
 		err = errors.Join(err, relErr)
 	}()
-	return fn(conn)
+	// A step's wait for a table's metadata lock is cut short and tried
+	// again (see retryTableLocks); the session's own setting comes back
+	// before the connection returns to the pool.
+	if _, err := conn.ExecContext(ctx, fmt.Sprintf("SET SESSION lock_wait_timeout = %d", int(migrationTableLockWait.Seconds()))); err != nil {
+		return err
+	}
+	defer func() {
+		_, setErr := conn.ExecContext(context.WithoutCancel(ctx), "SET SESSION lock_wait_timeout = @@GLOBAL.lock_wait_timeout")
+		err = errors.Join(err, setErr)
+	}()
+	return fn(retryingExecer{conn})
+}
+
+// retryingExecer runs each migration step again while it fails for a lock
+// wait cut short. MySQL's DDL commits on its own, and every step is safe to
+// run again (the guards of 0004 on), so a step is the unit of a try.
+type retryingExecer struct{ conn *sql.Conn }
+
+func (r retryingExecer) ExecContext(ctx context.Context, query string, args ...any) (res sql.Result, err error) {
+	err = retryTableLocks(ctx, func() error {
+		res, err = r.conn.ExecContext(ctx, query, args...)
+		return err
+	}, func(err error) bool { return strings.Contains(err.Error(), "Error 1205") })
+	return res, err
+}
+
+func (r retryingExecer) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	return r.conn.QueryContext(ctx, query, args...)
 }
 
 func (mysql) createMigrationsTable() string {

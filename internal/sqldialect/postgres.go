@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -204,6 +205,13 @@ func (postgres) lockInboxSequence() string { return selectInboxSequence + " FOR 
 const migrationLockKey = 0x6163656d71 // "acemq"
 
 func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
+	return retryTableLocks(ctx, func() error { return migrateOnce(ctx, conn, fn) }, func(err error) bool {
+		return strings.Contains(err.Error(), "SQLSTATE 55P03") // lock_not_available: lock_timeout
+	})
+}
+
+// migrateOnce runs fn in one transaction under the migration lock.
+func migrateOnce(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	// DDL is transactional on PostgreSQL: the lock, the schema and the record
 	// of it commit together, and a failure leaves nothing half-made.
 	tx, err := conn.BeginTx(ctx, nil)
@@ -212,6 +220,10 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 	}
 	defer func() { _ = tx.Rollback() }()
 	if _, err := tx.ExecContext(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
+		return err
+	}
+	// After the migration lock, whose wait is another Migrate's.
+	if _, err := tx.ExecContext(ctx, fmt.Sprintf("SET LOCAL lock_timeout = '%dms'", migrationTableLockWait.Milliseconds())); err != nil {
 		return err
 	}
 	var schema string

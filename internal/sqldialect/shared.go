@@ -1,6 +1,7 @@
 package sqldialect
 
 import (
+	"context"
 	"database/sql"
 	"errors"
 	"fmt"
@@ -956,4 +957,35 @@ func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
 		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id"+
 		" GROUP BY h.consumer_name, h.aggregate_id HAVING MIN(h.held_at) < ? ORDER BY MIN(h.held_at), h.consumer_name, h.aggregate_id LIMIT ?",
 		o.d.TimeArg(cutoff), limit)
+}
+
+// migrationTableLockWait is how long one try of a migration waits for a
+// table's lock. DDL on a table another transaction uses (a long read, a
+// slow batch of another service's) waits for it, and every statement on the
+// table that comes after waits behind the DDL: left unbounded, one long
+// transaction stops every service writing the estate's acemq_outbox for as
+// long as it runs. A try gives up after this wait, lets the queue behind it
+// through, and tries again (retryTableLocks).
+const migrationTableLockWait = time.Second
+
+// retryTableLocks runs try again while it fails with a lock wait cut short
+// (lockTimedOut), backing off up to a second, for migrationLockTimeout in
+// all; then it gives up with an error that says so.
+func retryTableLocks(ctx context.Context, try func() error, lockTimedOut func(error) bool) error {
+	deadline := time.Now().Add(migrationLockTimeout * time.Second)
+	for wait := 50 * time.Millisecond; ; wait = min(2*wait, time.Second) {
+		err := try()
+		if err == nil || !lockTimedOut(err) {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("a table stayed locked by another transaction for %ds; each try waited %v so that other statements on it were not queued behind the migration, and nothing of the try was kept: %w",
+				migrationLockTimeout, migrationTableLockWait, err)
+		}
+		select {
+		case <-ctx.Done():
+			return errors.Join(err, ctx.Err())
+		case <-time.After(wait):
+		}
+	}
 }
