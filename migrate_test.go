@@ -71,6 +71,72 @@ func TestMigrate_ConcurrentProcesses_AllSucceedSchemaAppliedOnce(t *testing.T) {
 	}
 }
 
+// Replicas of a service on one SQLite file, booting at once on a fresh
+// database or on an upgrade (versions 8 and 9 to apply), each migrate
+// through a DSN that leaves _txlock at the driver's default, deferred:
+// every one succeeds. The transaction of an upgrade read first, and a
+// replica whose snapshot another's commit had made stale failed at its
+// first write with "database is locked" instead of waiting for the lock.
+func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.T) {
+	for _, upgrade := range []bool{false, true} {
+		t.Run(map[bool]string{false: "fresh", true: "upgrade"}[upgrade], func(t *testing.T) {
+			const replicas, rounds = 4, 10 // one round failed about half its replicas
+			for round := 0; round < rounds; round++ {
+				dsn := strings.Replace(testdb.SQLiteDSN(t.TempDir()+"/outbox.db"), "_txlock=immediate", "_txlock=deferred", 1)
+				if !strings.Contains(dsn, "_txlock=deferred") {
+					t.Fatalf("no _txlock=immediate to replace in %s", dsn)
+				}
+				if upgrade {
+					db, err := sqlx.Open("sqlite3", dsn)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := outbox.Migrate(context.Background(), db.DB, outbox.SQLite); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := db.Exec("DELETE FROM acemq_schema_migrations WHERE version >= 8"); err != nil {
+						t.Fatal(err)
+					}
+					if err := db.Close(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				var wg sync.WaitGroup
+				errs := make([]error, replicas)
+				start := make(chan struct{})
+				for i := range errs {
+					pool, err := sqlx.Open("sqlite3", dsn) // a pool of its own, as a process has
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer pool.Close()
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						<-start
+						errs[i] = outbox.Migrate(context.Background(), pool.DB, outbox.SQLite)
+					}()
+				}
+				close(start)
+				wg.Wait()
+				for i, err := range errs {
+					if err != nil {
+						t.Errorf("round %d, replica %d: %v", round, i, err)
+					}
+				}
+				db, err := sqlx.Open("sqlite3", dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				assertMigratedOnce(t, &testdb.DB{DB: db, Kind: testdb.SQLite, DSN: dsn})
+				if err := db.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 // A database migrated by golang-migrate or goose (the same files, no record in
 // acemq_schema_migrations) is left as it is by Migrate.
 func TestMigrate_AfterExternalTool_Succeeds(t *testing.T) {
