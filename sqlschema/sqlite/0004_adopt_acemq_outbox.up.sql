@@ -11,7 +11,7 @@
 -- goose and golang-migrate skip, and outbox.Migrate runs each "Run"
 -- statement unless the "Unless" query before it returns a row. With goose
 -- or golang-migrate on a table another library created, run the Run
--- statements it needs yourself, once.
+-- statements it needs yourself, once, and 0005's before that file.
 --
 -- processed_at: the inbox marks a record processed, and republish leaves it
 -- alone. Nullable, no default: adding it rewrites no row.
