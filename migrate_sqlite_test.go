@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -320,4 +321,59 @@ func sqliteSchema(t testing.TB, db *testdb.DB) string {
 		}
 	}
 	return b.String()
+}
+
+// An acemq_outbox another library created as a STRICT table (its times
+// TEXT, the only way STRICT allows) is adopted: Migrate adds processed_at
+// as TEXT, where the DATETIME of a table 0001 made is refused ("unknown
+// datatype") and failed the whole migration, and the table then takes
+// keyed and unkeyed messages, which a relay sends, and the marks of the
+// inbox. The row the other library wrote stays as it was.
+func TestMigrate_SQLiteStrictTableOfAnotherLibrary_AdoptedAndUsable(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	if _, err := db.Exec(`CREATE TABLE acemq_outbox (id TEXT PRIMARY KEY, exchange_name TEXT NOT NULL, routing_key TEXT NOT NULL, body TEXT NOT NULL,
+		body_encoding TEXT NOT NULL, content_type TEXT NOT NULL, headers TEXT NOT NULL, created_at TEXT NOT NULL, published_at TEXT,
+		attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT, locked_by TEXT, locked_until TEXT) STRICT`); err != nil {
+		t.Fatal(err)
+	}
+	b := testamqp.New(t)
+	queue := b.Queue("orders")
+	insertRaw(t, db, "ruby-1", b.Exchange, "orders", "{}", "utf-8")
+	before := snapshot(t, db)
+	for i := 0; i < 2; i++ {
+		if err := outbox.Migrate(context.Background(), db.DB.DB, outbox.SQLite); err != nil {
+			t.Fatalf("migrate #%d: %v", i+1, err)
+		}
+	}
+	assertMigratedOnce(t, db)
+	if after := snapshot(t, db); !reflect.DeepEqual(after, before) {
+		t.Errorf("rows changed by the migration:\nbefore %v\nafter  %v", before, after)
+	}
+	var types []string
+	if err := db.Select(&types, "SELECT name || ' ' || type FROM pragma_table_info('acemq_outbox') WHERE name IN ('processed_at', 'aggregate_id', 'seq') ORDER BY cid"); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"processed_at TEXT", "aggregate_id TEXT", "seq INTEGER"}; !reflect.DeepEqual(types, want) {
+		t.Errorf("columns added %v, want %v", types, want)
+	}
+
+	msgs := []*message.Message{keyed("order-1"), keyed(""), keyed("order-1")}
+	publishInTx(t, db, "orders", msgs, outbox.TxPublisherConfig{Exchange: b.Exchange})
+	if n := sweepAll(t, newForwarder(t, db, outbox.ForwarderConfig{})); n != 4 {
+		t.Fatalf("the relay sent %d, want 4: the other library's row and the 3 published", n)
+	}
+	if got := b.Drain(queue, 4, 5*time.Second); len(got) != 4 {
+		t.Errorf("queue received %d, want 4", len(got))
+	}
+
+	createEffects(t, db)
+	var ran atomic.Int32
+	h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+	if _, err := h(message.NewMessage(msgs[1].UUID, []byte("x"))); err != nil {
+		t.Fatalf("the inbox: %v", err)
+	}
+	var processed bool
+	if err := db.Get(&processed, "SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?", msgs[1].UUID); err != nil || !processed {
+		t.Errorf("processed_at set: %v (%v), want the record marked processed", processed, err)
+	}
 }
