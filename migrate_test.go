@@ -71,6 +71,72 @@ func TestMigrate_ConcurrentProcesses_AllSucceedSchemaAppliedOnce(t *testing.T) {
 	}
 }
 
+// Replicas of a service on one SQLite file, booting at once on a fresh
+// database or on an upgrade (versions 8 and 9 to apply), each migrate
+// through a DSN that leaves _txlock at the driver's default, deferred:
+// every one succeeds. The transaction of an upgrade read first, and a
+// replica whose snapshot another's commit had made stale failed at its
+// first write with "database is locked" instead of waiting for the lock.
+func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.T) {
+	for _, upgrade := range []bool{false, true} {
+		t.Run(map[bool]string{false: "fresh", true: "upgrade"}[upgrade], func(t *testing.T) {
+			const replicas, rounds = 4, 10 // one round failed about half its replicas
+			for round := 0; round < rounds; round++ {
+				dsn := strings.Replace(testdb.SQLiteDSN(t.TempDir()+"/outbox.db"), "_txlock=immediate", "_txlock=deferred", 1)
+				if !strings.Contains(dsn, "_txlock=deferred") {
+					t.Fatalf("no _txlock=immediate to replace in %s", dsn)
+				}
+				if upgrade {
+					db, err := sqlx.Open("sqlite3", dsn)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := outbox.Migrate(context.Background(), db.DB, outbox.SQLite); err != nil {
+						t.Fatal(err)
+					}
+					if _, err := db.Exec("DELETE FROM acemq_schema_migrations WHERE version >= 8"); err != nil {
+						t.Fatal(err)
+					}
+					if err := db.Close(); err != nil {
+						t.Fatal(err)
+					}
+				}
+				var wg sync.WaitGroup
+				errs := make([]error, replicas)
+				start := make(chan struct{})
+				for i := range errs {
+					pool, err := sqlx.Open("sqlite3", dsn) // a pool of its own, as a process has
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer pool.Close()
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						<-start
+						errs[i] = outbox.Migrate(context.Background(), pool.DB, outbox.SQLite)
+					}()
+				}
+				close(start)
+				wg.Wait()
+				for i, err := range errs {
+					if err != nil {
+						t.Errorf("round %d, replica %d: %v", round, i, err)
+					}
+				}
+				db, err := sqlx.Open("sqlite3", dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				assertMigratedOnce(t, &testdb.DB{DB: db, Kind: testdb.SQLite, DSN: dsn})
+				if err := db.Close(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 // A database migrated by golang-migrate or goose (the same files, no record in
 // acemq_schema_migrations) is left as it is by Migrate.
 func TestMigrate_AfterExternalTool_Succeeds(t *testing.T) {
@@ -357,8 +423,12 @@ func TestMigrate_MySQL_IndexOnPublishedAtAlone_ClaimIndexAdded_SecondRelayClaims
 
 // goose and golang-migrate run the files as plain SQL. On PostgreSQL and
 // MySQL that alone brings a Rails table up to date, twice over without
-// harm; on SQLite the file's guarded step is Migrate's (plain SQL cannot
-// add a column only when it is missing), and Migrate after the tool adds it.
+// harm. On SQLite plain SQL cannot add a column only where it is missing,
+// so the files' guarded steps are Migrate's: the tool stops at 0005, whose
+// index needs aggregate_id, and names it, rather than leave a table no
+// relay can claim from. Once the user has run the Run statements the table
+// lacks, as the README says, the files run, twice over, and leave the
+// table as Migrate leaves it. Migrate after the tool changes no row.
 func TestMigrations_PlainSQL_RailsTable_UpToDateWhereSQLCanSayIt(t *testing.T) {
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		testrails.CreateTable(t, db)
@@ -368,24 +438,31 @@ func TestMigrations_PlainSQL_RailsTable_UpToDateWhereSQLCanSayIt(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if db.Kind == testdb.SQLite {
+			err := applyPlain(db, migs)
+			if err == nil || !strings.Contains(err.Error(), "0005_aggregate_order") || !strings.Contains(err.Error(), "aggregate_id") {
+				t.Fatalf("plain SQL on the Rails table: %v, want 0005 to fail naming aggregate_id", err)
+			}
+			runByHand(t, db, migs)
+		}
 		for i := 0; i < 2; i++ {
-			for _, m := range migs {
-				for _, stmt := range sqlschema.Statements(m.Up) {
-					if _, err := db.Exec(stmt); err != nil {
-						t.Fatalf("run #%d, %s: %v", i+1, m.Name, err)
-					}
-				}
+			if err := applyPlain(db, migs); err != nil {
+				t.Fatalf("run #%d, %v", i+1, err)
 			}
 		}
-		_, err = db.Exec("SELECT processed_at FROM acemq_outbox")
-		if hasColumn := err == nil; hasColumn != (db.Kind != testdb.SQLite) {
-			t.Errorf("processed_at after plain SQL: %v; want it on PostgreSQL and MySQL", err)
+		if _, err := db.Exec("SELECT processed_at, aggregate_id, seq FROM acemq_outbox"); err != nil {
+			t.Errorf("the columns after plain SQL: %v", err)
+		}
+		if db.Kind == testdb.SQLite {
+			adopted := testdb.New(t, testdb.SQLite)
+			testrails.CreateTable(t, adopted)
+			migrate(t, adopted)
+			if got, want := sqliteSchema(t, db), sqliteSchema(t, adopted); got != want {
+				t.Errorf("by the tool and the Run steps:\n%s\nwant, as Migrate leaves it:\n%s", got, want)
+			}
 		}
 		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
 			t.Fatal(err)
-		}
-		if _, err := db.Exec("SELECT processed_at FROM acemq_outbox"); err != nil {
-			t.Errorf("processed_at after Migrate: %v", err)
 		}
 		if n := countRows(t, db); n != 1 {
 			t.Errorf("%d rows, want the one there was", n)

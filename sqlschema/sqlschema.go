@@ -22,8 +22,12 @@
 //	-- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at'
 //	-- +acemq Run ALTER TABLE acemq_outbox ADD COLUMN processed_at DATETIME
 //
-// Users of the tools on such a table run the Run statement themselves, once.
-// PostgreSQL and MySQL need none: their files say the same in plain SQL.
+// Users of the tools on such a table run the Run statements it needs
+// themselves, once, before the tool runs the file that holds them: a plain
+// statement after them may need the column (the indexes of sqlite/0005 and
+// 0007 do, and fail naming it). A table the files create needs none:
+// sqlite/0001 makes it with every column a step adds. PostgreSQL and MySQL
+// need none either: their files say the same in plain SQL.
 package sqlschema
 
 import (

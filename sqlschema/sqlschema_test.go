@@ -2,6 +2,8 @@ package sqlschema
 
 import (
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 )
 
@@ -46,5 +48,43 @@ func TestMigrations_EveryDialect_Parse(t *testing.T) {
 		if _, err := Migrations(d); err != nil {
 			t.Errorf("%s: %v", d, err)
 		}
+	}
+}
+
+// Every column a SQLite step adds to acemq_outbox is one 0001 makes with
+// the table: goose and golang-migrate skip the steps, and a table they
+// made without the column was one the library could not use (0005's
+// aggregate_id and seq were, and no relay could claim a row).
+func TestMigrations_SQLite_EveryColumnAStepAdds_0001MakesWithTheTable(t *testing.T) {
+	migs, err := Migrations("sqlite")
+	if err != nil {
+		t.Fatal(err)
+	}
+	create := Statements(migs[0].Up)[0]
+	if !strings.HasPrefix(create, "CREATE TABLE IF NOT EXISTS acemq_outbox (") {
+		t.Fatalf("0001's first statement is %q, want acemq_outbox's CREATE TABLE", create)
+	}
+	var columns []string
+	for _, line := range strings.Split(create, "\n")[1:] {
+		if fields := strings.Fields(line); len(fields) > 1 {
+			columns = append(columns, fields[0])
+		}
+	}
+	const add = "ALTER TABLE acemq_outbox ADD COLUMN "
+	steps := 0
+	for _, m := range migs {
+		for _, s := range m.UpSteps {
+			column, ok := strings.CutPrefix(s.Run, add)
+			if !ok || s.Unless == "" {
+				continue
+			}
+			steps++
+			if name := strings.Fields(column)[0]; !slices.Contains(columns, name) {
+				t.Errorf("%s adds %s, which 0001 does not make (it makes %v)", m.Name, name, columns)
+			}
+		}
+	}
+	if steps == 0 {
+		t.Fatalf("no step adds a column: the test looks for %q", add)
 	}
 }

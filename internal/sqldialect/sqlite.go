@@ -3,6 +3,7 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"strings"
 	"time"
 )
@@ -155,14 +156,29 @@ func (sqlite) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 // good as a lock.
 func (sqlite) lockInboxSequence() string { return selectInboxSequence }
 
-func (sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
-	// The first DDL statement takes SQLite's write lock for the rest of the
-	// transaction; a second process waits on its busy timeout.
+// WithMigrationLock holds SQLite's write lock from the transaction's first
+// statement, whatever the DSN's _txlock. A transaction that reads first
+// and writes later cannot wait for the lock: once another process has
+// committed meanwhile, its snapshot is stale, and its first write fails at
+// once with "database is locked", busy timeout or not. A migration reads
+// first (the migrations table's CREATE … IF NOT EXISTS, finding the table,
+// and the versions applied), so with _txlock=deferred, the driver's
+// default, processes booting together on an upgrade failed. A delete that
+// matches nothing is a first write: it waits on the busy timeout for the
+// lock and keeps it until the commit. The table it names is created
+// before, in a statement of its own, which is a first write as well.
+func (d sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
+	if _, err := conn.ExecContext(ctx, d.createMigrationsTable()); err != nil {
+		return err
+	}
 	tx, err := conn.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, "DELETE FROM acemq_schema_migrations WHERE 0"); err != nil {
+		return fmt.Errorf("take the write lock: %w", err)
+	}
 	if err := fn(tx); err != nil {
 		return err
 	}

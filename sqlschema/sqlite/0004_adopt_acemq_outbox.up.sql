@@ -11,12 +11,18 @@
 -- goose and golang-migrate skip, and outbox.Migrate runs each "Run"
 -- statement unless the "Unless" query before it returns a row. With goose
 -- or golang-migrate on a table another library created, run the Run
--- statements it needs yourself, once.
+-- statements it needs yourself, once, and 0005's before that file.
 --
 -- processed_at: the inbox marks a record processed, and republish leaves it
--- alone. Nullable, no default: adding it rewrites no row.
--- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at'
+-- alone. Nullable, no default: adding it rewrites no row. DATETIME as in
+-- 0001, but a STRICT table refuses every type name but INT, INTEGER, REAL,
+-- TEXT, BLOB and ANY, and fails the whole migration: there it is TEXT,
+-- which holds the same fixed-width UTC text (the library only writes it
+-- and tests it for NULL; a reader of its own gets a string, not a time).
+-- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at' UNION ALL SELECT 1 FROM pragma_table_list('acemq_outbox') WHERE strict
 -- +acemq Run ALTER TABLE acemq_outbox ADD COLUMN processed_at DATETIME
+-- +acemq Unless SELECT 1 FROM pragma_table_info('acemq_outbox') WHERE name = 'processed_at'
+-- +acemq Run ALTER TABLE acemq_outbox ADD COLUMN processed_at TEXT
 --
 -- The relay's claim walks the pending rows in created_at order: through a
 -- partial index like 0001's, or one that starts (published_at, created_at)

@@ -1,0 +1,7 @@
+-- +goose Up
+-- The relay's claim admits a keyed record only when no earlier record of its
+-- key is pending. That probe looks for pending rows of one key: this index
+-- holds only those, so it does not read the key's published records. A
+-- step, as in 0005, since it needs 0005's columns.
+-- +acemq Unless SELECT 1 FROM pragma_index_list('acemq_outbox') WHERE name = 'acemq_outbox_pending_key'
+-- +acemq Run CREATE INDEX acemq_outbox_pending_key ON acemq_outbox (aggregate_id, seq) WHERE published_at IS NULL AND aggregate_id IS NOT NULL
