@@ -37,6 +37,12 @@ type Metrics struct {
 // NewMetrics creates the metrics and registers them with reg. Their names
 // start with "outbox_". Registering twice on one registry fails, as
 // Prometheus does for any collector.
+//
+// One Metrics serves one outbox table: its gauges (outbox_pending,
+// outbox_stuck, the oldest pending age) are one reading, which a second
+// Forwarder on another table would overwrite with its own. Give each table
+// its own, apart by a label:
+// NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"outbox": "billing"}, reg)).
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{

@@ -208,3 +208,17 @@ func TestMetrics_IdleRelay_BrokerGone_ConnectedDropsToZero(t *testing.T) {
 		t.Errorf("Node() = %q after the broker went, want \"\"", n)
 	}
 }
+
+// Two tables' relays in one process: each Metrics on the one registry,
+// apart by a label, as the README and NewMetrics say.
+func TestNewMetrics_TwoTablesOneRegistry_ApartByALabel(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	for _, name := range []string{"billing", "shop"} {
+		if _, err := outbox.NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"outbox": name}, reg)); err != nil {
+			t.Fatalf("metrics of %s: %v", name, err)
+		}
+	}
+	if _, err := reg.Gather(); err != nil {
+		t.Fatal(err)
+	}
+}
