@@ -159,6 +159,67 @@ func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *
 	})
 }
 
+// The copy delivered to another process (the first one's channel closed
+// while its handler ran, and RabbitMQ redelivered): it waits while the
+// first one's key is running, renewed past its lease, and then runs if the
+// first failed (its key taken back), or is a duplicate if it succeeded.
+// Two Inboxes over two pools stand for the two processes.
+func TestInbox_AtMostOnce_CopyInAnotherProcessWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		const lease = 600 * time.Millisecond
+		for _, firstFails := range []bool{true, false} {
+			var ran atomic.Int32
+			started, release := make(chan struct{}), make(chan struct{})
+			handler := func(*message.Message) ([]*message.Message, error) {
+				if ran.Add(1) == 1 {
+					close(started)
+					<-release
+					if firstFails {
+						return nil, errors.New("SMTP down: not sent")
+					}
+				}
+				return nil, nil
+			}
+			other := sqlx.MustOpen(db.DriverName(), db.DSN)
+			defer other.Close()
+			a := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true, AtMostOnceLease: lease}).Middleware(handler)
+			bIn, err := outbox.NewInbox(other, outbox.InboxConfig{ConsumerName: "fulfilment", AtMostOnce: true, AtMostOnceLease: lease})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b := bIn.Middleware(handler)
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			first := make(chan error, 1)
+			go func() { _, err := a(msg.Copy()); first <- err }()
+			<-started
+			second := make(chan error, 1)
+			go func() { _, err := b(msg.Copy()); second <- err }()
+			select {
+			case err := <-second:
+				t.Fatalf("first fails %v: the copy returned (%v) while the first still ran", firstFails, err)
+			case <-time.After(3 * lease): // the first's lease renewed meanwhile
+			}
+			close(release)
+			if err := <-first; (err != nil) != firstFails {
+				t.Fatalf("first fails %v: first returned %v", firstFails, err)
+			}
+			if err := <-second; err != nil {
+				t.Fatalf("first fails %v: the copy returned %v, want nil (ack)", firstFails, err)
+			}
+			want := int32(1)
+			if firstFails {
+				want = 2
+			}
+			if got := ran.Load(); got != want {
+				t.Errorf("first fails %v: handler ran %d times, want %d", firstFails, got, want)
+			}
+			if n := countProcessed(t, db, msg.UUID); n != 1 {
+				t.Errorf("first fails %v: %d keys, want 1", firstFails, n)
+			}
+		}
+	})
+}
+
 func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var ran atomic.Int32
@@ -183,8 +244,9 @@ func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t
 // child process consumes the message through a router behind an
 // at-most-once inbox and is SIGKILLed in its handler. RabbitMQ requeues the
 // unacked message when the child's connection dies; the redelivery, consumed
-// here under the same consumer name, is acked without running the handler:
-// the effect is dropped, not repeated.
+// here under the same consumer name, waits out the dead child's lease on the
+// key and is acked without running the handler: the effect is dropped, not
+// repeated.
 func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunning(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -211,7 +273,7 @@ func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunn
 		if err != nil {
 			t.Fatal(err)
 		}
-		in := newInbox(t, db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true, Metrics: m})
+		in := newInbox(t, db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true, AtMostOnceLease: receiptLease, Metrics: m})
 		router := newRouter(t)
 		router.AddMiddleware(in.Middleware)
 		var ran atomic.Int32
@@ -235,8 +297,13 @@ func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunn
 	})
 }
 
-// receiptConsumer is the consumer of the killed child and of the test after it.
-const receiptConsumer = "send-receipt"
+// receiptConsumer is the consumer of the killed child and of the test after
+// it, and receiptLease the lease of its running key, which the redelivery
+// waits out.
+const (
+	receiptConsumer = "send-receipt"
+	receiptLease    = 2 * time.Second
+)
 
 // inboxProcess consumes one message from OUTBOX_INBOX_QUEUE through a router
 // behind an at-most-once inbox, and SIGKILLs itself in the handler: after the
@@ -247,7 +314,7 @@ func inboxProcess() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	in, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true})
+	in, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: receiptConsumer, AtMostOnce: true, AtMostOnceLease: receiptLease})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

@@ -59,13 +59,24 @@ type InboxConfig struct {
 	// the effect loses it. The handler runs with no transaction
 	// (TxFromContext reports none). Return an error only when the effect
 	// did not happen: the key is then taken back and the message retried.
-	// A copy delivered while the handler of the first runs in this process
-	// waits for it, and runs if the key was taken back; one delivered to
-	// another process meanwhile is acked as a duplicate.
+	// A copy delivered while the handler of the first runs, in this process
+	// or another, waits for it, and runs if the key was taken back (see
+	// AtMostOnceLease).
 	// A handler's returned messages are written into the outbox in a
 	// transaction of their own after the handler; if that fails the key
 	// stays, so they are lost too, logged with the message's id.
 	AtMostOnce bool
+	// AtMostOnceLease is how long an at-most-once key stays running
+	// without word from its handler's process. The key is committed as
+	// running until now + AtMostOnceLease; the process renews that every
+	// third of it while the handler runs, and stamps the key done when the
+	// handler returns. A copy that finds it running (delivered to another
+	// process after the first one's channel closed) waits, holding its
+	// delivery, until the key is done (a duplicate, acked) or taken back
+	// (it runs). A lease that runs out is a process that died in its
+	// handler: the copy is a duplicate then, as the message is lost, at
+	// most the lease after the crash. Default DefaultAtMostOnceLease (30 s).
+	AtMostOnceLease time.Duration
 	// Isolation of the handler's transaction (under AtMostOnce, of the
 	// key's and of the returned messages'). Default: the database's.
 	Isolation sql.IsolationLevel
@@ -115,6 +126,10 @@ type InboxConfig struct {
 // round trips.
 const DefaultPurgeBatch = 1000
 
+// DefaultAtMostOnceLease is the default of InboxConfig.AtMostOnceLease:
+// how long a copy waits, at most, after a crash in the first one's handler.
+const DefaultAtMostOnceLease = 30 * time.Second
+
 func (c *InboxConfig) setDefaults() {
 	if c.Table == "" {
 		c.Table = DefaultInboxTable
@@ -124,6 +139,9 @@ func (c *InboxConfig) setDefaults() {
 	}
 	if c.PurgeBatch == 0 {
 		c.PurgeBatch = DefaultPurgeBatch
+	}
+	if c.AtMostOnceLease == 0 {
+		c.AtMostOnceLease = DefaultAtMostOnceLease
 	}
 	if c.GapAfter == 0 {
 		c.GapAfter = DefaultGapAfter
@@ -142,6 +160,9 @@ func (c InboxConfig) validate() error {
 	}
 	if err := checkConsumer(c.Dialect, c.ConsumerName); err != nil {
 		return &ConfigError{Field: "ConsumerName", Reason: err.Error()}
+	}
+	if c.AtMostOnceLease < 0 {
+		return &ConfigError{Field: "AtMostOnceLease", Reason: fmt.Sprintf("%s; want a positive duration", c.AtMostOnceLease)}
 	}
 	if c.GapAfter < 0 {
 		return &ConfigError{Field: "GapAfter", Reason: fmt.Sprintf("%s; want a positive duration", c.GapAfter)}
@@ -437,8 +458,14 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 // outbox record processed. It reports false for a key already there:
 // processed before, by a delivery whose transaction committed.
 func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) (fresh bool, err error) {
+	return in.recordAt(ctx, tx, consumer, key, time.Now())
+}
+
+// recordAt is record with the key stamped at (its processed_at), which is
+// ahead of now for an at-most-once key whose handler is to run.
+func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string, at time.Time) (fresh bool, err error) {
 	now := time.Now()
-	res, err := in.exec(ctx, tx, in.q.Insert(consumer, key, now))
+	res, err := in.exec(ctx, tx, in.q.Insert(consumer, key, at))
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
 	}
@@ -492,7 +519,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		return inboxFailed, err
 	}
 	defer release()
-	fresh, err := in.recordAlone(ctx, consumer, key)
+	fresh, err := in.recordRunning(ctx, consumer, key)
 	if err != nil {
 		return inboxFailed, err
 	}
@@ -505,7 +532,9 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 	orig := msg.Context()
 	msg.SetContext(ctx)
 	defer msg.SetContext(orig)
+	stopRenewing := in.renewWhileRunning(ctx, consumer, key)
 	out, err := runRecovering(h, msg)
+	stopRenewing()
 	// What follows finishes even if the message's context ends (the router
 	// closing): a key left behind for an effect that did not happen loses
 	// the message, and messages not written for one that did are lost too.
@@ -522,11 +551,77 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		}
 		return inboxFailed, err
 	}
+	done := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, time.Now()))
+	if _, doneErr := in.db.ExecContext(after, done.SQL, done.Args...); doneErr != nil {
+		// The effect happened: copies elsewhere wait out the lease, then
+		// take the message for a duplicate, as they should.
+		in.log.Error("At-most-once handler ran, but its key could not be stamped done: copies delivered elsewhere wait until its lease ends", doneErr, fields)
+	}
 	if err := in.writeReturnedAlone(after, out); err != nil {
 		in.log.Error("At-most-once handler ran, but the messages it returned could not be written into the outbox: they are lost, its key stays", err, fields)
 		return inboxFailed, err
 	}
 	return inboxProcessed, nil
+}
+
+// renewWhileRunning moves the running key's stamp to now +
+// AtMostOnceLease every third of the lease, until stop is called; stop
+// returns once no renewal is under way, so that none lands after the stamp
+// of done (which it would undo) or the key's take-back.
+func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (stop func()) {
+	quit, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		tick := time.NewTicker(in.cfg.AtMostOnceLease / 3)
+		defer tick.Stop()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-tick.C:
+				q := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, time.Now().Add(in.cfg.AtMostOnceLease)))
+				if _, err := in.db.ExecContext(context.WithoutCancel(ctx), q.SQL, q.Args...); err != nil {
+					in.log.Error("At-most-once handler runs, but its key's lease could not be renewed: a copy delivered elsewhere may be taken for a duplicate", err,
+						watermill.LogFields{"message_uuid": key, "consumer": consumer})
+				}
+			}
+		}
+	}()
+	return func() {
+		close(quit)
+		<-finished
+	}
+}
+
+// recordRunning commits the key as running until now + AtMostOnceLease,
+// and says whether this delivery is to run. A key there already whose
+// handler runs in another process (its stamp still ahead) is waited for:
+// stamped done, or past its lease, this delivery is a duplicate; taken
+// back (the handler failed), it is recorded again, and runs.
+func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool, error) {
+	wait := 20 * time.Millisecond
+	for {
+		fresh, err := in.recordAlone(ctx, consumer, key, time.Now().Add(in.cfg.AtMostOnceLease))
+		if err != nil || fresh {
+			return fresh, err
+		}
+		until := sqldialect.NewTime(in.dialect.sql())
+		q := sqldialect.Inline(in.dialect.sql(), in.q.Stamp(consumer, key))
+		switch err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(until); {
+		case errors.Is(err, sql.ErrNoRows):
+			continue // taken back since: record it again
+		case err != nil:
+			return false, fmt.Errorf("outbox: inbox: read key %s for %s: %w", key, consumer, err)
+		case !until.T.After(time.Now()):
+			return false, nil
+		}
+		select {
+		case <-ctx.Done():
+			return false, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs elsewhere: %w", key, consumer, ctx.Err())
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, time.Second)
+	}
 }
 
 // runAlone waits until no delivery of id (consumer, key) is in
@@ -559,14 +654,14 @@ func (in *Inbox) runAlone(ctx context.Context, id [2]string) (release func(), er
 	}
 }
 
-// recordAlone commits the key in a transaction of its own, and says whether
-// it was new.
-func (in *Inbox) recordAlone(ctx context.Context, consumer, key string) (bool, error) {
+// recordAlone commits the key, stamped at, in a transaction of its own, and
+// says whether it was new.
+func (in *Inbox) recordAlone(ctx context.Context, consumer, key string, at time.Time) (bool, error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
-	fresh, err := in.record(ctx, tx, consumer, key)
+	fresh, err := in.recordAt(ctx, tx, consumer, key, at)
 	if err != nil || !fresh {
 		_ = tx.Rollback()
 		return false, err

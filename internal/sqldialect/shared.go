@@ -727,6 +727,18 @@ func (in *Inbox) Delete(consumer, id string) Query {
 	return Query{SQL: in.d.rebind("DELETE FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
 }
 
+// Stamp reads the processed_at of consumer's key id. Under AtMostOnce a
+// stamp ahead of now is the end of the lease of a handler still running.
+func (in *Inbox) Stamp(consumer, id string) Query {
+	return Query{SQL: in.d.rebind("SELECT processed_at FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+}
+
+// Done stamps consumer's key id processed at now: its at-most-once
+// handler returned (or, with a time ahead, renews its running lease).
+func (in *Inbox) Done(consumer, id string, now time.Time) Query {
+	return Query{SQL: in.d.rebind("UPDATE " + in.table + " SET processed_at = ? WHERE consumer_name = ? AND message_id = ?"), Args: []any{in.d.TimeArg(now), consumer, id}}
+}
+
 // Purge deletes at most limit rows processed before cutoff.
 func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
 	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table)), Args: []any{in.d.TimeArg(cutoff), limit}}
