@@ -86,6 +86,18 @@ func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.
 				if !strings.Contains(dsn, "_txlock=deferred") {
 					t.Fatalf("no _txlock=immediate to replace in %s", dsn)
 				}
+				// The file exists, in WAL mode, before the replicas come: a
+				// connection's open switches a new file to WAL (the DSN's
+				// _journal_mode), which fails with "database is locked" when
+				// another process opens it at that moment. That is the
+				// driver's open, before Migrate has a connection.
+				if db, err := sqlx.Open("sqlite3", dsn); err != nil {
+					t.Fatal(err)
+				} else if err := db.Ping(); err != nil {
+					t.Fatal(err)
+				} else if err := db.Close(); err != nil {
+					t.Fatal(err)
+				}
 				if upgrade {
 					db, err := sqlx.Open("sqlite3", dsn)
 					if err != nil {

@@ -156,33 +156,35 @@ func (sqlite) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 // good as a lock.
 func (sqlite) lockInboxSequence() string { return selectInboxSequence }
 
-// WithMigrationLock holds SQLite's write lock from the transaction's first
-// statement, whatever the DSN's _txlock. A transaction that reads first
-// and writes later cannot wait for the lock: once another process has
-// committed meanwhile, its snapshot is stale, and its first write fails at
-// once with "database is locked", busy timeout or not. A migration reads
-// first (the migrations table's CREATE … IF NOT EXISTS, finding the table,
-// and the versions applied), so with _txlock=deferred, the driver's
-// default, processes booting together on an upgrade failed. A delete that
-// matches nothing is a first write: it waits on the busy timeout for the
-// lock and keeps it until the commit. The table it names is created
-// before, in a statement of its own, which is a first write as well.
-func (d sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
+// WithMigrationLock holds SQLite's write lock from the migration's first
+// statement, whatever the DSN's _txlock: it begins the transaction itself,
+// BEGIN IMMEDIATE, which waits on the busy timeout for the lock. A
+// transaction that reads first and writes later cannot wait for it: once
+// another process has committed meanwhile, its snapshot is stale, and its
+// first write fails at once with "database is locked", busy timeout or
+// not. A migration reads first (the migrations table's CREATE … IF NOT
+// EXISTS, finding the table, and the versions applied), so with
+// _txlock=deferred, the driver's default, processes booting together
+// failed; and so did the CREATE itself, run on its own, when they booted
+// together on a fresh file. The statements run on conn, inside the
+// transaction database/sql does not know of.
+func (d sqlite) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) (err error) {
+	if _, err := conn.ExecContext(ctx, "BEGIN IMMEDIATE"); err != nil {
+		return fmt.Errorf("take the write lock: %w", err)
+	}
+	defer func() {
+		if err != nil {
+			_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
+		}
+	}()
 	if _, err := conn.ExecContext(ctx, d.createMigrationsTable()); err != nil {
 		return err
 	}
-	tx, err := conn.BeginTx(ctx, nil)
-	if err != nil {
+	if err := fn(conn); err != nil {
 		return err
 	}
-	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.ExecContext(ctx, "DELETE FROM acemq_schema_migrations WHERE 0"); err != nil {
-		return fmt.Errorf("take the write lock: %w", err)
-	}
-	if err := fn(tx); err != nil {
-		return err
-	}
-	return tx.Commit()
+	_, err = conn.ExecContext(ctx, "COMMIT")
+	return err
 }
 
 func (sqlite) createMigrationsTable() string {
