@@ -65,10 +65,15 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 	return msg, nil
 }
 
-// messageUUID is the first non-empty string of the UUID header, x-acemq-id
-// and message_id.
+// messageUUID is the first non-empty string of x-acemq-id, the UUID header
+// and message_id. x-acemq-id first: every AceMQ relay sets it (and
+// message_id) to the row's id over whatever the row's headers hold, while
+// a _watermill_message_uuid may be a stale copy, carried on by a service in
+// another language that copies the headers it received onto what it sends;
+// taken first, it made two messages one, and the second was acked as a
+// duplicate. This library's relay sends all three alike.
 func messageUUID(d amqp.Delivery, uuidKey string) string {
-	for _, k := range []string{uuidKey, HeaderMessageID} {
+	for _, k := range []string{HeaderMessageID, uuidKey} {
 		if s, ok := d.Headers[k].(string); ok && s != "" {
 			return s
 		}

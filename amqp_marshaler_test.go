@@ -71,20 +71,23 @@ func TestAMQPMarshaler_EveryAMQPFieldType_InMetadataAsJSONText(t *testing.T) {
 	}
 }
 
-// The message UUID is _watermill_message_uuid, else x-acemq-id, else the
-// message_id property: a message from any AceMQ relay has its id. The UUID
-// header is not copied into the metadata; x-acemq-id is.
-func TestAMQPMarshaler_UUID_FromWatermillHeaderElseAcemqIDElseMessageID(t *testing.T) {
+// The message UUID is x-acemq-id, else _watermill_message_uuid, else the
+// message_id property: a message from any AceMQ relay has its id, and a
+// stale Watermill header another service copied on does not override it.
+// The UUID header is not copied into the metadata; x-acemq-id is.
+func TestAMQPMarshaler_UUID_FromAcemqIDElseWatermillHeaderElseMessageID(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		marshaler outbox.AMQPMarshaler
 		d         amqp.Delivery
 		want      string
 	}{
-		{"all three", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "wm", "x-acemq-id": "ace"}}, "wm"},
+		{"all three, a stale Watermill header copied on", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "wm", "x-acemq-id": "ace"}}, "ace"},
+		{"a Watermill publisher: its header and message_id", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "wm"}}, "wm"},
 		{"another AceMQ relay: x-acemq-id and message_id", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"x-acemq-id": "ace"}}, "ace"},
 		{"message_id only", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop"}, "prop"},
-		{"empty UUID header", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "", "x-acemq-id": "ace"}}, "ace"},
+		{"empty UUID header", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": ""}}, "prop"},
+		{"empty x-acemq-id", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "wm", "x-acemq-id": ""}}, "wm"},
 		{"UUID header not a string", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": int64(7)}}, "prop"},
 		{"no id at all", outbox.AMQPMarshaler{}, amqp.Delivery{}, ""},
 		{"own UUID header", outbox.AMQPMarshaler{DefaultMarshaler: wamqp.DefaultMarshaler{MessageUUIDHeaderKey: "uuid"}},

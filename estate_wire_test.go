@@ -360,3 +360,32 @@ func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
 		}
 	})
 }
+
+// Under watermill-amqp's DefaultMarshaler a message's UUID is its
+// _watermill_message_uuid header, which a service in another language may
+// carry on from the message it received (it copies headers), while its
+// relay sets x-acemq-id to the new message's id: two messages of one stale
+// UUID are two messages to the inbox, keyed by their x-acemq-id.
+func TestInbox_StaleWatermillUUIDCopiedOn_DedupedOnAcemqID(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		var ran []string
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			ran = append(ran, msg.Metadata.Get(outbox.HeaderMessageID))
+			return nil, nil
+		})
+		stale := "received-" + testdb.RandomName()
+		for _, id := range []string{"b1-" + testdb.RandomName(), "b2-" + testdb.RandomName()} {
+			msg := message.NewMessage(stale, []byte("x"))
+			msg.Metadata.Set(outbox.HeaderMessageID, id)
+			if _, err := h(msg); err != nil {
+				t.Fatal(err)
+			}
+			if n := countProcessed(t, db, id); n != 1 {
+				t.Errorf("message %s: %d keys, want 1", id, n)
+			}
+		}
+		if len(ran) != 2 {
+			t.Errorf("handler ran for %v, want both messages", ran)
+		}
+	})
+}

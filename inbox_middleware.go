@@ -731,17 +731,20 @@ func publishTopic(ctx context.Context, n int) (string, error) {
 }
 
 // dedupeKey is the id the inbox dedupes msg on, "" if it has none: its
-// UUID, else its x-acemq-id metadata. Every AceMQ relay sends the id as the
-// x-acemq-id header and the message_id property, but only this library's
-// also as _watermill_message_uuid, so a message from a relay in another
-// language reaches a subscriber with watermill-amqp's DefaultMarshaler
-// without a UUID, and with x-acemq-id in its metadata (a string header).
-// AMQPMarshaler takes the UUID from x-acemq-id or message_id itself.
+// x-acemq-id metadata, else its UUID. Every AceMQ relay sends the id as the
+// x-acemq-id header and the message_id property, over whatever the row's
+// headers hold, but only this library's also as _watermill_message_uuid.
+// So a message from a relay in another language reaches a subscriber with
+// watermill-amqp's DefaultMarshaler with x-acemq-id in its metadata (a
+// string header) and without a UUID, or with a stale one: a service that
+// copies the headers it received onto what it sends carries the Watermill
+// header of the message it received on, and two messages would be one.
+// AMQPMarshaler takes the UUID from x-acemq-id first itself.
 func dedupeKey(msg *message.Message) string {
-	if msg.UUID != "" {
-		return msg.UUID
+	if id := msg.Metadata.Get(HeaderMessageID); id != "" {
+		return id
 	}
-	return msg.Metadata.Get(HeaderMessageID)
+	return msg.UUID
 }
 
 // runRecovering runs h, turning a panic into an error so that the

@@ -32,9 +32,13 @@ func EncodeBody(payload []byte) (body, encoding string) {
 }
 
 // DecodeBody returns the bytes a row's body and body_encoding stand for.
+// The encoding's name is read as other libraries write it: in any case
+// ("UTF-8" is Java's StandardCharsets.UTF_8.name()), "utf8" for "utf-8",
+// and padded with spaces (a char(16) column). A name that is none of these
+// is refused: no guess changes a body unseen.
 func DecodeBody(body, encoding string) ([]byte, error) {
-	switch encoding {
-	case BodyUTF8, "":
+	switch strings.ToLower(strings.TrimSpace(encoding)) {
+	case BodyUTF8, "utf8", "":
 		return []byte(body), nil
 	case BodyBase64:
 		return base64.StdEncoding.DecodeString(body)

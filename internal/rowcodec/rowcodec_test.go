@@ -183,3 +183,23 @@ func TestEncodeMetadata_DecodeMetadata_BytesRoundTrip(t *testing.T) {
 		}
 	}
 }
+
+// body_encoding as other libraries write it: any case, "utf8", padded by
+// a char column. An unknown name is refused, never guessed.
+func TestDecodeBody_EncodingNamesOfOtherLibraries(t *testing.T) {
+	for _, enc := range []string{"utf-8", "UTF-8", "utf8", "UTF8", "utf-8         ", ""} {
+		if got, err := DecodeBody("héllo", enc); err != nil || string(got) != "héllo" {
+			t.Errorf("DecodeBody(%q) = %q, %v; want the text", enc, got, err)
+		}
+	}
+	for _, enc := range []string{"base64", "BASE64", " base64 "} {
+		if got, err := DecodeBody("aGk=", enc); err != nil || string(got) != "hi" {
+			t.Errorf("DecodeBody(%q) = %q, %v; want the decoded bytes", enc, got, err)
+		}
+	}
+	for _, enc := range []string{"latin1", "gzip", "utf-16"} {
+		if _, err := DecodeBody("x", enc); err == nil {
+			t.Errorf("DecodeBody(%q) accepted an unknown encoding", enc)
+		}
+	}
+}
