@@ -669,11 +669,9 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		if slices.ContainsFunc(p.res, func(err error) bool { return err != nil }) {
 			d.short = append(d.short, p)
 		}
-		blocked := d.blocked // the latest connection's, dropped or not
-		if p.on != nil {
-			blocked = p.on.blocked
+		if p.on != nil { // a connect that failed is no blocked connection's
+			markBlocked(p.res, p.on.blocked)
 		}
-		markBlocked(p.res, blocked)
 	}()
 	if d.behindAShortWindow() {
 		fillNotSent(p.res, 0, errBehindShortWindow)

@@ -126,6 +126,10 @@ type InboxConfig struct {
 // round trips.
 const DefaultPurgeBatch = 1000
 
+// minAtMostOnceLease is the shortest AtMostOnceLease: renewed every third
+// of it, a shorter one is more statements than handler.
+const minAtMostOnceLease = 100 * time.Millisecond
+
 // DefaultAtMostOnceLease is the default of InboxConfig.AtMostOnceLease:
 // how long a copy waits, at most, after a crash in the first one's handler.
 const DefaultAtMostOnceLease = 30 * time.Second
@@ -161,8 +165,8 @@ func (c InboxConfig) validate() error {
 	if err := checkConsumer(c.Dialect, c.ConsumerName); err != nil {
 		return &ConfigError{Field: "ConsumerName", Reason: err.Error()}
 	}
-	if c.AtMostOnceLease < 0 {
-		return &ConfigError{Field: "AtMostOnceLease", Reason: fmt.Sprintf("%s; want a positive duration", c.AtMostOnceLease)}
+	if c.AtMostOnceLease < minAtMostOnceLease {
+		return &ConfigError{Field: "AtMostOnceLease", Reason: fmt.Sprintf("%s; want at least %s (renewed every third of it)", c.AtMostOnceLease, minAtMostOnceLease)}
 	}
 	if c.GapAfter < 0 {
 		return &ConfigError{Field: "GapAfter", Reason: fmt.Sprintf("%s; want a positive duration", c.GapAfter)}
@@ -533,6 +537,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 	msg.SetContext(ctx)
 	defer msg.SetContext(orig)
 	stopRenewing := in.renewWhileRunning(ctx, consumer, key)
+	defer stopRenewing() // a handler that ends its goroutine (runtime.Goexit) gets past recover
 	out, err := runRecovering(h, msg)
 	stopRenewing()
 	// What follows finishes even if the message's context ends (the router
@@ -587,9 +592,12 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 			}
 		}
 	}()
+	var once sync.Once
 	return func() {
-		close(quit)
-		<-finished
+		once.Do(func() {
+			close(quit)
+			<-finished
+		})
 	}
 }
 
@@ -609,7 +617,8 @@ func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool,
 		q := sqldialect.Inline(in.dialect.sql(), in.q.Stamp(consumer, key))
 		switch err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(until); {
 		case errors.Is(err, sql.ErrNoRows):
-			continue // taken back since: record it again
+			// Taken back since: record it again, after a wait, should the
+			// key's insert keep skipping a row that reads as absent.
 		case err != nil:
 			return false, fmt.Errorf("outbox: inbox: read key %s for %s: %w", key, consumer, err)
 		case !until.T.After(time.Now()):

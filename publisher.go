@@ -464,6 +464,11 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		if err != nil {
 			return err
 		}
+		if conflict == nil && len(ours) == len(rows) {
+			// Every row is this call's: a statement whose result could not
+			// say so (see sqldialect's insertedAll on MySQL).
+			return nil
+		}
 		if len(ours) > 0 {
 			if _, err := p.exec(ctx, p.q.Delete(ours)); err != nil {
 				return err

@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -79,10 +81,12 @@ func (mysql) insertOutbox(table, cols string, n, rows int) string {
 
 // flagSkipped is the update clause of an insert that skips a row whose
 // unique key another row holds, leaving that row as it is, and says so
-// through the result's LastInsertId (see insertedAll). The tables have no
-// AUTO_INCREMENT, so a statement that skips nothing reports 0; a skip sets
-// LAST_INSERT_ID to the connection's value as it was (the caller's last
-// AUTO_INCREMENT id, which stays theirs), or to 1 where that was 0.
+// through the result's LastInsertId (see insertedAll): a skip sets
+// LAST_INSERT_ID to skippedFlag, which no AUTO_INCREMENT reaches. A
+// statement that skips nothing reports 0, or the first id an AUTO_INCREMENT
+// column of the table generated (a processed_messages or acemq_outbox
+// another library created with a surrogate key: Rails' create_table adds
+// one), never skippedFlag.
 //
 // Not INSERT IGNORE, whose affected-row count told a skip the same way:
 // IGNORE also turns every error of a value into a warning, and stores what
@@ -91,19 +95,31 @@ func (mysql) insertOutbox(table, cols string, n, rows int) string {
 // strict mode, the default, now refuses the statement and the caller sees
 // the error. Nor the count of ON DUPLICATE KEY UPDATE alone: under the
 // DSN's clientFoundRows=true a row left as it is counts 1, as an insert.
+//
+// The price: after a skip (a retried transaction's message, a duplicate
+// delivery), the connection's LAST_INSERT_ID() reads skippedFlag until its
+// next AUTO_INCREMENT insert; the result of the caller's own insert, where
+// drivers take the id from, is not touched.
 func flagSkipped(col string) string {
-	return col + " = IF(LAST_INSERT_ID(IF(LAST_INSERT_ID() = 0, 1, LAST_INSERT_ID())) <> 0, " + col + ", " + col + ")"
+	return col + " = IF(LAST_INSERT_ID(" + strconv.FormatInt(skippedFlag, 10) + ") <> 0, " + col + ", " + col + ")"
 }
 
-// insertedAll: a skipped row counts 0 affected, or 1 under
-// clientFoundRows, and sets the result's LastInsertId (flagSkipped). A
-// result that hides LastInsertId (a watermill-sql Tx of another kind than
-// its database/sql adapter) leaves the count, right under the driver's
-// default clientFoundRows=false.
+// skippedFlag is the LastInsertId of a statement that skipped a row.
+const skippedFlag = math.MaxInt64
+
+// insertedAll: a skipped row sets the result's LastInsertId to skippedFlag
+// (flagSkipped), and counts 0 affected, or 1 under clientFoundRows. But a
+// statement of several rows into a table with an AUTO_INCREMENT column
+// that inserted some and skipped others reports the first id it generated,
+// and under clientFoundRows counts every row: so such a statement (an id
+// neither 0 nor skippedFlag) reports false, and the caller reads back what
+// it inserted. A result that hides LastInsertId (a watermill-sql Tx of
+// another kind than its database/sql adapter) leaves the count, right under
+// the driver's default clientFoundRows=false.
 func (mysql) insertedAll(res Result, n int) (bool, error) {
 	if r, ok := res.(interface{ LastInsertId() (int64, error) }); ok {
 		id, err := r.LastInsertId()
-		if err != nil || id != 0 {
+		if err != nil || id == skippedFlag || (id != 0 && n > 1) {
 			return false, err
 		}
 	}
@@ -346,23 +362,31 @@ func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Exec
 	// A step's wait for a table's metadata lock is cut short and tried
 	// again (see retryTableLocks); the session's own setting comes back
 	// before the connection returns to the pool.
+	var own int64
+	if err := conn.QueryRowContext(ctx, "SELECT @@SESSION.lock_wait_timeout").Scan(&own); err != nil {
+		return err
+	}
 	if _, err := conn.ExecContext(ctx, fmt.Sprintf("SET SESSION lock_wait_timeout = %d", int(migrationTableLockWait.Seconds()))); err != nil {
 		return err
 	}
 	defer func() {
-		_, setErr := conn.ExecContext(context.WithoutCancel(ctx), "SET SESSION lock_wait_timeout = @@GLOBAL.lock_wait_timeout")
+		_, setErr := conn.ExecContext(context.WithoutCancel(ctx), fmt.Sprintf("SET SESSION lock_wait_timeout = %d", own))
 		err = errors.Join(err, setErr)
 	}()
-	return fn(retryingExecer{conn})
+	return fn(retryingExecer{conn: conn, deadline: time.Now().Add(migrationLockTimeout * time.Second)})
 }
 
 // retryingExecer runs each migration step again while it fails for a lock
-// wait cut short. MySQL's DDL commits on its own, and every step is safe to
-// run again (the guards of 0004 on), so a step is the unit of a try.
-type retryingExecer struct{ conn *sql.Conn }
+// wait cut short, until deadline, one for every step. MySQL's DDL commits
+// on its own, and every step is safe to run again (the guards of 0004 on),
+// so a step is the unit of a try.
+type retryingExecer struct {
+	conn     *sql.Conn
+	deadline time.Time
+}
 
 func (r retryingExecer) ExecContext(ctx context.Context, query string, args ...any) (res sql.Result, err error) {
-	err = retryTableLocks(ctx, func() error {
+	err = retryTableLocks(ctx, r.deadline, func() error {
 		res, err = r.conn.ExecContext(ctx, query, args...)
 		return err
 	}, func(err error) bool { return strings.Contains(err.Error(), "Error 1205") })

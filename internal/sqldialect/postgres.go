@@ -205,7 +205,7 @@ func (postgres) lockInboxSequence() string { return selectInboxSequence + " FOR 
 const migrationLockKey = 0x6163656d71 // "acemq"
 
 func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
-	return retryTableLocks(ctx, func() error { return migrateOnce(ctx, conn, fn) }, func(err error) bool {
+	return retryTableLocks(ctx, time.Now().Add(migrationLockTimeout*time.Second), func() error { return migrateOnce(ctx, conn, fn) }, func(err error) bool {
 		return strings.Contains(err.Error(), "SQLSTATE 55P03") // lock_not_available: lock_timeout
 	})
 }

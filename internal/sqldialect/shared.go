@@ -981,10 +981,10 @@ func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
 const migrationTableLockWait = time.Second
 
 // retryTableLocks runs try again while it fails with a lock wait cut short
-// (lockTimedOut), backing off up to a second, for migrationLockTimeout in
-// all; then it gives up with an error that says so.
-func retryTableLocks(ctx context.Context, try func() error, lockTimedOut func(error) bool) error {
-	deadline := time.Now().Add(migrationLockTimeout * time.Second)
+// (lockTimedOut), backing off up to a second, until deadline (a Migrate's
+// start plus migrationLockTimeout); then it gives up with an error that
+// says so.
+func retryTableLocks(ctx context.Context, deadline time.Time, try func() error, lockTimedOut func(error) bool) error {
 	for wait := 50 * time.Millisecond; ; wait = min(2*wait, time.Second) {
 		err := try()
 		if err == nil || !lockTimedOut(err) {
