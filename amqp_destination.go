@@ -868,11 +868,7 @@ func (c *confirmChannel) waitConfirm(ctx context.Context, dc *amqp.DeferredConfi
 		case <-dc.Done():
 			return dc.Acked(), nil
 		case ret, ok := <-c.returns:
-			if !ok {
-				c.returns = nil // closed with the channel; dc is settled too
-				continue
-			}
-			c.file(ret)
+			c.receive(ret, ok) // closed with the channel: dc is settled too
 		case <-ctx.Done():
 			return false, ctx.Err()
 		}
@@ -883,15 +879,24 @@ func (c *confirmChannel) drainReturns() {
 	for {
 		select {
 		case ret, ok := <-c.returns:
+			c.receive(ret, ok)
 			if !ok {
-				c.returns = nil
 				return
 			}
-			c.file(ret)
 		default:
 			return
 		}
 	}
+}
+
+// receive files a return read from the channel's returns, or, when they
+// closed with the channel, lets them go (a nil channel is never ready).
+func (c *confirmChannel) receive(ret amqp.Return, ok bool) {
+	if !ok {
+		c.returns = nil
+		return
+	}
+	c.file(ret)
 }
 
 // file keeps a return until the wait of its record takes it. One id may be

@@ -114,48 +114,10 @@ func TestInbox_AtMostOnce_HandlerFailsOrPanics_KeyTakenBackRetryMakesEffectOnce(
 // key is taken back; had the first succeeded, it would be a duplicate.
 func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		for _, firstFails := range []bool{true, false} {
-			var ran atomic.Int32
-			started, release := make(chan struct{}), make(chan struct{})
-			h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
-				if ran.Add(1) == 1 {
-					close(started)
-					<-release
-					if firstFails {
-						return nil, errors.New("SMTP down: not sent")
-					}
-				}
-				return nil, nil
-			})
-			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-			first := make(chan error, 1)
-			go func() { _, err := h(msg.Copy()); first <- err }()
-			<-started
-			second := make(chan error, 1)
-			go func() { _, err := h(msg.Copy()); second <- err }()
-			select {
-			case err := <-second:
-				t.Fatalf("first fails %v: the copy returned (%v) while the first still ran", firstFails, err)
-			case <-time.After(200 * time.Millisecond):
-			}
-			close(release)
-			if err := <-first; (err != nil) != firstFails {
-				t.Fatalf("first fails %v: first returned %v", firstFails, err)
-			}
-			if err := <-second; err != nil {
-				t.Fatalf("first fails %v: the copy returned %v, want nil (ack)", firstFails, err)
-			}
-			want := int32(1)
-			if firstFails {
-				want = 2
-			}
-			if got := ran.Load(); got != want {
-				t.Errorf("first fails %v: handler ran %d times, want %d", firstFails, got, want)
-			}
-			if n := countProcessed(t, db, msg.UUID); n != 1 {
-				t.Errorf("first fails %v: %d keys, want 1", firstFails, n)
-			}
-		}
+		copyWhileTheFirstRuns(t, db, 200*time.Millisecond, func(h message.HandlerFunc) (first, second message.HandlerFunc) {
+			in := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(h)
+			return in, in
+		})
 	})
 }
 
@@ -167,57 +129,68 @@ func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *
 func TestInbox_AtMostOnce_CopyInAnotherProcessWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		const lease = 600 * time.Millisecond
-		for _, firstFails := range []bool{true, false} {
-			var ran atomic.Int32
-			started, release := make(chan struct{}), make(chan struct{})
-			handler := func(*message.Message) ([]*message.Message, error) {
-				if ran.Add(1) == 1 {
-					close(started)
-					<-release
-					if firstFails {
-						return nil, errors.New("SMTP down: not sent")
-					}
-				}
-				return nil, nil
-			}
+		// The copy waits past three leases: the first one's is renewed.
+		copyWhileTheFirstRuns(t, db, 3*lease, func(h message.HandlerFunc) (first, second message.HandlerFunc) {
 			other := sqlx.MustOpen(db.DriverName(), db.DSN)
-			defer other.Close()
-			a := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true, AtMostOnceLease: lease}).Middleware(handler)
-			bIn, err := outbox.NewInbox(other, outbox.InboxConfig{ConsumerName: "fulfilment", AtMostOnce: true, AtMostOnceLease: lease})
+			t.Cleanup(func() { _ = other.Close() })
+			in, err := outbox.NewInbox(other, outbox.InboxConfig{ConsumerName: "fulfilment", AtMostOnce: true, AtMostOnceLease: lease})
 			if err != nil {
 				t.Fatal(err)
 			}
-			b := bIn.Middleware(handler)
-			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-			first := make(chan error, 1)
-			go func() { _, err := a(msg.Copy()); first <- err }()
-			<-started
-			second := make(chan error, 1)
-			go func() { _, err := b(msg.Copy()); second <- err }()
-			select {
-			case err := <-second:
-				t.Fatalf("first fails %v: the copy returned (%v) while the first still ran", firstFails, err)
-			case <-time.After(3 * lease): // the first's lease renewed meanwhile
-			}
-			close(release)
-			if err := <-first; (err != nil) != firstFails {
-				t.Fatalf("first fails %v: first returned %v", firstFails, err)
-			}
-			if err := <-second; err != nil {
-				t.Fatalf("first fails %v: the copy returned %v, want nil (ack)", firstFails, err)
-			}
-			want := int32(1)
-			if firstFails {
-				want = 2
-			}
-			if got := ran.Load(); got != want {
-				t.Errorf("first fails %v: handler ran %d times, want %d", firstFails, got, want)
-			}
-			if n := countProcessed(t, db, msg.UUID); n != 1 {
-				t.Errorf("first fails %v: %d keys, want 1", firstFails, n)
-			}
-		}
+			return newInbox(t, db, outbox.InboxConfig{AtMostOnce: true, AtMostOnceLease: lease}).Middleware(h), in.Middleware(h)
+		})
 	})
+}
+
+// copyWhileTheFirstRuns delivers a message to the first of the two
+// at-most-once inboxes that inboxes makes around one handler, and a copy
+// to the second while the first one's handler runs; the copy must still
+// wait after quiet. The first then fails or succeeds: the copy runs, or is
+// a duplicate, and the key is there once.
+func copyWhileTheFirstRuns(t *testing.T, db *testdb.DB, quiet time.Duration, inboxes func(message.HandlerFunc) (first, second message.HandlerFunc)) {
+	t.Helper()
+	for _, firstFails := range []bool{true, false} {
+		var ran atomic.Int32
+		started, release := make(chan struct{}), make(chan struct{})
+		a, b := inboxes(func(*message.Message) ([]*message.Message, error) {
+			if ran.Add(1) == 1 {
+				close(started)
+				<-release
+				if firstFails {
+					return nil, errors.New("SMTP down: not sent")
+				}
+			}
+			return nil, nil
+		})
+		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+		first := make(chan error, 1)
+		go func() { _, err := a(msg.Copy()); first <- err }()
+		<-started
+		second := make(chan error, 1)
+		go func() { _, err := b(msg.Copy()); second <- err }()
+		select {
+		case err := <-second:
+			t.Fatalf("first fails %v: the copy returned (%v) while the first still ran", firstFails, err)
+		case <-time.After(quiet):
+		}
+		close(release)
+		if err := <-first; (err != nil) != firstFails {
+			t.Fatalf("first fails %v: first returned %v", firstFails, err)
+		}
+		if err := <-second; err != nil {
+			t.Fatalf("first fails %v: the copy returned %v, want nil (ack)", firstFails, err)
+		}
+		want := int32(1)
+		if firstFails {
+			want = 2
+		}
+		if got := ran.Load(); got != want {
+			t.Errorf("first fails %v: handler ran %d times, want %d", firstFails, got, want)
+		}
+		if n := countProcessed(t, db, msg.UUID); n != 1 {
+			t.Errorf("first fails %v: %d keys, want 1", firstFails, n)
+		}
+	}
 }
 
 func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t *testing.T) {
