@@ -204,6 +204,72 @@ func TestMigrations_DownUndoesUp(t *testing.T) {
 	})
 }
 
+// The down of 0001 drops acemq_outbox, which services in other languages
+// share: a `migrate down` run to the bottom (golang-migrate's `down` with
+// no count) dropped every service's events not yet sent. It now refuses
+// while the table holds a row not published, with the reason in its
+// error, and leaves the row; once none is pending it drops the table.
+func TestMigrations_DownOf0001_RefusesWhileRowsAreUnpublished(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := migrate(t, db)
+		ids := publishN(t, db, "orders", "orders.created", 2)
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		conn, err := db.Conn(ctx) // MySQL's check keeps its verdict in a session variable
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		down := func(m sqlschema.Migration) error {
+			for _, stmt := range sqlschema.Statements(m.Down) {
+				if _, err := conn.ExecContext(ctx, stmt); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		for i := len(migs) - 1; i > 0; i-- {
+			if err := down(migs[i]); err != nil {
+				t.Fatalf("%s down: %v", migs[i].Name, err)
+			}
+		}
+		if migs[0].Version != 1 {
+			t.Fatalf("first migration is %s, want version 1", migs[0].Name)
+		}
+		err = down(migs[0])
+		if err == nil || !strings.Contains(err.Error(), "refused: acemq_outbox holds rows not yet published") {
+			t.Fatalf("0001 down with two rows pending: %v, want the refusal", err)
+		}
+		if n := countRows(t, db); n != 2 {
+			t.Fatalf("%d rows after the refused down, want 2", n)
+		}
+
+		// One published, one pending: still refused.
+		if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE id = ?"), time.Now().UTC(), ids[0]); err != nil {
+			t.Fatal(err)
+		}
+		if err := down(migs[0]); err == nil {
+			t.Fatal("0001 down with a row pending succeeded")
+		}
+		if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ?"), time.Now().UTC()); err != nil {
+			t.Fatal(err)
+		}
+		if err := down(migs[0]); err != nil {
+			t.Fatalf("0001 down with every row published: %v", err)
+		}
+		if _, err := db.Exec("SELECT 1 FROM acemq_outbox"); err == nil {
+			t.Error("acemq_outbox still exists after its down")
+		}
+		// And on a database whose table is gone already.
+		if err := down(migs[0]); err != nil {
+			t.Fatalf("0001 down without the table: %v", err)
+		}
+	})
+}
+
 func TestSQLSchema_GooseView_HoldsOnlyAnnotatedUpFiles(t *testing.T) {
 	for _, d := range sqlschema.Dialects {
 		fsys, err := sqlschema.Goose(d)
