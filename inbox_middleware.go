@@ -5,12 +5,15 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5"
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/propagation"
 
@@ -341,6 +344,10 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // Middleware dedupes and runs h in a transaction; add it to a router or a
 // handler with AddMiddleware. It returns no messages to the router: what h
 // returns goes into the outbox (see Inbox and Publisher).
+//
+// Middlewares added after it run inside its transaction: add Retry and
+// PoisonQueue before it (one after it would commit a failed attempt's
+// writes), and CorrelationID, which changes the returned messages, after.
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		return in.handle(h, msg)
@@ -395,7 +402,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		}
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
-			out, err := h(msg)
+			out, err := runRecovering(h, msg)
 			if err == nil {
 				err = in.writeReturnedAlone(ctx, out)
 			}
@@ -452,10 +459,23 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		return inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, consumer, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+		return inboxFailed, consumer, handledCommitErr(err, key, consumer)
 	}
 	committed = true
 	return inboxProcessed, consumer, nil
+}
+
+// handledCommitErr is the error of the commit of a handler's transaction.
+// PostgreSQL ends a transaction in which a statement failed with a
+// rollback: a handler that returned no error after one had its error
+// taken by something between it and the inbox, most likely a Watermill
+// middleware added after inbox.Middleware (PoisonQueue, Retry), which then
+// runs inside its transaction.
+func handledCommitErr(err error, id, consumer string) error {
+	if errors.Is(err, pgx.ErrTxCommitRollback) {
+		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", id, consumer, err)
+	}
+	return fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
 }
 
 // record inserts the key in tx and, with MarkOutboxProcessed, marks the
@@ -758,11 +778,13 @@ func dedupeKey(msg *message.Message) string {
 
 // runRecovering runs h, turning a panic into an error so that the
 // transaction rolls back and the message is nacked rather than the process
-// dying with the key half-written.
+// dying with the key half-written. The error is Watermill's
+// RecoveredPanicError, with the panic's stack, as middleware.Recoverer's
+// would be: a Recoverer outside the inbox never sees the panic.
 func runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("outbox: inbox: handler panicked: %v", r)
+			err = fmt.Errorf("outbox: inbox: handler panicked: %w", middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())})
 		}
 	}()
 	return h(msg)

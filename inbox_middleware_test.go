@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
@@ -355,4 +356,59 @@ func TestInbox_ConsumerNamesDifferingInTrailingSpaces_RefusedOnMySQLTwoConsumers
 			t.Fatalf("handler ran %d times for two consumers; want 2", ran.Load())
 		}
 	})
+}
+
+// A handler's panic behind the inbox reached the router as the panic's
+// value alone: the inbox recovers it (to roll back), so a Recoverer
+// outside never sees it, and the stack was kept nowhere. The error is now
+// Watermill's RecoveredPanicError, stack and all. (From an audit.)
+func TestInbox_HandlerPanics_ErrorKeepsTheStack(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "boom"})
+	h := in.Middleware(func(*message.Message) ([]*message.Message, error) {
+		var m map[string]int
+		m["x"] = 1 // a nil map's write
+		return nil, nil
+	})
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	_, err := h(msg)
+	var p middleware.RecoveredPanicError
+	if !errors.As(err, &p) {
+		t.Fatalf("error %v, want a middleware.RecoveredPanicError", err)
+	}
+	if !strings.Contains(p.Stacktrace, "TestInbox_HandlerPanics_ErrorKeepsTheStack") {
+		t.Errorf("stack %q does not name the panicking function", p.Stacktrace)
+	}
+	if n := countProcessed(t, db, msg.UUID); n != 0 {
+		t.Errorf("%d keys after the panic, want 0 (rolled back)", n)
+	}
+}
+
+// On PostgreSQL a handler whose statement failed and that returned no
+// error (its error taken by a middleware inside the inbox, as a
+// PoisonQueue added after inbox.Middleware does) got "commit unexpectedly
+// resulted in rollback" and nothing more. The error now says what most
+// likely happened and where the middleware goes. (From an audit.)
+func TestInbox_Postgres_HandlersErrorSwallowed_CommitErrorSaysWhy(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "pay"})
+	swallow := func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			_, _ = h(msg) // as PoisonQueue does, having published the copy
+			return nil, nil
+		}
+	}
+	h := in.Middleware(swallow(func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := outbox.TxFromContext(msg.Context())
+		_, err := tx.ExecContext(msg.Context(), "INSERT INTO no_such_table VALUES (1)")
+		return nil, err
+	}))
+	msg := message.NewMessage(watermill.NewUUID(), nil)
+	_, err := h(msg)
+	if err == nil || !strings.Contains(err.Error(), "add those before inbox.Middleware") {
+		t.Fatalf("error %v, want the hint", err)
+	}
+	if n := countProcessed(t, db, msg.UUID); n != 0 {
+		t.Errorf("%d keys, want 0", n)
+	}
 }

@@ -122,12 +122,13 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Co
 	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if _, ok := o.routes[k]; !ok {
-		// Without its cancellation: the route outlives the delivery. It keeps
-		// the router's handler name and topics, which a held message's
-		// handler and its returned messages need.
-		o.routes[k] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
-	}
+	// Without its cancellation: the route outlives the delivery. It keeps
+	// the router's handler name and topics, which a held message's handler
+	// and its returned messages need. The latest delivery's: a router
+	// closed and another built (a restart in the process, or two routers
+	// with one handler name) must not leave held messages to the handler
+	// of a router that is gone.
+	o.routes[k] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
 	if _, ok := o.first[consumer]; !ok {
 		o.first[consumer] = k
 	}
@@ -284,7 +285,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		return inboxFailed, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
+		return inboxFailed, handledCommitErr(err, id, consumer)
 	}
 	committed = true
 	if held > 0 {
@@ -454,11 +455,10 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 			"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
 		return false, nil
 	}
-	mctx := rt.ctx
+	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
 		mctx = ctx // the delivery's own handler: its context, cancellation and all
 	}
-	h := rt.h
 	if in.cfg.Propagator != nil {
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
 	}

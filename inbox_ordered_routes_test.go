@@ -3,8 +3,10 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -194,4 +196,53 @@ func TestOrderedInbox_SkipHeld_PoisonSkippedHandedBackTheRestApplied(t *testing.
 			t.Errorf("%d held, want 0", n)
 		}
 	})
+}
+
+// The ordered inbox kept the first route it saw per (consumer, handler
+// name) for its whole life: after that router closed and another with the
+// same handler name took over in the process, a message held there was
+// applied by the closed router's handler function. The latest delivery's
+// route now takes it. (From an audit.)
+func TestOrderedInbox_RouterRebuilt_HeldMessageRunsInTheNewRoutersHandler(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Ordered: true})
+	var mu sync.Mutex
+	ranBy := map[string]string{}
+	keyed := func(seq int) *message.Message {
+		m := message.NewMessage(fmt.Sprintf("acct-1-%d-%s", seq, testdb.RandomName()), nil)
+		m.Metadata.Set(outbox.HeaderAggregateID, "acct-1")
+		m.Metadata.Set(outbox.HeaderSeq, fmt.Sprint(seq))
+		return m
+	}
+	run := func(name string) (*gochannel.GoChannel, *atomic.Int32, func()) {
+		ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		r := newRouter(t)
+		var acked atomic.Int32
+		r.AddMiddleware(countSucceeded(&acked), in.Middleware)
+		r.AddConsumerHandler("apply", "ledger", ch, func(msg *message.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			ranBy[msg.Metadata.Get(outbox.HeaderSeq)] = name
+			return nil
+		})
+		return ch, &acked, startRouter(t, r)
+	}
+	ch1, acked1, stop1 := run("router-1")
+	if err := ch1.Publish("ledger", keyed(1)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "seq 1", func() bool { return acked1.Load() >= 1 })
+	stop1()
+	ch2, acked2, _ := run("router-2")
+	for i, seq := range []int{3, 2} { // 3 is held, 2 runs and applies it
+		if err := ch2.Publish("ledger", keyed(seq)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, fmt.Sprint("seq ", seq), func() bool { return acked2.Load() >= int32(i+1) })
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := map[string]string{"1": "router-1", "2": "router-2", "3": "router-2"}; !reflect.DeepEqual(ranBy, want) {
+		t.Errorf("ran by %v, want %v", ranBy, want)
+	}
 }

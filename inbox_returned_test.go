@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"sync"
@@ -343,4 +344,56 @@ func (p *recordingPublisher) errors() []error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return append([]error(nil), p.errs...)
+}
+
+// A message published with a routing-key override reached its consumer
+// with the override in its metadata, and a handler that builds its output
+// with msg.Copy() (Watermill's idiom, which copies metadata) had it
+// written to the incoming message's routing key, not its publish topic:
+// here back into its own input queue, a loop. The publisher's steering
+// keys are the row's columns now, not headers. (From an audit.)
+func TestInbox_ReturnedCopyOfASteeredMessage_GoesToThePublishTopic(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b := testamqp.New(t)
+	input := b.Queue("order.placed")
+	shipped := b.Queue("order.shipped")
+	placed := message.NewMessage("placed-"+testdb.RandomName(), []byte("o-1"))
+	placed.Metadata.Set(outbox.MetadataRoutingKey, "order.placed")
+	placed.Metadata.Set(outbox.MetadataAggregateID, "order-1")
+	publishInTx(t, db, "orders", []*message.Message{placed}, outbox.TxPublisherConfig{Exchange: b.Exchange})
+	fwd := newForwarder(t, db, outbox.ForwarderConfig{})
+	if n := sweepAll(t, fwd); n != 1 {
+		t.Fatalf("relayed %d, want 1", n)
+	}
+
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ship", Outbox: outbox.TxPublisherConfig{Exchange: b.Exchange}})
+	router := newRouter(t)
+	var acked atomic.Int32
+	var received message.Metadata
+	router.AddMiddleware(countSucceeded(&acked), in.Middleware)
+	router.AddHandler("ship", input, amqpSubscriber(t), "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+		received = msg.Metadata
+		out := msg.Copy()
+		out.UUID = "shipped-" + msg.UUID
+		return []*message.Message{out}, nil
+	})
+	startRouter(t, router)
+	waitFor(t, 20*time.Second, "the delivery to be acked", func() bool { return acked.Load() >= 1 })
+	for _, k := range []string{outbox.MetadataRoutingKey, outbox.MetadataAggregateID, outbox.MetadataExchange} {
+		if v, ok := received[k]; ok {
+			t.Errorf("the consumer received the publisher's %s = %q", k, v)
+		}
+	}
+	var rk string
+	var key sql.NullString
+	if err := db.QueryRow(db.Rebind("SELECT routing_key, aggregate_id FROM acemq_outbox WHERE id = ?"), "shipped-"+placed.UUID).Scan(&rk, &key); err != nil {
+		t.Fatal(err)
+	}
+	if rk != "order.shipped" || key.Valid {
+		t.Errorf("the returned copy was written to routing key %q under key %v, want order.shipped and no key", rk, key)
+	}
+	if n := sweepAll(t, fwd); n != 1 {
+		t.Fatalf("relayed %d of the returned message, want 1", n)
+	}
+	waitFor(t, 10*time.Second, "the copy in order.shipped", func() bool { return b.Count(shipped) == 1 })
 }

@@ -23,8 +23,12 @@ import (
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
-// Metadata keys a message may carry to steer its own row. They stay in the
-// message's metadata (and so in its headers) like any other key.
+// Metadata keys a message may carry to steer its own row. The message
+// keeps them, but MetadataExchange, MetadataRoutingKey and
+// MetadataAggregateID are the row's columns, not its headers: a consumer
+// does not receive them, so a handler that returns a copy of its message
+// (msg.Copy()) does not steer the copy to the incoming message's
+// destination or key.
 const (
 	// MetadataExchange overrides the exchange the topic maps to.
 	MetadataExchange = "outbox_exchange"
@@ -671,13 +675,17 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		return invalid("content type", err.Error())
 	}
 	md := msg.Metadata
-	if p.cfg.Propagator != nil {
+	if p.cfg.Propagator != nil || steered(md) {
 		// Into a copy: the caller's message is not ours to change.
 		md = make(message.Metadata, len(msg.Metadata)+2)
 		for k, v := range msg.Metadata {
-			md[k] = v
+			if !steeringKeys[k] {
+				md[k] = v
+			}
 		}
-		p.cfg.Propagator.Inject(msg.Context(), metadataCarrier(md))
+		if p.cfg.Propagator != nil {
+			p.cfg.Propagator.Inject(msg.Context(), metadataCarrier(md))
+		}
 	}
 	headers, err := rowcodec.EncodeHeaders(md)
 	if err != nil {
@@ -691,6 +699,22 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		AggregateID: aggregateID,
 	}
 	return nil
+}
+
+// steeringKeys are the metadata keys held in the row's columns rather than
+// its headers. A consumer that received them would carry them onto the
+// copies it returns, which would then go to the incoming message's
+// routing key (back into the handler's own queue) instead of its publish
+// topic, and take the incoming message's ordering key.
+var steeringKeys = map[string]bool{MetadataExchange: true, MetadataRoutingKey: true, MetadataAggregateID: true}
+
+func steered(md message.Metadata) bool {
+	for k := range steeringKeys {
+		if _, ok := md[k]; ok {
+			return true
+		}
+	}
+	return false
 }
 
 func msgID(msg *message.Message) string {

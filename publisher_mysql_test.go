@@ -86,6 +86,9 @@ func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.
 				t.Fatalf("sql_mode %q: headers %s: %v", mode, r.Headers, err)
 			}
 			for k, v := range m.Metadata {
+				if k == outbox.MetadataRoutingKey || k == outbox.MetadataAggregateID {
+					continue // the row's columns, checked below
+				}
 				if got := headers[k]; got != v {
 					t.Errorf("sql_mode %q: %q header %q = %q, want %q", mode, m.UUID, k, got, v)
 				}
