@@ -109,3 +109,52 @@ func TestStore_Retry_LeavesRowsUnderALiveLeaseAlone(t *testing.T) {
 		}
 	})
 }
+
+// PurgePublished never deletes a pending row. On PostgreSQL a row published
+// long ago that another session made pending again (Republish's UPDATE, an
+// operator's) while the purge waited for its lock was deleted all the
+// same: the purge's DELETE … WHERE id IN (…) re-checked the row on its id
+// alone. (From an audit.)
+func TestStore_PurgePublished_RowMadePendingWhileItRuns_Kept(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		ctx := context.Background()
+		insertRaw(t, db, "old-1", "", "rk", "{}", "utf-8")
+		insertRaw(t, db, "old-2", "", "rk", "{}", "utf-8")
+		publishAllAt(t, db, time.Now().Add(-10*24*time.Hour))
+
+		tx, err := db.Beginx() // another session: Republish's statement, uncommitted
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = NULL, attempts = 0 WHERE id = ?"), "old-1"); err != nil {
+			t.Fatal(err)
+		}
+		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d, PurgeBatch: 10})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() {
+			_, err := store.PurgePublished(ctx, 24*time.Hour)
+			done <- err
+		}()
+		time.Sleep(700 * time.Millisecond) // the purge has its snapshot, and meets old-1's lock
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND published_at IS NULL"), "old-1"); err != nil {
+			t.Fatal(err)
+		}
+		if n != 1 {
+			t.Errorf("the row made pending again while the purge ran is gone")
+		}
+		if got := countRows(t, db); got != 1 {
+			t.Errorf("%d rows after the purge, want 1 (old-2 purged, old-1 kept)", got)
+		}
+	})
+}
