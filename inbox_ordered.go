@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"math"
 	"sort"
 	"strconv"
 	"sync"
@@ -111,8 +112,10 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 	}
 	text := msg.Metadata.Get(HeaderSeq)
 	seq, perr := strconv.ParseInt(text, 10, 64)
-	if perr != nil || seq < 1 {
-		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, seq %.40q; want a positive integer", ErrInvalidSeq, dedupeKey(msg), key, text)
+	// The largest int64 has no successor: applied, it would make every
+	// later last_seq + 1 of its key overflow.
+	if perr != nil || seq < 1 || seq == math.MaxInt64 {
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, seq %.40q; want a positive integer below 2^63-1", ErrInvalidSeq, dedupeKey(msg), key, text)
 	}
 	return key, seq, true, nil
 }
@@ -216,7 +219,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
-			return inboxFailed, fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
+			return inboxFailed, handledCommitErr(err, id, consumer)
 		}
 		committed = true
 		return inboxProcessed, nil
@@ -231,10 +234,17 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		// Committed, not rolled back: the in-order statements move the key
 		// past a message that is its next but whose id was processed
 		// already (before the consumer was ordered, or under another seq).
+		ready, err := in.nextHeld(ctx, tx, consumer, key, last, heldBefore)
+		if err != nil {
+			return inboxFailed, err
+		}
 		if err := tx.Commit(); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: commit duplicate %s for %s: %w", id, consumer, err)
 		}
 		committed = true
+		// The redelivery of a message whose commit came before a crash, and
+		// so before the apply of what was held behind it, applies that.
+		in.drainReady(msg, ready, consumer, key, fields)
 		in.log.Debug("Message of a sequence number applied already acked without running the handler", fields)
 		return inboxDuplicate, nil
 	case seq > last+1:
@@ -242,27 +252,15 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		if err != nil {
 			return inboxFailed, err
 		}
-		// The key's next may be held already: its handler failed when its
-		// turn came (or had not run here yet). This delivery of the key
-		// retries it, as the next one of any number would. Only a key that
-		// held something before this message can hold its next.
-		var ready int64
-		if heldBefore > 0 {
-			count := in.ordered.q.HeldUpTo(consumer, key, last+1)
-			if err := in.queryRow(ctx, tx, count).Scan(&ready); err != nil {
-				return inboxFailed, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
-			}
+		ready, err := in.nextHeld(ctx, tx, consumer, key, last, heldBefore)
+		if err != nil {
+			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
 			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", id, consumer, err)
 		}
 		committed = true
-		if ready > 0 {
-			handler := message.HandlerNameFromCtx(msg.Context())
-			if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
-				in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
-			}
-		}
+		in.drainReady(msg, ready, consumer, key, fields)
 		if !fresh {
 			in.log.Debug("Message held already acked again", fields)
 			return inboxDuplicate, nil
@@ -300,6 +298,37 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		}
 	}
 	return outcome, nil
+}
+
+// nextHeld reports whether the key's next message (last+1) is held
+// already: its handler failed when its turn came, had not run here yet, or
+// the process stopped between its predecessor's commit and its apply. Any
+// delivery of the key then retries it (drainReady), whatever its own
+// number. Only a key that held something before this delivery can hold
+// its next.
+func (in *Inbox) nextHeld(ctx context.Context, tx *sqlx.Tx, consumer, key string, last, heldBefore int64) (bool, error) {
+	if heldBefore == 0 {
+		return false, nil
+	}
+	var ready int64
+	count := in.ordered.q.HeldUpTo(consumer, key, last+1)
+	if err := in.queryRow(ctx, tx, count).Scan(&ready); err != nil {
+		return false, fmt.Errorf("outbox: inbox: held messages of %q for %s: %w", key, consumer, err)
+	}
+	return ready > 0, nil
+}
+
+// drainReady applies, after the delivery's commit, what nextHeld found
+// ready. A failure is logged, not returned: the delivery is committed, and
+// a nack would only redeliver a duplicate.
+func (in *Inbox) drainReady(msg *message.Message, ready bool, consumer, key string, fields watermill.LogFields) {
+	if !ready {
+		return
+	}
+	handler := message.HandlerNameFromCtx(msg.Context())
+	if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
+		in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
+	}
 }
 
 // applyInOrder runs the in-order statements of m in tx, and reports whether
@@ -721,7 +750,11 @@ func (in *Inbox) RefreshStats(ctx context.Context) error {
 		oldest = max(oldest, age)
 		if age >= in.cfg.GapAfter {
 			overdue++
-			in.log.Error("Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)", fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
+			why := "Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)"
+			if g.Missing() <= 0 {
+				why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
+			}
+			in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
 				"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
 				"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
 			})

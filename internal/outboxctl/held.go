@@ -91,7 +91,7 @@ func (c *cli) held(args []string) error {
 		if k.Missing == 1 {
 			waiting = fmt.Sprint(k.LastApplied + 1)
 		} else if k.Missing <= 0 {
-			waiting = "nothing (next is held: its handler failed or has not run since the service started; the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
+			waiting = "nothing (next is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?); the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
@@ -233,9 +233,12 @@ func (c *cli) skipHeld(args []string) error {
 	if *asJSON {
 		return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
 	}
-	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key (--json prints the message)\n",
+	// The message itself too: the broker was told it was handled when it
+	// was held, and its row is gone now, so this is its only copy.
+	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
+		"The message, its only copy now (payload in base64), to resend it by hand:\n",
 		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq)
-	return nil
+	return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
 }
 
 // keyText is a key as the table shows it: as it is when that says which

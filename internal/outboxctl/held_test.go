@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"reflect"
 	"regexp"
@@ -251,6 +252,18 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 		}
 		if out := mustCtl(t, "held", "--db", db.DSN); !regexp.MustCompile(`(?m)^billing\s+"order-7 "\s+2\s+1\s+3\s`).MatchString(out) {
 			t.Errorf("held after skip-held does not show the key waiting for 3:\n%s", out)
+		}
+
+		// Without --json the message is printed too: its row was its only
+		// copy (the broker was told it was handled when it was held).
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "order-7 ", 3, "m3", "event three", "utf-8", `{"aggregateId":"order-7 ","seq":"3","tenant":"t-1"}`, ts(kind, time.Now()))
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET held = 2 WHERE consumer_name = ? AND aggregate_id = ?", "billing", "order-7 ")
+		out := mustCtl(t, skip("3")...)
+		for _, want := range []string{"skipped held message m3", `"message_id": "m3"`, base64.StdEncoding.EncodeToString([]byte("event three")), `"tenant": "t-1"`} {
+			if !strings.Contains(out, want) {
+				t.Errorf("skip-held without --json does not print %s:\n%s", want, out)
+			}
 		}
 	})
 }
