@@ -53,6 +53,12 @@ func (mysql) TextKeys() bool { return false }
 // is on, which a session cannot see cheaply: both count. Matched on
 // go-sql-driver's text ("Error 1213 (40001): …"), as the library imports
 // no driver.
+// Conflict: a deadlock (1213). A lock wait timeout (1205) has waited for
+// innodb_lock_wait_timeout already.
+func (mysql) Conflict(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "Error 1213")
+}
+
 func (mysql) EndsTransaction(err error) bool {
 	if err == nil {
 		return false

@@ -117,6 +117,18 @@ func (postgres) TextKeys() bool { return true }
 
 func (postgres) EndsTransaction(err error) bool { return err != nil }
 
+// Conflict: SQLSTATE 40001 (serialization_failure: under REPEATABLE READ
+// or SERIALIZABLE, a row changed since the transaction's snapshot) and
+// 40P01 (deadlock_detected), read through SQLState(), which both pgx's and
+// lib/pq's errors have.
+func (postgres) Conflict(err error) bool {
+	var e interface{ SQLState() string }
+	if !errors.As(err, &e) {
+		return false
+	}
+	return e.SQLState() == "40001" || e.SQLState() == "40P01"
+}
+
 // PreparesRelay: pgx caches the statements it prepares on each connection
 // already, and a DSN set up for a pooler that cannot keep them (pgbouncer in
 // transaction mode) must have its way.

@@ -73,6 +73,11 @@ type Dialect interface {
 	// PostgreSQL error aborts the transaction, and every later statement
 	// fails.
 	EndsTransaction(err error) bool
+	// Conflict reports whether err is the database's refusal of a
+	// transaction that ran at the same time as another one on the same
+	// rows (a serialization failure, a deadlock), rolled back whole: run
+	// again, it may well succeed.
+	Conflict(err error) bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

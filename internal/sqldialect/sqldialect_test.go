@@ -1,6 +1,8 @@
 package sqldialect
 
 import (
+	"errors"
+	"fmt"
 	"regexp"
 	"strconv"
 	"strings"
@@ -187,6 +189,34 @@ func TestTime_WrittenAndReadAsUTC_WhateverTheZone(t *testing.T) {
 		ts := NewTime(c.d)
 		if err := ts.Scan(c.v); err != nil || ts.Err != nil || !ts.T.Equal(c.want) || ts.T.Location() != time.UTC {
 			t.Errorf("%s: Scan(%v) = %v (%v, %v), want %v", c.d.Name(), c.v, ts.T, err, ts.Err, c.want)
+		}
+	}
+}
+
+type sqlStateErr string
+
+func (e sqlStateErr) Error() string    { return "ERROR: something (SQLSTATE " + string(e) + ")" }
+func (e sqlStateErr) SQLState() string { return string(e) }
+
+func TestConflict_SerializationFailuresAndDeadlocksOnly(t *testing.T) {
+	cases := []struct {
+		d    Dialect
+		err  error
+		want bool
+	}{
+		{Postgres, fmt.Errorf("apply: %w", sqlStateErr("40001")), true},
+		{Postgres, sqlStateErr("40P01"), true},
+		{Postgres, sqlStateErr("23505"), false},
+		{Postgres, errors.New("ERROR: could not serialize access (SQLSTATE 40001)"), false}, // no SQLState(): not guessed from text
+		{MySQL, errors.New("Error 1213 (40001): Deadlock found when trying to get lock; try restarting transaction"), true},
+		{MySQL, errors.New("Error 1205 (HY000): Lock wait timeout exceeded"), false},
+		{SQLite, errors.New("database is locked"), false},
+		{Postgres, nil, false},
+		{MySQL, nil, false},
+	}
+	for _, c := range cases {
+		if got := c.d.Conflict(c.err); got != c.want {
+			t.Errorf("%s Conflict(%v) = %v, want %v", c.d.Name(), c.err, got, c.want)
 		}
 	}
 }
