@@ -24,16 +24,18 @@ import (
 // arrays, tables and void; a message from one of them has no
 // _watermill_message_uuid either. AMQPMarshaler takes every header into the
 // metadata, a string as it is and any other value as its JSON text (see
-// Unmarshal), and the message UUID from the first of
-// _watermill_message_uuid, x-acemq-id and the message_id property that is a
-// non-empty string. It marshals as the embedded DefaultMarshaler does.
+// Unmarshal), and the message UUID from the first of x-acemq-id,
+// _watermill_message_uuid and the message_id property that is a non-empty
+// string (x-acemq-id first: a service that copies the headers it received
+// onto what it sends carries a stale Watermill UUID). It marshals as the embedded DefaultMarshaler does.
 type AMQPMarshaler struct {
 	wamqp.DefaultMarshaler
 }
 
-// Unmarshal never fails over a header. The message UUID is the
-// _watermill_message_uuid header (DefaultMarshaler.MessageUUIDHeaderKey if
-// set), else the x-acemq-id header, else the AMQP message_id property; the
+// Unmarshal never fails over a header. The message UUID is the x-acemq-id
+// header, else the _watermill_message_uuid header
+// (DefaultMarshaler.MessageUUIDHeaderKey if set), else the AMQP message_id
+// property; the
 // UUID header is not copied into the metadata, x-acemq-id is. Each header
 // is in the metadata: a string as it is, any other value as JSON text:
 //

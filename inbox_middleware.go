@@ -390,6 +390,9 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 			break
 		}
 	}
+	if err == nil && outcome == inboxDuplicate {
+		in.markDuplicateProcessed(msg)
+	}
 	if consumer != "" {
 		in.cfg.Metrics.inbox(consumer, outcome)
 	}
@@ -552,13 +555,41 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 // markProcessed, with MarkOutboxProcessed, marks the outbox record of a key
 // just recorded processed, in tx.
 func (in *Inbox) markProcessed(ctx context.Context, tx *sqlx.Tx, key string, now time.Time) error {
+	return in.markProcessedOn(ctx, tx, key, now)
+}
+
+// markProcessedOn is markProcessed on tx or, for a duplicate, the pool.
+func (in *Inbox) markProcessedOn(ctx context.Context, on sqlx.ExecerContext, key string, now time.Time) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
-	if _, err := in.exec(ctx, tx, in.outbox.MarkProcessed(key, now)); err != nil {
+	q := sqldialect.Inline(in.dialect.sql(), in.outbox.MarkProcessed(key, now))
+	if _, err := on.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 	}
 	return nil
+}
+
+// markDuplicateProcessed, with MarkOutboxProcessed, marks the outbox record
+// of a duplicate processed, if it is not: the delivery that processed it
+// may have come before MarkOutboxProcessed was on (a service that turned it
+// on with Republish, as the quick start's third step does), and every
+// Republish would then make the record pending again and send it again,
+// at every boot, to every consumer of its routing key. One statement, on
+// its own; a failure is logged, and the next duplicate tries again.
+func (in *Inbox) markDuplicateProcessed(msg *message.Message) {
+	if !in.cfg.MarkOutboxProcessed {
+		return
+	}
+	key := dedupeKey(msg)
+	if key == "" {
+		return
+	}
+	ctx := msg.Context()
+	err := in.markProcessedOn(ctx, in.db, key, time.Now())
+	if err != nil {
+		in.log.Error("Duplicate acked, but its outbox record could not be marked processed; Republish may send it again", err, watermill.LogFields{"message_uuid": key})
+	}
 }
 
 // processAtMostOnce commits the key before it runs the handler, with no

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/jmoiron/sqlx"
+
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
@@ -28,7 +30,30 @@ import (
 // is the table the unqualified name acemq_outbox resolves to on db's
 // search_path: with search_path=svc,public and the estate's table in
 // public, Migrate works in public, and creates nothing in svc.
-func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
+//
+// db is a *sql.DB or a *sqlx.DB; with a *sqlx.DB, d may be nil (its driver
+// names the dialect), as for the other constructors.
+func Migrate(ctx context.Context, db any, d Dialect) error {
+	var sdb *sql.DB
+	switch h := db.(type) {
+	case *sql.DB:
+		sdb = h
+	case *sqlx.DB:
+		if h != nil {
+			sdb = h.DB
+			if d == nil {
+				var err error
+				if d, err = dialectForDriver(h.DriverName()); err != nil {
+					return err
+				}
+			}
+		}
+	default:
+		return &ConfigError{Field: "db", Reason: fmt.Sprintf("%T; want a *sql.DB or *sqlx.DB", db)}
+	}
+	if sdb == nil {
+		return &ConfigError{Field: "db", Reason: "nil"}
+	}
 	if d == nil {
 		return &ConfigError{Field: "dialect", Reason: "nil; pass outbox.Postgres, outbox.MySQL or outbox.SQLite"}
 	}
@@ -36,7 +61,7 @@ func Migrate(ctx context.Context, db *sql.DB, d Dialect) error {
 	if err != nil {
 		return err
 	}
-	conn, err := db.Conn(ctx)
+	conn, err := sdb.Conn(ctx)
 	if err != nil {
 		return fmt.Errorf("outbox: migrate: %w", err)
 	}

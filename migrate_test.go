@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"net/url"
@@ -822,5 +823,21 @@ func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testin
 	err = outbox.Migrate(context.Background(), x.DB, outbox.Postgres)
 	if err == nil || !strings.Contains(err.Error(), "in schema "+base.Name) || !strings.Contains(err.Error(), "permission denied") {
 		t.Fatalf("migrate as %s with 0003 to run: %v, want a permission error naming schema %s", role, err, base.Name)
+	}
+}
+
+// Migrate takes the *sqlx.DB of the quick start, as the other constructors
+// do, its dialect from its driver: the README's outbox.Migrate(ctx, db, …)
+// did not compile with it. (From an audit of the README.)
+func TestMigrate_TakesAnSqlxDB_DialectFromItsDriver(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		if err := outbox.Migrate(context.Background(), db.DB, nil); err != nil {
+			t.Fatal(err)
+		}
+		assertMigratedOnce(t, db)
+	})
+	var cfgErr *outbox.ConfigError
+	if err := outbox.Migrate(context.Background(), "postgres://", outbox.Postgres); !errors.As(err, &cfgErr) {
+		t.Errorf("a string for db: %v, want a ConfigError", err)
 	}
 }

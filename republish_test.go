@@ -238,3 +238,48 @@ func TestNewRepublisher_NoTopics_ConfigError(t *testing.T) {
 		t.Fatal("a republisher tracking nothing was accepted")
 	}
 }
+
+// A record whose consumer processed it before MarkOutboxProcessed was on
+// (the quick start's second step, then its third) stayed unprocessed: its
+// redelivery is a duplicate, and the duplicate path did not mark it. So
+// every boot's Republish made it pending again and sent it again, to every
+// consumer of its routing key. A duplicate now marks its record. (From an
+// audit of the README.)
+func TestRepublish_RecordProcessedBeforeMarkingWasOn_SentAgainOnceOnly(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		topic := "order.placed"
+		id := publishN(t, db, "", topic, 1)[0]
+		ageRecords(t, db, time.Hour, id)
+		var ran atomic.Int32
+		deliver := func(in *outbox.Inbox) {
+			msg := message.NewMessage(id, []byte("x"))
+			if _, err := in.Middleware(writeEffect(t, db, &ran))(msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		deliver(newInbox(t, db, outbox.InboxConfig{})) // processed, not marked
+
+		in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics(topic), Grace: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent := 0
+		for boot := 1; boot <= 3; boot++ {
+			n, err := rp.Republish(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			sent += int(n)
+			ageRecords(t, db, time.Hour, id) // the relay sent it an hour ago
+			deliver(in)                      // a duplicate
+		}
+		if sent != 1 || ran.Load() != 1 {
+			t.Errorf("Republish sent the record %d times over 3 boots, the handler ran %d times; want 1 and 1", sent, ran.Load())
+		}
+		if !outboxStateOf(t, db, id).Processed {
+			t.Errorf("record %s still not processed after its duplicates", id)
+		}
+	})
+}
