@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -37,26 +38,65 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 // a Forwarder already under Run. Two Forwarders of one table, under two
 // routers of one process or of two, are safe: claims are exclusive, so
 // each row is published once by one of them (and a router refuses the
-// second relay of a table it already runs one of).
+// second relay of a table it already runs one of from the same pool). A
+// table of the same name in another pool (a second database) is relayed
+// under "outbox-relay <table> #2", and so on.
 //
 // The relay stops only when the router closes, its context ends, or the
 // Forwarder is closed by hand; in the last case its handler ends, and a
 // router left with no handler running closes, as Watermill's routers do.
 func (f *Forwarder) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
-		table := f.store.cfg.Table
-		name := "outbox-relay " + table
-		if _, ok := r.Handlers()[name]; ok {
-			return fmt.Errorf("%w: the router has a relay of %s already (%q)", ErrForwarderInUse, table, name)
+		name, err := relayHandlerName(r, f)
+		if err != nil {
+			return err
 		}
 		if err := f.route(); err != nil {
 			return err
 		}
 		sub := &relaySubscriber{f: f, stopped: make(chan struct{})}
-		r.AddConsumerHandler(name, table, sub, func(*message.Message) error {
+		r.AddConsumerHandler(name, f.store.cfg.Table, sub, func(*message.Message) error {
 			return errors.New("outbox: the relay's handler received a message; its subscriber delivers none")
 		})
 		return nil
+	}
+}
+
+// routerRelays is the pool each relay handler of a router relays from, by
+// handler name: two databases may each have an acemq_outbox, and a
+// service with both runs a relay of each under one router.
+var routerRelays struct {
+	sync.Mutex
+	m map[*message.Router]map[string]*sql.DB
+}
+
+// relayHandlerName names f's handler on r: "outbox-relay <table>", or with
+// " #2", " #3"… for a table of that name in another pool. A second relay of
+// the same table from the same pool is refused (it would only share the
+// claims), and so is a name the router has for a handler of its own.
+func relayHandlerName(r *message.Router, f *Forwarder) (string, error) {
+	routerRelays.Lock()
+	defer routerRelays.Unlock()
+	if routerRelays.m == nil {
+		routerRelays.m = map[*message.Router]map[string]*sql.DB{}
+	}
+	relays := routerRelays.m[r]
+	if relays == nil {
+		relays = map[string]*sql.DB{}
+		routerRelays.m[r] = relays
+	}
+	table, handlers := f.store.cfg.Table, r.Handlers()
+	name := "outbox-relay " + table
+	for i := 2; ; i++ {
+		db, ours := relays[name]
+		if _, taken := handlers[name]; !taken && !ours {
+			relays[name] = f.store.db
+			return name, nil
+		}
+		if !ours || db == f.store.db {
+			return "", fmt.Errorf("%w: the router has a relay of %s already (%q)", ErrForwarderInUse, table, name)
+		}
+		name = fmt.Sprintf("outbox-relay %s #%d", table, i)
 	}
 }
 

@@ -404,3 +404,42 @@ func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(
 		})
 	}
 }
+
+// Two databases, each with its acemq_outbox, and a relay of each under one
+// router: the second was refused as a second relay of the table, and the
+// router did not run. It is named "outbox-relay acemq_outbox #2" now, and
+// both relay. (From an audit.)
+func TestForwarderPlugin_TwoDatabasesOneTableName_BothRelayUnderOneRouter(t *testing.T) {
+	db1, db2 := migrated(t, testdb.SQLite), migrated(t, testdb.Postgres)
+	id1, id2 := publishN(t, db1, "", "t", 1)[0], publishN(t, db2, "", "t", 1)[0]
+	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	var plugins []message.RouterPlugin
+	for _, db := range []*testdb.DB{db1, db2} {
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(ch, nil), outbox.ForwarderConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		plugins = append(plugins, f.Plugin())
+	}
+	r := newRouterWithConsumer(t)
+	r.AddPlugin(plugins...)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	select {
+	case <-r.Running():
+	case err := <-done:
+		t.Fatalf("router Run: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("router did not start")
+	}
+	defer func() { _ = r.Close(); <-done }()
+	for _, name := range []string{"outbox-relay acemq_outbox", "outbox-relay acemq_outbox #2"} {
+		if _, ok := r.Handlers()[name]; !ok {
+			t.Errorf("no handler %q", name)
+		}
+	}
+	waitFor(t, 20*time.Second, "both rows published", func() bool {
+		return stateOf(t, db1, id1).Published && stateOf(t, db2, id2).Published
+	})
+}
