@@ -189,6 +189,7 @@ type confirmChannel struct {
 	closes   chan *amqp.Error
 	reason   string // the close's, once read from closes
 	refusal  string // the broker's words in it, unquoted
+	byBroker bool   // the broker closed it (channel.close), as read from closes
 	dropped  bool   // closed by the destination, over a failure or a new connection
 
 	// blamed, once the broker closed the channel, the confirms of the
@@ -298,18 +299,26 @@ func (d *AMQPDestination) ensure(ctx context.Context) error {
 
 // dialLocked connects to the first node that answers, from d.next on and
 // round the list, so that the node of a lost connection is tried last. It
-// gives up once every node failed or ctx ended. The log of the connect
-// names the node, the one before it if another, and the nodes that did not
-// answer first.
+// gives up once every node failed or ctx ended. Each node has an equal
+// share of the time ctx leaves, so that a node that takes connections and
+// never answers (a wedged or stopped broker) cannot spend it all, and a
+// round cut short starts the next one after the last node it tried: a hung
+// node first in line kept every round from the healthy nodes after it. The
+// log of the connect names the node, the one before it if another, and the
+// nodes that did not answer first.
 func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 	var failed nodeErrors
+	start := d.next
 	for i := range d.nodes {
-		k := (d.next + i) % len(d.nodes)
+		k := (start + i) % len(d.nodes)
 		node := d.nodes[k]
-		conn, w, err := d.dialNode(ctx, node)
+		nodeCtx, cancel := shareOf(ctx, len(d.nodes)-i)
+		conn, w, err := d.dialNode(nodeCtx, node)
+		cancel()
 		if err != nil {
 			d.cfg.Metrics.brokerConnectFailed(node.addr)
 			failed = append(failed, fmt.Errorf("%s: %w", node.addr, err))
+			d.next = (k + 1) % len(d.nodes)
 			if ctx.Err() != nil {
 				break
 			}
@@ -339,6 +348,16 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		return nil
 	}
 	return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", failed))
+}
+
+// shareOf is ctx with 1/n of the time it has left, or ctx itself when it
+// has no deadline or n is 1.
+func shareOf(ctx context.Context, n int) (context.Context, context.CancelFunc) {
+	deadline, ok := ctx.Deadline()
+	if !ok || n <= 1 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, time.Until(deadline)/time.Duration(n))
 }
 
 // dialNode opens a connection to node, within ctx.
@@ -443,10 +462,14 @@ func (d *AMQPDestination) rpc(ctx context.Context, fn func() error) error {
 // opens fresh ones. The channel goes with the connection, and the close
 // waits closeTimeout at most for the broker's answer: a broker that stops
 // reading (a memory alarm) never gives one.
-func (d *AMQPDestination) dropLocked() {
+func (d *AMQPDestination) dropLocked() { d.dropWithin(closeTimeout) }
+
+// dropWithin is dropLocked waiting at most wait for the broker's answer to
+// the close.
+func (d *AMQPDestination) dropWithin(wait time.Duration) {
 	d.forgetChannelLocked()
 	if d.conn != nil {
-		_ = d.conn.CloseDeadline(time.Now().Add(closeTimeout))
+		_ = d.conn.CloseDeadline(time.Now().Add(wait))
 		d.conn, d.wire = nil, nil
 	}
 	d.exchanges = nil
@@ -717,6 +740,16 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 			break
 		}
 		dc, err := p.on.ch.PublishWithDeferredConfirmWithContext(ctx, recs[i].Exchange, recs[i].RoutingKey, true, false, msg)
+		if err != nil && p.on.ch.IsClosed() && !d.conn.IsClosed() && p.on.closedByBroker() {
+			// The broker closed the channel over a message this window or
+			// one before it published (a channel error; the wire flushes a
+			// large window while it is written): this record and those
+			// after it are not sent, and wait blames the one at fault
+			// among those out on the channel, as for a close seen after
+			// the send. The connection stays. (Taken for a lost
+			// connection, it charged an innocent record.)
+			break
+		}
 		if err != nil {
 			// The message was valid, so the channel or the connection is
 			// gone (its closing may not be visible on the channel yet), or
@@ -805,16 +838,17 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		return res // not connected: nothing went out
 	}
 	defer func() { d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p }) }()
-	timedOut := false
+	timedOut, nacked := false, false
 	for i, dc := range p.confirms {
 		acked, err := p.on.waitConfirm(ctx, dc)
 		switch {
 		case acked:
 			delete(d.suspects, p.recs[i].ID)
 		case err != nil:
-			// The broker is up but does not confirm (a memory or disk alarm)
-			// or the network went quiet: nothing this record did.
-			res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
+			// The broker is up but does not confirm (a memory or disk alarm,
+			// a quorum queue without its majority) or the network went
+			// quiet: nothing this record did.
+			res[i] = connectionLost(fmt.Errorf("%w: no confirm from the broker: %w", ErrBrokerUnavailable, err))
 			timedOut = true
 		case p.on.dropped || p.on.conn.IsClosed():
 			// The connection went, or the channel was closed over another
@@ -831,7 +865,9 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// and it is sent again (the consumers' inbox absorbs a copy).
 			res[i] = fmt.Errorf("%w: the broker closed the channel over another message before it confirmed this one: %s", ErrNotSent, p.on.closeReason())
 		default:
-			res[i] = errors.New("nacked by the broker")
+			// The broker's state, not the record: see ErrBrokerUnavailable.
+			res[i] = fmt.Errorf("%w: nacked by the broker", ErrBrokerUnavailable)
+			nacked = true
 		}
 	}
 
@@ -847,9 +883,16 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		}
 	}
 	markBlocked(res, p.on.blocked)
-	if timedOut && p.on == d.cc {
+	switch {
+	case timedOut && p.on == d.cc:
 		// Late confirms of a timed-out window must not be read as confirms
-		// of the next: a fresh connection starts afresh.
+		// of the next: a fresh connection starts afresh. Without waiting for
+		// the broker's answer to the close: it answers nothing.
+		d.dropWithin(0)
+	case nacked && p.on == d.cc:
+		// After its quorum queue's leader was lost, a channel on another
+		// node went on nacking every publish while a fresh one was acked:
+		// the next window goes out on a fresh connection.
 		d.dropLocked()
 	}
 	return res
@@ -1029,12 +1072,20 @@ func sameExchange(recExchange string, named exchange) bool {
 
 // closeReason says why the channel closed, as the broker or the client
 // told it.
+// closedByBroker reports whether the broker closed the channel
+// (channel.close: a channel error), as against the client or a lost
+// connection.
+func (c *confirmChannel) closedByBroker() bool {
+	c.closeReason()
+	return c.byBroker
+}
+
 func (c *confirmChannel) closeReason() string {
 	if c.reason == "" {
 		select {
 		case e, ok := <-c.closes:
 			if ok && e != nil {
-				c.reason, c.refusal = e.Error(), e.Reason
+				c.reason, c.refusal, c.byBroker = e.Error(), e.Reason, e.Server
 			}
 		default:
 		}

@@ -347,10 +347,14 @@ func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) 
 }
 
 // A record the broker nacks (here its queue is full and rejects publishes,
-// x-overflow reject-publish) is not marked published: it fails with an
-// attempt counted and "nacked" in last_error, and goes out once the queue
-// has room. No other test had the broker nack a publish: a nack read as a
-// confirm passed the whole suite, marking a message the broker dropped.
+// x-overflow reject-publish) is not marked published: it fails with
+// "nacked" in last_error, and goes out once the queue has room. No other
+// test had the broker nack a publish: a nack read as a confirm passed the
+// whole suite, marking a message the broker dropped. A nack is the broker's
+// state, not the record's: it counts no attempt (a full queue made its rows
+// stuck one after another), and the next publish goes on a fresh
+// connection (after a quorum queue's leader was lost, a channel on a
+// surviving node nacked every publish while a fresh one was acked).
 func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -370,12 +374,19 @@ func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 		waitFor(t, 5*time.Second, "the filler in the queue", func() bool { return b.Count(full) == 1 })
 
 		insertRaw(t, db, "nacked", b.Exchange, "full", "{}", "utf-8")
-		f := newForwarder(t, db, outbox.ForwarderConfig{OnError: func(error, outbox.ErrorContext) {}})
-		if n, _ := f.Sweep(context.Background()); n != 0 {
-			t.Fatalf("sweep published %d, want 0: the broker nacked the record", n)
+		proxy := testamqp.NewProxy(t)
+		f := newForwarder(t, db, outbox.ForwarderConfig{MaxAttempts: 2, OnError: func(error, outbox.ErrorContext) {}},
+			outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+		for range 3 { // past MaxAttempts
+			if n, _ := f.Sweep(context.Background()); n != 0 {
+				t.Fatalf("sweep published %d, want 0: the broker nacked the record", n)
+			}
 		}
-		if s := stateOf(t, db, "nacked"); s.Published || s.Attempts != 1 || !strings.Contains(s.LastError, "nacked") {
-			t.Fatalf("nacked record %+v, want unpublished, one attempt, last_error naming the nack", s)
+		if s := stateOf(t, db, "nacked"); s.Published || s.Attempts != 0 || !strings.Contains(s.LastError, "nacked") {
+			t.Fatalf("nacked record %+v, want unpublished, no attempt, last_error naming the nack", s)
+		}
+		if n := proxy.Dialed(); n < 3 {
+			t.Errorf("%d connections for three nacked sweeps, want a fresh one after each nack", n)
 		}
 
 		b.With(func(ch *amqp.Channel) error { _, err := ch.QueuePurge(full, false); return err })

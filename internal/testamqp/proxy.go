@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/url"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -25,7 +26,11 @@ type Proxy struct {
 	stalled chan struct{} // nil while the proxy passes everything on
 	alarm   *alarm        // nil while no alarm is raised
 	conns   []net.Conn
+	dialed  int
 	closed  bool
+
+	loseConfirms atomic.Bool // drop the broker's basic.ack frames
+	blackhole    atomic.Bool // drop every frame, both ways
 }
 
 // alarm is a memory alarm the proxy plays (see Alarm).
@@ -62,6 +67,7 @@ func (p *Proxy) Dial(network, _ string) (net.Conn, error) {
 		return nil, net.ErrClosed
 	}
 	p.conns = append(p.conns, proxySide, upstream)
+	p.dialed++
 	p.mu.Unlock()
 	toClient := &frameWriter{w: proxySide}
 	go p.fromClient(proxySide, upstream, toClient)
@@ -69,7 +75,13 @@ func (p *Proxy) Dial(network, _ string) (net.Conn, error) {
 		defer proxySide.Close()
 		for {
 			frame, err := readFrame(upstream)
-			if err != nil || toClient.write(frame) != nil {
+			if err != nil {
+				return
+			}
+			if p.blackhole.Load() || p.loseConfirms.Load() && isAck(frame) {
+				continue
+			}
+			if toClient.write(frame) != nil {
 				return
 			}
 		}
@@ -113,6 +125,10 @@ func connectionFrame(method uint16, args []byte) []byte {
 }
 
 // isPublish reports whether frame is basic.publish.
+func isAck(frame []byte) bool {
+	return frame[0] == 1 && len(frame) >= 11 && binary.BigEndian.Uint16(frame[7:9]) == 60 && binary.BigEndian.Uint16(frame[9:11]) == 80
+}
+
 func isPublish(frame []byte) bool {
 	return frame[0] == 1 && len(frame) >= 12 && binary.BigEndian.Uint16(frame[7:9]) == 60 && binary.BigEndian.Uint16(frame[9:11]) == 40
 }
@@ -152,10 +168,30 @@ func (p *Proxy) fromClient(client, upstream net.Conn, toClient *frameWriter) {
 				return
 			}
 		}
+		if p.blackhole.Load() {
+			continue
+		}
 		if _, err := upstream.Write(frame); err != nil {
 			return
 		}
 	}
+}
+
+// LoseConfirms drops (on) or passes (off) the broker's basic.ack frames:
+// the broker has the messages, and its confirms never reach the client (a
+// quorum queue without its majority, a one-way partition).
+func (p *Proxy) LoseConfirms(on bool) { p.loseConfirms.Store(on) }
+
+// Blackhole drops (on) or passes (off) every frame both ways on the
+// connections open and to come: a partition the kernel does not see,
+// where connections stay open and nothing answers.
+func (p *Proxy) Blackhole(on bool) { p.blackhole.Store(on) }
+
+// Dialed is how many connections were made through the proxy.
+func (p *Proxy) Dialed() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dialed
 }
 
 // waitWhileStalled returns once the proxy is not stalled.
