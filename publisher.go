@@ -153,13 +153,16 @@ func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner
 // if the caller commits, and the Forwarder is what sends it to the broker.
 //
 // A TxPublisher lives as long as its transaction. It is safe for concurrent
-// use, as far as the transaction itself is.
+// use: its calls run one at a time, since a call of several statements
+// (a savepoint and its rollback, a read back, a key's numbers given back)
+// must not interleave with another's on the one connection. Two
+// publishers on one transaction must not be used at once.
 type TxPublisher struct {
 	tx  txConn
 	cfg TxPublisherConfig
 	q   *sqldialect.Outbox
 
-	mu     sync.RWMutex // Close waits for the Publish calls in flight
+	mu     sync.Mutex // one call at a time; Close waits for the one in flight
 	closed bool
 }
 
@@ -245,8 +248,8 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 // handler's returned messages with the handler's context, which outlives a
 // context the handler may have given a message and cancelled on return.
 func (p *TxPublisher) publish(ctx context.Context, topic string, msgs []*message.Message) error {
-	p.mu.RLock()
-	defer p.mu.RUnlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	if p.closed {
 		return ErrPublisherClosed
 	}
@@ -303,7 +306,11 @@ func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
 // rows with where rows were going. A different destination is an error, and
 // the rows this statement inserted are taken out again, so that nothing of
 // the call stays.
+//
+// It runs after a write, so whatever ctx says: a call cancelled here would
+// otherwise leave its rows behind its error.
 func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row) error {
+	ctx = context.WithoutCancel(ctx)
 	ours, conflict, err := p.readBack(ctx, rows)
 	if err != nil || conflict == nil {
 		return err
@@ -350,7 +357,16 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				_ = found.Close()
 				return nil, nil, err
 			}
-			r := want[id]
+			r, ok := want[id]
+			if !ok {
+				// The id column takes the database's id for one of ours
+				// without their bytes being equal: a collation that ignores
+				// case, or trailing spaces (MySQL's PAD SPACE).
+				if conflict == nil {
+					conflict = fmt.Errorf("outbox: the outbox's id column takes a message's id for the row %q already there (a collation that ignores case or trailing spaces); give the message an id of its own", id)
+				}
+				continue
+			}
 			seen[id] = true
 			switch {
 			case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
@@ -414,7 +430,7 @@ func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) e
 		_, rbErr := p.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
 		return errors.Join(err, rbErr)
 	}
-	_, err := p.exec(ctx, p.q.ReleaseSavepoint())
+	_, err := p.exec(context.WithoutCancel(ctx), p.q.ReleaseSavepoint()) // the rows are written
 	return err
 }
 
@@ -433,9 +449,13 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		if len(chunks) > 1 {
 			// Every key of the call first, in sorted order, as one
 			// statement would take them: the chunks' own keys are sorted
-			// within a chunk only.
-			if _, err := p.exec(ctx, p.q.LockKeys(taken)); err != nil {
-				return p.seqErr(err)
+			// within a chunk only. In statements of maxRowsPerStmt keys:
+			// tens of thousands in one passed the databases' limits on
+			// arguments.
+			for start := 0; start < len(taken); start += maxRowsPerStmt {
+				if _, err := p.exec(ctx, p.q.LockKeys(taken[start:min(start+maxRowsPerStmt, len(taken))])); err != nil {
+					return p.seqErr(err)
+				}
 			}
 		}
 		insertedAll := true
@@ -450,7 +470,7 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 				// undone already, another transaction may have taken the
 				// numbers since, and the give-back, committed on its own,
 				// would leave the counter below them for good.
-				if !p.cfg.Dialect.sql().EndsTransaction(err) {
+				if !p.endsTransaction(context.WithoutCancel(ctx), err) {
 					end := chunkEnd(chunks, i-1)
 					if tookOwn {
 						end = chunkEnd(chunks, i)
@@ -464,7 +484,10 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		if insertedAll {
 			return nil
 		}
-		ours, conflict, err := p.readBack(ctx, rows)
+		// After the writes, whatever ctx says: the call's rows and numbers
+		// are taken back, or it returns nil.
+		after := context.WithoutCancel(ctx)
+		ours, conflict, err := p.readBack(after, rows)
 		if err != nil {
 			return err
 		}
@@ -474,11 +497,11 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 			return nil
 		}
 		if len(ours) > 0 {
-			if _, err := p.exec(ctx, p.q.Delete(ours)); err != nil {
+			if _, err := p.exec(after, p.q.Delete(ours)); err != nil {
 				return err
 			}
 		}
-		if err := p.giveBackSeqs(ctx, taken); err != nil {
+		if err := p.giveBackSeqs(after, taken); err != nil {
 			return err
 		}
 		if conflict != nil {
@@ -498,6 +521,28 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		rows = kept
 	}
 	return nil
+}
+
+// endsTransaction reports whether err, a statement's, ended the caller's
+// transaction, asking the database where the error alone does not say
+// (MySQL's lock wait timeout: the raise of the key stayed, and its number
+// must be given back, unless innodb_rollback_on_timeout is on).
+func (p *TxPublisher) endsTransaction(ctx context.Context, err error) bool {
+	d := p.cfg.Dialect.sql()
+	q, ask := d.TimeoutEnds(err)
+	if !ask {
+		return d.EndsTransaction(err)
+	}
+	rows, qerr := p.query(ctx, q)
+	if qerr != nil {
+		return true // the connection is gone: so is the transaction
+	}
+	defer func() { _ = rows.Close() }()
+	var on int
+	if !rows.Next() || rows.Scan(&on) != nil {
+		return true
+	}
+	return on == 1
 }
 
 // insertNumbered runs InsertNumbered for one chunk and reports whether it
@@ -598,7 +643,7 @@ func (p *TxPublisher) insertUnderSavepoint(ctx context.Context, chunks [][]sqldi
 			return errors.Join(err, rbErr)
 		}
 	}
-	_, err := p.exec(ctx, p.q.ReleaseSavepoint())
+	_, err := p.exec(context.WithoutCancel(ctx), p.q.ReleaseSavepoint()) // the rows are written
 	return err
 }
 
@@ -687,6 +732,9 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 			p.cfg.Propagator.Inject(msg.Context(), metadataCarrier(md))
 		}
 	}
+	if err := sendable(md, contentType, msg.UUID); err != nil {
+		return invalid("metadata", err.Error())
+	}
 	headers, err := rowcodec.EncodeHeaders(md)
 	if err != nil {
 		return invalid("metadata", err.Error())
@@ -715,6 +763,37 @@ func steered(md message.Metadata) bool {
 		}
 	}
 	return false
+}
+
+// headerFrame is RabbitMQ's frame_max by default: a message's properties,
+// its headers among them, travel in one frame, and headers that do not fit
+// are a row the relay can never send (stuck at once, and a keyed one holds
+// its key). headerRoom is what the relay adds (the ids, a keyed record's
+// aggregateId and seq, the fixed properties) and AMQP's framing of each
+// header: checked with room to spare.
+const (
+	headerFrame = 131072
+	headerRoom  = 4096
+)
+
+// sendable refuses metadata the relay could never send: a key AMQP cannot
+// name (over 255 bytes), more headers than AMQP clients read, or headers
+// beyond the broker's default frame.
+func sendable(md message.Metadata, contentType, id string) error {
+	if len(md) > rowcodec.MaxElements-8 {
+		return fmt.Errorf("has %d keys: AMQP clients read at most %d headers, the relay's own among them", len(md), rowcodec.MaxElements)
+	}
+	size := headerRoom + len(contentType) + 2*len(id)
+	for k, v := range md {
+		if len(k) > maxNameLen {
+			return fmt.Errorf("key of %d bytes (%.20q…): an AMQP header name is at most %d", len(k), k, maxNameLen)
+		}
+		size += 1 + len(k) + 1 + 4 + len(v)
+	}
+	if size > headerFrame {
+		return fmt.Errorf("of about %d bytes would not fit the one AMQP frame a message's headers travel in (RabbitMQ's frame_max, %d bytes by default); put large values in the payload", size, headerFrame)
+	}
+	return nil
 }
 
 func msgID(msg *message.Message) string {

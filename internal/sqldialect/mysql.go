@@ -59,6 +59,13 @@ func (mysql) Conflict(err error) bool {
 	return err != nil && strings.Contains(err.Error(), "Error 1213")
 }
 
+func (mysql) TimeoutEnds(err error) (Query, bool) {
+	if err == nil || !strings.Contains(err.Error(), "Error 1205") {
+		return Query{}, false
+	}
+	return Query{SQL: "SELECT @@innodb_rollback_on_timeout"}, true
+}
+
 func (mysql) EndsTransaction(err error) bool {
 	if err == nil {
 		return false

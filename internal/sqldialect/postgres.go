@@ -117,6 +117,8 @@ func (postgres) TextKeys() bool { return true }
 
 func (postgres) EndsTransaction(err error) bool { return err != nil }
 
+func (postgres) TimeoutEnds(error) (Query, bool) { return Query{}, false }
+
 // Conflict: SQLSTATE 40001 (serialization_failure: under REPEATABLE READ
 // or SERIALIZABLE, a row changed since the transaction's snapshot) and
 // 40P01 (deadlock_detected), read through SQLState(), which both pgx's and

@@ -73,6 +73,11 @@ type Dialect interface {
 	// PostgreSQL error aborts the transaction, and every later statement
 	// fails.
 	EndsTransaction(err error) bool
+	// TimeoutEnds is, for an error EndsTransaction cannot tell alone, the
+	// query whose one integer answer, 1, says the error ended the
+	// transaction: MySQL's lock wait timeout (1205) rolls back only its
+	// statement unless innodb_rollback_on_timeout is on.
+	TimeoutEnds(err error) (Query, bool)
 	// Conflict reports whether err is the database's refusal of a
 	// transaction that ran at the same time as another one on the same
 	// rows (a serialization failure, a deadlock), rolled back whole: run

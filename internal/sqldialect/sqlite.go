@@ -50,6 +50,8 @@ func (sqlite) TextKeys() bool { return false }
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
 
+func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
+
 func (sqlite) EndsTransaction(err error) bool {
 	if err == nil {
 		return false
