@@ -159,6 +159,7 @@ type AMQPDestination struct {
 	cc        *confirmChannel // the one new windows go out on; nil until opened
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
+	renew     bool            // a nack came: a fresh connection once no window is out on this one
 	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
 	short     []*sent         // windows not collected yet whose send stopped short (see behindAShortWindow)
 	closed    bool
@@ -467,6 +468,7 @@ func (d *AMQPDestination) dropLocked() { d.dropWithin(closeTimeout) }
 // dropWithin is dropLocked waiting at most wait for the broker's answer to
 // the close.
 func (d *AMQPDestination) dropWithin(wait time.Duration) {
+	d.renew = false
 	d.forgetChannelLocked()
 	if d.conn != nil {
 		_ = d.conn.CloseDeadline(time.Now().Add(wait))
@@ -700,6 +702,9 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		fillNotSent(p.res, 0, errBehindShortWindow)
 		return p
 	}
+	if d.renew && d.cc != nil && !slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc }) {
+		d.dropLocked() // a nack came on it (see wait): a fresh connection
+	}
 	if err := d.ensure(ctx); err != nil {
 		fillNotSent(p.res, 0, connectionLost(err))
 		return p
@@ -822,6 +827,11 @@ func (d *AMQPDestination) behindAClosedChannel() bool {
 	return false
 }
 
+// othersOut reports whether windows other than p are out on p's channel.
+func (d *AMQPDestination) othersOut(p *sent) bool {
+	return slices.ContainsFunc(d.inflight, func(w *sent) bool { return w != p && w.on == p.on })
+}
+
 // staleWindow is how long a window may stay uncollected before
 // behindAClosedChannel forgets it; the relay collects each within its
 // PublishTimeout, far shorter.
@@ -848,7 +858,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// The broker is up but does not confirm (a memory or disk alarm,
 			// a quorum queue without its majority) or the network went
 			// quiet: nothing this record did.
-			res[i] = connectionLost(fmt.Errorf("%w: no confirm from the broker: %w", ErrBrokerUnavailable, err))
+			res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
 			timedOut = true
 		case p.on.dropped || p.on.conn.IsClosed():
 			// The connection went, or the channel was closed over another
@@ -865,8 +875,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// and it is sent again (the consumers' inbox absorbs a copy).
 			res[i] = fmt.Errorf("%w: the broker closed the channel over another message before it confirmed this one: %s", ErrNotSent, p.on.closeReason())
 		default:
-			// The broker's state, not the record: see ErrBrokerUnavailable.
-			res[i] = fmt.Errorf("%w: nacked by the broker", ErrBrokerUnavailable)
+			res[i] = errors.New("nacked by the broker")
 			nacked = true
 		}
 	}
@@ -883,16 +892,25 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		}
 	}
 	markBlocked(res, p.on.blocked)
+	if nacked && p.on == d.cc {
+		// After its quorum queue's leader was lost, a channel on another
+		// node went on nacking every publish while a fresh one was acked:
+		// the connection is renewed once no other window is out on it
+		// (dropped now, their confirms would be lost with it).
+		d.renew = true
+	}
 	switch {
 	case timedOut && p.on == d.cc:
 		// Late confirms of a timed-out window must not be read as confirms
 		// of the next: a fresh connection starts afresh. Without waiting for
-		// the broker's answer to the close: it answers nothing.
-		d.dropWithin(0)
-	case nacked && p.on == d.cc:
-		// After its quorum queue's leader was lost, a channel on another
-		// node went on nacking every publish while a fresh one was acked:
-		// the next window goes out on a fresh connection.
+		// the broker's answer to the close, which a broker that confirms
+		// nothing does not send either; unless the relay is stopping.
+		wait := time.Duration(0)
+		if errors.Is(ctx.Err(), context.Canceled) {
+			wait = closeTimeout
+		}
+		d.dropWithin(wait)
+	case d.renew && p.on == d.cc && !d.othersOut(p):
 		d.dropLocked()
 	}
 	return res
@@ -1074,12 +1092,26 @@ func sameExchange(recExchange string, named exchange) bool {
 // told it.
 // closedByBroker reports whether the broker closed the channel
 // (channel.close: a channel error), as against the client or a lost
-// connection.
+// connection. amqp091-go marks the channel closed before it hands the
+// close's error out, so it waits for that error a moment.
 func (c *confirmChannel) closedByBroker() bool {
-	c.closeReason()
+	if c.reason == "" {
+		select {
+		case e, ok := <-c.closes:
+			if ok && e != nil {
+				c.reason, c.refusal, c.byBroker = e.Error(), e.Reason, e.Server
+			}
+		case <-time.After(closeErrorWait):
+		}
+	}
 	return c.byBroker
 }
 
+// closeErrorWait is how long closedByBroker waits for a closed channel's
+// error.
+const closeErrorWait = 50 * time.Millisecond
+
+// closeReason is why the channel closed, as far as it is known.
 func (c *confirmChannel) closeReason() string {
 	if c.reason == "" {
 		select {

@@ -27,7 +27,8 @@ import (
 // Unmarshal), and the message UUID from the first of x-acemq-id,
 // _watermill_message_uuid and the message_id property that is a non-empty
 // string (x-acemq-id first: a service that copies the headers it received
-// onto what it sends carries a stale Watermill UUID). It marshals as the embedded DefaultMarshaler does.
+// onto what it sends carries a stale Watermill UUID). It marshals as the
+// embedded DefaultMarshaler does.
 type AMQPMarshaler struct {
 	wamqp.DefaultMarshaler
 }

@@ -37,18 +37,6 @@ var ErrConnectionLost = errors.New("outbox: connection to the broker lost before
 // the record.
 var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
 
-// ErrBrokerUnavailable marks a failure that the broker's state caused,
-// whatever the record: a nack (a queue full under x-overflow
-// reject-publish, a quorum queue without its leader or its majority, an
-// error inside the broker), or no confirm within PublishTimeout (the
-// broker or the network went quiet; then it is an ErrConnectionLost too).
-// The Forwarder never counts an attempt for it, however many times in a
-// row it comes: a nacked record is held up as a failed one is (a keyed one
-// holds back its key only, for RetryMax), a record without a confirm as a
-// lost one, and the relay backs off; so a full queue or a cluster without
-// its majority makes no row stuck, for as long as it lasts.
-var ErrBrokerUnavailable = errors.New("outbox: the broker did not take the message")
-
 // connectionLost wraps err as ErrConnectionLost.
 func connectionLost(err error) error {
 	if err == nil || errors.Is(err, ErrConnectionLost) {

@@ -691,12 +691,10 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// failure, keeps its last_error, and counts no attempt, unless
 			// the connection is lost at the same record time after time:
 			// then the record is what breaks it. Not while the broker
-			// blocks the connection (an alarm), nor when it only did not
-			// confirm (a quorum queue without its majority, a network gone
-			// quiet): then no record is.
+			// blocks the connection (an alarm): then no record is.
 			failedOne = true
 			n := b.attempts[rec.ID]
-			if !brokersState(err) && f.lostAgain(rec.ID) {
+			if !errors.Is(err, ErrBrokerBlocked) && f.lostAgain(rec.ID) {
 				n++
 			}
 			b.fail(rec, n, err)
@@ -711,15 +709,9 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			if IsPermanent(err) {
 				n = max(n, f.cfg.MaxAttempts) // stuck at once; it holds its key, visibly
 			}
-			delay := f.retryDelay(n)
-			if brokersState(err) {
-				// A nack: no attempt, and the longest backoff, since nothing
-				// counts the nacks up to it.
-				n, delay = b.attempts[rec.ID], f.cfg.RetryMax
-			}
 			b.fail(rec, n, err)
 			last := &b.failures[len(b.failures)-1]
-			last.holdBy, last.holdUntil = sqldialect.RetryHold, time.Now().Add(delay)
+			last.holdBy, last.holdUntil = sqldialect.RetryHold, time.Now().Add(f.retryDelay(n))
 			b.isolated++
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody
@@ -727,10 +719,6 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// off nor holds the batches in flight behind it.
 			b.fail(rec, max(b.attempts[rec.ID]+1, f.cfg.MaxAttempts), err)
 			b.isolated++
-		case brokersState(err):
-			// A nack: held up as a failure, and no attempt counted.
-			failedOne = true
-			b.fail(rec, b.attempts[rec.ID], err)
 		default:
 			failedOne = true
 			b.fail(rec, b.attempts[rec.ID]+1, err)
@@ -768,13 +756,6 @@ func (f *Forwarder) mark(ctx context.Context, b *batch, published []string) erro
 		}
 	}
 	return f.store.finish(ctx, b.claim, published, b.failures)
-}
-
-// brokersState reports whether err is the broker's state rather than the
-// record's doing (ErrBrokerBlocked, ErrBrokerUnavailable): it never counts
-// an attempt.
-func brokersState(err error) bool {
-	return errors.Is(err, ErrBrokerBlocked) || errors.Is(err, ErrBrokerUnavailable)
 }
 
 // lostRepeats is how many times in a row the connection may be lost at the

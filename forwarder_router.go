@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -47,6 +48,8 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 // router left with no handler running closes, as Watermill's routers do.
 func (f *Forwarder) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
+		routerRelays.Lock()
+		defer routerRelays.Unlock()
 		name, err := relayHandlerName(r, f)
 		if err != nil {
 			return err
@@ -54,6 +57,7 @@ func (f *Forwarder) Plugin() message.RouterPlugin {
 		if err := f.route(); err != nil {
 			return err
 		}
+		routerRelays.m[weak.Make(r)][name] = weak.Make(f.store.db)
 		sub := &relaySubscriber{f: f, stopped: make(chan struct{})}
 		r.AddConsumerHandler(name, f.store.cfg.Table, sub, func(*message.Message) error {
 			return errors.New("outbox: the relay's handler received a message; its subscriber delivers none")
@@ -64,36 +68,41 @@ func (f *Forwarder) Plugin() message.RouterPlugin {
 
 // routerRelays is the pool each relay handler of a router relays from, by
 // handler name: two databases may each have an acemq_outbox, and a
-// service with both runs a relay of each under one router.
+// service with both runs a relay of each under one router. Weak pointers:
+// a router or a pool that is gone is not kept for it.
 var routerRelays struct {
 	sync.Mutex
-	m map[*message.Router]map[string]*sql.DB
+	m map[weak.Pointer[message.Router]]map[string]weak.Pointer[sql.DB]
 }
 
-// relayHandlerName names f's handler on r: "outbox-relay <table>", or with
-// " #2", " #3"… for a table of that name in another pool. A second relay of
-// the same table from the same pool is refused (it would only share the
-// claims), and so is a name the router has for a handler of its own.
+// relayHandlerName names f's handler on r, under routerRelays' lock:
+// "outbox-relay <table>", or with " #2", " #3"… for a table of that name
+// in another pool. A second relay of the same table from the same pool is
+// refused (it would only share the claims), and so is a name the router
+// has for a handler of its own. The caller records the name once the
+// plugin is sure to add it.
 func relayHandlerName(r *message.Router, f *Forwarder) (string, error) {
-	routerRelays.Lock()
-	defer routerRelays.Unlock()
 	if routerRelays.m == nil {
-		routerRelays.m = map[*message.Router]map[string]*sql.DB{}
+		routerRelays.m = map[weak.Pointer[message.Router]]map[string]weak.Pointer[sql.DB]{}
 	}
-	relays := routerRelays.m[r]
+	for k := range routerRelays.m {
+		if k.Value() == nil {
+			delete(routerRelays.m, k)
+		}
+	}
+	relays := routerRelays.m[weak.Make(r)]
 	if relays == nil {
-		relays = map[string]*sql.DB{}
-		routerRelays.m[r] = relays
+		relays = map[string]weak.Pointer[sql.DB]{}
+		routerRelays.m[weak.Make(r)] = relays
 	}
 	table, handlers := f.store.cfg.Table, r.Handlers()
 	name := "outbox-relay " + table
 	for i := 2; ; i++ {
 		db, ours := relays[name]
 		if _, taken := handlers[name]; !taken && !ours {
-			relays[name] = f.store.db
 			return name, nil
 		}
-		if !ours || db == f.store.db {
+		if !ours || db.Value() == f.store.db {
 			return "", fmt.Errorf("%w: the router has a relay of %s already (%q)", ErrForwarderInUse, table, name)
 		}
 		name = fmt.Sprintf("outbox-relay %s #%d", table, i)

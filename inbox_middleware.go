@@ -14,7 +14,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
-	"github.com/jackc/pgx/v5"
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/propagation"
 
@@ -496,7 +495,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		return inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, consumer, handledCommitErr(err, key, consumer)
+		return inboxFailed, consumer, in.handledCommitErr(err, key, consumer)
 	}
 	committed = true
 	return inboxProcessed, consumer, nil
@@ -508,8 +507,8 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 // taken by something between it and the inbox, most likely a Watermill
 // middleware added after inbox.Middleware (PoisonQueue, Retry), which then
 // runs inside its transaction.
-func handledCommitErr(err error, id, consumer string) error {
-	if errors.Is(err, pgx.ErrTxCommitRollback) {
+func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
+	if in.dialect.sql().CommitRolledBack(err) {
 		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", id, consumer, err)
 	}
 	return fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)

@@ -219,7 +219,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
-			return inboxFailed, handledCommitErr(err, id, consumer)
+			return inboxFailed, in.handledCommitErr(err, id, consumer)
 		}
 		committed = true
 		return inboxProcessed, nil
@@ -283,7 +283,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		return inboxFailed, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, handledCommitErr(err, id, consumer)
+		return inboxFailed, in.handledCommitErr(err, id, consumer)
 	}
 	committed = true
 	if held > 0 {

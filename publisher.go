@@ -363,7 +363,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				// without their bytes being equal: a collation that ignores
 				// case, or trailing spaces (MySQL's PAD SPACE).
 				if conflict == nil {
-					conflict = fmt.Errorf("outbox: the outbox's id column takes a message's id for the row %q already there (a collation that ignores case or trailing spaces); give the message an id of its own", id)
+					conflict = fmt.Errorf("%w: the outbox's id column takes a message's id for the row %q already there (a collation that ignores case or trailing spaces); give the message an id of its own", ErrDuplicateID, id)
 				}
 				continue
 			}
@@ -773,15 +773,15 @@ func steered(md message.Metadata) bool {
 // header: checked with room to spare.
 const (
 	headerFrame = 131072
-	headerRoom  = 4096
+	headerRoom  = 512
 )
 
 // sendable refuses metadata the relay could never send: a key AMQP cannot
 // name (over 255 bytes), more headers than AMQP clients read, or headers
 // beyond the broker's default frame.
 func sendable(md message.Metadata, contentType, id string) error {
-	if len(md) > rowcodec.MaxElements-8 {
-		return fmt.Errorf("has %d keys: AMQP clients read at most %d headers, the relay's own among them", len(md), rowcodec.MaxElements)
+	if limit := rowcodec.MaxElements - 8; len(md) > limit {
+		return fmt.Errorf("has %d keys: AMQP clients read at most %d headers, and the relay adds up to 8 of its own: at most %d", len(md), rowcodec.MaxElements, limit)
 	}
 	size := headerRoom + len(contentType) + 2*len(id)
 	for k, v := range md {

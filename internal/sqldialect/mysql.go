@@ -48,17 +48,16 @@ func (mysql) PadsKeys() bool { return true }
 
 func (mysql) TextKeys() bool { return false }
 
-// EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
-// (1213), and on a lock wait timeout (1205) when innodb_rollback_on_timeout
-// is on, which a session cannot see cheaply: both count. Matched on
-// go-sql-driver's text ("Error 1213 (40001): …"), as the library imports
-// no driver.
 // Conflict: a deadlock (1213). A lock wait timeout (1205) has waited for
 // innodb_lock_wait_timeout already.
 func (mysql) Conflict(err error) bool {
 	return err != nil && strings.Contains(err.Error(), "Error 1213")
 }
 
+func (mysql) CommitRolledBack(error) bool { return false }
+
+// TimeoutEnds: a lock wait timeout (1205) rolls back the whole transaction
+// only when innodb_rollback_on_timeout is on (off by default).
 func (mysql) TimeoutEnds(err error) (Query, bool) {
 	if err == nil || !strings.Contains(err.Error(), "Error 1205") {
 		return Query{}, false
@@ -66,6 +65,11 @@ func (mysql) TimeoutEnds(err error) (Query, bool) {
 	return Query{SQL: "SELECT @@innodb_rollback_on_timeout"}, true
 }
 
+// EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
+// (1213), and on a lock wait timeout (1205) when innodb_rollback_on_timeout
+// is on: both count here, and a caller that must know asks TimeoutEnds.
+// Matched on go-sql-driver's text ("Error 1213 (40001): …"), as the
+// library imports no driver.
 func (mysql) EndsTransaction(err error) bool {
 	if err == nil {
 		return false

@@ -119,6 +119,17 @@ func (postgres) EndsTransaction(err error) bool { return err != nil }
 
 func (postgres) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
+// CommitRolledBack: pgx's ErrTxCommitRollback ("commit unexpectedly
+// resulted in rollback"), lib/pq's ErrInFailedTransaction, by their text:
+// the dialect imports no driver.
+func (postgres) CommitRolledBack(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return strings.Contains(s, "commit unexpectedly resulted in rollback") || strings.Contains(s, "in a failed transaction")
+}
+
 // Conflict: SQLSTATE 40001 (serialization_failure: under REPEATABLE READ
 // or SERIALIZABLE, a row changed since the transaction's snapshot) and
 // 40P01 (deadlock_detected), read through SQLState(), which both pgx's and

@@ -78,6 +78,10 @@ type Dialect interface {
 	// transaction: MySQL's lock wait timeout (1205) rolls back only its
 	// statement unless innodb_rollback_on_timeout is on.
 	TimeoutEnds(err error) (Query, bool)
+	// CommitRolledBack reports whether err, a commit's, says the database
+	// rolled the transaction back because a statement in it had failed
+	// (PostgreSQL; pgx and lib/pq each say it their way).
+	CommitRolledBack(err error) bool
 	// Conflict reports whether err is the database's refusal of a
 	// transaction that ran at the same time as another one on the same
 	// rows (a serialization failure, a deadlock), rolled back whole: run

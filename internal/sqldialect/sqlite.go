@@ -43,15 +43,17 @@ func (sqlite) PadsKeys() bool { return false }
 
 func (sqlite) TextKeys() bool { return false }
 
-// EndsTransaction: SQLite may roll a transaction back on SQLITE_FULL,
-// SQLITE_IOERR, SQLITE_BUSY and SQLITE_NOMEM ("Response To Errors Within A
-// Transaction"), matched on mattn/go-sqlite3's text, sqlite3_errstr's.
 // Conflict: SQLite runs one writer at a time; a writer that waited past
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
 
 func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
+func (sqlite) CommitRolledBack(error) bool { return false }
+
+// EndsTransaction: SQLite may roll a transaction back on SQLITE_FULL,
+// SQLITE_IOERR, SQLITE_BUSY and SQLITE_NOMEM ("Response To Errors Within A
+// Transaction"), matched on mattn/go-sqlite3's text, sqlite3_errstr's.
 func (sqlite) EndsTransaction(err error) bool {
 	if err == nil {
 		return false
