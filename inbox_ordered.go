@@ -263,7 +263,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		in.drainReady(msg, ready, consumer, key, fields)
 		if !fresh {
 			in.log.Debug("Message held already acked again", fields)
-			return inboxDuplicate, nil
+			return inboxHeldAgain, nil
 		}
 		in.log.Debug("Message ahead of its predecessor held", fields)
 		return inboxHeld, nil
@@ -434,14 +434,23 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 // been seen here, or one fails. delivery, if not nil, names the handler of
 // the delivery whose context ctx is: a held message of that handler runs
 // under ctx, one of another handler under that handler's route.
+//
+// A held message's transaction that the database refused for a concurrent
+// one (see conflictTries) runs again here, as a delivery's does: under
+// REPEATABLE READ a key's next delivery and its held apply meet on the
+// key's row.
 func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key string) (int, error) {
-	n := 0
+	n, try := 0, 0
 	for {
 		applied, err := in.applyNextHeld(ctx, delivery, consumer, key)
+		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(ctx, conflictPause(try)) {
+			try++
+			continue
+		}
 		if err != nil || !applied {
 			return n, err
 		}
-		n++
+		n, try = n+1, 0
 	}
 }
 

@@ -208,7 +208,7 @@ func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {
 	switch outcome {
 	case inboxProcessed:
 		m.inboxProcessed.WithLabelValues(consumer).Inc()
-	case inboxDuplicate:
+	case inboxDuplicate, inboxHeldAgain:
 		m.inboxDuplicate.WithLabelValues(consumer).Inc()
 	case inboxFailed:
 		m.inboxFailed.WithLabelValues(consumer).Inc()
@@ -241,4 +241,8 @@ const (
 	// inboxHeld: an ordered message ahead of its predecessor, held and
 	// acked; it is counted processed when it is applied.
 	inboxHeld
+	// inboxHeldAgain: a copy of a message held already, acked; counted as
+	// a duplicate, but its outbox record is not marked processed, since
+	// the message is not applied yet.
+	inboxHeldAgain
 )
