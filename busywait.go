@@ -116,7 +116,12 @@ func (s *Store) busyPatience(ctx context.Context, conn *sql.Conn) (time.Duration
 func (s *Store) suspendBusyTimeout(ctx context.Context, conn *sql.Conn, patience time.Duration) (restore func(), err error) {
 	off, _ := s.q.BusyTimeout(0)
 	s.sent.Add(1)
-	if _, err := conn.ExecContext(ctx, off.SQL); err != nil {
+	// Not cut short by ctx: SQLite applies the pragma as it compiles it, so
+	// a statement interrupted after that has set 0 already, and its error
+	// would return the connection to the pool at 0, where every service
+	// transaction on it then fails at once under contention.
+	if _, err := conn.ExecContext(context.WithoutCancel(ctx), off.SQL); err != nil {
+		_ = conn.Raw(func(any) error { return driver.ErrBadConn }) // whatever it holds now, not the pool's
 		return nil, fmt.Errorf("outbox: set busy_timeout: %w", err)
 	}
 	return func() {

@@ -254,11 +254,16 @@ type failure struct {
 // unpublished, under MaxAttempts, not under a live lease, and after the
 // cursor if there is one.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor) (*claim, error) {
-	now := time.Now()
-	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: now, After: after}
+	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after}
 	if s.leases() {
-		p.RelayID, p.LeaseUntil = relayID, now.Add(lease)
-		return s.claimLease(ctx, s.q.Claim(p), relayID)
+		return s.claimLease(ctx, func() sqldialect.Query {
+			// Timed once the write lock is this transaction's: a lease timed
+			// before a wait for it (up to busy_timeout) was that much
+			// shorter, and a second relay took over rows still in flight.
+			now := time.Now()
+			p.Now, p.RelayID, p.LeaseUntil = now, relayID, now.Add(lease)
+			return s.q.Claim(p)
+		}, relayID)
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
@@ -482,12 +487,13 @@ func (s *Store) claimsOverlap() bool {
 	return s.index != ""
 }
 
-func (s *Store) claimLease(ctx context.Context, q sqldialect.Query, relayID string) (*claim, error) {
+func (s *Store) claimLease(ctx context.Context, claimQuery func() sqldialect.Query, relayID string) (*claim, error) {
 	var claimed []sqldialect.ClaimedRow
 	// Committed before anything is published: SQLite has one writer, and the
 	// services' own transactions must not wait for the broker.
 	err := s.writeTx(ctx, "claim", func(tx *sql.Tx) error {
 		s.sent.Add(1)
+		q := claimQuery()
 		// The update is conditional on the rows still being free, so of two
 		// relays the second claims other rows, or none.
 		rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)

@@ -1,0 +1,188 @@
+package outbox_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// slowCapture is a Watermill publisher that takes delay per Publish and
+// records what it got, safe across goroutines.
+type slowCapture struct {
+	delay time.Duration
+	mu    sync.Mutex
+	ids   []string
+}
+
+func (c *slowCapture) Publish(_ string, msgs ...*message.Message) error {
+	time.Sleep(c.delay)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, m := range msgs {
+		c.ids = append(c.ids, m.UUID)
+	}
+	return nil
+}
+func (c *slowCapture) Close() error { return nil }
+func (c *slowCapture) got() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.ids...)
+}
+
+// claimBatch computed locked_until = time.Now() + Lease before writeTx
+// waited for the write lock: a claim that waited W for the lock committed
+// a lease of Lease - W. With Lease at its documented minimum
+// (2 × PublishTimeout) and a publish well inside PublishTimeout, a second
+// live relay claims and publishes the same row while the first still has it
+// in flight. The lease is now timed inside the claim's transaction. (From
+// an audit of the relay on SQLite.)
+func TestForwarder_SQLiteClaimAfterABusyWait_LeaseWholeNoSecondRelayOnIt(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	msgs := publishBatch(t, db, "", "t", 1)
+	id := msgs[0].UUID
+
+	const (
+		publishTimeout = 2 * time.Second
+		lease          = 2 * publishTimeout // the minimum validate() allows
+		lockHeld       = 3 * time.Second    // < the pool's busy_timeout (10 s)
+	)
+	// A service holds the write lock (BEGIN IMMEDIATE under _txlock=immediate).
+	services, err := sqlx.Open("sqlite3", db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer services.Close()
+	tx, err := services.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { time.Sleep(lockHeld); _ = tx.Commit() }()
+
+	slowA := &slowCapture{delay: 1500 * time.Millisecond} // inside PublishTimeout
+	poolA := otherPool(t, db)
+	fa, err := outbox.NewForwarder(poolA.DB, outbox.NewPublisherDestination(slowA, nil), outbox.ForwarderConfig{
+		PublishTimeout: publishTimeout, Lease: lease, RelayID: "relay-a",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fastB := &slowCapture{}
+	poolB := otherPool(t, db)
+	fb, err := outbox.NewForwarder(poolB.DB, outbox.NewPublisherDestination(fastB, nil), outbox.ForwarderConfig{
+		PublishTimeout: publishTimeout, Lease: lease, RelayID: "relay-b",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+
+	start := time.Now()
+	aDone := make(chan struct{})
+	go func() {
+		defer close(aDone)
+		n, err := fa.Sweep(context.Background())
+		t.Logf("relay A: swept %d, err %v, after %s", n, err, time.Since(start).Round(time.Millisecond))
+	}()
+	// Wait until A's claim committed, then read the lease it wrote.
+	var lockedBy, lockedUntil string
+	for {
+		_ = db.QueryRow("SELECT COALESCE(locked_by,''), COALESCE(locked_until,'') FROM acemq_outbox WHERE id = ?", id).Scan(&lockedBy, &lockedUntil)
+		if lockedBy == "relay-a" {
+			break
+		}
+		if time.Since(start) > 8*time.Second {
+			t.Fatal("relay A never claimed")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	claimedAt := time.Now()
+	until, _ := time.Parse("2006-01-02 15:04:05.000000", lockedUntil[:26])
+	t.Logf("relay A's claim committed %s after its sweep began; lease until %s = %s after the commit (Lease %s)",
+		claimedAt.Sub(start).Round(time.Millisecond), lockedUntil, until.Sub(claimedAt.UTC()).Round(time.Millisecond), lease)
+
+	// B sweeps as soon as A's lease ran out: A is still publishing.
+	time.Sleep(time.Until(until) + 50*time.Millisecond)
+	n, err := fb.Sweep(context.Background())
+	t.Logf("relay B: swept %d, err %v, at %s after A's claim", n, err, time.Since(claimedAt).Round(time.Millisecond))
+	<-aDone
+	a, b := slowA.got(), fastB.got()
+	t.Logf("relay A published %v; relay B published %v", a, b)
+	if len(a) == 1 && len(b) == 1 && a[0] == id && b[0] == id {
+		t.Errorf("row %s published by both live relays, neither failed, within PublishTimeout and Lease = 2×PublishTimeout: the lease ran out %s after A's claim committed because it was timed from before the claim's busy wait",
+			id, until.Sub(claimedAt.UTC()).Round(time.Millisecond))
+	}
+}
+
+// A Sweep whose context ended while writeTx set busy_timeout to 0 could
+// leave the connection in the pool at 0: the PRAGMA takes effect when
+// SQLite compiles it, mattn/go-sqlite3 then interrupts the step and returns
+// ctx.Err(), and suspendBusyTimeout returned that error before any restore
+// was set up. (From an audit of the relay on SQLite, where it failed after
+// 410 and 603 sweeps; on a quiet machine it may not: it guards the fix.)
+func TestForwarder_SQLiteSweepsCancelledMidPragma_BusyTimeoutKept(t *testing.T) {
+	t.Run("no statement cache", func(t *testing.T) { cancelledSweeps(t, false) })
+}
+
+func cancelledSweeps(t *testing.T, cache bool) {
+	db := migrated(t, testdb.SQLite)
+	// Without mattn's statement cache: with it, a cancellable context's
+	// PRAGMA is compiled once per connection and then reused, and a reused
+	// PRAGMA busy_timeout = N sets nothing (SQLite applies it at compile
+	// time), so only the first try on each connection can leave 0 behind.
+	dsn := db.DSN
+	if !cache {
+		dsn = strings.Replace(db.DSN, "&_stmt_cache_size=32", "", 1)
+	}
+	sq, err := sqlx.Open("sqlite3", dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sq.Close()
+	pool := &testdb.DB{DB: sq, Kind: db.Kind, DSN: dsn, Name: db.Name}
+	pool.SetMaxOpenConns(1)
+	if cache {
+		// As a pool that recycles connections (SetConnMaxLifetime) does:
+		// each connection's first cancellable PRAGMA is compiled afresh.
+		pool.SetMaxIdleConns(0)
+	}
+	f, err := outbox.NewForwarder(pool.DB, outbox.NewPublisherDestination(&slowCapture{}, nil), outbox.ForwarderConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	// Read the pool's busy_timeout once (busyPatience) with a context that lives.
+	if _, err := f.Sweep(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	errs := map[string]int{}
+	const maxWait = 400
+	for i := 0; i < 5000; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rand.N(maxWait))*time.Microsecond)
+		_, err := f.Sweep(ctx)
+		cancel()
+		if err != nil {
+			errs[err.Error()]++
+		}
+		var ms int
+		if err := pool.Get(&ms, "PRAGMA busy_timeout"); err != nil {
+			t.Fatal(err)
+		}
+		if ms != 10000 {
+			t.Logf("errors: %v", errs)
+			t.Fatalf("after %d sweeps with contexts ending early, the pool's connection has busy_timeout %d, want 10000: a service's transaction on it fails at once with SQLITE_BUSY", i+1, ms)
+		}
+	}
+	t.Logf("errors: %v", errs)
+
+}
