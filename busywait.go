@@ -57,9 +57,24 @@ func (s *Store) writeTx(ctx context.Context, what string, fn func(tx *sql.Tx) er
 		return err
 	}
 	defer restore()
+	// The transaction itself is not tied to ctx: database/sql would end a
+	// cancelled one from a goroutine of its own and close conn there, under
+	// the restore above (a race inside database/sql's Conn, a nil pointer
+	// in a -race run of cancelled sweeps). fn's statements still run under
+	// ctx, and a cancelled one fails fn, which is rolled back here, as is
+	// an fn that ctx ended after.
+	begin := func(_ context.Context, opts *sql.TxOptions) (*sql.Tx, error) {
+		return conn.BeginTx(context.WithoutCancel(ctx), opts)
+	}
+	run := func(tx *sql.Tx) error {
+		if err := fn(tx); err != nil {
+			return err
+		}
+		return ctx.Err()
+	}
 	deadline := time.Now().Add(patience)
 	for try := 0; ; try++ {
-		err := s.txOn(ctx, what, conn.BeginTx, fn)
+		err := s.txOn(ctx, what, begin, run)
 		if err == nil || !sqldialect.Busy(err) || !time.Now().Before(deadline) {
 			return err
 		}
