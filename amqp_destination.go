@@ -1095,15 +1095,7 @@ func sameExchange(recExchange string, named exchange) bool {
 // connection. amqp091-go marks the channel closed before it hands the
 // close's error out, so it waits for that error a moment.
 func (c *confirmChannel) closedByBroker() bool {
-	if c.reason == "" {
-		select {
-		case e, ok := <-c.closes:
-			if ok && e != nil {
-				c.reason, c.refusal, c.byBroker = e.Error(), e.Reason, e.Server
-			}
-		case <-time.After(closeErrorWait):
-		}
-	}
+	c.readClose(closeErrorWait)
 	return c.byBroker
 }
 
@@ -1111,17 +1103,35 @@ func (c *confirmChannel) closedByBroker() bool {
 // error.
 const closeErrorWait = 50 * time.Millisecond
 
-// closeReason is why the channel closed, as far as it is known.
-func (c *confirmChannel) closeReason() string {
-	if c.reason == "" {
-		select {
-		case e, ok := <-c.closes:
-			if ok && e != nil {
-				c.reason, c.refusal, c.byBroker = e.Error(), e.Reason, e.Server
-			}
-		default:
+// readClose takes the channel's close error, once, if it comes within
+// wait (0: only if it is there already).
+func (c *confirmChannel) readClose(wait time.Duration) {
+	if c.reason != "" {
+		return
+	}
+	take := func(e *amqp.Error, ok bool) {
+		if ok && e != nil {
+			c.reason, c.refusal, c.byBroker = e.Error(), e.Reason, e.Server
 		}
 	}
+	select {
+	case e, ok := <-c.closes:
+		take(e, ok)
+		return
+	default:
+	}
+	if wait > 0 {
+		select {
+		case e, ok := <-c.closes:
+			take(e, ok)
+		case <-time.After(wait):
+		}
+	}
+}
+
+// closeReason is why the channel closed, as far as it is known.
+func (c *confirmChannel) closeReason() string {
+	c.readClose(0)
 	switch {
 	case c.reason != "":
 		return c.reason

@@ -552,13 +552,9 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 }
 
 // markProcessed, with MarkOutboxProcessed, marks the outbox record of a key
-// just recorded processed, in tx.
-func (in *Inbox) markProcessed(ctx context.Context, tx *sqlx.Tx, key string, now time.Time) error {
-	return in.markProcessedOn(ctx, tx, key, now)
-}
-
-// markProcessedOn is markProcessed on tx or, for a duplicate, the pool.
-func (in *Inbox) markProcessedOn(ctx context.Context, on sqlx.ExecerContext, key string, now time.Time) error {
+// processed: in the transaction that just recorded the key, or for a
+// duplicate on the pool (markDuplicateProcessed).
+func (in *Inbox) markProcessed(ctx context.Context, on sqlx.ExecerContext, key string, now time.Time) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
@@ -585,7 +581,7 @@ func (in *Inbox) markDuplicateProcessed(msg *message.Message) {
 		return
 	}
 	ctx := msg.Context()
-	err := in.markProcessedOn(ctx, in.db, key, time.Now())
+	err := in.markProcessed(ctx, in.db, key, time.Now())
 	if err != nil {
 		in.log.Error("Duplicate acked, but its outbox record could not be marked processed; Republish may send it again", err, watermill.LogFields{"message_uuid": key})
 	}

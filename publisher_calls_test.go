@@ -305,22 +305,8 @@ func TestTxPublisher_ContextCancelledDuringCleanup_NothingLeftBehind(t *testing.
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		t.Run("unkeyed-duplicate-id-error-keeps-rows", func(t *testing.T) {
 			publishInTx(t, db, "t", []*message.Message{msgTo("dup-1", "ex-a")})
-			stx, err := db.Begin()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = stx.Rollback() }()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			tx := hookTx{Tx: wsql.TxFromStdSQL(stx), before: func(q string) {
-				if strings.HasPrefix(q, "DELETE FROM") {
-					cancel() // the request ends just now
-				}
-			}}
-			pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d})
-			if err != nil {
-				t.Fatal(err)
-			}
+			// The request ends just before the call takes its rows back.
+			stx, ctx, pub := cancellingPublisher(t, db, d, func(q string) bool { return strings.HasPrefix(q, "DELETE FROM") })
 			fresh := message.NewMessage("fresh-1", []byte("x"))
 			fresh.SetContext(ctx)
 			perr := pub.Publish("t", fresh, msgTo("dup-1", "ex-b"))
@@ -340,19 +326,7 @@ func TestTxPublisher_ContextCancelledDuringCleanup_NothingLeftBehind(t *testing.
 			}
 		})
 		t.Run("several-statements-release-cancelled-rows-stay", func(t *testing.T) {
-			stx, err := db.Begin()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = stx.Rollback() }()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			tx := hookTx{Tx: wsql.TxFromStdSQL(stx), before: func(q string) {
-				if strings.HasPrefix(q, "RELEASE SAVEPOINT") {
-					cancel()
-				}
-			}}
-			pub, _ := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d})
+			stx, ctx, pub := cancellingPublisher(t, db, d, func(q string) bool { return strings.HasPrefix(q, "RELEASE SAVEPOINT") })
 			var many []*message.Message
 			for i := 0; i < 1500; i++ {
 				m := message.NewMessage(fmt.Sprintf("rel-%04d", i), []byte("x"))
@@ -376,22 +350,7 @@ func TestTxPublisher_ContextCancelledDuringCleanup_NothingLeftBehind(t *testing.
 		t.Run("keyed-retried-id-keeps-numbers", func(t *testing.T) {
 			present := keyed("ck")
 			inTx(t, db, true, []*message.Message{present}) // ck: 1
-			stx, err := db.Begin()
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = stx.Rollback() }()
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			tx := hookTx{Tx: wsql.TxFromStdSQL(stx), before: func(q string) {
-				if strings.Contains(q, "SET last_seq = last_seq -") {
-					cancel()
-				}
-			}}
-			pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d})
-			if err != nil {
-				t.Fatal(err)
-			}
+			stx, ctx, pub := cancellingPublisher(t, db, d, func(q string) bool { return strings.Contains(q, "SET last_seq = last_seq -") })
 			again := message.NewMessage(present.UUID, present.Payload)
 			again.Metadata.Set(outbox.MetadataAggregateID, "ck")
 			again.SetContext(ctx)
@@ -426,3 +385,27 @@ func safePublish(pub *outbox.TxPublisher, topic string, msgs ...*message.Message
 var _ = sql.ErrNoRows
 var _ = fmt.Sprint
 var _ = time.Second
+
+// cancellingPublisher begins a transaction and a publisher on it whose
+// messages' context (ctx) is cancelled just before the first statement
+// that cancelAt matches: the moment a request ends mid-Publish.
+func cancellingPublisher(t *testing.T, db *testdb.DB, d outbox.Dialect, cancelAt func(query string) bool) (*sql.Tx, context.Context, *outbox.TxPublisher) {
+	t.Helper()
+	stx, err := db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = stx.Rollback() })
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	tx := hookTx{Tx: wsql.TxFromStdSQL(stx), before: func(q string) {
+		if cancelAt(q) {
+			cancel()
+		}
+	}}
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return stx, ctx, pub
+}
