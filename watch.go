@@ -3,7 +3,9 @@ package outbox
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -84,9 +86,15 @@ func (f *Forwarder) watch(ctx context.Context) {
 	}
 }
 
-// databaseFile is the file of the SQLite database s reads, "" for an
-// in-memory one.
+// databaseFile is the file of the SQLite database s's table is in, "" for
+// an in-memory one: main's, or that of the database attached under the
+// schema the table is named in ("aux.acemq_outbox"), whose log is the one
+// a commit to the table writes.
 func (s *Store) databaseFile(ctx context.Context) (string, error) {
+	schema := s.q.Schema()
+	if schema == "" {
+		schema = "main"
+	}
 	rows, err := s.db.QueryContext(ctx, sqldialect.DatabaseList().SQL)
 	if err != nil {
 		return "", err
@@ -100,9 +108,12 @@ func (s *Store) databaseFile(ctx context.Context) (string, error) {
 		if err := rows.Scan(&seq, &name, &file); err != nil {
 			return "", err
 		}
-		if name == "main" {
+		if strings.EqualFold(name, schema) {
 			return file, rows.Err()
 		}
 	}
-	return "", rows.Err()
+	if err := rows.Err(); err != nil {
+		return "", err
+	}
+	return "", fmt.Errorf("no database attached as %q on the relay's connection", schema)
 }

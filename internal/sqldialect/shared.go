@@ -103,6 +103,10 @@ func NewOutbox(d Dialect, table string) (*Outbox, error) {
 // Table is the table's name as quoted in the SQL, for error messages.
 func (o *Outbox) Table() string { return o.table }
 
+// Schema is the schema the table was named in ("schema.name"), "" for an
+// unqualified name.
+func (o *Outbox) Schema() string { return o.schema }
+
 func (o *Outbox) query(sql string, args ...any) Query {
 	return Query{SQL: o.d.rebind(sql), Args: args}
 }
