@@ -212,6 +212,9 @@ type Forwarder struct {
 	log   watermill.LoggerAdapter
 
 	sweepMu sync.Mutex // one batch at a time
+	// counted is the store's statement count last reported to Metrics
+	// (see countStatements).
+	counted atomic.Int64
 	wake    chan struct{}
 	// woken: a LISTEN on a table whose NOTIFY trigger fires, or a file
 	// watch, is in place, so another process's commit wakes the relay and
@@ -377,7 +380,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 	for {
 		loop.refreshStats(ctx)
 		s := loop.sweep(ctx)
-		loop.countStatements()
+		f.countStatements()
 		if s.stopping {
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
@@ -462,9 +465,25 @@ func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
 	return f.sweep(ctx, false)
 }
 
+// countStatements reports to Metrics the statements the relay sent since
+// the last report, whoever's calls sent them: Run's loop, a Sweep.
+func (f *Forwarder) countStatements() {
+	for {
+		prev, n := f.counted.Load(), f.store.sent.Load()
+		if n <= prev {
+			return
+		}
+		if f.counted.CompareAndSwap(prev, n) {
+			f.cfg.Metrics.sentStatements(n - prev)
+			return
+		}
+	}
+}
+
 func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	f.sweepMu.Lock()
 	defer f.sweepMu.Unlock()
+	defer f.countStatements()
 	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize)
 	if err != nil || b == nil {
 		if err != nil && report {

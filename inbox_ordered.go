@@ -439,13 +439,19 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 // one (see conflictTries) runs again here, as a delivery's does: under
 // REPEATABLE READ a key's next delivery and its held apply meet on the
 // key's row.
+//
+// A held message counts once, by what became of it in the end: a try
+// refused and run again is not a failure.
 func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key string) (int, error) {
 	n, try := 0, 0
 	for {
-		applied, err := in.applyNextHeld(ctx, delivery, consumer, key)
+		applied, ran, err := in.applyNextHeld(ctx, delivery, consumer, key)
 		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(ctx, conflictPause(try)) {
 			try++
 			continue
+		}
+		if err != nil && ran {
+			in.cfg.Metrics.inbox(consumer, inboxFailed)
 		}
 		if err != nil || !applied {
 			return n, err
@@ -455,32 +461,34 @@ func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key stri
 }
 
 // applyNextHeld applies the key's next message if it is held and its
-// handler is known here, and says whether it did.
-func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (bool, error) {
+// handler is known here, and says whether it did, and whether a failure
+// came from running it (its handler, its transaction's commit) rather than
+// from finding it. It counts the applied message; drain counts failures.
+func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (applied, ran bool, err error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
-		return false, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return false, false, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }() // a no-op after the commit
 	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
-		return false, err
+		return false, false, err
 	}
 	next := last + 1
 	var id, payload, encoding, metadata string
 	q := in.ordered.q.Held(consumer, key, next)
 	switch err := in.queryRow(ctx, tx, q).Scan(&id, &payload, &encoding, &metadata); {
 	case errors.Is(err, sql.ErrNoRows):
-		return false, nil
+		return false, false, nil
 	case err != nil:
-		return false, fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, next, consumer, err)
+		return false, false, fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, next, consumer, err)
 	}
 	msg, err := heldMessage(id, payload, encoding, metadata)
 	if err != nil {
 		// A row no handler can be given: it stays, and the key with it, for
 		// an operator (Gaps lists it; SkipGap cannot pass it, deleting it
 		// by hand can).
-		return false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
+		return false, false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
 	}
 	heldBy, byName := msg.Metadata[heldHandlerKey]
 	delete(msg.Metadata, heldHandlerKey)
@@ -491,7 +499,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 		// delivery, or an ApplyHeld after it.
 		in.log.Debug("Held message waits for its handler", watermill.LogFields{
 			"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
-		return false, nil
+		return false, false, nil
 	}
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
@@ -503,15 +511,13 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	msg.SetContext(mctx)
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
 	if err != nil {
-		in.cfg.Metrics.inbox(consumer, inboxFailed)
-		return false, err
+		return false, true, err
 	}
 	if err := tx.Commit(); err != nil {
-		in.cfg.Metrics.inbox(consumer, inboxFailed)
-		return false, fmt.Errorf("outbox: inbox: commit held %s for %s: %w", id, consumer, err)
+		return false, true, fmt.Errorf("outbox: inbox: commit held %s for %s: %w", id, consumer, err)
 	}
 	in.cfg.Metrics.inbox(consumer, outcome)
-	return true, nil
+	return true, true, nil
 }
 
 // heldMessage rebuilds a held message from its row.
@@ -670,12 +676,26 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, throug
 		return err
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
+	defer in.refreshAfterSkip(ctx)
 	if in.ordered != nil {
 		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// refreshAfterSkip reads the held messages into the gauges after an
+// operator's skip, so that an alert on a gap ends with the skip rather
+// than at the next RefreshStats. The skip is done whatever the reading
+// says: a failure is logged.
+func (in *Inbox) refreshAfterSkip(ctx context.Context) {
+	if in.cfg.Metrics == nil {
+		return
+	}
+	if err := in.RefreshStats(ctx); err != nil {
+		in.log.Error("Ordered inbox: the held messages' gauges could not be read after a skip", err, nil)
+	}
 }
 
 // skipGap decides on the key's row, locked as every delivery of the key
@@ -742,34 +762,58 @@ func seqRange(from, through int64) string {
 
 // RefreshStats reads the held messages into the Metrics gauges:
 // outbox_inbox_held (messages), outbox_inbox_gaps (keys with a message held
-// longer than GapAfter, each also logged as a warning) and
-// outbox_inbox_oldest_gap_age_seconds. ApplyHeld calls it; without Metrics
-// it only logs.
+// longer than GapAfter) and outbox_inbox_oldest_gap_age_seconds, counted
+// over every held message in one statement. The longest-held keys past
+// GapAfter (up to gapLogs of them) are each logged as an error. ApplyHeld
+// calls it; without Metrics it only logs.
 func (in *Inbox) RefreshStats(ctx context.Context) error {
-	all, err := in.Gaps(ctx, 0)
+	now := time.Now()
+	q := sqldialect.NewOrderedInbox(in.dialect.sql()).HeldStats(now.Add(-in.cfg.GapAfter))
+	var held, overdue int64
+	first := sqldialect.NewTime(in.dialect.sql())
+	if err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&held, &overdue, first); err != nil {
+		return fmt.Errorf("outbox: inbox: held messages: %w", err)
+	}
+	if first.Err != nil {
+		return fmt.Errorf("outbox: inbox: held messages: the oldest held_at: %w", first.Err)
+	}
+	var oldest time.Duration
+	if !first.T.IsZero() {
+		oldest = max(0, now.Sub(first.T))
+	}
+	in.cfg.Metrics.held(held, overdue, oldest)
+	if overdue > 0 {
+		return in.logGaps(ctx, overdue)
+	}
+	return nil
+}
+
+// gapLogs is how many keys held past GapAfter one RefreshStats logs, the
+// longest-held first; outboxctl held lists them all.
+const gapLogs = 20
+
+// logGaps logs the longest-held of the overdue keys held past GapAfter.
+func (in *Inbox) logGaps(ctx context.Context, overdue int64) error {
+	gs, err := in.Gaps(ctx, in.cfg.GapAfter)
 	if err != nil {
 		return err
 	}
 	now := time.Now()
-	var held, overdue int64
-	var oldest time.Duration
-	for _, g := range all {
-		held += g.Held
-		age := now.Sub(g.OldestHeldAt)
-		oldest = max(oldest, age)
-		if age >= in.cfg.GapAfter {
-			overdue++
-			why := "Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)"
-			if g.Missing() <= 0 {
-				why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
-			}
-			in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
-				"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
-				"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
-			})
+	for i, g := range gs {
+		if i == gapLogs {
+			in.log.Error("Ordered inbox: more keys hold messages past GapAfter (outboxctl held lists them)", fmt.Errorf("%d keys, %d logged", overdue, gapLogs), nil)
+			break
 		}
+		age := now.Sub(g.OldestHeldAt)
+		why := "Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)"
+		if g.Missing() <= 0 {
+			why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
+		}
+		in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
+			"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
+			"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
+		})
 	}
-	in.cfg.Metrics.held(held, overdue, oldest)
 	return nil
 }
 
@@ -802,6 +846,7 @@ func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) 
 		return SkippedMessage{}, err
 	}
 	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": skipped.ID})
+	defer in.refreshAfterSkip(ctx)
 	if in.ordered != nil {
 		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
 			return skipped, err

@@ -38,10 +38,12 @@ type Metrics struct {
 // start with "outbox_". Registering twice on one registry fails, as
 // Prometheus does for any collector.
 //
-// One Metrics serves one outbox table: its gauges (outbox_pending,
-// outbox_stuck, the oldest pending age) are one reading, which a second
-// Forwarder on another table would overwrite with its own. Give each table
-// its own, apart by a label:
+// One Metrics serves one outbox table and one database's ordered inboxes:
+// its gauges (outbox_pending, outbox_stuck, the oldest pending age; the
+// held messages, gaps and oldest gap of Inbox.RefreshStats) are one
+// reading, which a second Forwarder on another table, or an Inbox on
+// another database, would overwrite with its own. Give each its own, apart
+// by a label:
 // NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"outbox": "billing"}, reg)).
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
@@ -51,7 +53,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"exchange"}),
 		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_forwarder_failed_total",
-			Help: "Outbox records whose publish failed, or was not confirmed before the connection was lost, by exchange.",
+			Help: "Outbox records whose publish failed, by exchange: each failure the relay records on its row (last_error). The records in flight behind the first one a lost connection took, released to go again, are not counted.",
 		}, []string{"exchange"}),
 		batchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outbox_forwarder_batch_duration_seconds",
@@ -76,11 +78,11 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"consumer"}),
 		inboxDuplicate: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_inbox_duplicates_total",
-			Help: "Messages the inbox acked without running the handler, already processed, by consumer.",
+			Help: "Messages the inbox acked without running the handler, already processed or (ordered inbox) a copy of one held already, by consumer.",
 		}, []string{"consumer"}),
 		inboxFailed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_inbox_failed_total",
-			Help: "Messages whose handler or commit failed, rolled back and nacked, by consumer.",
+			Help: "Messages whose handler or commit failed and were rolled back, by consumer: a delivery is nacked; a held message of the ordered inbox stays held.",
 		}, []string{"consumer"}),
 		inboxAtMostOnce: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_inbox_at_most_once_total",
@@ -119,13 +121,25 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Connects to a RabbitMQ node that failed (refused, timed out, handshake refused), by node.",
 		}, []string{"node"}),
 	}
-	var errs []error
+	var (
+		errs       []error
+		registered []prometheus.Collector
+	)
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
 		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap, m.statements,
 		m.brokerConnectedNodes, m.brokerConnects, m.brokerDialFailures} {
-		errs = append(errs, reg.Register(c))
+		if err := reg.Register(c); err != nil {
+			errs = append(errs, err)
+		} else {
+			registered = append(registered, c)
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
+		// All or nothing: the registry is left as it was, so that a
+		// NewMetrics once the conflict is gone succeeds.
+		for _, c := range registered {
+			reg.Unregister(c)
+		}
 		return nil, err
 	}
 	return m, nil

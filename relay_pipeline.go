@@ -35,8 +35,6 @@ type relayLoop struct {
 	// claimInFlow: the database cannot wake the relay at all (see
 	// claimNow).
 	claimInFlow bool
-	// counted is the store's statement count last reported to Metrics.
-	counted int64
 	// swept is when the last sweep started (see pause).
 	swept time.Time
 }
@@ -100,13 +98,6 @@ type swept struct {
 	// unblocked: a keyed record was published, so its key's next record,
 	// which no claim could take while it was in flight, may be waiting.
 	unblocked bool
-}
-
-// countStatements reports the statements sent since the last call.
-func (l *relayLoop) countStatements() {
-	n := l.f.store.sent.Load()
-	l.f.cfg.Metrics.sentStatements(n - l.counted)
-	l.counted = n
 }
 
 // refreshStats sets the metrics' gauges, every StatsInterval.

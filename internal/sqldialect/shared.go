@@ -975,6 +975,17 @@ func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
 		o.d.TimeArg(cutoff), limit)
 }
 
+// HeldStats reads what the gauges show of every held message, of every
+// consumer: how many are held, on how many keys a message is held since
+// before cutoff, and when the longest-held one was held (NULL when none).
+// Columns: those three.
+func (o *OrderedInbox) HeldStats(cutoff time.Time) Query {
+	return o.query("SELECT (SELECT COUNT(*) FROM "+InboxHeldTable+"),"+
+		" (SELECT COUNT(*) FROM (SELECT 1 AS k FROM "+InboxHeldTable+" GROUP BY consumer_name, aggregate_id HAVING MIN(held_at) < ?) g),"+
+		" (SELECT MIN(held_at) FROM "+InboxHeldTable+")",
+		o.d.TimeArg(cutoff))
+}
+
 // migrationTableLockWait is how long one try of a migration waits for a
 // table's lock. DDL on a table another transaction uses (a long read, a
 // slow batch of another service's) waits for it, and every statement on the

@@ -1,0 +1,226 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/prometheus/client_golang/prometheus"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// pgConflict is an error PostgreSQL's dialect takes for a serialization
+// failure (SQLSTATE 40001), as pgx's *pgconn.PgError reports it.
+type pgConflict struct{}
+
+func (pgConflict) Error() string {
+	return "ERROR: could not serialize access due to concurrent update (SQLSTATE 40001)"
+}
+func (pgConflict) SQLState() string { return "40001" }
+
+// The gauges of the ordered inbox count every held message. RefreshStats
+// read them through Gaps, which stops at 1000 keys, so with more keys
+// holding messages outbox_inbox_held and outbox_inbox_gaps stopped at 1000.
+func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Metrics: m, GapAfter: 1})
+	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, nil })
+	const keys = 1005
+	for i := range keys {
+		deliver(t, h, fmt.Sprintf("k%04d", i), 2) // each held: 1 has not come
+	}
+	if n := countHeld(t, db); n != keys {
+		t.Fatalf("%d held rows, want %d", n, keys)
+	}
+	if err := in.RefreshStats(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := metricValue(t, reg, "outbox_inbox_held", ""); got != keys {
+		t.Errorf("outbox_inbox_held = %v with %d messages held, want %d", got, keys, keys)
+	}
+	if got := metricValue(t, reg, "outbox_inbox_gaps", ""); got != keys {
+		t.Errorf("outbox_inbox_gaps = %v with %d keys held past GapAfter, want %d", got, keys, keys)
+	}
+}
+
+// A delivery whose transaction the database refused for a concurrent one
+// runs again and counts once, by its outcome; so does a held message's
+// apply. It counted a failure for the refused try, and then a processed
+// for the same message: one message, applied once, showed in
+// outbox_inbox_failed_total.
+func TestInbox_HeldApplyRefusedAndRunAgain_CountsOnce(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := map[string]bool{}
+	h := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Metrics: m}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if !refused[msg.UUID] {
+			refused[msg.UUID] = true
+			return nil, pgConflict{}
+		}
+		return nil, nil
+	})
+	// The delivery path: seq 1 refused once, run again, applied.
+	deliver(t, h, "acct", 1)
+	if got := metricValue(t, reg, "outbox_inbox_failed_total", "ledger"); got != 0 {
+		t.Fatalf("delivery path: outbox_inbox_failed_total = %v after a conflict rerun, want 0", got)
+	}
+	// The held path: 3 held, 2 applies and drains 3, whose first try is
+	// refused and run again.
+	deliver(t, h, "acct", 3)
+	deliver(t, h, "acct", 2)
+	if n := countHeld(t, db); n != 0 {
+		t.Fatalf("%d held after 2 was applied, want 0", n)
+	}
+	for name, want := range map[string]float64{
+		"outbox_inbox_processed_total": 3,
+		"outbox_inbox_held_total":      1,
+		"outbox_inbox_failed_total":    0,
+	} {
+		if got := metricValue(t, reg, name, "ledger"); got != want {
+			t.Errorf("%s{consumer=ledger} = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// lostDest is a broker whose connection goes before it confirms anything:
+// every record of a batch gets ErrConnectionLost, as AMQPDestination gives
+// each unconfirmed record when the connection closes or the confirm wait
+// times out.
+type lostDest struct{}
+
+func (lostDest) Publish(_ context.Context, records []outbox.Record) []error {
+	res := make([]error, len(records))
+	for i := range res {
+		res[i] = fmt.Errorf("%w: channel closed before the broker confirmed", outbox.ErrConnectionLost)
+	}
+	return res
+}
+
+// outbox_forwarder_failed_total counts the failures the relay records on
+// rows (last_error), and only those: five records out when the connection
+// went, none confirmed, charge the first and release the rest. The metric
+// and the rows tell the same story.
+func TestForwarder_ConnectionLost_FailedCountsTheFailuresRecorded(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publishN(t, db, "ex", "rk", 5)
+	f, err := outbox.NewForwarder(db.DB, lostDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Sweep(context.Background()); err == nil {
+		t.Fatal("sweep of a lost connection returned no error")
+	}
+	var recorded int
+	if err := db.QueryRow("SELECT COUNT(*) FROM acemq_outbox WHERE last_error IS NOT NULL").Scan(&recorded); err != nil {
+		t.Fatal(err)
+	}
+	if recorded != 1 {
+		t.Errorf("%d rows with a failure recorded, want the first of the batch", recorded)
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_failed_total", "ex"); got != float64(recorded) {
+		t.Errorf("outbox_forwarder_failed_total{exchange=ex} = %v, want the %d failures recorded on rows", got, recorded)
+	}
+}
+
+// A NewMetrics that fails to register (one name taken on the registry)
+// takes back the collectors it did register: they were left behind, in a
+// registry the caller may go on using.
+func TestNewMetrics_FailedRegistration_LeavesTheRegistryAsItWas(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	taken := prometheus.NewGauge(prometheus.GaugeOpts{Name: "outbox_stuck", Help: "someone else's"})
+	reg.MustRegister(taken)
+	if _, err := outbox.NewMetrics(reg); err == nil {
+		t.Fatal("NewMetrics succeeded over a taken name")
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "outbox_stuck" {
+			t.Errorf("the failed NewMetrics left %s registered", f.GetName())
+		}
+	}
+}
+
+// Sweep is the relay's too ("publishes one batch now"), and it sends its
+// claim, marks, BEGIN and COMMIT; outbox_forwarder_statements_total
+// counted only what Run's loop reported, so a relay driven by Sweep
+// showed none.
+func TestForwarder_Sweep_StatementsCounted(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	publishN(t, db, "ex", "rk", 1)
+	f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+		t.Fatalf("sweep: %d, %v; want 1, nil", n, err)
+	}
+	sent := outbox.StatementsSent(f.Store())
+	if got := metricValue(t, reg, "outbox_forwarder_statements_total", ""); got != float64(sent) {
+		t.Errorf("outbox_forwarder_statements_total = %v after a Sweep that sent %d statements", got, sent)
+	}
+}
+
+// okDest confirms every record.
+type okDest struct{}
+
+func (okDest) Publish(_ context.Context, records []outbox.Record) []error {
+	return make([]error, len(records))
+}
+
+// An operator's skip reads the held messages into the gauges again (SkipHeld too): an
+// alert on outbox_inbox_gaps ends with the skip, not at the next
+// RefreshStats (ApplyHeld's, every few minutes).
+func TestInbox_SkipGap_RefreshesTheGauges(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		reg := prometheus.NewRegistry()
+		m, err := outbox.NewMetrics(reg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Metrics: m, GapAfter: time.Nanosecond})
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, nil })
+		deliver(t, h, "a", 2) // held: 1 is missing
+		if err := in.RefreshStats(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if got := metricValue(t, reg, "outbox_inbox_gaps", ""); got != 1 {
+			t.Fatalf("outbox_inbox_gaps = %v before the skip, want 1", got)
+		}
+		if err := in.SkipGap(context.Background(), "ledger", "a", 1, 1); err != nil {
+			t.Fatal(err)
+		}
+		for _, name := range []string{"outbox_inbox_held", "outbox_inbox_gaps", "outbox_inbox_oldest_gap_age_seconds"} {
+			if got := metricValue(t, reg, name, ""); got != 0 {
+				t.Errorf("%s = %v after SkipGap applied the only held message, want 0", name, got)
+			}
+		}
+	})
+}
