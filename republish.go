@@ -139,7 +139,7 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 // pending already, and each record is resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	q := r.store.q.Republish(time.Now().Add(-r.cfg.Grace), r.cfg.TrackedTopics.Topics(), r.cfg.Exchanges)
-	n, err := execAffected(ctx, r.store.db, q)
+	n, err := execRange(ctx, r.store.db, r.store.dialect.sql(), q)
 	if err != nil {
 		return 0, fmt.Errorf("outbox: republish: %w", err)
 	}

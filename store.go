@@ -701,7 +701,7 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 	if len(ids) == 0 {
 		return 0, nil
 	}
-	n, err := execAffected(ctx, s.db, s.q.Retry(ids, time.Now()))
+	n, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Retry(ids, time.Now()))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry: %w", err)
 	}
@@ -712,7 +712,7 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 // RetryAllStuck makes every stuck row pending again and returns how many,
 // but for rows a relay holds under a live lease (see Retry).
 func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
-	n, err := execAffected(ctx, s.db, s.q.RetryStuck(s.cfg.MaxAttempts, time.Now()))
+	n, err := execRange(ctx, s.db, s.dialect.sql(), s.q.RetryStuck(s.cfg.MaxAttempts, time.Now()))
 	if err != nil {
 		return 0, fmt.Errorf("outbox: retry stuck: %w", err)
 	}
@@ -737,7 +737,7 @@ func (s *Store) wake(ctx context.Context, n int64) {
 // never touched. Nothing else removes published rows, and a table that only
 // grows costs disk and slows everything that scans it.
 func (s *Store) PurgePublished(ctx context.Context, olderThan time.Duration) (int64, error) {
-	return purgeInBatches(ctx, s.db, "purge", olderThan, s.cfg.PurgeBatch, s.q.PurgePublished)
+	return purgeInBatches(ctx, s.db, s.dialect.sql(), "purge", olderThan, s.cfg.PurgeBatch, s.q.PurgePublished)
 }
 
 // Check asks the database whether the outbox table is there and readable,

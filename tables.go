@@ -16,20 +16,21 @@ import (
 type dbConn interface {
 	sqldialect.Execer
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
 }
 
 // purgeInBatches runs the deletes purge gives, of at most batch rows each,
 // of the rows older than olderThan, until one deletes fewer than batch, and
 // returns how many rows went. Bounded batches keep a purge of millions of
 // rows from holding long locks. what names the purge in its errors.
-func purgeInBatches(ctx context.Context, db dbConn, what string, olderThan time.Duration, batch int, purge func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
+func purgeInBatches(ctx context.Context, db dbConn, d sqldialect.Dialect, what string, olderThan time.Duration, batch int, purge func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
 	if olderThan < 0 {
 		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
 	}
 	q := purge(time.Now().Add(-olderThan), batch)
 	var total int64
 	for {
-		n, err := execAffected(ctx, db, q)
+		n, err := execRange(ctx, db, d, q)
 		if err != nil {
 			return total, fmt.Errorf("outbox: %s: %w", what, err)
 		}
@@ -41,12 +42,34 @@ func purgeInBatches(ctx context.Context, db dbConn, what string, olderThan time.
 }
 
 // execAffected runs q and returns the rows it affected.
-func execAffected(ctx context.Context, db dbConn, q sqldialect.Query) (int64, error) {
+func execAffected(ctx context.Context, db sqldialect.Execer, q sqldialect.Query) (int64, error) {
 	res, err := db.ExecContext(ctx, q.SQL, q.Args...)
 	if err != nil {
 		return 0, err
 	}
 	return res.RowsAffected()
+}
+
+// execRange runs q, a write over a range of rows (a purge, a retry of
+// every stuck row, a republish), and returns the rows it affected: where the database
+// takes gap locks (MySQL), in a READ COMMITTED transaction of its own.
+// Under REPEATABLE READ an operator's retry --all-stuck beside running
+// services failed some of their transactions with deadlocks, and a purge
+// held their inserts back while it ran.
+func execRange(ctx context.Context, db dbConn, d sqldialect.Dialect, q sqldialect.Query) (int64, error) {
+	if !d.GapLocks() {
+		return execAffected(ctx, db, q)
+	}
+	tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback() }() // a no-op after the commit
+	n, err := execAffected(ctx, tx, q)
+	if err != nil {
+		return 0, err
+	}
+	return n, tx.Commit()
 }
 
 // count runs a COUNT query of table.

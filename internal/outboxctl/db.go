@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"regexp"
 	"strings"
 	"time"
 
@@ -34,12 +35,15 @@ const (
 
 // target is the database a command works on, as the operator named it.
 type target struct {
-	kind    string
-	driver  string
-	dsn     string // what the driver opens
-	shown   string // the DSN as given, password hidden: for messages
-	path    string // sqlite: the file; "" for an in-memory database
-	dialect outbox.Dialect
+	kind   string
+	driver string
+	dsn    string // what the driver opens
+	shown  string // the DSN as given, password hidden: for messages
+	path   string // sqlite: the file; "" for an in-memory database
+	// readOnly: an SQLite file opened read-only (mode=ro), where only the
+	// commands that read work.
+	readOnly bool
+	dialect  outbox.Dialect
 }
 
 // sqliteParams make concurrent writers (the relay, the services, this tool)
@@ -76,12 +80,28 @@ func parseTarget(raw string, wal bool) (target, error) {
 		return mysqlTarget(raw)
 	case strings.HasPrefix(raw, "file:"):
 		return sqliteTarget(raw, wal)
+	case strings.Contains(raw, "@/"):
+		return mysqlTarget(raw) // user:pass@/db: the driver's default address
 	case strings.Contains(raw, "://"):
 		scheme, _, _ := strings.Cut(raw, "://")
 		return target{}, usagef("--db: %s:// is not a database outboxctl knows; want a postgres:// URL, a MySQL DSN user:pass@tcp(host:port)/db, or an SQLite path", scheme)
+	case keywordDSN.MatchString(raw):
+		// libpq's host=… dbname=…: read as a path it became an SQLite file
+		// of that name, which migrate created and the relay drained of
+		// nothing, while the real outbox filled up.
+		return target{}, usagef("--db: a key=value DSN; write PostgreSQL's as a URL, postgres://user:pass@host:5432/db?sslmode=disable (an SQLite file of such a name: file:NAME)")
+	case schemeTypo.MatchString(raw):
+		return target{}, usagef("--db %s: want scheme://, as postgres://user@host/db or mysql://user@host/db (an SQLite file of such a name: file:NAME)", raw)
 	}
 	return sqliteTarget(raw, wal)
 }
+
+var (
+	// keywordDSN is the start of a key=value DSN (libpq's "host=… dbname=…").
+	keywordDSN = regexp.MustCompile(`^\s*[A-Za-z_]+\s*=`)
+	// schemeTypo is a database URL missing a slash or two ("postgres:/h/db").
+	schemeTypo = regexp.MustCompile(`(?i)^(postgres|postgresql|mysql):`)
+)
 
 func postgresTarget(raw string) (target, error) {
 	u, err := url.Parse(raw)
@@ -183,7 +203,7 @@ func sqliteTarget(raw string, wal bool) (target, error) {
 	if path == ":memory:" || values.Get("mode") == "memory" {
 		path = ""
 	}
-	return target{kind: kindSQLite, driver: "sqlite3", dsn: dsn, shown: redactQuery(raw), path: path, dialect: outbox.SQLite}, nil
+	return target{kind: kindSQLite, driver: "sqlite3", dsn: dsn, shown: redactQuery(raw), path: path, readOnly: values.Get("mode") == "ro", dialect: outbox.SQLite}, nil
 }
 
 // redactURL hides a URL's password, in the user part or in a parameter.

@@ -18,7 +18,12 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
+
+// stopTimeout bounds a stop: twice the relay's publish timeout (15 s), the
+// batches in flight and their marks.
+const stopTimeout = 30 * time.Second
 
 // shutdownTimeout bounds the wait for /metrics and /healthz requests in
 // progress when the relay stops; the relay's own batch is not bounded by it.
@@ -65,14 +70,24 @@ func (c *cli) relay(args []string) error {
 		return usagef("--batch-size: %d; want 1 to 1000", *batch)
 	case *maxBatch < *batch || *maxBatch > 1000:
 		return usagef("--max-batch-size: %d; want --batch-size (%d) to 1000", *maxBatch, *batch)
-	case *poll <= 0:
-		return usagef("--poll-interval: %s; want more than 0", *poll)
+	case *poll < time.Millisecond:
+		return usagef("--poll-interval: %s; want 1ms or more", *poll)
 	case *stats <= 0:
 		return usagef("--stats-interval: %s; want more than 0", *stats)
 	case len(*relayID) > 64:
 		return usagef("--relay-id: longer than the 64 characters locked_by holds")
+	case *relayID == sqldialect.RetryHold:
+		return usagef("--relay-id: %q marks a failed keyed record's backoff in locked_by; choose another name", *relayID)
 	case len(splitURLs(c.g.amqp)) == 0:
 		return usagef("relay: no broker: pass --amqp or set OUTBOX_AMQP_URL (amqp://user:pass@host:5672/vhost, or a comma-separated list of a cluster's nodes)")
+	}
+	// The database's form is checked before anything is dialled: a flag
+	// out of range or a DSN the relay cannot work with is the operator's
+	// to mend, and a broker error would hide it.
+	if t, err := parseTarget(c.g.db, true); err != nil {
+		return err
+	} else if t.readOnly {
+		return usagef("--db %s: opened read-only (mode=ro); the relay writes its claims and marks", t.shown)
 	}
 	amqpURLs := splitURLs(c.g.amqp)
 	shown := make([]string, len(amqpURLs))
@@ -189,7 +204,22 @@ func (c *cli) relay(args []string) error {
 	if c.ctx.Err() != nil {
 		log.Info("Stop requested: finishing the batch in flight")
 	}
-	closeErr := fwd.Close() // waits for Run to finish the batch, then closes the connection
+	// Close waits for Run to finish the batches in flight (a publish
+	// timeout at most, then their marks), then closes the connection. A
+	// database that stopped answering (a partition: the connections stay
+	// open, nothing comes back) would hold the statement in flight, and so
+	// the stop, until the kernel gives the connection up, minutes later, past
+	// any grace period: the stop is bounded, and nothing is lost to it (what
+	// was not marked is sent again).
+	closed := make(chan error, 1)
+	go func() { closed <- fwd.Close() }()
+	var closeErr error
+	select {
+	case closeErr = <-closed:
+	case <-time.After(stopTimeout):
+		log.Error("The relay did not stop within the bound: the database or the broker does not answer. Exiting; what it claimed and did not mark is released when its transactions or leases end, and sent again", "bound", stopTimeout)
+		return fmt.Errorf("relay did not stop within %s", stopTimeout)
+	}
 	if ran != nil {
 		runErr = <-ran
 		if c.ctx.Err() != nil && errors.Is(runErr, outbox.ErrForwarderClosed) {

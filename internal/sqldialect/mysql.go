@@ -41,6 +41,8 @@ func (mysql) WatchesFile() bool { return false }
 // relay dies.
 func (mysql) Leases() bool { return false }
 
+func (mysql) GapLocks() bool { return true }
+
 // PadsKeys: acemq_outbox.aggregate_id and acemq_outbox_sequences are
 // varchar in a _bin collation, which MySQL 8 and MariaDB compare PAD SPACE.
 // (The ordered inbox's keys are varbinary since 0009: exact.)
@@ -275,6 +277,8 @@ func (mysql) keyIndex() string {
 		" WHERE s1.TABLE_SCHEMA = COALESCE(?, DATABASE()) AND s1.TABLE_NAME = ? AND s1.SEQ_IN_INDEX = 1" +
 		" AND s1.COLUMN_NAME = 'aggregate_id' ORDER BY s1.INDEX_NAME LIMIT 1"
 }
+
+func (mysql) publishedAt(op string) string { return publishedAtColumn(op) }
 
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …
 // LIMIT instead.

@@ -111,6 +111,8 @@ func (o *Outbox) NarrowColumns() Query {
 // connection, at once; a second relay skips the locked rows.
 func (postgres) Leases() bool { return false }
 
+func (postgres) GapLocks() bool { return false }
+
 func (postgres) PadsKeys() bool { return false }
 
 func (postgres) TextKeys() bool { return true }
@@ -195,6 +197,8 @@ func (postgres) busyTimeout() string { return "" }
 func (postgres) pendingIndex() string { return "" }
 
 func (postgres) keyIndex() string { return "" }
+
+func (postgres) publishedAt(op string) string { return publishedAtColumn(op) }
 
 // purgePublished locks the rows it picks, skipping locked ones: a row made
 // pending again while the purge waited for it (Republish, an operator's

@@ -39,9 +39,10 @@ const claimAlias = "c"
 
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // and not under a live lease (ours, or one written by an AceMQ relay in
-// another language). Claim adds the dialect's keyHead: a keyed row must be
+// another language). A NULL attempts (a nullable column of another
+// library's table, a writer that left it out) is no attempt yet. Claim adds the dialect's keyHead: a keyed row must be
 // at the head of its key. Arguments: max attempts, now.
-const claimable = "published_at IS NULL AND attempts < ? AND (locked_until IS NULL OR locked_until < ?)"
+const claimable = "published_at IS NULL AND COALESCE(attempts, 0) < ? AND (locked_until IS NULL OR locked_until < ?)"
 
 // keyHeadNotExists is the key-head condition of PostgreSQL and SQLite. It
 // keeps a key's records in sequence order across batches, pipelined
@@ -418,7 +419,7 @@ func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 	dest := []any{&r.ID,
 		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
-		c.timestamp("created_at", &r.CreatedAt), c.integer("attempts", &r.Attempts),
+		c.timestamp("created_at", &r.CreatedAt), nullable(c.integer("attempts", &r.Attempts)),
 		nullable(c.text("aggregate_id", &r.AggregateID)), nullable(c.int64("seq", &r.Seq))}
 	for rows.Next() {
 		r, c.failed = ClaimedRow{}, c.failed[:0]
@@ -579,9 +580,9 @@ func (o *Outbox) ReleaseLease(relayID string, ids []string) Query {
 // Stats counts pending and stuck rows. Columns: pending, stuck, the oldest
 // pending created_at (NULL if none).
 func (o *Outbox) Stats(maxAttempts int) Query {
-	return o.query("SELECT COALESCE(SUM(CASE WHEN attempts < ? THEN 1 ELSE 0 END), 0), "+
+	return o.query("SELECT COALESCE(SUM(CASE WHEN COALESCE(attempts, 0) < ? THEN 1 ELSE 0 END), 0), "+
 		"COALESCE(SUM(CASE WHEN attempts >= ? THEN 1 ELSE 0 END), 0), "+
-		"MIN(CASE WHEN attempts < ? THEN created_at END) FROM "+o.table+" WHERE published_at IS NULL",
+		"MIN(CASE WHEN COALESCE(attempts, 0) < ? THEN created_at END) FROM "+o.table+" WHERE published_at IS NULL",
 		maxAttempts, maxAttempts, maxAttempts)
 }
 
@@ -631,12 +632,12 @@ func (o *Outbox) Probe() Query { return Query{SQL: "SELECT 1 FROM " + o.table + 
 
 // PublishedSince counts the rows published at or after t.
 func (o *Outbox) PublishedSince(t time.Time) Query {
-	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND published_at >= ?", o.d.TimeArg(t))
+	return o.query("SELECT COUNT(*) FROM "+o.table+o.d.publishedAt(">="), o.d.TimeArg(t))
 }
 
 // PublishedBefore counts the rows published before t.
 func (o *Outbox) PublishedBefore(t time.Time) Query {
-	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND published_at < ?", o.d.TimeArg(t))
+	return o.query("SELECT COUNT(*) FROM "+o.table+o.d.publishedAt("<"), o.d.TimeArg(t))
 }
 
 // Republish makes published, unprocessed records of routingKeys (to one of
@@ -672,6 +673,12 @@ func insertOutboxOnConflict(table, cols string, n, rows int, placeholder func(n 
 	valuesList(&b, rows, n, placeholder)
 	b.WriteString(" ON CONFLICT (id) DO NOTHING")
 	return b.String()
+}
+
+// publishedAtColumn is publishedAt where published_at holds times, which
+// compare as such.
+func publishedAtColumn(op string) string {
+	return " WHERE published_at IS NOT NULL AND published_at " + op + " ?"
 }
 
 // purgePublishedByKey deletes at most ? rows published before ?, oldest first.

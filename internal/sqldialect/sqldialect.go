@@ -58,6 +58,12 @@ type Dialect interface {
 	// Leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	Leases() bool
+	// GapLocks: a write over a range of an index under the server's
+	// default isolation (REPEATABLE READ) locks the gaps in it, where other
+	// transactions insert (InnoDB): the library's own range writes run
+	// under READ COMMITTED there, so that the services' inserts neither
+	// wait for them nor deadlock with them.
+	GapLocks() bool
 	// PadsKeys: the outbox's key columns ignore trailing spaces in
 	// comparisons (MySQL's _bin collations are PAD SPACE), so "k" and "k "
 	// would share one key's sequence numbers.
@@ -130,6 +136,10 @@ type Dialect interface {
 	// names, "" if the dialect's claims name none (see pendingIndex).
 	keyIndex() string
 	purgePublished(table string) string
+	// publishedAt is what follows a table in a query of its rows published
+	// before ("<") or at or after (">=") one time argument: the condition,
+	// and anything the condition needs in the FROM clause.
+	publishedAt(op string) string
 	insertProcessed(table string) string
 	purgeProcessed(table string) string
 	// The ordered inbox's statements that differ: insert-if-absent (the
@@ -259,6 +269,15 @@ func readTime(d Dialect, v any) (time.Time, error) {
 		return parseTime(string(x))
 	case string:
 		return parseTime(x)
+	case int64:
+		// SQLite hands back a number another library stored (Java's
+		// sqlite-jdbc writes Unix milliseconds) raw where the column's
+		// type is lost (an aggregate): read as the driver reads it through
+		// the column, milliseconds past 12 digits, else seconds.
+		if x > 1e12 || x < -1e12 {
+			return time.UnixMilli(x).UTC(), nil
+		}
+		return time.Unix(x, 0).UTC(), nil
 	}
 	return time.Time{}, fmt.Errorf("cannot read a %T as a timestamp", v)
 }

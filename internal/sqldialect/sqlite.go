@@ -39,6 +39,8 @@ func (sqlite) WatchesFile() bool { return true }
 // leaves its rows until the lease expires.
 func (sqlite) Leases() bool { return true }
 
+func (sqlite) GapLocks() bool { return false }
+
 func (sqlite) PadsKeys() bool { return false }
 
 func (sqlite) TextKeys() bool { return false }
@@ -123,7 +125,34 @@ func (sqlite) pendingIndex() string { return "" }
 
 func (sqlite) keyIndex() string { return "" }
 
-func (sqlite) purgePublished(table string) string { return purgePublishedByKey(table) }
+// purgePublished: a published_at another library stored as a number
+// (Java's sqlite-jdbc writes Unix milliseconds) sorts below every text in
+// SQLite, so the text comparison alone took a row published a minute ago
+// for one older than any cutoff. Such a row is compared as a time, read as
+// the driver reads it (milliseconds past 13 digits, else seconds).
+func (d sqlite) purgePublished(table string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table + d.publishedAt("<") + " ORDER BY published_at LIMIT ?)"
+}
+
+// publishedAt: a published_at stored as a number is compared as a time (see
+// purgePublished). Text rows keep the published index's range.
+func (sqlite) publishedAt(op string) string {
+	numeric := "typeof(published_at) IN ('integer', 'real') AND " + unixSeconds("published_at") + " " + op + " unixepoch(k.cutoff)"
+	from := ", (SELECT ? AS cutoff) k WHERE published_at IS NOT NULL AND "
+	if op == "<" {
+		// A number sorts below every text: the range holds every numeric
+		// row, and the condition sorts them out.
+		return from + "published_at < k.cutoff AND (typeof(published_at) NOT IN ('integer', 'real') OR " + numeric + ")"
+	}
+	return from + "(published_at " + op + " k.cutoff OR " + numeric + ")"
+}
+
+// unixSeconds is a numeric timestamp column in Unix seconds, as
+// mattn/go-sqlite3 reads one: milliseconds when it has more than 12
+// digits.
+func unixSeconds(col string) string {
+	return "(CASE WHEN abs(" + col + ") > 1000000000000 THEN " + col + " / 1000.0 ELSE " + col + " END)"
+}
 
 func (sqlite) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
