@@ -220,6 +220,9 @@ type Forwarder struct {
 	// watch, is in place, so another process's commit wakes the relay and
 	// the poll is only a safety net.
 	woken atomic.Bool
+	// swept is when Run's loop last finished a sweep, Unix nanoseconds; 0
+	// before the first (see LastSweep).
+	swept atomic.Int64
 
 	mu        sync.Mutex
 	runCalled bool
@@ -283,6 +286,21 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 // Store returns the store of the forwarder's table: pending count, stuck
 // rows, retry, purge.
 func (f *Forwarder) Store() *Store { return f.store }
+
+// LastSweep is when Run's loop last finished a sweep (published what there
+// was, found nothing, or failed and backed off), or the zero time before
+// its first. A running relay sweeps at least once per PollInterval, or per
+// backoff (RetryMax at most), and a sweep takes PublishTimeout twice at
+// most, and its marks: a LastSweep older than that is a relay held by
+// something that does not answer (a database behind a partition, whose
+// statement in flight waits for the kernel to give the connection up,
+// minutes): what a liveness probe asks. outboxctl relay's /healthz does.
+func (f *Forwarder) LastSweep() time.Time {
+	if n := f.swept.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
 
 // Running is closed once Run is at work.
 func (f *Forwarder) Running() chan struct{} { return f.running }
@@ -380,6 +398,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 	for {
 		loop.refreshStats(ctx)
 		s := loop.sweep(ctx)
+		f.swept.Store(time.Now().UnixNano())
 		f.countStatements()
 		if s.stopping {
 			f.log.Info("Outbox forwarder stopped", nil)

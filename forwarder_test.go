@@ -305,3 +305,31 @@ func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *
 		}
 	})
 }
+
+// LastSweep is zero before Run, and a running relay's moves on with every
+// poll, with nothing to publish: what a liveness probe reads.
+func TestForwarder_LastSweep_MovesOnWhileRunning(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 20 * time.Millisecond})
+	if !f.LastSweep().IsZero() {
+		t.Fatalf("LastSweep before Run: %s, want the zero time", f.LastSweep())
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go func() { _ = f.Run(ctx) }()
+	<-f.Running()
+	deadline := time.Now().Add(10 * time.Second)
+	for f.LastSweep().IsZero() && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	first := f.LastSweep()
+	if first.IsZero() {
+		t.Fatal("no sweep ended within 10 s of Run")
+	}
+	for !f.LastSweep().After(first) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if !f.LastSweep().After(first) {
+		t.Errorf("LastSweep stayed at %s for 10 s with a poll of 20 ms", first)
+	}
+}

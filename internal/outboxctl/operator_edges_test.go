@@ -7,6 +7,7 @@ package outboxctl
 import (
 	"encoding/json"
 	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"strings"
@@ -312,13 +313,21 @@ func runPartitioned(t *testing.T, db *testdb.DB, dsn string, partition func()) {
 	t.Helper()
 	broker := testamqp.New(t)
 	queue := broker.Queue()
-	relay := startRelay(t, dsn)
+	relay := startRelay(t, dsn, "--stall-after", "3s")
 	publish(t, db, 50, queue)
 	eventually(t, 30*time.Second, "the relay to publish", func() bool {
 		return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
 	})
+	if code, body := relay.get("/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz of a relay that sweeps: %d %s", code, body)
+	}
 	partition()
-	time.Sleep(time.Second) // the idle relay's next probe goes out and hangs
+	// The idle relay's next probe goes out and hangs: no sweep ends, and
+	// /healthz says so (a liveness probe restarts it).
+	eventually(t, 15*time.Second, "/healthz to call the relay stalled", func() bool {
+		code, body := relay.get("/healthz")
+		return code == http.StatusServiceUnavailable && strings.Contains(body, "stalled")
+	})
 	start := time.Now()
 	if err := relay.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
@@ -326,6 +335,9 @@ func runPartitioned(t *testing.T, db *testdb.DB, dsn string, partition func()) {
 	select {
 	case <-relay.exited:
 		t.Logf("exit %d %s after SIGTERM", relay.code, time.Since(start))
+		if relay.code == 0 {
+			t.Errorf("exit 0 from a stop cut short by the database: want 1, the stop did not finish")
+		}
 	case <-time.After(45 * time.Second):
 		t.Errorf("relay still running 45s after SIGTERM with the database partitioned; its log:\n%s", relay.stderr.String())
 	}

@@ -25,6 +25,14 @@ import (
 // batches in flight and their marks.
 const stopTimeout = 30 * time.Second
 
+// stallBound is how long a running relay may go without ending a sweep
+// before /healthz calls it stalled: a sweep takes the publish timeout twice
+// at most (15 s each), and the loop waits the poll or a backoff (10 s at
+// most) between two; half a minute more of slack.
+func stallBound(poll time.Duration) time.Duration {
+	return 2*15*time.Second + max(poll, 10*time.Second) + 30*time.Second
+}
+
 // shutdownTimeout bounds the wait for /metrics and /healthz requests in
 // progress when the relay stops; the relay's own batch is not bounded by it.
 const shutdownTimeout = 5 * time.Second
@@ -58,6 +66,7 @@ func (c *cli) relay(args []string) error {
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
 	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
 	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
+	stallAfterFlag := fs.Duration("stall-after", 0, "/healthz answers 503 once no sweep has ended for this long: a database or broker that does not answer (default 2 × the 15 s publish timeout + max(--poll-interval, 10 s) + 30 s)")
 	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--max-batch-size N] [--poll-interval D] [--listen ADDR]")
 	if err != nil {
 		return err
@@ -74,6 +83,8 @@ func (c *cli) relay(args []string) error {
 		return usagef("--poll-interval: %s; want 1ms or more", *poll)
 	case *stats <= 0:
 		return usagef("--stats-interval: %s; want more than 0", *stats)
+	case *stallAfterFlag < 0:
+		return usagef("--stall-after: %s; want 0 (the default) or more", *stallAfterFlag)
 	case len(*relayID) > 64:
 		return usagef("--relay-id: longer than the 64 characters locked_by holds")
 	case *relayID == sqldialect.RetryHold:
@@ -159,9 +170,15 @@ func (c *cli) relay(args []string) error {
 		return usagef("%v", err)
 	}
 
-	// healthy: 200 on /healthz while the forwarder runs, 503 before it
-	// starts and from the moment it is told to stop.
+	// healthy: 200 on /healthz while the forwarder runs and sweeps, 503
+	// before it starts, from the moment it is told to stop, and while no
+	// sweep has ended for stallAfter (a database that does not answer).
 	var healthy atomic.Bool
+	var runningSince atomic.Int64
+	stallAfter := *stallAfterFlag
+	if stallAfter == 0 {
+		stallAfter = stallBound(*poll)
+	}
 	var srv *http.Server
 	served := make(chan error, 1)
 	if *listen != "" {
@@ -173,11 +190,19 @@ func (c *cli) relay(args []string) error {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
-			if healthy.Load() {
-				fmt.Fprintln(w, "ok")
+			if !healthy.Load() {
+				http.Error(w, "not running", http.StatusServiceUnavailable)
 				return
 			}
-			http.Error(w, "not running", http.StatusServiceUnavailable)
+			last := fwd.LastSweep()
+			if last.IsZero() {
+				last = time.Unix(0, runningSince.Load())
+			}
+			if idle := time.Since(last); idle > stallAfter {
+				http.Error(w, fmt.Sprintf("stalled: no sweep has ended for %s (the database or the broker does not answer)", idle.Round(time.Second)), http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintln(w, "ok")
 		})
 		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() { served <- srv.Serve(ln) }()
@@ -189,6 +214,7 @@ func (c *cli) relay(args []string) error {
 	var runErr error
 	select {
 	case <-fwd.Running():
+		runningSince.Store(time.Now().UnixNano())
 		healthy.Store(true)
 		log.Info("Relay running", "db", d.shown, "amqp", amqpShown, "table", c.g.table)
 		select {
