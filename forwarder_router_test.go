@@ -319,7 +319,11 @@ func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *te
 		t.Run(name, func(t *testing.T) {
 			r := newRouterWithConsumer(t)
 			want := add(t, r)
-			err := r.Run(context.Background())
+			// Bounded: a router the plugins do not refuse runs until its
+			// context ends, and the test must fail then, not hang.
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			err := r.Run(ctx)
 			if !errors.Is(err, want) {
 				t.Errorf("router Run: %v, want %v", err, want)
 			}

@@ -1,0 +1,149 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+
+	_ "github.com/mattn/go-sqlite3"
+)
+
+// Guards of code no other test held (a mutation run over 7a0ede3..57a5c26
+// found it unguarded): each fails when the code it names is broken.
+
+// A nack renews the connection only once no other window is out on it: a
+// window sent after the nacked one, still out when the nack is collected,
+// keeps its confirms (dropped at once, they were lost, and its records
+// sent again). The connection is renewed when that window is collected.
+func TestNackWithAnotherWindowOut_ItsConfirmsKept(t *testing.T) {
+	b, ok := brokerWithFullQueue(t)
+
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	nacked := d.send(ctx, []Record{{ID: "nacked-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "full", Body: []byte("x")}})
+	after := d.send(ctx, []Record{{ID: "after-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "ok", Body: []byte("y")}})
+	if nacked.res[0] != nil || after.res[0] != nil || after.on != nacked.on {
+		t.Fatalf("send: %v, %v (same channel: %v)", nacked.res[0], after.res[0], after.on == nacked.on)
+	}
+	if res := d.wait(ctx, nacked); res[0] == nil || !strings.Contains(res[0].Error(), "nacked") {
+		t.Fatalf("first window: %v, want nacked", res[0])
+	}
+	if res := d.wait(ctx, after); res[0] != nil {
+		t.Fatalf("the window out behind the nacked one: %v, want its confirm (the connection was dropped under it)", res[0])
+	}
+	d.mu.Lock()
+	renewed := d.conn == nil
+	d.mu.Unlock()
+	if !renewed {
+		t.Error("the connection of the nack kept once no window was out on it")
+	}
+	if got := len(b.Drain(ok, 1, 5e9)); got != 1 {
+		t.Errorf("%d messages in the ok queue, want 1", got)
+	}
+}
+
+// One nack renews the connection once: the windows after the fresh
+// connection all go out on it (a renew flag left set would open a
+// connection for every window).
+func TestNackRenewsTheConnectionOnce(t *testing.T) {
+	b, _ := brokerWithFullQueue(t)
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	one := func(key string) (*sent, error) {
+		p := d.send(ctx, []Record{{ID: key + "-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: key, Body: []byte("x")}})
+		if p.res[0] != nil {
+			t.Fatalf("send: %v", p.res[0])
+		}
+		return p, d.wait(ctx, p)[0]
+	}
+	if _, err := one("full"); err == nil || !strings.Contains(err.Error(), "nacked") {
+		t.Fatalf("window to the full queue: %v, want nacked", err)
+	}
+	var conns []*amqp.Connection
+	for range 3 {
+		p, err := one("ok")
+		if err != nil {
+			t.Fatalf("window to the ok queue: %v", err)
+		}
+		conns = append(conns, p.on.conn)
+	}
+	if conns[0] != conns[1] || conns[1] != conns[2] {
+		t.Error("three acked windows after one nack went out on more than one connection: the nack's renewal did not end")
+	}
+}
+
+// brokerWithFullQueue is a test broker whose exchange routes "full" to a
+// queue that nacks every publish (x-max-length 1, reject-publish, filled)
+// and "ok" to the queue it returns.
+func brokerWithFullQueue(t *testing.T) (*testamqp.Broker, string) {
+	t.Helper()
+	b := testamqp.New(t)
+	full := "test-q-full-" + testdb.RandomName()
+	b.With(func(ch *amqp.Channel) error {
+		if _, err := ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
+			return err
+		}
+		if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
+			return err
+		}
+		return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
+	})
+	t.Cleanup(func() {
+		b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
+	})
+	return b, b.Queue("ok")
+}
+
+// SQLite's relay transactions are begun without ctx's cancellation (see
+// writeTx), yet one whose ctx ended while its statements ran is still
+// rolled back, as database/sql did for a transaction begun with ctx: a
+// claim or a mark whose caller has gone is not committed behind its error.
+func TestSQLiteWriteTx_ContextEndedDuringFn_RolledBack(t *testing.T) {
+	db, err := sql.Open("sqlite3", "file:"+filepath.Join(t.TempDir(), "outbox.db")+"?_journal_mode=WAL&_busy_timeout=5000&_txlock=immediate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = db.Close() })
+	if err := Migrate(context.Background(), db, SQLite); err != nil {
+		t.Fatal(err)
+	}
+	store, err := NewStore(db, StoreConfig{Dialect: SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	err = store.writeTx(ctx, "test", func(tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body) VALUES ('late', 'ex', 'rk', 'b')"); err != nil {
+			return err
+		}
+		cancel() // the caller gives up after the statement
+		return nil
+	})
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("writeTx whose ctx ended during fn: %v, want context.Canceled", err)
+	}
+	var n int
+	if err := db.QueryRow("SELECT COUNT(*) FROM acemq_outbox WHERE id = 'late'").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Error("the transaction of a cancelled writeTx was committed")
+	}
+}
