@@ -40,8 +40,9 @@ const claimAlias = "c"
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // and not under a live lease (ours, or one written by an AceMQ relay in
 // another language). A NULL attempts (a nullable column of another
-// library's table, a writer that left it out) is no attempt yet. Claim adds the dialect's keyHead: a keyed row must be
-// at the head of its key. Arguments: max attempts, now.
+// library's table, a writer that left it out) is no attempt yet. Claim
+// adds the dialect's keyHead: a keyed row must be at the head of its key.
+// Arguments: max attempts, now.
 const claimable = "published_at IS NULL AND COALESCE(attempts, 0) < ? AND (locked_until IS NULL OR locked_until < ?)"
 
 // keyHeadNotExists is the key-head condition of PostgreSQL and SQLite. It

@@ -273,7 +273,7 @@ func readTime(d Dialect, v any) (time.Time, error) {
 		// SQLite hands back a number another library stored (Java's
 		// sqlite-jdbc writes Unix milliseconds) raw where the column's
 		// type is lost (an aggregate): read as the driver reads it through
-		// the column, milliseconds past 12 digits, else seconds.
+		// the column: milliseconds when it has 13 digits or more, else seconds.
 		if x > 1e12 || x < -1e12 {
 			return time.UnixMilli(x).UTC(), nil
 		}

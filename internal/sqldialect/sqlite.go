@@ -129,7 +129,8 @@ func (sqlite) keyIndex() string { return "" }
 // (Java's sqlite-jdbc writes Unix milliseconds) sorts below every text in
 // SQLite, so the text comparison alone took a row published a minute ago
 // for one older than any cutoff. Such a row is compared as a time, read as
-// the driver reads it (milliseconds past 13 digits, else seconds).
+// the driver reads it (milliseconds when it has 13 digits or more, else
+// seconds).
 func (d sqlite) purgePublished(table string) string {
 	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table + d.publishedAt("<") + " ORDER BY published_at LIMIT ?)"
 }
@@ -148,8 +149,7 @@ func (sqlite) publishedAt(op string) string {
 }
 
 // unixSeconds is a numeric timestamp column in Unix seconds, as
-// mattn/go-sqlite3 reads one: milliseconds when it has more than 12
-// digits.
+// mattn/go-sqlite3 reads one: milliseconds when it has 13 digits or more.
 func unixSeconds(col string) string {
 	return "(CASE WHEN abs(" + col + ") > 1000000000000 THEN " + col + " / 1000.0 ELSE " + col + " END)"
 }
