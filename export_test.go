@@ -110,3 +110,17 @@ func Woken(f *Forwarder) bool { return f.woken.Load() }
 
 // StatementsSent is how many statements the store's relay sent.
 func StatementsSent(s *Store) int64 { return s.sent.Load() }
+
+// DestBookkeeping reports the sizes of an AMQPDestination's bookkeeping:
+// returns filed on its current channel, suspects, windows in flight, short
+// windows, exchanges known.
+func DestBookkeeping(d *AMQPDestination) (returned, suspects, inflight, short, exchanges int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cc != nil {
+		for _, r := range d.cc.returned {
+			returned += len(r)
+		}
+	}
+	return returned, len(d.suspects), len(d.inflight), len(d.short), len(d.exchanges)
+}

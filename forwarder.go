@@ -99,7 +99,9 @@ type ForwarderConfig struct {
 
 	// OnError is called for every failed record, with where it was going,
 	// and for every failed sweep (with an empty MessageID). By default the
-	// error is logged.
+	// error is logged. It runs on the relay's goroutine, in the middle of
+	// a sweep: it must not call Close or Sweep, which wait for that sweep
+	// (a deadlock); to stop the relay from it, cancel Run's context.
 	OnError func(err error, dest ErrorContext)
 	Logger  watermill.LoggerAdapter
 
@@ -371,7 +373,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 	}
 
 	loop := f.newRelayLoop(limit, listen)
-	if err := f.store.prepareRelay(ctx, loop.sizes()); err != nil {
+	if err := f.store.prepareRelay(ctx, loop.sizes()); err != nil && ctx.Err() == nil {
 		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
 	}
 
@@ -390,7 +392,13 @@ func (f *Forwarder) run(ctx context.Context) error {
 			f.watch(ctx)
 		}()
 	}
-	defer listener.Wait()
+	// Cancelled before the wait, whichever way run ends: a panic in the
+	// loop (a Destination's, an OnError's, a Logger's) goes on up rather
+	// than wait for ever on the listener, whose ctx nothing else ends.
+	defer func() {
+		cancel()
+		listener.Wait()
+	}()
 
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "max_batch_size": loop.maxSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
@@ -502,6 +510,13 @@ func (f *Forwarder) countStatements() {
 func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	f.sweepMu.Lock()
 	defer f.sweepMu.Unlock()
+	// Again under the lock: a Sweep that passed Sweep's look before Close
+	// took the lock would otherwise claim and publish after Close returned.
+	select {
+	case <-f.closing:
+		return 0, ErrForwarderClosed
+	default:
+	}
 	defer f.countStatements()
 	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize)
 	if err != nil || b == nil {
@@ -510,8 +525,19 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 		}
 		return 0, err
 	}
+	settled := false
+	defer func() {
+		if !settled {
+			// A panic (a Destination's, an OnError's) between the claim and
+			// its end: a recovered one (net/http recovers a handler's) would
+			// leave the claim's transaction open, its rows locked for as
+			// long as the process lives.
+			_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
+		}
+	}()
 	f.publish(ctx, b)
 	n, _, err := f.settle(ctx, b, report)
+	settled = true
 	return n, err
 }
 

@@ -119,17 +119,38 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	s := swept{stopping: ctx.Err() != nil, size: l.size}
 	l.swept = time.Now()
 
+	var (
+		next     *batch   // claimed and not sent yet
+		done     []*batch // to settle now, oldest first
+		unlocked bool
+	)
 	f.sweepMu.Lock()
-	if !s.stopping && l.claimNow() && !l.nothingToClaim(work) {
+	defer func() {
+		if !unlocked {
+			// A panic (a Destination's, an OnError's, a Logger's): the
+			// claims still open would hold their rows for as long as the
+			// process lives, and sweepMu every Close and Sweep.
+			l.abandon(work, append(append(done, l.queue...), next))
+			f.sweepMu.Unlock()
+		}
+	}()
+	// The probe, the broker's connect and the claim end with ctx: a relay
+	// told to stop does not wait for a broker or a database that does not
+	// answer, when nothing is claimed yet.
+	if !s.stopping && l.claimNow() && !l.nothingToClaim(ctx) {
 		var err error
-		if s.claimed, err = f.claimNext(work, l.after, s.size); err != nil {
+		s.claimed, err = f.claimNext(ctx, l.after, s.size)
+		switch {
+		case err == nil:
+		case ctx.Err() != nil:
+			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
+		default:
 			f.reportError(err, ErrorContext{})
 			s.failed = true
 		}
 	}
-	next := s.claimed // claimed and not sent yet
-	var done []*batch // to settle now, oldest first
-	held := false     // the oldest batch failed: nothing more goes out
+	next = s.claimed
+	held := false // the oldest batch failed: nothing more goes out
 	if l.pipelines(next) {
 		if done, held = l.send(work, next); !held {
 			next = nil
@@ -156,6 +177,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	default:
 		s.failed = l.publish(work, next, s.failed)
 	}
+	unlocked = true
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
 	s.unblocked = publishedKeyed(done) || publishedKeyed([]*batch{next})
@@ -181,6 +203,19 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	l.size = l.grow(s, done)
 	return s
+}
+
+// abandon ends the claims of bs (nil entries skipped) and forgets the
+// batches in flight: what a panic leaves. A claim settled already is not
+// changed by it (its transaction is over; its lease's rows are published
+// or failed).
+func (l *relayLoop) abandon(ctx context.Context, bs []*batch) {
+	for _, b := range bs {
+		if b != nil {
+			_ = l.f.store.abandon(ctx, b.claim)
+		}
+	}
+	l.queue = nil
 }
 
 // maxNextOfKeys is how many published keyed records behindNextOfKeys looks

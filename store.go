@@ -268,7 +268,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
 	// batch to finish.
-	tx, err := s.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	// The claim's statements end with ctx (a stopping relay does not wait
+	// for a database that does not answer), but its transaction lives on
+	// past it, to the marks: database/sql rolls a transaction back when
+	// the context it began with ends, which would undo the claim of a
+	// batch in flight, and its marks with it.
+	tx, err := s.db.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	s.sent.Add(2) // BEGIN, the claim
 	if err != nil {
 		return nil, fmt.Errorf("outbox: claim: %w", err)
