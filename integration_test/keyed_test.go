@@ -72,6 +72,10 @@ type keyedRun struct {
 	attempted, commitOK, rolled, failed int
 	ambiguous, keys                     int
 	errs                                map[string]int
+	// committedIDs are the message ids of the keyed events whose commit
+	// returned ok, by id their key: the client's own record of what must
+	// exist, independent of the outbox table the rest of verify reads.
+	committedIDs map[string]string
 }
 
 // keyedEffectsDDL has the table of the keyed handler's effects: one row per
@@ -232,7 +236,8 @@ func (k *keyedRun) place(orderID, event string, rollback bool) bool {
 		return fail(err, false)
 	}
 	payload, _ := json.Marshal(orderEvent{OrderID: orderID, Event: event})
-	msg := message.NewMessage(watermill.NewUUID(), payload)
+	msgID := watermill.NewUUID()
+	msg := message.NewMessage(msgID, payload)
 	msg.Metadata.Set(outbox.MetadataAggregateID, orderID)
 	msg.SetContext(ctx)
 	if err := pub.Publish(keyedTopic, msg); err != nil {
@@ -250,6 +255,10 @@ func (k *keyedRun) place(orderID, event string, rollback bool) bool {
 	}
 	k.mu.Lock()
 	k.commitOK++
+	if k.committedIDs == nil {
+		k.committedIDs = map[string]string{}
+	}
+	k.committedIDs[msgID] = orderID
 	k.mu.Unlock()
 	return true
 }
@@ -330,6 +339,31 @@ func (k *keyedRun) verify() []string {
 		}
 	}
 
+	// What the client saw commit must be in the outbox and applied: the
+	// checks above read the outbox table alone, and a keyed event that
+	// committed without its row (a publisher that dropped it and took no
+	// number) would leave every key gapless and every row applied.
+	rowIDs := map[string]bool{}
+	for _, o := range outboxRows {
+		rowIDs[o.ID] = true
+	}
+	appliedIDs := map[string]bool{}
+	for _, e := range effectRows {
+		appliedIDs[e.MsgID] = true
+	}
+	var noRow, notApplied []string
+	k.mu.Lock()
+	for id, key := range k.committedIDs {
+		if !rowIDs[id] {
+			noRow = append(noRow, key+"/"+id)
+		}
+		if !appliedIDs[id] {
+			notApplied = append(notApplied, key+"/"+id)
+		}
+	}
+	committedByClient := len(k.committedIDs)
+	k.mu.Unlock()
+
 	// What the handler saw, in the order it committed.
 	seen := map[string][]int64{}
 	var outOfOrder, wrongMsg, phantom []string
@@ -403,6 +437,12 @@ func (k *keyedRun) verify() []string {
 		}
 	}
 	check("the publisher's numbers are not 1..n per key", gapless)
+	check("LOST: keyed events whose commit returned ok, without their outbox row", noRow)
+	check("LOST: keyed events whose commit returned ok, never applied", notApplied)
+	if events < committedByClient || events > committedByClient+ambiguous {
+		t.Errorf("keyed: %d keyed outbox rows, but %d commits returned ok and %d were ambiguous: want between %d and %d",
+			events, committedByClient, ambiguous, committedByClient, committedByClient+ambiguous)
+	}
 	check("LOST: committed keyed events the handler never saw", lost)
 	check("DUPLICATED: keyed events the handler saw more than once", dup)
 	check("OUT OF ORDER: keys the handler saw in another order than 1..n", misordered)
