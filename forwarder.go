@@ -304,7 +304,10 @@ func (f *Forwarder) LastSweep() time.Time {
 	return time.Time{}
 }
 
-// Running is closed once Run is at work.
+// Running is closed once Run is at work. A Run that never gets to work
+// (Close came first, or its context had ended) returns without closing
+// it: wait for Running and for Run's return together, not for Running
+// alone.
 func (f *Forwarder) Running() chan struct{} { return f.running }
 
 // Notify wakes the relay now rather than at its next poll. Call it after
