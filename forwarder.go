@@ -405,6 +405,16 @@ func (f *Forwarder) run(ctx context.Context) error {
 
 	f.log.Info("Outbox forwarder running", watermill.LogFields{"batch_size": f.cfg.BatchSize, "max_batch_size": loop.maxSize, "poll_interval": f.cfg.PollInterval})
 	close(f.running)
+	defer func() {
+		if p := recover(); p != nil {
+			// A panic outside a sweep's claims (a Logger's in the stats,
+			// an OnError's after the sweep's lock): the batches in flight
+			// are ended, so that a recovered panic leaves no transaction
+			// open and no row locked.
+			loop.abandon(context.Background(), loop.queue)
+			panic(p)
+		}
+	}()
 
 	for {
 		loop.refreshStats(ctx)
@@ -691,6 +701,12 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	if len(cl.rows) == 0 {
 		return nil, f.store.abandon(ctx, cl)
 	}
+	defer func() {
+		if p := recover(); p != nil {
+			_ = f.store.abandon(context.WithoutCancel(ctx), cl) // a row whose reading panics
+			panic(p)
+		}
+	}()
 	b := &batch{claim: cl, claimedAt: started, records: make([]Record, 0, len(cl.rows)), attempts: make(map[string]int, len(cl.rows))}
 	for _, row := range cl.rows {
 		b.attempts[row.ID] = row.Attempts

@@ -685,15 +685,15 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, throug
 	return nil
 }
 
-// refreshAfterSkip reads the held messages into the gauges after an
-// operator's skip, so that an alert on a gap ends with the skip rather
-// than at the next RefreshStats. The skip is done whatever the reading
-// says: a failure is logged.
+// refreshAfterSkip reads the held messages into the gauges after a skip in
+// this process, so that an alert on a gap ends with the skip rather than
+// at the next RefreshStats; the other keys' gaps are not logged again. The
+// skip is done whatever the reading says: a failure is logged.
 func (in *Inbox) refreshAfterSkip(ctx context.Context) {
 	if in.cfg.Metrics == nil {
 		return
 	}
-	if err := in.RefreshStats(ctx); err != nil {
+	if _, err := in.readHeld(ctx); err != nil {
 		in.log.Error("Ordered inbox: the held messages' gauges could not be read after a skip", err, nil)
 	}
 }
@@ -767,25 +767,32 @@ func seqRange(from, through int64) string {
 // GapAfter (up to gapLogs of them) are each logged as an error. ApplyHeld
 // calls it; without Metrics it only logs.
 func (in *Inbox) RefreshStats(ctx context.Context) error {
+	overdue, err := in.readHeld(ctx)
+	if err != nil || overdue == 0 {
+		return err
+	}
+	return in.logGaps(ctx, overdue)
+}
+
+// readHeld reads the held messages into the gauges and returns how many
+// keys hold one past GapAfter.
+func (in *Inbox) readHeld(ctx context.Context) (int64, error) {
 	now := time.Now()
 	q := sqldialect.NewOrderedInbox(in.dialect.sql()).HeldStats(now.Add(-in.cfg.GapAfter))
 	var held, overdue int64
 	first := sqldialect.NewTime(in.dialect.sql())
 	if err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&held, &overdue, first); err != nil {
-		return fmt.Errorf("outbox: inbox: held messages: %w", err)
+		return 0, fmt.Errorf("outbox: inbox: held messages: %w", err)
 	}
 	if first.Err != nil {
-		return fmt.Errorf("outbox: inbox: held messages: the oldest held_at: %w", first.Err)
+		return 0, fmt.Errorf("outbox: inbox: held messages: the oldest held_at: %w", first.Err)
 	}
 	var oldest time.Duration
 	if !first.T.IsZero() {
 		oldest = max(0, now.Sub(first.T))
 	}
 	in.cfg.Metrics.held(held, overdue, oldest)
-	if overdue > 0 {
-		return in.logGaps(ctx, overdue)
-	}
-	return nil
+	return overdue, nil
 }
 
 // gapLogs is how many keys held past GapAfter one RefreshStats logs, the

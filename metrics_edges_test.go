@@ -224,3 +224,44 @@ func TestInbox_SkipGap_RefreshesTheGauges(t *testing.T) {
 		}
 	})
 }
+
+// SQLite: a timestamp another library stored as a number (Java's
+// sqlite-jdbc writes Unix milliseconds) is a time like any other. A number
+// sorts below every text there, so MIN(created_at) took a row 5 s old for
+// the oldest beside one 3 h old, and Republish's grace took a record
+// published a second ago for one published long before.
+func TestStore_SQLiteNumericTimestamps_ComparedAsTimes(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "ex", "rk", 3)
+	threeHours := time.Now().Add(-3 * time.Hour).UTC().Format("2006-01-02 15:04:05.000000")
+	if _, err := db.Exec("UPDATE acemq_outbox SET created_at = ? WHERE id = ?", threeHours, ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec("UPDATE acemq_outbox SET created_at = ? WHERE id = ?", time.Now().Add(-5*time.Second).UnixMilli(), ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	store, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := store.Stats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if age := time.Since(st.OldestPending); age < 2*time.Hour {
+		t.Errorf("oldest pending %s old, want the row created 3 h ago", age.Round(time.Second))
+	}
+
+	// ids[2] published a second ago, stamped as a number; Republish with a
+	// grace of a minute must leave it.
+	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = ? WHERE id = ?", time.Now().Add(-time.Second).UnixMilli(), ids[2]); err != nil {
+		t.Fatal(err)
+	}
+	rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{Dialect: outbox.SQLite, TrackedTopics: outbox.NewTrackedTopics("rk"), Grace: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rp.Republish(context.Background()); err != nil || n != 0 {
+		t.Errorf("Republish: %d, %v; want 0: the record was published a second ago, within the grace", n, err)
+	}
+}

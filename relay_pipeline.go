@@ -17,6 +17,7 @@ type relayLoop struct {
 	depth int      // batches in flight beyond the one being sent
 
 	queue     []*batch           // sent, their confirms not yet collected, oldest first
+	settling  []*batch           // being settled by settle (see abandon)
 	after     *sqldialect.Cursor // where the next claim of a drain starts
 	size      int                // rows the next claim takes (see grow)
 	maxSize   int                // the most it grows to
@@ -130,7 +131,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			// A panic (a Destination's, an OnError's, a Logger's): the
 			// claims still open would hold their rows for as long as the
 			// process lives, and sweepMu every Close and Sweep.
-			l.abandon(work, append(append(done, l.queue...), next))
+			l.abandon(work, append(append(append(done, l.settling...), l.queue...), next))
 			f.sweepMu.Unlock()
 		}
 	}()
@@ -215,7 +216,7 @@ func (l *relayLoop) abandon(ctx context.Context, bs []*batch) {
 			_ = l.f.store.abandon(ctx, b.claim)
 		}
 	}
-	l.queue = nil
+	l.queue, l.settling = nil, nil
 }
 
 // maxNextOfKeys is how many published keyed records behindNextOfKeys looks
@@ -368,6 +369,8 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 // out, and settles them, oldest first. A batch behind a failure is held
 // back. It returns the batches it settled and whether anything failed.
 func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*batch, bool) {
+	l.settling = done
+	defer func() { l.settling = nil }()
 	for i := 0; i < len(done); i++ {
 		b := done[i]
 		l.collect(ctx, b)
@@ -381,6 +384,7 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*
 		if failed && len(l.queue) > 0 {
 			// A mark failed: the relay backs off with nothing in flight.
 			done, l.queue = append(done, l.queue...), nil
+			l.settling = done
 		}
 	}
 	return done, failed

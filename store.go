@@ -235,6 +235,16 @@ type claim struct {
 	rows  []sqldialect.ClaimedRow
 	tx    *sql.Tx // locking claims; nil for leases
 	lease string  // leasing claims: the relay id in locked_by
+	// end releases the context tx began with, once tx is over (locking
+	// claims; see claimBatch).
+	end context.CancelFunc
+}
+
+// ended releases what the claim's transaction began with, once it is over.
+func (c *claim) ended() {
+	if c.end != nil {
+		c.end()
+	}
 }
 
 // failure is a row whose publish failed: attempts becomes attempts, and the
@@ -268,39 +278,53 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
 	// batch to finish.
-	// The claim's statements end with ctx (a stopping relay does not wait
-	// for a database that does not answer), but its transaction lives on
-	// past it, to the marks: database/sql rolls a transaction back when
-	// the context it began with ends, which would undo the claim of a
-	// batch in flight, and its marks with it.
-	tx, err := s.db.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	//
+	// Until the claim is made, it ends with ctx: a stopping relay waits for
+	// no connection, BEGIN or statement of a database that does not
+	// answer. Once made, the transaction lives on to the marks, whatever
+	// ctx says: database/sql rolls a transaction back when the context it
+	// began with ends, which would undo the claim of a batch in flight,
+	// and its marks with it.
+	txCtx, end := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(ctx, end)
+	var tx *sql.Tx
+	fail := func(err error) (*claim, error) {
+		stop()
+		if tx != nil {
+			_ = tx.Rollback()
+		}
+		end()
+		return nil, fmt.Errorf("outbox: claim: %w", err)
+	}
+	tx, err := s.db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	s.sent.Add(2) // BEGIN, the claim
 	if err != nil {
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+		return fail(err)
 	}
 	if setup := s.q.ClaimSetup(); setup.SQL != "" {
 		s.sent.Add(1)
 		if _, err := tx.ExecContext(ctx, setup.SQL, setup.Args...); err != nil {
-			_ = tx.Rollback()
-			return nil, fmt.Errorf("outbox: claim: %w", err)
+			return fail(err)
 		}
 	}
 	if p.Index, p.KeyIndex, err = s.claimIndexes(ctx, tx); err != nil {
-		_ = tx.Rollback()
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+		return fail(err)
 	}
 	rows, err := s.queryTx(ctx, tx, s.q.Claim(p))
 	if err != nil {
-		_ = tx.Rollback()
 		s.forgetIndex() // dropped or renamed, maybe: look again
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+		return fail(err)
 	}
 	claimed, err := s.q.ScanClaimed(rows)
 	if err != nil {
-		_ = tx.Rollback()
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+		return fail(err)
 	}
-	return &claim{rows: claimed, tx: tx}, nil
+	if !stop() {
+		// ctx ended as the claim was made: its transaction is being
+		// rolled back; nothing is claimed.
+		return fail(ctx.Err())
+	}
+	return &claim{rows: claimed, tx: tx, end: end}, nil
 }
 
 // claimIndexes are the indexes a locking claim names, "" for none: on
@@ -536,6 +560,7 @@ func sortClaimed(rows []sqldialect.ClaimedRow) {
 func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
+		defer c.ended()
 		err := s.mark(ctx, c.tx, c.lease, time.Now(), published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
@@ -561,6 +586,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 func (s *Store) abandon(ctx context.Context, c *claim) error {
 	if c.tx != nil {
 		s.sent.Add(1)
+		defer c.ended()
 		return c.tx.Rollback()
 	}
 	return s.release(ctx, s.db, c, nil, nil)

@@ -278,12 +278,16 @@ func (mysql) keyIndex() string {
 		" AND s1.COLUMN_NAME = 'aggregate_id' ORDER BY s1.INDEX_NAME LIMIT 1"
 }
 
-func (mysql) publishedAt(op string) string { return publishedAtColumn(op) }
+func (d mysql) timeCmp(col, op string, t time.Time) (string, []any) {
+	return timeColumnCmp(d, col, op, t)
+}
+
+func (mysql) timeOf(col string) string { return col }
 
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …
 // LIMIT instead.
-func (mysql) purgePublished(table string) string {
-	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?"
+func (mysql) purgePublished(table, before string) string {
+	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?"
 }
 
 // insertProcessed skips a key that is there as the outbox insert skips an

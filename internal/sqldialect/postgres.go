@@ -198,16 +198,20 @@ func (postgres) pendingIndex() string { return "" }
 
 func (postgres) keyIndex() string { return "" }
 
-func (postgres) publishedAt(op string) string { return publishedAtColumn(op) }
+func (d postgres) timeCmp(col, op string, t time.Time) (string, []any) {
+	return timeColumnCmp(d, col, op, t)
+}
+
+func (postgres) timeOf(col string) string { return col }
 
 // purgePublished locks the rows it picks, skipping locked ones: a row made
 // pending again while the purge waited for it (Republish, an operator's
 // UPDATE) is then read again and left, where a plain id IN (…) would have
 // deleted it on the id alone, the re-check of the row PostgreSQL does
 // after a wait covering only the DELETE's own condition.
-func (postgres) purgePublished(table string) string {
+func (postgres) purgePublished(table, before string) string {
 	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
+		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
 }
 
 func (postgres) insertProcessed(table string) string { return insertProcessedOnConflict(table) }

@@ -583,7 +583,7 @@ func (o *Outbox) ReleaseLease(relayID string, ids []string) Query {
 func (o *Outbox) Stats(maxAttempts int) Query {
 	return o.query("SELECT COALESCE(SUM(CASE WHEN COALESCE(attempts, 0) < ? THEN 1 ELSE 0 END), 0), "+
 		"COALESCE(SUM(CASE WHEN attempts >= ? THEN 1 ELSE 0 END), 0), "+
-		"MIN(CASE WHEN COALESCE(attempts, 0) < ? THEN created_at END) FROM "+o.table+" WHERE published_at IS NULL",
+		"MIN(CASE WHEN COALESCE(attempts, 0) < ? THEN "+o.d.timeOf("created_at")+" END) FROM "+o.table+" WHERE published_at IS NULL",
 		maxAttempts, maxAttempts, maxAttempts)
 }
 
@@ -625,7 +625,8 @@ func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
 
 // PurgePublished deletes at most limit rows published before cutoff.
 func (o *Outbox) PurgePublished(cutoff time.Time, limit int) Query {
-	return o.query(o.d.purgePublished(o.table), o.d.TimeArg(cutoff), limit)
+	before, args := o.d.timeCmp("published_at", "<", cutoff)
+	return o.query(o.d.purgePublished(o.table, before), append(args, limit)...)
 }
 
 // Probe reads no row of the table: it fails if the table is not there.
@@ -633,12 +634,14 @@ func (o *Outbox) Probe() Query { return Query{SQL: "SELECT 1 FROM " + o.table + 
 
 // PublishedSince counts the rows published at or after t.
 func (o *Outbox) PublishedSince(t time.Time) Query {
-	return o.query("SELECT COUNT(*) FROM "+o.table+o.d.publishedAt(">="), o.d.TimeArg(t))
+	since, args := o.d.timeCmp("published_at", ">=", t)
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND "+since, args...)
 }
 
 // PublishedBefore counts the rows published before t.
 func (o *Outbox) PublishedBefore(t time.Time) Query {
-	return o.query("SELECT COUNT(*) FROM "+o.table+o.d.publishedAt("<"), o.d.TimeArg(t))
+	before, args := o.d.timeCmp("published_at", "<", t)
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND "+before, args...)
 }
 
 // Republish makes published, unprocessed records of routingKeys (to one of
@@ -646,9 +649,8 @@ func (o *Outbox) PublishedBefore(t time.Time) Query {
 // conditions are re-checked on the row the update locks, so a record two
 // instances race for is made pending once.
 func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string) Query {
-	args := make([]any, 0, len(routingKeys)+len(exchanges)+1)
-	args = append(args, o.d.TimeArg(cutoff))
-	where := " WHERE published_at IS NOT NULL AND published_at < ? AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
+	before, args := o.d.timeCmp("published_at", "<", cutoff)
+	where := " WHERE published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
 	args = stringArgs(args, routingKeys)
 	if len(exchanges) > 0 {
 		where += " AND exchange_name IN (" + placeholders(len(exchanges)) + ")"
@@ -676,16 +678,10 @@ func insertOutboxOnConflict(table, cols string, n, rows int, placeholder func(n 
 	return b.String()
 }
 
-// publishedAtColumn is publishedAt where published_at holds times, which
+// timeColumnCmp is timeCmp where a timestamp column holds times, which
 // compare as such.
-func publishedAtColumn(op string) string {
-	return " WHERE published_at IS NOT NULL AND published_at " + op + " ?"
-}
-
-// purgePublishedByKey deletes at most ? rows published before ?, oldest first.
-func purgePublishedByKey(table string) string {
-	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE published_at IS NOT NULL AND published_at < ? ORDER BY published_at LIMIT ?)"
+func timeColumnCmp(d Dialect, col, op string, t time.Time) (string, []any) {
+	return col + " " + op + " ?", []any{d.TimeArg(t)}
 }
 
 // insertProcessedOnConflict records (consumer_name, message_id,

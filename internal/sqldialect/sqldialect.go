@@ -135,11 +135,15 @@ type Dialect interface {
 	// keyIndex looks up the index of a key's pending rows that keyHead
 	// names, "" if the dialect's claims name none (see pendingIndex).
 	keyIndex() string
-	purgePublished(table string) string
-	// publishedAt is what follows a table in a query of its rows published
-	// before ("<") or at or after (">=") one time argument: the condition,
-	// and anything the condition needs in the FROM clause.
-	publishedAt(op string) string
+	// purgePublished deletes at most ? rows of table that meet before (a
+	// timeCmp of published_at) and are published, oldest first. Arguments:
+	// before's, then the limit.
+	purgePublished(table, before string) string
+	// timeCmp compares the timestamp column col with t: op is "<" or ">=".
+	// It returns the condition and its arguments.
+	timeCmp(col, op string, t time.Time) (string, []any)
+	// timeOf is col as a value that orders as time does (for MIN).
+	timeOf(col string) string
 	insertProcessed(table string) string
 	purgeProcessed(table string) string
 	// The ordered inbox's statements that differ: insert-if-absent (the

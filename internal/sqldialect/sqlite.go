@@ -125,27 +125,34 @@ func (sqlite) pendingIndex() string { return "" }
 
 func (sqlite) keyIndex() string { return "" }
 
-// purgePublished: a published_at another library stored as a number
-// (Java's sqlite-jdbc writes Unix milliseconds) sorts below every text in
-// SQLite, so the text comparison alone took a row published a minute ago
-// for one older than any cutoff. Such a row is compared as a time, read as
-// the driver reads it (milliseconds when it has 13 digits or more, else
-// seconds).
-func (d sqlite) purgePublished(table string) string {
-	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table + d.publishedAt("<") + " ORDER BY published_at LIMIT ?)"
+// purgePublished: see timeCmp for how its cutoff compares.
+func (sqlite) purgePublished(table, before string) string {
+	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?)"
 }
 
-// publishedAt: a published_at stored as a number is compared as a time (see
-// purgePublished). Text rows keep the published index's range.
-func (sqlite) publishedAt(op string) string {
-	numeric := "typeof(published_at) IN ('integer', 'real') AND " + unixSeconds("published_at") + " " + op + " unixepoch(k.cutoff)"
-	from := ", (SELECT ? AS cutoff) k WHERE published_at IS NOT NULL AND "
+// timeCmp: a timestamp another library stored as a number (Java's
+// sqlite-jdbc writes Unix milliseconds) sorts below every text in SQLite,
+// so a text comparison alone took a row published a minute ago for one
+// older than any cutoff (a purge deleted it, a Republish resent it at
+// once). Such a value is compared as a time, read as the driver reads it
+// (unixSeconds), against t's Unix seconds, worked out here rather than by
+// unixepoch(), which SQLite before 3.38 lacks. Text values keep the
+// index's range: numbers sort first, so "< t" holds every numeric row in
+// its range, and "col < ”" is the range of the numeric ones.
+func (d sqlite) timeCmp(col, op string, t time.Time) (string, []any) {
+	args := []any{d.TimeArg(t), float64(t.UnixNano()) / 1e9}
+	numeric := "typeof(" + col + ") IN ('integer', 'real')"
 	if op == "<" {
-		// A number sorts below every text: the range holds every numeric
-		// row, and the condition sorts them out.
-		return from + "published_at < k.cutoff AND (typeof(published_at) NOT IN ('integer', 'real') OR " + numeric + ")"
+		return "(" + col + " < ? AND (NOT " + numeric + " OR " + unixSeconds(col) + " < ?))", args
 	}
-	return from + "(published_at " + op + " k.cutoff OR " + numeric + ")"
+	return "(" + col + " " + op + " ? OR " + col + " < '' AND " + unixSeconds(col) + " " + op + " ?)", args
+}
+
+// timeOf: a numeric value as the text a time is stored as, so that MIN
+// orders the two kinds together (a number is otherwise below every text).
+func (sqlite) timeOf(col string) string {
+	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN strftime('%Y-%m-%d %H:%M:%f', " + unixSeconds(col) + ", 'unixepoch') ELSE " + col + " END)"
 }
 
 // unixSeconds is a numeric timestamp column in Unix seconds, as
