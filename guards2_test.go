@@ -206,3 +206,79 @@ func TestSweep_ClaimWaitingForAConnection_EndsWithItsContext(t *testing.T) {
 		<-done
 	}
 }
+
+// pipePanicDest pipelines: Send keeps the records, and the Wait of the
+// second batch panics, with the batches sent after it still in flight.
+type pipePanicDest struct {
+	waits atomic.Int32
+}
+
+type pipePanicSent []outbox.Record
+
+func (s pipePanicSent) Records() []outbox.Record { return s }
+
+func (d *pipePanicDest) Publish(_ context.Context, recs []outbox.Record) []error {
+	return make([]error, len(recs))
+}
+func (d *pipePanicDest) Pipeline() outbox.Pipeline       { return d }
+func (d *pipePanicDest) Destination() outbox.Destination { return d }
+func (d *pipePanicDest) Capacity() int                   { return 1000 }
+func (d *pipePanicDest) Send(_ context.Context, recs []outbox.Record) outbox.Sent {
+	return pipePanicSent(recs)
+}
+func (d *pipePanicDest) Wait(_ context.Context, s outbox.Sent) []error {
+	if d.waits.Add(1) == 2 {
+		panic("destination bug in Wait")
+	}
+	return make([]error, len(s.Records()))
+}
+
+// A panic while several batches are in flight on the pipeline ends every
+// claim the relay holds, not only the one being settled: recovered, it
+// leaves no transaction open, no pool connection taken and no row locked.
+func TestPanicWithBatchesInFlight_Postgres_EveryClaimReleased(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	publishN(t, db, "x", "t", 40)
+	app := "guards" + testdb.RandomName()
+	pool, err := sqlx.Open("pgx", db.DSN+"&application_name="+app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.Exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app)
+		_ = pool.Close()
+	})
+	// Batches of 5 and no growth: 40 rows are eight claims, three in flight
+	// at once.
+	f, err := outbox.NewForwarder(pool, &pipePanicDest{}, outbox.ForwarderConfig{DisableListen: true, BatchSize: 5, MaxBatchSize: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	panicked := make(chan any, 1)
+	go func() {
+		defer func() { panicked <- recover() }()
+		_ = f.Run(context.Background())
+	}()
+	select {
+	case p := <-panicked:
+		if p == nil {
+			t.Fatal("Run returned without the pipeline's panic")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not panic within 10 s")
+	}
+	deadline := time.Now().Add(3 * time.Second)
+	for pool.Stats().InUse != 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if inUse := pool.Stats().InUse; inUse != 0 {
+		t.Errorf("%d pool connection(s) still in use after Run's recovered panic: claims in flight left open", inUse)
+	}
+	var locked int
+	if err := db.Get(&locked, "SELECT count(*) FROM acemq_outbox WHERE id NOT IN (SELECT id FROM acemq_outbox FOR UPDATE SKIP LOCKED)"); err != nil {
+		t.Fatal(err)
+	}
+	if locked != 0 {
+		t.Errorf("%d rows still locked by claims of Run's panicked sweep", locked)
+	}
+}

@@ -338,8 +338,8 @@ func isolates(dest Destination, records []Record) bool {
 func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held bool) {
 	if len(l.queue) > l.depth {
 		oldest := l.queue[0]
+		l.collect(ctx, oldest) // in the queue still: a panic here ends its claim too (see sweep)
 		l.queue = l.queue[1:]
-		l.collect(ctx, oldest)
 		done = append(done, oldest)
 		held = !oldest.clean()
 	}
