@@ -376,6 +376,10 @@ func (f *Forwarder) run(ctx context.Context) error {
 	}
 
 	loop := f.newRelayLoop(limit, listen)
+	cut, cutNow := context.WithCancel(context.WithoutCancel(ctx))
+	defer cutNow()
+	defer context.AfterFunc(ctx, func() { time.AfterFunc(stopGrace, cutNow) })()
+	loop.cut = cut
 	if err := f.store.prepareRelay(ctx, loop.sizes()); err != nil && ctx.Err() == nil {
 		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
 	}
@@ -431,6 +435,12 @@ func (f *Forwarder) run(ctx context.Context) error {
 		}
 	}
 }
+
+// stopGrace is how long a stopping relay lets a probe, a connect or a claim
+// it has in flight finish before it cuts it: a database or broker that
+// answers takes milliseconds, and one that does not would hold the stop
+// for as long as the kernel keeps its connection.
+const stopGrace = 250 * time.Millisecond
 
 // refreshStats sets the metrics' gauges from one Stats reading.
 func (f *Forwarder) refreshStats(ctx context.Context) {

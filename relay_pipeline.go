@@ -16,6 +16,9 @@ type relayLoop struct {
 	pipe  Pipeline // nil: every batch goes through the destination's Publish
 	depth int      // batches in flight beyond the one being sent
 
+	// cut ends stopGrace after Run's context: the probes, connects and
+	// claims of a stopping relay run under it (see sweep).
+	cut       context.Context
 	queue     []*batch           // sent, their confirms not yet collected, oldest first
 	settling  []*batch           // being settled by settle (see abandon)
 	after     *sqldialect.Cursor // where the next claim of a drain starts
@@ -135,12 +138,18 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			f.sweepMu.Unlock()
 		}
 	}()
-	// The probe, the broker's connect and the claim end with ctx: a relay
-	// told to stop does not wait for a broker or a database that does not
-	// answer, when nothing is claimed yet.
-	if !s.stopping && l.claimNow() && !l.nothingToClaim(ctx) {
+	// The probe, the broker's connect and the claim end stopGrace after
+	// ctx: a relay told to stop does not wait for a broker or a database
+	// that does not answer, with nothing claimed yet, and one that answers
+	// finishes the statement it has (cut, go-sql-driver closes the
+	// connection).
+	cut := l.cut
+	if cut == nil {
+		cut = ctx
+	}
+	if !s.stopping && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
-		s.claimed, err = f.claimNext(ctx, l.after, s.size)
+		s.claimed, err = f.claimNext(cut, l.after, s.size)
 		switch {
 		case err == nil:
 		case ctx.Err() != nil:
