@@ -25,20 +25,19 @@ import (
 // SQLite, whose leases no test looked at.)
 func TestPanicInRunLoop_Postgres_ClaimReleased(t *testing.T) {
 	db := migrated(t, testdb.Postgres)
-	ids := publishN(t, db, "x", "t", 1)
-	app := "guards" + testdb.RandomName()
-	pool, err := sqlx.Open("pgx", db.DSN+"&application_name="+app)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = db.Exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app)
-		_ = pool.Close()
-	})
+	publishN(t, db, "x", "t", 1)
+	pool := claimsPool(t, db)
 	f, err := outbox.NewForwarder(pool, panickingDest{}, outbox.ForwarderConfig{DisableListen: true})
 	if err != nil {
 		t.Fatal(err)
 	}
+	runUntilPanic(t, f)
+	assertClaimsReleased(t, db, pool, "Run's recovered panic")
+}
+
+// runUntilPanic runs f until its Destination panics, and recovers it.
+func runUntilPanic(t *testing.T, f *outbox.Forwarder) {
+	t.Helper()
 	panicked := make(chan any, 1)
 	go func() {
 		defer func() { panicked <- recover() }()
@@ -51,20 +50,6 @@ func TestPanicInRunLoop_Postgres_ClaimReleased(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("Run did not panic within 10 s")
-	}
-	deadline := time.Now().Add(3 * time.Second)
-	for pool.Stats().InUse != 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if inUse := pool.Stats().InUse; inUse != 0 {
-		t.Errorf("%d pool connection(s) still in use after Run's recovered panic", inUse)
-	}
-	var locked int
-	if err := db.Get(&locked, "SELECT count(*) FROM acemq_outbox WHERE id = $1 AND id NOT IN (SELECT id FROM acemq_outbox FOR UPDATE SKIP LOCKED)", ids[0]); err != nil {
-		t.Fatal(err)
-	}
-	if locked != 0 {
-		t.Errorf("row %s still locked by the claim of Run's panicked sweep: no relay can publish it", ids[0])
 	}
 }
 
@@ -239,46 +224,13 @@ func (d *pipePanicDest) Wait(_ context.Context, s outbox.Sent) []error {
 func TestPanicWithBatchesInFlight_Postgres_EveryClaimReleased(t *testing.T) {
 	db := migrated(t, testdb.Postgres)
 	publishN(t, db, "x", "t", 40)
-	app := "guards" + testdb.RandomName()
-	pool, err := sqlx.Open("pgx", db.DSN+"&application_name="+app)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_, _ = db.Exec("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", app)
-		_ = pool.Close()
-	})
+	pool := claimsPool(t, db)
 	// Batches of 5 and no growth: 40 rows are eight claims, three in flight
 	// at once.
 	f, err := outbox.NewForwarder(pool, &pipePanicDest{}, outbox.ForwarderConfig{DisableListen: true, BatchSize: 5, MaxBatchSize: 5})
 	if err != nil {
 		t.Fatal(err)
 	}
-	panicked := make(chan any, 1)
-	go func() {
-		defer func() { panicked <- recover() }()
-		_ = f.Run(context.Background())
-	}()
-	select {
-	case p := <-panicked:
-		if p == nil {
-			t.Fatal("Run returned without the pipeline's panic")
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run did not panic within 10 s")
-	}
-	deadline := time.Now().Add(3 * time.Second)
-	for pool.Stats().InUse != 0 && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if inUse := pool.Stats().InUse; inUse != 0 {
-		t.Errorf("%d pool connection(s) still in use after Run's recovered panic: claims in flight left open", inUse)
-	}
-	var locked int
-	if err := db.Get(&locked, "SELECT count(*) FROM acemq_outbox WHERE id NOT IN (SELECT id FROM acemq_outbox FOR UPDATE SKIP LOCKED)"); err != nil {
-		t.Fatal(err)
-	}
-	if locked != 0 {
-		t.Errorf("%d rows still locked by claims of Run's panicked sweep", locked)
-	}
+	runUntilPanic(t, f)
+	assertClaimsReleased(t, db, pool, "Run's recovered panic with batches in flight")
 }
