@@ -71,7 +71,13 @@ type HeldClaim struct {
 // Claim claims up to n rows as a relay's sweep does (leased to relayID on
 // SQLite), and returns their ids in claim order.
 func Claim(s *Store, n int, relayID string) ([]string, *HeldClaim, error) {
-	c, err := s.claimBatch(context.Background(), n, relayID, time.Minute, nil)
+	return ClaimInFlight(s, n, relayID, nil)
+}
+
+// ClaimInFlight is Claim by a relay that has the keyed records inFlight in
+// flight: their keys' next records are claimable too.
+func ClaimInFlight(s *Store, n int, relayID string, inFlight []string) ([]string, *HeldClaim, error) {
+	c, err := s.claimBatch(context.Background(), n, relayID, time.Minute, nil, inFlight)
 	if err != nil {
 		return nil, nil, err
 	}

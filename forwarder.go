@@ -41,10 +41,11 @@ type ForwarderConfig struct {
 	//     shared with the broker an unkeyed drain went from 0.58–0.88 of
 	//     the broker's raw rate to 0.93–1.10 (outbox-bench -scenario relay,
 	//     see the README).
-	//   - After a claim holding keyed records the next is BatchSize again: a
-	//     key has one record in flight, so a larger claim only searches
-	//     further for keys that are not (MariaDB: 0.53–0.59 of the unkeyed
-	//     drain at claims of 300–1000, 0.92–1.03 at 100).
+	//   - Claims of keyed records grow too: a claim may take the next
+	//     record of a key whose earlier records are in the relay's own
+	//     batches in flight (sent once those are confirmed), so a larger
+	//     claim finds records rather than searching further for keys with
+	//     nothing in flight.
 	//   - A claim takes no more rows than 16 MiB holds at the mean body
 	//     size of the claim before it (and never fewer than BatchSize), so
 	//     a drain that meets larger bodies shrinks its claims again.
@@ -541,7 +542,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	default:
 	}
 	defer f.countStatements()
-	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize)
+	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil)
 	if err != nil || b == nil {
 		if err != nil && report {
 			f.reportError(err, ErrorContext{})
@@ -567,10 +568,12 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 // publish publishes a batch through the destination's Publish, bounded by
 // the publish timeout.
 func (f *Forwarder) publish(ctx context.Context, b *batch) {
-	if len(b.records) > 0 {
+	if out := b.outgoing(); len(out) > 0 {
 		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
-		b.results = f.dest.Publish(pubCtx, b.records)
+		b.setResults(f.dest.Publish(pubCtx, out))
 		cancel()
+	} else {
+		b.setResults(nil)
 	}
 }
 
@@ -590,6 +593,85 @@ type batch struct {
 	deadline time.Time      // for the confirms of pending
 	inFlight time.Duration  // from its Send to its confirms collected
 	results  []error        // one per record once known
+	// waitsFor are the batches in flight when it was claimed that hold
+	// earlier records of its keys (see relayLoop.dependOn): it goes out
+	// only once their confirms are in, and without the records whose
+	// predecessors failed there (preset).
+	waitsFor []*batch
+	// preset, when set, holds the results known before sending, one per
+	// record: errBehindKey for the records not sent, nil for the rest.
+	preset []error
+}
+
+// errBehindKey is the result of a keyed record claimed while an earlier
+// record of its key was in flight in this relay, which then was not
+// published: it is not sent, and holds back nothing but its key.
+var errBehindKey = fmt.Errorf("%w: held back behind an earlier record of its key that was not published", ErrNotSent)
+
+// holdBackBehindKeys presets errBehindKey for each keyed record of b whose
+// key has a record in a batch of waitsFor that was not published. Those
+// batches' confirms are in (see relayLoop.send).
+func (b *batch) holdBackBehindKeys() {
+	var failed map[string]bool
+	for _, w := range b.waitsFor {
+		for i := range w.records {
+			key := w.records[i].AggregateID
+			if key != "" && (len(w.results) != len(w.records) || w.results[i] != nil) {
+				if failed == nil {
+					failed = make(map[string]bool)
+				}
+				failed[key] = true
+			}
+		}
+	}
+	b.waitsFor = nil // settled ones need not be kept
+	if failed == nil {
+		return
+	}
+	for i := range b.records {
+		if failed[b.records[i].AggregateID] {
+			if b.preset == nil {
+				b.preset = make([]error, len(b.records))
+			}
+			b.preset[i] = errBehindKey
+		}
+	}
+}
+
+// outgoing is the records to send: all but the preset ones.
+func (b *batch) outgoing() []Record {
+	if b.preset == nil {
+		return b.records
+	}
+	out := make([]Record, 0, len(b.records))
+	for i, err := range b.preset {
+		if err == nil {
+			out = append(out, b.records[i])
+		}
+	}
+	return out
+}
+
+// setResults sets the results of the batch from those of outgoing's
+// records. A short answer leaves the results short, which settle refuses.
+func (b *batch) setResults(res []error) {
+	if b.preset == nil {
+		b.results = res
+		return
+	}
+	full := slices.Clone(b.preset)
+	j := 0
+	for i := range full {
+		if full[i] == nil {
+			if j == len(res) {
+				b.results = res // short: not one per record
+				return
+			}
+			full[i] = res[j]
+			j++
+		}
+	}
+	b.results = full
 }
 
 // holdBack makes every record of the batch not sent (whether it went out or
@@ -615,7 +697,7 @@ func (b *batch) clean() bool {
 		return false
 	}
 	for i, err := range b.results {
-		if err != nil && !keyedFailure(b.records[i], err) && !isRefusedForGood(err) {
+		if err != nil && !keyedFailure(b.records[i], err) && !isRefusedForGood(err) && !errors.Is(err, errBehindKey) {
 			return false
 		}
 	}
@@ -623,13 +705,16 @@ func (b *batch) clean() bool {
 }
 
 // released reports whether the settled batch released records it did not
-// send: they are pending again, before the cursor of the drain.
+// send: they are pending again, before the cursor of the drain. Records
+// held back behind their key (errBehindKey) do not count: nothing else
+// waits for them, and their key's next claim follows its failed record's
+// retry (see behindNextOfKeys).
 func (b *batch) released() bool {
 	if b == nil || len(b.results) != len(b.records) {
 		return false
 	}
 	for _, err := range b.results {
-		if errors.Is(err, ErrNotSent) {
+		if errors.Is(err, ErrNotSent) && !errors.Is(err, errBehindKey) {
 			return true
 		}
 	}
@@ -644,10 +729,11 @@ func isRefusedForGood(err error) bool {
 
 // keyedFailure reports whether err is a failure of keyed record rec that
 // holds back only the later records of its key. Those cannot be in this
-// batch nor in any other in flight (a key has one record in flight: see
-// sqldialect's keyHead), so nothing else waits for it. A lost connection is
-// the broker's failure, not the record's, and holds everything back as it
-// does for unkeyed records.
+// batch (a claim takes one record of a key), nor sent in any other: a batch
+// claimed while rec was in flight goes out once rec's confirm is in, and
+// without its key's records if rec failed (holdBackBehindKeys), so nothing
+// else waits for it. A lost connection is the broker's failure, not the
+// record's, and holds everything back as it does for unkeyed records.
 func keyedFailure(rec Record, err error) bool {
 	return rec.AggregateID != "" && err != nil && !errors.Is(err, ErrNotSent) && !errors.Is(err, ErrConnectionLost)
 }
@@ -692,7 +778,7 @@ func (b *batch) last() *sqldialect.Cursor {
 // returns nil when there is nothing to claim, and claims nothing while the
 // broker is down: an outage must not count attempts against records, nor
 // hold their locks.
-func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int) (*batch, error) {
+func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
 		// Bounded like a batch: a broker that answers nothing must not
 		// hold the relay.
@@ -704,7 +790,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		}
 	}
 	started := time.Now()
-	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after)
+	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight)
 	if err != nil {
 		return nil, err
 	}

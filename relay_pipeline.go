@@ -100,7 +100,8 @@ type swept struct {
 	stopping   bool   // ctx had ended: nothing was claimed, everything settled
 	progressed bool   // a batch was settled or published
 	// unblocked: a keyed record was published, so its key's next record,
-	// which no claim could take while it was in flight, may be waiting.
+	// which another relay's claims (and on MySQL a claim that passed it
+	// over) could not take while it was in flight, may be waiting.
 	unblocked bool
 }
 
@@ -149,9 +150,10 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	if !s.stopping && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
-		s.claimed, err = f.claimNext(cut, l.after, s.size)
+		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
 		switch {
 		case err == nil:
+			l.dependOn(s.claimed)
 		case ctx.Err() != nil:
 			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
 		default:
@@ -185,6 +187,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		next.holdBack()
 		_, s.failed, _ = f.settle(work, next, true)
 	default:
+		next.holdBackBehindKeys() // what it waited for is settled
 		s.failed = l.publish(work, next, s.failed)
 	}
 	unlocked = true
@@ -213,6 +216,50 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	l.size = l.grow(s, done)
 	return s
+}
+
+// inFlight is the ids of the keyed records this relay has sent and not yet
+// settled: a key's next record may be claimed while they are in flight
+// (sqldialect.ClaimParams.InFlight), and goes out once their confirms are
+// in (see send). Records held back unsent (preset) are not among them.
+func (l *relayLoop) inFlight() []string {
+	var ids []string
+	for _, b := range l.queue {
+		for i := range b.records {
+			if b.records[i].AggregateID != "" && (b.preset == nil || b.preset[i] == nil) {
+				ids = append(ids, b.records[i].ID)
+			}
+		}
+	}
+	return ids
+}
+
+// dependOn sets b.waitsFor: the batches in flight that hold a record of a
+// key of b's. b's record of that key is the next one (a claim takes one
+// record of a key, and only once its unpublished predecessors are all
+// this relay's, in flight): it must not reach the broker before them, nor
+// at all if one of them fails.
+func (l *relayLoop) dependOn(b *batch) {
+	if b == nil || len(l.queue) == 0 {
+		return
+	}
+	var keys map[string]bool
+	for i := range b.records {
+		if key := b.records[i].AggregateID; key != "" {
+			if keys == nil {
+				keys = make(map[string]bool)
+			}
+			keys[key] = true
+		}
+	}
+	if keys == nil {
+		return
+	}
+	for _, q := range l.queue {
+		if slices.ContainsFunc(q.records, func(r Record) bool { return keys[r.AggregateID] }) {
+			b.waitsFor = append(b.waitsFor, q)
+		}
+	}
 }
 
 // abandon ends the claims of bs (nil entries skipped) and forgets the
@@ -293,7 +340,7 @@ func (s swept) full() bool { return s.claimed.full(s.size) }
 // ForwarderConfig.MaxBatchSize for why, and for the figures.
 func (l *relayLoop) grow(s swept, done []*batch) int {
 	cfg := l.f.cfg
-	if l.after == nil || s.claimed.keyed() {
+	if l.after == nil {
 		return cfg.BatchSize
 	}
 	var slowest time.Duration
@@ -337,15 +384,24 @@ func isolates(dest Destination, records []Record) bool {
 }
 
 // send sends b down the pipeline, after collecting the oldest batch in
-// flight if the pipeline is full. It returns that batch, to be settled, and
-// whether it failed: then b is not sent, and nothing more goes out.
+// flight if the pipeline is full, and every batch up to the last that b
+// waits for (see dependOn). It returns those batches, to be settled, and
+// whether one failed: then b is not sent, and nothing more goes out. A
+// record of b whose key's earlier record was not published is not sent
+// (holdBackBehindKeys).
 //
 // The next batch goes out the moment the pipeline has room, and the one
 // confirmed is marked after that, as the next is claimed: the broker
 // confirms in bursts, once it has caught up with what was sent, so database
 // work done between a confirm and the next send would leave it idle.
 func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held bool) {
-	if len(l.queue) > l.depth {
+	n := max(len(l.queue)-l.depth, 0) // the oldest batches to collect first
+	for i, q := range l.queue {
+		if slices.Contains(b.waitsFor, q) {
+			n = max(n, i+1)
+		}
+	}
+	for ; n > 0 && !held; n-- {
 		oldest := l.queue[0]
 		l.collect(ctx, oldest) // in the queue still: a panic here ends its claim too (see sweep)
 		l.queue = l.queue[1:]
@@ -353,10 +409,15 @@ func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held boo
 		held = !oldest.clean()
 	}
 	if !held {
+		b.holdBackBehindKeys()
 		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)
-		sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
-		b.pending = l.pipe.Send(sendCtx, b.records)
-		cancel()
+		if out := b.outgoing(); len(out) > 0 {
+			sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
+			b.pending = l.pipe.Send(sendCtx, out)
+			cancel()
+		} else {
+			b.setResults(nil) // all held back behind their keys
+		}
 		l.queue = append(l.queue, b)
 	}
 	return done, held
@@ -369,7 +430,7 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 	}
 	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
 	defer cancel()
-	b.results = l.pipe.Wait(waitCtx, b.pending)
+	b.setResults(l.pipe.Wait(waitCtx, b.pending))
 	b.pending = nil
 	b.inFlight = time.Since(b.deadline.Add(-l.f.cfg.PublishTimeout))
 }
@@ -547,8 +608,9 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 }
 
 // publishedKeyed reports whether a keyed record of the settled batches bs
-// was published. The claims made while it was in flight skipped its key's
-// next record, and the sweep that settles the last batch in flight claimed
+// was published. The claims made while it was in flight may have skipped
+// its key's next record (another relay's; on MySQL one that had passed it
+// over before), and the sweep that settles the last batch in flight claimed
 // nothing: without another claim at once, a drain of keyed records would
 // wait PollInterval at every such turn.
 func publishedKeyed(bs []*batch) bool {

@@ -153,7 +153,7 @@ func TestStoreFinish_SQLiteLeaseTakenOver_FailureMarkLeavesTheOtherLease(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil)
+	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil, nil)
 	if err != nil || len(c.rows) != 2 {
 		t.Fatalf("claim: %v rows, %v", c, err)
 	}

@@ -262,9 +262,10 @@ type failure struct {
 
 // claimBatch claims up to n claimable rows in created_at, id order:
 // unpublished, under MaxAttempts, not under a live lease, and after the
-// cursor if there is one.
-func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor) (*claim, error) {
-	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after}
+// cursor if there is one. inFlight are the ids of the keyed records the
+// relay has in flight (see sqldialect.ClaimParams.InFlight).
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
+	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
 		return s.claimLease(ctx, func() sqldialect.Query {
 			// Timed once the write lock is this transaction's: a lease timed

@@ -210,6 +210,14 @@ func (d mysql) claim(table string, p ClaimParams, where string, args []any) Quer
 // claimed row was published after the statement's snapshot), COALESCE
 // lets the outer row's own check decide, as NOT EXISTS would.
 //
+// The rows the relay has in flight (p.InFlight) are left out of the
+// subquery, as keyHeadNotExists leaves them out. InnoDB keeps the locks of
+// the rows a claim scanned through the pending index and passed over until
+// its transaction ends (a scan of the clustered index releases them; one of
+// a secondary index does not): a key's next record that the claim of its
+// predecessor passed over is locked until that batch is marked, and the
+// next claim skips it as it would without InFlight.
+//
 // The row must also be in the statement's snapshot (the COUNT(*) probe).
 // InnoDB's locking scan reads rows as they are now, and the subqueries as
 // they were when the statement's first one ran: a key's seq 1 and seq 2
@@ -224,10 +232,17 @@ func (d mysql) keyHead(table, alias string, p ClaimParams) string {
 	if p.KeyIndex != "" {
 		from += " FORCE INDEX (" + d.quoteIdent(p.KeyIndex) + ")"
 	}
+	notOurs := ""
+	if len(p.InFlight) > 0 {
+		// Compared as bytes: the ids are the rows' own, and JSON_TABLE's
+		// column has a collation of its own, which the table's need not
+		// match.
+		notOurs = " AND CAST(p.id AS BINARY) NOT IN (SELECT j.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id VARBINARY(512) PATH '$')) j)"
+	}
 	return "(" + alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR (" +
 		"(SELECT COUNT(*) FROM " + table + " v WHERE v.id = " + alias + ".id) = 1 AND " +
 		"COALESCE((SELECT p.seq FROM " + from +
-		" WHERE p.aggregate_id = " + alias + ".aggregate_id AND p.published_at IS NULL AND p.seq IS NOT NULL ORDER BY p.seq LIMIT 1), " +
+		" WHERE p.aggregate_id = " + alias + ".aggregate_id AND p.published_at IS NULL AND p.seq IS NOT NULL" + notOurs + " ORDER BY p.seq LIMIT 1), " +
 		alias + ".seq) >= " + alias + ".seq))"
 }
 

@@ -177,8 +177,14 @@ func (postgres) claim(table string, p ClaimParams, where string, args []any) Que
 	return Query{SQL: rebindDollar(lockingClaim(table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
-func (postgres) keyHead(table, alias string, _ ClaimParams) string {
-	return keyHeadNotExists(table, alias)
+// keyHead: InFlight's ids are a json array, read as a set (a hashed
+// subplan, made once per claim).
+func (postgres) keyHead(table, alias string, p ClaimParams) string {
+	notOurs := ""
+	if len(p.InFlight) > 0 {
+		notOurs = " AND p.id NOT IN (SELECT json_array_elements_text(?::json))"
+	}
+	return keyHeadNotExists(table, alias, notOurs)
 }
 
 // claimSetup makes the planner walk the pending index in order, which is the

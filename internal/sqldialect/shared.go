@@ -3,6 +3,7 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -48,9 +49,12 @@ const claimable = "published_at IS NULL AND COALESCE(attempts, 0) < ? AND (locke
 // keyHeadNotExists is the key-head condition of PostgreSQL and SQLite. It
 // keeps a key's records in sequence order across batches, pipelined
 // batches and relays: a keyed row is claimable only once no row of its key
-// with a smaller seq is unpublished, so a key has at most one record in
-// flight anywhere, and its next becomes claimable when the relay that sent
-// it marks it published (after the broker's confirm). A stuck row (at
+// with a smaller seq is unpublished, but for the rows the claiming relay
+// has in flight itself (ClaimParams.InFlight), so a key's records are in
+// flight in one relay at most, which sends each only once the broker
+// confirmed the one before (see the Forwarder's dependOn). Another relay
+// can claim the key's next record once the one before is marked published
+// (after the broker's confirm). A stuck row (at
 // MaxAttempts) is unpublished: it holds its key until an operator retries
 // it. Unkeyed rows (aggregate_id NULL) pass at the first test, and so does
 // a row without a seq, which has no place in its key's order. The probe
@@ -59,9 +63,22 @@ const claimable = "published_at IS NULL AND COALESCE(attempts, 0) < ? AND (locke
 // 0005's index alone the planner ANDed it with the pending index's bitmap,
 // reading every pending entry per probe: 11 times slower drains of keyed
 // rows). MySQL's is its own: see mysql's keyHead.
-func keyHeadNotExists(table, alias string) string {
+//
+// notOurs, if not "", is the condition on p that leaves out the records the
+// relay has in flight itself (ClaimParams.InFlight): a key's next record is
+// then claimable while its predecessors are in this relay's batches.
+func keyHeadNotExists(table, alias, notOurs string) string {
 	return "(" + alias + ".aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM " + table + " p WHERE p.aggregate_id = " + alias + ".aggregate_id" +
-		" AND p.seq < " + alias + ".seq AND p.published_at IS NULL))"
+		" AND p.seq < " + alias + ".seq AND p.published_at IS NULL" + notOurs + "))"
+}
+
+// inFlightArg is ClaimParams.InFlight as the one argument of a dialect's
+// notOurs condition: a JSON array of the ids. One argument of any length
+// keeps the claim's text the same whatever the relay has in flight, for
+// the prepared claims of MySQL and pgx's statement cache.
+func inFlightArg(ids []string) any {
+	b, _ := json.Marshal(ids) // strings only: cannot fail
+	return string(b)
 }
 
 // afterCursor resumes a drain after the last row claimed, rather than at the
@@ -303,6 +320,11 @@ type ClaimParams struct {
 	// KeyIndex, if set, is the index of a key's pending rows its key-head
 	// probe walks (MySQL).
 	KeyIndex string
+	// InFlight, if set, holds the ids of the keyed records the relay has in
+	// flight, claimed and not yet marked: a keyed row whose unpublished
+	// predecessors are all among them is claimable too (see keyHead). The
+	// relay then sends it only once they are confirmed.
+	InFlight []string
 	// RelayID and LeaseUntil fill locked_by and locked_until of a leasing
 	// claim (SQLite).
 	RelayID    string
@@ -333,7 +355,11 @@ func (o *Outbox) Claimable(p ClaimParams) Query {
 // claimWhere is the condition a row must meet to be claimed now, on the
 // claim's alias, and its arguments.
 func (o *Outbox) claimWhere(p ClaimParams) (string, []any) {
-	return claimable + " AND " + o.d.keyHead(o.table, claimAlias, p), []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	if len(p.InFlight) > 0 {
+		args = append(args, inFlightArg(p.InFlight))
+	}
+	return claimable + " AND " + o.d.keyHead(o.table, claimAlias, p), args
 }
 
 // ClaimSetup, if its SQL is not empty, runs first in a locking claim's
@@ -540,7 +566,11 @@ func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []string {
 	head := ClaimParams{Index: index, KeyIndex: keyIndex}
 	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{}}
-	stmts := []string{o.Claim(head).SQL, o.Claim(after).SQL}
+	var stmts []string
+	for _, inFlight := range [][]string{nil, {""}} { // with keyed records in flight and without
+		head.InFlight, after.InFlight = inFlight, inFlight
+		stmts = append(stmts, o.Claim(head).SQL, o.Claim(after).SQL)
+	}
 	for _, n := range batchSizes {
 		stmts = append(stmts, o.MarkPublished(time.Time{}, make([]string, n)).SQL)
 	}

@@ -103,7 +103,10 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	p := ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"}
 	after := p
 	after.After = &Cursor{CreatedAt: now, ID: "x"}
-	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.MarkPublished(now, make([]string, 100)).SQL, o.MarkPublished(now, make([]string, 200)).SQL}
+	inFlight, inFlightAfter := p, after
+	inFlight.InFlight, inFlightAfter.InFlight = []string{"a", "b"}, []string{"c"}
+	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.Claim(inFlight).SQL, o.Claim(inFlightAfter).SQL,
+		o.MarkPublished(now, make([]string, 100)).SQL, o.MarkPublished(now, make([]string, 200)).SQL}
 	if len(got) != len(want) {
 		t.Fatalf("%d statements, want %d", len(got), len(want))
 	}
@@ -116,6 +119,9 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 		if !strings.Contains(got[0], index) {
 			t.Errorf("the claim does not name %s: %s", index, got[0])
 		}
+	}
+	if strings.Contains(got[0], "JSON_TABLE") || !strings.Contains(got[2], "JSON_TABLE") {
+		t.Errorf("only the claims with records in flight read their ids:\n%s\n%s", got[0], got[2])
 	}
 }
 

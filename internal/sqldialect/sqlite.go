@@ -98,8 +98,13 @@ func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query
 	}
 }
 
-func (sqlite) keyHead(table, alias string, _ ClaimParams) string {
-	return keyHeadNotExists(table, alias)
+// keyHead: InFlight's ids are a json array, read by json_each.
+func (sqlite) keyHead(table, alias string, p ClaimParams) string {
+	notOurs := ""
+	if len(p.InFlight) > 0 {
+		notOurs = " AND p.id NOT IN (SELECT value FROM json_each(?))"
+	}
+	return keyHeadNotExists(table, alias, notOurs)
 }
 
 func (sqlite) claimSetup() string { return "" }
