@@ -29,8 +29,8 @@ type ForwarderConfig struct {
 	// there, so in a flow of messages the batches are smaller.
 	BatchSize int
 	// MaxBatchSize bounds a drain's claims. When a claim of Run comes back
-	// full of unkeyed records (a backlog: more are waiting) and nothing
-	// failed, the next claims twice as many, up to MaxBatchSize; any
+	// full (a backlog: more are waiting) and nothing failed, the next
+	// claims twice as many, up to MaxBatchSize; any
 	// other claim sends the next back to BatchSize. Default 1000, at least
 	// BatchSize; MaxBatchSize = BatchSize keeps every claim at BatchSize.
 	// Claims grow only where the destination pipelines (a Pipeliner such
@@ -608,19 +608,23 @@ type batch struct {
 // published: it is not sent, and holds back nothing but its key.
 var errBehindKey = fmt.Errorf("%w: held back behind an earlier record of its key that was not published", ErrNotSent)
 
-// holdBackBehindKeys presets errBehindKey for each keyed record of b whose
-// key has a record in a batch of waitsFor that was not published. Those
-// batches' confirms are in (see relayLoop.send).
+// holdBackBehindKeys presets errBehindKey for each keyed record of b that
+// has a predecessor (its key's, a smaller seq) in a batch of waitsFor that
+// was not published. Those batches' confirms are in (see relayLoop.send).
+// A later record of its key in flight (after a Retry or a Republish made
+// an earlier one pending again) holds nothing back.
 func (b *batch) holdBackBehindKeys() {
-	var failed map[string]bool
+	var failed map[string]int64 // by key: the smallest seq not published
 	for _, w := range b.waitsFor {
 		for i := range w.records {
-			key := w.records[i].AggregateID
-			if key != "" && (len(w.results) != len(w.records) || w.results[i] != nil) {
+			r := &w.records[i]
+			if r.AggregateID != "" && (len(w.results) != len(w.records) || w.results[i] != nil) {
 				if failed == nil {
-					failed = make(map[string]bool)
+					failed = make(map[string]int64)
 				}
-				failed[key] = true
+				if s, ok := failed[r.AggregateID]; !ok || r.Seq < s {
+					failed[r.AggregateID] = r.Seq
+				}
 			}
 		}
 	}
@@ -629,7 +633,8 @@ func (b *batch) holdBackBehindKeys() {
 		return
 	}
 	for i := range b.records {
-		if failed[b.records[i].AggregateID] {
+		r := &b.records[i]
+		if s, ok := failed[r.AggregateID]; ok && r.AggregateID != "" && s < r.Seq {
 			if b.preset == nil {
 				b.preset = make([]error, len(b.records))
 			}
@@ -653,7 +658,8 @@ func (b *batch) outgoing() []Record {
 }
 
 // setResults sets the results of the batch from those of outgoing's
-// records. A short answer leaves the results short, which settle refuses.
+// records. An answer of another length is kept as it is: not one result
+// per record, which settle refuses.
 func (b *batch) setResults(res []error) {
 	if b.preset == nil {
 		b.results = res
@@ -664,12 +670,16 @@ func (b *batch) setResults(res []error) {
 	for i := range full {
 		if full[i] == nil {
 			if j == len(res) {
-				b.results = res // short: not one per record
+				b.results = res
 				return
 			}
 			full[i] = res[j]
 			j++
 		}
+	}
+	if j != len(res) {
+		b.results = res
+		return
 	}
 	b.results = full
 }
@@ -756,11 +766,6 @@ func (b *batch) bodyBytes() int {
 		n += len(b.records[i].Body)
 	}
 	return n
-}
-
-// keyed reports whether the batch holds a keyed record.
-func (b *batch) keyed() bool {
-	return slices.ContainsFunc(b.records, func(r Record) bool { return r.AggregateID != "" })
 }
 
 // last is the cursor after the batch's last row, or nil (the next claim
@@ -879,8 +884,10 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.fail(rec, n, err)
 		case keyedFailure(rec, err):
 			// A keyed record holds back only its own key, whose later
-			// records no relay can claim while it is unpublished: the
-			// records after it here are other keys', and go on, as does
+			// records no other relay can claim while it is unpublished,
+			// and this one sends only once it is published (see
+			// holdBackBehindKeys): the records after it here are other
+			// keys', and go on, as does
 			// the relay, at full speed. Its retry waits out a backoff of
 			// its own, a lease on the row that every relay respects, so
 			// that a record the broker keeps refusing is not hammered.

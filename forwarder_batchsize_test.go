@@ -123,7 +123,7 @@ func waitDelivered(t *testing.T, dest *batchLog, n int) []int {
 
 // A drain's claims start at BatchSize and, once the first batch is
 // confirmed (the fourth claim: three are in flight before), double while
-// they come back full of unkeyed records, up to MaxBatchSize and no further
+// they come back full, up to MaxBatchSize and no further
 // than the pipeline holds three of them; the next drain starts again at
 // BatchSize. Batches
 // that go one at a time through Publish stay at BatchSize.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 	"time"
+	"unicode/utf8"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
@@ -218,45 +219,50 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	return s
 }
 
-// inFlight is the ids of the keyed records this relay has sent and not yet
-// settled: a key's next record may be claimed while they are in flight
-// (sqldialect.ClaimParams.InFlight), and goes out once their confirms are
-// in (see send). Records held back unsent (preset) are not among them.
+// inFlight is the ids of the keyed records this relay has sent and whose
+// confirms are not collected yet: a key's next record may be claimed while
+// they are in flight (sqldialect.ClaimParams.InFlight), and goes out once
+// their confirms are in (see send). Records held back unsent (preset) are
+// not among them, nor an id that is not UTF-8, which JSON would not carry
+// as it is: leaving one out only makes its key wait for its mark.
 func (l *relayLoop) inFlight() []string {
 	var ids []string
 	for _, b := range l.queue {
 		for i := range b.records {
-			if b.records[i].AggregateID != "" && (b.preset == nil || b.preset[i] == nil) {
-				ids = append(ids, b.records[i].ID)
+			r := &b.records[i]
+			if r.AggregateID != "" && (b.preset == nil || b.preset[i] == nil) && utf8.ValidString(r.ID) {
+				ids = append(ids, r.ID)
 			}
 		}
 	}
 	return ids
 }
 
-// dependOn sets b.waitsFor: the batches in flight that hold a record of a
-// key of b's. b's record of that key is the next one (a claim takes one
-// record of a key, and only once its unpublished predecessors are all
-// this relay's, in flight): it must not reach the broker before them, nor
-// at all if one of them fails.
+// dependOn sets b.waitsFor: the batches in flight that hold a predecessor
+// of a keyed record of b (its key's, a smaller seq). b may hold such a
+// record, claimed while its unpublished predecessors were all in this
+// relay's flight: it must not reach the broker before them, nor at all if
+// one of them fails.
 func (l *relayLoop) dependOn(b *batch) {
 	if b == nil || len(l.queue) == 0 {
 		return
 	}
-	var keys map[string]bool
+	var seqs map[string]int64 // by key: b's record's seq (a claim takes one per key)
 	for i := range b.records {
-		if key := b.records[i].AggregateID; key != "" {
-			if keys == nil {
-				keys = make(map[string]bool)
+		if r := &b.records[i]; r.AggregateID != "" {
+			if seqs == nil {
+				seqs = make(map[string]int64)
 			}
-			keys[key] = true
+			if s, ok := seqs[r.AggregateID]; !ok || r.Seq > s {
+				seqs[r.AggregateID] = r.Seq
+			}
 		}
 	}
-	if keys == nil {
+	if seqs == nil {
 		return
 	}
 	for _, q := range l.queue {
-		if slices.ContainsFunc(q.records, func(r Record) bool { return keys[r.AggregateID] }) {
+		if slices.ContainsFunc(q.records, func(r Record) bool { s, ok := seqs[r.AggregateID]; return ok && r.Seq < s }) {
 			b.waitsFor = append(b.waitsFor, q)
 		}
 	}
@@ -285,18 +291,29 @@ const maxNextOfKeys = 16
 
 // behindNextOfKeys moves the cursor back before the next records of the
 // keyed records bs published, when they are behind it: a claim skipped
-// them while their predecessors were in flight, and resuming at the cursor
+// them while their predecessors were in flight (another relay's claims, or
+// on MySQL this relay's claim that passed them over), and resuming at the cursor
 // would leave them until the drain came back to the head (after 3,000 rows
 // behind them, say). One statement, on the key index; a lookup that fails
 // sends the claim back to the head.
 func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Cursor, bs []*batch) *sqldialect.Cursor {
+	// A key with a record still in flight here has its next record
+	// claimed already, or claimable at the next claim wherever the cursor
+	// is: the look-up would only send the claim back over rows this relay
+	// holds.
+	flying := make(map[string]bool)
+	for _, q := range l.queue {
+		for i := range q.records {
+			flying[q.records[i].AggregateID] = true
+		}
+	}
 	var recs []sqldialect.KeySeq
 	for _, b := range bs {
 		if b == nil || len(b.results) != len(b.records) {
 			continue
 		}
 		for i, err := range b.results {
-			if r := &b.records[i]; err == nil && r.AggregateID != "" {
+			if r := &b.records[i]; err == nil && r.AggregateID != "" && !flying[r.AggregateID] {
 				recs = append(recs, sqldialect.KeySeq{Key: r.AggregateID, Seq: r.Seq})
 			}
 		}
@@ -331,13 +348,13 @@ func (l *relayLoop) sizes() []int {
 func (s swept) full() bool { return s.claimed.full(s.size) }
 
 // grow is the size of the next claim. A drain's claims double while they
-// come back full of unkeyed records and the drain goes on from where they
-// ended and a batch was confirmed (done), up to maxSize and to the rows
-// growBytes holds at the claim's mean body; they stay at their size while
-// the batches settled were in flight over an eighth of PublishTimeout, and
-// halve over a quarter. Anything else (a short claim, a keyed record, a
-// failure, records left behind) starts again at BatchSize. See
-// ForwarderConfig.MaxBatchSize for why, and for the figures.
+// come back full and the drain goes on from where they ended and a batch
+// was confirmed (done), up to maxSize and to the rows growBytes holds at
+// the claim's mean body; they stay at their size while the batches settled
+// were in flight over an eighth of PublishTimeout, and halve over a
+// quarter. Anything else (a short claim, a failure, records left behind)
+// starts again at BatchSize. See ForwarderConfig.MaxBatchSize for why, and
+// for the figures.
 func (l *relayLoop) grow(s swept, done []*batch) int {
 	cfg := l.f.cfg
 	if l.after == nil {
@@ -628,9 +645,9 @@ func publishedKeyed(bs []*batch) bool {
 }
 
 // hasRetries reports whether any unkeyed record failed before. A keyed
-// record's retry orders nothing else in its batch (its key's later records
-// are not claimable before it is published), so it needs no Publish of its
-// own.
+// record's retry orders nothing else in its batch (a claim takes one record
+// of a key, and a batch holding its key's next record waits for it: see
+// dependOn), so it needs no Publish of its own.
 func hasRetries(records []Record) bool {
 	for i := range records {
 		if records[i].Attempts > 0 && records[i].AggregateID == "" {

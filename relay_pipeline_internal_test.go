@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"testing"
@@ -179,5 +180,48 @@ func TestStoreFinish_SQLiteLeaseTakenOver_FailureMarkLeavesTheOtherLease(t *test
 	}
 	if by.Valid || attempts != 1 {
 		t.Errorf("its own row: locked_by %v, attempts %d; want no lease and 1 attempt", by, attempts)
+	}
+}
+
+// A batch waits only for the batches in flight that hold a predecessor of
+// one of its keyed records, and holds back only the records whose
+// predecessor there was not published: a later record of the key in
+// flight (an earlier one made pending again by a Retry or a Republish and
+// claimed behind it) holds nothing back, nor does another key's failure.
+func TestHoldBackBehindKeys_OnlyBehindAnUnpublishedPredecessor(t *testing.T) {
+	rec := func(key string, seq int64) Record {
+		return Record{ID: fmt.Sprintf("%s#%d", key, seq), AggregateID: key, Seq: seq}
+	}
+	refused := errors.New("refused")
+	older := &batch{records: []Record{rec("k", 5), rec("j", 1), rec("u", 0)}, results: []error{refused, nil, refused}}
+	older.records[2].AggregateID = ""                            // unkeyed
+	later := &batch{records: []Record{rec("y", 4), rec("x", 1)}} // y#4 follows b's y#1
+	l := &relayLoop{queue: []*batch{older, later}}
+	b := &batch{records: []Record{rec("k", 3), rec("k", 6), rec("j", 2), rec("y", 1), {ID: "plain"}}}
+	// k#3 and k#6 are one claim's here only to see each judged alone.
+	l.dependOn(b)
+	if len(b.waitsFor) != 1 || b.waitsFor[0] != older {
+		t.Fatalf("waits for %d batches, want the one holding k#5 and j#1 only", len(b.waitsFor))
+	}
+	b.holdBackBehindKeys()
+	for i, want := range []bool{false, true, false, false, false} {
+		if got := b.preset != nil && errors.Is(b.preset[i], errBehindKey); got != want {
+			t.Errorf("%s held back: %v, want %v", b.records[i].ID, got, want)
+		}
+	}
+	if out := b.outgoing(); len(out) != 4 {
+		t.Errorf("%d records go out, want 4", len(out))
+	}
+	// The destination's answer is placed around the preset result, and one
+	// of another length is kept as it is, for settle to refuse.
+	b.setResults([]error{nil, nil, refused, nil})
+	if len(b.results) != 5 || b.results[0] != nil || !errors.Is(b.results[1], errBehindKey) || b.results[3] != refused {
+		t.Errorf("results %v", b.results)
+	}
+	for _, res := range [][]error{{nil}, {nil, nil, nil, nil, nil}} {
+		b.setResults(res)
+		if len(b.results) != len(res) {
+			t.Errorf("an answer of %d results for 4 became %d", len(res), len(b.results))
+		}
 	}
 }

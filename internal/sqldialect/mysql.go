@@ -234,10 +234,12 @@ func (d mysql) keyHead(table, alias string, p ClaimParams) string {
 	}
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		// Compared as bytes: the ids are the rows' own, and JSON_TABLE's
-		// column has a collation of its own, which the table's need not
-		// match.
-		notOurs = " AND CAST(p.id AS BINARY) NOT IN (SELECT j.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id VARBINARY(512) PATH '$')) j)"
+		// Compared as bytes: JSON_TABLE's column has a collation of its
+		// own, which the table's need not match, and the relay names only
+		// UTF-8 ids, which a utf8mb4 column holds as the same bytes. An id
+		// that does not match (another charset, longer than the column,
+		// NULL on an error) only makes its key wait for its mark.
+		notOurs = " AND CAST(p.id AS BINARY) NOT IN (SELECT j.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id VARBINARY(512) PATH '$')) j WHERE j.id IS NOT NULL)"
 	}
 	return "(" + alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR (" +
 		"(SELECT COUNT(*) FROM " + table + " v WHERE v.id = " + alias + ".id) = 1 AND " +

@@ -178,11 +178,12 @@ func (postgres) claim(table string, p ClaimParams, where string, args []any) Que
 }
 
 // keyHead: InFlight's ids are a json array, read as a set (a hashed
-// subplan, made once per claim).
+// subplan, made once per claim). A NULL in it would make NOT IN unknown
+// for every row, and the predecessor ours: none is read.
 func (postgres) keyHead(table, alias string, p ClaimParams) string {
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		notOurs = " AND p.id NOT IN (SELECT json_array_elements_text(?::json))"
+		notOurs = " AND p.id NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
 	}
 	return keyHeadNotExists(table, alias, notOurs)
 }

@@ -321,9 +321,9 @@ type ClaimParams struct {
 	// probe walks (MySQL).
 	KeyIndex string
 	// InFlight, if set, holds the ids of the keyed records the relay has in
-	// flight, claimed and not yet marked: a keyed row whose unpublished
-	// predecessors are all among them is claimable too (see keyHead). The
-	// relay then sends it only once they are confirmed.
+	// flight, sent and their confirms not yet collected: a keyed row whose
+	// unpublished predecessors are all among them is claimable too (see
+	// keyHead). The relay then sends it only once they are confirmed.
 	InFlight []string
 	// RelayID and LeaseUntil fill locked_by and locked_until of a leasing
 	// claim (SQLite).

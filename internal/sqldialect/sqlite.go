@@ -98,11 +98,12 @@ func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query
 	}
 }
 
-// keyHead: InFlight's ids are a json array, read by json_each.
+// keyHead: InFlight's ids are a json array, read by json_each (without
+// NULLs: see postgres's).
 func (sqlite) keyHead(table, alias string, p ClaimParams) string {
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		notOurs = " AND p.id NOT IN (SELECT value FROM json_each(?))"
+		notOurs = " AND p.id NOT IN (SELECT value FROM json_each(?) WHERE value IS NOT NULL)"
 	}
 	return keyHeadNotExists(table, alias, notOurs)
 }
