@@ -181,7 +181,9 @@ func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) 
 // A drain of keyed records grows its claims as an unkeyed one does: a
 // key's next record is claimable while its predecessor is in flight in the
 // same relay, so a larger claim finds records rather than searching further
-// for keys with nothing in flight. Each key still arrives in order.
+// for keys with nothing in flight. Not on MySQL, whose claims keep the
+// rows they passed over locked: there keyed claims stay at BatchSize. Each
+// key still arrives in order.
 func TestForwarder_Run_KeyedDrain_ClaimsGrow_EachKeyInOrder(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		start := time.Now().Add(-time.Hour)
@@ -195,8 +197,8 @@ func TestForwarder_Run_KeyedDrain_ClaimsGrow_EachKeyInOrder(t *testing.T) {
 		insertKeyed(t, db, rows)
 		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: 3000}, 0)
 		sizes := waitDelivered(t, dest, len(rows))
-		if slices.Max(sizes) <= 50 {
-			t.Errorf("batches %v: no keyed claim grew past BatchSize 50", sizes)
+		if grew := slices.Max(sizes) > 50; grew != (db.Kind != testdb.MySQL) {
+			t.Errorf("batches %v: a keyed claim grew past BatchSize 50: %v", sizes, grew)
 		}
 		dest.mu.Lock()
 		defer dest.mu.Unlock()

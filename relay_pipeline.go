@@ -352,12 +352,13 @@ func (s swept) full() bool { return s.claimed.full(s.size) }
 // was confirmed (done), up to maxSize and to the rows growBytes holds at
 // the claim's mean body; they stay at their size while the batches settled
 // were in flight over an eighth of PublishTimeout, and halve over a
-// quarter. Anything else (a short claim, a failure, records left behind)
-// starts again at BatchSize. See ForwarderConfig.MaxBatchSize for why, and
-// for the figures.
+// quarter. Anything else (a short claim, a failure, records left behind,
+// a claim holding keyed records where claims keep the rows they passed
+// over locked) starts again at BatchSize. See ForwarderConfig.MaxBatchSize
+// for why, and for the figures.
 func (l *relayLoop) grow(s swept, done []*batch) int {
 	cfg := l.f.cfg
-	if l.after == nil {
+	if l.after == nil || l.f.store.locksPassedOver() && slices.ContainsFunc(s.claimed.records, func(r Record) bool { return r.AggregateID != "" }) {
 		return cfg.BatchSize
 	}
 	var slowest time.Duration

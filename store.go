@@ -226,6 +226,9 @@ func (s *Store) watchesFile() bool { return s.dialect.sql().WatchesFile() }
 // connection until the batch is marked.
 func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 
+// locksPassedOver: see sqldialect.Dialect.LocksPassedOver.
+func (s *Store) locksPassedOver() bool { return s.dialect.sql().LocksPassedOver() }
+
 // maxOpenConns is the cap of the store's pool, 0 for none.
 func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
 

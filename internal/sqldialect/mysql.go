@@ -41,6 +41,13 @@ func (mysql) WatchesFile() bool { return false }
 // relay dies.
 func (mysql) Leases() bool { return false }
 
+// LocksPassedOver: InnoDB releases the locks of rows a READ COMMITTED
+// locking read rejects when it scans the clustered index, not when it scans
+// a secondary one, as the claim scans the pending index (seen on MariaDB
+// 10.11: a claim's keyed rows that were not key heads stayed locked until
+// its batch was marked).
+func (mysql) LocksPassedOver() bool { return true }
+
 func (mysql) GapLocks() bool { return true }
 
 // PadsKeys: acemq_outbox.aggregate_id and acemq_outbox_sequences are

@@ -111,6 +111,9 @@ func (o *Outbox) NarrowColumns() Query {
 // connection, at once; a second relay skips the locked rows.
 func (postgres) Leases() bool { return false }
 
+// LocksPassedOver: FOR UPDATE locks only the rows the claim returns.
+func (postgres) LocksPassedOver() bool { return false }
+
 func (postgres) GapLocks() bool { return false }
 
 func (postgres) PadsKeys() bool { return false }

@@ -58,6 +58,10 @@ type Dialect interface {
 	// Leases: claims are leases in locked_by/locked_until, committed before
 	// publishing, rather than row locks held by an open transaction.
 	Leases() bool
+	// LocksPassedOver: a claim keeps the rows it scanned and did not take
+	// locked until its transaction ends (InnoDB, through the pending
+	// index), so other claims skip them meanwhile.
+	LocksPassedOver() bool
 	// GapLocks: a write over a range of an index under the server's
 	// default isolation (REPEATABLE READ) locks the gaps in it, where other
 	// transactions insert (InnoDB): the library's own range writes run

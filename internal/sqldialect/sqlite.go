@@ -39,6 +39,9 @@ func (sqlite) WatchesFile() bool { return true }
 // leaves its rows until the lease expires.
 func (sqlite) Leases() bool { return true }
 
+// LocksPassedOver: the lease is written on the rows the claim takes only.
+func (sqlite) LocksPassedOver() bool { return false }
+
 func (sqlite) GapLocks() bool { return false }
 
 func (sqlite) PadsKeys() bool { return false }
