@@ -292,15 +292,15 @@ const maxNextOfKeys = 16
 // behindNextOfKeys moves the cursor back before the next records of the
 // keyed records bs published, when they are behind it: a claim skipped
 // them while their predecessors were in flight (another relay's claims, or
-// on MySQL this relay's claim that passed them over), and resuming at the cursor
-// would leave them until the drain came back to the head (after 3,000 rows
-// behind them, say). One statement, on the key index; a lookup that fails
+// on MySQL this relay's claim that passed them over), and resuming at the
+// cursor would leave them until the drain came back to the head (after
+// 3,000 rows behind them, say). One statement, on the key index; a lookup that fails
 // sends the claim back to the head.
 func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Cursor, bs []*batch) *sqldialect.Cursor {
-	// A key with a record still in flight here has its next record
-	// claimed already, or claimable at the next claim wherever the cursor
-	// is: the look-up would only send the claim back over rows this relay
-	// holds.
+	// A key with a record still in flight here: that record is the next
+	// one of the record published (or, after a Retry or a Republish, one
+	// further on), claimed already, and the look-up would only send the
+	// claim back over rows this relay holds.
 	flying := make(map[string]bool)
 	for _, q := range l.queue {
 		for i := range q.records {
