@@ -343,6 +343,25 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 	return o.d.claim(o.table, p, where, args)
 }
 
+// PendingBetween counts the unpublished rows after after (from the head
+// when it is nil) and up to last, in claim order, through index when it is
+// set (MySQL's pending index): those a claim from after took, and those it
+// passed over. Column: the count.
+func (o *Outbox) PendingBetween(index string, after *Cursor, last Cursor) Query {
+	from := o.table
+	if index != "" {
+		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
+	}
+	where, args := "published_at IS NULL", []any{}
+	if after != nil {
+		a := o.d.TimeArg(after.CreatedAt)
+		where += " AND " + afterCursor
+		args = append(args, a, a, after.ID)
+	}
+	l := o.d.TimeArg(last.CreatedAt)
+	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
+}
+
 // Claimable tells whether a Claim with p (its MaxAttempts and Now) would find a
 // row, in one statement that locks and leases nothing: what an idle relay
 // asks instead of claiming, a claim being a transaction of three or four

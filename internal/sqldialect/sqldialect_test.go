@@ -29,10 +29,12 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			t.Fatal(err)
 		}
 		claims := map[string]ClaimParams{
-			"claim":              {Limit: 10, MaxAttempts: 5, Now: now, RelayID: "r", LeaseUntil: now},
-			"claim after cursor": {Limit: 10, MaxAttempts: 5, Now: now, After: &Cursor{CreatedAt: now, ID: "x"}, RelayID: "r", LeaseUntil: now},
-			"claim on index":     {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending"},
-			"claim on indexes":   {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"},
+			"claim":                       {Limit: 10, MaxAttempts: 5, Now: now, RelayID: "r", LeaseUntil: now},
+			"claim after cursor":          {Limit: 10, MaxAttempts: 5, Now: now, After: &Cursor{CreatedAt: now, ID: "x"}, RelayID: "r", LeaseUntil: now},
+			"claim on index":              {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending"},
+			"claim on indexes":            {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"},
+			"claim, in flight":            {Limit: 10, MaxAttempts: 5, Now: now, After: &Cursor{CreatedAt: now, ID: "x"}, InFlight: ids, RelayID: "r", LeaseUntil: now},
+			"claim on indexes, in flight": {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key", InFlight: ids},
 		}
 		queries := map[string]Query{
 			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}),
@@ -69,6 +71,8 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		}
 		queries["lock keys"] = o.LockKeys(keys)
 		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
+		queries["pending between"] = o.PendingBetween("", &Cursor{CreatedAt: now, ID: "x"}, Cursor{CreatedAt: now, ID: "y"})
+		queries["pending up to"] = o.PendingBetween("acemq_outbox_pending", nil, Cursor{CreatedAt: now, ID: "y"})
 		for _, seq := range []int64{1, 2} {
 			for i, step := range NewOrderedInbox(d).Apply(in, InOrder{Consumer: "c", Key: "k", Seq: seq, MessageID: "a", At: now}) {
 				queries["apply in order, seq "+strconv.FormatInt(seq, 10)+", step "+strconv.Itoa(i)] = step.Query
