@@ -30,7 +30,8 @@ type ForwarderConfig struct {
 	BatchSize int
 	// MaxBatchSize bounds a drain's claims. When a claim of Run comes back
 	// full (a backlog: more are waiting) and nothing failed, the next
-	// claims twice as many, up to MaxBatchSize; any
+	// claims twice as many, up to MaxBatchSize (on MySQL, unless it is a
+	// keyed claim that passed over many rows: see below); any
 	// other claim sends the next back to BatchSize. Default 1000, at least
 	// BatchSize; MaxBatchSize = BatchSize keeps every claim at BatchSize.
 	// Claims grow only where the destination pipelines (a Pipeliner such
@@ -608,6 +609,9 @@ type batch struct {
 	// preset, when set, holds the results known before sending, one per
 	// record: errBehindKey for the records not sent, nil for the rest.
 	preset []error
+	// answered, when results is nil for a wrong answer, is how many
+	// results the destination gave (see setResults).
+	answered int
 }
 
 // errBehindKey is the result of a keyed record claimed while an earlier
@@ -665,8 +669,9 @@ func (b *batch) outgoing() []Record {
 }
 
 // setResults sets the results of the batch from those of outgoing's
-// records. An answer of another length is kept as it is: not one result
-// per record, which settle refuses.
+// records. An answer of another length leaves no results, which settle
+// refuses (answered says how many came): placed around the preset ones, it
+// could have lined up with the batch's records and marked one never sent.
 func (b *batch) setResults(res []error) {
 	if b.preset == nil {
 		b.results = res
@@ -677,18 +682,27 @@ func (b *batch) setResults(res []error) {
 	for i := range full {
 		if full[i] == nil {
 			if j == len(res) {
-				b.results = res
-				return
+				break
 			}
 			full[i] = res[j]
 			j++
 		}
 	}
-	if j != len(res) {
-		b.results = res
+	if n := len(b.records) - countNonNil(b.preset); j != n || len(res) != n {
+		b.results, b.answered = nil, len(res)
 		return
 	}
 	b.results = full
+}
+
+func countNonNil(errs []error) int {
+	n := 0
+	for _, err := range errs {
+		if err != nil {
+			n++
+		}
+	}
+	return n
 }
 
 // holdBack makes every record of the batch not sent (whether it went out or
@@ -851,7 +865,11 @@ func readRecord(row sqldialect.ClaimedRow) (Record, error) {
 func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, bool, error) {
 	if len(b.results) != len(b.records) {
 		_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
-		err := fmt.Errorf("outbox: destination returned %d results for %d records", len(b.results), len(b.records))
+		got := len(b.results)
+		if b.results == nil {
+			got = b.answered
+		}
+		err := fmt.Errorf("outbox: destination returned %d results for %d records", got, len(b.records)-countNonNil(b.preset))
 		if report {
 			f.reportError(err, ErrorContext{})
 		}

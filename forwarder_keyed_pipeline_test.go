@@ -104,7 +104,8 @@ func (b *orderBroker) confirm(records []outbox.Record) []error {
 // predecessor's retry. With two relays over the same table, a few records
 // of some keys refused, and keys interleaved more tightly than the batches
 // in flight: every key's records reach the broker in sequence order, each
-// confirmed once, and the keyed claims grow past BatchSize.
+// confirmed once, and (but on MySQL, where a locked row says nothing) some
+// key's next record was claimed before its predecessor was marked.
 func TestForwarder_Run_KeysNextRecordsClaimedInFlight_SentInOrderAfterTheirPredecessors(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		const keys, perKey = 6, 40

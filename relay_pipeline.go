@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"slices"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -161,7 +162,8 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		switch {
 		case err == nil:
 			l.dependOn(s.claimed)
-			s.crowded = l.crowded(work, s)
+			// Not once Run's ctx ended: the look is not worth the stop's wait.
+			s.crowded = ctx.Err() != nil || l.crowded(work, s)
 		case ctx.Err() != nil:
 			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
 		default:
@@ -207,6 +209,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// found nothing, and the poll after it need not claim again to learn
 	// that there is still nothing.
 	l.idle = s.claimed == nil && !s.failed && (!s.progressed || l.claimInFlow)
+	if s.claimed == nil && !s.failed && !s.stopping {
+		l.crowdedFor = 0 // the drain is over; the next one looks afresh
+	}
 	l.drained = !s.failed && !s.full()
 	l.unblocked = s.unblocked
 	l.found = s.claimed != nil
@@ -390,13 +395,15 @@ func (l *relayLoop) grow(s swept, done []*batch) int {
 // than a quarter as many rows as it took, where a claim keeps the rows it
 // passed over locked until its batch is marked (MySQL): other relays'
 // records (their keys' next ones, which their next claims then skip), or
-// its own keys' records it could not take yet. A larger claim would pass
-// over more: the drain's claims go back to BatchSize (see grow). With
-// several relays over the same keys, MariaDB's keyed drain measured 0.60
-// of the unkeyed one with claims grown, and 0.73 at BatchSize; one relay
-// alone passes over nothing, and grown measured 0.87 against 0.67. One
-// read in the claim's transaction, on MySQL after full keyed claims only;
-// one that fails says crowded.
+// its own keys' records it could not take yet (a key's records written
+// together). A larger claim would pass over more: the drain's claims go
+// back to BatchSize (see grow). The relay's own batches in flight, which
+// a claim from the head passes over, do not count, nor do stuck rows. With
+// two relays over the same keys MariaDB's keyed drain measured 0.73 of the
+// unkeyed one's rate (0.70 at BatchSize, 0.57 with claims grown); one relay
+// over interleaved keys passes over nothing, and measured 0.80 (0.67 at
+// BatchSize). One read in the claim's transaction, on MySQL after full
+// keyed claims only; one that fails says crowded, and is reported.
 func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 	b := s.claimed
 	if b == nil || b.claim.tx == nil || !l.f.store.locksPassedOver() || !s.full() ||
@@ -412,6 +419,17 @@ func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 		return true
 	}
 	n, err := l.f.store.passedOver(ctx, b.claim, l.after, last)
+	if err != nil {
+		l.f.reportError(err, ErrorContext{})
+	}
+	// The relay's own rows in flight that the claim passed over.
+	for _, q := range l.queue {
+		for _, r := range q.claim.rows {
+			if inRange(r, l.after, last) {
+				n--
+			}
+		}
+	}
 	if err != nil || 4*n > len(b.claim.rows) {
 		l.crowdedFor = crowdedClaims
 		return true
@@ -419,10 +437,23 @@ func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 	return false
 }
 
+// inRange reports whether row r comes after after (any row, when nil) and
+// no later than last, in claim order.
+func inRange(r sqldialect.ClaimedRow, after, last *sqldialect.Cursor) bool {
+	cmp := func(c *sqldialect.Cursor) int {
+		if x := r.CreatedAt.Compare(c.CreatedAt); x != 0 {
+			return x
+		}
+		return strings.Compare(r.ID, c.ID)
+	}
+	return (after == nil || cmp(after) > 0) && cmp(last) <= 0
+}
+
 // crowdedClaims is how many full keyed claims after a crowded one are taken
-// as crowded too, without the look: other relays stay, and a look per claim
-// and the claims grown in its lulls cost a keyed drain of two relays on
-// MariaDB 0.57 of the unkeyed one's rate, against 0.70 at BatchSize.
+// as crowded too, without the look, until a sweep finds nothing to claim:
+// other relays stay, and a look per claim and the claims grown in its lulls
+// cost a keyed drain of two relays on MariaDB 0.57 of the unkeyed one's
+// rate, against 0.73.
 const crowdedClaims = 16
 
 // leftBehind reports whether a batch of bs released records (see released).

@@ -9,9 +9,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	_ "github.com/go-sql-driver/mysql"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/mattn/go-sqlite3"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
 // Only a database that cannot wake the relay at all (MySQL) claims again at
@@ -213,15 +216,88 @@ func TestHoldBackBehindKeys_OnlyBehindAnUnpublishedPredecessor(t *testing.T) {
 		t.Errorf("%d records go out, want 4", len(out))
 	}
 	// The destination's answer is placed around the preset result, and one
-	// of another length is kept as it is, for settle to refuse.
+	// of another length leaves no results, for settle to refuse: five for
+	// the four sent would otherwise line up with the five records and mark
+	// the one held back.
 	b.setResults([]error{nil, nil, refused, nil})
 	if len(b.results) != 5 || b.results[0] != nil || !errors.Is(b.results[1], errBehindKey) || b.results[3] != refused {
 		t.Errorf("results %v", b.results)
 	}
 	for _, res := range [][]error{{nil}, {nil, nil, nil, nil, nil}} {
 		b.setResults(res)
-		if len(b.results) != len(res) {
-			t.Errorf("an answer of %d results for 4 became %d", len(res), len(b.results))
+		if b.results != nil || b.answered != len(res) {
+			t.Errorf("an answer of %d results for 4: results %v, answered %d", len(res), b.results, b.answered)
 		}
+	}
+}
+
+// On MySQL a full keyed claim from the head passes over the relay's own
+// batches in flight, which it does not lock (they are the relay's already)
+// and which hold nobody back: they do not make the claim crowded, and the
+// rows another transaction holds do.
+func TestCrowded_MySQL_OwnRowsInFlightDoNotCount(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	ctx := context.Background()
+	if err := Migrate(ctx, db.DB.DB, MySQL); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for seq := 1; seq <= 2; seq++ {
+		for k := range 200 {
+			_, err := tx.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq)"+
+				" VALUES (?, 'ex', 'rk', 'b', '{}', ?, ?, ?)", fmt.Sprintf("k%03d#%d", k, seq),
+				time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC).Add(time.Duration(seq*1000+k)*time.Millisecond).Format("2006-01-02 15:04:05.000000"),
+				fmt.Sprintf("k%03d", k), seq)
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	store, err := NewStore(db.DB.DB, StoreConfig{Dialect: MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &Forwarder{store: store, log: watermill.NopLogger{}}
+	claim := func(inFlight []string) *batch {
+		t.Helper()
+		c, err := store.claimBatch(ctx, 50, "r", time.Minute, nil, inFlight)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = store.abandon(ctx, c) })
+		b := &batch{claim: c}
+		for _, row := range c.rows {
+			rec, err := readRecord(row)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.records = append(b.records, rec)
+		}
+		return b
+	}
+	ids := func(b *batch) (out []string) {
+		for _, r := range b.records {
+			out = append(out, r.ID)
+		}
+		return out
+	}
+	first := claim(nil)
+	second := claim(ids(first)) // from the head again, past first's rows
+	if second.records[0].ID != "k050#1" {
+		t.Fatalf("the second claim starts at %s, want k050#1", second.records[0].ID)
+	}
+	l := &relayLoop{f: f, queue: []*batch{first}}
+	if l.crowded(ctx, swept{claimed: second, size: 50}) {
+		t.Error("a claim that passed over the relay's own batch in flight is crowded")
+	}
+	l = &relayLoop{f: f} // first held by another relay
+	if !l.crowded(ctx, swept{claimed: second, size: 50}) {
+		t.Error("a claim that passed over as many rows of another relay as it took is not crowded")
 	}
 }

@@ -228,14 +228,15 @@ func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 
 // passedOver is how many unpublished rows the locking claim c, made from
 // after, passed over on its way to its last row: rows other relays hold,
-// and rows it could not take (a key's next record, a record held for a
-// retry), which it keeps locked where the dialect LocksPassedOver. One
-// read in c's transaction, which locks nothing.
+// the relay's own in flight, and rows it could not take (a key's next
+// record, a record held for a retry), which it keeps locked where the
+// dialect LocksPassedOver. Stuck rows do not count. One read in c's
+// transaction, which locks nothing.
 func (s *Store) passedOver(ctx context.Context, c *claim, after, last *sqldialect.Cursor) (int, error) {
 	s.claimMu.Lock()
 	index := s.index
 	s.claimMu.Unlock()
-	q := s.inline(s.q.PendingBetween(index, after, *last))
+	q := s.inline(s.q.PendingBetween(index, s.cfg.MaxAttempts, after, *last))
 	s.sent.Add(1)
 	var n int
 	if err := c.tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {

@@ -343,16 +343,16 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 	return o.d.claim(o.table, p, where, args)
 }
 
-// PendingBetween counts the unpublished rows after after (from the head
-// when it is nil) and up to last, in claim order, through index when it is
-// set (MySQL's pending index): those a claim from after took, and those it
-// passed over. Column: the count.
-func (o *Outbox) PendingBetween(index string, after *Cursor, last Cursor) Query {
+// PendingBetween counts the unpublished rows under maxAttempts after after
+// (from the head when it is nil) and up to last, in claim order, through
+// index when it is set (MySQL's pending index): those a claim from after
+// took, and those it passed over but for stuck ones. Column: the count.
+func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, last Cursor) Query {
 	from := o.table
 	if index != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
 	}
-	where, args := "published_at IS NULL", []any{}
+	where, args := "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts}
 	if after != nil {
 		a := o.d.TimeArg(after.CreatedAt)
 		where += " AND " + afterCursor

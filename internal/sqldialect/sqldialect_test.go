@@ -71,8 +71,8 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		}
 		queries["lock keys"] = o.LockKeys(keys)
 		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
-		queries["pending between"] = o.PendingBetween("", &Cursor{CreatedAt: now, ID: "x"}, Cursor{CreatedAt: now, ID: "y"})
-		queries["pending up to"] = o.PendingBetween("acemq_outbox_pending", nil, Cursor{CreatedAt: now, ID: "y"})
+		queries["pending between"] = o.PendingBetween("", 10, &Cursor{CreatedAt: now, ID: "x"}, Cursor{CreatedAt: now, ID: "y"})
+		queries["pending up to"] = o.PendingBetween("acemq_outbox_pending", 10, nil, Cursor{CreatedAt: now, ID: "y"})
 		for _, seq := range []int64{1, 2} {
 			for i, step := range NewOrderedInbox(d).Apply(in, InOrder{Consumer: "c", Key: "k", Seq: seq, MessageID: "a", At: now}) {
 				queries["apply in order, seq "+strconv.FormatInt(seq, 10)+", step "+strconv.Itoa(i)] = step.Query
