@@ -185,14 +185,7 @@ func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) 
 // for keys with nothing in flight. Each key still arrives in order.
 func TestForwarder_Run_KeyedDrain_ClaimsGrow_EachKeyInOrder(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
-		start := time.Now().Add(-time.Hour)
-		var rows []keyedRow
-		for seq := int64(1); seq <= 3; seq++ {
-			for k := 0; k < 200; k++ {
-				key := fmt.Sprintf("order-%03d", k)
-				rows = append(rows, keyedRow{id: keyedID(key, seq), exchange: "amq.topic", routingKey: "keyed", aggregate: key, seq: seq, createdAt: start.Add(time.Duration(len(rows)) * time.Millisecond)})
-			}
-		}
+		rows := interleavedKeys(200, 3)
 		insertKeyed(t, db, rows)
 		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: 3000}, 0)
 		sizes := waitDelivered(t, dest, len(rows))
@@ -279,14 +272,7 @@ func TestNewForwarder_MaxBatchSizeOutOfRange_Refused(t *testing.T) {
 // nothing in its way it grows: TestForwarder_Run_KeyedDrain_ClaimsGrow_EachKeyInOrder.)
 func TestForwarder_Run_MySQL_KeyedClaimPassingOverManyRows_DoesNotGrow(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
-	start := time.Now().Add(-time.Hour)
-	var rows []keyedRow
-	for seq := int64(1); seq <= 3; seq++ {
-		for k := 0; k < 400; k++ {
-			key := fmt.Sprintf("order-%03d", k)
-			rows = append(rows, keyedRow{id: keyedID(key, seq), exchange: "amq.topic", routingKey: "keyed", aggregate: key, seq: seq, createdAt: start.Add(time.Duration(len(rows)) * time.Millisecond)})
-		}
-	}
+	rows := interleavedKeys(400, 3)
 	insertKeyed(t, db, rows)
 	// By primary key, under READ COMMITTED: the rows alone, no gaps, which
 	// would hold the relay's marks back.

@@ -109,20 +109,13 @@ func (b *orderBroker) confirm(records []outbox.Record) []error {
 func TestForwarder_Run_KeysNextRecordsClaimedInFlight_SentInOrderAfterTheirPredecessors(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		const keys, perKey = 6, 40
-		start := time.Now().Add(-time.Hour)
-		var rows []keyedRow
-		for seq := int64(1); seq <= perKey; seq++ {
-			for k := 0; k < keys; k++ {
-				key := fmt.Sprintf("order-%d", k)
-				rows = append(rows, keyedRow{id: keyedID(key, seq), exchange: "amq.topic", routingKey: "keyed", aggregate: key, seq: seq, createdAt: start.Add(time.Duration(len(rows)) * time.Millisecond)})
-			}
-		}
+		rows := interleavedKeys(keys, perKey)
 		insertKeyed(t, db, rows)
 		broker := newOrderBroker(1000, map[string]int{
-			keyedID("order-0", 1):  2,
-			keyedID("order-3", 2):  3,
-			keyedID("order-5", 17): 1,
-			keyedID("order-1", 40): 2,
+			keyedID("order-000", 1):  2,
+			keyedID("order-003", 2):  3,
+			keyedID("order-005", 17): 1,
+			keyedID("order-001", 40): 2,
 		})
 		ctx, cancel := context.WithCancel(context.Background())
 		var wg sync.WaitGroup
@@ -171,8 +164,8 @@ func TestForwarder_Run_KeysNextRecordsClaimedInFlight_SentInOrderAfterTheirPrede
 			}
 		}
 		for k := 0; k < keys; k++ {
-			if got := broker.confirmed[fmt.Sprintf("order-%d", k)]; got != perKey {
-				t.Errorf("order-%d: last confirmed seq %d, want %d", k, got, perKey)
+			if got := broker.confirmed[fmt.Sprintf("order-%03d", k)]; got != perKey {
+				t.Errorf("order-%03d: last confirmed seq %d, want %d", k, got, perKey)
 			}
 		}
 		// On MySQL a claim keeps the rows it passed over locked (see
@@ -226,4 +219,19 @@ func claimedAlready(t *testing.T, db *testdb.DB, id string) bool {
 	}
 	_ = rows.Close()
 	return pending > 0 && free == 0
+}
+
+// interleavedKeys is keys keys of perKey records each, written an hour ago
+// in sequence-number rounds (every key's seq 1, then every key's seq 2, …),
+// as the events of many aggregates interleave.
+func interleavedKeys(keys int, perKey int64) []keyedRow {
+	start := time.Now().Add(-time.Hour)
+	var rows []keyedRow
+	for seq := int64(1); seq <= perKey; seq++ {
+		for k := range keys {
+			key := fmt.Sprintf("order-%03d", k)
+			rows = append(rows, keyedRow{id: keyedID(key, seq), exchange: "amq.topic", routingKey: "keyed", aggregate: key, seq: seq, createdAt: start.Add(time.Duration(len(rows)) * time.Millisecond)})
+		}
+	}
+	return rows
 }
