@@ -789,6 +789,11 @@ func (b *batch) bodyBytes() int {
 	return n
 }
 
+// keyed reports whether the batch holds a keyed record.
+func (b *batch) keyed() bool {
+	return slices.ContainsFunc(b.records, func(r Record) bool { return r.AggregateID != "" })
+}
+
 // last is the cursor after the batch's last row, or nil (the next claim
 // starts at the head) when that row's created_at could not be read: the
 // zero time is no place in the order to resume from.

@@ -620,19 +620,8 @@ func TestLifecycle_PanicInRunLoop_PropagatesInsteadOfHanging(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	panicked := make(chan any, 1)
-	go func() {
-		defer func() { panicked <- recover() }()
-		_ = f.Run(context.Background())
-	}()
-	select {
-	case p := <-panicked:
-		if p == nil {
-			t.Errorf("Run returned without the panic")
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run neither returned nor panicked within 10 s after its Destination panicked: the panic is stuck behind the deferred listener.Wait")
-	}
+	// Without the fix the panic is stuck behind the deferred listener.Wait.
+	runUntilPanic(t, f)
 }
 
 // with no listener the panic does propagate, but

@@ -406,8 +406,7 @@ func (l *relayLoop) grow(s swept, done []*batch) int {
 // keyed claims only; one that fails says crowded, and is reported.
 func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 	b := s.claimed
-	if b == nil || b.claim.tx == nil || !l.f.store.locksPassedOver() || !s.full() ||
-		!slices.ContainsFunc(b.records, func(r Record) bool { return r.AggregateID != "" }) {
+	if b == nil || b.claim.tx == nil || !l.f.store.locksPassedOver() || !s.full() || !b.keyed() {
 		return false
 	}
 	if l.crowdedFor > 0 {

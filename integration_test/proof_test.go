@@ -72,6 +72,29 @@ func placeOrders(t *testing.T, app *sqlx.DB, exchange string, n, perTx int) map[
 	return placed
 }
 
+// orderRig is what each proof runs on: an isolated database of kind with
+// the orders schema, a broker of the test's own, and the application's
+// pool of the database.
+func orderRig(t *testing.T, kind string) (*testdb.DB, *testamqp.Broker, *sqlx.DB) {
+	t.Helper()
+	db := testdb.New(t, kind)
+	migrateOrders(t, db)
+	b := testamqp.New(t)
+	app := sqlx.MustOpen(db.DriverName(), db.DSN)
+	t.Cleanup(func() { _ = app.Close() })
+	return db, b, app
+}
+
+// amqpDest is a destination on the test broker.
+func amqpDest(t *testing.T) *outbox.AMQPDestination {
+	t.Helper()
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dest
+}
+
 func migrateOrders(t *testing.T, db *testdb.DB) {
 	t.Helper()
 	if err := outbox.Migrate(context.Background(), db.DB.DB, dialectOfKind(t, db.Kind)); err != nil {
@@ -109,18 +132,11 @@ func TestEndToEnd_Republish_MessagesTheBrokerLost_SentAgainEachAppliedOnce(t *te
 		t.Run(kind, func(t *testing.T) {
 			const n = 30
 			ctx := context.Background()
-			db := testdb.New(t, kind)
-			migrateOrders(t, db)
-			b := testamqp.New(t)
+			db, b, app := orderRig(t, kind)
 			queue := b.Queue(topic)
-			app := sqlx.MustOpen(db.DriverName(), db.DSN)
-			t.Cleanup(func() { _ = app.Close() })
 
 			placed := placeOrders(t, app, b.Exchange, n, 5)
-			dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-			if err != nil {
-				t.Fatal(err)
-			}
+			dest := amqpDest(t)
 			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{})
 			if err != nil {
 				t.Fatal(err)
@@ -210,18 +226,11 @@ func TestEndToEnd_Republish_MessagesTheBrokerLost_SentAgainEachAppliedOnce(t *te
 func TestEndToEnd_Relay_NoChaos_EachRecordOnTheBrokerExactlyOnce(t *testing.T) {
 	const n = 500
 	ctx := context.Background()
-	db := testdb.New(t, testdb.Postgres)
-	migrateOrders(t, db)
-	b := testamqp.New(t)
+	db, b, app := orderRig(t, testdb.Postgres)
 	queue := b.Queue(topic)
-	app := sqlx.MustOpen(db.DriverName(), db.DSN)
-	t.Cleanup(func() { _ = app.Close() })
 
 	placed := placeOrders(t, app, b.Exchange, n, 25)
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	dest := amqpDest(t)
 	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{BatchSize: 25, PollInterval: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -278,9 +287,7 @@ func TestEndToEnd_Relay_NoChaos_EachRecordOnTheBrokerExactlyOnce(t *testing.T) {
 func TestEndToEnd_BrokerRefusesPublishes_RefusedRecordsSentAgainEachAppliedOnce(t *testing.T) {
 	const n, room = 20, 5
 	ctx := context.Background()
-	db := testdb.New(t, testdb.Postgres)
-	migrateOrders(t, db)
-	b := testamqp.New(t)
+	db, b, app := orderRig(t, testdb.Postgres)
 	args := amqp.Table{"x-max-length": int32(room), "x-overflow": "reject-publish"}
 	queue := "test-q-" + testdb.RandomName()
 	b.With(func(ch *amqp.Channel) error {
@@ -292,14 +299,9 @@ func TestEndToEnd_BrokerRefusesPublishes_RefusedRecordsSentAgainEachAppliedOnce(
 	t.Cleanup(func() {
 		b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(queue, false, false, false); return err })
 	})
-	app := sqlx.MustOpen(db.DriverName(), db.DSN)
-	t.Cleanup(func() { _ = app.Close() })
 	placed := placeOrders(t, app, b.Exchange, n, 4)
 
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	dest := amqpDest(t)
 	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
 		BatchSize: 4, PollInterval: 50 * time.Millisecond, RetryMin: 20 * time.Millisecond, RetryMax: 200 * time.Millisecond, MaxAttempts: 1000,
 	})
