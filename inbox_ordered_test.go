@@ -856,7 +856,11 @@ func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T)
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, 10*time.Second, "five applied", func() bool { return len(l.of("a")) >= 5 })
+	// The handler logs a message before the middleware commits its effect;
+	// the fifth effect committed, all five are.
+	waitFor(t, 10*time.Second, "five applied and committed", func() bool {
+		return len(l.of("a")) >= 5 && countEffects(t, db, keyedMsg("a", 5).UUID) > 0
+	})
 	if got := l.of("a"); !reflect.DeepEqual(got, upTo(5)) {
 		t.Fatalf("applied %v, want [1 2 3 4 5]", got)
 	}
