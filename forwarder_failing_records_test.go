@@ -172,7 +172,16 @@ func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
 		},
 	})
 	go func() { _ = f.Run(context.Background()) }()
-	waitFor(t, 20*time.Second, "five attempts", func() bool { return stateOf(t, db, "refused").Attempts == 5 })
+	// OnError runs after the relay commits the attempt: wait for the fifth
+	// report, then the row must show five.
+	waitFor(t, 20*time.Second, "five failures reported", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(attempts) >= 5
+	})
+	if n := stateOf(t, db, "refused").Attempts; n != 5 {
+		t.Fatalf("row shows %d attempts after five reports, want 5", n)
+	}
 	mu.Lock()
 	defer mu.Unlock()
 	if len(attempts) != 5 {

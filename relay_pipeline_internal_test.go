@@ -86,16 +86,25 @@ func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 		t.Cleanup(func() { _ = db.Close() })
 		return db
 	}
-	relayDB, writer := open(300), open(300)
-	if err := Migrate(context.Background(), relayDB, SQLite); err != nil {
+	// The first probe waits for a commit 100 ms away, which a loaded
+	// machine can stretch: its pool waits 5 s. The last one's 300 ms is
+	// what it measures.
+	writer := open(300)
+	if err := Migrate(context.Background(), writer, SQLite); err != nil {
 		t.Fatal(err)
 	}
-	store, err := NewStore(relayDB, StoreConfig{Dialect: SQLite})
-	if err != nil {
-		t.Fatal(err)
+	storeOf := func(db *sql.DB) *Store {
+		store, err := NewStore(db, StoreConfig{Dialect: SQLite})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return store
 	}
+	patient, short := storeOf(open(5000)), storeOf(open(300))
 	ctx := context.Background()
-	loop := func(woke bool) *relayLoop { return &relayLoop{f: &Forwarder{store: store}, idle: true, woke: woke} }
+	loop := func(store *Store, woke bool) *relayLoop {
+		return &relayLoop{f: &Forwarder{store: store}, idle: true, woke: woke}
+	}
 	write := func(id string) *sql.Tx {
 		tx, err := writer.Begin()
 		if err != nil {
@@ -108,14 +117,14 @@ func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 	}
 
 	tx := write("committed-while-probing")
-	if !loop(false).nothingToClaim(ctx) {
+	if !loop(patient, false).nothingToClaim(ctx) {
 		t.Fatal("a plain probe saw a row its writer has not committed")
 	}
 	go func() {
 		time.Sleep(100 * time.Millisecond)
 		_ = tx.Commit()
 	}()
-	if loop(true).nothingToClaim(ctx) {
+	if loop(patient, true).nothingToClaim(ctx) {
 		t.Fatal("a woken probe found nothing: it read before the writer that woke it had committed")
 	}
 
@@ -125,7 +134,7 @@ func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 	tx = write("held-past-busy-timeout")
 	defer func() { _ = tx.Rollback() }()
 	start := time.Now()
-	if !loop(true).nothingToClaim(ctx) {
+	if !loop(short, true).nothingToClaim(ctx) {
 		t.Fatal("a woken probe that could not get the lock within busy_timeout claims, and would fail on the same lock")
 	}
 	if waited := time.Since(start); waited < 250*time.Millisecond {

@@ -373,11 +373,15 @@ func TestRelayAndStatus_NullAttempts_RowPendingAndSent(t *testing.T) {
 				t.Errorf("status: pending 0, stuck 0 with one unpublished row (attempts NULL)")
 			}
 			relay := startRelay(t, db.DSN)
-			time.Sleep(3 * time.Second)
+			const within = 30 * time.Second
+			unpublished := func() int { return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") }
+			for deadline := time.Now().Add(within); unpublished() != 0 && time.Now().Before(deadline); {
+				time.Sleep(50 * time.Millisecond) // polling the database
+			}
 			relay.stop()
-			if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL"); n != 0 {
+			if n := unpublished(); n != 0 {
 				r := ctl(t, nil, "stuck", "--db", db.DSN)
-				t.Errorf("the relay left the row with attempts NULL unpublished after 3s, and stuck says:\n%s", r.stdout)
+				t.Errorf("the relay left the row with attempts NULL unpublished after %s, and stuck says:\n%s", within, r.stdout)
 			}
 		})
 	}
