@@ -283,6 +283,45 @@ func TestInbox_Router_MessageFromAnotherAceMQRelay_HandledOnceRedeliveryAcked(t 
 	}
 }
 
+// A quorum queue (RabbitMQ's replicated queue type) stamps every
+// redelivery after a nack or a lost consumer with x-delivery-count, an
+// integer header. watermill-amqp's DefaultMarshaler refuses it, and its
+// subscriber nacks with requeue what it cannot unmarshal: the message
+// loops between broker and subscriber and never reaches the handler (a
+// cluster test lost an order so, its consumer's node stopped under it).
+// Under AMQPMarshaler the redelivery after the inbox's nack is handled.
+func TestInbox_Router_QuorumQueueRedelivery_ReachesHandlerUnderAMQPMarshaler(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	testdb.Require(t, "amqp")
+	createEffects(t, db)
+	topic := "quorum-" + testdb.RandomName()
+	cfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
+	cfg.Queue.Arguments = amqp.Table{"x-queue-type": "quorum"}
+	cfg.Marshaler = outbox.AMQPMarshaler{}
+	sub, err := wamqp.NewSubscriber(cfg, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
+	defer testamqpDeleteQueue(t, topic)
+
+	id := "pay-2-captured-" + testdb.RandomName()
+	testamqp.New(t).With(func(ch *amqp.Channel) error {
+		return ch.PublishWithContext(context.Background(), "", topic, true, false, amqp.Publishing{
+			MessageId: id, Headers: amqp.Table{outbox.HeaderMessageID: id},
+			DeliveryMode: amqp.Persistent, Body: []byte(`{"amount":"42.50"}`),
+		})
+	})
+	select {
+	case <-r.done:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the redelivery did not reach the inbox (%d deliveries, handler ran %d times)", r.deliveries.Load(), r.ran.Load())
+	}
+	if r.ran.Load() != 1 || countProcessed(t, db, id) != 1 {
+		t.Fatalf("handler ran %d times, key %s recorded %d times; want 1, 1", r.ran.Load(), id, countProcessed(t, db, id))
+	}
+}
+
 // crashingRouter is a router behind an inbox whose first delivery
 // "crashes" after the inbox committed, so that the broker gets a nack and
 // redelivers.

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
-	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -117,7 +116,9 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	urls := cl.URLs()
 	consumers := startConsumer(t, consumerConfig{
 		name: "cluster-orders", instances: 2, prefetch: 20, topic: clusterTopic, queue: queue, exchange: exchange,
-		marshaler: wamqp.DefaultMarshaler{}, inbox: inbox, handle: oc.handle,
+		// A quorum queue's redeliveries carry x-delivery-count, an integer,
+		// which watermill-amqp's DefaultMarshaler refuses over and over.
+		marshaler: outbox.AMQPMarshaler{}, inbox: inbox, handle: oc.handle,
 		connName: func(i int) string { return "cluster-consumer-" + strconv.Itoa(i) },
 		nodes: func(i int) []string {
 			first := 2
