@@ -20,8 +20,11 @@ import (
 // the Marshaler of the subscriber's wamqp.Config.
 //
 // watermill-amqp's DefaultMarshaler refuses a message with a header that is
-// not a string, and relays of other AceMQ libraries send numbers, booleans,
-// arrays, tables and void; a message from one of them has no
+// not a string, and its subscriber requeues such a message for ever. Relays
+// of other AceMQ libraries send numbers, booleans, arrays, tables and void,
+// this library's relay sends seq as an integer, and a quorum queue adds
+// x-delivery-count, an integer, to what it delivers again (on RabbitMQ 3.x
+// after a nack or a lost consumer); a message from another relay has no
 // _watermill_message_uuid either. AMQPMarshaler takes every header into the
 // metadata, a string as it is and any other value as its JSON text (see
 // Unmarshal), and the message UUID from the first of x-acemq-id,
