@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -36,7 +37,8 @@ type AMQPMarshaler struct {
 	wamqp.DefaultMarshaler
 }
 
-// Unmarshal never fails over a header. The message UUID is the x-acemq-id
+// Unmarshal never fails over a header; it fails only for the zero
+// amqp.Delivery (see closedDelivery). The message UUID is the x-acemq-id
 // header, else the _watermill_message_uuid header
 // (DefaultMarshaler.MessageUUIDHeaderKey if set), else the AMQP message_id
 // property; the
@@ -56,6 +58,9 @@ type AMQPMarshaler struct {
 // A string header is in the metadata as it is, not quoted: the metadata of
 // a message a TxPublisher wrote reads as it was written.
 func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	if closedDelivery(d) {
+		return nil, errClosedDelivery
+	}
 	uuidKey := m.MessageUUIDHeaderKey
 	if uuidKey == "" {
 		uuidKey = wamqp.DefaultMessageUUIDHeaderKey
@@ -69,6 +74,23 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		msg.Metadata[k] = metadataValue(v)
 	}
 	return msg, nil
+}
+
+// errClosedDelivery is Unmarshal's refusal of the zero amqp.Delivery.
+var errClosedDelivery = errors.New("outbox: not a delivery: the zero amqp.Delivery a closed consumer channel yields")
+
+// closedDelivery reports whether d is the zero amqp.Delivery, which a
+// receive from the consumer's deliveries channel yields once the channel
+// closed. watermill-amqp's subscriber (v3.0.2) receives without checking,
+// and, as the close races its close notification, can hand the router a
+// message of nothing: no id, no body, no metadata. Behind an inbox it
+// failed with ErrNoMessageID, or with AllowMissingID ran the handler.
+// Refused here, it goes the way of the close: watermill-amqp cannot nack
+// it, and reconnects. A delivery from the broker always has its channel
+// (Acknowledger) and a tag.
+func closedDelivery(d amqp.Delivery) bool {
+	return d.Acknowledger == nil && d.DeliveryTag == 0 && d.Headers == nil && d.Body == nil &&
+		d.MessageId == "" && d.ConsumerTag == "" && d.Exchange == "" && d.RoutingKey == ""
 }
 
 // messageUUID is the first non-empty string of x-acemq-id, the UUID header

@@ -89,7 +89,7 @@ func TestAMQPMarshaler_UUID_FromAcemqIDElseWatermillHeaderElseMessageID(t *testi
 		{"empty UUID header", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": ""}}, "prop"},
 		{"empty x-acemq-id", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": "wm", "x-acemq-id": ""}}, "wm"},
 		{"UUID header not a string", outbox.AMQPMarshaler{}, amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"_watermill_message_uuid": int64(7)}}, "prop"},
-		{"no id at all", outbox.AMQPMarshaler{}, amqp.Delivery{}, ""},
+		{"no id at all", outbox.AMQPMarshaler{}, amqp.Delivery{DeliveryTag: 1, Body: []byte(`{}`)}, ""},
 		{"own UUID header", outbox.AMQPMarshaler{DefaultMarshaler: wamqp.DefaultMarshaler{MessageUUIDHeaderKey: "uuid"}},
 			amqp.Delivery{MessageId: "prop", Headers: amqp.Table{"uuid": "own", "_watermill_message_uuid": "wm"}}, "own"},
 	} {
@@ -180,5 +180,25 @@ func TestPublisherDestination_TypedHeaders_RenderedAsAMQPMarshalerDoes(t *testin
 	}
 	if got.Metadata.Get("seq") != "7" || got.Metadata.Get("trace") != `{"id":"t1","n":2}` || got.Metadata.Get("note") != "null" {
 		t.Errorf("metadata %v", got.Metadata)
+	}
+}
+
+// The zero amqp.Delivery, which watermill-amqp's subscriber can receive
+// from a consumer channel that closed, is refused rather than made a
+// message of nothing; a delivery with anything of the broker's in it is a
+// message, an empty one included.
+func TestAMQPMarshaler_ZeroDelivery_RefusedOthersNot(t *testing.T) {
+	if msg, err := (outbox.AMQPMarshaler{}).Unmarshal(amqp.Delivery{}); err == nil {
+		t.Fatalf("the zero delivery became a message (%+v), want an error", msg)
+	}
+	for _, d := range []amqp.Delivery{
+		{DeliveryTag: 1},
+		{Body: []byte{}},
+		{Headers: amqp.Table{}},
+		{MessageId: "m-1"},
+	} {
+		if _, err := (outbox.AMQPMarshaler{}).Unmarshal(d); err != nil {
+			t.Errorf("%+v: %v, want a message", d, err)
+		}
 	}
 }
