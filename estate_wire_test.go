@@ -249,28 +249,10 @@ func TestInbox_Router_MessageFromAnotherAceMQRelay_HandledOnceRedeliveryAcked(t 
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 				testdb.Require(t, "amqp")
 				createEffects(t, db)
-				topic := "foreign-" + testdb.RandomName()
 				cfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
 				cfg.Marshaler = m.marshaler
-				sub, err := wamqp.NewSubscriber(cfg, watermill.NopLogger{})
-				if err != nil {
-					t.Fatal(err)
-				}
-				r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
-				defer testamqpDeleteQueue(t, topic)
-
 				id := "pay-1-captured-" + testdb.RandomName()
-				testamqp.New(t).With(func(ch *amqp.Channel) error {
-					return ch.PublishWithContext(context.Background(), "", topic, true, false, amqp.Publishing{
-						MessageId: id, Headers: amqp.Table{outbox.HeaderMessageID: id},
-						DeliveryMode: amqp.Persistent, Body: []byte(`{"amount":"42.50"}`),
-					})
-				})
-				select {
-				case <-r.done:
-				case <-time.After(20 * time.Second):
-					t.Fatalf("the redelivery was not acked (%d deliveries, handler ran %d times)", r.deliveries.Load(), r.ran.Load())
-				}
+				r := deliverCrashingOnce(t, db, cfg, "foreign-"+testdb.RandomName(), id)
 				var effects int
 				if err := db.Get(&effects, "SELECT COUNT(*) FROM effects"); err != nil {
 					t.Fatal(err)
@@ -294,18 +276,29 @@ func TestInbox_Router_QuorumQueueRedelivery_ReachesHandlerUnderAMQPMarshaler(t *
 	db := migrated(t, testdb.Postgres)
 	testdb.Require(t, "amqp")
 	createEffects(t, db)
-	topic := "quorum-" + testdb.RandomName()
 	cfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
 	cfg.Queue.Arguments = amqp.Table{"x-queue-type": "quorum"}
 	cfg.Marshaler = outbox.AMQPMarshaler{}
+	id := "pay-2-captured-" + testdb.RandomName()
+	r := deliverCrashingOnce(t, db, cfg, "quorum-"+testdb.RandomName(), id)
+	if r.ran.Load() != 1 || countProcessed(t, db, id) != 1 {
+		t.Fatalf("handler ran %d times, key %s recorded %d times; want 1, 1", r.ran.Load(), id, countProcessed(t, db, id))
+	}
+}
+
+// deliverCrashingOnce subscribes with cfg to topic's queue behind an inbox
+// and a crash after the first commit (runInboxRouterCrashingOnce),
+// publishes one message with id as another AceMQ relay sends it (message_id
+// and x-acemq-id, no Watermill UUID), and waits until a delivery after the
+// crash succeeded. The queue is deleted when the test ends.
+func deliverCrashingOnce(t *testing.T, db *testdb.DB, cfg wamqp.Config, topic, id string) *crashingRouter {
+	t.Helper()
 	sub, err := wamqp.NewSubscriber(cfg, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
-	defer testamqpDeleteQueue(t, topic)
-
-	id := "pay-2-captured-" + testdb.RandomName()
+	t.Cleanup(func() { testamqpDeleteQueue(t, topic) })
 	testamqp.New(t).With(func(ch *amqp.Channel) error {
 		return ch.PublishWithContext(context.Background(), "", topic, true, false, amqp.Publishing{
 			MessageId: id, Headers: amqp.Table{outbox.HeaderMessageID: id},
@@ -315,11 +308,9 @@ func TestInbox_Router_QuorumQueueRedelivery_ReachesHandlerUnderAMQPMarshaler(t *
 	select {
 	case <-r.done:
 	case <-time.After(20 * time.Second):
-		t.Fatalf("the redelivery did not reach the inbox (%d deliveries, handler ran %d times)", r.deliveries.Load(), r.ran.Load())
+		t.Fatalf("the redelivery after the crash did not go through the inbox (%d deliveries, handler ran %d times)", r.deliveries.Load(), r.ran.Load())
 	}
-	if r.ran.Load() != 1 || countProcessed(t, db, id) != 1 {
-		t.Fatalf("handler ran %d times, key %s recorded %d times; want 1, 1", r.ran.Load(), id, countProcessed(t, db, id))
-	}
+	return r
 }
 
 // crashingRouter is a router behind an inbox whose first delivery
