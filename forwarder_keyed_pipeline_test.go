@@ -212,19 +212,11 @@ func TestForwarder_Run_BatchSentAloneBehindARefusedPredecessor_HoldsBackOnlyItsK
 		if err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- f.Run(ctx) }()
-		defer func() { _ = f.Close() }()
-		waitFor(t, 30*time.Second, "every record confirmed", func() bool {
+		runUntil(t, f, 30*time.Second, "every record confirmed", func() bool {
 			broker.mu.Lock()
 			defer broker.mu.Unlock()
 			return len(broker.confirms) == 4
 		})
-		cancel()
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
 		broker.checkInOrderOnce(t)
 		var attempts int
 		if err := db.Get(&attempts, db.Rebind("SELECT attempts FROM acemq_outbox WHERE id = ?"), second); err != nil {

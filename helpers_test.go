@@ -299,3 +299,18 @@ func newInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.Inbox
 	}
 	return in
 }
+
+// runUntil runs f until cond holds (within timeout), then stops it and
+// fails t if Run failed.
+func runUntil(t *testing.T, f *outbox.Forwarder, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	defer func() { _ = f.Close() }()
+	waitFor(t, timeout, what, cond)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -44,8 +44,10 @@ func TestNewRelayLoop_ClaimsInAFlowOnMySQLOnly(t *testing.T) {
 }
 
 // With a batch's confirms out and the last claim short of a batch, the
-// next sweep claims only if something says rows may be waiting: a wake-up,
-// or, where nothing can wake the relay, a last claim that found rows.
+// next sweep claims only if something says rows may be waiting: the
+// wake-up that started it, or, where nothing can wake the relay, a last
+// claim that found rows. A wake-up that came since waits, pending, for
+// the sweep after the batches are settled.
 func TestClaimNow_BatchesOut_ClaimsOnAWakeUpOrInAFlowWithoutOne(t *testing.T) {
 	loop := func(found, inFlow bool) *relayLoop {
 		return &relayLoop{f: &Forwarder{wake: make(chan struct{}, 1)}, queue: []*batch{{}}, drained: true, found: found, claimInFlow: inFlow}
@@ -59,10 +61,20 @@ func TestClaimNow_BatchesOut_ClaimsOnAWakeUpOrInAFlowWithoutOne(t *testing.T) {
 	if !loop(true, true).claimNow() {
 		t.Error("did not claim in a flow where nothing wakes the relay")
 	}
+	pending := loop(true, false)
+	pending.f.Notify()
+	if pending.claimNow() {
+		t.Error("claimed with batches out on a wake-up that came since")
+	}
+	select {
+	case <-pending.f.wake:
+	default:
+		t.Error("the wake-up that came since was taken: the sweep after the settling would wait for the poll")
+	}
 	woken := loop(false, false)
-	woken.f.Notify()
+	woken.woke = true
 	if !woken.claimNow() {
-		t.Error("did not claim on a wake-up")
+		t.Error("did not claim on the wake-up that started the sweep")
 	}
 }
 
