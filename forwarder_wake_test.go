@@ -323,9 +323,9 @@ func TestForwarder_Postgres_RetryAndRepublishElsewhere_WakeTheRelay(t *testing.T
 
 // gatePipe pipelines, and logs each Send and the end of each Wait. Its
 // first Send runs onFirstSend before it returns, as a commit that lands
-// while the relay's batch is out.
+// while the relay's batch is out, and logs its failure.
 type gatePipe struct {
-	onFirstSend func()
+	onFirstSend func() error
 
 	mu     sync.Mutex
 	events []string // "send <ids>", "confirmed <ids>"
@@ -356,7 +356,9 @@ func (g *gatePipe) Destination() outbox.Destination { return g }
 func (g *gatePipe) Capacity() int                   { return 1000 }
 func (g *gatePipe) Send(_ context.Context, records []outbox.Record) outbox.Sent {
 	if g.log("send", records) == 1 {
-		g.onFirstSend()
+		if err := g.onFirstSend(); err != nil {
+			g.log("failed: "+err.Error(), nil)
+		}
 	}
 	return gateSent(records)
 }
@@ -387,10 +389,14 @@ func TestForwarder_Run_WokenWhileABatchIsOut_ClaimsOnceItIsSettled(t *testing.T)
 		old := time.Now().Add(-time.Minute)
 		insertKeyed(t, db, []keyedRow{{id: "first", exchange: "amq.topic", routingKey: "t", createdAt: old}})
 		var f *outbox.Forwarder
-		pipe := &gatePipe{onFirstSend: func() {
-			insertKeyed(t, db, []keyedRow{{id: "second", exchange: "amq.topic", routingKey: "t", createdAt: time.Now()}})
+		pipe := &gatePipe{onFirstSend: func() error {
+			// On the relay's goroutine: no t.Fatal here.
+			_, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at)"+
+				" VALUES ('second', 'amq.topic', 't', 'x', '{}', ?)"), time.Now().UTC().Format("2006-01-02 15:04:05.000000"))
 			f.Notify()
+			return err
 		}}
+		failed := func(e string) bool { return strings.HasPrefix(e, "failed: ") }
 		var err error
 		f, err = outbox.NewForwarder(db.DB, pipe, outbox.ForwarderConfig{
 			// Only the test's Notify wakes it: no LISTEN, no file watch, and no poll for a minute.
@@ -400,9 +406,13 @@ func TestForwarder_Run_WokenWhileABatchIsOut_ClaimsOnceItIsSettled(t *testing.T)
 			t.Fatal(err)
 		}
 		runUntil(t, f, 10*time.Second, "the second row sent", func() bool {
-			return slices.Contains(pipe.eventLog(), "send second")
+			events := pipe.eventLog()
+			return slices.Contains(events, "send second") || slices.ContainsFunc(events, failed)
 		})
 		events := pipe.eventLog()
+		if i := slices.IndexFunc(events, failed); i >= 0 {
+			t.Fatal(events[i])
+		}
 		if db.Kind != testdb.MySQL && slices.Index(events, "send second") < slices.Index(events, "confirmed first") {
 			t.Errorf("the second row was claimed and sent while the first was out: %q", events)
 		}

@@ -585,8 +585,9 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 }
 
 // claimNow reports whether this sweep claims. It does not when the last
-// claim drained the table, nothing since could have added a claimable row,
-// and batches are in flight: the sweep only settles them. Without this a
+// claim drained the table, batches are in flight, and this sweep was not
+// started by a wake-up nor follows a keyed record published or a failure:
+// the sweep only settles them. Without this a
 // relay in a flow of single messages claimed twice per message, the second
 // time finding nothing (four statements on PostgreSQL) while the confirms
 // of the first were out. A wake-up that started this sweep (a commit's
@@ -594,8 +595,9 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 // one became claimable) or a failure all mean a claim.
 //
 // A wake-up that came while batches are out waits, pending, for them to be
-// settled, and the sweep after that claims: the claim then takes every
-// row committed in the meantime. Claiming at each wake-up instead, with
+// settled, and the sweep after that claims: the claim then takes the rows
+// committed in the meantime (a batch of them, and the drain goes on while
+// claims come back full). Claiming at each wake-up instead, with
 // commits coming every few milliseconds (500 msg/s on PostgreSQL, each
 // commit a NOTIFY), kept three batches of one or two rows in flight and
 // made every sweep a claim and a mark: the relay fell behind a flow it
