@@ -34,7 +34,9 @@ import (
 //	                                          commit, from the same process
 //	commit_to_broker_p50/p99_<db>_process_<rate>: every database: the relay is
 //	                                          `outboxctl relay`, a process of its own, at
-//	                                          500 and 2,000 msg/s (latency_process.go)
+//	                                          500 and 2,000 msg/s (latency_process.go);
+//	                                          commit_rate_<db>_process_<rate> is the rate the
+//	                                          services' commits reached (msg/s)
 //	commit_to_broker_p50/p99_broker_only_<rate>: their floor: the bench publishes
 //	                                          straight to the broker at the same rate,
 //	                                          no database, no relay (latencyRawRun)
@@ -307,6 +309,10 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		// on SQLite its one write lock, with the relay's claims and marks.
 		out.metric("publish_tx_p50_"+name, millis(rec.txQuantile(0.5)), "ms")
 		out.metric("publish_tx_p99_"+name, millis(rec.txQuantile(0.99)), "ms")
+		// The rate the services reached: below the one asked for when
+		// their commits cannot keep up (PostgreSQL's NOTIFY serialises
+		// them), and the latencies above are then those of that rate.
+		out.metric("commit_rate_"+name, rate(len(ids), sendTook), "msg/s")
 		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook))
 		if v.idle {
 			return measureIdle(ctx, relay, v.kind, out)
