@@ -604,8 +604,9 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 // could carry, and the commit-to-broker latency grew to the time a few of
 // those sweeps took. Side by side (outbox-bench -scenario latency, the
 // relay in its own process), PostgreSQL's p50 / p99 at 500 msg/s went from
-// 10.7 / 50–57 ms to 1.3–2.5 / 5.7–8.4 ms, and its p99 at 2,000 msg/s from
-// 104–284 to 27–30 ms; SQLite's, woken by its file watch, did not move,
+// 10.7 / 50–57 ms to 1.3–2.5 / 5.7–8.4 ms, and its p99 with 2,000 msg/s
+// asked (about 1,000 reached: see the README on NOTIFY) from 104–284 to
+// 27–30 ms; SQLite's, woken by its file watch, did not move,
 // nor did a backlog's drain, whose claims come back full.
 //
 // On a database that has no way to wake the relay at another process's
