@@ -30,9 +30,16 @@ type keyedRow struct {
 // are the test's, whatever allocates them at publish.
 func insertKeyed(t testing.TB, db *testdb.DB, rows []keyedRow) {
 	t.Helper()
+	if err := writeKeyed(db, rows); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writeKeyed is insertKeyed for a goroutine that may not call t.Fatal.
+func writeKeyed(db *testdb.DB, rows []keyedRow) error {
 	tx, err := db.Beginx()
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer func() { _ = tx.Rollback() }()
 	q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, aggregate_id, seq)" +
@@ -47,12 +54,10 @@ func insertKeyed(t testing.TB, db *testdb.DB, rows []keyedRow) {
 			aggregate, seq = r.aggregate, r.seq
 		}
 		if _, err := tx.Exec(q, r.id, r.exchange, r.routingKey, r.id, created, aggregate, seq); err != nil {
-			t.Fatal(err)
+			return err
 		}
 	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
+	return tx.Commit()
 }
 
 // keyedID is the message id of a key's seq-th record: the consumer reads

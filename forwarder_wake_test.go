@@ -386,13 +386,11 @@ func (g *gatePipe) eventLog() []string {
 // may go before the confirms.
 func TestForwarder_Run_WokenWhileABatchIsOut_ClaimsOnceItIsSettled(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
-		old := time.Now().Add(-time.Minute)
-		insertKeyed(t, db, []keyedRow{{id: "first", exchange: "amq.topic", routingKey: "t", createdAt: old}})
+		insertKeyed(t, db, []keyedRow{{id: "first", exchange: "amq.topic", routingKey: "t", createdAt: time.Now().Add(-time.Minute)}})
 		var f *outbox.Forwarder
 		pipe := &gatePipe{onFirstSend: func() error {
 			// On the relay's goroutine: no t.Fatal here.
-			_, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at)"+
-				" VALUES ('second', 'amq.topic', 't', 'x', '{}', ?)"), time.Now().UTC().Format("2006-01-02 15:04:05.000000"))
+			err := writeKeyed(db, []keyedRow{{id: "second", exchange: "amq.topic", routingKey: "t", createdAt: time.Now()}})
 			f.Notify()
 			return err
 		}}

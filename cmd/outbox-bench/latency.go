@@ -312,8 +312,9 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		// The rate the services reached: below the one asked for when
 		// their commits cannot keep up (PostgreSQL's NOTIFY serialises
 		// them), and the latencies above are then those of that rate.
-		out.metric("commit_rate_"+name, rate(len(ids), sendTook), "msg/s")
-		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), rate(len(ids), sendTook))
+		reached := rate(len(ids), sendTook)
+		out.metric("commit_rate_"+name, reached, "msg/s")
+		note("latency %s: %d messages committed in %s (%.0f msg/s)", name, len(ids), sendTook.Round(time.Millisecond), reached)
 		if v.idle {
 			return measureIdle(ctx, relay, v.kind, out)
 		}
