@@ -99,6 +99,24 @@ type ForwarderConfig struct {
 	// doubles from RetryMin up to RetryMax and resets after a good sweep.
 	// Defaults 100 ms and 10 s.
 	RetryMin, RetryMax time.Duration
+	// QuietAbove is the flow, in records claimed per second, above which
+	// the relay keeps its PostgreSQL table's NOTIFY trigger quiet and
+	// polls instead (every MinPollInterval), until the flow falls below
+	// half of it. PostgreSQL holds a database-wide lock from a notifying
+	// transaction's commit until that commit is flushed, so the services'
+	// notifying commits go one per WAL flush however many commit at once
+	// (about 1,000 a second on a disk that flushes in a millisecond); in
+	// such a flow each poll finds rows, and the relay needs no wake-up.
+	// The trigger reads the table's quiet sequence (migration 0010), which
+	// the relay keeps a second ahead of the database's clock and which
+	// lapses if the relay dies; a relay leaving its flow waits for every
+	// transaction the trigger kept quiet to end before it counts on NOTIFY
+	// again. Polling costs about a millisecond of commit-to-broker latency
+	// against a wake-up; set it below what your disk's flushes allow if
+	// the services' commits matter more. It needs UPDATE on the sequence;
+	// without it, and on MySQL and SQLite, nothing changes. Default 1,000;
+	// negative: never.
+	QuietAbove int
 	// DisableListen turns off what wakes the relay at another process's
 	// commit: LISTEN/NOTIFY on PostgreSQL, the watch of the database file's
 	// writes on SQLite. The relay then finds new rows by its poll alone.
@@ -175,6 +193,9 @@ func (c *ForwarderConfig) setDefaults() {
 	if c.StatsInterval == 0 {
 		c.StatsInterval = 15 * time.Second
 	}
+	if c.QuietAbove == 0 {
+		c.QuietAbove = 1000
+	}
 }
 
 // growBytes bounds a drain's claims: no more rows than this holds at the
@@ -231,6 +252,10 @@ type Forwarder struct {
 	// watch, is in place, so another process's commit wakes the relay and
 	// the poll is only a safety net.
 	woken atomic.Bool
+	// quietSeq is the table's quiet sequence (migration 0010) when its
+	// NOTIFY trigger fires and the relay may set it, "" or nil otherwise
+	// (see quietFlow). Set by the LISTEN's look at the trigger.
+	quietSeq atomic.Pointer[string]
 	// swept is when Run's loop last finished a sweep, Unix nanoseconds; 0
 	// before the first (see LastSweep).
 	swept atomic.Int64
@@ -435,9 +460,11 @@ func (f *Forwarder) run(ctx context.Context) error {
 		f.swept.Store(time.Now().UnixNano())
 		f.countStatements()
 		if s.stopping {
+			loop.q.stop(f)
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
 		}
+		loop.quiet(loop.cut, s) // a stopping relay still clears the time
 		loop.woke = false
 		if wait, ok := loop.pace(s); ok {
 			loop.woke = loop.pause(ctx, wait, s.failed)

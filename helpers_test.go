@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"go.uber.org/goleak"
 
@@ -313,4 +315,26 @@ func runUntil(t *testing.T, f *outbox.Forwarder, timeout time.Duration, what str
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
+}
+
+// openAs opens a pool on db's database as role (which logs in without a
+// password, as the test server trusts), with searchPath when it is not "".
+func openAs(t testing.TB, db *testdb.DB, role, searchPath string) *testdb.DB {
+	t.Helper()
+	u, err := url.Parse(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	if searchPath != "" {
+		q := u.Query()
+		q.Set("search_path", searchPath)
+		u.RawQuery = q.Encode()
+	}
+	x, err := sqlx.Open(db.DriverName(), u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = x.Close() })
+	return &testdb.DB{DB: x, Kind: db.Kind, DSN: u.String(), Name: db.Name}
 }

@@ -131,9 +131,9 @@ type triggerState struct {
 func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	q := f.store.q.NotifyTrigger()
 	s.next = time.Now().Add(triggerRecheck)
-	var payload *string
+	var payload, quiet *string
 	var fires bool
-	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&payload, &fires); err != nil {
+	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&payload, &fires, &quiet); err != nil {
 		if !s.failed && ctx.Err() == nil {
 			f.log.Info("Cannot read the outbox table's NOTIFY trigger; the relay keeps to its last reading "+
 				"(before any, that it fires and that every notification is its table's)", watermill.LogFields{
@@ -161,6 +161,11 @@ func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	if table {
 		s.payload = *payload
 	}
+	seq := ""
+	if quiet != nil && fires {
+		seq = *quiet
+	}
+	f.quietSeq.Store(&seq)
 	f.woken.Store(fires)
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -794,19 +793,7 @@ func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testin
 		_, _ = base.Exec("DROP OWNED BY " + role)
 		_, _ = base.Exec("DROP ROLE " + role)
 	})
-	u, err := url.Parse(base.DSN)
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.User = url.User(role)
-	q := u.Query()
-	q.Set("search_path", svc+","+base.Name)
-	u.RawQuery = q.Encode()
-	x, err := sqlx.Open("pgx", u.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = x.Close() })
+	x := openAs(t, base, role, svc+","+base.Name)
 	if err := outbox.Migrate(context.Background(), x.DB, outbox.Postgres); err != nil {
 		t.Fatalf("migrate as %s, every migration applied: %v", role, err)
 	}
@@ -815,12 +802,12 @@ func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testin
 		t.Errorf("%d tables in %s (%v), want 0", inSvc, svc, err)
 	}
 	msg := keyed("order-1")
-	inTx(t, &testdb.DB{DB: x, Kind: testdb.Postgres}, true, []*message.Message{msg})
+	inTx(t, x, true, []*message.Message{msg})
 
 	if _, err := base.Exec("DELETE FROM acemq_schema_migrations WHERE version = 3"); err != nil {
 		t.Fatal(err)
 	}
-	err = outbox.Migrate(context.Background(), x.DB, outbox.Postgres)
+	err := outbox.Migrate(context.Background(), x.DB, outbox.Postgres)
 	if err == nil || !strings.Contains(err.Error(), "in schema "+base.Name) || !strings.Contains(err.Error(), "permission denied") {
 		t.Fatalf("migrate as %s with 0003 to run: %v, want a permission error naming schema %s", role, err, base.Name)
 	}

@@ -46,6 +46,8 @@ type relayLoop struct {
 	// crowdedFor is how many more full keyed claims are taken as crowded
 	// without a look (see crowded).
 	crowdedFor int
+	// q keeps the NOTIFY trigger quiet in a flow (see quietFlow).
+	q quietFlow
 }
 
 // newRelayLoop sets up Run's loop. limit is the pool's cap (0: none), and
@@ -667,13 +669,22 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 // per PollInterval.
 func (l *relayLoop) idleWait(s swept) time.Duration {
 	cfg := l.f.cfg
-	if l.f.woken.Load() {
+	if l.f.woken.Load() && !l.q.polls() {
 		return cfg.PollInterval
+	}
+	if l.q.on {
+		// In a flow of QuietAbove a second or more, standing in for the
+		// NOTIFY it keeps quiet: every look finds rows or will soon.
+		l.poll = cfg.MinPollInterval
+		return l.poll
 	}
 	if s.progressed || s.claimed != nil {
 		l.poll = cfg.MinPollInterval
 	} else {
 		l.poll = min(max(2*l.poll, cfg.MinPollInterval), cfg.PollInterval)
+	}
+	if l.q.leaving {
+		l.poll = min(l.poll, max(quietLeavePoll, cfg.MinPollInterval))
 	}
 	return l.poll
 }

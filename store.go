@@ -182,6 +182,33 @@ func (s *Store) hasClaimableNow(ctx context.Context) (bool, error) {
 // picks, where the claims' run in their transaction.
 func (s *Store) hasClaimable(ctx context.Context) (bool, error) { return s.probe(ctx, s.db) }
 
+// quietFor keeps the table's NOTIFY trigger quiet for d, through its quiet
+// sequence (see quietFlow).
+func (s *Store) quietFor(ctx context.Context, sequence string, d time.Duration) error {
+	return s.execQuiet(ctx, sqldialect.QuietFor(sequence, d.Milliseconds()))
+}
+
+// quietOff lets the table's NOTIFY trigger notify again.
+func (s *Store) quietOff(ctx context.Context, sequence string) error {
+	return s.execQuiet(ctx, sqldialect.QuietOff(sequence))
+}
+
+func (s *Store) execQuiet(ctx context.Context, q sqldialect.Query) error {
+	s.sent.Add(1)
+	var v int64
+	return s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&v)
+}
+
+// quietOver reports whether every transaction the table's NOTIFY trigger
+// kept quiet has ended (see quietFlow).
+func (s *Store) quietOver(ctx context.Context) (bool, error) {
+	q := s.q.QuietOver()
+	s.sent.Add(1)
+	var over bool
+	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&over)
+	return over, err
+}
+
 // probe runs the query of hasClaimable on db.
 func (s *Store) probe(ctx context.Context, db interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row

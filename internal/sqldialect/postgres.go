@@ -59,11 +59,53 @@ const NotifyTriggerName = "acemq_outbox_notify"
 //   - whether its NotifyTriggerName fires for an ordinary session (enabled,
 //     'O', or ALWAYS, 'A'): false when it is missing (a table another
 //     library created, before this library's migrations ran), disabled
-//     (ALTER TABLE … DISABLE TRIGGER) or set to fire on replicas only.
+//     (ALTER TABLE … DISABLE TRIGGER) or set to fire on replicas only;
+//   - the table's quiet sequence (migration 0010: the table's name and
+//     "_quiet", beside it), schema-qualified and quoted, when it is there
+//     and this role may set it; NULL otherwise.
 func (o *Outbox) NotifyTrigger() Query {
 	return o.query(`SELECT n.nspname || '.' || c.relname, EXISTS (SELECT 1 FROM pg_trigger g WHERE g.tgrelid = c.oid AND g.tgname = '`+
-		NotifyTriggerName+`' AND g.tgenabled IN ('O', 'A')) FROM (SELECT to_regclass(?) AS t) r`+
-		` LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`, o.table)
+		NotifyTriggerName+`' AND g.tgenabled IN ('O', 'A')), CASE WHEN has_sequence_privilege(q.s, 'UPDATE') THEN q.s::text END`+
+		` FROM (SELECT to_regclass(?) AS t) r LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`+
+		` LEFT JOIN LATERAL (SELECT to_regclass(quote_ident(n.nspname) || '.' || quote_ident(c.relname || '_quiet')) AS s) q ON true`, o.table)
+}
+
+// QuietLeft (PostgreSQL) reads how many more milliseconds the table's
+// NOTIFY trigger stays quiet (0: it notifies), from its quiet sequence;
+// no row when there is none (migration 0010 not applied) or this role
+// may not read it. Column: bigint.
+func (o *Outbox) QuietLeft() Query {
+	return o.query(`SELECT GREATEST(COALESCE(pg_sequence_last_value(q.s), 0) - (extract(epoch FROM clock_timestamp()) * 1000)::bigint, 0)`+
+		` FROM (SELECT to_regclass(quote_ident(n.nspname) || '.' || quote_ident(c.relname || '_quiet')) AS s`+
+		` FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)) q`+
+		` WHERE q.s IS NOT NULL AND has_sequence_privilege(q.s, 'SELECT')`, o.table)
+}
+
+// quietLockKey is the advisory lock the NOTIFY trigger takes, shared, in a
+// transaction it keeps quiet (migration 0010): 'acmq' in the high 32 bits,
+// the table's oid in the low.
+const quietLockKey = `(1633906033::bigint << 32) | %s::oid::bigint`
+
+// QuietFor (PostgreSQL) keeps the table's NOTIFY trigger quiet for ms
+// milliseconds from now on the server's clock (migration 0010), by setting
+// its quiet sequence, as NotifyTrigger names it. A sequence's value is
+// not transactional: the trigger sees it at once.
+func QuietFor(sequence string, ms int64) Query {
+	return Query{SQL: "SELECT setval($1::regclass, (extract(epoch FROM clock_timestamp()) * 1000)::bigint + $2)", Args: []any{sequence, ms}}
+}
+
+// QuietOff (PostgreSQL) lets the table's NOTIFY trigger notify again.
+func QuietOff(sequence string) Query {
+	return Query{SQL: "SELECT setval($1::regclass, 0)", Args: []any{sequence}}
+}
+
+// QuietOver (PostgreSQL) reports whether every transaction the NOTIFY
+// trigger kept quiet has ended, by taking the advisory lock they hold
+// shared, exclusively, without waiting, for the statement's own
+// transaction only. Column: bool (true as well when the table is not
+// there).
+func (o *Outbox) QuietOver() Query {
+	return o.query(`SELECT COALESCE(pg_try_advisory_xact_lock(`+fmt.Sprintf(quietLockKey, "to_regclass(?)")+`), true)`, o.table)
 }
 
 // Wake (PostgreSQL) sends the notification the table's NOTIFY trigger

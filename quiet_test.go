@@ -1,0 +1,337 @@
+package outbox_test
+
+import (
+	"context"
+	"database/sql"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// The quiet sequence's time, as the trigger reads it: ahead of the
+// database's clock (quiet), or not.
+func quietAhead(t testing.TB, db *testdb.DB) bool {
+	t.Helper()
+	var ahead sql.NullBool
+	if err := db.Get(&ahead, "SELECT pg_sequence_last_value('acemq_outbox_quiet') > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"); err != nil {
+		t.Fatal(err)
+	}
+	return ahead.Valid && ahead.Bool
+}
+
+func setQuiet(t testing.TB, db *testdb.DB, aheadMs int64) {
+	t.Helper()
+	if _, err := db.Exec("SELECT setval('acemq_outbox_quiet', GREATEST(0, (extract(epoch FROM clock_timestamp()) * 1000)::bigint + $1))", aheadMs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// commitOne commits one message to the outbox in a transaction of its own.
+func commitOne(db *testdb.DB, exchange string) (string, error) {
+	tx, err := db.Beginx()
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange})
+	if err != nil {
+		return "", err
+	}
+	msg := message.NewMessage(watermill.NewUUID(), []byte("{}"))
+	if err := pub.Publish("t", msg); err != nil {
+		return "", err
+	}
+	return msg.UUID, tx.Commit()
+}
+
+// quietRelay runs a relay that keeps the trigger quiet above 20 records a
+// second and otherwise polls once an hour, and returns it with its broker,
+// queue, a stop (cancel, then Run's error) and a flow: commits one every
+// 5 ms until cond holds (10 s at most), and returns how many it committed.
+func quietRelay(t *testing.T, db *testdb.DB) (b *testamqp.Broker, queue string, stop func() error, flow func(what string, cond func() bool) int) {
+	t.Helper()
+	b = testamqp.New(t)
+	queue = b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: 20})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(cancel)
+	<-f.Running()
+	waitFor(t, 10*time.Second, "the relay to listen", func() bool { return outbox.Woken(f) })
+	stop = func() error { cancel(); return <-done }
+	flow = func(what string, cond func() bool) int {
+		t.Helper()
+		n := 0
+		for deadline := time.Now().Add(10 * time.Second); !cond(); n++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("no %s within 10 s of a flow", what)
+			}
+			if _, err := commitOne(db, b.Exchange); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		return n
+	}
+	return b, queue, stop, flow
+}
+
+// notifications listens on a connection of its own and counts what the
+// table's trigger sends.
+type notifications struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (ns *notifications) count() int {
+	ns.mu.Lock()
+	defer ns.mu.Unlock()
+	return ns.n
+}
+
+func listenTo(t *testing.T, db *testdb.DB) *notifications {
+	t.Helper()
+	ns := &notifications{}
+	pool := otherPool(t, db)
+	conn, err := pool.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done; _ = conn.Close() })
+	listening := make(chan error, 1)
+	go func() {
+		defer close(done)
+		_ = conn.Raw(func(dc any) error {
+			pc := dc.(*stdlib.Conn).Conn()
+			_, err := pc.Exec(ctx, "LISTEN acemq_outbox")
+			listening <- err
+			for err == nil {
+				if _, err = pc.WaitForNotification(ctx); err == nil {
+					ns.mu.Lock()
+					ns.n++
+					ns.mu.Unlock()
+				}
+			}
+			return nil
+		})
+	}()
+	if err := <-listening; err != nil {
+		t.Fatal(err)
+	}
+	return ns
+}
+
+// The trigger of migration 0010 sends nothing while the quiet sequence's
+// time is ahead of the clock, and notifies as before when it is 0 or has
+// lapsed (a relay that died). A transaction it kept quiet holds the
+// table's advisory lock, shared, until it ends: what a relay leaving its
+// flow waits for. A role that may only write the table (a service) writes
+// it either way, and a REPEATABLE READ transaction sees the time the
+// relay set after it began.
+func TestMigrate_Postgres_QuietTrigger(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	ns := listenTo(t, db)
+	heard := func(want int, what string) {
+		t.Helper()
+		if want > 0 {
+			waitFor(t, 10*time.Second, what, func() bool { return ns.count() >= want })
+		} else {
+			time.Sleep(200 * time.Millisecond) // time for a notification to come, were there one
+		}
+		if got := ns.count(); got != want {
+			t.Fatalf("%s: %d notifications, want %d", what, got, want)
+		}
+	}
+	mustCommit := func() {
+		t.Helper()
+		if _, err := commitOne(db, "x"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustCommit()
+	heard(1, "a commit, the sequence never set")
+
+	setQuiet(t, db, 60_000)
+	mustCommit()
+	mustCommit()
+	heard(1, "two commits while the time is ahead")
+
+	setQuiet(t, db, -1) // lapsed
+	mustCommit()
+	heard(2, "a commit after the time lapsed")
+	if _, err := db.Exec("SELECT setval('acemq_outbox_quiet', 0)"); err != nil {
+		t.Fatal(err)
+	}
+	mustCommit()
+	heard(3, "a commit with the time cleared")
+
+	// A transaction kept quiet holds the lock until it ends.
+	over := func() bool {
+		t.Helper()
+		var ok bool
+		if err := db.Get(&ok, "SELECT pg_try_advisory_xact_lock((1633906033::bigint << 32) | 'acemq_outbox'::regclass::oid::bigint)"); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	setQuiet(t, db, 60_000)
+	tx := db.MustBegin()
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	if over() {
+		t.Fatal("the lock was free while a transaction the trigger kept quiet was open")
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if !over() {
+		t.Fatal("the lock was held after the quiet transaction committed")
+	}
+	heard(3, "the quiet transaction")
+
+	// REPEATABLE READ: the snapshot is taken before the relay clears the
+	// time; the trigger reads the sequence's value of the moment.
+	rr, err := db.BeginTxx(context.Background(), &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = rr.Rollback() }()
+	if _, err := rr.Exec("SELECT 1 FROM acemq_outbox LIMIT 1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Exec("SELECT setval('acemq_outbox_quiet', 0)"); err != nil {
+		t.Fatal(err)
+	}
+	pub, err = outbox.NewTxPublisher(rr, outbox.TxPublisherConfig{Exchange: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", message.NewMessage(watermill.NewUUID(), nil)); err != nil {
+		t.Fatal(err)
+	}
+	if err := rr.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	heard(4, "a REPEATABLE READ transaction that began while the time was ahead")
+
+	// A role that may write the table, and nothing else of the schema.
+	role := "r_" + db.Name
+	for _, q := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE ON SCHEMA " + db.Name + " TO " + role,
+		"GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA " + db.Name + " TO " + role,
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP OWNED BY " + role)
+		_, _ = db.Exec("DROP ROLE " + role)
+	})
+	svc := openAs(t, db, role, "")
+	for i, ahead := range []int64{60_000, -60_000} {
+		setQuiet(t, db, ahead)
+		if _, err := commitOne(svc, "x"); err != nil {
+			t.Fatalf("a service's role writing the outbox, the time %d ms ahead: %v", ahead, err)
+		}
+		heard(4+i, "a service role's commit")
+	}
+	if _, err := svc.Exec("SELECT setval('acemq_outbox_quiet', 0)"); err == nil {
+		t.Error("a role without UPDATE on the sequence set it")
+	}
+}
+
+// A relay in a flow keeps the trigger quiet and finds the flow's rows by
+// polling (it polls at most once an hour when it counts on NOTIFY); once
+// the flow ends it clears the time, and an idle commit wakes it again by
+// NOTIFY. Stopped in a flow, it clears the time too.
+func TestForwarder_Postgres_Flow_KeepsTheTriggerQuiet_ThenNotifyWakesItAgain(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b, queue, stop, flow := quietRelay(t, db)
+	sent := flow("quiet trigger", func() bool { return quietAhead(t, db) })
+	ns := listenTo(t, db)
+	more := 0
+	sent += flow("end of 50 commits", func() bool { more++; return more > 50 })
+	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+		t.Fatalf("%d of %d messages of the flow arrived within 10 s", len(got), sent)
+	}
+	if n := ns.count(); n > 5 {
+		t.Errorf("%d notifications for 50 commits in the flow, want next to none", n)
+	}
+
+	waitFor(t, 10*time.Second, "the time cleared after the flow", func() bool { return !quietAhead(t, db) })
+	time.Sleep(300 * time.Millisecond) // the relay waits for NOTIFY again, once an hour for its poll
+	start := time.Now()
+	if _, err := commitOne(db, b.Exchange); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 {
+		t.Fatal("an idle commit after the flow did not wake the relay")
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("an idle commit after the flow took %s to the broker", took)
+	}
+
+	flow("quiet trigger again", func() bool { return quietAhead(t, db) })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if quietAhead(t, db) {
+		t.Error("the trigger stays quiet after the relay stopped in a flow")
+	}
+}
+
+// A transaction the trigger kept quiet during a flow and that commits after
+// the relay left it is not left to the poll (once an hour here): the relay
+// polls until every such transaction has ended, then looks once more.
+func TestForwarder_Postgres_LeavingTheFlow_WaitsForTheTransactionsKeptQuiet(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b, queue, _, flow := quietRelay(t, db)
+	sent := flow("quiet trigger", func() bool { return quietAhead(t, db) })
+	tx := db.MustBegin()
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: b.Exchange})
+	if err != nil {
+		t.Fatal(err)
+	}
+	late := message.NewMessage(watermill.NewUUID(), []byte("late"))
+	if err := pub.Publish("t", late); err != nil {
+		t.Fatal(err)
+	}
+	if !quietAhead(t, db) {
+		t.Skip("the flow ended before the transaction wrote: it was not kept quiet")
+	}
+	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
+	}
+	waitFor(t, 10*time.Second, "the relay to leave the flow", func() bool { return !quietAhead(t, db) })
+	time.Sleep(500 * time.Millisecond)
+	start := time.Now()
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	got := b.Drain(queue, 1, 10*time.Second)
+	if len(got) != 1 || got[0].MessageId != late.UUID {
+		t.Fatalf("the transaction kept quiet, committed after the flow, did not reach the broker within 10 s (%d messages)", len(got))
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("it took %s from its commit", took)
+	}
+}
