@@ -86,7 +86,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "narrow_columns", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "narrow_columns", "notify_quiet_ms", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
@@ -127,8 +127,9 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 			t.Errorf("narrow_columns = %v on %s, want [] on mysql (utf8mb4 after migrate), null elsewhere", got["narrow_columns"], kind)
 		}
 		if kind != "postgres" {
-			if got["notify_trigger"] != nil || got["also_on_search_path"] != nil {
-				t.Errorf("notify_trigger = %v, also_on_search_path = %v on %s, want null", got["notify_trigger"], got["also_on_search_path"], kind)
+			if got["notify_trigger"] != nil || got["also_on_search_path"] != nil || got["notify_quiet_ms"] != nil {
+				t.Errorf("notify_trigger = %v, also_on_search_path = %v, notify_quiet_ms = %v on %s, want null",
+					got["notify_trigger"], got["also_on_search_path"], got["notify_quiet_ms"], kind)
 			}
 		} else {
 			if got["notify_trigger"] != true {
@@ -140,6 +141,18 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 			if !regexp.MustCompile(`(?m)^wake-up\s+NOTIFY at commit \(trigger acemq_outbox_notify\)$`).MatchString(human) {
 				t.Errorf("status output has no wake-up line:\n%s", human)
 			}
+			if got["notify_quiet_ms"] != 0.0 {
+				t.Errorf("notify_quiet_ms = %v after migrate, want 0", got["notify_quiet_ms"])
+			}
+			// A relay in a flow keeps the trigger quiet (migration 0010).
+			execSQL(t, f.db, "SELECT setval('acemq_outbox_quiet', (extract(epoch FROM clock_timestamp()) * 1000)::bigint + 60000)")
+			if got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json")); got["notify_quiet_ms"] == nil || got["notify_quiet_ms"].(float64) < 50_000 {
+				t.Errorf("notify_quiet_ms = %v with the trigger quiet for a minute, want about 60000", got["notify_quiet_ms"])
+			}
+			if human := mustCtl(t, "status", "--db", f.db.DSN); !regexp.MustCompile(`(?m)^wake-up\s+none for another \d+ ms: a relay in a flow keeps trigger acemq_outbox_notify quiet and polls$`).MatchString(human) {
+				t.Errorf("status does not say the trigger is quiet:\n%s", human)
+			}
+			execSQL(t, f.db, "SELECT setval('acemq_outbox_quiet', 0)")
 			execSQL(t, f.db, "ALTER TABLE acemq_outbox DISABLE TRIGGER acemq_outbox_notify")
 			if got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json")); got["notify_trigger"] != false {
 				t.Errorf("notify_trigger = %v with the trigger disabled, want false", got["notify_trigger"])

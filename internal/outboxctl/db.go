@@ -359,10 +359,29 @@ func (d *database) notifyTrigger(ctx context.Context, table string) (bool, error
 		return false, err
 	}
 	q := o.NotifyTrigger()
-	var payload *string
+	var payload, quiet *string
 	var fires bool
-	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&payload, &fires)
+	err = d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&payload, &fires, &quiet)
 	return fires, err
+}
+
+// quietLeft reads how many more milliseconds table's NOTIFY trigger stays
+// quiet for a relay in a flow (PostgreSQL, migration 0010); nil when the
+// table has no quiet sequence this role may read.
+func (d *database) quietLeft(ctx context.Context, table string) (*int64, error) {
+	o, err := sqldialect.NewOutbox(sqldialect.Postgres, table)
+	if err != nil {
+		return nil, err
+	}
+	q := o.QuietLeft()
+	var ms int64
+	switch err := d.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&ms); {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	return &ms, nil
 }
 
 // narrowColumns (MySQL) lists table's text columns that cannot hold every

@@ -28,6 +28,10 @@ type statusReport struct {
 	// NotifyTrigger: on PostgreSQL, whether the table's NOTIFY trigger
 	// fires, so that a commit wakes a listening relay; null elsewhere.
 	NotifyTrigger *bool `json:"notify_trigger"`
+	// NotifyQuietMs: on PostgreSQL, how many more milliseconds the trigger
+	// stays quiet because a relay is in a flow and polls (0: it notifies);
+	// null elsewhere, and before migration 0010.
+	NotifyQuietMs *int64 `json:"notify_quiet_ms"`
 	// AlsoOnSearchPath: on PostgreSQL, the tables of the outbox's name in
 	// the search path's other schemas (schema.table, path order), which a
 	// process with another search_path reads and writes under the same
@@ -81,6 +85,9 @@ func (c *cli) status(args []string) error {
 			return d.explain(err, c.g.table)
 		}
 		r.NotifyTrigger = &fires
+		if r.NotifyQuietMs, err = d.quietLeft(c.ctx, c.g.table); err != nil {
+			return d.explain(err, c.g.table)
+		}
 		if r.AlsoOnSearchPath, err = d.alsoOnSearchPath(c.ctx, c.g.table); err != nil {
 			return d.explain(err, c.g.table)
 		}
@@ -119,9 +126,12 @@ func (c *cli) status(args []string) error {
 	fmt.Fprintf(tw, "stuck\t%d (at %d attempts; see outboxctl stuck)\n", r.Stuck, r.MaxAttempts)
 	fmt.Fprintf(tw, "published in the last hour\t%d\n", r.PublishedLastHour)
 	if r.NotifyTrigger != nil {
-		if *r.NotifyTrigger {
+		switch {
+		case *r.NotifyTrigger && r.NotifyQuietMs != nil && *r.NotifyQuietMs > 0:
+			fmt.Fprintf(tw, "wake-up\tnone for another %d ms: a relay in a flow keeps trigger %s quiet and polls\n", *r.NotifyQuietMs, sqldialect.NotifyTriggerName)
+		case *r.NotifyTrigger:
 			fmt.Fprintf(tw, "wake-up\tNOTIFY at commit (trigger %s)\n", sqldialect.NotifyTriggerName)
-		} else {
+		default:
 			fmt.Fprintf(tw, "wake-up\tnone: trigger %s missing or disabled, relays poll adaptively\n", sqldialect.NotifyTriggerName)
 		}
 	}
