@@ -70,6 +70,9 @@ type latencyVariant struct {
 	// noNotify: PostgreSQL's NOTIFY trigger is disabled, so the relay
 	// polls adaptively and the services' commits do not notify.
 	noNotify bool
+	// loud: the relay never keeps PostgreSQL's NOTIFY trigger quiet in a
+	// flow (ForwarderConfig.QuietAbove -1): every commit notifies.
+	loud bool
 	// raw: no database and no relay: the bench publishes to the broker
 	// itself, on a confirm channel, at rate (latencyRawRun).
 	raw bool
@@ -111,6 +114,8 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 			for _, r := range processRates {
 				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_no_notify", r), process: true,
 					noNotify: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_loud", r), process: true,
+					loud: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 			}
 		}
 	}
@@ -266,7 +271,11 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 				return err
 			}
 		}
-		relay, err := startRelayProcess(ctx, db.DSN)
+		var extra []string
+		if v.loud {
+			extra = append(extra, "--quiet-above=-1")
+		}
+		relay, err := startRelayProcess(ctx, db.DSN, extra...)
 		if err != nil {
 			return err
 		}

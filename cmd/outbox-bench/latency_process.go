@@ -37,6 +37,8 @@ import (
 //	idle_queries_per_s_<db>                       statements the relay sent to an idle outbox, over idleWindow
 //	…_postgres_process_<rate>_no_notify           the same figures with the NOTIFY trigger disabled: the
 //	                                              services' commits notify nobody, the relay polls adaptively
+//	…_postgres_process_<rate>_loud                the same figures with the relay never keeping the trigger
+//	                                              quiet in a flow (--quiet-above=-1): every commit notifies
 //
 // The statements are the relay's own count (outbox_forwarder_statements_total
 // on its /metrics: every statement, BEGIN and COMMIT included, that it sends
@@ -71,7 +73,7 @@ var servingRE = regexp.MustCompile(`Serving /metrics and /healthz.* addr=(\S+)`)
 
 // startRelayProcess starts outboxctl relay on dsn and waits until it
 // serves /healthz.
-func startRelayProcess(ctx context.Context, dsn string) (*relayProcess, error) {
+func startRelayProcess(ctx context.Context, dsn string, extra ...string) (*relayProcess, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -83,7 +85,7 @@ func startRelayProcess(ctx context.Context, dsn string) (*relayProcess, error) {
 	if *relayMax > 0 {
 		args = append(args, "--max-batch-size", strconv.Itoa(*relayMax))
 	}
-	cmd := exec.Command(self, args...)
+	cmd := exec.Command(self, append(args, extra...)...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		return nil, err
