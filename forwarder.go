@@ -68,7 +68,8 @@ type ForwarderConfig struct {
 	MaxAttempts int
 	// PollInterval is the longest the relay waits for new rows when nothing
 	// woke it. Default 250 ms. On PostgreSQL LISTEN/NOTIFY wakes it at any
-	// process's commit, on SQLite a watch of the database file's writes,
+	// process's commit (but in a flow above QuietAbove, where it polls
+	// every MinPollInterval), on SQLite a watch of the database file's writes,
 	// and Notify from the same process: there the poll only bounds the
 	// latency of what those miss. Where nothing wakes it (MySQL; a
 	// PostgreSQL table whose NOTIFY trigger is missing or disabled), the
@@ -111,11 +112,14 @@ type ForwarderConfig struct {
 	// the relay keeps a second ahead of the database's clock and which
 	// lapses if the relay dies; a relay leaving its flow waits for every
 	// transaction the trigger kept quiet to end before it counts on NOTIFY
-	// again. Polling costs about a millisecond of commit-to-broker latency
+	// again; one that stops clears it and wakes the other relays. While
+	// the trigger is quiet the table's other relays (this library's or
+	// another's) get no NOTIFY: they find what this one leaves at their
+	// poll. Polling costs about a millisecond of commit-to-broker latency
 	// against a wake-up; set it below what your disk's flushes allow if
-	// the services' commits matter more. It needs UPDATE on the sequence;
-	// without it, and on MySQL and SQLite, nothing changes. Default 1,000;
-	// negative: never.
+	// the services' commits matter more. It needs UPDATE on the sequence
+	// and a MinPollInterval of 20 ms at most; without them, and on MySQL
+	// and SQLite, nothing changes. Default 1,000; negative: never.
 	QuietAbove int
 	// DisableListen turns off what wakes the relay at another process's
 	// commit: LISTEN/NOTIFY on PostgreSQL, the watch of the database file's
@@ -450,6 +454,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 			// are ended, so that a recovered panic leaves no transaction
 			// open and no row locked.
 			loop.abandon(context.Background(), loop.queue)
+			loop.q.stop(f)
 			panic(p)
 		}
 	}()
@@ -464,7 +469,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
 		}
-		loop.quiet(loop.cut, s) // a stopping relay still clears the time
+		loop.quiet(loop.cut, s)
 		loop.woke = false
 		if wait, ok := loop.pace(s); ok {
 			loop.woke = loop.pause(ctx, wait, s.failed)

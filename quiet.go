@@ -10,18 +10,25 @@ import (
 // quietLease is how far ahead of the database's clock a relay in a flow
 // keeps its table's NOTIFY trigger quiet; it sets the time again every
 // half of it while the flow lasts. A relay that dies leaves the trigger
-// quiet for this long at most: the commits of that time wake no other
-// relay, which finds them at its poll (PollInterval).
+// quiet for this long at most: the commits of that time, and those of the
+// transactions it kept quiet that were still open, wake no other relay,
+// which finds them at its poll (PollInterval).
 const quietLease = time.Second
 
 // quietLeavePoll is the longest a relay leaving its flow waits between two
 // looks while a transaction the trigger kept quiet is open: its commit
 // wakes nobody. Two statements a look (the lock's, a probe), for as long
 // as such a transaction stays open; most have ended by the first look.
+// A relay whose MinPollInterval is longer never keeps the trigger quiet:
+// its poll would stand in for NOTIFY too slowly.
 const quietLeavePoll = 20 * time.Millisecond
 
 // quietWindow is the span over which the relay measures its flow.
 const quietWindow = 100 * time.Millisecond
+
+// quietLongLeave is how long a relay leaves its flow before it says that
+// a transaction the trigger kept quiet is still open.
+const quietLongLeave = 10 * time.Second
 
 // quietFlow keeps a PostgreSQL table's NOTIFY trigger quiet while the
 // relay is in a flow (ForwarderConfig.QuietAbove; migration 0010).
@@ -29,21 +36,28 @@ const quietWindow = 100 * time.Millisecond
 // A NOTIFY makes the services' commits go one per WAL flush: PostgreSQL
 // holds a database-wide lock from a notifying transaction's commit until
 // the commit is durable. In a flow the relay has no use for it: its claims
-// find rows at every look, and it polls, MinPollInterval after each sweep
-// that published, as it does where nothing wakes it.
+// find rows at every look, and it polls every MinPollInterval.
 //
-// No commit the trigger kept quiet waits for the poll's safety net: such a
-// transaction holds the table's advisory lock, shared, until it ends, and
-// a relay that leaves its flow clears the time first, then polls as in the
-// flow until it can take that lock exclusively (without waiting, once per
-// poll), and then looks once more before it waits for NOTIFY again.
+// No commit the trigger kept quiet waits for the poll's safety net while
+// this relay runs: such a transaction holds the table's advisory lock,
+// shared, until it ends, and a relay that leaves its flow clears the time
+// first (or, where that failed, waits until the time it set has lapsed),
+// then polls as in the flow until it can take that lock exclusively
+// (without waiting, once per look), and then looks once more before it
+// waits for NOTIFY again. Other relays of the table get no NOTIFY while
+// the trigger is quiet: they find what this one leaves at their poll.
 type quietFlow struct {
 	on      bool      // the trigger is quiet, by this relay: it polls
-	leaving bool      // the time is cleared; transactions kept quiet may be open
-	renew   time.Time // when to set the time again, while on
-	since   time.Time // the start of the window being measured
-	rows    int       // the rows claimed in it
-	failed  bool      // a statement failed, and was logged
+	leaving bool      // the flow is over; transactions kept quiet may be open
+	left    time.Time // when leaving began
+	// until is when the last time this relay set has lapsed for sure, on
+	// the relay's clock; zero once it is cleared.
+	until  time.Time
+	renew  time.Time // when to set the time again, while on
+	since  time.Time // the start of the window being measured
+	rows   int       // the rows claimed in it
+	failed bool      // a statement failed, and was logged
+	long   bool      // a long leave was logged
 }
 
 // polls reports whether the relay polls rather than wait for NOTIFY.
@@ -52,9 +66,15 @@ func (q *quietFlow) polls() bool { return q.on || q.leaving }
 // quietSequence is the table's quiet sequence when the relay listens and
 // may keep the trigger quiet, "" otherwise.
 func (f *Forwarder) quietSequence() string {
-	if f.cfg.QuietAbove < 0 || !f.woken.Load() {
+	if f.cfg.QuietAbove < 0 || f.cfg.MinPollInterval > quietLeavePoll || !f.woken.Load() {
 		return ""
 	}
+	return f.quietSequenceAny()
+}
+
+// quietSequenceAny is the last quiet sequence the relay read, whether or
+// not it may use it now.
+func (f *Forwarder) quietSequenceAny() string {
 	if p := f.quietSeq.Load(); p != nil {
 		return *p
 	}
@@ -73,22 +93,18 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 	seq := f.quietSequence()
 	switch {
 	case q.leaving:
-		over, err := f.store.quietOver(ctx)
-		if f.quietFailed(q, "see whether the transactions the NOTIFY trigger kept quiet have ended", err) || !over {
-			break
+		if q.over(ctx, f, now) {
+			// A last look, at once, takes what they committed; NOTIFY
+			// wakes the relay from here on.
+			q.leaving = false
+			f.Notify()
 		}
-		// A last look, at once, takes what they committed; NOTIFY wakes
-		// the relay from here on.
-		q.leaving = false
-		f.Notify()
 	case q.on && seq == "":
-		q.leave(ctx, f, f.quietSequenceAny()) // the trigger or LISTEN is gone
+		q.leave(ctx, f, now) // the trigger, LISTEN or the privilege is gone
 	case q.on && !now.Before(q.renew):
-		if err := f.store.quietFor(ctx, seq, quietLease); f.quietFailed(q, "keep the NOTIFY trigger quiet", err) {
-			q.on, q.leaving = false, true // it lapses by itself
-			break
+		if !q.set(ctx, f, seq, now) {
+			q.leave(ctx, f, now)
 		}
-		q.renew = now.Add(quietLease / 2)
 	}
 	elapsed := now.Sub(q.since)
 	if elapsed < quietWindow {
@@ -99,46 +115,86 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 	above := float64(f.cfg.QuietAbove)
 	switch {
 	case !q.polls() && seq != "" && rate >= above:
-		if err := f.store.quietFor(ctx, seq, quietLease); f.quietFailed(q, "keep the NOTIFY trigger quiet", err) {
-			break
+		if q.set(ctx, f, seq, now) {
+			q.on = true
+			f.log.Debug("Outbox relay in a flow: the NOTIFY trigger stays quiet, the relay polls", watermill.LogFields{"per_second": int(rate)})
 		}
-		q.on, q.renew = true, now.Add(quietLease/2)
-		f.log.Debug("Outbox relay in a flow: the NOTIFY trigger stays quiet, the relay polls", watermill.LogFields{"per_second": int(rate)})
 	case q.on && rate < above/2:
-		q.leave(ctx, f, seq)
+		q.leave(ctx, f, now)
 		f.log.Debug("Outbox relay out of its flow: the NOTIFY trigger notifies again", watermill.LogFields{"per_second": int(rate)})
 	}
 }
 
-// quietSequenceAny is the last quiet sequence the relay read, whether or
-// not it may use it now.
-func (f *Forwarder) quietSequenceAny() string {
-	if p := f.quietSeq.Load(); p != nil {
-		return *p
+// set keeps the trigger quiet for quietLease from now, and reports whether
+// it did.
+func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.Time) bool {
+	if err := f.store.quietFor(ctx, seq, quietLease); f.quietFailed(q, "keep the NOTIFY trigger quiet", err) {
+		return false
 	}
-	return ""
+	q.renew = now.Add(quietLease / 2)
+	// The time was set on the database's clock while the statement ran:
+	// after it returned, quietLease on this clock is past it, and a margin
+	// covers the clocks' rates.
+	q.until = time.Now().Add(quietLease + quietLease/10)
+	return true
 }
 
 // leave lets the trigger notify again, and has the relay poll until the
-// transactions it kept quiet have ended.
-func (q *quietFlow) leave(ctx context.Context, f *Forwarder, seq string) {
-	q.on, q.leaving = false, true
-	if seq == "" {
-		return // nothing to clear: the time lapses
+// transactions it kept quiet have ended (see over).
+func (q *quietFlow) leave(ctx context.Context, f *Forwarder, now time.Time) {
+	q.on, q.leaving, q.left, q.long = false, true, now, false
+	if seq := f.quietSequenceAny(); seq != "" && !q.until.IsZero() {
+		if err := f.store.quietOff(ctx, seq); !f.quietFailed(q, "let the NOTIFY trigger notify again", err) {
+			q.until = time.Time{}
+		}
+		// Otherwise the time lapses by itself, at until.
 	}
-	// A failure leaves the time to lapse, within quietLease.
-	f.quietFailed(q, "let the NOTIFY trigger notify again", f.store.quietOff(ctx, seq))
 }
 
-// stop lets the trigger notify again as the relay stops, for the other
-// relays, rather than leave the time to lapse.
+// over reports whether the relay leaving its flow may count on NOTIFY
+// again: the time it set is cleared or has lapsed, and every transaction
+// the trigger kept quiet has ended.
+func (q *quietFlow) over(ctx context.Context, f *Forwarder, now time.Time) bool {
+	if !q.until.IsZero() {
+		if now.Before(q.until) {
+			q.leave(ctx, f, q.left) // try the clear again
+			if !q.until.IsZero() {
+				return false
+			}
+		} else {
+			q.until = time.Time{} // lapsed
+		}
+	}
+	over, err := f.store.quietOver(ctx)
+	if f.quietFailed(q, "see whether the transactions the NOTIFY trigger kept quiet have ended", err) || !over {
+		if !q.long && now.Sub(q.left) > quietLongLeave {
+			q.long = true
+			f.log.Info("A transaction the NOTIFY trigger kept quiet is still open; the relay polls until it ends",
+				watermill.LogFields{"for": now.Sub(q.left).Round(time.Second), "poll": quietLeavePoll})
+		}
+		return false
+	}
+	return true
+}
+
+// stop lets the trigger notify again as the relay stops, rather than leave
+// the time to lapse, waits stopGrace at most for the transactions it kept
+// quiet, and wakes the other relays of the table for what they committed.
 func (q *quietFlow) stop(f *Forwarder) {
-	if !q.on {
+	if !q.polls() {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), stopGrace)
 	defer cancel()
-	q.leave(ctx, f, f.quietSequenceAny())
+	if q.on {
+		q.leave(ctx, f, time.Now())
+	}
+	q.failed = true // a stopping relay logs none of these failures: it is gone
+	for !q.over(ctx, f, time.Now()) && sleepCtx(ctx, quietLeavePoll) {
+	}
+	wake, cancel := context.WithTimeout(context.Background(), stopGrace)
+	defer cancel()
+	f.store.wake(wake, 1)
 }
 
 // quietFailed reports whether err is an error, and logs the first of a

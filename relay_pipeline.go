@@ -666,7 +666,9 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 // MinPollInterval after a sweep that did something, twice the last wait
 // after one that found nothing, up to PollInterval. So it follows a steady
 // flow within a few milliseconds, and an idle outbox costs one statement
-// per PollInterval.
+// per PollInterval. A relay that keeps PostgreSQL's trigger quiet in a flow
+// polls every MinPollInterval, and one leaving its flow at most every
+// quietLeavePoll (see quietFlow).
 func (l *relayLoop) idleWait(s swept) time.Duration {
 	cfg := l.f.cfg
 	if l.f.woken.Load() && !l.q.polls() {

@@ -30,7 +30,8 @@ type statusReport struct {
 	NotifyTrigger *bool `json:"notify_trigger"`
 	// NotifyQuietMs: on PostgreSQL, how many more milliseconds the trigger
 	// stays quiet because a relay is in a flow and polls (0: it notifies);
-	// null elsewhere, and before migration 0010.
+	// null elsewhere, before migration 0010, and for a role that may not
+	// read the sequence.
 	NotifyQuietMs *int64 `json:"notify_quiet_ms"`
 	// AlsoOnSearchPath: on PostgreSQL, the tables of the outbox's name in
 	// the search path's other schemas (schema.table, path order), which a

@@ -60,25 +60,28 @@ const NotifyTriggerName = "acemq_outbox_notify"
 //     'O', or ALWAYS, 'A'): false when it is missing (a table another
 //     library created, before this library's migrations ran), disabled
 //     (ALTER TABLE … DISABLE TRIGGER) or set to fire on replicas only;
-//   - the table's quiet sequence (migration 0010: the table's name and
-//     "_quiet", beside it), schema-qualified and quoted, when it is there
-//     and this role may set it; NULL otherwise.
+//   - the table's quiet sequence (migration 0010), schema-qualified and
+//     quoted, when it is there and this role may set it; NULL otherwise.
 func (o *Outbox) NotifyTrigger() Query {
 	return o.query(`SELECT n.nspname || '.' || c.relname, EXISTS (SELECT 1 FROM pg_trigger g WHERE g.tgrelid = c.oid AND g.tgname = '`+
-		NotifyTriggerName+`' AND g.tgenabled IN ('O', 'A')), CASE WHEN has_sequence_privilege(q.s, 'UPDATE') THEN q.s::text END`+
+		NotifyTriggerName+`' AND g.tgenabled IN ('O', 'A')), CASE WHEN has_sequence_privilege(s.oid, 'UPDATE')`+
+		` THEN quote_ident(n.nspname) || '.' || quote_ident(s.relname) END`+
 		` FROM (SELECT to_regclass(?) AS t) r LEFT JOIN pg_class c ON c.oid = r.t LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`+
-		` LEFT JOIN LATERAL (SELECT to_regclass(quote_ident(n.nspname) || '.' || quote_ident(c.relname || '_quiet')) AS s) q ON true`, o.table)
+		` LEFT JOIN `+quietSequenceOf, o.table)
 }
+
+// quietSequenceOf joins the quiet sequence of the table c, as the trigger
+// of migration 0010 finds it: in c's schema, named c's name and "_quiet"
+// (no match where that is longer than a name can be), a sequence.
+const quietSequenceOf = `pg_class s ON s.relnamespace = c.relnamespace AND s.relname = c.relname || '_quiet' AND s.relkind = 'S'`
 
 // QuietLeft (PostgreSQL) reads how many more milliseconds the table's
 // NOTIFY trigger stays quiet (0: it notifies), from its quiet sequence;
 // no row when there is none (migration 0010 not applied) or this role
 // may not read it. Column: bigint.
 func (o *Outbox) QuietLeft() Query {
-	return o.query(`SELECT GREATEST(COALESCE(pg_sequence_last_value(q.s), 0) - (extract(epoch FROM clock_timestamp()) * 1000)::bigint, 0)`+
-		` FROM (SELECT to_regclass(quote_ident(n.nspname) || '.' || quote_ident(c.relname || '_quiet')) AS s`+
-		` FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)) q`+
-		` WHERE q.s IS NOT NULL AND has_sequence_privilege(q.s, 'SELECT')`, o.table)
+	return o.query(`SELECT GREATEST(COALESCE(pg_sequence_last_value(s.oid), 0) - (extract(epoch FROM clock_timestamp()) * 1000)::bigint, 0)`+
+		` FROM pg_class c JOIN `+quietSequenceOf+` WHERE c.oid = to_regclass(?) AND has_sequence_privilege(s.oid, 'SELECT')`, o.table)
 }
 
 // quietLockKey is the advisory lock the NOTIFY trigger takes, shared, in a
