@@ -100,26 +100,27 @@ type ForwarderConfig struct {
 	// doubles from RetryMin up to RetryMax and resets after a good sweep.
 	// Defaults 100 ms and 10 s.
 	RetryMin, RetryMax time.Duration
-	// QuietAbove is the flow, in records claimed per second, above which
-	// the relay keeps its PostgreSQL table's NOTIFY trigger quiet and
-	// polls instead (every MinPollInterval), until the flow falls below
-	// half of it. PostgreSQL holds a database-wide lock from a notifying
-	// transaction's commit until that commit is flushed, so the services'
-	// notifying commits go one per WAL flush however many commit at once
-	// (about 1,000 a second on a disk that flushes in a millisecond); in
-	// such a flow each poll finds rows, and the relay needs no wake-up.
-	// The trigger reads the table's quiet sequence (migration 0010), which
-	// the relay keeps a second ahead of the database's clock and which
-	// lapses if the relay dies; a relay leaving its flow waits for every
-	// transaction the trigger kept quiet to end before it counts on NOTIFY
-	// again; one that stops clears it and wakes the other relays. While
-	// the trigger is quiet the table's other relays (this library's or
-	// another's) get no NOTIFY: they find what this one leaves at their
-	// poll. Polling costs about a millisecond of commit-to-broker latency
-	// against a wake-up; set it below what your disk's flushes allow if
-	// the services' commits matter more. It needs UPDATE on the sequence
-	// and a MinPollInterval of 20 ms at most; without them, and on MySQL
-	// and SQLite, nothing changes. Default 1,000; negative: never.
+	// QuietAbove is the flow, in records claimed per second over a second,
+	// above which the relay keeps its PostgreSQL table's NOTIFY trigger
+	// quiet and polls instead (every MinPollInterval), until the flow falls
+	// below half of it over 100 ms. PostgreSQL holds a database-wide lock
+	// from a notifying transaction's commit until that commit is flushed,
+	// so the services' notifying commits go one per WAL flush however many
+	// commit at once (about 1,000 a second on a disk that flushes in a
+	// millisecond, fewer under load); in such a flow the relay needs no
+	// wake-up. The trigger reads the table's quiet sequence (migration
+	// 0010), which the relay keeps a second ahead of the database's clock
+	// and which lapses if the relay dies; a relay leaving its flow waits
+	// for every transaction the trigger kept quiet to end before it counts
+	// on NOTIFY again; one that stops clears it and wakes the other
+	// relays. While the trigger is quiet the table's other relays (this
+	// library's or another's) get no NOTIFY: they find what this one
+	// leaves at their poll. Polling costs about a millisecond of
+	// commit-to-broker latency against a wake-up, and the trigger's read
+	// of the sequence some 20 µs of every inserting statement. It needs
+	// UPDATE on the sequence and a MinPollInterval of 20 ms at most;
+	// without them, and on MySQL and SQLite, nothing changes. Default 600;
+	// negative: never.
 	QuietAbove int
 	// DisableListen turns off what wakes the relay at another process's
 	// commit: LISTEN/NOTIFY on PostgreSQL, the watch of the database file's
@@ -198,7 +199,7 @@ func (c *ForwarderConfig) setDefaults() {
 		c.StatsInterval = 15 * time.Second
 	}
 	if c.QuietAbove == 0 {
-		c.QuietAbove = 1000
+		c.QuietAbove = 600
 	}
 }
 

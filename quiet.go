@@ -23,8 +23,14 @@ const quietLease = time.Second
 // its poll would stand in for NOTIFY too slowly.
 const quietLeavePoll = 20 * time.Millisecond
 
-// quietWindow is the span over which the relay measures its flow.
-const quietWindow = 100 * time.Millisecond
+// quietWindow is the span over which the relay measures its flow to leave
+// it, and quietEnterWindow the longer one over which it measures it to
+// enter: a burst of a few milliseconds at QuietAbove (eight services
+// committing at once, at a lower rate on average) is no flow.
+const (
+	quietWindow      = 100 * time.Millisecond
+	quietEnterWindow = time.Second
+)
 
 // quietLongLeave is how long a relay leaves its flow before it says that
 // a transaction the trigger kept quiet is still open.
@@ -52,12 +58,15 @@ type quietFlow struct {
 	left    time.Time // when leaving began
 	// until is when the last time this relay set has lapsed for sure, on
 	// the relay's clock; zero once it is cleared.
-	until  time.Time
-	renew  time.Time // when to set the time again, while on
-	since  time.Time // the start of the window being measured
-	rows   int       // the rows claimed in it
-	failed bool      // a statement failed, and was logged
-	long   bool      // a long leave was logged
+	until time.Time
+	renew time.Time // when to set the time again, while on
+	since time.Time // the start of the window being measured
+	rows  int       // the rows claimed in it
+	// enterSince and enterRows are since and rows of quietEnterWindow.
+	enterSince time.Time
+	enterRows  int
+	failed     bool // a statement failed, and was logged
+	long       bool // a long leave was logged
 }
 
 // polls reports whether the relay polls rather than wait for NOTIFY.
@@ -81,14 +90,15 @@ func (f *Forwarder) quietSequenceAny() string {
 	return ""
 }
 
-// quiet follows the flow after a sweep: it keeps the trigger quiet while
-// the flow is above QuietAbove, and lets it notify again when the flow
-// falls below half of it.
+// quiet follows the flow after a sweep: it keeps the trigger quiet once
+// the flow was above QuietAbove over a second, and lets it notify again
+// when the flow falls below half of it over 100 ms.
 func (l *relayLoop) quiet(ctx context.Context, s swept) {
 	q, f := &l.q, l.f
 	now := time.Now()
 	if s.claimed != nil {
 		q.rows += len(s.claimed.claim.rows)
+		q.enterRows += len(s.claimed.claim.rows)
 	}
 	seq := f.quietSequence()
 	switch {
@@ -106,22 +116,22 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 			q.leave(ctx, f, now)
 		}
 	}
-	elapsed := now.Sub(q.since)
-	if elapsed < quietWindow {
-		return
-	}
-	rate := float64(q.rows) / elapsed.Seconds()
-	q.rows, q.since = 0, now
 	above := float64(f.cfg.QuietAbove)
-	switch {
-	case !q.polls() && seq != "" && rate >= above:
-		if q.set(ctx, f, seq, now) {
-			q.on = true
+	if elapsed := now.Sub(q.enterSince); elapsed >= quietEnterWindow {
+		rate := float64(q.enterRows) / elapsed.Seconds()
+		q.enterRows, q.enterSince = 0, now
+		if !q.polls() && seq != "" && rate >= above && q.set(ctx, f, seq, now) {
+			q.on, q.rows, q.since = true, 0, now
 			f.log.Debug("Outbox relay in a flow: the NOTIFY trigger stays quiet, the relay polls", watermill.LogFields{"per_second": int(rate)})
 		}
-	case q.on && rate < above/2:
-		q.leave(ctx, f, now)
-		f.log.Debug("Outbox relay out of its flow: the NOTIFY trigger notifies again", watermill.LogFields{"per_second": int(rate)})
+	}
+	if elapsed := now.Sub(q.since); elapsed >= quietWindow {
+		rate := float64(q.rows) / elapsed.Seconds()
+		q.rows, q.since = 0, now
+		if q.on && rate < above/2 {
+			q.leave(ctx, f, now)
+			f.log.Debug("Outbox relay out of its flow: the NOTIFY trigger notifies again", watermill.LogFields{"per_second": int(rate)})
+		}
 	}
 }
 
