@@ -403,3 +403,64 @@ func TestMigrate_Postgres_QuietNameTakenByATable_FailsClearly(t *testing.T) {
 		t.Fatalf("migrate with a table named acemq_outbox_quiet: %v, want an error saying it is not a sequence", err)
 	}
 }
+
+// A relay that cannot clear the time (its UPDATE on the sequence revoked in
+// a flow) leaves the trigger quiet until the time lapses: it counts on
+// NOTIFY again only after that, polling meanwhile, so the commits of that
+// second are not left to its poll (once an hour here).
+func TestForwarder_Postgres_ClearFails_RelayPollsUntilTheTimeLapses(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	role := "r_" + db.Name
+	for _, q := range []string{
+		"CREATE ROLE " + role + " LOGIN",
+		"GRANT USAGE ON SCHEMA " + db.Name + " TO " + role,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + db.Name + " TO " + role,
+		"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA " + db.Name + " TO " + role,
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP OWNED BY " + role)
+		_, _ = db.Exec("DROP ROLE " + role)
+	})
+	relayDB := openAs(t, db, role, "")
+	relayDB.SetMaxOpenConns(10)
+	b, queue, _, flow := quietRelay(t, relayDB)
+	commit := func() string {
+		t.Helper()
+		id, err := commitOne(db, b.Exchange)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	sent := flow("quiet trigger", func() bool { return quietAhead(t, db) })
+	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
+	}
+	// The relay renews the time every half second: the next renewal
+	// fails, and so does its clear. Commits go on, each of them waited
+	// for: none may wait for the poll.
+	if _, err := db.Exec("REVOKE UPDATE ON SEQUENCE acemq_outbox_quiet FROM " + role); err != nil {
+		t.Fatal(err)
+	}
+	sawQuiet := false
+	for end := time.Now().Add(2500 * time.Millisecond); time.Now().Before(end); {
+		sawQuiet = sawQuiet || quietAhead(t, db)
+		start := time.Now()
+		id := commit()
+		got := b.Drain(queue, 1, 3*time.Second)
+		if len(got) != 1 || got[0].MessageId != id {
+			t.Fatalf("a commit %s after the UPDATE was revoked did not arrive within 3 s (quiet: %v)", time.Since(start).Round(time.Millisecond), quietAhead(t, db))
+		}
+		time.Sleep(30 * time.Millisecond)
+	}
+	if quietAhead(t, db) {
+		t.Error("the time is still ahead 2.5 s after the relay lost the right to renew it")
+	}
+	if !sawQuiet {
+		t.Log("the time had lapsed before the first commit: the window this test is about was not exercised")
+	}
+}
