@@ -317,10 +317,26 @@ func runUntil(t *testing.T, f *outbox.Forwarder, timeout time.Duration, what str
 	}
 }
 
-// openAs opens a pool on db's database as role (which logs in without a
-// password, as the test server trusts), with searchPath when it is not "".
-func openAs(t testing.TB, db *testdb.DB, role, searchPath string) *testdb.DB {
+// newRole creates a login role of the test's own on db's PostgreSQL server,
+// grants it grants (each "GRANT <grant> TO role"), drops it when the test
+// ends, and returns it with a pool that logs in as it (without a password,
+// as the test server trusts), with searchPath when it is not "".
+func newRole(t testing.TB, db *testdb.DB, searchPath string, grants ...string) (string, *testdb.DB) {
 	t.Helper()
+	role := "r_" + db.Name
+	qs := []string{"CREATE ROLE " + role + " LOGIN"}
+	for _, g := range grants {
+		qs = append(qs, "GRANT "+g+" TO "+role)
+	}
+	t.Cleanup(func() {
+		_, _ = db.Exec("DROP OWNED BY " + role)
+		_, _ = db.Exec("DROP ROLE " + role)
+	})
+	for _, q := range qs {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
 	u, err := url.Parse(db.DSN)
 	if err != nil {
 		t.Fatal(err)
@@ -336,5 +352,5 @@ func openAs(t testing.TB, db *testdb.DB, role, searchPath string) *testdb.DB {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = x.Close() })
-	return &testdb.DB{DB: x, Kind: db.Kind, DSN: u.String(), Name: db.Name}
+	return role, &testdb.DB{DB: x, Kind: db.Kind, DSN: u.String(), Name: db.Name}
 }

@@ -776,24 +776,15 @@ func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testin
 	base := testdb.New(t, testdb.Postgres)
 	testrails.CreateTable(t, base)
 	migrate(t, base)
-	svc, role := base.Name+"_svc", "r_"+base.Name
-	for _, q := range []string{
-		"CREATE SCHEMA " + svc,
-		"CREATE ROLE " + role + " LOGIN",
-		"GRANT USAGE ON SCHEMA " + base.Name + " TO " + role,
-		"GRANT ALL ON SCHEMA " + svc + " TO " + role,
-		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + base.Name + " TO " + role,
-	} {
-		if _, err := base.Exec(q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
+	svc := base.Name + "_svc"
+	if _, err := base.Exec("CREATE SCHEMA " + svc); err != nil {
+		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_, _ = base.Exec("DROP SCHEMA " + svc + " CASCADE")
-		_, _ = base.Exec("DROP OWNED BY " + role)
-		_, _ = base.Exec("DROP ROLE " + role)
-	})
-	x := openAs(t, base, role, svc+","+base.Name)
+	t.Cleanup(func() { _, _ = base.Exec("DROP SCHEMA " + svc + " CASCADE") })
+	role, x := newRole(t, base, svc+","+base.Name,
+		"USAGE ON SCHEMA "+base.Name,
+		"ALL ON SCHEMA "+svc,
+		"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "+base.Name)
 	if err := outbox.Migrate(context.Background(), x.DB, outbox.Postgres); err != nil {
 		t.Fatalf("migrate as %s, every migration applied: %v", role, err)
 	}

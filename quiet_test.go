@@ -265,21 +265,7 @@ func TestMigrate_Postgres_QuietTrigger(t *testing.T) {
 	heard(5, "a REPEATABLE READ transaction that began while the time was ahead")
 
 	// A role that may write the table, and nothing else of the schema.
-	role := "r_" + db.Name
-	for _, q := range []string{
-		"CREATE ROLE " + role + " LOGIN",
-		"GRANT USAGE ON SCHEMA " + db.Name + " TO " + role,
-		"GRANT SELECT, INSERT ON ALL TABLES IN SCHEMA " + db.Name + " TO " + role,
-	} {
-		if _, err := db.Exec(q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
-	t.Cleanup(func() {
-		_, _ = db.Exec("DROP OWNED BY " + role)
-		_, _ = db.Exec("DROP ROLE " + role)
-	})
-	svc := openAs(t, db, role, "")
+	_, svc := newRole(t, db, "", "USAGE ON SCHEMA "+db.Name, "SELECT, INSERT ON ALL TABLES IN SCHEMA "+db.Name)
 	for i, ahead := range []int64{60_000, -60_000} {
 		setQuiet(t, db, ahead)
 		if _, err := commitOne(svc, "x"); err != nil {
@@ -410,22 +396,9 @@ func TestMigrate_Postgres_QuietNameTakenByATable_FailsClearly(t *testing.T) {
 // second are not left to its poll (once an hour here).
 func TestForwarder_Postgres_ClearFails_RelayPollsUntilTheTimeLapses(t *testing.T) {
 	db := migrated(t, testdb.Postgres)
-	role := "r_" + db.Name
-	for _, q := range []string{
-		"CREATE ROLE " + role + " LOGIN",
-		"GRANT USAGE ON SCHEMA " + db.Name + " TO " + role,
-		"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA " + db.Name + " TO " + role,
-		"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA " + db.Name + " TO " + role,
-	} {
-		if _, err := db.Exec(q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
-	t.Cleanup(func() {
-		_, _ = db.Exec("DROP OWNED BY " + role)
-		_, _ = db.Exec("DROP ROLE " + role)
-	})
-	relayDB := openAs(t, db, role, "")
+	role, relayDB := newRole(t, db, "", "USAGE ON SCHEMA "+db.Name,
+		"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "+db.Name,
+		"USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA "+db.Name)
 	relayDB.SetMaxOpenConns(10)
 	b, queue, _, flow := quietRelay(t, relayDB)
 	commit := func() string {

@@ -84,11 +84,6 @@ func (o *Outbox) QuietLeft() Query {
 		` FROM pg_class c JOIN `+quietSequenceOf+` WHERE c.oid = to_regclass(?) AND has_sequence_privilege(s.oid, 'SELECT')`, o.table)
 }
 
-// quietLockKey is the advisory lock the NOTIFY trigger takes, shared, in a
-// transaction it keeps quiet (migration 0010): 'acmq' in the high 32 bits,
-// the table's oid in the low.
-const quietLockKey = `(1633906033::bigint << 32) | %s::oid::bigint`
-
 // QuietFor (PostgreSQL) keeps the table's NOTIFY trigger quiet for ms
 // milliseconds from now on the server's clock (migration 0010), by setting
 // its quiet sequence, as NotifyTrigger names it. A sequence's value is
@@ -104,11 +99,12 @@ func QuietOff(sequence string) Query {
 
 // QuietOver (PostgreSQL) reports whether every transaction the NOTIFY
 // trigger kept quiet has ended, by taking the advisory lock they hold
-// shared, exclusively, without waiting, for the statement's own
+// shared (migration 0010's key: 'acmq' in the high 32 bits, the table's
+// oid in the low), exclusively, without waiting, for the statement's own
 // transaction only. Column: bool (true as well when the table is not
 // there).
 func (o *Outbox) QuietOver() Query {
-	return o.query(`SELECT COALESCE(pg_try_advisory_xact_lock(`+fmt.Sprintf(quietLockKey, "to_regclass(?)")+`), true)`, o.table)
+	return o.query(`SELECT COALESCE(pg_try_advisory_xact_lock((1633906033::bigint << 32) | to_regclass(?)::oid::bigint), true)`, o.table)
 }
 
 // Wake (PostgreSQL) sends the notification the table's NOTIFY trigger
