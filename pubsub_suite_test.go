@@ -56,7 +56,7 @@ func TestPubSub_OutboxThroughRelayToWatermillAMQP_PassesWatermillSuite(t *testin
 	// them: the relays, subscribers and pools closed, nothing of theirs may
 	// still run.
 	leakBaseline := goleak.IgnoreCurrent()
-	t.Cleanup(func() { verifyNoLeak(t, leakBaseline) })
+	t.Cleanup(func() { verifyNoLeak(t, append([]goleak.Option{leakBaseline}, ignoreSuiteMultiplier...)...) })
 
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
@@ -104,6 +104,18 @@ func verifyNoLeak(t *testing.T, opts ...goleak.Option) {
 
 // leakWait bounds verifyNoLeak's wait for goroutines that are ending.
 const leakWait = 15 * time.Second
+
+// ignoreSuiteMultiplier leaves out the suite's own leak: the subscriber
+// its tests multiply (watermill's internal/subscriber multiplier) copies
+// each subscriber's messages to an unbuffered channel with no way to stop,
+// so a copy that takes a message after its test stopped reading blocks on
+// the send for good, with the goroutine that waits to close the channel.
+// Seen once in four runs of this test; neither goroutine is ours or holds
+// a connection.
+var ignoreSuiteMultiplier = []goleak.Option{
+	goleak.IgnoreTopFunction("github.com/ThreeDotsLabs/watermill/internal/subscriber.(*multiplier).Subscribe.func2"),
+	goleak.IgnoreAnyFunction("github.com/ThreeDotsLabs/watermill/internal/subscriber.(*multiplier).Subscribe.func3"),
+}
 
 // runSuite is tests.TestPubSub less one test, which runs every other in the
 // same way (in parallel, each under a fresh test id).
