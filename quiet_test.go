@@ -88,6 +88,40 @@ func quietRelay(t *testing.T, db *testdb.DB) (b *testamqp.Broker, queue string, 
 	return b, queue, stop, flow
 }
 
+// keptQuiet opens a transaction that publishes one message while a flow
+// keeps the trigger quiet, so that it holds the table's advisory lock, and
+// returns it with the message and how many the flow committed. On a
+// stalled machine the flow may have ended just before the insert; then it
+// tries again.
+func keptQuiet(t *testing.T, db *testdb.DB, exchange string, flow func(string, func() bool) int) (*sqlx.Tx, *message.Message, int) {
+	t.Helper()
+	sent := 0
+	for try := 0; try < 5; try++ {
+		sent += flow("quiet trigger", func() bool { return quietAhead(t, db) })
+		tx := db.MustBegin()
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg := message.NewMessage(watermill.NewUUID(), []byte("kept quiet"))
+		if err := pub.Publish("t", msg); err != nil {
+			t.Fatal(err)
+		}
+		var quiet bool
+		if err := tx.Get(&quiet, "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"+
+			" AND classid = 1633906033::oid AND objid = 'acemq_outbox'::regclass::oid)"); err != nil {
+			t.Fatal(err)
+		}
+		if quiet {
+			t.Cleanup(func() { _ = tx.Rollback() })
+			return tx, msg, sent
+		}
+		_ = tx.Rollback()
+	}
+	t.Fatal("in 5 tries, no insert during a flow was kept quiet")
+	return nil, nil, 0
+}
+
 // notifications listens on a connection of its own and counts what the
 // trigger sends for db's table (the channel is the database's, and other
 // tests' schemas notify on it at the same time).
@@ -326,39 +360,7 @@ func TestForwarder_Postgres_Flow_KeepsTheTriggerQuiet_ThenNotifyWakesItAgain(t *
 func TestForwarder_Postgres_LeavingTheFlow_WaitsForTheTransactionsKeptQuiet(t *testing.T) {
 	db := migrated(t, testdb.Postgres)
 	b, queue, _, flow := quietRelay(t, db)
-	// A transaction the trigger kept quiet: it holds the lock. On a stalled
-	// machine the flow may have ended just before the insert; then again.
-	var (
-		tx   *sqlx.Tx
-		late *message.Message
-		sent int
-	)
-	for try := 0; tx == nil; try++ {
-		if try == 5 {
-			t.Fatal("in 5 tries, no insert during a flow was kept quiet")
-		}
-		sent += flow("quiet trigger", func() bool { return quietAhead(t, db) })
-		x := db.MustBegin()
-		pub, err := outbox.NewTxPublisher(x, outbox.TxPublisherConfig{Exchange: b.Exchange})
-		if err != nil {
-			t.Fatal(err)
-		}
-		msg := message.NewMessage(watermill.NewUUID(), []byte("late"))
-		if err := pub.Publish("t", msg); err != nil {
-			t.Fatal(err)
-		}
-		var quiet bool
-		if err := x.Get(&quiet, "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"+
-			" AND classid = 1633906033::oid AND objid = 'acemq_outbox'::regclass::oid)"); err != nil {
-			t.Fatal(err)
-		}
-		if !quiet {
-			_ = x.Rollback()
-			continue
-		}
-		tx, late = x, msg
-	}
-	defer func() { _ = tx.Rollback() }()
+	tx, late, sent := keptQuiet(t, db, b.Exchange, flow)
 	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
 		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
 	}
@@ -375,6 +377,63 @@ func TestForwarder_Postgres_LeavingTheFlow_WaitsForTheTransactionsKeptQuiet(t *t
 	if took := time.Since(start); took > 2*time.Second {
 		t.Errorf("it took %s from its commit", took)
 	}
+}
+
+// A relay that stops while a transaction its flow kept quiet is still open
+// waits for it (stopGrace at most), then wakes the table's other relays:
+// that commit woke nobody, and the other relays, which got no NOTIFY
+// during the flow, poll once an hour here.
+func TestForwarder_Postgres_StoppingRelay_WakesTheOthersForWhatItKeptQuiet(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	for try := 0; try < 3; try++ {
+		b, queue, stop, flow := quietRelay(t, db)
+		tx, late, sent := keptQuiet(t, db, b.Exchange, flow)
+		if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+			t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
+		}
+		// The other relay starts now: in the flow it would take the
+		// notified rows of its first second, and the flow might never reach
+		// QuietAbove for the first.
+		other := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: -1})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- other.Run(ctx) }()
+		stopOther := sync.OnceValue(func() error { cancel(); return <-done })
+		t.Cleanup(func() { _ = stopOther() })
+		<-other.Running()
+		waitFor(t, 10*time.Second, "the other relay to listen", func() bool { return outbox.Woken(other) })
+		// The commit must come once the relay has stopped sweeping (else
+		// it claims the row itself), before its wait (stopGrace, 250 ms)
+		// ends, and late enough that a wake-up sent at once, without the
+		// wait, has been and gone.
+		stopped := make(chan error, 1)
+		go func() { stopped <- stop() }()
+		time.Sleep(150 * time.Millisecond)
+		select {
+		case err := <-stopped:
+			_ = tx.Rollback()
+			_ = stopOther()
+			t.Logf("the relay stopped (%v) before the commit 150 ms on: again", err)
+			continue
+		default:
+		}
+		start := time.Now()
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-stopped; err != nil {
+			t.Fatalf("the relay stopped with %v", err)
+		}
+		got := b.Drain(queue, 1, 10*time.Second)
+		if len(got) != 1 || got[0].MessageId != late.UUID {
+			t.Fatalf("the transaction kept quiet, committed as its relay stopped, did not reach the broker within 10 s (%d messages)", len(got))
+		}
+		if took := time.Since(start); took > 2*time.Second {
+			t.Errorf("it took %s from its commit", took)
+		}
+		return
+	}
+	t.Fatal("in 3 tries the relay stopped before the commit")
 }
 
 // A relation of the quiet sequence's name that is not a sequence would make
