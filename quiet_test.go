@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,14 +57,18 @@ func commitOne(db *testdb.DB, exchange string) (string, error) {
 }
 
 // quietRelay runs a relay that keeps the trigger quiet above 20 records a
-// second and otherwise polls once an hour, and returns it with its broker,
+// second and otherwise polls once an hour (setup, if any, sees it before
+// it runs), and returns it with its broker,
 // queue, a stop (cancel, then Run's error) and a flow: commits one every
 // 5 ms until cond holds (10 s at most), and returns how many it committed.
-func quietRelay(t *testing.T, db *testdb.DB) (b *testamqp.Broker, queue string, stop func() error, flow func(what string, cond func() bool) int) {
+func quietRelay(t *testing.T, db *testdb.DB, setup ...func(*outbox.Forwarder)) (b *testamqp.Broker, queue string, stop func() error, flow func(what string, cond func() bool) int) {
 	t.Helper()
 	b = testamqp.New(t)
 	queue = b.Queue("t")
 	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: 20})
+	for _, fn := range setup {
+		fn(f)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
@@ -376,6 +381,63 @@ func TestForwarder_Postgres_LeavingTheFlow_WaitsForTheTransactionsKeptQuiet(t *t
 	}
 	if took := time.Since(start); took > 2*time.Second {
 		t.Errorf("it took %s from its commit", took)
+	}
+}
+
+// The last of the transactions the trigger kept quiet may commit in the
+// middle of the relay's sweep: after its claim, before it finds the lock
+// free and counts on NOTIFY again. That commit woke nobody and the claim
+// missed it, so the relay looks once more at once rather than leave it to
+// the poll (once an hour here).
+func TestForwarder_Postgres_LeavingTheFlow_LooksOnceMoreAfterTheLastQuietCommit(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	var inSweep atomic.Pointer[func()]
+	b, queue, _, flow := quietRelay(t, db, func(f *outbox.Forwarder) {
+		outbox.SetAfterPublishHook(f, func([]string) error {
+			if fn := inSweep.Swap(nil); fn != nil {
+				(*fn)()
+			}
+			return nil
+		})
+	})
+	tx, late, sent := keptQuiet(t, db, b.Exchange, flow)
+	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
+	}
+	waitFor(t, 10*time.Second, "the relay to leave the flow", func() bool { return !quietAhead(t, db) })
+	time.Sleep(100 * time.Millisecond) // it polls meanwhile: the transaction is open
+
+	// The next sweep that publishes commits the transaction after its
+	// claim. What it publishes is a row whose insert did not notify
+	// either (the time set ahead for it here), found by the relay's poll.
+	committed := make(chan error, 1)
+	commit := func() { committed <- tx.Commit() }
+	inSweep.Store(&commit)
+	setQuiet(t, db, 60_000)
+	polled, err := commitOne(db, b.Exchange)
+	setQuiet(t, db, -60_000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	got := b.Drain(queue, 2, 10*time.Second)
+	select {
+	case err := <-committed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	default:
+		t.Fatal("no sweep published the row the relay was to poll for")
+	}
+	ids := map[string]bool{}
+	for _, m := range got {
+		ids[m.MessageId] = true
+	}
+	if !ids[polled] || !ids[late.UUID] {
+		t.Fatalf("within 10 s: the polled row %v, the transaction committed in the sweep %v; want both", ids[polled], ids[late.UUID])
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("it took %s", took)
 	}
 }
 
