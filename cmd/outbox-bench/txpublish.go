@@ -70,7 +70,10 @@ func runTxPublish(ctx context.Context, cfg config, out *reporter) error {
 			if err := txPublishOn(ctx, db, n, warmup, out); err != nil || kind != testdb.Postgres {
 				return err
 			}
-			return txPublishConcurrent(ctx, db, out)
+			if err := txPublishConcurrent(ctx, db, out); err != nil {
+				return err
+			}
+			return triggerCost(ctx, db, out)
 		})
 		if err != nil {
 			return err

@@ -43,24 +43,28 @@ const (
 	triggerQuiet
 )
 
+// setNotifyTrigger sets the trigger one of its three ways: disabled,
+// notifying, or enabled and kept quiet for an hour.
+func setNotifyTrigger(ctx context.Context, db sqlx.ExecerContext, way int) error {
+	verb, ahead := "ENABLE", 0
+	switch way {
+	case triggerOff:
+		verb = "DISABLE"
+	case triggerQuiet:
+		ahead = 3_600_000
+	}
+	if _, err := db.ExecContext(ctx, "ALTER TABLE acemq_outbox "+verb+" TRIGGER acemq_outbox_notify"); err != nil {
+		return err
+	}
+	_, err := db.ExecContext(ctx, "SELECT setval('acemq_outbox_quiet', CASE WHEN $1 > 0 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint + $1 ELSE 0 END)", ahead)
+	return err
+}
+
 func txPublishConcurrent(ctx context.Context, db *testdb.DB, out *reporter) error {
 	db.SetMaxOpenConns(concurrentSessions)
 	db.SetMaxIdleConns(concurrentSessions)
 	insertOrder := db.Rebind("INSERT INTO orders (id, customer, total, created_at) VALUES (?, ?, ?, ?)")
-	setTrigger := func(way int) error {
-		verb, ahead := "ENABLE", 0
-		switch way {
-		case triggerOff:
-			verb = "DISABLE"
-		case triggerQuiet:
-			ahead = 3_600_000
-		}
-		if _, err := db.ExecContext(ctx, "ALTER TABLE acemq_outbox "+verb+" TRIGGER acemq_outbox_notify"); err != nil {
-			return err
-		}
-		_, err := db.ExecContext(ctx, "SELECT setval('acemq_outbox_quiet', CASE WHEN $1 > 0 THEN (extract(epoch FROM clock_timestamp()) * 1000)::bigint + $1 ELSE 0 END)", ahead)
-		return err
-	}
+	setTrigger := func(way int) error { return setNotifyTrigger(ctx, db, way) }
 	defer func() { _ = setTrigger(triggerOn) }()
 
 	var commits [3]int
@@ -121,4 +125,83 @@ func commitFlatOut(ctx context.Context, db *sqlx.DB, insertOrder string, spell t
 	}
 	wg.Wait()
 	return int(n.Load()), errors.Join(errs...)
+}
+
+// triggerCost measures in the server what the NOTIFY trigger adds to an
+// inserting transaction, apart from the client's round trips and the WAL
+// flush, whose noise on this machine is larger than the trigger: a
+// procedure commits triggerTxs one-row transactions into acemq_outbox
+// (synchronous_commit off), with the trigger disabled, notifying and kept
+// quiet, in rotating order:
+//
+//	trigger_tx_us_postgres_none    µs a transaction, without the trigger
+//	trigger_tx_us_postgres         with it, notifying
+//	trigger_tx_us_postgres_quiet   with it kept quiet
+//	trigger_cost_us_postgres       the second less the first
+//	trigger_cost_us_postgres_quiet the third less the first
+//
+// Nothing listens, so a notification is queued and read by nobody; with
+// sessions committing at once a notifying commit costs more, which
+// txpublish_concurrent_* measures.
+const (
+	triggerTxs    = 10_000
+	triggerRounds = 4
+)
+
+func triggerCost(ctx context.Context, db *testdb.DB, out *reporter) error {
+	conn, err := db.Connx(ctx) // one session: its SET and its procedure
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	for _, q := range []string{
+		"SET synchronous_commit = off",
+		`CREATE OR REPLACE PROCEDURE bench_trigger_txs(n int) LANGUAGE plpgsql AS $$
+BEGIN
+	FOR i IN 1..n LOOP
+		INSERT INTO acemq_outbox (id, exchange_name, routing_key, body) VALUES ('bench-trigger-' || i, 'bench.trigger', 'bench', 'x');
+		COMMIT;
+	END LOOP;
+END $$`,
+	} {
+		if _, err := conn.ExecContext(ctx, q); err != nil {
+			return fmt.Errorf("trigger cost: %w", err)
+		}
+	}
+	setTrigger := func(way int) error { return setNotifyTrigger(ctx, conn, way) }
+	clear := func() error {
+		_, err := conn.ExecContext(ctx, "DELETE FROM acemq_outbox WHERE exchange_name = 'bench.trigger'")
+		return err
+	}
+	defer func() { _ = setTrigger(triggerOn); _ = clear() }()
+
+	var spent [3]time.Duration
+	for r := 0; r < triggerRounds; r++ {
+		for i := range 3 {
+			way := (r + i) % 3
+			if err := setTrigger(way); err == nil {
+				err = clear()
+			}
+			if err != nil {
+				return fmt.Errorf("trigger cost: %w", err)
+			}
+			start := time.Now()
+			if _, err := conn.ExecContext(ctx, "CALL bench_trigger_txs($1)", triggerTxs); err != nil {
+				return fmt.Errorf("trigger cost: %w", err)
+			}
+			if r > 0 { // the first round warms up
+				spent[way] += time.Since(start)
+			}
+		}
+	}
+	us := func(way int) float64 {
+		return float64(spent[way].Microseconds()) / float64(triggerTxs*(triggerRounds-1))
+	}
+	note("txpublish %s: the trigger in the server, %d one-row transactions a round, %d rounds each way after one to warm up", db.Kind, triggerTxs, triggerRounds-1)
+	out.metric("trigger_tx_us_"+db.Kind+"_none", us(triggerOff), "µs")
+	out.metric("trigger_tx_us_"+db.Kind, us(triggerOn), "µs")
+	out.metric("trigger_tx_us_"+db.Kind+"_quiet", us(triggerQuiet), "µs")
+	out.metric("trigger_cost_us_"+db.Kind, us(triggerOn)-us(triggerOff), "µs")
+	out.metric("trigger_cost_us_"+db.Kind+"_quiet", us(triggerQuiet)-us(triggerOff), "µs")
+	return nil
 }
