@@ -310,7 +310,7 @@ func (h *suiteHarness) pubSub(t *testing.T, cfg wamqp.Config) (message.Publisher
 			t.Errorf("close subscriber: %v", err)
 		}
 		if n := dialer.closeAll(); n > 0 {
-			t.Logf("%d connection(s) of a closed watermill-amqp subscriber still open (a Close under way, or a reconnect after Close): closing them in %v (see subscriberDialer)", n, connSettle)
+			t.Logf("%d connection(s) of a closed watermill-amqp subscriber still open (a Close under way, or a reconnect after Close): closing them %v after their handshake (see subscriberDialer)", n, connSettle)
 		}
 	})
 	return pub, &trackedSubscriber{Subscriber: sub, h: h, cfg: cfg}
@@ -320,39 +320,46 @@ func (h *suiteHarness) pubSub(t *testing.T, cfg wamqp.Config) (message.Publisher
 // closes them for good once the subscriber is closed.
 //
 // watermill-amqp v3.0.2 (the newest served) can leave a connection open
-// after Subscriber.Close: ConnectionWrapper.Close closes its closing channel
-// and then the connection, and closing the connection wakes the NotifyClose
-// arm of handleConnectionClose's select as well as its closing arm. When
-// the goroutine runs only after both (a loaded machine), select takes the
-// NotifyClose arm half the time, and reconnect dials a connection that
-// nothing closes: connect never looks at Closed. A broker closing the
-// connection just before Close takes the same path. A reproduction that
+// after Subscriber.Close. Its handleConnectionClose goroutine registers
+// NotifyClose on the connection and then selects between that and the
+// wrapper's closing channel. When Close comes before the goroutine is
+// parked in that select (a subscriber closed just after it was made, on a
+// loaded machine), both are ready when it gets there: NotifyClose on a
+// closed connection is closed at once. select then takes the NotifyClose
+// arm half the time, and reconnect dials a connection that nothing
+// closes, since connect never looks at Closed. A broker closing the
+// connection just before Close leaks the same way. A reproduction that
 // closed the socket and then the subscriber leaked in 18 of 40 runs; the
 // suite's leak check failed on it in two clean-clone CI runs.
 //
 // The reconnect must still succeed: one that fails after Close leaves
 // handleConnectionClose waiting on its connected channel for good. So a
-// connection is closed here only connSettle after the subscriber's cleanup
-// (or after its dial, if later), when the handshake is long done and the
-// goroutine, finding the connection open and its closing channel closed,
-// has returned. That wait also lets a Close still under way finish first:
-// TestMessageCtx closes in a goroutine of its own, so the cleanup's Close
-// returns before that one has closed the connection. The relay's own
-// connections are still checked: this closes only what a subscriber
-// dialed.
+// connection is closed here only connSettle after both the subscriber's
+// cleanup and the end of its AMQP handshake (amqp091-go clears the dial's
+// deadline then), when the goroutine, finding the connection open and
+// its closing channel closed, has long returned; a handshake that fails
+// is closed by amqp091-go itself. That wait also lets a Close still under
+// way finish first: TestMessageCtx closes in a goroutine of its own, so
+// the cleanup's Close returns before that one has closed the connection.
+// The relay's own connections are still checked: this closes only what a
+// subscriber dialed.
 type subscriberDialer struct {
 	mu      sync.Mutex
 	closing bool
 	conns   []*trackedConn
 }
 
-// connSettle is how long after the cleanup, or a later dial, a closed
-// subscriber's connection is closed here; see subscriberDialer.
+// connSettle is how long after the subscriber's cleanup and the end of
+// its handshake a connection is closed here; see subscriberDialer.
 const connSettle = 2 * time.Second
 
 type trackedConn struct {
 	net.Conn
 	closed atomic.Bool
+
+	mu     sync.Mutex
+	open   bool // the AMQP handshake is over
+	doomed bool // to be closed connSettle after it
 }
 
 func (c *trackedConn) Close() error {
@@ -360,7 +367,37 @@ func (c *trackedConn) Close() error {
 	return c.Conn.Close()
 }
 
+// SetDeadline sees the end of the handshake: amqp091-go's openComplete
+// clears the deadline the dial set.
+func (c *trackedConn) SetDeadline(t time.Time) error {
+	if t.IsZero() {
+		c.mu.Lock()
+		if !c.open {
+			c.open = true
+			if c.doomed {
+				c.closeLater()
+			}
+		}
+		c.mu.Unlock()
+	}
+	return c.Conn.SetDeadline(t)
+}
+
+// closeWhenSettled closes c connSettle after its handshake, or from now if
+// that is over.
 func (c *trackedConn) closeWhenSettled() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.doomed {
+		return
+	}
+	c.doomed = true
+	if c.open {
+		c.closeLater()
+	}
+}
+
+func (c *trackedConn) closeLater() {
 	time.AfterFunc(connSettle, func() { _ = c.Close() })
 }
 
@@ -380,7 +417,7 @@ func (d *subscriberDialer) dial(network, addr string) (net.Conn, error) {
 }
 
 // closeAll closes every connection the subscriber dialed and has not
-// closed, and any it dials later, each connSettle on; it returns how many
+// closed, and any it dials later, each once settled; it returns how many
 // were open.
 func (d *subscriberDialer) closeAll() int {
 	d.mu.Lock()
