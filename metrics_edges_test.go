@@ -265,3 +265,43 @@ func TestStore_SQLiteNumericTimestamps_ComparedAsTimes(t *testing.T) {
 		t.Errorf("Republish: %d, %v; want 0: the record was published a second ago, within the grace", n, err)
 	}
 }
+
+// SQLite: a lease another library's relay wrote as a number (Unix
+// milliseconds) is a lease like any other. A number sorts below every text
+// there, so the claim took a live one for one long expired, and a second
+// relay published the row the first had in flight; an operator's retry
+// cleared it too.
+func TestStore_SQLiteNumericLease_HeldUntilItExpires(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite, MaxAttempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for id, until := range map[string]time.Time{"java-live": time.Now().Add(time.Hour), "java-expired": time.Now().Add(-time.Hour)} {
+		insertRaw(t, db, id, "ex", "k", "{}", "utf-8")
+		if _, err := db.Exec("UPDATE acemq_outbox SET locked_by = 'java-relay-1', locked_until = ? WHERE id = ?", until.UnixMilli(), id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ids, held, err := outbox.Claim(s, 10, "relay-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = held.Abandon() }()
+	if len(ids) != 1 || ids[0] != "java-expired" {
+		t.Fatalf("claimed %v, want only java-expired: java-live is under the Java relay's lease for another hour", ids)
+	}
+	if _, err := db.Exec("UPDATE acemq_outbox SET attempts = 3 WHERE id = 'java-live'"); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := s.Retry(context.Background(), "java-live"); n != 0 || err != nil {
+		t.Errorf("retry of the row under the Java relay's live lease: %d, %v; want 0, nil", n, err)
+	}
+	stuck, err := s.Stuck(context.Background(), 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(stuck) != 1 || !stuck[0].Leased {
+		t.Errorf("stuck: %+v, want java-live, leased", stuck)
+	}
+}

@@ -40,11 +40,24 @@ const claimAlias = "c"
 
 // claimable is the relay's condition: unpublished, under the attempt ceiling,
 // and not under a live lease (ours, or one written by an AceMQ relay in
-// another language). A NULL attempts (a nullable column of another
-// library's table, a writer that left it out) is no attempt yet. Claim
-// adds the dialect's keyHead: a keyed row must be at the head of its key.
-// Arguments: max attempts, now.
-const claimable = "published_at IS NULL AND COALESCE(attempts, 0) < ? AND (locked_until IS NULL OR locked_until < ?)"
+// another language; see leaseOver). A NULL attempts (a nullable column of
+// another library's table, a writer that left it out) is no attempt yet.
+// Claim adds the dialect's keyHead: a keyed row must be at the head of
+// its key.
+func (o *Outbox) claimable(maxAttempts int, now time.Time) (string, []any) {
+	over, args := o.leaseOver(now)
+	return "published_at IS NULL AND COALESCE(attempts, 0) < ? AND " + over, append([]any{maxAttempts}, args...)
+}
+
+// leaseOver is the condition of a row under no live lease at now: none
+// written, or one that has expired. It compares as the dialect compares
+// times, so that on SQLite a lease another library wrote as a number
+// (Java's sqlite-jdbc writes Unix milliseconds), which sorts below every
+// text, is not taken for one long expired, and its row for ours to claim.
+func (o *Outbox) leaseOver(now time.Time) (string, []any) {
+	before, args := o.d.timeCmp("locked_until", "<", now)
+	return "(locked_until IS NULL OR " + before + ")", args
+}
 
 // keyHeadNotExists is the key-head condition of PostgreSQL and SQLite. It
 // keeps a key's records in sequence order across batches, pipelined
@@ -374,11 +387,11 @@ func (o *Outbox) Claimable(p ClaimParams) Query {
 // claimWhere is the condition a row must meet to be claimed now, on the
 // claim's alias, and its arguments.
 func (o *Outbox) claimWhere(p ClaimParams) (string, []any) {
-	args := []any{p.MaxAttempts, o.d.TimeArg(p.Now)}
+	where, args := o.claimable(p.MaxAttempts, p.Now)
 	if len(p.InFlight) > 0 {
 		args = append(args, inFlightArg(p.InFlight))
 	}
-	return claimable + " AND " + o.d.keyHead(o.table, claimAlias, p), args
+	return where + " AND " + o.d.keyHead(o.table, claimAlias, p), args
 }
 
 // ClaimSetup, if its SQL is not empty, runs first in a locking claim's
@@ -641,9 +654,10 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 // locked_until, and leased: 1 when a relay holds the row under a live lease
 // now, which Retry leaves alone (the negation of notClaimed), else 0.
 func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
+	free, args := o.notClaimed(now)
 	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at, locked_by, locked_until, "+
-		"CASE WHEN "+notClaimed+" THEN 0 ELSE 1 END FROM "+o.table+
-		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", o.d.TimeArg(now), maxAttempts, limit)
+		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+
+		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", append(args, maxAttempts, limit)...)
 }
 
 // RetryHold is the locked_by of a lease that is a failed keyed record's
@@ -652,24 +666,28 @@ func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
 const RetryHold = "retry-after"
 
 // notClaimed is the condition of a row no relay has claimed under a lease
-// now: a lease written by a relay (ours on SQLite, another library's
+// at now: a lease written by a relay (ours on SQLite, another library's
 // anywhere) is a row in flight, and clearing it would let a second relay
-// publish it too. Arguments: now.
-const notClaimed = "(locked_until IS NULL OR locked_until < ? OR locked_by = '" + RetryHold + "')"
+// publish it too. A failed keyed record's backoff is no claim.
+func (o *Outbox) notClaimed(now time.Time) (string, []any) {
+	over, args := o.leaseOver(now)
+	return "(" + over + " OR locked_by = '" + RetryHold + "')", args
+}
 
 // Retry makes the unpublished rows of ids pending again, but for those a
 // relay holds under a live lease (see notClaimed).
 func (o *Outbox) Retry(ids []string, now time.Time) Query {
-	args := append([]any{o.d.TimeArg(now)}, stringArgs(nil, ids)...)
+	free, args := o.notClaimed(now)
 	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NULL AND "+notClaimed+" AND id IN ("+placeholders(len(ids))+")", args...)
+		" WHERE published_at IS NULL AND "+free+" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
 }
 
 // RetryStuck makes every row at maxAttempts pending again, but for those a
 // relay holds under a live lease (see notClaimed).
 func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
+	free, args := o.notClaimed(now)
 	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NULL AND "+notClaimed+" AND attempts >= ?", o.d.TimeArg(now), maxAttempts)
+		" WHERE published_at IS NULL AND "+free+" AND attempts >= ?", append(args, maxAttempts)...)
 }
 
 // PurgePublished deletes at most limit rows published before cutoff.
