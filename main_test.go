@@ -17,7 +17,9 @@ import (
 // OUTBOX_RELAY_PROCESS set, the test binary runs one sweep of a forwarder and
 // SIGKILLs itself in the window the test names, instead of running tests.
 // With OUTBOX_INBOX_PROCESS set it is a consumer behind an at-most-once
-// inbox that dies in its handler (inboxProcess).
+// inbox that dies in its handler (inboxProcess); with
+// OUTBOX_QUIET_RELAY_PROCESS, a relay that runs until it is killed
+// (quietRelayProcess).
 func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOX_RELAY_PROCESS") != "" {
 		os.Exit(relayProcess())
@@ -25,23 +27,16 @@ func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOX_INBOX_PROCESS") != "" {
 		os.Exit(inboxProcess())
 	}
+	if os.Getenv("OUTBOX_QUIET_RELAY_PROCESS") != "" {
+		os.Exit(quietRelayProcess())
+	}
 	os.Exit(m.Run())
 }
 
 // relayProcess sweeps once and dies by SIGKILL between the broker's confirms
 // and the marks. Reaching the end is a failure (exit 3).
 func relayProcess() int {
-	db, err := sqlx.Open(os.Getenv("OUTBOX_RELAY_DRIVER"), os.Getenv("OUTBOX_RELAY_DSN"))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	f, err := outbox.NewForwarder(db, dest, killableRelayConfig)
+	f, err := processRelay(killableRelayConfig)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -56,4 +51,18 @@ func relayProcess() int {
 	n, err := f.Sweep(context.Background())
 	fmt.Fprintf(os.Stderr, "relay process survived its sweep: %d published, %v\n", n, err)
 	return 3
+}
+
+// processRelay is the relay of a relay process: over the pool the test
+// named (OUTBOX_RELAY_DRIVER, OUTBOX_RELAY_DSN), to the test broker.
+func processRelay(cfg outbox.ForwarderConfig) (*outbox.Forwarder, error) {
+	db, err := sqlx.Open(os.Getenv("OUTBOX_RELAY_DRIVER"), os.Getenv("OUTBOX_RELAY_DSN"))
+	if err != nil {
+		return nil, err
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		return nil, err
+	}
+	return outbox.NewForwarder(db, dest, cfg)
 }

@@ -1,8 +1,12 @@
 package outbox_test
 
 import (
+	"bufio"
 	"context"
 	"database/sql"
+	"fmt"
+	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -570,4 +574,153 @@ func TestForwarder_Postgres_ClearFails_RelayPollsUntilTheTimeLapses(t *testing.T
 	if !sawQuiet {
 		t.Log("the time had lapsed before the first commit: the window this test is about was not exercised")
 	}
+}
+
+// A relay that dies in a flow (SIGKILL: no clear, no wake-up) leaves the
+// trigger quiet until the time it set last lapses, a second at most after
+// its death. The commits of that second, and the transaction the flow kept
+// quiet that commits after the death, notify nobody: another relay finds
+// them at its poll (once an hour here) or at the first commit after the
+// lapse, which notifies again. What the dead relay had claimed is claimable
+// again, and nothing is lost.
+func TestForwarder_Postgres_RelayDiesInAFlow_TheTimeLapsesThenNotifyWakesTheOthers(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+
+	other := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: -1})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- other.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	<-other.Running()
+	waitFor(t, 10*time.Second, "the other relay to listen", func() bool { return outbox.Woken(other) })
+
+	dying := startQuietRelayProcess(t, db)
+	var ids []string
+	commit := func() {
+		t.Helper()
+		id, err := commitOne(db, b.Exchange)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, id)
+	}
+	flow := func(what string, cond func() bool) int {
+		t.Helper()
+		n := 0
+		for deadline := time.Now().Add(10 * time.Second); !cond(); n++ {
+			if time.Now().After(deadline) {
+				t.Fatalf("no %s within 10 s of a flow", what)
+			}
+			commit()
+			time.Sleep(5 * time.Millisecond)
+		}
+		return n
+	}
+	tx, late, _ := keptQuiet(t, db, b.Exchange, flow)
+	more := 0
+	flow("end of 20 more commits", func() bool { more++; return more > 20 })
+
+	if err := dying.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = dying.Wait()
+	var until, now int64
+	if err := db.QueryRow("SELECT pg_sequence_last_value('acemq_outbox_quiet'), (extract(epoch FROM clock_timestamp()) * 1000)::bigint").Scan(&until, &now); err != nil {
+		t.Fatal(err)
+	}
+	if until <= now {
+		t.Fatal("the trigger was not quiet when its relay died in the flow: the test proved nothing")
+	}
+	if until-now > 1000 {
+		t.Errorf("the dead relay left the trigger quiet %d ms ahead, want a second at most", until-now)
+	}
+
+	// In the time it left: a commit, and the transaction its flow kept
+	// quiet. Neither notifies.
+	commit()
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	ids = append(ids, late.UUID)
+	waitFor(t, 3*time.Second, "the time to lapse", func() bool { return !quietAhead(t, db) })
+
+	commit() // notifies: the other relay wakes, and takes every row
+	seen := map[string]bool{}
+	for deadline := time.Now().Add(10 * time.Second); len(seen) < len(ids) && time.Now().Before(deadline); {
+		for _, d := range b.Drain(queue, 1, time.Until(deadline)) {
+			seen[d.MessageId] = true
+		}
+	}
+	var missing []string
+	for _, id := range ids {
+		if !seen[id] {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) > 0 {
+		t.Fatalf("%d of %d messages did not reach the broker within 10 s of the first commit after the lapse (the other relay polls once an hour): %v", len(missing), len(ids), missing)
+	}
+}
+
+// startQuietRelayProcess starts this test binary as a relay over db
+// (quietRelayProcess) and returns once it listens; the test kills it.
+func startQuietRelayProcess(t *testing.T, db *testdb.DB) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), "OUTBOX_QUIET_RELAY_PROCESS=1", "OUTBOX_RELAY_DSN="+db.DSN, "OUTBOX_RELAY_DRIVER="+db.DriverName())
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	ready := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(out).ReadString('\n')
+		ready <- line
+	}()
+	select {
+	case line := <-ready:
+		if strings.TrimSpace(line) != "listening" {
+			t.Fatalf("relay process: %q; stderr:\n%s", line, stderr.String())
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("relay process did not listen within 20 s; stderr:\n%s", stderr.String())
+	}
+	return cmd
+}
+
+// quietRelayProcess runs a relay as quietRelay's (the trigger quiet above 20
+// records a second, a poll once an hour) until it is killed, and says
+// "listening" once it listens. Reaching the end is a failure (exit 3).
+func quietRelayProcess() int {
+	f, err := processRelay(outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: 20})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	done := make(chan error, 1)
+	go func() { done <- f.Run(context.Background()) }()
+	for deadline := time.Now().Add(15 * time.Second); !outbox.Woken(f); {
+		select {
+		case err := <-done:
+			fmt.Fprintf(os.Stderr, "relay process: Run returned %v\n", err)
+			return 3
+		case <-time.After(10 * time.Millisecond): // polling the relay's state
+		}
+		if time.Now().After(deadline) {
+			fmt.Fprintln(os.Stderr, "relay process: not listening after 15 s")
+			return 3
+		}
+	}
+	fmt.Println("listening")
+	err = <-done
+	fmt.Fprintf(os.Stderr, "relay process: Run returned %v\n", err)
+	return 3
 }
