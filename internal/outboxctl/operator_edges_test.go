@@ -283,13 +283,22 @@ func TestPurge_SQLiteIntegerPublishedAt_NotDeletedBeforeItsAge(t *testing.T) {
 // the stopping sweep's statements), and exit non-zero if it could not
 // release its claim.
 func TestRelay_SIGTERMWhileDatabasePartitioned_ExitsWithinABound(t *testing.T) {
+	eachBehindProxy(t, func(t *testing.T, db *testdb.DB, proxy *stallNode, dsn string) {
+		runPartitioned(t, db, dsn, func() { proxy.blackhole.Store(true) })
+	})
+}
+
+// eachBehindProxy runs fn as a parallel subtest on PostgreSQL and MySQL,
+// each with a migrated database, a stall proxy in front of its server and
+// the database's DSN through it.
+func eachBehindProxy(t *testing.T, fn func(t *testing.T, db *testdb.DB, proxy *stallNode, dsn string)) {
 	testdb.Require(t, "amqp")
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
 			db := migrated(t, kind)
 			proxy, dsn := databaseProxy(t, db)
-			runPartitioned(t, db, dsn, func() { proxy.blackhole.Store(true) })
+			fn(t, db, proxy, dsn)
 		})
 	}
 }
@@ -324,63 +333,57 @@ func databaseProxy(t *testing.T, db *testdb.DB) (*stallNode, string) {
 // sends every row that was not marked, and every message reaches the
 // broker.
 func TestRelay_SIGTERMWhileDatabasePartitionedMidDrain_BoundedNothingLost(t *testing.T) {
-	testdb.Require(t, "amqp")
-	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
-		t.Run(kind, func(t *testing.T) {
-			t.Parallel()
-			db := migrated(t, kind)
-			proxy, dsn := databaseProxy(t, db)
-			broker := testamqp.New(t)
-			queue := broker.Queue()
-			relay := startRelay(t, dsn)
-			const n = 20000
-			ids := publish(t, db, n, queue)
-			eventually(t, 30*time.Second, "the relay to start the drain", func() bool {
-				return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL") > 0
-			})
-			proxy.blackhole.Store(true)
-			left := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL")
-			if left == 0 {
-				t.Fatal("the relay drained every row before the partition: the test proved nothing")
-			}
-			time.Sleep(500 * time.Millisecond)
-			start := time.Now()
-			if err := relay.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-				t.Fatal(err)
-			}
-			select {
-			case <-relay.exited:
-				t.Logf("exit %d %s after SIGTERM, %d of %d rows unmarked at the partition", relay.code, time.Since(start).Round(time.Millisecond), left, n)
-			case <-time.After(45 * time.Second):
-				t.Fatalf("relay still running 45s after SIGTERM with the database partitioned mid-drain; its log:\n%s", relay.stderr.String())
-			}
-			if relay.code == 0 && !strings.Contains(relay.stderr.String(), "Relay stopped") {
-				t.Errorf("exit 0 without a clean stop; its log:\n%s", relay.stderr.String())
-			}
-
-			// The partition ends: what the dead relay held is released.
-			proxy.blackhole.Store(false)
-			startRelay(t, db.DSN)
-			eventually(t, 60*time.Second, "every row to be published", func() bool {
-				return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
-			})
-			seen := map[string]bool{}
-			for deadline := time.Now().Add(60 * time.Second); len(seen) < n && time.Now().Before(deadline); {
-				for _, d := range broker.Drain(queue, 1, time.Until(deadline)) {
-					seen[d.MessageId] = true
-				}
-			}
-			lost := 0
-			for _, id := range ids {
-				if !seen[id] {
-					lost++
-				}
-			}
-			if lost > 0 {
-				t.Fatalf("%d of %d messages never reached the broker", lost, n)
-			}
+	eachBehindProxy(t, func(t *testing.T, db *testdb.DB, proxy *stallNode, dsn string) {
+		broker := testamqp.New(t)
+		queue := broker.Queue()
+		relay := startRelay(t, dsn)
+		const n = 20000
+		ids := publish(t, db, n, queue)
+		eventually(t, 30*time.Second, "the relay to start the drain", func() bool {
+			return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL") > 0
 		})
-	}
+		proxy.blackhole.Store(true)
+		left := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL")
+		if left == 0 {
+			t.Fatal("the relay drained every row before the partition: the test proved nothing")
+		}
+		time.Sleep(500 * time.Millisecond)
+		start := time.Now()
+		if err := relay.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-relay.exited:
+			t.Logf("exit %d %s after SIGTERM, %d of %d rows unmarked at the partition", relay.code, time.Since(start).Round(time.Millisecond), left, n)
+		case <-time.After(45 * time.Second):
+			t.Fatalf("relay still running 45s after SIGTERM with the database partitioned mid-drain; its log:\n%s", relay.stderr.String())
+		}
+		if relay.code == 0 && !strings.Contains(relay.stderr.String(), "Relay stopped") {
+			t.Errorf("exit 0 without a clean stop; its log:\n%s", relay.stderr.String())
+		}
+
+		// The partition ends: what the dead relay held is released.
+		proxy.blackhole.Store(false)
+		startRelay(t, db.DSN)
+		eventually(t, 60*time.Second, "every row to be published", func() bool {
+			return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
+		})
+		seen := map[string]bool{}
+		for deadline := time.Now().Add(60 * time.Second); len(seen) < n && time.Now().Before(deadline); {
+			for _, d := range broker.Drain(queue, 1, time.Until(deadline)) {
+				seen[d.MessageId] = true
+			}
+		}
+		lost := 0
+		for _, id := range ids {
+			if !seen[id] {
+				lost++
+			}
+		}
+		if lost > 0 {
+			t.Fatalf("%d of %d messages never reached the broker", lost, n)
+		}
+	})
 }
 
 func runPartitioned(t *testing.T, db *testdb.DB, dsn string, partition func()) {
