@@ -179,6 +179,70 @@ type suiteHarness struct {
 	transient []error        // lost connections: the relay's to retry
 	confirmed []string       // ids, in the order the relay's batches were confirmed
 	txOf      map[string]int // id: the transaction that wrote it, numbered
+	delivered []delivery     // what the subscribers' consumers were given, in order
+}
+
+// delivery is one message as a subscriber's consumer got it from the broker.
+type delivery struct {
+	id, consumer string
+	redelivered  bool
+}
+
+// recordingMarshaler notes every delivery a subscriber unmarshals, for
+// deliveryOrder.
+type recordingMarshaler struct {
+	wamqp.Marshaler
+	h *suiteHarness
+}
+
+func (m recordingMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
+	m.h.errMu.Lock()
+	m.h.delivered = append(m.h.delivered, delivery{id: d.MessageId, consumer: d.ConsumerTag, redelivered: d.Redelivered})
+	m.h.errMu.Unlock()
+	return m.Marshaler.Unmarshal(d)
+}
+
+// deliveryOrder logs, when a test of the run failed, where a consumer got
+// a row of a transaction for the first time after a later row of it, and
+// whether the broker marked either redelivered (requeued from a consumer
+// that had it unacked): with relayOrder's lines, it tells a broker or
+// consumer that reordered from a relay that did.
+func (h *suiteHarness) deliveryOrder(rank map[string]int) {
+	h.errMu.Lock()
+	defer h.errMu.Unlock()
+	type stream struct {
+		tx       int
+		consumer string
+	}
+	last := map[stream]delivery{}
+	seen := map[stream]map[string]bool{}
+	inverted := 0
+	for i, d := range h.delivered {
+		tx, ok := h.txOf[d.id]
+		if !ok {
+			continue
+		}
+		k := stream{tx, d.consumer}
+		if seen[k] == nil {
+			seen[k] = map[string]bool{}
+		}
+		if seen[k][d.id] {
+			continue
+		}
+		seen[k][d.id] = true
+		if prev, ok := last[k]; ok && rank[d.id] < rank[prev.id] {
+			if inverted++; inverted <= 10 {
+				h.t.Logf("delivery order: consumer %s got row %s (rank %d, redelivered %v) at delivery %d, after row %s of its transaction (rank %d, redelivered %v)",
+					d.consumer, d.id, rank[d.id], d.redelivered, i, prev.id, rank[prev.id], prev.redelivered)
+			}
+		}
+		if prev, ok := last[k]; !ok || rank[d.id] > rank[prev.id] {
+			last[k] = d
+		}
+	}
+	if inverted > 0 {
+		h.t.Logf("delivery order: %d rows delivered to a consumer after a later row of their transaction", inverted)
+	}
 }
 
 // relayOrder logs where the relay confirmed the rows of one transaction out
@@ -206,6 +270,10 @@ func (h *suiteHarness) relayOrder() {
 			return
 		}
 		rank[id] = len(rank)
+	}
+	if true || h.t.Failed() {
+		h.t.Logf("DEBUG %d deliveries", len(h.delivered))
+		h.deliveryOrder(rank)
 	}
 	h.errMu.Lock()
 	defer h.errMu.Unlock()
@@ -354,6 +422,7 @@ func (h *suiteHarness) consumerGroupPubSub(t *testing.T, group string) (message.
 func (h *suiteHarness) pubSub(t *testing.T, cfg wamqp.Config) (message.Publisher, message.Subscriber) {
 	t.Helper()
 	dialer := &subscriberDialer{}
+	cfg.Marshaler = recordingMarshaler{Marshaler: cfg.Marshaler, h: h}
 	cfg.Connection.AmqpConfig = &amqp.Config{
 		Heartbeat: 10 * time.Second, Locale: "en_US", // amqp.Dial's defaults
 		Dial:       dialer.dial,

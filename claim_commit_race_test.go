@@ -1,0 +1,86 @@
+package outbox_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// On MySQL a locking claim reads each row as the scan reaches it (FOR
+// UPDATE SKIP LOCKED): a transaction that commits while the claim walks its
+// rows showed the claim its later rows only, the earlier ones still locked
+// by their writer when the claim passed them, and the relay sent the
+// transaction tail first. Here a transaction of 20,000 rows commits at a
+// different moment of the claim in each try; the claim's rows of it must be
+// its first ones, in order. Before the fix the claim took 1,000 rows from
+// its row 86 to 6,673 on in 10 of 12 tries; with the snapshot check but
+// not the subquery that takes the snapshot before the walk, it still took
+// a tail.
+func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHead(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const rows = 20000
+	for try := 0; try < 12; try++ {
+		tx := db.MustBegin()
+		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "x"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msgs := make([]*message.Message, rows)
+		pos := make(map[string]int, rows)
+		for i := range msgs {
+			msgs[i] = message.NewMessage(watermill.NewUUID(), []byte("x"))
+			pos[msgs[i].UUID] = i
+		}
+		if err := pub.Publish("t", msgs...); err != nil {
+			t.Fatal(err)
+		}
+		publishBatch(t, db, "x", "t", 1) // after T's rows: the claim walks all of them to reach it
+		type result struct {
+			ids  []string
+			held *outbox.HeldClaim
+			err  error
+		}
+		done := make(chan result, 1)
+		start := time.Now()
+		go func() {
+			ids, held, err := outbox.Claim(s, 1000, "r")
+			done <- result{ids, held, err}
+		}()
+		time.Sleep(time.Duration(try) * 3 * time.Millisecond)
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		r := <-done
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		// The claim's rows of T must be T's first ones, in order.
+		n := 0
+		for _, id := range r.ids {
+			p, ok := pos[id]
+			if !ok {
+				continue
+			}
+			if p != n {
+				_ = r.held.Abandon()
+				t.Fatalf("try %d (commit %s into the claim): the claim's rows of the transaction are its rows %d.. at %d, want its first ones in order", try, time.Since(start).Round(time.Millisecond), p, n)
+			}
+			n++
+		}
+		if err := r.held.Abandon(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Exec("DELETE FROM acemq_outbox"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
