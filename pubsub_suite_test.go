@@ -271,8 +271,7 @@ func (h *suiteHarness) relayOrder() {
 		}
 		rank[id] = len(rank)
 	}
-	if true || h.t.Failed() {
-		h.t.Logf("DEBUG %d deliveries", len(h.delivered))
+	if h.t.Failed() {
 		h.deliveryOrder(rank)
 	}
 	h.errMu.Lock()
