@@ -30,6 +30,7 @@ func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHea
 	const rows = 20000
 	for try := 0; try < 12; try++ {
 		tx := db.MustBegin()
+		t.Cleanup(func() { _ = tx.Rollback() })
 		pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "x"})
 		if err != nil {
 			t.Fatal(err)
@@ -63,6 +64,7 @@ func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHea
 		if r.err != nil {
 			t.Fatal(r.err)
 		}
+		t.Cleanup(func() { _ = r.held.Abandon() })
 		// The claim's rows of T must be T's first ones, in order.
 		n := 0
 		for _, id := range r.ids {
@@ -71,7 +73,6 @@ func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHea
 				continue
 			}
 			if p != n {
-				_ = r.held.Abandon()
 				t.Fatalf("try %d (commit %s into the claim): the claim's rows of the transaction are its rows %d.. at %d, want its first ones in order", try, time.Since(start).Round(time.Millisecond), p, n)
 			}
 			n++
@@ -79,7 +80,7 @@ func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHea
 		if err := r.held.Abandon(); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := db.Exec("DELETE FROM acemq_outbox"); err != nil {
+		if _, err := db.Exec("TRUNCATE TABLE acemq_outbox"); err != nil {
 			t.Fatal(err)
 		}
 	}

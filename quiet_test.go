@@ -22,6 +22,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // The quiet sequence's time, as the trigger reads it: ahead of the
@@ -588,14 +589,6 @@ func TestForwarder_Postgres_RelayDiesInAFlow_TheTimeLapsesThenNotifyWakesTheOthe
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 
-	other := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: -1})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- other.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	<-other.Running()
-	waitFor(t, 10*time.Second, "the other relay to listen", func() bool { return outbox.Woken(other) })
-
 	dying := startQuietRelayProcess(t, db)
 	var ids []string
 	commit := func() {
@@ -619,8 +612,18 @@ func TestForwarder_Postgres_RelayDiesInAFlow_TheTimeLapsesThenNotifyWakesTheOthe
 		return n
 	}
 	tx, late, _ := keptQuiet(t, db, b.Exchange, flow)
+	// The other relay starts in the flow, as in the stopping relay's test:
+	// from the start it would take the notified rows, and the flow might
+	// never reach QuietAbove for the first.
+	other := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: -1})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- other.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	<-other.Running()
 	more := 0
-	flow("end of 20 more commits", func() bool { more++; return more > 20 })
+	flow("the other relay to listen", func() bool { more++; return outbox.Woken(other) && more > 20 })
+	flow("quiet trigger before the kill", func() bool { return quietAhead(t, db) }) // a stall may have ended the flow
 
 	if err := dying.Process.Kill(); err != nil {
 		t.Fatal(err)
@@ -674,8 +677,8 @@ func startQuietRelayProcess(t *testing.T, db *testdb.DB) *exec.Cmd {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
+	stderr := &testutil.LockedBuffer{}
+	cmd.Stderr = stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -705,8 +708,12 @@ func quietRelayProcess() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
+	// A test binary that died before killing it (a -timeout panic) must
+	// not leave it running with its connections.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- f.Run(context.Background()) }()
+	go func() { done <- f.Run(ctx) }()
 	for deadline := time.Now().Add(15 * time.Second); !outbox.Woken(f); {
 		select {
 		case err := <-done:
