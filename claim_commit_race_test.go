@@ -85,3 +85,29 @@ func TestStore_MySQL_ClaimRacingACommit_NeverTakesATransactionsTailWithoutItsHea
 		}
 	}
 }
+
+// A row without a created_at (a nullable column of another library's
+// table) is still claimed, and fails alone as malformed, whatever bounds
+// the claim's walk by created_at.
+func TestStore_MySQL_RowWithoutCreatedAt_StillClaimed(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	if _, err := db.Exec("ALTER TABLE acemq_outbox MODIFY created_at DATETIME(6) NULL"); err != nil {
+		t.Fatal(err)
+	}
+	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := publishBatch(t, db, "x", "t", 2)
+	if _, err := db.Exec("UPDATE acemq_outbox SET created_at = NULL WHERE id = ?", msgs[0].UUID); err != nil {
+		t.Fatal(err)
+	}
+	ids, held, err := outbox.Claim(s, 10, "r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = held.Abandon() }()
+	if len(ids) != 2 {
+		t.Fatalf("claimed %v, want both rows, the one without a created_at too", ids)
+	}
+}

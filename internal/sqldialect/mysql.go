@@ -222,7 +222,9 @@ func (d mysql) claim(table string, p ClaimParams, where string, args []any) Quer
 	if p.Index != "" {
 		hint = " FORCE INDEX (" + d.quoteIdent(p.Index) + ")"
 	}
-	where = "created_at <= (SELECT MAX(created_at) FROM " + table + hint + " WHERE published_at IS NULL) AND " + where
+	// A row without a created_at (another library's nullable column) is
+	// taken as before, to fail alone as malformed.
+	where = "(created_at IS NULL OR created_at <= (SELECT MAX(created_at) FROM " + table + hint + " WHERE published_at IS NULL)) AND " + where
 	from := table + " " + claimAlias + hint // the alias comes before the hint
 	return Query{SQL: lockingClaim(from, where), Args: append(args, p.Limit)}
 }
