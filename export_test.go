@@ -130,3 +130,15 @@ func DestBookkeeping(d *AMQPDestination) (returned, suspects, inflight, short, e
 	}
 	return returned, len(d.suspects), len(d.inflight), len(d.short), len(d.exchanges)
 }
+
+// PrepareClaims prepares the relay's statements on s, its claims of sizes
+// among them, as a relay does at Run, and returns how many it prepared.
+func PrepareClaims(s *Store, sizes ...int) (int, error) {
+	if err := s.prepareRelay(context.Background(), sizes); err != nil {
+		return 0, err
+	}
+	if m := s.stmts.Load(); m != nil {
+		return len(*m), nil
+	}
+	return 0, nil
+}
