@@ -212,11 +212,15 @@ func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 // Verified on MariaDB 10.11; MySQL 8 is untested.
 //
 // The price, measured on MariaDB with outbox-bench -scenario latency (the
-// relay in its own process, one run each): commit to broker 2.2 / 14.6 ms
-// (p50 / p99) at 500 msg/s against 1.5–1.7 / 8.6–9.1 before, and 22 / 101
-// ms at 2,000 msg/s against 8–11 / 38–47. The rows a service stamped before
-// the bound and committed after the snapshot are still reached, rejected
-// and held until the claim's batch is marked.
+// relay in its own process, two runs): commit to broker 2.2–2.3 / 14.6–15.9
+// ms (p50 / p99) at 500 msg/s against 1.5–1.7 / 8.6–9.1 before, and 22–30 /
+// 101–139 ms at 2,000 msg/s against 8–11 / 38–47. The rows a service
+// stamped before the bound and committed after the snapshot are still
+// reached, rejected and held until the claim's batch is marked.
+//
+// Narrowed, not closed: one run of Watermill's suite in 150 afterwards sent
+// a transaction's first row, alone, after its last (a lock its writer had
+// not released yet when the claim reached the row, presumably).
 func (d mysql) claim(table string, p ClaimParams, where string, args []any) Query {
 	hint := ""
 	if p.Index != "" {
