@@ -158,6 +158,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if cut == nil {
 		cut = ctx
 	}
+	claimFailed := false // the claim (or the broker's connect) failed
 	if !s.stopping && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
 		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
@@ -170,7 +171,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
 		default:
 			f.reportError(err, ErrorContext{})
-			s.failed = true
+			s.failed, claimFailed = true, true
 		}
 	}
 	next = s.claimed
@@ -189,7 +190,12 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if held || s.failed || s.stopping || s.claimed == nil || next != nil {
 		done, l.queue = append(done, l.queue...), nil
 	}
-	done, s.failed = l.settle(work, done, s.failed)
+	// A failed claim is behind no batch in flight: they are marked as
+	// their confirms say, and the relay backs off after. Held back, the
+	// confirmed ones would go out again.
+	var bad bool
+	done, bad = l.settle(work, done, s.failed && !claimFailed)
+	s.failed = s.failed || bad
 	switch {
 	case next == nil:
 	case !s.failed && leftBehind(done):
