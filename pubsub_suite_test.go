@@ -214,35 +214,60 @@ func (h *suiteHarness) deliveryOrder(rank map[string]int) {
 		tx       int
 		consumer string
 	}
-	last := map[stream]delivery{}
-	seen := map[stream]map[string]bool{}
-	inverted := 0
-	for i, d := range h.delivered {
+	inv, _ := inversions(len(h.delivered), func(i int) (string, stream, bool) {
+		d := h.delivered[i]
 		tx, ok := h.txOf[d.id]
+		return d.id, stream{tx, d.consumer}, ok
+	}, rank)
+	for _, v := range inv[:min(len(inv), 10)] {
+		d, prev := h.delivered[v.at], h.delivered[v.after]
+		h.t.Logf("delivery order: consumer %s got row %s (rank %d, redelivered %v) at delivery %d, after row %s of its transaction (rank %d, redelivered %v)",
+			d.consumer, d.id, rank[d.id], d.redelivered, v.at, prev.id, rank[prev.id], prev.redelivered)
+	}
+	if len(inv) > 0 {
+		h.t.Logf("delivery order: %d rows delivered to a consumer after a later row of their transaction", len(inv))
+	}
+}
+
+// inversion is an item of a sequence that came after an item of its stream
+// ranked above it (at and after are their indexes).
+type inversion struct{ at, after int }
+
+// inversions walks a sequence of n items, item i being row id of stream
+// (none when ok is false), and returns the items that were their row's
+// first in its stream and came after a row of that stream ranked above
+// them, and how many items repeated a row of their stream.
+func inversions[S comparable](n int, item func(i int) (id string, stream S, ok bool), rank map[string]int) (inv []inversion, again int) {
+	type row struct {
+		stream S
+		id     string
+	}
+	seen := map[row]bool{}
+	top := map[S]int{} // by stream: the index of its highest-ranked item
+	for i := 0; i < n; i++ {
+		id, s, ok := item(i)
 		if !ok {
 			continue
 		}
-		k := stream{tx, d.consumer}
-		if seen[k] == nil {
-			seen[k] = map[string]bool{}
-		}
-		if seen[k][d.id] {
+		if seen[row{s, id}] {
+			again++
 			continue
 		}
-		seen[k][d.id] = true
-		if prev, ok := last[k]; ok && rank[d.id] < rank[prev.id] {
-			if inverted++; inverted <= 10 {
-				h.t.Logf("delivery order: consumer %s got row %s (rank %d, redelivered %v) at delivery %d, after row %s of its transaction (rank %d, redelivered %v)",
-					d.consumer, d.id, rank[d.id], d.redelivered, i, prev.id, rank[prev.id], prev.redelivered)
-			}
+		seen[row{s, id}] = true
+		j, ok := top[s]
+		if !ok {
+			top[s] = i
+			continue
 		}
-		if prev, ok := last[k]; !ok || rank[d.id] > rank[prev.id] {
-			last[k] = d
+		topID, _, _ := item(j)
+		switch {
+		case rank[id] < rank[topID]:
+			inv = append(inv, inversion{at: i, after: j})
+		case rank[id] > rank[topID]:
+			top[s] = i
 		}
 	}
-	if inverted > 0 {
-		h.t.Logf("delivery order: %d rows delivered to a consumer after a later row of their transaction", inverted)
-	}
+	return inv, again
 }
 
 // relayOrder logs where the relay confirmed the rows of one transaction out
@@ -277,26 +302,16 @@ func (h *suiteHarness) relayOrder() {
 	}
 	h.errMu.Lock()
 	defer h.errMu.Unlock()
-	seen, last, again, inverted := map[string]bool{}, map[int]int{}, 0, 0
-	for i, id := range h.confirmed {
-		if seen[id] {
-			again++
-			continue
-		}
-		seen[id] = true
-		tx, ok := h.txOf[id]
-		if !ok {
-			continue
-		}
-		if prev, ok := last[tx]; ok && rank[id] < prev {
-			if inverted++; inverted <= 5 {
-				h.t.Logf("relay order: row %s (created_at rank %d) confirmed at position %d, after a row of its transaction of rank %d", id, rank[id], i, prev)
-			}
-		}
-		last[tx] = max(last[tx], rank[id])
+	inv, again := inversions(len(h.confirmed), func(i int) (string, int, bool) {
+		tx, ok := h.txOf[h.confirmed[i]]
+		return h.confirmed[i], tx, ok
+	}, rank)
+	for _, v := range inv[:min(len(inv), 5)] {
+		id := h.confirmed[v.at]
+		h.t.Logf("relay order: row %s (created_at rank %d) confirmed at position %d, after a row of its transaction of rank %d", id, rank[id], v.at, rank[h.confirmed[v.after]])
 	}
-	if inverted > 0 || again > 0 {
-		h.t.Logf("relay order: %d rows confirmed after a later row of their transaction, %d confirmations of rows confirmed before", inverted, again)
+	if len(inv) > 0 || again > 0 {
+		h.t.Logf("relay order: %d rows confirmed after a later row of their transaction, %d confirmations of rows confirmed before", len(inv), again)
 	}
 }
 
