@@ -174,6 +174,7 @@ type AMQPDestination struct {
 type nodeConn struct {
 	node string
 	conn *amqp.Connection
+	wire *amqpwire.Wire // conn's socket, which Close may cut
 }
 
 // confirmChannel is one confirm channel and what the broker sends back on
@@ -341,7 +342,7 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 			fields["unanswered"] = failed.Error()
 		}
 		d.last = node.addr
-		d.current.Store(&nodeConn{node: node.addr, conn: conn})
+		d.current.Store(&nodeConn{node: node.addr, conn: conn, wire: w})
 		d.counted = node.addr
 		d.cfg.Metrics.brokerConnected(node.addr, 1)
 		go d.uncountWhenClosed(conn, conn.NotifyClose(make(chan *amqp.Error, 1)))
@@ -561,9 +562,26 @@ func (d *AMQPDestination) forgetChannelLocked() *amqp.Channel {
 }
 
 // Close closes the connection. Publish and Connect fail afterwards. Calling it
-// again does nothing.
+// again does nothing. A Publish or Connect in progress has 5 s to end; then
+// Close cuts the connection's socket, which ends one that would wait for
+// ever (a context without a deadline, and a broker that stops reading or
+// confirming): it fails with ErrConnectionLost.
 func (d *AMQPDestination) Close() error {
-	d.mu.Lock()
+	if !d.mu.TryLock() {
+		locked := make(chan struct{})
+		go func() {
+			d.mu.Lock()
+			close(locked)
+		}()
+		select {
+		case <-locked:
+		case <-time.After(closeTimeout):
+			if c := d.current.Load(); c != nil && c.wire != nil {
+				_ = c.wire.Close() // the call's reads and writes fail; amqp091-go shuts the connection down
+			}
+			<-locked
+		}
+	}
 	defer d.mu.Unlock()
 	d.closed = true
 	d.dropLocked()

@@ -177,3 +177,57 @@ func TestForwarder_ChannelClosedMidSend_TheRecordAtFaultCharged(t *testing.T) {
 		}
 	}
 }
+
+// Close while a Publish called without a deadline waits for confirms that
+// never come (a quorum queue without its majority; here a proxy that drops
+// the broker's acks): Close took the destination's lock behind it and
+// waited for ever. It now gives the call closeTimeout (5 s), then cuts the
+// connection: the Publish fails with ErrConnectionLost, none of its
+// records taken for confirmed, and Close returns.
+func TestAMQPDestination_CloseBehindAPublishWithoutDeadline_CutsItAndReturns(t *testing.T) {
+	proxy := testamqp.NewProxy(t)
+	b := testamqp.New(t)
+	b.Queue("t")
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{Dial: proxy.Dial}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := func(id string) outbox.Record {
+		return outbox.Record{ID: id, Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}
+	}
+	if res := dest.Publish(context.Background(), []outbox.Record{rec("before")}); res[0] != nil {
+		t.Fatalf("publish before the loss: %v", res[0])
+	}
+	proxy.LoseConfirms(true)
+	published := make(chan []error, 1)
+	go func() { published <- dest.Publish(context.Background(), []outbox.Record{rec("a"), rec("b")}) }()
+	time.Sleep(300 * time.Millisecond) // the Publish is waiting for its confirms
+
+	start := time.Now()
+	closed := make(chan error, 1)
+	go func() { closed <- dest.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		proxy.LoseConfirms(false)
+		t.Fatal("Close did not return in 20 s behind a Publish waiting, without a deadline, for confirms that never came")
+	}
+	took := time.Since(start)
+	select {
+	case res := <-published:
+		for i, err := range res {
+			if !errors.Is(err, outbox.ErrConnectionLost) {
+				t.Errorf("record %d: %v, want ErrConnectionLost (its confirm never came)", i, err)
+			}
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the Publish did not return once Close had")
+	}
+	t.Logf("Close took %s", took.Round(10*time.Millisecond))
+	if took < 4*time.Second {
+		t.Errorf("Close cut the Publish after %s: it gives a call in progress 5 s", took.Round(10*time.Millisecond))
+	}
+}
