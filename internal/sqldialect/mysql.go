@@ -220,7 +220,10 @@ func (d mysql) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 //
 // Narrowed, not closed: one run of Watermill's suite in 150 afterwards sent
 // a transaction's first row, alone, after its last (a lock its writer had
-// not released yet when the claim reached the row, presumably).
+// not released yet when the claim reached the row, presumably: an earlier
+// claim's walk made the writer's implicit lock on it explicit, and InnoDB
+// releases explicit locks after it takes the transaction out of the active
+// list, while rows under implicit locks only are free from that moment).
 func (d mysql) claim(table string, p ClaimParams, where string, args []any) Query {
 	hint := ""
 	if p.Index != "" {
