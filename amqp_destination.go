@@ -168,6 +168,11 @@ type AMQPDestination struct {
 	counted   string // the node this destination counts as connected in cfg.Metrics
 
 	current atomic.Pointer[nodeConn] // for Node, which does not wait for mu
+	// For Close, which may have to cut a call it waits behind: closing is
+	// set as it begins (no connect starts after it), dialing is the socket
+	// of a connect in its handshake.
+	closing atomic.Bool
+	dialing atomic.Pointer[amqpwire.Wire]
 }
 
 // nodeConn is the connection a destination has open, and its node.
@@ -261,7 +266,7 @@ func (d *AMQPDestination) Connect(ctx context.Context) error {
 }
 
 func (d *AMQPDestination) ensure(ctx context.Context) error {
-	if d.closed {
+	if d.closed || d.closing.Load() {
 		return ErrDestinationClosed
 	}
 	if err := ctx.Err(); err != nil {
@@ -312,6 +317,9 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 	var failed nodeErrors
 	start := d.next
 	for i := range d.nodes {
+		if d.closing.Load() {
+			return ErrDestinationClosed // Close waits behind this connect
+		}
 		k := (start + i) % len(d.nodes)
 		node := d.nodes[k]
 		nodeCtx, cancel := shareOf(ctx, len(d.nodes)-i)
@@ -383,8 +391,10 @@ func (d *AMQPDestination) dialNode(ctx context.Context, node brokerNode) (*amqp.
 		// deadline the Dial set, if any.
 		w = opened
 		stop = context.AfterFunc(ctx, func() { _ = opened.Conn.SetDeadline(time.Now()) })
+		d.dialing.Store(opened)
 	})
 	conn, err := amqp.DialConfig(node.url, cfg)
+	d.dialing.Store(nil)
 	if cut := !stop(); cut || err != nil {
 		if conn != nil { // amqp091-go can return one with its error
 			_ = conn.CloseDeadline(time.Now())
@@ -567,19 +577,30 @@ func (d *AMQPDestination) forgetChannelLocked() *amqp.Channel {
 // ever (a context without a deadline, and a broker that stops reading or
 // confirming): it fails with ErrConnectionLost.
 func (d *AMQPDestination) Close() error {
+	d.closing.Store(true)
 	if !d.mu.TryLock() {
 		locked := make(chan struct{})
 		go func() {
 			d.mu.Lock()
 			close(locked)
 		}()
-		select {
-		case <-locked:
-		case <-time.After(closeTimeout):
-			if c := d.current.Load(); c != nil && c.wire != nil {
-				_ = c.wire.Close() // the call's reads and writes fail; amqp091-go shuts the connection down
+		cut := time.After(closeTimeout)
+		for waiting := true; waiting; {
+			select {
+			case <-locked:
+				waiting = false
+			case <-cut:
+				// The call's reads and writes fail, and amqp091-go shuts
+				// its connection down. Again until the call ends: its
+				// connect may have reached the handshake since.
+				if c := d.current.Load(); c != nil && c.wire != nil {
+					_ = c.wire.Close()
+				}
+				if w := d.dialing.Load(); w != nil {
+					_ = w.Close()
+				}
+				cut = time.After(100 * time.Millisecond)
 			}
-			<-locked
 		}
 	}
 	defer d.mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -203,19 +204,7 @@ func TestAMQPDestination_CloseBehindAPublishWithoutDeadline_CutsItAndReturns(t *
 	go func() { published <- dest.Publish(context.Background(), []outbox.Record{rec("a"), rec("b")}) }()
 	time.Sleep(300 * time.Millisecond) // the Publish is waiting for its confirms
 
-	start := time.Now()
-	closed := make(chan error, 1)
-	go func() { closed <- dest.Close() }()
-	select {
-	case err := <-closed:
-		if err != nil {
-			t.Errorf("Close: %v", err)
-		}
-	case <-time.After(20 * time.Second):
-		proxy.LoseConfirms(false)
-		t.Fatal("Close did not return in 20 s behind a Publish waiting, without a deadline, for confirms that never came")
-	}
-	took := time.Since(start)
+	took := closeWithin(t, dest, 20*time.Second, func() { proxy.LoseConfirms(false) })
 	select {
 	case res := <-published:
 		for i, err := range res {
@@ -226,8 +215,91 @@ func TestAMQPDestination_CloseBehindAPublishWithoutDeadline_CutsItAndReturns(t *
 	case <-time.After(5 * time.Second):
 		t.Fatal("the Publish did not return once Close had")
 	}
-	t.Logf("Close took %s", took.Round(10*time.Millisecond))
 	if took < 4*time.Second {
 		t.Errorf("Close cut the Publish after %s: it gives a call in progress 5 s", took.Round(10*time.Millisecond))
 	}
+}
+
+// Close while a Connect without a deadline hangs in the handshake with a
+// node that takes TCP connections and answers nothing (through a Dial that
+// sets no deadline), and while a second Publish waits behind the first:
+// each such call is cut or refused, and Close returns. (The handshake's
+// Close waited for ever behind the first fix, which cut only a connection
+// already made.)
+func TestAMQPDestination_CloseBehindAHungHandshakeOrQueuedPublish_Returns(t *testing.T) {
+	t.Run("handshake", func(t *testing.T) {
+		var dialed atomic.Int32
+		dial := func(network, addr string) (net.Conn, error) {
+			dialed.Add(1)
+			return net.Dial(network, addr) // and no deadline for the handshake
+		}
+		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{hungNode(t)}, AMQP: amqp.Config{Dial: dial}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		connected := make(chan error, 1)
+		go func() { connected <- dest.Connect(context.Background()) }()
+		waitFor(t, 5*time.Second, "the connect to dial", func() bool { return dialed.Load() > 0 })
+		closeWithin(t, dest, 20*time.Second, func() {})
+		select {
+		case err := <-connected:
+			if err == nil {
+				t.Error("Connect succeeded against a broker that answered nothing, and a closed destination")
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the Connect did not return once Close had")
+		}
+	})
+	t.Run("queued_publish", func(t *testing.T) {
+		proxy := testamqp.NewProxy(t)
+		b := testamqp.New(t)
+		b.Queue("t")
+		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{Dial: proxy.Dial}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec := []outbox.Record{{ID: "a", Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}}
+		if res := dest.Publish(context.Background(), rec); res[0] != nil {
+			t.Fatalf("publish before the loss: %v", res[0])
+		}
+		proxy.LoseConfirms(true)
+		first, second := make(chan []error, 1), make(chan []error, 1)
+		go func() { first <- dest.Publish(context.Background(), rec) }()
+		time.Sleep(200 * time.Millisecond)
+		go func() { second <- dest.Publish(context.Background(), rec) }() // waits for the first
+		time.Sleep(200 * time.Millisecond)
+		closeWithin(t, dest, 20*time.Second, func() { proxy.LoseConfirms(false) })
+		for name, ch := range map[string]chan []error{"first": first, "second": second} {
+			select {
+			case res := <-ch:
+				if res[0] == nil {
+					t.Errorf("the %s Publish reported a confirm the broker never sent", name)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatalf("the %s Publish did not return once Close had", name)
+			}
+		}
+	})
+}
+
+// closeWithin closes dest and returns how long Close took, and fails t if
+// it takes longer than limit, calling unstick first so that the test can
+// end.
+func closeWithin(t *testing.T, dest *outbox.AMQPDestination, limit time.Duration, unstick func()) time.Duration {
+	t.Helper()
+	start := time.Now()
+	closed := make(chan error, 1)
+	go func() { closed <- dest.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(limit):
+		unstick()
+		t.Fatalf("Close did not return in %s", limit)
+	}
+	took := time.Since(start)
+	t.Logf("Close took %s", took.Round(10*time.Millisecond))
+	return took
 }

@@ -236,7 +236,8 @@ type inversion struct{ at, after int }
 // inversions walks a sequence of n items, item i being row id of stream
 // (none when ok is false), and returns the items that were their row's
 // first in its stream and came after a row of that stream ranked above
-// them, and how many items repeated a row of their stream.
+// them, and how many items repeated a row of theirs (of its stream, or
+// of none).
 func inversions[S comparable](n int, item func(i int) (id string, stream S, ok bool), rank map[string]int) (inv []inversion, again int) {
 	type row struct {
 		stream S
@@ -245,15 +246,15 @@ func inversions[S comparable](n int, item func(i int) (id string, stream S, ok b
 	seen := map[row]bool{}
 	top := map[S]int{} // by stream: the index of its highest-ranked item
 	for i := 0; i < n; i++ {
-		id, s, ok := item(i)
-		if !ok {
-			continue
-		}
+		id, s, ok := item(i) // !ok: s only tells the row's repeats apart
 		if seen[row{s, id}] {
 			again++
 			continue
 		}
 		seen[row{s, id}] = true
+		if !ok {
+			continue
+		}
 		j, ok := top[s]
 		if !ok {
 			top[s] = i
