@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -43,6 +44,9 @@ import (
 // The statements are the relay's own count (outbox_forwarder_statements_total
 // on its /metrics: every statement, BEGIN and COMMIT included, that it sends
 // to the database), read before and after a spell with nothing to publish.
+
+// relayProcs is the relay process's GOMAXPROCS, when set.
+var relayProcs = flag.Int("relay-gomaxprocs", 0, "latency: GOMAXPROCS of the relay process (0 = the Go runtime's default, the machine's cores)")
 
 // outboxctlArg, as the first argument, makes the bench outboxctl.
 const outboxctlArg = "outboxctl"
@@ -86,6 +90,9 @@ func startRelayProcess(ctx context.Context, dsn string, extra ...string) (*relay
 		args = append(args, "--max-batch-size", strconv.Itoa(*relayMax))
 	}
 	cmd := exec.Command(self, append(args, extra...)...)
+	if *relayProcs > 0 {
+		cmd.Env = append(os.Environ(), "GOMAXPROCS="+strconv.Itoa(*relayProcs))
+	}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		return nil, err
