@@ -896,11 +896,17 @@ func readRecord(row sqldialect.ClaimedRow) (Record, error) {
 	return decodeRecord(row)
 }
 
+// markError is settle's error when a batch's marks failed: its records
+// reached the broker as their results say.
+type markError struct{ error }
+
+func (e *markError) Unwrap() error { return e.error }
+
 // settle marks what the broker confirmed, records the first failure, frees
 // the rest, and ends the claim. It returns how many went out, whether
 // something failed that holds the relay back (anything but the failures of
 // keyed records: see keyedFailure), and the errors of the sweep and of
-// every failed record.
+// every failed record (a *markError when the marks failed).
 func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, bool, error) {
 	if len(b.results) != len(b.records) {
 		_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
@@ -981,7 +987,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		if report {
 			f.reportError(err, ErrorContext{})
 		}
-		return 0, true, err
+		return 0, true, &markError{err}
 	}
 	f.cfg.Metrics.batch(b.claimedAt, publishedRec, b.failures)
 	if report {

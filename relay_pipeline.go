@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strings"
 	"time"
@@ -542,16 +543,24 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*batch, bool) {
 	l.settling = done
 	defer func() { l.settling = nil }()
+	behind := failed // the batches from here on are behind a failed record
 	for i := 0; i < len(done); i++ {
 		b := done[i]
 		l.collect(ctx, b)
-		if failed {
+		if behind {
 			b.holdBack()
 		}
 		// Only what holds the relay back counts: a keyed record's failure
 		// holds back its own key, and nothing else (see keyedFailure).
-		_, bad, _ := l.f.settle(ctx, b, true)
+		_, bad, err := l.f.settle(ctx, b, true)
 		failed = bad || failed
+		// A mark that failed is no record's failure: the broker has the
+		// batch's records, and those behind them overtake nothing. They
+		// are marked as their confirms say (held back, the confirmed ones
+		// went out again), and their own marks fail too if the database
+		// is down.
+		var marking *markError
+		behind = behind || bad && !errors.As(err, &marking)
 		if failed && len(l.queue) > 0 {
 			// A mark failed: the relay backs off with nothing in flight.
 			done, l.queue = append(done, l.queue...), nil

@@ -1,0 +1,220 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jmoiron/sqlx"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// connectFailsOnce is the AMQP destination, pipelining, whose Connect (the
+// relay's first step of every claim) fails once, at the first claim after
+// failAfter batches were sent: a claim that fails while batches are in
+// flight, as a MySQL claim that deadlocks does.
+type connectFailsOnce struct {
+	*outbox.AMQPDestination
+	failAfter int32
+
+	sends, waits atomic.Int32
+	failed       atomic.Bool
+	inFlight     atomic.Int32 // batches sent and not waited for when it failed
+}
+
+func (d *connectFailsOnce) Connect(ctx context.Context) error {
+	if d.sends.Load() >= d.failAfter && d.failed.CompareAndSwap(false, true) {
+		d.inFlight.Store(d.sends.Load() - d.waits.Load())
+		return errors.New("the test refuses this connect")
+	}
+	return d.AMQPDestination.Connect(ctx)
+}
+
+func (d *connectFailsOnce) Pipeline() outbox.Pipeline {
+	return connectFailsPipe{Pipeline: d.AMQPDestination.Pipeline(), d: d}
+}
+
+type connectFailsPipe struct {
+	outbox.Pipeline
+	d *connectFailsOnce
+}
+
+func (p connectFailsPipe) Destination() outbox.Destination { return p.d }
+
+func (p connectFailsPipe) Send(ctx context.Context, records []outbox.Record) outbox.Sent {
+	defer p.d.sends.Add(1)
+	return p.Pipeline.Send(ctx, records)
+}
+
+func (p connectFailsPipe) Wait(ctx context.Context, s outbox.Sent) []error {
+	defer p.d.waits.Add(1)
+	return p.Pipeline.Wait(ctx, s)
+}
+
+// A claim that fails while batches are in flight is behind none of them:
+// the ones the broker confirms are marked, and no message reaches the
+// broker twice. (They were held back, released and sent again.)
+func TestForwarder_Run_ClaimFailsWithBatchesInFlight_ConfirmedOnesMarkedNoneTwice(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("claim.fails")
+		const n = 500
+		publishBatch(t, db, b.Exchange, "claim.fails", n)
+
+		inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		dest := &connectFailsOnce{AMQPDestination: inner, failAfter: 3}
+		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
+			BatchSize: 10, MaxBatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		runUntilDrained(t, f)
+		if !dest.failed.Load() {
+			t.Fatal("the connect never failed: the test proved nothing")
+		}
+		if dest.inFlight.Load() == 0 {
+			t.Fatal("no batch was in flight when the claim failed: the test proved nothing")
+		}
+		if twice := arrivedTwice(t, b, queue, n); twice != 0 {
+			t.Errorf("%d messages arrived twice, want none", twice)
+		}
+		t.Logf("%d batch(es) in flight when the claim failed", dest.inFlight.Load())
+	})
+}
+
+// killOldestClaim is the relay's pipelining AMQP destination that, at its
+// killAt-th send, first kills the connection of the relay's oldest open
+// transaction: the claim of the oldest batch in flight, whose mark then
+// fails, with the batches after it in flight.
+type killOldestClaim struct {
+	*outbox.AMQPDestination
+	killAt int32
+	kill   func() bool // reports whether it killed one
+
+	sends  atomic.Int32
+	killed atomic.Bool
+}
+
+func (d *killOldestClaim) Pipeline() outbox.Pipeline {
+	return killPipe{Pipeline: d.AMQPDestination.Pipeline(), d: d}
+}
+
+type killPipe struct {
+	outbox.Pipeline
+	d *killOldestClaim
+}
+
+func (p killPipe) Destination() outbox.Destination { return p.d }
+
+func (p killPipe) Send(ctx context.Context, records []outbox.Record) outbox.Sent {
+	if p.d.sends.Add(1) == p.d.killAt && p.d.kill() {
+		p.d.killed.Store(true)
+	}
+	return p.Pipeline.Send(ctx, records)
+}
+
+// A batch's claim connection killed while the batches after it are in
+// flight: its mark fails, and its records are sent again (the broker had
+// them), but the batches after it are marked as their confirms say. (They
+// were held back as if behind a failed record, and went out again too.)
+func TestForwarder_Run_MarkFailsWithBatchesInFlight_OnlyItsBatchGoesTwice(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := migrated(t, kind)
+			b := testamqp.New(t)
+			queue := b.Queue("mark.fails")
+			const n, batch = 300, 10
+			publishBatch(t, db, b.Exchange, "mark.fails", n)
+
+			// The relay's own pool, named on PostgreSQL: other packages'
+			// tests share the server.
+			relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
+			if kind == testdb.Postgres {
+				relayDSN += "&application_name=" + appName
+			}
+			relayDB := sqlx.MustOpen(db.DriverName(), relayDSN)
+			defer relayDB.Close()
+			killer, err := db.Conn(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer killer.Close()
+			oldest := "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND state = 'idle in transaction' ORDER BY xact_start LIMIT 1"
+			kill := "SELECT pg_terminate_backend($1)"
+			args := []any{appName}
+			if kind == testdb.MySQL {
+				oldest = "SELECT t.trx_mysql_thread_id FROM information_schema.INNODB_TRX t JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id" +
+					" WHERE p.DB = DATABASE() AND p.ID <> CONNECTION_ID() ORDER BY CAST(t.trx_id AS UNSIGNED) LIMIT 1"
+				kill, args = "KILL ?", nil
+			}
+			inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			dest := &killOldestClaim{AMQPDestination: inner, killAt: 3, kill: func() bool {
+				var id int64
+				if err := killer.QueryRowContext(context.Background(), oldest, args...).Scan(&id); err != nil {
+					t.Logf("no claim to kill: %v", err)
+					return false
+				}
+				_, err := killer.ExecContext(context.Background(), kill, id)
+				return err == nil
+			}}
+			f, err := outbox.NewForwarder(relayDB, dest, outbox.ForwarderConfig{
+				BatchSize: batch, MaxBatchSize: batch, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+				OnError: func(error, outbox.ErrorContext) {},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			runUntilDrained(t, f)
+			if !dest.killed.Load() {
+				t.Fatal("no claim was killed: the test proved nothing")
+			}
+			twice := arrivedTwice(t, b, queue, n)
+			t.Logf("%d messages arrived twice", twice)
+			if twice > batch {
+				t.Errorf("%d messages arrived twice: more than the batch whose mark failed (%d)", twice, batch)
+			}
+		})
+	}
+}
+
+// runUntilDrained runs f until no row is pending, and stops it.
+func runUntilDrained(t *testing.T, f *outbox.Forwarder) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, f) == 0 })
+	cancel()
+	if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run: %v", err)
+	}
+}
+
+// arrivedTwice drains queue of n distinct messages and their copies, fails
+// t unless all n arrived, and returns how many copies came beyond one each.
+func arrivedTwice(t *testing.T, b *testamqp.Broker, queue string, n int) int {
+	t.Helper()
+	seen := countIDs(b.Drain(queue, n, 10*time.Second))
+	if len(seen) != n {
+		t.Errorf("%d distinct messages arrived, want %d", len(seen), n)
+	}
+	twice := 0
+	for _, c := range seen {
+		twice += c - 1
+	}
+	return twice
+}
