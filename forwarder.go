@@ -896,7 +896,8 @@ func readRecord(row sqldialect.ClaimedRow) (Record, error) {
 	return decodeRecord(row)
 }
 
-// markError is settle's error when a batch's marks failed: its records
+// markError is settle's error when a batch's marks failed and none of its
+// records failed in a way that holds back what is behind it: its records
 // reached the broker as their results say.
 type markError struct{ error }
 
@@ -986,6 +987,9 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		// consumers. Nothing is lost.
 		if report {
 			f.reportError(err, ErrorContext{})
+		}
+		if len(b.failures) > b.isolated {
+			return 0, true, err // a record failed too, and holds back what is behind it
 		}
 		return 0, true, &markError{err}
 	}

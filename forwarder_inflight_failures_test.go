@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -217,4 +219,58 @@ func arrivedTwice(t *testing.T, b *testamqp.Broker, queue string, n int) int {
 		twice += c - 1
 	}
 	return twice
+}
+
+// A batch with a record that failed (unroutable) and whose mark then failed
+// too: the batches in flight after it are still behind a failed record, and
+// none of their rows is marked before it is tried again. (From review: the
+// mark's failure hid the record's, and they were marked.)
+func TestForwarder_Run_RecordAndMarkFailInOneBatch_BatchesAfterItHeldBack(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	b := testamqp.New(t)
+	queue := b.Queue("ok")
+	var keys [][2]string
+	for i := 0; i < 60; i++ {
+		rk := "ok"
+		if i == 4 {
+			rk = "nobody.listens"
+		}
+		keys = append(keys, [2]string{fmt.Sprintf("m-%03d", i), rk})
+	}
+	publishOrdered(t, db, b.Exchange, keys...)
+	f := newForwarder(t, db, outbox.ForwarderConfig{
+		BatchSize: 10, MaxBatchSize: 10, MaxAttempts: 3, RetryMin: 2 * time.Second, RetryMax: 2 * time.Second,
+		OnError: func(error, outbox.ErrorContext) {},
+	})
+	var (
+		mu        sync.Mutex
+		calls     int
+		refusedAt time.Time
+		early     []string // marked within a second of the refusal
+	)
+	outbox.SetAfterPublishHook(f, func(published []string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if calls++; calls == 1 { // the first batch's, with m-004 refused by the broker
+			refusedAt = time.Now()
+			return errors.New("injected: the database refused the marks")
+		}
+		if time.Since(refusedAt) < time.Second {
+			early = append(early, published...)
+		}
+		return nil
+	})
+	go func() { _ = f.Run(context.Background()) }()
+	waitFor(t, 60*time.Second, "the outbox to drain, m-004 stuck", func() bool {
+		st, err := f.Store().Stats(context.Background())
+		return err == nil && st.Pending == 0 && st.Stuck == 1
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if len(early) > 0 {
+		t.Errorf("%d rows after the refused m-004 were marked before it was tried again (%v …)", len(early), early[0])
+	}
+	if seen := countIDs(b.Drain(queue, 59, 10*time.Second)); len(seen) != 59 {
+		t.Errorf("%d distinct messages arrived, want 59", len(seen))
+	}
 }
