@@ -186,20 +186,7 @@ func TestForwarder_ChannelClosedMidSend_TheRecordAtFaultCharged(t *testing.T) {
 // connection: the Publish fails with ErrConnectionLost, none of its
 // records taken for confirmed, and Close returns.
 func TestAMQPDestination_CloseBehindAPublishWithoutDeadline_CutsItAndReturns(t *testing.T) {
-	proxy := testamqp.NewProxy(t)
-	b := testamqp.New(t)
-	b.Queue("t")
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{Dial: proxy.Dial}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec := func(id string) outbox.Record {
-		return outbox.Record{ID: id, Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}
-	}
-	if res := dest.Publish(context.Background(), []outbox.Record{rec("before")}); res[0] != nil {
-		t.Fatalf("publish before the loss: %v", res[0])
-	}
-	proxy.LoseConfirms(true)
+	dest, proxy, rec := confirmsLost(t)
 	published := make(chan []error, 1)
 	go func() { published <- dest.Publish(context.Background(), []outbox.Record{rec("a"), rec("b")}) }()
 	time.Sleep(300 * time.Millisecond) // the Publish is waiting for its confirms
@@ -251,18 +238,8 @@ func TestAMQPDestination_CloseBehindAHungHandshakeOrQueuedPublish_Returns(t *tes
 		}
 	})
 	t.Run("queued_publish", func(t *testing.T) {
-		proxy := testamqp.NewProxy(t)
-		b := testamqp.New(t)
-		b.Queue("t")
-		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{Dial: proxy.Dial}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rec := []outbox.Record{{ID: "a", Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}}
-		if res := dest.Publish(context.Background(), rec); res[0] != nil {
-			t.Fatalf("publish before the loss: %v", res[0])
-		}
-		proxy.LoseConfirms(true)
+		dest, proxy, recOf := confirmsLost(t)
+		rec := []outbox.Record{recOf("a")}
 		first, second := make(chan []error, 1), make(chan []error, 1)
 		go func() { first <- dest.Publish(context.Background(), rec) }()
 		time.Sleep(200 * time.Millisecond)
@@ -280,6 +257,28 @@ func TestAMQPDestination_CloseBehindAHungHandshakeOrQueuedPublish_Returns(t *tes
 			}
 		}
 	})
+}
+
+// confirmsLost returns a destination whose connection goes through a proxy
+// that, after one publish confirmed, drops the broker's acks from now on,
+// and the record of an id for the queue it publishes to.
+func confirmsLost(t *testing.T) (*outbox.AMQPDestination, *testamqp.Proxy, func(id string) outbox.Record) {
+	t.Helper()
+	proxy := testamqp.NewProxy(t)
+	b := testamqp.New(t)
+	b.Queue("t")
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{Dial: proxy.Dial}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := func(id string) outbox.Record {
+		return outbox.Record{ID: id, Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}
+	}
+	if res := dest.Publish(context.Background(), []outbox.Record{rec("before")}); res[0] != nil {
+		t.Fatalf("publish before the loss: %v", res[0])
+	}
+	proxy.LoseConfirms(true)
+	return dest, proxy, rec
 }
 
 // closeWithin closes dest and returns how long Close took, and fails t if

@@ -9,51 +9,60 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jmoiron/sqlx"
-
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// connectFailsOnce is the AMQP destination, pipelining, whose Connect (the
-// relay's first step of every claim) fails once, at the first claim after
-// failAfter batches were sent: a claim that fails while batches are in
-// flight, as a MySQL claim that deadlocks does.
-type connectFailsOnce struct {
+// hookedDest is the AMQP destination, pipelining, with a test's hooks run
+// before each Connect (the relay's first step of every claim) and before
+// each send, given how many batches were sent and waited for before it.
+type hookedDest struct {
 	*outbox.AMQPDestination
-	failAfter int32
+	beforeConnect func(sent, waited int32) error
+	beforeSend    func(sent int32)
 
 	sends, waits atomic.Int32
-	failed       atomic.Bool
-	inFlight     atomic.Int32 // batches sent and not waited for when it failed
 }
 
-func (d *connectFailsOnce) Connect(ctx context.Context) error {
-	if d.sends.Load() >= d.failAfter && d.failed.CompareAndSwap(false, true) {
-		d.inFlight.Store(d.sends.Load() - d.waits.Load())
-		return errors.New("the test refuses this connect")
+func newHookedDest(t *testing.T) *hookedDest {
+	t.Helper()
+	inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &hookedDest{AMQPDestination: inner}
+}
+
+func (d *hookedDest) Connect(ctx context.Context) error {
+	if d.beforeConnect != nil {
+		if err := d.beforeConnect(d.sends.Load(), d.waits.Load()); err != nil {
+			return err
+		}
 	}
 	return d.AMQPDestination.Connect(ctx)
 }
 
-func (d *connectFailsOnce) Pipeline() outbox.Pipeline {
-	return connectFailsPipe{Pipeline: d.AMQPDestination.Pipeline(), d: d}
+func (d *hookedDest) Pipeline() outbox.Pipeline {
+	return hookedPipe{Pipeline: d.AMQPDestination.Pipeline(), d: d}
 }
 
-type connectFailsPipe struct {
+type hookedPipe struct {
 	outbox.Pipeline
-	d *connectFailsOnce
+	d *hookedDest
 }
 
-func (p connectFailsPipe) Destination() outbox.Destination { return p.d }
+func (p hookedPipe) Destination() outbox.Destination { return p.d }
 
-func (p connectFailsPipe) Send(ctx context.Context, records []outbox.Record) outbox.Sent {
+func (p hookedPipe) Send(ctx context.Context, records []outbox.Record) outbox.Sent {
+	if p.d.beforeSend != nil {
+		p.d.beforeSend(p.d.sends.Load())
+	}
 	defer p.d.sends.Add(1)
 	return p.Pipeline.Send(ctx, records)
 }
 
-func (p connectFailsPipe) Wait(ctx context.Context, s outbox.Sent) []error {
+func (p hookedPipe) Wait(ctx context.Context, s outbox.Sent) []error {
 	defer p.d.waits.Add(1)
 	return p.Pipeline.Wait(ctx, s)
 }
@@ -68,11 +77,21 @@ func TestForwarder_Run_ClaimFailsWithBatchesInFlight_ConfirmedOnesMarkedNoneTwic
 		const n = 500
 		publishBatch(t, db, b.Exchange, "claim.fails", n)
 
-		inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-		if err != nil {
-			t.Fatal(err)
+		// The connect fails once, at the first claim after 3 batches were
+		// sent: a claim that fails while batches are in flight, as a MySQL
+		// claim that deadlocks does.
+		var (
+			failed   atomic.Bool
+			inFlight atomic.Int32 // batches sent and not waited for when it failed
+		)
+		dest := newHookedDest(t)
+		dest.beforeConnect = func(sent, waited int32) error {
+			if sent >= 3 && failed.CompareAndSwap(false, true) {
+				inFlight.Store(sent - waited)
+				return errors.New("the test refuses this connect")
+			}
+			return nil
 		}
-		dest := &connectFailsOnce{AMQPDestination: inner, failAfter: 3}
 		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
 			BatchSize: 10, MaxBatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 		})
@@ -81,48 +100,17 @@ func TestForwarder_Run_ClaimFailsWithBatchesInFlight_ConfirmedOnesMarkedNoneTwic
 		}
 		defer f.Close()
 		runUntilDrained(t, f)
-		if !dest.failed.Load() {
+		if !failed.Load() {
 			t.Fatal("the connect never failed: the test proved nothing")
 		}
-		if dest.inFlight.Load() == 0 {
+		if inFlight.Load() == 0 {
 			t.Fatal("no batch was in flight when the claim failed: the test proved nothing")
 		}
 		if twice := arrivedTwice(t, b, queue, n); twice != 0 {
 			t.Errorf("%d messages arrived twice, want none", twice)
 		}
-		t.Logf("%d batch(es) in flight when the claim failed", dest.inFlight.Load())
+		t.Logf("%d batch(es) in flight when the claim failed", inFlight.Load())
 	})
-}
-
-// killOldestClaim is the relay's pipelining AMQP destination that, at its
-// killAt-th send, first kills the connection of the relay's oldest open
-// transaction: the claim of the oldest batch in flight, whose mark then
-// fails, with the batches after it in flight.
-type killOldestClaim struct {
-	*outbox.AMQPDestination
-	killAt int32
-	kill   func() bool // reports whether it killed one
-
-	sends  atomic.Int32
-	killed atomic.Bool
-}
-
-func (d *killOldestClaim) Pipeline() outbox.Pipeline {
-	return killPipe{Pipeline: d.AMQPDestination.Pipeline(), d: d}
-}
-
-type killPipe struct {
-	outbox.Pipeline
-	d *killOldestClaim
-}
-
-func (p killPipe) Destination() outbox.Destination { return p.d }
-
-func (p killPipe) Send(ctx context.Context, records []outbox.Record) outbox.Sent {
-	if p.d.sends.Add(1) == p.d.killAt && p.d.kill() {
-		p.d.killed.Store(true)
-	}
-	return p.Pipeline.Send(ctx, records)
 }
 
 // A batch's claim connection killed while the batches after it are in
@@ -138,14 +126,7 @@ func TestForwarder_Run_MarkFailsWithBatchesInFlight_OnlyItsBatchGoesTwice(t *tes
 			const n, batch = 300, 10
 			publishBatch(t, db, b.Exchange, "mark.fails", n)
 
-			// The relay's own pool, named on PostgreSQL: other packages'
-			// tests share the server.
-			relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
-			if kind == testdb.Postgres {
-				relayDSN += "&application_name=" + appName
-			}
-			relayDB := sqlx.MustOpen(db.DriverName(), relayDSN)
-			defer relayDB.Close()
+			relayDB, appName := ownRelayPool(t, db)
 			killer, err := db.Conn(context.Background())
 			if err != nil {
 				t.Fatal(err)
@@ -159,19 +140,24 @@ func TestForwarder_Run_MarkFailsWithBatchesInFlight_OnlyItsBatchGoesTwice(t *tes
 					" WHERE p.DB = DATABASE() AND p.ID <> CONNECTION_ID() ORDER BY CAST(t.trx_id AS UNSIGNED) LIMIT 1"
 				kill, args = "KILL ?", nil
 			}
-			inner, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			dest := &killOldestClaim{AMQPDestination: inner, killAt: 3, kill: func() bool {
+			// At the third send, first the connection of the relay's oldest
+			// open transaction goes: the claim of the oldest batch in
+			// flight, whose mark then fails, with the batches after it in
+			// flight.
+			var killed atomic.Bool
+			dest := newHookedDest(t)
+			dest.beforeSend = func(sent int32) {
+				if sent != 2 {
+					return
+				}
 				var id int64
 				if err := killer.QueryRowContext(context.Background(), oldest, args...).Scan(&id); err != nil {
 					t.Logf("no claim to kill: %v", err)
-					return false
+					return
 				}
 				_, err := killer.ExecContext(context.Background(), kill, id)
-				return err == nil
-			}}
+				killed.Store(err == nil)
+			}
 			f, err := outbox.NewForwarder(relayDB, dest, outbox.ForwarderConfig{
 				BatchSize: batch, MaxBatchSize: batch, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
 				OnError: func(error, outbox.ErrorContext) {},
@@ -181,7 +167,7 @@ func TestForwarder_Run_MarkFailsWithBatchesInFlight_OnlyItsBatchGoesTwice(t *tes
 			}
 			defer f.Close()
 			runUntilDrained(t, f)
-			if !dest.killed.Load() {
+			if !killed.Load() {
 				t.Fatal("no claim was killed: the test proved nothing")
 			}
 			twice := arrivedTwice(t, b, queue, n)

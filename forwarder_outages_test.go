@@ -179,15 +179,7 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 			const n = 1500
 			msgs := publishBatch(t, db, b.Exchange, "order.placed", n)
 
-			// The relay has a pool of its own, as its own process would,
-			// named on PostgreSQL so that only its connections are killed:
-			// other packages' tests share the server.
-			relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
-			if kind == testdb.Postgres {
-				relayDSN += "&application_name=" + appName
-			}
-			relayDB := sqlx.MustOpen(db.DriverName(), relayDSN)
-			defer relayDB.Close()
+			relayDB, appName := ownRelayPool(t, db)
 			relay := &testdb.DB{DB: relayDB, Kind: kind, DSN: db.DSN}
 			f := newForwarder(t, relay, outbox.ForwarderConfig{BatchSize: 50, RetryMin: 10 * time.Millisecond, RetryMax: 200 * time.Millisecond})
 			ctx, cancel := context.WithCancel(context.Background())
@@ -227,6 +219,21 @@ func TestForwarder_DatabaseConnectionsKilled_EveryRowArrives(t *testing.T) {
 			}
 		})
 	}
+}
+
+// ownRelayPool opens a pool of the relay's own on db, as its own process
+// would have, closed when the test ends: on PostgreSQL named appName, so
+// that only its connections are killed (other packages' tests share the
+// server).
+func ownRelayPool(t testing.TB, db *testdb.DB) (relayDB *sqlx.DB, appName string) {
+	t.Helper()
+	relayDSN, appName := db.DSN, "outbox-relay-"+testdb.RandomName()
+	if db.Kind == testdb.Postgres {
+		relayDSN += "&application_name=" + appName
+	}
+	relayDB = sqlx.MustOpen(db.DriverName(), relayDSN)
+	t.Cleanup(func() { _ = relayDB.Close() })
+	return relayDB, appName
 }
 
 // killConnections kills the relay's connections, as a failover or a DBA

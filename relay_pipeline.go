@@ -159,7 +159,6 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if cut == nil {
 		cut = ctx
 	}
-	claimFailed := false // the claim (or the broker's connect) failed
 	if !s.stopping && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
 		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
@@ -172,7 +171,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
 		default:
 			f.reportError(err, ErrorContext{})
-			s.failed, claimFailed = true, true
+			s.failed = true
 		}
 	}
 	next = s.claimed
@@ -194,8 +193,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// A failed claim is behind no batch in flight: they are marked as
 	// their confirms say, and the relay backs off after. Held back, the
 	// confirmed ones would go out again.
-	var bad bool
-	done, bad = l.settle(work, done, s.failed && !claimFailed)
+	done, bad := l.settle(work, done)
 	s.failed = s.failed || bad
 	switch {
 	case next == nil:
@@ -538,12 +536,13 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 }
 
 // settle collects the confirms of the batches in done, if they are still
-// out, and settles them, oldest first. A batch behind a failure is held
-// back. It returns the batches it settled and whether anything failed.
-func (l *relayLoop) settle(ctx context.Context, done []*batch, failed bool) ([]*batch, bool) {
+// out, and settles them, oldest first. A batch behind a failed record is
+// held back. It returns the batches it settled and whether anything failed.
+func (l *relayLoop) settle(ctx context.Context, done []*batch) ([]*batch, bool) {
 	l.settling = done
 	defer func() { l.settling = nil }()
-	behind := failed // the batches from here on are behind a failed record
+	failed := false
+	behind := false // the batches from here on are behind a failed record
 	for i := 0; i < len(done); i++ {
 		b := done[i]
 		l.collect(ctx, b)
