@@ -395,5 +395,18 @@ func TestInbox_ReturnedCopyOfASteeredMessage_GoesToThePublishTopic(t *testing.T)
 	if n := sweepAll(t, fwd); n != 1 {
 		t.Fatalf("relayed %d of the returned message, want 1", n)
 	}
-	waitFor(t, 10*time.Second, "the copy in order.shipped", func() bool { return b.Count(shipped) == 1 })
+	got := b.Drain(shipped, 1, 10*time.Second)
+	if len(got) != 1 {
+		t.Fatalf("%d copies in order.shipped, want 1", len(got))
+	}
+	// The delivery it copied was keyed: the copy, unkeyed, must not carry
+	// the original's key and number to an ordered inbox downstream.
+	if received[outbox.HeaderAggregateID] != "order-1" || received[outbox.HeaderSeq] != "1" {
+		t.Fatalf("the consumer received aggregateId %q seq %q, want order-1 and 1", received[outbox.HeaderAggregateID], received[outbox.HeaderSeq])
+	}
+	for _, k := range []string{outbox.HeaderAggregateID, outbox.HeaderSeq} {
+		if v, ok := got[0].Headers[k]; ok {
+			t.Errorf("the unkeyed copy went out with header %s = %v, its original's", k, v)
+		}
+	}
 }

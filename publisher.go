@@ -754,7 +754,16 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 // copies it returns, which would then go to the incoming message's
 // routing key (back into the handler's own queue) instead of its publish
 // topic, and take the incoming message's ordering key.
-var steeringKeys = map[string]bool{MetadataExchange: true, MetadataRoutingKey: true, MetadataAggregateID: true}
+//
+// HeaderAggregateID and HeaderSeq are the relay's, written from a keyed
+// row's columns: a consumer's copy of a keyed delivery carries them in its
+// metadata, and an unkeyed copy that kept them would reach an ordered
+// inbox as the original's key and number, taken there for a duplicate (not
+// run) or held behind numbers that never come.
+var steeringKeys = map[string]bool{
+	MetadataExchange: true, MetadataRoutingKey: true, MetadataAggregateID: true,
+	HeaderAggregateID: true, HeaderSeq: true,
+}
 
 func steered(md message.Metadata) bool {
 	for k := range steeringKeys {
