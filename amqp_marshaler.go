@@ -32,9 +32,37 @@ import (
 // _watermill_message_uuid and the message_id property that is a non-empty
 // string (x-acemq-id first: a service that copies the headers it received
 // onto what it sends carries a stale Watermill UUID). It marshals as the
-// embedded DefaultMarshaler does.
+// embedded DefaultMarshaler does, but for x-acemq-id (see Marshal).
 type AMQPMarshaler struct {
 	wamqp.DefaultMarshaler
+}
+
+// Marshal is DefaultMarshaler's, with an x-acemq-id header of the metadata
+// set to the message's UUID. A message unmarshalled here keeps x-acemq-id
+// in its metadata, and msg.Copy() keeps it too: a copy under a UUID of its
+// own, published through watermill-amqp with this marshaler, would
+// otherwise go out with its original's id first in line, and an inbox
+// would take it for the original and ack it without running. A message
+// without x-acemq-id is marshalled as DefaultMarshaler does.
+//
+// A copy of a keyed delivery also carries its aggregateId and seq headers
+// (HeaderAggregateID, HeaderSeq), which Marshal leaves as they are: they are
+// the ordering of a message an ordered inbox reads, and only the relay
+// numbers a key. Delete them from a copy sent this way; a TxPublisher
+// drops them from the messages it writes.
+func (m AMQPMarshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
+	d := m.DefaultMarshaler
+	if _, ok := msg.Metadata[HeaderMessageID]; ok {
+		post := d.PostprocessPublishing
+		d.PostprocessPublishing = func(p amqp.Publishing) amqp.Publishing {
+			p.Headers[HeaderMessageID] = msg.UUID
+			if post != nil {
+				p = post(p)
+			}
+			return p
+		}
+	}
+	return d.Marshal(msg)
 }
 
 // Unmarshal never fails over a header; it fails only for the zero

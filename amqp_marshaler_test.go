@@ -138,6 +138,42 @@ func TestAMQPMarshaler_MarshalThenUnmarshal_SameMessage(t *testing.T) {
 	}
 }
 
+// A copy of a delivered message, under a UUID of its own and sent through
+// watermill-amqp with AMQPMarshaler, is read back as the copy, not as its
+// original: the x-acemq-id it carried over from the original is set to its
+// own UUID. A PostprocessPublishing of the caller's still runs, after it.
+func TestAMQPMarshaler_CopyOfADelivery_ReadBackUnderItsOwnUUID(t *testing.T) {
+	m := outbox.AMQPMarshaler{DefaultMarshaler: wamqp.DefaultMarshaler{PostprocessPublishing: func(p amqp.Publishing) amqp.Publishing {
+		p.CorrelationId = "c-1"
+		return p
+	}}}
+	original, err := m.Unmarshal(amqp.Delivery{MessageId: "a", Headers: amqp.Table{outbox.HeaderMessageID: "a", "tenant": "acme"}, Body: []byte("x")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"b1", "b2"} {
+		c := original.Copy()
+		c.UUID = id
+		p, err := m.Marshal(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.CorrelationId != "c-1" {
+			t.Errorf("the caller's PostprocessPublishing did not run: correlation id %q", p.CorrelationId)
+		}
+		got, err := m.Unmarshal(amqp.Delivery{Headers: p.Headers, Body: p.Body})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.UUID != id || got.Metadata.Get(outbox.HeaderMessageID) != id || got.Metadata.Get("tenant") != "acme" {
+			t.Errorf("copy %s read back as %s (x-acemq-id %q, tenant %q), want itself", id, got.UUID, got.Metadata.Get(outbox.HeaderMessageID), got.Metadata.Get("tenant"))
+		}
+	}
+	if original.Metadata.Get(outbox.HeaderMessageID) != "a" {
+		t.Errorf("Marshal changed the copied message's metadata: x-acemq-id %q", original.Metadata.Get(outbox.HeaderMessageID))
+	}
+}
+
 // PublisherDestination puts a record's typed headers into the metadata as
 // AMQPMarshaler does: a consumer reads the same metadata whichever
 // destination relayed the message.
