@@ -526,9 +526,13 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 // endsTransaction reports whether err, a statement's, ended the caller's
 // transaction, asking the database where the error alone does not say
 // (MySQL's lock wait timeout: the raise of the key stayed, and its number
-// must be given back, unless innodb_rollback_on_timeout is on).
+// must be given back, unless innodb_rollback_on_timeout is on; on SQLite
+// every error).
 func (p *TxPublisher) endsTransaction(ctx context.Context, err error) bool {
 	d := p.cfg.Dialect.sql()
+	if d.AsksByBegin() {
+		return p.outsideTransaction(ctx, err)
+	}
 	q, ask := d.TimeoutEnds(err)
 	if !ask {
 		return d.EndsTransaction(err)
@@ -543,6 +547,24 @@ func (p *TxPublisher) endsTransaction(ctx context.Context, err error) bool {
 		return true
 	}
 	return on == 1
+}
+
+// outsideTransaction asks SQLite whether err left the connection outside
+// the caller's transaction (see sqldialect.Dialect.AsksByBegin), rolled back
+// by SQLite: a statement sent then would commit on its own. The
+// transaction the asking BEGIN starts is rolled back at once, so that the
+// caller's Commit fails, as the transaction it began is gone. Should the
+// BEGIN fail otherwise, err alone decides.
+func (p *TxPublisher) outsideTransaction(ctx context.Context, err error) bool {
+	_, berr := p.exec(ctx, sqldialect.Query{SQL: "BEGIN"})
+	if berr == nil {
+		_, _ = p.exec(ctx, sqldialect.Query{SQL: "ROLLBACK"})
+		return true
+	}
+	if sqldialect.BeginRefused(berr) {
+		return false
+	}
+	return p.cfg.Dialect.sql().EndsTransaction(err)
 }
 
 // insertNumbered runs InsertNumbered for one chunk and reports whether it

@@ -580,3 +580,58 @@ func TestPublisherDestination_KeyedRecord_MetadataAggregateIDAndDecimalSeq(t *te
 		t.Errorf("unkeyed metadata %v has a seq", c.msgs[1].Metadata)
 	}
 }
+
+// A keyed Publish on SQLite whose context ends while its insert runs: the
+// driver interrupts the statement, and SQLite rolls the caller's whole
+// transaction back (its rule for a write interrupted inside a transaction),
+// leaving the connection outside any. The numbers the call took went with
+// it. Given back then, they were taken back in a statement committed on its
+// own: the key's counter fell below numbers already committed, and every
+// later Publish of the key failed on (aggregate_id, seq).
+func TestTxPublisher_SQLiteInsertInterrupted_KeyKeepsItsCounter(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	inTx(t, db, true, []*message.Message{keyed("ik"), keyed("ik"), keyed("ik")}) // ik: 1..3
+	// The insert runs long, not the raise before it: a trigger on the outbox
+	// counts the pairs of a table of 20,000 rows.
+	for _, q := range []string{
+		"CREATE TABLE slow_rows (x INTEGER)",
+		"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 20000) INSERT INTO slow_rows SELECT x FROM c",
+		"CREATE TRIGGER slow_insert BEFORE INSERT ON acemq_outbox BEGIN SELECT COUNT(*) FROM slow_rows a, slow_rows b; END",
+	} {
+		if _, err := db.Exec(q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	late := keyed("ik")
+	late.SetContext(ctx)
+	perr := pub.Publish("orders", late)
+	t.Logf("Publish: %v; Rollback: %v", perr, tx.Rollback())
+	if !errors.Is(perr, context.DeadlineExceeded) {
+		t.Fatalf("Publish: %v, want the context's deadline (the insert interrupted)", perr)
+	}
+	if _, err := db.Exec("DROP TRIGGER slow_insert"); err != nil {
+		t.Fatal(err)
+	}
+	var last int64
+	if err := db.Get(&last, "SELECT last_seq FROM acemq_outbox_sequences WHERE aggregate_id = 'ik'"); err != nil {
+		t.Fatal(err)
+	}
+	if last != 3 {
+		t.Errorf("the key's counter is %d after the interrupted call, want 3, its committed rows'", last)
+	}
+	next := keyed("ik")
+	inTx(t, db, true, []*message.Message{next})
+	if _, seq := seqOf(t, db, next.UUID); seq != 4 {
+		t.Errorf("the next message of the key got seq %d, want 4", seq)
+	}
+}

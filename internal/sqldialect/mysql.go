@@ -74,6 +74,8 @@ func (mysql) TimeoutEnds(err error) (Query, bool) {
 	return Query{SQL: "SELECT @@innodb_rollback_on_timeout"}, true
 }
 
+func (mysql) AsksByBegin() bool { return false }
+
 // EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
 // (1213), and on a lock wait timeout (1205) when innodb_rollback_on_timeout
 // is on: both count here, and a caller that must know asks TimeoutEnds.

@@ -165,6 +165,8 @@ func (postgres) EndsTransaction(err error) bool { return err != nil }
 
 func (postgres) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
+func (postgres) AsksByBegin() bool { return false }
+
 // CommitRolledBack: pgx's ErrTxCommitRollback ("commit unexpectedly
 // resulted in rollback"), lib/pq's ErrInFailedTransaction, by their text:
 // the dialect imports no driver.

@@ -88,6 +88,13 @@ type Dialect interface {
 	// transaction: MySQL's lock wait timeout (1205) rolls back only its
 	// statement unless innodb_rollback_on_timeout is on.
 	TimeoutEnds(err error) (Query, bool)
+	// AsksByBegin: whether an error ended the transaction is asked with a
+	// BEGIN, where no error alone tells (SQLite: a write interrupted by its
+	// context ending rolls the transaction back, a context that ended
+	// before the statement does not, and the errors EndsTransaction lists
+	// may or may not). BEGIN fails inside a transaction (BeginRefused);
+	// outside one it starts one, to be rolled back at once.
+	AsksByBegin() bool
 	// CommitRolledBack reports whether err, a commit's, says the database
 	// rolled the transaction back because a statement in it had failed
 	// (PostgreSQL; pgx and lib/pq each say it their way).

@@ -54,6 +54,14 @@ func (sqlite) Conflict(error) bool { return false }
 
 func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
+func (sqlite) AsksByBegin() bool { return true }
+
+// BeginRefused reports whether err, a BEGIN's, says a transaction is open
+// on the connection (SQLite's text, through mattn/go-sqlite3).
+func BeginRefused(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "cannot start a transaction within a transaction")
+}
+
 func (sqlite) CommitRolledBack(error) bool { return false }
 
 // EndsTransaction: SQLite may roll a transaction back on SQLITE_FULL,
