@@ -962,8 +962,17 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 // return and reads on, and the ack that follows would mark an unroutable
 // message published. The wait runs under d.mu, so no other wait drains
 // them meanwhile.
+//
+// A confirm already in wins over a ctx already ended: the relay may collect
+// a window after its deadline, and select chooses at random among the
+// cases ready.
 func (c *confirmChannel) waitConfirm(ctx context.Context, dc *amqp.DeferredConfirmation) (bool, error) {
 	for {
+		select {
+		case <-dc.Done():
+			return dc.Acked(), nil
+		default:
+		}
 		select {
 		case <-dc.Done():
 			return dc.Acked(), nil

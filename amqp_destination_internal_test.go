@@ -97,6 +97,56 @@ func TestAMQPDestination_ReturnsBeyondTheBuffer_EveryRecordStillUnroutable(t *te
 	}
 }
 
+// A window collected after its deadline, its confirms in long before:
+// every record is confirmed. The relay collects a window in a later sweep
+// than the one that sent it, and what runs between (a claim waiting for a
+// connection, the stats' count, SQLite's busy waits) can outlast the
+// window's PublishTimeout. With the wait choosing at random between the
+// confirm and the expired context, about half of the records came back as
+// connection lost: the connection was dropped, and the relay sent the
+// whole window, and the windows behind it, again.
+func TestAMQPDestination_WaitAfterItsDeadline_ConfirmsAlreadyInCount(t *testing.T) {
+	b := testamqp.New(t)
+	b.Queue("late")
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	records := func(prefix string, n int) []Record {
+		recs := make([]Record, n)
+		for i := range recs {
+			recs[i] = Record{ID: prefix + strconv.Itoa(i) + "-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "late", Body: []byte("x")}
+		}
+		return recs
+	}
+	pipe := d.Pipeline()
+	early := pipe.Send(ctx, records("early-", 200))
+	// A window sent after it, waited for in time: one queue's confirms come
+	// in order, so the early window's are in once this one's are.
+	later := pipe.Send(ctx, records("later-", 1))
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if res := pipe.Wait(wctx, later); res[0] != nil {
+		t.Fatalf("the later window: %v", res[0])
+	}
+	expired, cancelExpired := context.WithDeadline(ctx, time.Now().Add(-time.Second))
+	defer cancelExpired()
+	failed := 0
+	for i, err := range pipe.Wait(expired, early) {
+		if err != nil {
+			failed++
+			if failed == 1 {
+				t.Errorf("record %d, confirmed before its wait: %v", i, err)
+			}
+		}
+	}
+	if failed > 0 {
+		t.Errorf("%d of 200 records confirmed before their wait came back failed", failed)
+	}
+}
+
 // One id out twice on a channel (a claim whose lease ran out in flight,
 // claimed again by the same relay), both copies returned: each wait takes
 // one return, so neither copy reads as confirmed.
