@@ -10,6 +10,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	mysqldrv "github.com/go-sql-driver/mysql"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
@@ -267,6 +269,77 @@ func TestMySQL_TablesWithAnAutoIncrementKey_InsertsAndSkipsToldApart(t *testing.
 			}
 			wantSeq(t, db, key1, "order-a", 1)
 			wantSeq(t, db, key2, "order-a", 2)
+		})
+	}
+}
+
+// MariaDB with innodb_snapshot_isolation (on by default from 11.6.2): a
+// write to a row another transaction changed after this one's snapshot
+// fails with 1020 ("Record has changed since last read") and rolls the whole
+// transaction back, as a deadlock does. The inbox runs such a delivery
+// again, as it does a deadlock's, rather than nack it (a nack per conflict
+// took a hot key's delivery past a quorum queue's delivery limit).
+func TestInbox_MariaDBSnapshotIsolation_ChangedSinceReadRunsAgain(t *testing.T) {
+	db := migrated(t, testdb.MySQL)
+	var on int
+	if err := db.Get(&on, "SELECT @@innodb_snapshot_isolation"); err != nil {
+		t.Skipf("the server has no innodb_snapshot_isolation (MySQL, or MariaDB before 10.6.18): %v", err)
+	}
+	cfg, err := mysqldrv.ParseDSN(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Params == nil {
+		cfg.Params = map[string]string{}
+	}
+	cfg.Params["innodb_snapshot_isolation"] = "1"
+	si, err := sqlx.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = si.Close() })
+	if _, err := db.Exec("CREATE TABLE si_counter (id int PRIMARY KEY, v int NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+	for _, ordered := range []bool{false, true} {
+		t.Run(map[bool]string{false: "plain", true: "ordered"}[ordered], func(t *testing.T) {
+			if _, err := db.Exec("REPLACE INTO si_counter VALUES (1, 0)"); err != nil {
+				t.Fatal(err)
+			}
+			in, err := outbox.NewInbox(si, outbox.InboxConfig{ConsumerName: "counter", Ordered: ordered})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var tries atomic.Int32
+			h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := outbox.TxFromContext(msg.Context())
+				var v int
+				if err := tx.Get(&v, "SELECT v FROM si_counter WHERE id = 1"); err != nil {
+					return nil, err
+				}
+				if tries.Add(1) == 1 {
+					// Another transaction changes the row after this one read it.
+					if _, err := db.Exec("UPDATE si_counter SET v = v + 10 WHERE id = 1"); err != nil {
+						return nil, err
+					}
+				}
+				_, err := tx.Exec("UPDATE si_counter SET v = v + 1 WHERE id = 1")
+				return nil, err
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			if ordered {
+				msg = keyedMsg("counter-1", 1)
+			}
+			if _, err := h(msg); err != nil {
+				t.Fatalf("delivery: %v, want it run again and acked", err)
+			}
+			var v int
+			if err := db.Get(&v, "SELECT v FROM si_counter WHERE id = 1"); err != nil {
+				t.Fatal(err)
+			}
+			if tries.Load() != 2 || v != 11 {
+				t.Errorf("handler ran %d times, counter %d; want 2 (the first rolled back) and 11", tries.Load(), v)
+			}
 		})
 	}
 }

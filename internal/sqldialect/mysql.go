@@ -57,10 +57,17 @@ func (mysql) PadsKeys() bool { return true }
 
 func (mysql) TextKeys() bool { return false }
 
-// Conflict: a deadlock (1213). A lock wait timeout (1205) has waited for
-// innodb_lock_wait_timeout already.
+// Conflict: a deadlock (1213), or MariaDB's "Record has changed since last
+// read" (1020) under innodb_snapshot_isolation (on by default from
+// 11.6.2): a write to a row another transaction changed after this one's
+// snapshot; both roll the whole transaction back. A lock wait timeout
+// (1205) has waited for innodb_lock_wait_timeout already.
 func (mysql) Conflict(err error) bool {
-	return err != nil && strings.Contains(err.Error(), "Error 1213")
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1020")
 }
 
 func (mysql) CommitRolledBack(error) bool { return false }
@@ -77,16 +84,17 @@ func (mysql) TimeoutEnds(err error) (Query, bool) {
 func (mysql) AsksByBegin() bool { return false }
 
 // EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
-// (1213), and on a lock wait timeout (1205) when innodb_rollback_on_timeout
-// is on: both count here, and a caller that must know asks TimeoutEnds.
-// Matched on go-sql-driver's text ("Error 1213 (40001): …"), as the
-// library imports no driver.
+// (1213), on MariaDB's snapshot isolation conflict (1020), and on a lock
+// wait timeout (1205) when innodb_rollback_on_timeout is on: all count
+// here, and a caller that must know asks TimeoutEnds. Matched on
+// go-sql-driver's text ("Error 1213 (40001): …"), as the library imports
+// no driver.
 func (mysql) EndsTransaction(err error) bool {
 	if err == nil {
 		return false
 	}
 	s := err.Error()
-	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1205")
+	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1205") || strings.Contains(s, "Error 1020")
 }
 
 // PreparesRelay: go-sql-driver prepares, executes and closes a statement for
