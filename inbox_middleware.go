@@ -199,6 +199,18 @@ func checkConsumer(d Dialect, name string) error {
 // nor x-acemq-id metadata, unless InboxConfig.AllowMissingID is set.
 var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
+// ErrHandlerTxEnded fails a delivery whose transaction the database rolled
+// back while its handler ran, the handler returning no error: a deadlock
+// or lock wait timeout on MySQL that the handler, or a middleware added
+// after inbox.Middleware (Retry, PoisonQueue), took. MySQL then runs each
+// later statement on its own, committed as it runs, and commits no
+// transaction without a word; the dedupe key and the key's sequence went
+// with the rollback. The messages the handler returned are not written, and
+// the delivery is nacked, to be run again; what the handler wrote after the
+// rollback stays committed. Add Retry and PoisonQueue before
+// inbox.Middleware.
+var ErrHandlerTxEnded = errors.New("outbox: inbox: the handler's transaction was rolled back while it ran, and the handler returned no error")
+
 // ErrNotUnderInbox is returned by the publisher of Inbox.Publisher when a
 // router hands it messages: their handler did not run behind the inbox's
 // middleware, which writes them into the outbox and returns none.
@@ -483,15 +495,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		return inboxDuplicate, consumer, nil
 	}
 
-	orig := msg.Context()
-	hctx := context.WithValue(ctx, txKey{}, tx)
-	msg.SetContext(hctx)
-	defer msg.SetContext(orig)
-	out, err := runRecovering(h, msg)
-	if err != nil {
-		return inboxFailed, consumer, err
-	}
-	if err := in.writeReturned(hctx, stdTx{tx.Tx}, out); err != nil {
+	if err := in.runInTx(ctx, tx, h, msg, consumer, key); err != nil {
 		return inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {

@@ -101,7 +101,9 @@ func TestInbox_CommitFails_NeitherKeyNorEffectStored(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		// PostgreSQL and SQLite check a deferred foreign key at commit; MySQL
-		// has none, so there the handler's connection dies before the commit.
+		// has none, so there the handler's connection dies before the commit
+		// (and the inbox's read-back of its key, just before the commit,
+		// meets the dead connection first).
 		switch db.Kind {
 		case testdb.Postgres:
 			db.MustExec("CREATE TABLE parents (id varchar(64) PRIMARY KEY)")
@@ -130,8 +132,12 @@ func TestInbox_CommitFails_NeitherKeyNorEffectStored(t *testing.T) {
 		})
 		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 		_, err := h(msg)
-		if err == nil || !strings.Contains(err.Error(), "commit") {
-			t.Fatalf("err = %v, want the commit's failure (nack)", err)
+		last := "commit"
+		if db.Kind == testdb.MySQL {
+			last = "read back the key"
+		}
+		if err == nil || !strings.Contains(err.Error(), last) {
+			t.Fatalf("err = %v, want the failure of the %s (nack)", err, last)
 		}
 		if countEffects(t, db, msg.UUID) != 0 || countProcessed(t, db, msg.UUID) != 0 {
 			t.Fatal("a failed commit left the effect or the key")
@@ -381,6 +387,113 @@ func TestInbox_HandlerPanics_ErrorKeepsTheStack(t *testing.T) {
 	}
 	if n := countProcessed(t, db, msg.UUID); n != 0 {
 		t.Errorf("%d keys after the panic, want 0 (rolled back)", n)
+	}
+}
+
+// On MySQL a deadlock rolls the handler's whole transaction back, the
+// dedupe key with it, and leaves the connection outside any transaction:
+// a handler that took the error (or a Retry or PoisonQueue added after
+// inbox.Middleware) and returned nil had its later statements committed one
+// by one, and the inbox's COMMIT, of no transaction, succeeded. The
+// delivery was acked with no key recorded, and an ordered key stayed
+// behind its number for ever. The inbox now fails such a delivery
+// (ErrHandlerTxEnded), so that it is delivered again.
+func TestInbox_MySQL_DeadlockSwallowedByTheHandler_DeliveryFails(t *testing.T) {
+	for _, ordered := range []bool{false, true} {
+		t.Run(map[bool]string{false: "plain", true: "ordered"}[ordered], func(t *testing.T) {
+			db := migrated(t, testdb.MySQL)
+			createEffects(t, db)
+			if _, err := db.Exec("CREATE TABLE locks (id int PRIMARY KEY, n int NOT NULL)"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := db.Exec("INSERT INTO locks VALUES (1, 0), (2, 0)"); err != nil {
+				t.Fatal(err)
+			}
+			in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "deadlock", Ordered: ordered})
+			// Two deliveries take rows 1 and 2 in opposite orders, each after
+			// the other took its first: InnoDB rolls one back (1213). Each
+			// handler takes the error, writes one more effect and returns
+			// nil.
+			var took sync.WaitGroup
+			took.Add(2)
+			var victims atomic.Int32
+			handler := func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := outbox.TxFromContext(msg.Context())
+				first, second := 1, 2
+				if strings.HasPrefix(msg.UUID, "b") {
+					first, second = 2, 1
+				}
+				if _, err := tx.Exec("UPDATE locks SET n = n + 1 WHERE id = ?", first); err != nil {
+					return nil, err
+				}
+				took.Done()
+				took.Wait()
+				if _, err := tx.Exec("UPDATE locks SET n = n + 1 WHERE id = ?", second); err != nil {
+					if !strings.Contains(err.Error(), "1213") {
+						return nil, err
+					}
+					victims.Add(1) // taken, as a middleware inside the inbox would
+				}
+				if _, err := tx.Exec("INSERT INTO effects (message_id, note) VALUES (?, 'after')", msg.UUID); err != nil {
+					return nil, err
+				}
+				return nil, nil
+			}
+			h := in.Middleware(handler)
+			msgs := []*message.Message{message.NewMessage("a-"+watermill.NewUUID(), nil), message.NewMessage("b-"+watermill.NewUUID(), nil)}
+			if ordered {
+				msgs = []*message.Message{keyedMsg("a-key", 1), keyedMsg("b-key", 1)}
+			}
+			errs := make([]error, 2)
+			var wg sync.WaitGroup
+			for i := range msgs {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					_, errs[i] = h(msgs[i])
+				}()
+			}
+			wg.Wait()
+			if victims.Load() != 1 {
+				t.Fatalf("%d deliveries saw a deadlock, want 1 (errors %v)", victims.Load(), errs)
+			}
+			failed := 0
+			for i, err := range errs {
+				processed := countProcessed(t, db, msgs[i].UUID)
+				t.Logf("%s: %v; key recorded %d", msgs[i].UUID, err, processed)
+				switch {
+				case err == nil && processed != 1:
+					t.Errorf("%s acked with its dedupe key not recorded: its transaction was rolled back in the handler", msgs[i].UUID)
+				case err != nil:
+					failed++
+					if !errors.Is(err, outbox.ErrHandlerTxEnded) {
+						t.Errorf("%s failed with %v, want ErrHandlerTxEnded", msgs[i].UUID, err)
+					}
+				}
+			}
+			if failed != 1 {
+				t.Fatalf("%d deliveries failed, want 1, the deadlock's victim", failed)
+			}
+			if ordered {
+				// Delivered again, the victim applies, and its key moves on.
+				for i, err := range errs {
+					if err == nil {
+						continue
+					}
+					redelivered := keyedMsg(msgs[i].Metadata.Get(outbox.HeaderAggregateID), 1)
+					if _, err := in.Middleware(writeEffect(t, db, new(atomic.Int32)))(redelivered); err != nil {
+						t.Fatalf("redelivery: %v", err)
+					}
+					next := keyedMsg(msgs[i].Metadata.Get(outbox.HeaderAggregateID), 2)
+					if _, err := in.Middleware(writeEffect(t, db, new(atomic.Int32)))(next); err != nil {
+						t.Fatalf("seq 2: %v", err)
+					}
+					if countProcessed(t, db, next.UUID) != 1 {
+						t.Errorf("seq 2 of the victim's key was not applied after its redelivery")
+					}
+				}
+			}
+		})
 	}
 }
 

@@ -215,7 +215,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg 
 		if err := in.markProcessed(ctx, tx, id, now); err != nil {
 			return inboxFailed, err
 		}
-		if err := in.runInTx(ctx, tx, h, msg); err != nil {
+		if err := in.runInTx(ctx, tx, h, msg, consumer, id); err != nil {
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
@@ -361,7 +361,7 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 		return inboxFailed, err
 	}
 	if fresh {
-		if err := in.runInTx(ctx, tx, h, msg); err != nil {
+		if err := in.runInTx(ctx, tx, h, msg, consumer, id); err != nil {
 			return inboxFailed, err
 		}
 	} else {
@@ -383,8 +383,9 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 }
 
 // runInTx runs h for msg with tx in its context, and writes the messages it
-// returns into the outbox through tx.
-func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message) error {
+// returns into the outbox through tx. key is the message's dedupe key for
+// consumer, recorded in tx before.
+func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc, msg *message.Message, consumer, key string) error {
 	orig := msg.Context()
 	hctx := context.WithValue(ctx, txKey{}, tx)
 	msg.SetContext(hctx)
@@ -393,7 +394,29 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 	if err != nil {
 		return err
 	}
+	if err := in.stillInTx(ctx, tx, consumer, key); err != nil {
+		return err
+	}
 	return in.writeReturned(hctx, stdTx{tx.Tx}, out)
+}
+
+// stillInTx fails with ErrHandlerTxEnded where the database may have rolled
+// tx back under the handler without its COMMIT saying so (MySQL): the key
+// recorded in tx before the handler ran is then gone. One more round trip
+// on MySQL, before the returned messages are written, which after such a
+// rollback would commit one by one.
+func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key string) error {
+	if !in.dialect.sql().SilentRollbacks() {
+		return nil
+	}
+	var at any
+	switch err := in.queryRow(ctx, tx, in.q.Stamp(consumer, key)).Scan(&at); {
+	case errors.Is(err, sql.ErrNoRows):
+		return fmt.Errorf("%w: message %s for %s (a deadlock or lock wait timeout the handler took, or a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, key, consumer)
+	case err != nil:
+		return fmt.Errorf("outbox: inbox: read back the key of %s for %s: %w", key, consumer, err)
+	}
+	return nil
 }
 
 // hold writes msg into acemq_inbox_held, with the name of the handler it

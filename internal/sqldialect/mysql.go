@@ -83,6 +83,8 @@ func (mysql) TimeoutEnds(err error) (Query, bool) {
 
 func (mysql) AsksByBegin() bool { return false }
 
+func (mysql) SilentRollbacks() bool { return true }
+
 // EndsTransaction: InnoDB rolls the whole transaction back on a deadlock
 // (1213), on MariaDB's snapshot isolation conflict (1020), and on a lock
 // wait timeout (1205) when innodb_rollback_on_timeout is on: all count

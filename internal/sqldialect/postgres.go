@@ -167,6 +167,8 @@ func (postgres) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
 func (postgres) AsksByBegin() bool { return false }
 
+func (postgres) SilentRollbacks() bool { return false }
+
 // CommitRolledBack: pgx's ErrTxCommitRollback ("commit unexpectedly
 // resulted in rollback"), lib/pq's ErrInFailedTransaction, by their text:
 // the dialect imports no driver.

@@ -95,6 +95,12 @@ type Dialect interface {
 	// may or may not). BEGIN fails inside a transaction (BeginRefused);
 	// outside one it starts one, to be rolled back at once.
 	AsksByBegin() bool
+	// SilentRollbacks: an error that rolls the transaction back (a
+	// deadlock) leaves the connection outside it, each later statement
+	// committed on its own, and a COMMIT then succeeds, committing nothing
+	// (MySQL). Elsewhere the COMMIT fails (PostgreSQL's aborted transaction,
+	// SQLite's "no transaction is active").
+	SilentRollbacks() bool
 	// CommitRolledBack reports whether err, a commit's, says the database
 	// rolled the transaction back because a statement in it had failed
 	// (PostgreSQL; pgx and lib/pq each say it their way).

@@ -56,6 +56,8 @@ func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
 func (sqlite) AsksByBegin() bool { return true }
 
+func (sqlite) SilentRollbacks() bool { return false }
+
 // BeginRefused reports whether err, a BEGIN's, says a transaction is open
 // on the connection (SQLite's text, through mattn/go-sqlite3).
 func BeginRefused(err error) bool {
