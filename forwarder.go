@@ -925,7 +925,10 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		published    []string
 		publishedRec []Record
 	)
-	failedOne := false
+	// failedOne: a record failed, and what is behind it is not published
+	// before it. releasedOne: a record was released unsent; overtook: one
+	// the broker confirmed behind it, which waits for it too.
+	failedOne, releasedOne, overtook := false, false, false
 	for i, err := range b.results {
 		rec := b.records[i]
 		switch {
@@ -934,13 +937,24 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// in flight and confirmed. It is sent again after the failed
 			// record (the consumers' inbox absorbs the copy), and no attempt
 			// is counted against it.
+		case err == nil && releasedOne:
+			// Confirmed behind a record sent and not confirmed (the broker
+			// closed the channel over another message, having confirmed
+			// this one, to another queue, first): not published before
+			// it. It is sent again after it, as behind a failure.
+			overtook = true
 		case err == nil:
 			published = append(published, rec.ID)
 			if f.cfg.Metrics != nil {
 				publishedRec = append(publishedRec, rec)
 			}
+		case errors.Is(err, errBehindKey):
+			// Held back behind its key's record: it holds back nobody.
 		case errors.Is(err, ErrNotSent):
-			// Not sent; the claim's end frees it.
+			// Not sent (behind a record the send stopped at), or sent and
+			// not confirmed: the claim's end frees it, it counts no
+			// attempt, and it is claimed again.
+			releasedOne = true
 		case errors.Is(err, ErrConnectionLost):
 			// The broker went, not the record: it is held up like a
 			// failure, keeps its last_error, and counts no attempt, unless
@@ -988,7 +1002,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		if report {
 			f.reportError(err, ErrorContext{})
 		}
-		if len(b.failures) > b.isolated {
+		if len(b.failures) > b.isolated || overtook {
 			return 0, true, err // a record failed too, and holds back what is behind it
 		}
 		return 0, true, &markError{err}
@@ -1004,7 +1018,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	if len(published) > 0 {
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
-	return len(published), len(b.failures) > b.isolated, errors.Join(b.errs...)
+	return len(published), len(b.failures) > b.isolated || overtook, errors.Join(b.errs...)
 }
 
 // mark marks the batch's published rows and failures, and ends its claim.

@@ -21,6 +21,8 @@ type hookedDest struct {
 	*outbox.AMQPDestination
 	beforeConnect func(sent, waited int32) error
 	beforeSend    func(sent int32)
+	// afterWait may change the results a Wait returns.
+	afterWait func(records []outbox.Record, results []error)
 
 	sends, waits atomic.Int32
 }
@@ -64,7 +66,11 @@ func (p hookedPipe) Send(ctx context.Context, records []outbox.Record) outbox.Se
 
 func (p hookedPipe) Wait(ctx context.Context, s outbox.Sent) []error {
 	defer p.d.waits.Add(1)
-	return p.Pipeline.Wait(ctx, s)
+	res := p.Pipeline.Wait(ctx, s)
+	if p.d.afterWait != nil {
+		p.d.afterWait(s.Records(), res)
+	}
+	return res
 }
 
 // A claim that fails while batches are in flight is behind none of them:
@@ -258,5 +264,72 @@ func TestForwarder_Run_RecordAndMarkFailInOneBatch_BatchesAfterItHeldBack(t *tes
 	}
 	if seen := countIDs(b.Drain(queue, 59, 10*time.Second)); len(seen) != 59 {
 		t.Errorf("%d distinct messages arrived, want 59", len(seen))
+	}
+}
+
+// A record released unsent in the middle of what went out (ErrNotSent: the
+// broker closed the channel over another message before it confirmed this
+// one, while it had confirmed records after it, to other queues) holds back
+// the records after it, in its batch and in the batches in flight behind
+// it, as a failed record does: none is marked published before it. They
+// were marked, and it went out after them.
+func TestForwarder_Run_RecordReleasedUnsentMidBatch_NothingAfterItMarkedFirst(t *testing.T) {
+	for _, unsent := range []string{"m-015", "m-019"} { // within its batch, and last in it
+		t.Run(unsent, func(t *testing.T) { releasedUnsentHoldsBack(t, unsent) })
+	}
+}
+
+func releasedUnsentHoldsBack(t *testing.T, unsent string) {
+	db := migrated(t, testdb.SQLite)
+	b := testamqp.New(t)
+	queue := b.Queue("ok")
+	var keys [][2]string
+	for i := 0; i < 60; i++ {
+		keys = append(keys, [2]string{fmt.Sprintf("m-%03d", i), "ok"})
+	}
+	publishOrdered(t, db, b.Exchange, keys...)
+	d := newHookedDest(t)
+	var released atomic.Bool
+	d.afterWait = func(records []outbox.Record, results []error) {
+		for i, r := range records {
+			if r.ID == unsent && results[i] == nil && released.CompareAndSwap(false, true) {
+				results[i] = fmt.Errorf("%w: injected: the broker closed the channel over another message before it confirmed this one", outbox.ErrNotSent)
+			}
+		}
+	}
+	f, err := outbox.NewForwarder(db.DB, d, outbox.ForwarderConfig{
+		BatchSize: 10, MaxBatchSize: 10, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond,
+		OnError: func(error, outbox.ErrorContext) {},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var (
+		mu     sync.Mutex
+		marked []string
+	)
+	outbox.SetAfterPublishHook(f, func(published []string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		marked = append(marked, published...)
+		return nil
+	})
+	runUntilDrained(t, f)
+	if !released.Load() {
+		t.Fatalf("%s was never released unsent", unsent)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for i := 1; i < len(marked); i++ {
+		if marked[i] < marked[i-1] {
+			t.Fatalf("%s marked published after %s: a record behind it went first", marked[i], marked[i-1])
+		}
+	}
+	if len(marked) != 60 {
+		t.Errorf("%d marks, want 60, one per row", len(marked))
+	}
+	if seen := countIDs(b.Drain(queue, 60, 10*time.Second)); len(seen) != 60 {
+		t.Errorf("%d distinct messages arrived, want 60", len(seen))
 	}
 }

@@ -559,7 +559,9 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch) ([]*batch, bool) 
 		// went out again), and their own marks fail too if the database
 		// is down.
 		var marking *markError
-		behind = behind || bad && !errors.As(err, &marking)
+		// A record released unsent holds back what is behind it too
+		// (batch.clean): a batch confirmed behind it is not marked first.
+		behind = behind || bad && !errors.As(err, &marking) || b.released()
 		if failed && len(l.queue) > 0 {
 			// A mark failed: the relay backs off with nothing in flight.
 			done, l.queue = append(done, l.queue...), nil
