@@ -271,6 +271,24 @@ func TestPurge_SQLiteIntegerPublishedAt_NotDeletedBeforeItsAge(t *testing.T) {
 	}
 }
 
+// The inbox's keys as another library stamps them on SQLite: sqlite-jdbc
+// writes processed_at as Unix milliseconds, a number, which sorts below
+// every text. A key processed a minute ago was purged as older than any
+// age, and its message, delivered again, ran again; a key a week old is
+// still purged.
+func TestPurge_SQLiteIntegerProcessedAt_NotDeletedBeforeItsAge(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, "INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES ('java', 'fresh', ?), ('java', 'old', ?)",
+		time.Now().Add(-time.Minute).UnixMilli(), time.Now().Add(-8*24*time.Hour).UnixMilli())
+	mustCtl(t, "purge", "--db", db.DSN, "--processed-older-than", "7d")
+	if n := count(t, db, "SELECT COUNT(*) FROM processed_messages WHERE message_id = 'fresh'"); n != 1 {
+		t.Errorf("purge --processed-older-than 7d deleted a key processed a minute ago")
+	}
+	if n := count(t, db, "SELECT COUNT(*) FROM processed_messages WHERE message_id = 'old'"); n != 0 {
+		t.Errorf("purge --processed-older-than 7d kept a key processed 8 days ago")
+	}
+}
+
 // SIGTERM while the database has stopped answering (a partition: the
 // connections stay open, nothing comes back). The relay's statements run
 // under context.WithoutCancel (relay_pipeline.go sweep: work) and the

@@ -374,8 +374,8 @@ func (mysql) insertProcessed(table string) string {
 	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON DUPLICATE KEY UPDATE " + flagSkipped("message_id")
 }
 
-func (mysql) purgeProcessed(table string) string {
-	return "DELETE FROM " + table + " WHERE processed_at < ? ORDER BY processed_at LIMIT ?"
+func (mysql) purgeProcessed(table, before string) string {
+	return "DELETE FROM " + table + " WHERE " + before + " ORDER BY processed_at LIMIT ?"
 }
 
 // insertInboxSequence locks the key's row exclusively, new or not: INSERT

@@ -271,7 +271,9 @@ func (postgres) purgePublished(table, before string) string {
 
 func (postgres) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
-func (postgres) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
+func (postgres) purgeProcessed(table, before string) string {
+	return purgeProcessedByKey(table, before)
+}
 
 func (postgres) insertInboxSequence() string { return insertInboxSequenceOnConflict }
 

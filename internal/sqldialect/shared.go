@@ -757,11 +757,11 @@ func insertProcessedOnConflict(table string) string {
 	return "INSERT INTO " + table + " (consumer_name, message_id, processed_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
 }
 
-// purgeProcessedByKey deletes at most ? inbox rows processed before ?,
-// oldest first.
-func purgeProcessedByKey(table string) string {
+// purgeProcessedByKey deletes at most ? inbox rows processed before (a
+// timeCmp), oldest first.
+func purgeProcessedByKey(table, before string) string {
 	return "DELETE FROM " + table + " WHERE (consumer_name, message_id) IN (SELECT consumer_name, message_id FROM " + table +
-		" WHERE processed_at < ? ORDER BY processed_at LIMIT ?)"
+		" WHERE " + before + " ORDER BY processed_at LIMIT ?)"
 }
 
 // lockingClaim is the claim of PostgreSQL and MySQL: row locks held by the
@@ -816,7 +816,12 @@ func (in *Inbox) Done(consumer, id string, now time.Time) Query {
 
 // Purge deletes at most limit rows processed before cutoff.
 func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
-	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table)), Args: []any{in.d.TimeArg(cutoff), limit}}
+	// By timeCmp: on SQLite a key another library stamped as a number
+	// (sqlite-jdbc's Unix milliseconds) sorts below every text, and a key
+	// processed a minute ago was deleted as older than any cutoff: its
+	// message, delivered again, ran again.
+	before, args := in.d.timeCmp("processed_at", "<", cutoff)
+	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table, before)), Args: append(args, limit)}
 }
 
 // Probe reads no row of the table: it fails if the table is not there.
@@ -827,7 +832,8 @@ func (in *Inbox) Count() Query { return Query{SQL: "SELECT COUNT(*) FROM " + in.
 
 // ProcessedBefore counts the rows processed before t.
 func (in *Inbox) ProcessedBefore(t time.Time) Query {
-	return Query{SQL: in.d.rebind("SELECT COUNT(*) FROM " + in.table + " WHERE processed_at < ?"), Args: []any{in.d.TimeArg(t)}}
+	before, args := in.d.timeCmp("processed_at", "<", t)
+	return Query{SQL: in.d.rebind("SELECT COUNT(*) FROM " + in.table + " WHERE " + before), Args: args}
 }
 
 // CreateMigrationsTable creates acemq_schema_migrations, where Migrate

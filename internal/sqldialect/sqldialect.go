@@ -162,7 +162,9 @@ type Dialect interface {
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
 	insertProcessed(table string) string
-	purgeProcessed(table string) string
+	// purgeProcessed deletes at most ? inbox rows processed before, by the
+	// condition before (timeCmp of processed_at), oldest first.
+	purgeProcessed(table, before string) string
 	// The ordered inbox's statements that differ: insert-if-absent (the
 	// dialect's ON CONFLICT DO NOTHING or INSERT IGNORE) and the lock of a
 	// key's row.

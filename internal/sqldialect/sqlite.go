@@ -182,7 +182,7 @@ func unixSeconds(col string) string {
 
 func (sqlite) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
-func (sqlite) purgeProcessed(table string) string { return purgeProcessedByKey(table) }
+func (sqlite) purgeProcessed(table, before string) string { return purgeProcessedByKey(table, before) }
 
 func (sqlite) insertInboxSequence() string { return insertInboxSequenceOnConflict }
 
