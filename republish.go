@@ -7,6 +7,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // TrackedTopics is the registry of topics whose consumers report back: the
@@ -133,17 +135,26 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 
 // Republish makes pending again (published_at and attempts reset) every
 // record of a tracked topic (to one of Exchanges, if set) that was
-// published longer than Grace ago and
-// that no consumer processed, and returns how many. It is one conditional
-// UPDATE: of two instances booting together, the second finds the records
-// pending already, and each record is resent once.
+// published longer than Grace ago and that no consumer processed, and
+// returns how many. It runs conditional UPDATEs of DefaultPurgeBatch
+// records each, the earliest published first, each committed on its own:
+// none holds the locks of a large backlog for long, and the records made
+// pending before a failure (Timeout, say) stay so, for the relay and the
+// next boot. Of two instances booting together each record is resent
+// once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
-	q := r.store.q.Republish(time.Now().Add(-r.cfg.Grace), r.cfg.TrackedTopics.Topics(), r.cfg.Exchanges)
-	n, err := execRange(ctx, r.store.db, r.store.dialect.sql(), q)
-	if err != nil {
-		return 0, fmt.Errorf("outbox: republish: %w", err)
-	}
+	topics := r.cfg.TrackedTopics.Topics()
+	n, err := inBatches(ctx, r.store.db, r.store.dialect.sql(), "republish", r.cfg.Grace, r.store.cfg.PurgeBatch,
+		func(cutoff time.Time, limit int) sqldialect.Query {
+			return r.store.q.Republish(cutoff, topics, r.cfg.Exchanges, limit)
+		})
 	r.store.wake(ctx, n)
+	if err != nil {
+		if n > 0 {
+			r.cfg.Logger.Info("Unprocessed outbox records made pending again before republish failed", watermill.LogFields{"records": n})
+		}
+		return n, err
+	}
 	if n > 0 {
 		r.cfg.Logger.Info("Unprocessed outbox records made pending again", watermill.LogFields{"records": n, "grace": r.cfg.Grace})
 		if r.cfg.Notify != nil {

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -139,12 +140,27 @@ func TestRepublish_RouterBoot_LostMessageResentAndProcessedOnce_OthersUntouched(
 	})
 }
 
-// Two instances boot together: each record is made pending once.
+// Two instances boot together: each record is made pending once, also
+// over more records than one of Republish's batches (DefaultPurgeBatch).
 func TestRepublish_TwoInstancesRacing_EachRecordResentOnce(t *testing.T) {
+	for _, n := range []int{40, 2*outbox.DefaultPurgeBatch + 500} {
+		t.Run(strconv.Itoa(n), func(t *testing.T) { republishRacing(t, n) })
+	}
+}
+
+func republishRacing(t *testing.T, n int) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		ids := publishN(t, db, "", "orders", 40)
+		var ids []string
+		for _, m := range publishBatch(t, db, "", "orders", n) {
+			ids = append(ids, m.UUID)
+		}
 		db.MustExec("UPDATE acemq_outbox SET attempts = 3")
-		ageRecords(t, db, time.Hour, ids...)
+		at := time.Now().Add(-time.Hour).UTC()
+		var arg any = at
+		if db.Kind != testdb.Postgres {
+			arg = at.Format("2006-01-02 15:04:05.000000")
+		}
+		db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = ?"), arg)
 		track := outbox.NewTrackedTopics("orders")
 		var (
 			wg    sync.WaitGroup

@@ -19,15 +19,17 @@ type dbConn interface {
 	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
 }
 
-// purgeInBatches runs the deletes purge gives, of at most batch rows each,
-// of the rows older than olderThan, until one deletes fewer than batch, and
-// returns how many rows went. Bounded batches keep a purge of millions of
-// rows from holding long locks. what names the purge in its errors.
-func purgeInBatches(ctx context.Context, db dbConn, d sqldialect.Dialect, what string, olderThan time.Duration, batch int, purge func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
+// inBatches runs the range writes write gives (a purge, a republish), of at
+// most batch rows each, of the rows older than olderThan, until one writes
+// fewer than batch, and returns how many rows were written, also on an
+// error: the batches before it are committed. Bounded batches keep a write
+// over millions of rows from holding long locks. what names the write in
+// its errors.
+func inBatches(ctx context.Context, db dbConn, d sqldialect.Dialect, what string, olderThan time.Duration, batch int, write func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
 	if olderThan < 0 {
 		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
 	}
-	q := purge(time.Now().Add(-olderThan), batch)
+	q := write(time.Now().Add(-olderThan), batch)
 	var total int64
 	for {
 		n, err := execRange(ctx, db, d, q)

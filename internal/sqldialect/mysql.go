@@ -363,6 +363,13 @@ func (mysql) purgePublished(table, before string) string {
 	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?"
 }
 
+// republish: UPDATE … LIMIT, as purgePublished's DELETE. It runs under READ
+// COMMITTED (execRange): a row another instance made pending while this
+// one waited for it is read again, and no longer matches.
+func (mysql) republish(table, set, where string) string {
+	return "UPDATE " + table + " SET " + set + " WHERE " + where + " ORDER BY published_at LIMIT ?"
+}
+
 // insertProcessed skips a key that is there as the outbox insert skips an
 // id (flagSkipped): a processed_messages another library created in
 // utf8mb3, or with a message_id narrower than the Inbox's 255, would have

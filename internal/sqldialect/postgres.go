@@ -269,6 +269,14 @@ func (postgres) purgePublished(table, before string) string {
 		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
 }
 
+// republish locks the rows it picks, skipping locked ones, as
+// purgePublished: of two instances booting together each takes rows of its
+// own, and a row it holds cannot change under it.
+func (postgres) republish(table, set, where string) string {
+	return "UPDATE " + table + " SET " + set + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE " + where + " ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
+}
+
 func (postgres) insertProcessed(table string) string { return insertProcessedOnConflict(table) }
 
 func (postgres) purgeProcessed(table, before string) string {

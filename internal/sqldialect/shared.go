@@ -711,19 +711,20 @@ func (o *Outbox) PublishedBefore(t time.Time) Query {
 	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND "+before, args...)
 }
 
-// Republish makes published, unprocessed records of routingKeys (to one of
-// exchanges, unless it is empty) published before cutoff pending again. The
-// conditions are re-checked on the row the update locks, so a record two
-// instances race for is made pending once.
-func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string) Query {
+// Republish makes at most limit published, unprocessed records of
+// routingKeys (to one of exchanges, unless it is empty) published before
+// cutoff pending again, the earliest published first. A record two
+// instances race for is made pending once (see the dialects'
+// republish).
+func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string, limit int) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
-	where := " WHERE published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
+	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
 	args = stringArgs(args, routingKeys)
 	if len(exchanges) > 0 {
 		where += " AND exchange_name IN (" + placeholders(len(exchanges)) + ")"
 		args = stringArgs(args, exchanges)
 	}
-	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+where, args...)
+	return o.query(o.d.republish(o.table, "published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL", where), append(args, limit)...)
 }
 
 // MarkProcessed sets the record id's processed_at, if still null.

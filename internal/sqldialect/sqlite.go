@@ -150,6 +150,12 @@ func (sqlite) purgePublished(table, before string) string {
 		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?)"
 }
 
+// republish: one writer at a time, so the rows it picks are still as read.
+func (sqlite) republish(table, set, where string) string {
+	return "UPDATE " + table + " SET " + set + " WHERE id IN (SELECT id FROM " + table +
+		" WHERE " + where + " ORDER BY published_at LIMIT ?)"
+}
+
 // timeCmp: a timestamp another library stored as a number (Java's
 // sqlite-jdbc writes Unix milliseconds) sorts below every text in SQLite,
 // so a text comparison alone took a row published a minute ago for one
