@@ -424,3 +424,35 @@ func TestForwarder_BrokerAlarm_NoAttemptCountedNoRowStuck(t *testing.T) {
 		t.Errorf("%d of %d messages arrived once the alarm cleared", len(seen), len(ids))
 	}
 }
+
+// PostgreSQL with idle_in_transaction_session_timeout shorter than a
+// batch's publish (a guard DBAs set on a role or a database): the server
+// ended the claim's session while its batch was out, releasing the rows'
+// locks to any other relay's claim, and the mark failed, so the batch went
+// out again. The claim's transaction turns the timeout off for itself.
+func TestForwarder_Postgres_IdleInTransactionTimeoutShorterThanAPublish_BatchMarked(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	publishN(t, db, "x", "t", 5)
+	pool := sqlx.MustOpen(db.DriverName(), db.DSN+"&idle_in_transaction_session_timeout=300")
+	t.Cleanup(func() { _ = pool.Close() })
+	f, err := outbox.NewForwarder(pool, slowDest{800 * time.Millisecond}, outbox.ForwarderConfig{DisableListen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	n, err := f.Sweep(context.Background())
+	if err != nil || n != 5 {
+		t.Fatalf("Sweep = %d, %v; want all 5 marked, the claim's session alive through its publish", n, err)
+	}
+	if p := pendingCount(t, f); p != 0 {
+		t.Errorf("%d rows still pending", p)
+	}
+}
+
+// slowDest confirms every record after d.
+type slowDest struct{ d time.Duration }
+
+func (s slowDest) Publish(ctx context.Context, records []outbox.Record) []error {
+	time.Sleep(s.d)
+	return make([]error, len(records))
+}

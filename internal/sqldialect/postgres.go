@@ -243,7 +243,17 @@ func (postgres) keyHead(table, alias string, p ClaimParams) string {
 // and sorts them: 9 ms per claim over 20,000 pending rows, 165 ms over
 // 200,000, against a fraction of a millisecond. SET LOCAL ends with the
 // claim's transaction.
-func (postgres) claimSetup() string { return "SET LOCAL enable_sort = off" }
+//
+// It also turns idle_in_transaction_session_timeout off for the claim's
+// transaction: the claim holds its rows' locks, idle, while its batch is
+// out (and behind the batches in flight before it), and a timeout a DBA set
+// on the role or the database ended the session then, released the rows to
+// another relay's claim, and failed the mark, so the batch went out twice.
+// (PostgreSQL 17's transaction_timeout would do the same; a claim cannot
+// name it on the servers before 17, which refuse an unknown setting.)
+func (postgres) claimSetup() string {
+	return "SELECT set_config('enable_sort', 'off', true), set_config('idle_in_transaction_session_timeout', '0', true)"
+}
 
 // busyTimeout: the server queues writers.
 func (postgres) busyTimeout() string { return "" }
