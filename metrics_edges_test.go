@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"context"
 	"fmt"
+	"reflect"
+	"sort"
 	"testing"
 	"time"
 
@@ -263,6 +265,43 @@ func TestStore_SQLiteNumericTimestamps_ComparedAsTimes(t *testing.T) {
 	}
 	if n, err := rp.Republish(context.Background()); err != nil || n != 0 {
 		t.Errorf("Republish: %d, %v; want 0: the record was published a second ago, within the grace", n, err)
+	}
+}
+
+// SQLite: a lease another library's relay wrote as ISO 8601 text (Rust's
+// sqlx writes RFC 3339, "…T…+00:00"; JavaScript's toISOString "…T….123Z")
+// is compared as the time it says. Compared as text with this library's
+// "YYYY-MM-DD HH:MM:SS", the "T" sorts above the space: a lease expired a
+// minute ago looked live until the next midnight (its row waited for
+// hours), and a live one written with a negative offset looked expired (a
+// second relay published the row the first had in flight).
+func TestStore_SQLiteISOTextLease_HeldUntilItExpires(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	leases := map[string]string{
+		"rust-expired":        now.Add(-time.Minute).UTC().Format("2006-01-02T15:04:05.000Z"),
+		"rust-expired-offset": now.Add(-time.Minute).In(time.FixedZone("", 2*3600)).Format(time.RFC3339Nano),
+		"rust-live":           now.Add(time.Hour).UTC().Format("2006-01-02T15:04:05.000Z"),
+		"rust-live-offset":    now.Add(time.Hour).In(time.FixedZone("", -5*3600)).Format(time.RFC3339Nano),
+	}
+	for id, until := range leases {
+		insertRaw(t, db, id, "ex", "k", "{}", "utf-8")
+		if _, err := db.Exec("UPDATE acemq_outbox SET locked_by = 'rust-relay-1', locked_until = ? WHERE id = ?", until, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ids, held, err := outbox.Claim(s, 10, "relay-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = held.Abandon() }()
+	sort.Strings(ids)
+	if want := []string{"rust-expired", "rust-expired-offset"}; !reflect.DeepEqual(ids, want) {
+		t.Fatalf("claimed %v, want %v: the others are under the Rust relay's lease for another hour (leases %v)", ids, want, leases)
 	}
 }
 

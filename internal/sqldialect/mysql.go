@@ -355,6 +355,10 @@ func (d mysql) timeCmp(col, op string, t time.Time) (string, []any) {
 	return timeColumnCmp(d, col, op, t)
 }
 
+func (d mysql) instantCmp(col, op string, t time.Time) (string, []any) {
+	return timeColumnCmp(d, col, op, t)
+}
+
 func (mysql) timeOf(col string) string { return col }
 
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …

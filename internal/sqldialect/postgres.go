@@ -267,6 +267,10 @@ func (d postgres) timeCmp(col, op string, t time.Time) (string, []any) {
 	return timeColumnCmp(d, col, op, t)
 }
 
+func (d postgres) instantCmp(col, op string, t time.Time) (string, []any) {
+	return timeColumnCmp(d, col, op, t)
+}
+
 func (postgres) timeOf(col string) string { return col }
 
 // purgePublished locks the rows it picks, skipping locked ones: a row made

@@ -50,12 +50,13 @@ func (o *Outbox) claimable(maxAttempts int, now time.Time) (string, []any) {
 }
 
 // leaseOver is the condition of a row under no live lease at now: none
-// written, or one that has expired. It compares as the dialect compares
-// times, so that on SQLite a lease another library wrote as a number
-// (Java's sqlite-jdbc writes Unix milliseconds), which sorts below every
-// text, is not taken for one long expired, and its row for ours to claim.
+// written, or one that has expired. It compares the instants (instantCmp),
+// so that on SQLite a lease another library wrote as a number (Java's
+// sqlite-jdbc writes Unix milliseconds), which sorts below every text, or
+// as ISO 8601 text, is neither taken for one long expired, and its row for
+// ours to claim, nor held for hours after it expired.
 func (o *Outbox) leaseOver(now time.Time) (string, []any) {
-	before, args := o.d.timeCmp("locked_until", "<", now)
+	before, args := o.d.instantCmp("locked_until", "<", now)
 	return "(locked_until IS NULL OR " + before + ")", args
 }
 

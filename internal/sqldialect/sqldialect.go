@@ -159,6 +159,9 @@ type Dialect interface {
 	// timeCmp compares the timestamp column col with t: op is "<" or ">=".
 	// It returns the condition and its arguments.
 	timeCmp(col, op string, t time.Time) (string, []any)
+	// instantCmp is timeCmp for a column no index serves (locked_until):
+	// exact for any way a library writes a time, whatever it costs a row.
+	instantCmp(col, op string, t time.Time) (string, []any)
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
 	insertProcessed(table string) string

@@ -174,6 +174,22 @@ func (d sqlite) timeCmp(col, op string, t time.Time) (string, []any) {
 	return "(" + col + " " + op + " ? OR " + col + " < '' AND " + unixSeconds(col) + " " + op + " ?)", args
 }
 
+// instantCmp: a time written as ISO 8601 text by another library (Rust's
+// sqlx writes RFC 3339, "2026-12-03T03:30:45.179+00:00"; JavaScript's
+// toISOString "…Z") compares as text above this library's
+// "2026-12-03 03:30:45" on the same day ("T" sorts above the space), and
+// one with an offset is not in UTC: a lease expired a minute ago looked
+// live until midnight, and a live one with a negative offset expired. Text
+// compares through julianday(), which reads every one of those forms (and
+// falls back to the text when it reads none); a number as in timeCmp.
+func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
+	text := d.TimeArg(t)
+	numeric := unixSeconds(col) + " " + op + " ?"
+	asText := "COALESCE(julianday(" + col + ") " + op + " julianday(?), " + col + " " + op + " ?)"
+	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN " + numeric + " ELSE " + asText + " END)",
+		[]any{float64(t.UnixNano()) / 1e9, text, text}
+}
+
 // timeOf: a numeric value as the text a time is stored as, so that MIN
 // orders the two kinds together (a number is otherwise below every text).
 func (sqlite) timeOf(col string) string {
