@@ -186,3 +186,84 @@ func cancelledSweeps(t *testing.T, cache bool) {
 	t.Logf("errors: %v", errs)
 
 }
+
+// slowPipeDest is a pipelining destination whose sends take send, well
+// inside PublishTimeout, and which confirms every record; it counts the
+// sends of each id.
+type slowPipeDest struct {
+	send time.Duration
+	mu   sync.Mutex
+	sent map[string]int
+}
+
+type slowSent []outbox.Record
+
+func (s slowSent) Records() []outbox.Record { return s }
+
+func (d *slowPipeDest) Publish(_ context.Context, records []outbox.Record) []error {
+	d.count(records)
+	return make([]error, len(records))
+}
+
+func (d *slowPipeDest) count(records []outbox.Record) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, r := range records {
+		d.sent[r.ID]++
+	}
+}
+
+func (d *slowPipeDest) Pipeline() outbox.Pipeline { return slowPipe{d} }
+
+type slowPipe struct{ d *slowPipeDest }
+
+func (p slowPipe) Destination() outbox.Destination { return p.d }
+func (p slowPipe) Capacity() int                   { return 10000 }
+func (p slowPipe) Send(_ context.Context, records []outbox.Record) outbox.Sent {
+	time.Sleep(p.d.send) // a slow link to the broker
+	p.d.count(records)
+	return slowSent(records)
+}
+func (p slowPipe) Wait(_ context.Context, s outbox.Sent) []error {
+	return make([]error, len(s.Records()))
+}
+
+// SQLite, two relays, a pipelining destination whose sends are slow but
+// within PublishTimeout: a batch stays in flight while the batches behind
+// it are claimed and sent, and its lease, written once at its claim, ran
+// out while it was still unmarked: the second relay claimed and published
+// its rows too. A batch whose lease would run out before it could be
+// marked is now settled before the relay claims more.
+func TestForwarder_SQLitePipelinedBatchOutlivingItsLease_NoSecondRelayOnIt(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	publishN(t, db, "x", "t", 80)
+	d := &slowPipeDest{send: 350 * time.Millisecond, sent: map[string]int{}}
+	cfg := outbox.ForwarderConfig{BatchSize: 10, MaxBatchSize: 10, PublishTimeout: 500 * time.Millisecond, Lease: time.Second}
+	var relays []*outbox.Forwarder
+	for range 2 {
+		f, err := outbox.NewForwarder(db.DB, d, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		relays = append(relays, f)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = relays[0].Run(ctx) }()
+	time.Sleep(1200 * time.Millisecond) // the first relay's batches are in flight
+	go func() { _ = relays[1].Run(ctx) }()
+	waitFor(t, 60*time.Second, "every row to be published", func() bool { return pendingCount(t, relays[0]) == 0 })
+	cancel()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	twice := 0
+	for _, n := range d.sent {
+		if n > 1 {
+			twice++
+		}
+	}
+	if twice > 0 {
+		t.Errorf("%d of %d rows sent more than once: a second relay claimed rows whose lease ran out in flight", twice, len(d.sent))
+	}
+}

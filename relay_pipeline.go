@@ -110,6 +110,9 @@ type swept struct {
 	// crowded: the claim passed over many rows it keeps locked (see
 	// crowded).
 	crowded bool
+	// leaseDue: the sweep claimed nothing, to settle a batch in flight
+	// whose lease runs out (see leaseRunningOut); the next sweep claims.
+	leaseDue bool
 	// unblocked: a keyed record was published, so its key's next record,
 	// which another relay's claims (and on MySQL a claim that passed it
 	// over) could not take while it was in flight, may be waiting.
@@ -159,7 +162,8 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if cut == nil {
 		cut = ctx
 	}
-	if !s.stopping && l.claimNow() && !l.nothingToClaim(cut) {
+	s.leaseDue = !s.stopping && l.leaseRunningOut()
+	if !s.stopping && !s.leaseDue && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
 		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
 		switch {
@@ -591,7 +595,7 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
-	case len(l.queue) > 0 || s.full() || s.unblocked:
+	case len(l.queue) > 0 || s.full() || s.unblocked || s.leaseDue:
 		if s.progressed {
 			l.delay = 0 // a batch went through: the failure is over
 		}
@@ -600,6 +604,25 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 		l.delay = 0
 		return l.idleWait(s), true
 	}
+}
+
+// leaseRunningOut reports whether the oldest batch in flight has too little
+// of its lease left to see another claim and send before it is marked,
+// where claims are leases (SQLite): 2 × PublishTimeout and a busy wait. A
+// lease is written once, at the claim, and a batch in flight stays
+// unmarked while the batches behind it are claimed and sent: a slow send,
+// within PublishTimeout, took it past its lease, and another relay's claim
+// took its rows, in flight, and published them too. The sweep then claims
+// nothing and settles what is in flight; the next one claims. With the
+// default Lease (4 × PublishTimeout) only a send far slower than usual
+// comes near it; with Lease at its least (2 × PublishTimeout) no batch
+// waits in flight behind another.
+func (l *relayLoop) leaseRunningOut() bool {
+	if len(l.queue) == 0 || !l.f.store.leases() {
+		return false
+	}
+	left := l.f.cfg.Lease - time.Since(l.queue[0].claimedAt)
+	return left < 2*l.f.cfg.PublishTimeout+l.f.store.busyBound()
 }
 
 // claimNow reports whether this sweep claims. It does not when the last

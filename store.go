@@ -253,6 +253,14 @@ func (s *Store) watchesFile() bool { return s.dialect.sql().WatchesFile() }
 // connection until the batch is marked.
 func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 
+// busyBound is the longest a claim may wait for the write lock on SQLite
+// (the pool's busy_timeout), 0 until known.
+func (s *Store) busyBound() time.Duration {
+	s.busyMu.Lock()
+	defer s.busyMu.Unlock()
+	return s.busyWait
+}
+
 // passedOver is how many unpublished rows the locking claim c, made from
 // after, passed over on its way to its last row: rows other relays hold,
 // the relay's own in flight, and rows it could not take (a key's next
