@@ -420,9 +420,6 @@ func (f *Forwarder) run(ctx context.Context) error {
 	defer cutNow()
 	defer context.AfterFunc(ctx, func() { time.AfterFunc(stopGrace, cutNow) })()
 	loop.cut = cut
-	if err := f.store.prepareRelay(ctx, loop.sizes()); err != nil && ctx.Err() == nil {
-		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
-	}
 
 	var listener sync.WaitGroup
 	if listen {
@@ -460,6 +457,15 @@ func (f *Forwarder) run(ctx context.Context) error {
 			panic(p)
 		}
 	}()
+
+	// After Running: on MySQL the preparation dials the server, which may
+	// not answer, and a router's Close waits for its plugin's relay to be
+	// running (Watermill holds the router's handlers lock meanwhile) before
+	// it can end the relay's ctx: a server that dropped the packets held the
+	// whole router's Close for as long as the kernel tries a connection.
+	if err := f.store.prepareRelay(ctx, loop.sizes()); err != nil && ctx.Err() == nil {
+		f.log.Error("Outbox forwarder could not prepare its statements; it runs them unprepared", err, nil)
+	}
 
 	for {
 		loop.refreshStats(ctx)

@@ -2,6 +2,8 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"sync"
@@ -446,4 +448,57 @@ func TestForwarderPlugin_TwoDatabasesOneTableName_BothRelayUnderOneRouter(t *tes
 	waitFor(t, 20*time.Second, "both rows published", func() bool {
 		return stateOf(t, db1, id1).Published && stateOf(t, db2, id2).Published
 	})
+}
+
+// blackholeConnector is a database server behind a black hole: a dial waits
+// for its context, or for the kernel to give up (here 20 s).
+type blackholeConnector struct{}
+
+func (blackholeConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(20 * time.Second):
+		return nil, errors.New("dial tcp: connect: connection timed out")
+	}
+}
+
+func (blackholeConnector) Driver() driver.Driver { return nil }
+
+// A router whose relay plugin cannot reach MySQL as it starts: Close
+// returns within its CloseTimeout. The relay prepared its statements (on
+// MySQL after a dial) before it was running, and Watermill's Close waits,
+// holding the router's handlers lock, for a plugin's subscriber to be
+// running before it can end anything: Close waited for the dial, as long as
+// the kernel tries a connection.
+func TestForwarder_Plugin_DatabaseUnreachableAtStart_RouterClosesInTime(t *testing.T) {
+	db := sql.OpenDB(blackholeConnector{})
+	t.Cleanup(func() { _ = db.Close() })
+	f, err := outbox.NewForwarder(db, okDest{}, outbox.ForwarderConfig{Dialect: outbox.MySQL, OnError: func(error, outbox.ErrorContext) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(f.Plugin())
+	go func() { _ = r.Run(context.Background()) }()
+	time.Sleep(300 * time.Millisecond) // the relay is dialling
+	start := time.Now()
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	select {
+	case err := <-closed:
+		t.Logf("router.Close returned after %s: %v", time.Since(start).Round(time.Millisecond), err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("router.Close still waiting after 10 s (CloseTimeout 1 s): the relay's start waited for a dial")
+	}
+	stopped := make(chan error, 1)
+	go func() { stopped <- f.Close() }() // waits for Run to return
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the relay still runs 5 s after the router closed: its dial was not cut")
+	}
 }
