@@ -136,32 +136,69 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 // Republish makes pending again (published_at and attempts reset) every
 // record of a tracked topic (to one of Exchanges, if set) that was
 // published longer than Grace ago and that no consumer processed, and
-// returns how many. It runs conditional UPDATEs of DefaultPurgeBatch
-// records each, the earliest published first, each committed on its own:
-// none holds the locks of a large backlog for long, and the records made
-// pending before a failure (Timeout, say) stay so, for the relay and the
-// next boot. Of two instances booting together each record is resent
-// once.
+// returns how many, also with an error. It walks them in batches of
+// DefaultPurgeBatch, the earliest published first, each batch read and
+// then updated on its own: none holds the locks of a large backlog for
+// long, each goes on where the last ended, and the records made pending
+// before a failure (Timeout, say) stay so, for the relay and the next
+// boot. Of two instances booting together each record is resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
-	topics := r.cfg.TrackedTopics.Topics()
-	n, err := inBatches(ctx, r.store.db, r.store.dialect.sql(), "republish", r.cfg.Grace, r.store.cfg.PurgeBatch,
-		func(cutoff time.Time, limit int) sqldialect.Query {
-			return r.store.q.Republish(cutoff, topics, r.cfg.Exchanges, limit)
-		})
-	r.store.wake(ctx, n)
-	if err != nil {
-		if n > 0 {
-			r.cfg.Logger.Info("Unprocessed outbox records made pending again before republish failed", watermill.LogFields{"records": n})
-		}
-		return n, err
-	}
+	n, err := r.republish(ctx)
 	if n > 0 {
-		r.cfg.Logger.Info("Unprocessed outbox records made pending again", watermill.LogFields{"records": n, "grace": r.cfg.Grace})
+		// Whatever ctx says: the rows are pending, and a relay should know.
+		r.store.wake(context.WithoutCancel(ctx), n)
+		r.cfg.Logger.Info("Unprocessed outbox records made pending again", watermill.LogFields{"records": n, "grace": r.cfg.Grace, "complete": err == nil})
 		if r.cfg.Notify != nil {
 			r.cfg.Notify()
 		}
 	}
+	if err != nil {
+		return n, fmt.Errorf("outbox: republish: %w", err)
+	}
 	return n, nil
+}
+
+func (r *Republisher) republish(ctx context.Context) (int64, error) {
+	var (
+		topics = r.cfg.TrackedTopics.Topics()
+		cutoff = time.Now().Add(-r.cfg.Grace)
+		batch  = r.store.cfg.PurgeBatch
+		d      = r.store.dialect.sql()
+		after  *sqldialect.RepublishCursor
+		total  int64
+	)
+	for {
+		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, topics, r.cfg.Exchanges, after, batch))
+		if err != nil || len(ids) == 0 {
+			return total, err
+		}
+		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
+		total += n
+		if err != nil || len(ids) < batch {
+			return total, err
+		}
+		after = last
+	}
+}
+
+// pick reads a batch's ids, and where the next batch goes on from.
+func (r *Republisher) pick(ctx context.Context, q sqldialect.Query) ([]string, *sqldialect.RepublishCursor, error) {
+	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer func() { _ = rows.Close() }()
+	var (
+		ids  []string
+		last sqldialect.RepublishCursor
+	)
+	for rows.Next() {
+		if err := rows.Scan(&last.ID, &last.PublishedAt); err != nil {
+			return nil, nil, err
+		}
+		ids = append(ids, last.ID)
+	}
+	return ids, &last, rows.Err()
 }
 
 // Plugin is Republish as a Watermill router plugin: router.AddPlugin runs

@@ -19,8 +19,8 @@ type dbConn interface {
 	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
 }
 
-// inBatches runs the range writes write gives (a purge, a republish), of at
-// most batch rows each, of the rows older than olderThan, until one writes
+// inBatches runs the range writes write gives (a purge), of at most batch
+// rows each, of the rows older than olderThan, until one writes
 // fewer than batch, and returns how many rows were written, also on an
 // error: the batches before it are committed. Bounded batches keep a write
 // over millions of rows from holding long locks. what names the write in

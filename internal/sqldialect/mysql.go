@@ -361,17 +361,12 @@ func (d mysql) instantCmp(col, op string, t time.Time) (string, []any) {
 
 func (mysql) timeOf(col string) string { return col }
 
+func (mysql) stored(col string) string { return col }
+
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …
 // LIMIT instead.
 func (mysql) purgePublished(table, before string) string {
 	return "DELETE FROM " + table + " WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?"
-}
-
-// republish: UPDATE … LIMIT, as purgePublished's DELETE. It runs under READ
-// COMMITTED (execRange): a row another instance made pending while this
-// one waited for it is read again, and no longer matches.
-func (mysql) republish(table, set, where string) string {
-	return "UPDATE " + table + " SET " + set + " WHERE " + where + " ORDER BY published_at LIMIT ?"
 }
 
 // insertProcessed skips a key that is there as the outbox insert skips an

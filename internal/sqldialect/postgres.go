@@ -273,6 +273,8 @@ func (d postgres) instantCmp(col, op string, t time.Time) (string, []any) {
 
 func (postgres) timeOf(col string) string { return col }
 
+func (postgres) stored(col string) string { return col }
+
 // purgePublished locks the rows it picks, skipping locked ones: a row made
 // pending again while the purge waited for it (Republish, an operator's
 // UPDATE) is then read again and left, where a plain id IN (…) would have
@@ -281,14 +283,6 @@ func (postgres) timeOf(col string) string { return col }
 func (postgres) purgePublished(table, before string) string {
 	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
 		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
-}
-
-// republish locks the rows it picks, skipping locked ones, as
-// purgePublished: of two instances booting together each takes rows of its
-// own, and a row it holds cannot change under it.
-func (postgres) republish(table, set, where string) string {
-	return "UPDATE " + table + " SET " + set + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE " + where + " ORDER BY published_at LIMIT ? FOR UPDATE SKIP LOCKED)"
 }
 
 func (postgres) insertProcessed(table string) string { return insertProcessedOnConflict(table) }

@@ -712,12 +712,22 @@ func (o *Outbox) PublishedBefore(t time.Time) Query {
 	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND "+before, args...)
 }
 
-// Republish makes at most limit published, unprocessed records of
-// routingKeys (to one of exchanges, unless it is empty) published before
-// cutoff pending again, the earliest published first. A record two
-// instances race for is made pending once (see the dialects'
-// republish).
-func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string, limit int) Query {
+// RepublishCursor is where a walk of the published rows goes on from: the
+// published_at and id of the last row RepublishPick read, published_at as
+// the driver read it, so that it compares as the column orders (on SQLite
+// a number another library wrote sorts below every text).
+type RepublishCursor struct {
+	PublishedAt any
+	ID          string
+}
+
+// RepublishPick reads the ids of at most limit published, unprocessed
+// records of routingKeys (to one of exchanges, unless it is empty)
+// published before cutoff, in (published_at, id) order from after (nil:
+// from the first). Each walk goes on where the last ended, rather than
+// from the oldest published row past every processed one again. Columns:
+// id, published_at.
+func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
 	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
 	args = stringArgs(args, routingKeys)
@@ -725,7 +735,22 @@ func (o *Outbox) Republish(cutoff time.Time, routingKeys, exchanges []string, li
 		where += " AND exchange_name IN (" + placeholders(len(exchanges)) + ")"
 		args = stringArgs(args, exchanges)
 	}
-	return o.query(o.d.republish(o.table, "published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL", where), append(args, limit)...)
+	if after != nil {
+		where += " AND (published_at > ? OR published_at = ? AND id > ?)"
+		args = append(args, after.PublishedAt, after.PublishedAt, after.ID)
+	}
+	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+}
+
+// RepublishIDs makes the records of ids pending again: those still
+// published before cutoff and unprocessed, conditions the update checks
+// again on each row it locks, so that of two instances racing for a record
+// one makes it pending.
+func (o *Outbox) RepublishIDs(ids []string, cutoff time.Time) Query {
+	before, args := o.d.timeCmp("published_at", "<", cutoff)
+	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE id IN ("+placeholders(len(ids))+") AND published_at IS NOT NULL AND "+before+" AND processed_at IS NULL",
+		append(stringArgs(nil, ids), args...)...)
 }
 
 // MarkProcessed sets the record id's processed_at, if still null.

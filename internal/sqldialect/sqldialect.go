@@ -164,10 +164,10 @@ type Dialect interface {
 	instantCmp(col, op string, t time.Time) (string, []any)
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
+	// stored is col as a select list reads it back as stored, to be
+	// passed back as an argument that compares as the column orders.
+	stored(col string) string
 	insertProcessed(table string) string
-	// republish sets set on at most ? rows of table that match where, the
-	// earliest published first, each once of two such statements at once.
-	republish(table, set, where string) string
 	// purgeProcessed deletes at most ? inbox rows processed before, by the
 	// condition before (timeCmp of processed_at), oldest first.
 	purgeProcessed(table, before string) string

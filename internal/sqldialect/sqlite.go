@@ -150,12 +150,6 @@ func (sqlite) purgePublished(table, before string) string {
 		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?)"
 }
 
-// republish: one writer at a time, so the rows it picks are still as read.
-func (sqlite) republish(table, set, where string) string {
-	return "UPDATE " + table + " SET " + set + " WHERE id IN (SELECT id FROM " + table +
-		" WHERE " + where + " ORDER BY published_at LIMIT ?)"
-}
-
 // timeCmp: a timestamp another library stored as a number (Java's
 // sqlite-jdbc writes Unix milliseconds) sorts below every text in SQLite,
 // so a text comparison alone took a row published a minute ago for one
@@ -189,6 +183,12 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN " + numeric + " ELSE " + asText + " END)",
 		[]any{float64(t.UnixNano()) / 1e9, text, text}
 }
+
+// stored: unary plus, a no-op on any value, makes the column an expression
+// with no declared type, which go-sqlite3 reads as stored: a TIMESTAMP
+// column it would read as a time.Time, and pass back as text of another
+// form ("…+00:00"), which compares with the stored text as something else.
+func (sqlite) stored(col string) string { return "+" + col }
 
 // timeOf: a numeric value as the text a time is stored as, so that MIN
 // orders the two kinds together (a number is otherwise below every text).
