@@ -201,12 +201,13 @@ var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
 // ErrHandlerTxEnded fails a delivery whose transaction the database rolled
 // back while its handler ran, the handler returning no error: a deadlock
-// or lock wait timeout on MySQL that the handler, or a middleware added
-// after inbox.Middleware (Retry, PoisonQueue), took. MySQL then runs each
-// later statement on its own, committed as it runs, and commits no
-// transaction without a word; the dedupe key and the key's sequence went
-// with the rollback. The messages the handler returned are not written, and
-// the delivery is nacked, to be run again; what the handler wrote after the
+// or lock wait timeout on MySQL (on SQLite an interrupted statement, a full
+// disk) that the handler, or a middleware added after inbox.Middleware
+// (Retry, PoisonQueue), took. The database then runs each later statement
+// on its own, committed as it runs, and MySQL commits no transaction
+// without a word; the dedupe key and the key's sequence went with the
+// rollback. The messages the handler returned are not written, and the
+// delivery is nacked, to be run again; what the handler wrote after the
 // rollback stays committed. Add Retry and PoisonQueue before
 // inbox.Middleware.
 var ErrHandlerTxEnded = errors.New("outbox: inbox: the handler's transaction was rolled back while it ran, and the handler returned no error")

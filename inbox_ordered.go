@@ -394,19 +394,22 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 	if err != nil {
 		return err
 	}
-	if err := in.stillInTx(ctx, tx, consumer, key); err != nil {
+	if err := in.stillInTx(ctx, tx, consumer, key, len(out) > 0); err != nil {
 		return err
 	}
 	return in.writeReturned(hctx, stdTx{tx.Tx}, out)
 }
 
 // stillInTx fails with ErrHandlerTxEnded where the database may have rolled
-// tx back under the handler without its COMMIT saying so (MySQL): the key
-// recorded in tx before the handler ran is then gone. One more round trip
-// on MySQL, before the returned messages are written, which after such a
-// rollback would commit one by one.
-func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key string) error {
-	if !in.dialect.sql().SilentRollbacks() {
+// tx back under the handler with the statements after it each committed on
+// its own: the key recorded in tx before the handler ran is then gone. On
+// MySQL, whose COMMIT then succeeds, always (one more round trip); on
+// SQLite, whose COMMIT fails, only before the messages the handler
+// returned are written (returning), which would otherwise commit, sent
+// for a delivery that is run again.
+func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key string, returning bool) error {
+	d := in.dialect.sql()
+	if !d.SilentRollbacks() && !(returning && d.AsksByBegin()) {
 		return nil
 	}
 	var at any

@@ -207,6 +207,55 @@ func TestInbox_Router_ReturnedMessageWithoutContext_RowCarriesHandlersTrace(t *t
 	}
 }
 
+// SQLite: a handler whose transaction SQLite rolled back (an interrupted
+// statement, a full disk) and that took the error returns a message. The
+// connection is then outside any transaction, and the returned message's
+// row committed on its own, to be sent, while the COMMIT that followed
+// failed and the delivery, nacked, ran again and returned it again. The
+// inbox now fails the delivery before it writes the message.
+func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	in := newInbox(t, db, outbox.InboxConfig{})
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	router := newRouter(t)
+	failed := make(chan error, 1)
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err != nil {
+				select {
+				case failed <- err:
+				default:
+				}
+			}
+			return out, err
+		}
+	}, in.Middleware)
+	router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+		tx, _ := outbox.TxFromContext(msg.Context())
+		// As SQLite does after an interrupt: the transaction is gone, the
+		// handler's error taken.
+		_, _ = tx.Exec("ROLLBACK")
+		return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
+	})
+	startRouter(t, router)
+	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	if err := ps.Publish("order.paid", msg); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-failed:
+		if !errors.Is(err, outbox.ErrHandlerTxEnded) {
+			t.Errorf("delivery failed with %v, want ErrHandlerTxEnded", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the delivery did not fail")
+	}
+	if n := countRows(t, db); n != 0 {
+		t.Errorf("%d outbox rows committed for a delivery whose transaction was gone, want 0", n)
+	}
+}
+
 // InboxConfig.Outbox takes its dialect and table from the inbox, whose
 // transaction the rows go through: another value is refused, naming the
 // field, and so is an invalid publisher setting.
