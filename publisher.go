@@ -742,11 +742,12 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		return invalid("content type", err.Error())
 	}
 	md := msg.Metadata
-	if p.cfg.Propagator != nil || steered(md) {
+	ordered := relayOrdered(md)
+	if p.cfg.Propagator != nil || steered(md) || ordered {
 		// Into a copy: the caller's message is not ours to change.
 		md = make(message.Metadata, len(msg.Metadata)+2)
 		for k, v := range msg.Metadata {
-			if !steeringKeys[k] {
+			if !steeringKeys[k] && !(ordered && (k == HeaderAggregateID || k == HeaderSeq)) {
 				md[k] = v
 			}
 		}
@@ -776,15 +777,20 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 // copies it returns, which would then go to the incoming message's
 // routing key (back into the handler's own queue) instead of its publish
 // topic, and take the incoming message's ordering key.
-//
-// HeaderAggregateID and HeaderSeq are the relay's, written from a keyed
-// row's columns: a consumer's copy of a keyed delivery carries them in its
-// metadata, and an unkeyed copy that kept them would reach an ordered
-// inbox as the original's key and number, taken there for a duplicate (not
-// run) or held behind numbers that never come.
-var steeringKeys = map[string]bool{
-	MetadataExchange: true, MetadataRoutingKey: true, MetadataAggregateID: true,
-	HeaderAggregateID: true, HeaderSeq: true,
+var steeringKeys = map[string]bool{MetadataExchange: true, MetadataRoutingKey: true, MetadataAggregateID: true}
+
+// relayOrdered reports whether md holds both the headers a relay writes
+// from a keyed row's columns, HeaderAggregateID and HeaderSeq: a keyed
+// delivery's metadata, which a consumer's copy of it keeps. Written into
+// the row's headers, they went out on the copy (the relay overrides them
+// only for a keyed row), and an ordered inbox took it for the original's
+// key and number: a duplicate, not run, or held behind numbers that never
+// come. They are left out of the row; a keyed row gets its own from the
+// relay. Either alone is the application's, and stays.
+func relayOrdered(md message.Metadata) bool {
+	_, key := md[HeaderAggregateID]
+	_, seq := md[HeaderSeq]
+	return key && seq
 }
 
 func steered(md message.Metadata) bool {

@@ -635,3 +635,34 @@ func TestTxPublisher_SQLiteInsertInterrupted_KeyKeepsItsCounter(t *testing.T) {
 		t.Errorf("the next message of the key got seq %d, want 4", seq)
 	}
 }
+
+// The relay's ordering headers, aggregateId and seq, are left out of a
+// row's headers when a message holds both (a copy of a keyed delivery: it
+// would go out as its original's key and number); either alone is the
+// application's own metadata and stays.
+func TestTxPublisher_RelayOrderingHeaders_LeftOutOnlyAsAPair(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	both := message.NewMessage("both", nil)
+	both.Metadata.Set(outbox.HeaderAggregateID, "order-1")
+	both.Metadata.Set(outbox.HeaderSeq, "3")
+	both.Metadata.Set("tenant", "acme")
+	seqOnly := message.NewMessage("seq-only", nil)
+	seqOnly.Metadata.Set(outbox.HeaderSeq, "7")
+	publishInTx(t, db, "t", []*message.Message{both, seqOnly})
+	headers := func(id string) string {
+		var h string
+		if err := db.Get(&h, "SELECT headers FROM acemq_outbox WHERE id = ?", id); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	if h := headers("both"); strings.Contains(h, `"aggregateId"`) || strings.Contains(h, `"seq"`) || !strings.Contains(h, `"tenant"`) {
+		t.Errorf("headers of the message holding both: %s, want tenant and neither ordering header", h)
+	}
+	if h := headers("seq-only"); !strings.Contains(h, `"seq":"7"`) {
+		t.Errorf("headers of the message holding seq alone: %s, want its seq kept", h)
+	}
+	if both.Metadata.Get(outbox.HeaderSeq) != "3" {
+		t.Error("Publish changed the caller's message")
+	}
+}
