@@ -932,9 +932,11 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		publishedRec []Record
 	)
 	// failedOne: a record failed, and what is behind it is not published
-	// before it. releasedOne: a record was released unsent; overtook: one
-	// the broker confirmed behind it, which waits for it too.
-	failedOne, releasedOne, overtook := false, false, false
+	// before it. releasedOne: a record was released unsent, and what the
+	// broker confirmed behind it waits for it too (no backoff: nothing
+	// failed; the batches in flight behind it are held back by
+	// relayLoop.settle, as released).
+	failedOne, releasedOne := false, false
 	for i, err := range b.results {
 		rec := b.records[i]
 		switch {
@@ -948,7 +950,6 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// closed the channel over another message, having confirmed
 			// this one, to another queue, first): not published before
 			// it. It is sent again after it, as behind a failure.
-			overtook = true
 		case err == nil:
 			published = append(published, rec.ID)
 			if f.cfg.Metrics != nil {
@@ -1008,7 +1009,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		if report {
 			f.reportError(err, ErrorContext{})
 		}
-		if len(b.failures) > b.isolated || overtook {
+		if len(b.failures) > b.isolated {
 			return 0, true, err // a record failed too, and holds back what is behind it
 		}
 		return 0, true, &markError{err}
@@ -1024,7 +1025,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	if len(published) > 0 {
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
-	return len(published), len(b.failures) > b.isolated || overtook, errors.Join(b.errs...)
+	return len(published), len(b.failures) > b.isolated, errors.Join(b.errs...)
 }
 
 // mark marks the batch's published rows and failures, and ends its claim.

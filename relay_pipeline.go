@@ -608,7 +608,8 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 
 // leaseRunningOut reports whether the oldest batch in flight has too little
 // of its lease left to see another claim and send before it is marked,
-// where claims are leases (SQLite): 2 × PublishTimeout and a busy wait. A
+// where claims are leases (SQLite): 2 × PublishTimeout and two busy waits
+// (the claim's and the mark's). A
 // lease is written once, at the claim, and a batch in flight stays
 // unmarked while the batches behind it are claimed and sent: a slow send,
 // within PublishTimeout, took it past its lease, and another relay's claim
@@ -622,7 +623,7 @@ func (l *relayLoop) leaseRunningOut() bool {
 		return false
 	}
 	left := l.f.cfg.Lease - time.Since(l.queue[0].claimedAt)
-	return left < 2*l.f.cfg.PublishTimeout+l.f.store.busyBound()
+	return left < 2*(l.f.cfg.PublishTimeout+l.f.store.busyBound())
 }
 
 // claimNow reports whether this sweep claims. It does not when the last
