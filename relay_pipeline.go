@@ -609,15 +609,14 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 // leaseRunningOut reports whether the oldest batch in flight has too little
 // of its lease left to see another claim and send before it is marked,
 // where claims are leases (SQLite): 2 × PublishTimeout and two busy waits
-// (the claim's and the mark's). A
-// lease is written once, at the claim, and a batch in flight stays
-// unmarked while the batches behind it are claimed and sent: a slow send,
-// within PublishTimeout, took it past its lease, and another relay's claim
-// took its rows, in flight, and published them too. The sweep then claims
-// nothing and settles what is in flight; the next one claims. With the
-// default Lease (4 × PublishTimeout) only a send far slower than usual
-// comes near it; with Lease at its least (2 × PublishTimeout) no batch
-// waits in flight behind another.
+// (the claim's and the mark's). A lease is written once, at the claim, and
+// a batch in flight stays unmarked while the batches behind it are claimed
+// and sent: a slow send, within PublishTimeout, took it past its lease,
+// and another relay's claim took its rows, in flight, and published them
+// too. The sweep then claims nothing and settles what is in flight; the
+// next one claims. At the defaults (Lease 60 s, PublishTimeout 15 s, a
+// busy timeout of 5 s) a batch 20 s in flight comes to it; with Lease at
+// its least (2 × PublishTimeout) no batch waits in flight behind another.
 func (l *relayLoop) leaseRunningOut() bool {
 	if len(l.queue) == 0 || !l.f.store.leases() {
 		return false
