@@ -415,7 +415,7 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 	var at any
 	switch err := in.queryRow(ctx, tx, in.q.Stamp(consumer, key)).Scan(&at); {
 	case errors.Is(err, sql.ErrNoRows):
-		return fmt.Errorf("%w: message %s for %s (a deadlock or lock wait timeout the handler took, or a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, key, consumer)
+		return fmt.Errorf("%w: message %s for %s (an error that rolls a transaction back, such as a deadlock, taken by the handler or by a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, key, consumer)
 	case err != nil:
 		return fmt.Errorf("outbox: inbox: read back the key of %s for %s: %w", key, consumer, err)
 	}

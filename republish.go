@@ -145,8 +145,11 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	n, err := r.republish(ctx)
 	if n > 0 {
-		// Whatever ctx says: the rows are pending, and a relay should know.
-		r.store.wake(context.WithoutCancel(ctx), n)
+		// Whatever ctx says (a Timeout that cut the walk short): the rows are
+		// pending, and a relay should know; within a bound of its own.
+		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wakeTimeout)
+		r.store.wake(wctx, n)
+		cancel()
 		r.cfg.Logger.Info("Unprocessed outbox records made pending again", watermill.LogFields{"records": n, "grace": r.cfg.Grace, "complete": err == nil})
 		if r.cfg.Notify != nil {
 			r.cfg.Notify()
@@ -157,6 +160,10 @@ func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	}
 	return n, nil
 }
+
+// wakeTimeout bounds the NOTIFY that Republish sends after it made records
+// pending, which runs after its own ctx may have ended.
+const wakeTimeout = 5 * time.Second
 
 func (r *Republisher) republish(ctx context.Context) (int64, error) {
 	var (
