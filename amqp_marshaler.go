@@ -31,8 +31,11 @@ import (
 // Unmarshal), and the message UUID from the first of x-acemq-id,
 // _watermill_message_uuid and the message_id property that is a non-empty
 // string (x-acemq-id first: a service that copies the headers it received
-// onto what it sends carries a stale Watermill UUID). It marshals as the
-// embedded DefaultMarshaler does, but for x-acemq-id (see Marshal).
+// onto what it sends carries a stale Watermill UUID), but not an x-acemq-id
+// beside an empty message_id and a UUID header of another id: a copy of a
+// delivery sent through another marshaler, which carried the original's on.
+// It marshals as the embedded DefaultMarshaler does, but for x-acemq-id
+// (see Marshal).
 type AMQPMarshaler struct {
 	wamqp.DefaultMarshaler
 }
@@ -69,8 +72,9 @@ func (m AMQPMarshaler) Marshal(msg *message.Message) (amqp.Publishing, error) {
 // amqp.Delivery (see closedDelivery). The message UUID is the x-acemq-id
 // header, else the _watermill_message_uuid header
 // (DefaultMarshaler.MessageUUIDHeaderKey if set), else the AMQP message_id
-// property; the
-// UUID header is not copied into the metadata, x-acemq-id is. Each header
+// property; the UUID header first where x-acemq-id is a copy's (see
+// AMQPMarshaler). The UUID header is not copied into the metadata,
+// x-acemq-id is, as the UUID. Each header
 // is in the metadata: a string as it is, any other value as JSON text:
 //
 //	integers of every width, floats    7, -3, 0.5, 1e+21 (float32 in its shortest form)
@@ -101,6 +105,11 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		}
 		msg.Metadata[k] = metadataValue(v)
 	}
+	if v := msg.Metadata[HeaderMessageID]; v != "" && v != msg.UUID {
+		// The inbox dedupes by this header first: a copy's stale one, set
+		// aside for the UUID, must not come back through it.
+		msg.Metadata[HeaderMessageID] = msg.UUID
+	}
 	return msg, nil
 }
 
@@ -128,11 +137,23 @@ func closedDelivery(d amqp.Delivery) bool {
 // another language that copies the headers it received onto what it sends;
 // taken first, it made two messages one, and the second was acked as a
 // duplicate. This library's relay sends all three alike.
+//
+// But not an x-acemq-id beside an empty message_id and a UUID header of
+// another id: that is a copy of a delivery (msg.Copy() keeps the metadata)
+// published under a UUID of its own through watermill-amqp's
+// DefaultMarshaler or any publisher that is not AMQPMarshaler, which sets
+// no message_id and carries the original's x-acemq-id on. Taken first, it
+// made every copy its original, and an inbox acked them as duplicates.
 func messageUUID(d amqp.Delivery, uuidKey string) string {
-	for _, k := range []string{HeaderMessageID, uuidKey} {
-		if s, ok := d.Headers[k].(string); ok && s != "" {
-			return s
+	own, _ := d.Headers[uuidKey].(string)
+	if s, ok := d.Headers[HeaderMessageID].(string); ok && s != "" {
+		if d.MessageId == "" && own != "" && own != s {
+			return own
 		}
+		return s
+	}
+	if own != "" {
+		return own
 	}
 	return d.MessageId
 }

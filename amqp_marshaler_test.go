@@ -174,6 +174,42 @@ func TestAMQPMarshaler_CopyOfADelivery_ReadBackUnderItsOwnUUID(t *testing.T) {
 	}
 }
 
+// The same copy published through watermill-amqp's DefaultMarshaler (a
+// publisher left on its default, or any publisher but AMQPMarshaler) keeps
+// the original's x-acemq-id and sets no message_id: its own UUID header
+// names it, for the UUID and for the inbox's dedupe key alike. A delivery
+// straight from a relay, whose UUID header may be a stale copy, keeps its
+// x-acemq-id.
+func TestAMQPMarshaler_CopyPublishedThroughDefaultMarshaler_ReadBackUnderItsOwnUUID(t *testing.T) {
+	m := outbox.AMQPMarshaler{}
+	original, err := m.Unmarshal(amqp.Delivery{MessageId: "a", Headers: amqp.Table{outbox.HeaderMessageID: "a", "_watermill_message_uuid": "a"}, Body: []byte("x")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{"b1", "b2"} {
+		c := original.Copy()
+		c.UUID = id
+		p, err := wamqp.DefaultMarshaler{}.Marshal(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := m.Unmarshal(amqp.Delivery{MessageId: p.MessageId, Headers: p.Headers, Body: p.Body})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.UUID != id || got.Metadata.Get(outbox.HeaderMessageID) != id {
+			t.Errorf("copy %s read back as %s (x-acemq-id %q): taken for the original", id, got.UUID, got.Metadata.Get(outbox.HeaderMessageID))
+		}
+	}
+	relayed, err := m.Unmarshal(amqp.Delivery{MessageId: "r", Headers: amqp.Table{outbox.HeaderMessageID: "r", "_watermill_message_uuid": "stale"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if relayed.UUID != "r" || relayed.Metadata.Get(outbox.HeaderMessageID) != "r" {
+		t.Errorf("a relay's delivery with a stale UUID header read back as %s (x-acemq-id %q), want r", relayed.UUID, relayed.Metadata.Get(outbox.HeaderMessageID))
+	}
+}
+
 // PublisherDestination puts a record's typed headers into the metadata as
 // AMQPMarshaler does: a consumer reads the same metadata whichever
 // destination relayed the message.
