@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/url"
 	"slices"
@@ -88,8 +89,13 @@ func (c *AMQPConfig) setDefaults() {
 	if c.ConnectionName == "" {
 		c.ConnectionName = "watermill-outbox relay"
 	}
+	// A table of its own: the caller's may be shared with another
+	// destination or client, which then took this one's connection_name
+	// (and amqp091-go writes its capabilities into it at every dial).
 	if c.AMQP.Properties == nil {
 		c.AMQP.Properties = amqp.NewConnectionProperties()
+	} else {
+		c.AMQP.Properties = maps.Clone(c.AMQP.Properties)
 	}
 	if _, ok := c.AMQP.Properties["connection_name"]; !ok {
 		c.AMQP.Properties.SetClientConnectionName(c.ConnectionName)

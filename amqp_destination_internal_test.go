@@ -286,3 +286,24 @@ func TestRefusedExchange_ReadsRabbitMQsWording(t *testing.T) {
 		}
 	}
 }
+
+// Destinations built from one amqp.Config whose Properties the caller set
+// each name their connections themselves, and leave the caller's table as
+// it was: the first used to write its connection_name there, and every
+// later one, finding it, took that name.
+func TestNewAMQPDestination_SharedConnectionProperties_EachKeepsItsName(t *testing.T) {
+	shared := amqp.Config{Properties: amqp.Table{"product": "my-service"}}
+	for _, name := range []string{"relay-a", "relay-b"} {
+		d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: shared, ConnectionName: name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := d.cfg.AMQP.Properties["connection_name"]; got != name || d.cfg.AMQP.Properties["product"] != "my-service" {
+			t.Errorf("destination %s: connection_name %v, product %v", name, got, d.cfg.AMQP.Properties["product"])
+		}
+		_ = d.Close()
+	}
+	if _, ok := shared.Properties["connection_name"]; ok || len(shared.Properties) != 1 {
+		t.Errorf("the caller's table was written: %v", shared.Properties)
+	}
+}
