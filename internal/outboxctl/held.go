@@ -4,6 +4,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -181,12 +183,35 @@ func keyFlag(key string) (string, error) {
 
 // skippedReport is skip-held --json; its names do not change.
 type skippedReport struct {
-	Consumer  string            `json:"consumer"`
-	Key       string            `json:"key"` // as outboxctl held shows it
-	Seq       int64             `json:"seq"`
-	MessageID string            `json:"message_id"`
-	Payload   []byte            `json:"payload"` // base64
-	Metadata  map[string]string `json:"metadata"`
+	Consumer  string `json:"consumer"`
+	Key       string `json:"key"` // as outboxctl held shows it
+	Seq       int64  `json:"seq"`
+	MessageID string `json:"message_id"`
+	Payload   []byte `json:"payload"` // base64
+	// Metadata is the message's metadata when every key and value of it is
+	// UTF-8. Otherwise it is null and MetadataBase64 holds it, as [key,
+	// value] pairs, each base64, the form the held row kept it in: a JSON
+	// string would hold U+FFFD in place of the other bytes, and this is
+	// the message's only copy.
+	Metadata       map[string]string `json:"metadata"`
+	MetadataBase64 [][2][]byte       `json:"metadata_base64,omitempty"`
+}
+
+func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
+	r := skippedReport{Consumer: consumer, Key: keyText(key), Seq: seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata}
+	text := true
+	for k, v := range m.Metadata {
+		text = text && utf8.ValidString(k) && utf8.ValidString(v)
+	}
+	if !text {
+		r.Metadata = nil
+		// In key order: a map's would print the same message differently
+		// each time.
+		for _, k := range slices.Sorted(maps.Keys(m.Metadata)) {
+			r.MetadataBase64 = append(r.MetadataBase64, [2][]byte{[]byte(k), []byte(m.Metadata[k])})
+		}
+	}
+	return r
 }
 
 func (c *cli) skipHeld(args []string) error {
@@ -230,15 +255,20 @@ func (c *cli) skipHeld(args []string) error {
 	case err != nil:
 		return d.explain(err, sqldialect.InboxSequencesTable)
 	}
+	r := newSkippedReport(*consumer, *key, *seq, m)
 	if *asJSON {
-		return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
+		return writeJSON(c.stdout, r)
 	}
 	// The message itself too: the broker was told it was handled when it
 	// was held, and its row is gone now, so this is its only copy.
+	encoded := "payload in base64"
+	if r.MetadataBase64 != nil {
+		encoded = "payload in base64; metadata too, in metadata_base64 as [key, value] pairs: a key or value of it is not UTF-8"
+	}
 	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
-		"The message, its only copy now (payload in base64), to resend it by hand:\n",
-		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq)
-	return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
+		"The message, its only copy now (%s), to resend it by hand:\n",
+		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq, encoded)
+	return writeJSON(c.stdout, r)
 }
 
 // keyText is a key as the table shows it: as it is when that says which
