@@ -195,6 +195,14 @@ type skippedReport struct {
 	// the message's only copy.
 	Metadata       map[string]string `json:"metadata"`
 	MetadataBase64 [][2][]byte       `json:"metadata_base64,omitempty"`
+	// A part of the held row that could not be decoded is null above and
+	// given here as the row held it, in base64 as payload is (it may not be
+	// UTF-8), with the reason: payload and payload_encoding, or metadata.
+	PayloadError          string `json:"payload_error,omitempty"`
+	StoredPayload         []byte `json:"stored_payload,omitempty"`
+	StoredPayloadEncoding []byte `json:"stored_payload_encoding,omitempty"`
+	MetadataError         string `json:"metadata_error,omitempty"`
+	StoredMetadata        []byte `json:"stored_metadata,omitempty"`
 }
 
 func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
@@ -210,6 +218,13 @@ func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) 
 		for _, k := range slices.Sorted(maps.Keys(m.Metadata)) {
 			r.MetadataBase64 = append(r.MetadataBase64, [2][]byte{[]byte(k), []byte(m.Metadata[k])})
 		}
+	}
+	if m.PayloadErr != nil {
+		r.PayloadError = m.PayloadErr.Error()
+		r.StoredPayload, r.StoredPayloadEncoding = []byte(m.StoredPayload), []byte(m.StoredEncoding)
+	}
+	if m.MetadataErr != nil {
+		r.MetadataError, r.StoredMetadata = m.MetadataErr.Error(), []byte(m.StoredMetadata)
 	}
 	return r
 }
@@ -264,6 +279,12 @@ func (c *cli) skipHeld(args []string) error {
 	encoded := "payload in base64"
 	if r.MetadataBase64 != nil {
 		encoded = "payload in base64; metadata too, in metadata_base64 as [key, value] pairs: a key or value of it is not UTF-8"
+	}
+	if r.PayloadError != "" {
+		encoded += "; the payload could not be decoded (payload_error): stored_payload and stored_payload_encoding are the row's, in base64"
+	}
+	if r.MetadataError != "" {
+		encoded += "; the metadata could not be decoded (metadata_error): stored_metadata is the row's, in base64"
 	}
 	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
 		"The message, its only copy now (%s), to resend it by hand:\n",

@@ -17,15 +17,15 @@ import (
 // pairs. Written by hand, independently of the code under test.
 var heldNotUTF8Metadata = map[string]string{"aggregateId": "order-7", "seq": "2", "sig": "\xff\xfe\x01", "k\xc3": "v"}
 
-// holdNext writes, by hand, billing's key order-7 with 1 applied and its
-// next n messages, from 2, held an hour ago, each with the row's payload,
+// holdNext writes, by hand, billing's key with 1 applied and its next n
+// messages, from 2, held an hour ago, each with the row's payload,
 // payload_encoding and metadata text given.
-func holdNext(t *testing.T, db *testdb.DB, kind string, n int, payload, encoding, metadata string) {
+func holdNext(t *testing.T, db *testdb.DB, kind, key string, n int, payload, encoding, metadata string) {
 	t.Helper()
-	execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-7", 1, n)
+	execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", key, 1, n)
 	for seq := 2; seq < 2+n; seq++ {
 		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-			"billing", "order-7", seq, "m"+strconv.Itoa(seq), payload, encoding, metadata, ts(kind, time.Now().Add(-time.Hour)))
+			"billing", key, seq, key+"/"+strconv.Itoa(seq), payload, encoding, metadata, ts(kind, time.Now().Add(-time.Hour)))
 	}
 }
 
@@ -45,7 +45,7 @@ func heldNotUTF8MetadataRow(md map[string]string) string {
 func TestSkipHeld_MetadataNotUTF8_PrintedByteForByte(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind string) {
 		db := migrated(t, kind)
-		holdNext(t, db, kind, 2, "event", "utf-8", heldNotUTF8MetadataRow(heldNotUTF8Metadata))
+		holdNext(t, db, kind, "order-7", 2, "event", "utf-8", heldNotUTF8MetadataRow(heldNotUTF8Metadata))
 		skip := func(seq string, more ...string) string {
 			return mustCtl(t, append([]string{"skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", seq}, more...)...)
 		}
@@ -69,6 +69,53 @@ func TestSkipHeld_MetadataNotUTF8_PrintedByteForByte(t *testing.T) {
 				t.Errorf("skip-held %s: metadata %q, metadata_base64 %q; want null and %q byte for byte\n%s",
 					run.name, got.Metadata, md, heldNotUTF8Metadata, run.out)
 			}
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held"); n != 0 {
+			t.Errorf("%d held rows left, want 0: both skipped", n)
+		}
+	})
+}
+
+// A held row of which one part cannot be decoded (the likely poison) is
+// skipped all the same, and skip-held prints the other part decoded and
+// this one as the row held it, with the reason: the row was the message's
+// only copy.
+func TestSkipHeld_RowPartlyUndecodable_PrintsEveryPart(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		const badMetadata = `{"seq": 2}` // a number: metadata values are strings
+		holdNext(t, db, kind, "order-7", 1, "the only copy of the event", "utf-8", badMetadata)
+		holdNext(t, db, kind, "order-8", 1, "not base64!", "base64", `{"tenant":"t-1"}`)
+		type report struct {
+			Payload               []byte            `json:"payload"`
+			Metadata              map[string]string `json:"metadata"`
+			PayloadError          string            `json:"payload_error"`
+			StoredPayload         []byte            `json:"stored_payload"`
+			StoredPayloadEncoding []byte            `json:"stored_payload_encoding"`
+			MetadataError         string            `json:"metadata_error"`
+			StoredMetadata        []byte            `json:"stored_metadata"`
+		}
+		skip := func(key string, more ...string) (string, report) {
+			out := mustCtl(t, append([]string{"skip-held", "--db", db.DSN, "--consumer", "billing", "--key", key, "--seq", "2"}, more...)...)
+			var r report
+			if err := json.Unmarshal([]byte(out[strings.Index(out, "{"):]), &r); err != nil {
+				t.Fatalf("skip-held %s: %v\n%s", key, err, out)
+			}
+			return out, r
+		}
+
+		out, got := skip("order-7", "--json")
+		if string(got.Payload) != "the only copy of the event" || got.Metadata != nil ||
+			got.MetadataError == "" || string(got.StoredMetadata) != badMetadata || got.PayloadError != "" || got.StoredPayload != nil {
+			t.Errorf("skip-held of a row whose metadata cannot be decoded: %+v; want its payload, and its metadata as stored with the reason\n%s", got, out)
+		}
+		out, got = skip("order-8")
+		if got.Payload != nil || !reflect.DeepEqual(got.Metadata, map[string]string{"tenant": "t-1"}) ||
+			got.PayloadError == "" || string(got.StoredPayload) != "not base64!" || string(got.StoredPayloadEncoding) != "base64" || got.MetadataError != "" {
+			t.Errorf("skip-held of a row whose payload cannot be decoded: %+v; want its metadata, and its payload as stored with the reason\n%s", got, out)
+		}
+		if !strings.Contains(out, "the payload could not be decoded") {
+			t.Errorf("skip-held without --json does not say the payload could not be decoded:\n%s", out)
 		}
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held"); n != 0 {
 			t.Errorf("%d held rows left, want 0: both skipped", n)
