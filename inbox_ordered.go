@@ -647,38 +647,45 @@ type Gap struct {
 // Missing is how many sequence numbers the key waits for.
 func (g Gap) Missing() int64 { return g.LowestHeld - g.LastApplied - 1 }
 
-// gapsLimit bounds what one Gaps call reads: an operator reads a page, and
-// the gauges need the oldest only.
+// gapsLimit bounds what one Gaps call reads: the gauges' log needs the
+// longest-held few; ListGaps takes a limit of the caller's.
 const gapsLimit = 1000
 
 // Gaps lists the keys (of every consumer of the database) with a message
 // held longer than olderThan, longest-held first, at most 1000: 0 lists
-// every key with a held message.
+// every key with a held message. ListGaps says how many were left out.
 func (in *Inbox) Gaps(ctx context.Context, olderThan time.Duration) ([]Gap, error) {
-	return gaps(ctx, in.db, in.dialect, olderThan)
+	gs, _, err := in.ListGaps(ctx, olderThan, gapsLimit)
+	return gs, err
 }
 
-func gaps(ctx context.Context, db *sqlx.DB, d Dialect, olderThan time.Duration) ([]Gap, error) {
-	q := sqldialect.NewOrderedInbox(d.sql()).Gaps(time.Now().Add(-olderThan), gapsLimit)
-	rows, err := db.QueryContext(ctx, q.SQL, q.Args...)
+// ListGaps is Gaps with a limit of the caller's (0: none), and total, the
+// number of keys with a message held longer than olderThan, listed or
+// not: total - len(gaps) were left out. One statement reads both, so they
+// agree.
+func (in *Inbox) ListGaps(ctx context.Context, olderThan time.Duration, limit int) (gaps []Gap, total int, err error) {
+	if limit < 0 {
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: limit %d; want 0 (none) or more", limit)
+	}
+	q := sqldialect.NewOrderedInbox(in.dialect.sql()).Gaps(time.Now().Add(-olderThan), limit)
+	rows, err := in.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 	}
 	defer rows.Close()
-	var out []Gap
 	for rows.Next() {
 		var g Gap
-		at := sqldialect.NewTime(d.sql())
-		if err := rows.Scan(&g.Consumer, &g.AggregateID, &g.LastApplied, &g.Held, &g.LowestHeld, at); err != nil {
-			return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		at := sqldialect.NewTime(in.dialect.sql())
+		if err := rows.Scan(&g.Consumer, &g.AggregateID, &g.LastApplied, &g.Held, &g.LowestHeld, at, &total); err != nil {
+			return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 		}
 		g.OldestHeldAt = at.T
-		out = append(out, g)
+		gaps = append(gaps, g)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 	}
-	return out, nil
+	return gaps, total, nil
 }
 
 // SkipGap gives up on the sequence numbers from..through, the ones a key
@@ -822,7 +829,8 @@ func (in *Inbox) readHeld(ctx context.Context) (int64, error) {
 }
 
 // gapLogs is how many keys held past GapAfter one RefreshStats logs, the
-// longest-held first; outboxctl held lists them all.
+// longest-held first; outboxctl held lists the 1000 longest-held and counts
+// the rest, and with --limit 0 lists them all.
 const gapLogs = 20
 
 // logGaps logs the longest-held of the overdue keys held past GapAfter.

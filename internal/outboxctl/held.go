@@ -20,7 +20,15 @@ import (
 // heldReport is held --json; its names do not change.
 type heldReport struct {
 	Keys []heldKey `json:"keys"`
+	// Total counts the keys held (longer than --older-than), listed or
+	// not; Truncated says --limit left some out.
+	Total     int  `json:"total"`
+	Truncated bool `json:"truncated"`
 }
+
+// heldLimit is held's default --limit: a screen's worth many times over,
+// and a database that holds more says how many more.
+const heldLimit = 1000
 
 type heldKey struct {
 	Consumer    string `json:"consumer"`
@@ -46,7 +54,8 @@ func (c *cli) held(args []string) error {
 	fs := c.flagSet("held")
 	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
 	older := fs.Duration("older-than", 0, "only keys with a message held longer than this (e.g. 5m, GapAfter)")
-	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--json]")
+	limit := fs.Int("limit", heldLimit, "list at most this many keys, the longest-held first (0: every key); the rest are counted")
+	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--limit N] [--json]")
 	if err != nil {
 		return err
 	}
@@ -55,6 +64,9 @@ func (c *cli) held(args []string) error {
 	}
 	if *older < 0 {
 		return usagef("--older-than: %s; want 0 or more", *older)
+	}
+	if *limit < 0 {
+		return usagef("--limit: %d; want 0 (every key) or more", *limit)
 	}
 	d, err := c.openChecked(false)
 	if err != nil {
@@ -65,11 +77,11 @@ func (c *cli) held(args []string) error {
 	if err != nil {
 		return err
 	}
-	gaps, err := in.Gaps(c.ctx, *older)
+	gaps, total, err := in.ListGaps(c.ctx, *older, *limit)
 	if err != nil {
 		return d.explain(err, sqldialect.InboxHeldTable)
 	}
-	r := heldReport{Keys: make([]heldKey, len(gaps))}
+	r := heldReport{Keys: make([]heldKey, len(gaps)), Total: total, Truncated: total > len(gaps)}
 	for i, g := range gaps {
 		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
@@ -100,6 +112,9 @@ func (c *cli) held(args []string) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if r.Truncated {
+		fmt.Fprintf(c.stdout, "and %d more keys, not listed: the %d above are the longest-held of %d (--limit 0 lists every key)\n", total-len(r.Keys), len(r.Keys), total)
 	}
 	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
 	return nil

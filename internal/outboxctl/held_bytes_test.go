@@ -122,3 +122,53 @@ func TestSkipHeld_RowPartlyUndecodable_PrintsEveryPart(t *testing.T) {
 		}
 	})
 }
+
+// held lists the longest-held keys, 1000 unless --limit says otherwise,
+// and says how many more there are, in the text and in --json; --limit 0
+// lists every one. RefreshStats' log sends the operator to it for the
+// keys it does not log.
+func TestHeld_MoreKeysThanTheLimit_SaysHowManyMore(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		tx := db.MustBegin()
+		for i := 0; i < 1005; i++ {
+			key := "order-" + strconv.Itoa(i)
+			tx.MustExec(db.Rebind("INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, 1, 1)"), "billing", key)
+			tx.MustExec(db.Rebind("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, 3, ?, 'x', 'utf-8', '{}', ?)"),
+				"billing", key, "m"+strconv.Itoa(i), ts(kind, time.Now().Add(-time.Hour-time.Duration(i)*time.Second)))
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		for _, run := range []struct {
+			args            []string
+			listed, total   int
+			truncated       bool
+			longest, saying string
+		}{
+			{nil, 1000, 1005, true, "order-1004", "and 5 more keys, not listed: the 1000 above are the longest-held of 1005 (--limit 0 lists every key)"},
+			{[]string{"--limit", "3"}, 3, 1005, true, "order-1004", "and 1002 more keys, not listed"},
+			{[]string{"--limit", "0"}, 1005, 1005, false, "order-1004", ""},
+		} {
+			args := append([]string{"held", "--db", db.DSN}, run.args...)
+			js := decodeJSON(t, mustCtl(t, append(args, "--json")...))
+			keys, _ := js["keys"].([]any)
+			first := ""
+			if len(keys) > 0 {
+				first, _ = keys[0].(map[string]any)["aggregate_id"].(string)
+			}
+			if len(keys) != run.listed || js["total"] != float64(run.total) || js["truncated"] != run.truncated || first != run.longest {
+				t.Errorf("held %v --json: %d keys from %s, total %v, truncated %v; want %d from %s, total %d, truncated %v",
+					run.args, len(keys), first, js["total"], js["truncated"], run.listed, run.longest, run.total, run.truncated)
+			}
+			out := mustCtl(t, args...)
+			if n := strings.Count(out, "\nbilling "); n != run.listed {
+				t.Errorf("held %v lists %d keys, want %d", run.args, n, run.listed)
+			}
+			if run.saying != "" && !strings.Contains(out, run.saying) || run.saying == "" && strings.Contains(out, "more keys") {
+				t.Errorf("held %v does not say %q; it ends:\n%s", run.args, run.saying, out[max(0, len(out)-400):])
+			}
+		}
+		ctl(t, nil, "held", "--db", db.DSN, "--limit", "-1").wantFailure(t, 2, "--limit: -1; want 0 (every key) or more")
+	})
+}
