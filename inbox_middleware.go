@@ -31,8 +31,24 @@ type InboxConfig struct {
 	// ConsumerName is the first half of the dedupe key. Default: the name of
 	// the router handler the message arrived at, so that two handlers of
 	// one message each process it once.
+	//
+	// With Ordered, a held message runs in the handler it was delivered
+	// to, told apart by the router's handler name. Outside a router there
+	// is none (""), and the handlers one Inbox wraps under one
+	// ConsumerName share a single route: a held message runs in whichever
+	// of them had a delivery last, not necessarily its own. There, give
+	// each handler a ConsumerName of its own, as dedupe needs already when
+	// two handlers get the same messages; a key whose numbers run across
+	// several handlers' topics needs a router.
 	ConsumerName string
 	// Table is the inbox table. Default processed_messages.
+	//
+	// The ordered inbox's state (acemq_inbox_sequences, acemq_inbox_held)
+	// is not in Table: it is one per database, keyed by consumer name
+	// alone. Two Ordered inboxes over different Tables of one database
+	// with the same ConsumerName share it, and the second one's messages
+	// are taken for duplicates of numbers the first applied, acked
+	// without running. Give them distinct ConsumerNames.
 	Table string
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
@@ -107,7 +123,8 @@ type InboxConfig struct {
 	// seq is missing or not a positive integer fails with ErrInvalidSeq, and
 	// one whose key the database cannot hold with ErrInvalidKey. Unkeyed messages take the unordered path. Needs sqlschema's 0006
 	// tables; not with AtMostOnce (a held message's effect would have no
-	// key committed before it). See ApplyHeld, Gaps and SkipGap.
+	// key committed before it). Its state is keyed by ConsumerName, not by
+	// Table (see both). See ApplyHeld, Gaps and SkipGap.
 	Ordered bool
 	// GapAfter, with Ordered, is how long a message may be held before
 	// RefreshStats reports its key as a gap (outbox_inbox_gaps, a logged

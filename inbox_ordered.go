@@ -512,8 +512,8 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	msg, err := heldMessage(id, payload, encoding, metadata)
 	if err != nil {
 		// A row no handler can be given: it stays, and the key with it, for
-		// an operator (Gaps lists it; SkipGap cannot pass it, deleting it
-		// by hand can).
+		// an operator (Gaps lists it; SkipHeld gives up on it and hands
+		// back what it holds).
 		return false, false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
 	}
 	heldBy, byName := msg.Metadata[heldHandlerKey]
@@ -647,38 +647,45 @@ type Gap struct {
 // Missing is how many sequence numbers the key waits for.
 func (g Gap) Missing() int64 { return g.LowestHeld - g.LastApplied - 1 }
 
-// gapsLimit bounds what one Gaps call reads: an operator reads a page, and
-// the gauges need the oldest only.
+// gapsLimit bounds what one Gaps call reads: the gauges' log needs the
+// longest-held few; ListGaps takes a limit of the caller's.
 const gapsLimit = 1000
 
 // Gaps lists the keys (of every consumer of the database) with a message
 // held longer than olderThan, longest-held first, at most 1000: 0 lists
-// every key with a held message.
+// every key with a held message. ListGaps says how many were left out.
 func (in *Inbox) Gaps(ctx context.Context, olderThan time.Duration) ([]Gap, error) {
-	return gaps(ctx, in.db, in.dialect, olderThan)
+	gs, _, err := in.ListGaps(ctx, olderThan, gapsLimit)
+	return gs, err
 }
 
-func gaps(ctx context.Context, db *sqlx.DB, d Dialect, olderThan time.Duration) ([]Gap, error) {
-	q := sqldialect.NewOrderedInbox(d.sql()).Gaps(time.Now().Add(-olderThan), gapsLimit)
-	rows, err := db.QueryContext(ctx, q.SQL, q.Args...)
+// ListGaps is Gaps with a limit of the caller's (0: none), and total, the
+// number of keys with a message held longer than olderThan, listed or
+// not: total - len(gaps) were left out. One statement reads both, so they
+// agree.
+func (in *Inbox) ListGaps(ctx context.Context, olderThan time.Duration, limit int) (gaps []Gap, total int, err error) {
+	if limit < 0 {
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: limit %d; want 0 (none) or more", limit)
+	}
+	q := sqldialect.NewOrderedInbox(in.dialect.sql()).Gaps(time.Now().Add(-olderThan), limit)
+	rows, err := in.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 	}
 	defer rows.Close()
-	var out []Gap
 	for rows.Next() {
 		var g Gap
-		at := sqldialect.NewTime(d.sql())
-		if err := rows.Scan(&g.Consumer, &g.AggregateID, &g.LastApplied, &g.Held, &g.LowestHeld, at); err != nil {
-			return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		at := sqldialect.NewTime(in.dialect.sql())
+		if err := rows.Scan(&g.Consumer, &g.AggregateID, &g.LastApplied, &g.Held, &g.LowestHeld, at, &total); err != nil {
+			return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 		}
 		g.OldestHeldAt = at.T
-		out = append(out, g)
+		gaps = append(gaps, g)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox: inbox: gaps: %w", err)
+		return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 	}
-	return out, nil
+	return gaps, total, nil
 }
 
 // SkipGap gives up on the sequence numbers from..through, the ones a key
@@ -822,7 +829,8 @@ func (in *Inbox) readHeld(ctx context.Context) (int64, error) {
 }
 
 // gapLogs is how many keys held past GapAfter one RefreshStats logs, the
-// longest-held first; outboxctl held lists them all.
+// longest-held first; outboxctl held lists the 1000 longest-held and counts
+// the rest, and with --limit 0 lists them all.
 const gapLogs = 20
 
 // logGaps logs the longest-held of the overdue keys held past GapAfter.
@@ -851,18 +859,32 @@ func (in *Inbox) logGaps(ctx context.Context, overdue int64) error {
 }
 
 // SkippedMessage is a held message an operator gave up on (SkipHeld): what
-// is needed to resend it by hand or park it elsewhere.
+// is needed to resend it by hand or park it elsewhere. Its row was the
+// message's only copy, so nothing of it is left out: a part of the row that
+// cannot be decoded (likely why its handler never ran) comes back as the
+// row stored it, with the reason, and the other part decoded all the same.
 type SkippedMessage struct {
 	ID       string
 	Payload  []byte
 	Metadata message.Metadata
+	// PayloadErr says why the row's payload could not be decoded (an
+	// unknown payload_encoding, base64 that is not); Payload is nil then,
+	// and StoredPayload and StoredEncoding are the row's payload and
+	// payload_encoding as it held them.
+	PayloadErr                    error
+	StoredPayload, StoredEncoding string
+	// MetadataErr likewise says why the row's metadata could not be
+	// decoded; Metadata is nil then, and StoredMetadata is the row's text.
+	MetadataErr    error
+	StoredMetadata string
 }
 
 // SkipHeld gives up on a key's held message seq that is the key's next
 // (the last applied is seq-1), whose handler keeps failing: it deletes
 // it, makes seq the key's last applied, applies the messages held behind
 // it (if this inbox has run their handler; otherwise at their handler's
-// next delivery or ApplyHeld), and returns it. It is the way past a poison
+// next delivery or ApplyHeld), and returns it: what of it can be decoded,
+// and the rest as its row stored it (see SkippedMessage). It is the way past a poison
 // message the broker no longer has (a held message was acked): SkipGap
 // skips missing numbers only. A copy of it that arrives later is acked as a
 // duplicate without running.
@@ -912,13 +934,18 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64) 
 	if last != seq-1 {
 		return SkippedMessage{}, fmt.Errorf("%w: %q for %s: seq %d is not the key's next: last applied is %d", ErrGapChanged, key, consumer, seq, last)
 	}
-	// What can be read of it goes back to the operator; a row that cannot
-	// be decoded (the likely poison) is skipped all the same.
+	// A row that cannot be decoded (the likely poison) is skipped all the
+	// same: each part goes back to the operator decoded if it can be, else
+	// as it is stored.
 	skipped := SkippedMessage{ID: id}
-	if msg, err := heldMessage(id, payload, encoding, metadata); err == nil {
-		delete(msg.Metadata, heldHandlerKey)
-		skipped.Payload, skipped.Metadata = msg.Payload, msg.Metadata
+	if skipped.Payload, err = rowcodec.DecodeBody(payload, encoding); err != nil {
+		skipped.Payload, skipped.PayloadErr = nil, err
+		skipped.StoredPayload, skipped.StoredEncoding = payload, encoding
 	}
+	if skipped.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
+		skipped.Metadata, skipped.MetadataErr, skipped.StoredMetadata = nil, err, metadata
+	}
+	delete(skipped.Metadata, heldHandlerKey)
 	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
 	}

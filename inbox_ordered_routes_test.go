@@ -149,6 +149,42 @@ func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
 	}
 }
 
+// A held row of which one part cannot be decoded is skipped all the same,
+// and SkipHeld hands back the other part decoded and this one as the row
+// stored it, with the reason: the row was the message's only copy.
+func TestOrderedInbox_SkipHeld_RowPartlyUndecodable_HandsBackEveryPart(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	in := newInbox(t, db, outbox.InboxConfig{}) // as outboxctl's: not Ordered
+	const badMetadata = `{"seq": 2}`            // a number: metadata values are strings
+	for key, row := range map[string][3]string{
+		"a": {"the only copy of the event", "utf-8", badMetadata},
+		"b": {"not base64!", "base64", `{"tenant":"t-1","x-acemq-inbox-handler":"on_order"}`},
+	} {
+		db.MustExec("INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES ('fulfilment', ?, 1, 1)", key)
+		db.MustExec("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES ('fulfilment', ?, 2, ?, ?, ?, ?, ?)",
+			key, key+"2", row[0], row[1], row[2], time.Now().UTC().Format("2006-01-02 15:04:05.000000"))
+	}
+	ctx := context.Background()
+	a, err := in.SkipHeld(ctx, "fulfilment", "a", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(a.Payload) != "the only copy of the event" || a.Metadata != nil || a.MetadataErr == nil || a.StoredMetadata != badMetadata || a.PayloadErr != nil {
+		t.Errorf("skipped %+v; want its payload, and its metadata as stored with the reason", a)
+	}
+	b, err := in.SkipHeld(ctx, "fulfilment", "b", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.Payload != nil || !reflect.DeepEqual(b.Metadata, message.Metadata{"tenant": "t-1"}) || b.PayloadErr == nil ||
+		b.StoredPayload != "not base64!" || b.StoredEncoding != "base64" || b.MetadataErr != nil {
+		t.Errorf("skipped %+v; want its metadata without the inbox's own, and its payload as stored with the reason", b)
+	}
+	if n := countHeld(t, db); n != 0 {
+		t.Errorf("%d held, want 0", n)
+	}
+}
+
 // A held message whose handler always fails (a poison message the broker no
 // longer has: it was acked when held) blocks its key until an operator
 // gives up on it: SkipHeld deletes it, hands it back, and the messages held

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -18,7 +20,15 @@ import (
 // heldReport is held --json; its names do not change.
 type heldReport struct {
 	Keys []heldKey `json:"keys"`
+	// Total counts the keys held (longer than --older-than), listed or
+	// not; Truncated says --limit left some out.
+	Total     int  `json:"total"`
+	Truncated bool `json:"truncated"`
 }
+
+// heldLimit is held's default --limit: a screen's worth many times over,
+// and a database that holds more says how many more.
+const heldLimit = 1000
 
 type heldKey struct {
 	Consumer    string `json:"consumer"`
@@ -44,7 +54,8 @@ func (c *cli) held(args []string) error {
 	fs := c.flagSet("held")
 	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
 	older := fs.Duration("older-than", 0, "only keys with a message held longer than this (e.g. 5m, GapAfter)")
-	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--json]")
+	limit := fs.Int("limit", heldLimit, "list at most this many keys, the longest-held first (0: every key); the rest are counted")
+	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--limit N] [--json]")
 	if err != nil {
 		return err
 	}
@@ -53,6 +64,9 @@ func (c *cli) held(args []string) error {
 	}
 	if *older < 0 {
 		return usagef("--older-than: %s; want 0 or more", *older)
+	}
+	if *limit < 0 {
+		return usagef("--limit: %d; want 0 (every key) or more", *limit)
 	}
 	d, err := c.openChecked(false)
 	if err != nil {
@@ -63,11 +77,11 @@ func (c *cli) held(args []string) error {
 	if err != nil {
 		return err
 	}
-	gaps, err := in.Gaps(c.ctx, *older)
+	gaps, total, err := in.ListGaps(c.ctx, *older, *limit)
 	if err != nil {
 		return d.explain(err, sqldialect.InboxHeldTable)
 	}
-	r := heldReport{Keys: make([]heldKey, len(gaps))}
+	r := heldReport{Keys: make([]heldKey, len(gaps)), Total: total, Truncated: total > len(gaps)}
 	for i, g := range gaps {
 		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
@@ -98,6 +112,9 @@ func (c *cli) held(args []string) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if r.Truncated {
+		fmt.Fprintf(c.stdout, "and %d more keys, not listed: the %d above are the longest-held of %d (--limit 0 lists every key)\n", total-len(r.Keys), len(r.Keys), total)
 	}
 	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
 	return nil
@@ -181,12 +198,50 @@ func keyFlag(key string) (string, error) {
 
 // skippedReport is skip-held --json; its names do not change.
 type skippedReport struct {
-	Consumer  string            `json:"consumer"`
-	Key       string            `json:"key"` // as outboxctl held shows it
-	Seq       int64             `json:"seq"`
-	MessageID string            `json:"message_id"`
-	Payload   []byte            `json:"payload"` // base64
-	Metadata  map[string]string `json:"metadata"`
+	Consumer  string `json:"consumer"`
+	Key       string `json:"key"` // as outboxctl held shows it
+	Seq       int64  `json:"seq"`
+	MessageID string `json:"message_id"`
+	Payload   []byte `json:"payload"` // base64
+	// Metadata is the message's metadata when every key and value of it is
+	// UTF-8. Otherwise it is null and MetadataBase64 holds it, as [key,
+	// value] pairs, each base64, the form the held row kept it in: a JSON
+	// string would hold U+FFFD in place of the other bytes, and this is
+	// the message's only copy.
+	Metadata       map[string]string `json:"metadata"`
+	MetadataBase64 [][2][]byte       `json:"metadata_base64,omitempty"`
+	// A part of the held row that could not be decoded is null above and
+	// given here as the row held it, in base64 as payload is (it may not be
+	// UTF-8), with the reason: payload and payload_encoding, or metadata.
+	PayloadError          string `json:"payload_error,omitempty"`
+	StoredPayload         []byte `json:"stored_payload,omitempty"`
+	StoredPayloadEncoding []byte `json:"stored_payload_encoding,omitempty"`
+	MetadataError         string `json:"metadata_error,omitempty"`
+	StoredMetadata        []byte `json:"stored_metadata,omitempty"`
+}
+
+func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
+	r := skippedReport{Consumer: consumer, Key: keyText(key), Seq: seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata}
+	text := true
+	for k, v := range m.Metadata {
+		text = text && utf8.ValidString(k) && utf8.ValidString(v)
+	}
+	if !text {
+		r.Metadata = nil
+		// In key order: a map's would print the same message differently
+		// each time.
+		for _, k := range slices.Sorted(maps.Keys(m.Metadata)) {
+			r.MetadataBase64 = append(r.MetadataBase64, [2][]byte{[]byte(k), []byte(m.Metadata[k])})
+		}
+	}
+	if m.PayloadErr != nil {
+		r.PayloadError = m.PayloadErr.Error()
+		r.StoredPayload, r.StoredPayloadEncoding = []byte(m.StoredPayload), []byte(m.StoredEncoding)
+	}
+	if m.MetadataErr != nil {
+		r.MetadataError, r.StoredMetadata = m.MetadataErr.Error(), []byte(m.StoredMetadata)
+	}
+	return r
 }
 
 func (c *cli) skipHeld(args []string) error {
@@ -230,15 +285,26 @@ func (c *cli) skipHeld(args []string) error {
 	case err != nil:
 		return d.explain(err, sqldialect.InboxSequencesTable)
 	}
+	r := newSkippedReport(*consumer, *key, *seq, m)
 	if *asJSON {
-		return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
+		return writeJSON(c.stdout, r)
 	}
 	// The message itself too: the broker was told it was handled when it
 	// was held, and its row is gone now, so this is its only copy.
+	encoded := "payload in base64"
+	if r.MetadataBase64 != nil {
+		encoded = "payload in base64; metadata too, in metadata_base64 as [key, value] pairs: a key or value of it is not UTF-8"
+	}
+	if r.PayloadError != "" {
+		encoded += "; the payload could not be decoded (payload_error): stored_payload and stored_payload_encoding are the row's, in base64"
+	}
+	if r.MetadataError != "" {
+		encoded += "; the metadata could not be decoded (metadata_error): stored_metadata is the row's, in base64"
+	}
 	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
-		"The message, its only copy now (payload in base64), to resend it by hand:\n",
-		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq)
-	return writeJSON(c.stdout, skippedReport{Consumer: *consumer, Key: keyText(*key), Seq: *seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata})
+		"The message, its only copy now (%s), to resend it by hand:\n",
+		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq, encoded)
+	return writeJSON(c.stdout, r)
 }
 
 // keyText is a key as the table shows it: as it is when that says which

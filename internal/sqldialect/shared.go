@@ -1069,14 +1069,22 @@ func (o *OrderedInbox) Ready(consumer string, after *string, limit int) Query {
 }
 
 // Gaps lists the keys with a message held since before cutoff, oldest
-// first, at most limit. Columns: consumer_name, aggregate_id, last applied
-// (0 when the key has no row), held count, lowest held seq, oldest held_at.
+// first, at most limit (0: every one). Columns: consumer_name,
+// aggregate_id, last applied (0 when the key has no row), held count,
+// lowest held seq, oldest held_at, and how many keys the list has without
+// the limit, counted in the same statement, so that it agrees with the
+// rows.
 func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
-	return o.query("SELECT h.consumer_name, h.aggregate_id, COALESCE(MAX(s.last_seq), 0), COUNT(*), MIN(h.seq), MIN(h.held_at)"+
-		" FROM "+InboxHeldTable+" h LEFT JOIN "+InboxSequencesTable+
-		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id"+
-		" GROUP BY h.consumer_name, h.aggregate_id HAVING MIN(h.held_at) < ? ORDER BY MIN(h.held_at), h.consumer_name, h.aggregate_id LIMIT ?",
-		o.d.TimeArg(cutoff), limit)
+	q := "SELECT h.consumer_name, h.aggregate_id, COALESCE(MAX(s.last_seq), 0), COUNT(*), MIN(h.seq), MIN(h.held_at), COUNT(*) OVER ()" +
+		" FROM " + InboxHeldTable + " h LEFT JOIN " + InboxSequencesTable +
+		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id" +
+		" GROUP BY h.consumer_name, h.aggregate_id HAVING MIN(h.held_at) < ? ORDER BY MIN(h.held_at), h.consumer_name, h.aggregate_id"
+	args := []any{o.d.TimeArg(cutoff)}
+	if limit > 0 {
+		q += " LIMIT ?"
+		args = append(args, limit)
+	}
+	return o.query(q, args...)
 }
 
 // HeldStats reads what the gauges show of every held message, of every
