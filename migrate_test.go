@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -40,35 +41,68 @@ func TestMigrate_ConcurrentProcesses_AllSucceedSchemaAppliedOnce(t *testing.T) {
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			db := testdb.New(t, kind)
-			d := dialectOf(t, db)
-			const replicas = 4
-			var wg sync.WaitGroup
-			errs := make([]error, replicas)
-			start := make(chan struct{})
-			for i := 0; i < replicas; i++ {
-				// A pool of its own per replica, as separate processes have.
-				pool, err := sqlx.Open(db.DriverName(), db.DSN)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer pool.Close()
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					errs[i] = outbox.Migrate(context.Background(), pool.DB, d)
-				}()
-			}
-			close(start)
-			wg.Wait()
-			for i, err := range errs {
-				if err != nil {
-					t.Errorf("replica %d: %v", i, err)
-				}
-			}
-			assertMigratedOnce(t, db)
+			migrateConcurrently(t, db, db.DSN)
 		})
 	}
+}
+
+// The same on PostgreSQL where the role, the database or the DSN makes
+// transactions REPEATABLE READ or SERIALIZABLE by default. The migration's
+// transaction took its snapshot at pg_advisory_xact_lock, before the wait
+// for the lock: a replica that waited did not see the versions the first
+// recorded, ran the migrations again, and failed recording them (23505, or
+// 40001 under SERIALIZABLE).
+func TestMigrate_ConcurrentProcesses_PostgresDefaultIsolationAboveReadCommitted_AllSucceed(t *testing.T) {
+	for _, iso := range []string{"repeatable read", "serializable"} {
+		t.Run(iso, func(t *testing.T) {
+			db := testdb.New(t, testdb.Postgres)
+			u, err := url.Parse(db.DSN)
+			if err != nil {
+				t.Fatal(err)
+			}
+			q := u.Query()
+			q.Set("default_transaction_isolation", iso)
+			u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
+			migrateConcurrently(t, db, u.String())
+		})
+	}
+}
+
+// migrateConcurrently runs Migrate from four pools on dsn at once and wants
+// every one to succeed and the schema applied once.
+func migrateConcurrently(t *testing.T, db *testdb.DB, dsn string) {
+	t.Helper()
+	for i, err := range migrateAtOnce(t, db.DriverName(), dsn, dialectOf(t, db), 4) {
+		if err != nil {
+			t.Errorf("replica %d: %v", i, err)
+		}
+	}
+	assertMigratedOnce(t, db)
+}
+
+// migrateAtOnce runs Migrate from n pools of its own at once, as n
+// processes booting together would, and returns each one's error.
+func migrateAtOnce(t *testing.T, driver, dsn string, d outbox.Dialect, n int) []error {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	start := make(chan struct{})
+	for i := range errs {
+		pool, err := sqlx.Open(driver, dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			errs[i] = outbox.Migrate(context.Background(), pool.DB, d)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return errs
 }
 
 // Replicas of a service on one SQLite file, booting at once on a fresh
@@ -113,25 +147,7 @@ func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.
 						t.Fatal(err)
 					}
 				}
-				var wg sync.WaitGroup
-				errs := make([]error, replicas)
-				start := make(chan struct{})
-				for i := range errs {
-					pool, err := sqlx.Open("sqlite3", dsn) // a pool of its own, as a process has
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer pool.Close()
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						<-start
-						errs[i] = outbox.Migrate(context.Background(), pool.DB, outbox.SQLite)
-					}()
-				}
-				close(start)
-				wg.Wait()
-				for i, err := range errs {
+				for i, err := range migrateAtOnce(t, "sqlite3", dsn, outbox.SQLite, replicas) {
 					if err != nil {
 						t.Errorf("round %d, replica %d: %v", round, i, err)
 					}

@@ -327,8 +327,13 @@ func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(E
 // migrateOnce runs fn in one transaction under the migration lock.
 func migrateOnce(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	// DDL is transactional on PostgreSQL: the lock, the schema and the record
-	// of it commit together, and a failure leaves nothing half-made.
-	tx, err := conn.BeginTx(ctx, nil)
+	// of it commit together, and a failure leaves nothing half-made. READ
+	// COMMITTED whatever the role's, database's or DSN's
+	// default_transaction_isolation: under REPEATABLE READ or SERIALIZABLE
+	// the snapshot is taken by pg_advisory_xact_lock, before its wait, and a
+	// process that waited for another's Migrate would not see the versions
+	// it recorded, run them again and fail recording them (23505, 40001).
+	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}
