@@ -699,6 +699,7 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 		d := migrate(t, db)
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
+		markAllPublished(t, db) // 0005's down refuses while keyed rows are pending
 		downAndUpAgain(t, db, d, 5)
 		msg := keyed("order-42")
 		inTx(t, db, true, []*message.Message{msg})
@@ -708,27 +709,86 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 	})
 }
 
+// Rolling back past 0005 while keyed rows are pending: its down dropped
+// aggregate_id and seq, the rows went out unkeyed, and the key's ordered
+// consumers, waiting for those numbers, waited for ever. The down now
+// refuses, with the reason, before it changes anything; migrated up again,
+// the rows still have their keys and numbers, and once they are published
+// the down goes through. (SQLite's down keeps the columns.)
+func TestMigrations_DownPast0005_RefusedWhileKeyedRowsArePending(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := testdb.New(t, kind)
+			d := migrate(t, db)
+			msgs := []*message.Message{keyed("order-42"), keyed("order-42")}
+			inTx(t, db, true, msgs)
+			err := downTo(t, db, d, 5)
+			if err == nil || !strings.Contains(err.Error(), "refused: acemq_outbox holds keyed rows not yet published") {
+				t.Fatalf("down to 5 with keyed rows pending: %v, want 0005's refusal", err)
+			}
+			t.Logf("down to 5: %v", err)
+			if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+				t.Fatalf("migrate up again after the refused down: %v", err)
+			}
+			for i, m := range msgs {
+				if key, seq := seqOf(t, db, m.UUID); key != "order-42" || seq != int64(i+1) {
+					t.Errorf("pending row %d after the refused down: aggregate_id=%q seq=%d, want order-42 #%d", i+1, key, seq, i+1)
+				}
+			}
+			markAllPublished(t, db)
+			downAndUpAgain(t, db, d, 5)
+		})
+	}
+}
+
+// markAllPublished marks every row of acemq_outbox published, as the relay
+// would have.
+func markAllPublished(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL"), time.Now().UTC()); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // downAndUpAgain runs the down migrations from the latest to version from,
 // as golang-migrate down would, and then Migrate.
 func downAndUpAgain(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) {
+	t.Helper()
+	if err := downTo(t, db, d, from); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+		t.Fatalf("migrate up again: %v", err)
+	}
+}
+
+// downTo runs the down migrations from the latest to version from on one
+// connection (MySQL's checks keep their verdict in session variables),
+// forgetting each one's record as it completes, and returns the first
+// error, with the migration's name.
+func downTo(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) error {
 	t.Helper()
 	migs, err := sqlschema.Migrations(d.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
+	ctx := context.Background()
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
 	for i := len(migs) - 1; i >= 0 && migs[i].Version >= from; i-- {
 		for _, stmt := range sqlschema.Statements(migs[i].Down) {
-			if _, err := db.Exec(stmt); err != nil {
-				t.Fatalf("%s down: %v", migs[i].Name, err)
+			if _, err := conn.ExecContext(ctx, stmt); err != nil {
+				return fmt.Errorf("%s down: %w", migs[i].Name, err)
 			}
 		}
-		if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
+		if _, err := conn.ExecContext(ctx, db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-		t.Fatalf("migrate up again: %v", err)
-	}
+	return nil
 }
 
 // With search_path=svc,public and the estate's acemq_outbox in public (the
