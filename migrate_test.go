@@ -688,6 +688,61 @@ func mysqlRailsTableKeys(t *testing.T, legacy bool) {
 	}
 }
 
+// A utf8mb4 acemq_outbox another library made in ROW_FORMAT=COMPACT
+// (MySQL 5.6's default, kept by every upgrade since) cannot have 0005's
+// index on aggregate_id: varchar(255) in utf8mb4 is 1,020 bytes, and
+// COMPACT indexes 767 at the most (Error 1709). MySQL's DDL is not
+// transactional, so 0005 had added the columns by then, and every boot
+// failed half-way. 0005 now refuses before any change, naming the cause and
+// the remedy; after that remedy, Migrate adopts the table. A utf8mb3 table
+// in COMPACT fits (765 bytes), and is adopted at once.
+func TestMigrate_MySQLCompactRowFormatTable_RefusedBeforeAnyChangeAdoptedOnceDynamic(t *testing.T) {
+	for _, c := range []struct{ name, alter string }{
+		{"COMPACT", "ROW_FORMAT=COMPACT"},
+		{"REDUNDANT", "ROW_FORMAT=REDUNDANT"},
+		{"utf8mb3 COMPACT", "CONVERT TO CHARACTER SET utf8mb3 COLLATE utf8mb3_general_ci, ROW_FORMAT=COMPACT"}, // fits: adopted at once
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := testdb.New(t, testdb.MySQL)
+			testrails.CreateTable(t, db)
+			if _, err := db.Exec("ALTER TABLE acemq_outbox " + c.alter); err != nil {
+				t.Fatal(err)
+			}
+			testrails.Insert(t, db, testrails.Row{ID: "pending", Exchange: "shop", RoutingKey: "order.placed", Body: `{}`, CreatedAt: time.Now()})
+			ctx := context.Background()
+			err := outbox.Migrate(ctx, db.DB.DB, outbox.MySQL)
+			t.Logf("Migrate on the %s table: %v", c.name, err)
+			if strings.HasPrefix(c.name, "utf8mb3") {
+				if err != nil {
+					t.Fatalf("Migrate on a utf8mb3 COMPACT table, whose index fits: %v", err)
+				}
+				assertMigratedOnce(t, db)
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), "ROW_FORMAT=DYNAMIC") {
+				t.Errorf("Migrate on a utf8mb4 %s table: %v, want 0005's refusal naming ROW_FORMAT=DYNAMIC", c.name, err)
+			}
+			var added int
+			if err := db.Get(&added, "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME IN ('aggregate_id', 'seq')"); err != nil {
+				t.Fatal(err)
+			}
+			if added != 0 {
+				t.Errorf("%d of aggregate_id and seq added by the refused 0005", added)
+			}
+			if _, err := db.Exec("ALTER TABLE acemq_outbox ROW_FORMAT=DYNAMIC"); err != nil {
+				t.Fatal(err)
+			}
+			if err := outbox.Migrate(ctx, db.DB.DB, outbox.MySQL); err != nil {
+				t.Fatalf("Migrate after ROW_FORMAT=DYNAMIC: %v", err)
+			}
+			assertMigratedOnce(t, db)
+			if n := countRows(t, db); n != 1 {
+				t.Errorf("%d rows after the adoption, want the pending one", n)
+			}
+		})
+	}
+}
+
 // Rolling back past 0005 (golang-migrate down 0008 … 0005) and migrating
 // up again goes on numbering each key where it was: 0005's down keeps the
 // counters. It dropped them, and a key's next message was numbered 1
