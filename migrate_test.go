@@ -764,6 +764,53 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 	})
 }
 
+// A down to the bottom (golang-migrate's down with no count) while the
+// ordered inbox holds messages: 0002's down dropped acemq_inbox_held, and
+// with it messages acked to the broker whose handlers had not run, their
+// only copy. It now refuses, with the reason, before it drops anything;
+// once none is held, the down goes through.
+func TestMigrations_DownOf0002_RefusesWhileTheInboxHoldsMessages(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := migrate(t, db)
+		if _, err := db.Exec(db.Rebind("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, 'utf-8', '{}', ?)"),
+			"billing", "order-1", 2, "m2", "event 2", "2026-12-03 06:00:00.000000"); err != nil {
+			t.Fatal(err)
+		}
+		err := downTo(t, db, d, 1)
+		t.Logf("down to the bottom: %v", err)
+		if err == nil || !strings.Contains(err.Error(), "refused: acemq_inbox_held holds messages not yet handled") {
+			t.Errorf("down to the bottom with a message held: %v, want 0002's refusal", err)
+		}
+		for _, table := range []string{"acemq_inbox_held", "processed_messages"} {
+			var n int
+			if err := db.Get(&n, "SELECT COUNT(*) FROM "+table); err != nil {
+				t.Errorf("%s after the refused down: %v", table, err)
+			} else if table == "acemq_inbox_held" && n != 1 {
+				t.Errorf("%d messages held after the refused down, want 1", n)
+			}
+		}
+		if _, err := db.Exec("DELETE FROM acemq_inbox_held"); err != nil {
+			t.Fatal(err)
+		}
+		if err := downTo(t, db, d, 1); err != nil {
+			t.Fatalf("down to the bottom with no message held: %v", err)
+		}
+		if _, err := db.Exec("SELECT 1 FROM acemq_inbox_held"); err == nil {
+			t.Error("acemq_inbox_held still exists after 0002's down")
+		}
+		// And on a database whose inbox is gone already.
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, stmt := range sqlschema.Statements(migs[1].Down) {
+			if _, err := db.Exec(stmt); err != nil {
+				t.Fatalf("%s down without its tables: %v", migs[1].Name, err)
+			}
+		}
+	})
+}
+
 // Rolling back past 0005 while keyed rows are pending: its down dropped
 // aggregate_id and seq, the rows went out unkeyed, and the key's ordered
 // consumers, waiting for those numbers, waited for ever. The down now
@@ -817,14 +864,18 @@ func downAndUpAgain(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) {
 	}
 }
 
-// downTo runs the down migrations from the latest to version from on one
-// connection (MySQL's checks keep their verdict in session variables),
-// forgetting each one's record as it completes, and returns the first
-// error, with the migration's name.
+// downTo runs the down migrations of the versions recorded, from the
+// latest to version from, on one connection (MySQL's checks keep their
+// verdict in session variables), forgetting each one's record as it
+// completes, and returns the first error, with the migration's name.
 func downTo(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) error {
 	t.Helper()
 	migs, err := sqlschema.Migrations(d.Name())
 	if err != nil {
+		t.Fatal(err)
+	}
+	var recorded []int
+	if err := db.Select(&recorded, "SELECT version FROM acemq_schema_migrations"); err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
@@ -834,6 +885,9 @@ func downTo(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) error {
 	}
 	defer conn.Close()
 	for i := len(migs) - 1; i >= 0 && migs[i].Version >= from; i-- {
+		if !slices.Contains(recorded, migs[i].Version) {
+			continue
+		}
 		for _, stmt := range sqlschema.Statements(migs[i].Down) {
 			if _, err := conn.ExecContext(ctx, stmt); err != nil {
 				return fmt.Errorf("%s down: %w", migs[i].Name, err)
