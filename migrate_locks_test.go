@@ -5,6 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jmoiron/sqlx"
+	_ "github.com/lib/pq" // driver "postgres", which the library takes for PostgreSQL
+
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 	"github.com/acemq/watermill-outbox/internal/testrails"
@@ -15,11 +18,23 @@ import (
 // statement on the table after the DDL queues behind it. Migrate waits a
 // second at a time and lets go in between, so that another service's
 // writes go on meanwhile, and it completes once the long transaction ends.
+// Through lib/pq as through pgx: Migrate knew the lock's timeout only by
+// pgx's text ("SQLSTATE 55P03"), and through lib/pq it failed after its
+// first second's wait.
 func TestMigrate_AdoptingABusyTable_OtherServicesWritesGoOn(t *testing.T) {
-	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
-		t.Run(kind, func(t *testing.T) {
-			db := testdb.New(t, kind)
+	for _, c := range []struct{ name, kind, driver string }{
+		{"postgres/pgx", testdb.Postgres, "pgx"},
+		{"postgres/lib-pq", testdb.Postgres, "postgres"},
+		{"mysql", testdb.MySQL, "mysql"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := testdb.New(t, c.kind)
 			testrails.CreateTable(t, db)
+			pool, err := sqlx.Open(c.driver, db.DSN)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
 			ctx := context.Background()
 			long, err := db.DB.DB.BeginTx(ctx, nil)
 			if err != nil {
@@ -31,7 +46,7 @@ func TestMigrate_AdoptingABusyTable_OtherServicesWritesGoOn(t *testing.T) {
 				t.Fatal(err)
 			}
 			done := make(chan error, 1)
-			go func() { done <- outbox.Migrate(ctx, db.DB.DB, dialectOf(t, db)) }()
+			go func() { done <- outbox.Migrate(ctx, pool, nil) }()
 			// Migrate is at the table's DDL by now, or soon: write while it
 			// waits, as another service would, for longer than one wait.
 			for i := range 5 {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -40,35 +41,68 @@ func TestMigrate_ConcurrentProcesses_AllSucceedSchemaAppliedOnce(t *testing.T) {
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			db := testdb.New(t, kind)
-			d := dialectOf(t, db)
-			const replicas = 4
-			var wg sync.WaitGroup
-			errs := make([]error, replicas)
-			start := make(chan struct{})
-			for i := 0; i < replicas; i++ {
-				// A pool of its own per replica, as separate processes have.
-				pool, err := sqlx.Open(db.DriverName(), db.DSN)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer pool.Close()
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					errs[i] = outbox.Migrate(context.Background(), pool.DB, d)
-				}()
-			}
-			close(start)
-			wg.Wait()
-			for i, err := range errs {
-				if err != nil {
-					t.Errorf("replica %d: %v", i, err)
-				}
-			}
-			assertMigratedOnce(t, db)
+			migrateConcurrently(t, db, db.DSN)
 		})
 	}
+}
+
+// The same on PostgreSQL where the role, the database or the DSN makes
+// transactions REPEATABLE READ or SERIALIZABLE by default. The migration's
+// transaction took its snapshot at pg_advisory_xact_lock, before the wait
+// for the lock: a replica that waited did not see the versions the first
+// recorded, ran the migrations again, and failed recording them (23505, or
+// 40001 under SERIALIZABLE).
+func TestMigrate_ConcurrentProcesses_PostgresDefaultIsolationAboveReadCommitted_AllSucceed(t *testing.T) {
+	for _, iso := range []string{"repeatable read", "serializable"} {
+		t.Run(iso, func(t *testing.T) {
+			db := testdb.New(t, testdb.Postgres)
+			u, err := url.Parse(db.DSN)
+			if err != nil {
+				t.Fatal(err)
+			}
+			q := u.Query()
+			q.Set("default_transaction_isolation", iso)
+			u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
+			migrateConcurrently(t, db, u.String())
+		})
+	}
+}
+
+// migrateConcurrently runs Migrate from four pools on dsn at once and wants
+// every one to succeed and the schema applied once.
+func migrateConcurrently(t *testing.T, db *testdb.DB, dsn string) {
+	t.Helper()
+	for i, err := range migrateAtOnce(t, db.DriverName(), dsn, dialectOf(t, db), 4) {
+		if err != nil {
+			t.Errorf("replica %d: %v", i, err)
+		}
+	}
+	assertMigratedOnce(t, db)
+}
+
+// migrateAtOnce runs Migrate from n pools of its own at once, as n
+// processes booting together would, and returns each one's error.
+func migrateAtOnce(t *testing.T, driver, dsn string, d outbox.Dialect, n int) []error {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	start := make(chan struct{})
+	for i := range errs {
+		pool, err := sqlx.Open(driver, dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			errs[i] = outbox.Migrate(context.Background(), pool.DB, d)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return errs
 }
 
 // Replicas of a service on one SQLite file, booting at once on a fresh
@@ -113,25 +147,7 @@ func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.
 						t.Fatal(err)
 					}
 				}
-				var wg sync.WaitGroup
-				errs := make([]error, replicas)
-				start := make(chan struct{})
-				for i := range errs {
-					pool, err := sqlx.Open("sqlite3", dsn) // a pool of its own, as a process has
-					if err != nil {
-						t.Fatal(err)
-					}
-					defer pool.Close()
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						<-start
-						errs[i] = outbox.Migrate(context.Background(), pool.DB, outbox.SQLite)
-					}()
-				}
-				close(start)
-				wg.Wait()
-				for i, err := range errs {
+				for i, err := range migrateAtOnce(t, "sqlite3", dsn, outbox.SQLite, replicas) {
 					if err != nil {
 						t.Errorf("round %d, replica %d: %v", round, i, err)
 					}
@@ -672,6 +688,61 @@ func mysqlRailsTableKeys(t *testing.T, legacy bool) {
 	}
 }
 
+// A utf8mb4 acemq_outbox another library made in ROW_FORMAT=COMPACT
+// (MySQL 5.6's default, kept by every upgrade since) cannot have 0005's
+// index on aggregate_id: varchar(255) in utf8mb4 is 1,020 bytes, and
+// COMPACT indexes 767 at the most (Error 1709). MySQL's DDL is not
+// transactional, so 0005 had added the columns by then, and every boot
+// failed half-way. 0005 now refuses before any change, naming the cause and
+// the remedy; after that remedy, Migrate adopts the table. A utf8mb3 table
+// in COMPACT fits (765 bytes), and is adopted at once.
+func TestMigrate_MySQLCompactRowFormatTable_RefusedBeforeAnyChangeAdoptedOnceDynamic(t *testing.T) {
+	for _, c := range []struct{ name, alter string }{
+		{"COMPACT", "ROW_FORMAT=COMPACT"},
+		{"REDUNDANT", "ROW_FORMAT=REDUNDANT"},
+		{"utf8mb3 COMPACT", "CONVERT TO CHARACTER SET utf8mb3 COLLATE utf8mb3_general_ci, ROW_FORMAT=COMPACT"}, // fits: adopted at once
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := testdb.New(t, testdb.MySQL)
+			testrails.CreateTable(t, db)
+			if _, err := db.Exec("ALTER TABLE acemq_outbox " + c.alter); err != nil {
+				t.Fatal(err)
+			}
+			testrails.Insert(t, db, testrails.Row{ID: "pending", Exchange: "shop", RoutingKey: "order.placed", Body: `{}`, CreatedAt: time.Now()})
+			ctx := context.Background()
+			err := outbox.Migrate(ctx, db.DB.DB, outbox.MySQL)
+			t.Logf("Migrate on the %s table: %v", c.name, err)
+			if strings.HasPrefix(c.name, "utf8mb3") {
+				if err != nil {
+					t.Fatalf("Migrate on a utf8mb3 COMPACT table, whose index fits: %v", err)
+				}
+				assertMigratedOnce(t, db)
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), "ROW_FORMAT=DYNAMIC") {
+				t.Errorf("Migrate on a utf8mb4 %s table: %v, want 0005's refusal naming ROW_FORMAT=DYNAMIC", c.name, err)
+			}
+			var added int
+			if err := db.Get(&added, "SELECT COUNT(*) FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND COLUMN_NAME IN ('aggregate_id', 'seq')"); err != nil {
+				t.Fatal(err)
+			}
+			if added != 0 {
+				t.Errorf("%d of aggregate_id and seq added by the refused 0005", added)
+			}
+			if _, err := db.Exec("ALTER TABLE acemq_outbox ROW_FORMAT=DYNAMIC"); err != nil {
+				t.Fatal(err)
+			}
+			if err := outbox.Migrate(ctx, db.DB.DB, outbox.MySQL); err != nil {
+				t.Fatalf("Migrate after ROW_FORMAT=DYNAMIC: %v", err)
+			}
+			assertMigratedOnce(t, db)
+			if n := countRows(t, db); n != 1 {
+				t.Errorf("%d rows after the adoption, want the pending one", n)
+			}
+		})
+	}
+}
+
 // Rolling back past 0005 (golang-migrate down 0008 … 0005) and migrating
 // up again goes on numbering each key where it was: 0005's down keeps the
 // counters. It dropped them, and a key's next message was numbered 1
@@ -683,6 +754,7 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 		d := migrate(t, db)
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
+		markAllPublished(t, db) // 0005's down refuses while keyed rows are pending
 		downAndUpAgain(t, db, d, 5)
 		msg := keyed("order-42")
 		inTx(t, db, true, []*message.Message{msg})
@@ -692,27 +764,140 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 	})
 }
 
+// A down to the bottom (golang-migrate's down with no count) while the
+// ordered inbox holds messages: 0002's down dropped acemq_inbox_held, and
+// with it messages acked to the broker whose handlers had not run, their
+// only copy. It now refuses, with the reason, before it drops anything;
+// once none is held, the down goes through.
+func TestMigrations_DownOf0002_RefusesWhileTheInboxHoldsMessages(t *testing.T) {
+	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
+		d := migrate(t, db)
+		if _, err := db.Exec(db.Rebind("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, 'utf-8', '{}', ?)"),
+			"billing", "order-1", 2, "m2", "event 2", "2026-12-03 06:00:00.000000"); err != nil {
+			t.Fatal(err)
+		}
+		err := downTo(t, db, d, 1)
+		t.Logf("down to the bottom: %v", err)
+		if err == nil || !strings.Contains(err.Error(), "refused: acemq_inbox_held holds messages not yet handled") {
+			t.Errorf("down to the bottom with a message held: %v, want 0002's refusal", err)
+		}
+		for _, table := range []string{"acemq_inbox_held", "processed_messages"} {
+			var n int
+			if err := db.Get(&n, "SELECT COUNT(*) FROM "+table); err != nil {
+				t.Errorf("%s after the refused down: %v", table, err)
+			} else if table == "acemq_inbox_held" && n != 1 {
+				t.Errorf("%d messages held after the refused down, want 1", n)
+			}
+		}
+		if _, err := db.Exec("DELETE FROM acemq_inbox_held"); err != nil {
+			t.Fatal(err)
+		}
+		if err := downTo(t, db, d, 1); err != nil {
+			t.Fatalf("down to the bottom with no message held: %v", err)
+		}
+		if _, err := db.Exec("SELECT 1 FROM acemq_inbox_held"); err == nil {
+			t.Error("acemq_inbox_held still exists after 0002's down")
+		}
+		// And on a database whose inbox is gone already.
+		migs, err := sqlschema.Migrations(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, stmt := range sqlschema.Statements(migs[1].Down) {
+			if _, err := db.Exec(stmt); err != nil {
+				t.Fatalf("%s down without its tables: %v", migs[1].Name, err)
+			}
+		}
+	})
+}
+
+// Rolling back past 0005 while keyed rows are pending: its down dropped
+// aggregate_id and seq, the rows went out unkeyed, and the key's ordered
+// consumers, waiting for those numbers, waited for ever. The down now
+// refuses, with the reason, before it changes anything; migrated up again,
+// the rows still have their keys and numbers, and once they are published
+// the down goes through. (SQLite's down keeps the columns.)
+func TestMigrations_DownPast0005_RefusedWhileKeyedRowsArePending(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := testdb.New(t, kind)
+			d := migrate(t, db)
+			msgs := []*message.Message{keyed("order-42"), keyed("order-42")}
+			inTx(t, db, true, msgs)
+			err := downTo(t, db, d, 5)
+			if err == nil || !strings.Contains(err.Error(), "refused: acemq_outbox holds keyed rows not yet published") {
+				t.Fatalf("down to 5 with keyed rows pending: %v, want 0005's refusal", err)
+			}
+			t.Logf("down to 5: %v", err)
+			if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+				t.Fatalf("migrate up again after the refused down: %v", err)
+			}
+			for i, m := range msgs {
+				if key, seq := seqOf(t, db, m.UUID); key != "order-42" || seq != int64(i+1) {
+					t.Errorf("pending row %d after the refused down: aggregate_id=%q seq=%d, want order-42 #%d", i+1, key, seq, i+1)
+				}
+			}
+			markAllPublished(t, db)
+			downAndUpAgain(t, db, d, 5)
+		})
+	}
+}
+
+// markAllPublished marks every row of acemq_outbox published, as the relay
+// would have.
+func markAllPublished(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL"), time.Now().UTC()); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // downAndUpAgain runs the down migrations from the latest to version from,
 // as golang-migrate down would, and then Migrate.
 func downAndUpAgain(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) {
+	t.Helper()
+	if err := downTo(t, db, d, from); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+		t.Fatalf("migrate up again: %v", err)
+	}
+}
+
+// downTo runs the down migrations of the versions recorded, from the
+// latest to version from, on one connection (MySQL's checks keep their
+// verdict in session variables), forgetting each one's record as it
+// completes, and returns the first error, with the migration's name.
+func downTo(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) error {
 	t.Helper()
 	migs, err := sqlschema.Migrations(d.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
+	var recorded []int
+	if err := db.Select(&recorded, "SELECT version FROM acemq_schema_migrations"); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
 	for i := len(migs) - 1; i >= 0 && migs[i].Version >= from; i-- {
+		if !slices.Contains(recorded, migs[i].Version) {
+			continue
+		}
 		for _, stmt := range sqlschema.Statements(migs[i].Down) {
-			if _, err := db.Exec(stmt); err != nil {
-				t.Fatalf("%s down: %v", migs[i].Name, err)
+			if _, err := conn.ExecContext(ctx, stmt); err != nil {
+				return fmt.Errorf("%s down: %w", migs[i].Name, err)
 			}
 		}
-		if _, err := db.Exec(db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
+		if _, err := conn.ExecContext(ctx, db.Rebind("DELETE FROM acemq_schema_migrations WHERE version = ?"), migs[i].Version); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
-		t.Fatalf("migrate up again: %v", err)
-	}
+	return nil
 }
 
 // With search_path=svc,public and the estate's acemq_outbox in public (the

@@ -182,14 +182,21 @@ func (postgres) CommitRolledBack(err error) bool {
 
 // Conflict: SQLSTATE 40001 (serialization_failure: under REPEATABLE READ
 // or SERIALIZABLE, a row changed since the transaction's snapshot) and
-// 40P01 (deadlock_detected), read through SQLState(), which both pgx's and
-// lib/pq's errors have.
+// 40P01 (deadlock_detected).
 func (postgres) Conflict(err error) bool {
+	s := sqlState(err)
+	return s == "40001" || s == "40P01"
+}
+
+// sqlState is err's SQLSTATE, read through SQLState(), which both pgx's and
+// lib/pq's errors have, where their texts differ ("… (SQLSTATE 55P03)",
+// "pq: canceling statement due to lock timeout"); "" for another error.
+func sqlState(err error) string {
 	var e interface{ SQLState() string }
 	if !errors.As(err, &e) {
-		return false
+		return ""
 	}
-	return e.SQLState() == "40001" || e.SQLState() == "40P01"
+	return e.SQLState()
 }
 
 // PreparesRelay: pgx caches the statements it prepares on each connection
@@ -320,15 +327,20 @@ const migrationLockKey = 0x6163656d71 // "acemq"
 
 func (postgres) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	return retryTableLocks(ctx, time.Now().Add(migrationLockTimeout*time.Second), func() error { return migrateOnce(ctx, conn, fn) }, func(err error) bool {
-		return strings.Contains(err.Error(), "SQLSTATE 55P03") // lock_not_available: lock_timeout
+		return sqlState(err) == "55P03" // lock_not_available: lock_timeout
 	})
 }
 
 // migrateOnce runs fn in one transaction under the migration lock.
 func migrateOnce(ctx context.Context, conn *sql.Conn, fn func(Execer) error) error {
 	// DDL is transactional on PostgreSQL: the lock, the schema and the record
-	// of it commit together, and a failure leaves nothing half-made.
-	tx, err := conn.BeginTx(ctx, nil)
+	// of it commit together, and a failure leaves nothing half-made. READ
+	// COMMITTED whatever the role's, database's or DSN's
+	// default_transaction_isolation: under REPEATABLE READ or SERIALIZABLE
+	// the snapshot is taken by pg_advisory_xact_lock, before its wait, and a
+	// process that waited for another's Migrate would not see the versions
+	// it recorded, run them again and fail recording them (23505, 40001).
+	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}

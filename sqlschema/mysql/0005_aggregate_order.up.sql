@@ -12,8 +12,31 @@
 -- aggregate_id takes the binary collation of the table's character set
 -- (utf8mb4_bin on 0001's table): keys differing in case or accent are two
 -- keys, as acemq_outbox_sequences numbers them. The character set stays
--- the table's, so that the index on it fits an older row format; a table
--- of the binary character set gets varbinary.
+-- the table's (a table of the binary character set gets varbinary), and
+-- the unique index below takes the whole column: 255 characters of up to 4
+-- bytes in utf8mb4, more than the 767 bytes a key column may have in a
+-- table of ROW_FORMAT COMPACT or REDUNDANT (Error 1709; MySQL 5.6 made
+-- tables COMPACT, and an upgrade keeps them so). utf8mb3 (765 bytes) and
+-- single-byte sets fit.
+--
+-- Such a table is refused here, before any change: MySQL's DDL is not
+-- transactional, and the columns added before the index failed would have
+-- stayed, every boot failing at the index again. The remedy is the
+-- operator's, a rebuild of the estate's table: ALTER TABLE acemq_outbox
+-- ROW_FORMAT=DYNAMIC. The refusal is a statement naming a column that
+-- cannot exist, whose error carries the reason, as in 0001's down.
+SET @acemq_guard = COALESCE((SELECT IF(t.ROW_FORMAT IN ('Compact', 'Redundant') AND 255 * cs.MAXLEN > 767
+            AND NOT EXISTS (SELECT 1 FROM information_schema.STATISTICS s
+                            WHERE s.TABLE_SCHEMA = DATABASE() AND s.TABLE_NAME = 'acemq_outbox' AND s.INDEX_NAME = 'acemq_outbox_aggregate_seq'),
+        CONCAT('SELECT `refused: acemq_outbox is ', t.ROW_FORMAT, ', needs ROW_FORMAT=DYNAMIC`'), 'DO 0')
+    FROM information_schema.TABLES t
+    JOIN information_schema.CHARACTER_SETS cs ON cs.CHARACTER_SET_NAME = SUBSTRING_INDEX(t.TABLE_COLLATION, '_', 1)
+    WHERE t.TABLE_SCHEMA = DATABASE() AND t.TABLE_NAME = 'acemq_outbox'), 'DO 0');
+PREPARE acemq_guard FROM @acemq_guard;
+EXECUTE acemq_guard;
+DEALLOCATE PREPARE acemq_guard;
+SET @acemq_guard = NULL;
+
 SET @acemq_ddl = (SELECT IF(COUNT(*) = 0, CONCAT('ALTER TABLE acemq_outbox ADD COLUMN aggregate_id ',
         (SELECT IF(TABLE_COLLATION IS NULL OR TABLE_COLLATION = 'binary', 'varbinary(255)',
                    CONCAT('varchar(255) COLLATE ', SUBSTRING_INDEX(TABLE_COLLATION, '_', 1), '_bin'))
