@@ -144,7 +144,8 @@ type relaySubscriber struct {
 }
 
 // Subscribe starts the relay under ctx, which the router cancels when it
-// closes, and returns once it works, or why it cannot start.
+// closes, and returns once it works, or once it ended because the
+// Forwarder was closed before it started.
 func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	if s.owns {
@@ -161,25 +162,28 @@ func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *mess
 	s.mu.Unlock()
 
 	out := make(chan *message.Message)
-	refused := make(chan error, 1)
 	go func() {
 		defer close(s.stopped)
-		if err := s.f.run(ctx); err != nil {
-			refused <- err // closed before it started
+		defer close(out)
+		// run fails only for a Forwarder closed before it started: by hand,
+		// after the plugin ran and before the router started its handlers.
+		// Then the handler ends at once, as one closed later would; an
+		// error here would fail the router's Run after it started the
+		// other handlers, and its Close would wait CloseTimeout for this
+		// one.
+		if s.f.run(ctx) != nil {
 			return
 		}
 		// run returns nil only once stopped, its batch finished.
 		if err := s.f.Close(); err != nil {
 			s.f.log.Error("Outbox forwarder: closing the destination failed", err, nil)
 		}
-		close(out)
 	}()
 	select {
 	case <-s.f.Running():
-		return out, nil
-	case err := <-refused:
-		return nil, err
+	case <-s.stopped:
 	}
+	return out, nil
 }
 
 // Close stops the relay, waits for the batch in flight, and closes the
