@@ -366,18 +366,32 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // Run relays until ctx ends or Close is called, then finishes the batch in
 // flight and returns. Failed sweeps are reported through OnError and retried
 // with backoff; Run returns nil when stopped.
+// A Forwarder whose plugin is on a router runs under it: Run returns
+// ErrForwarderInUse, or ErrForwarderClosed once it is closed.
 func (f *Forwarder) Run(ctx context.Context) error {
-	if err := f.claimRun(); err != nil {
+	select {
+	case <-f.closing:
+		return ErrForwarderClosed
+	default:
+	}
+	if err := f.claimRun(false); err != nil {
 		return err
 	}
 	return f.run(ctx)
 }
 
-// claimRun makes the caller the one that runs the forwarder: it runs once.
-func (f *Forwarder) claimRun() error {
+// claimRun makes the caller the one that runs the forwarder: it runs once,
+// and once its plugin is on a router only that router's handler runs it
+// (byRouter). A Run let through there would leave the router's Subscribe
+// to fail after the plugins, with the other handlers started, and its
+// Close to wait CloseTimeout for the relay's.
+func (f *Forwarder) claimRun(byRouter bool) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.runCalled {
+	switch {
+	case f.routed && !byRouter:
+		return fmt.Errorf("%w: its plugin is on a router; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case f.runCalled:
 		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
 	}
 	f.runCalled = true

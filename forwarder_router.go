@@ -13,8 +13,9 @@ import (
 
 // ErrForwarderInUse is returned by the plugin of a Forwarder that runs
 // already (under another router's plugin, under the same plugin added
-// twice, under a Run of its own), and by a plugin whose router runs a relay
-// of the same table already.
+// twice, under a Run of its own), by a plugin whose router runs a relay
+// of the same table already, and by Run on a Forwarder whose plugin is on
+// a router.
 var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 
 // Plugin runs the relay as part of a Watermill router: router.AddPlugin
@@ -36,7 +37,8 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 //
 // A Forwarder runs once: its plugin on a second router, or the same plugin
 // added twice, fails that router's Run with ErrForwarderInUse, and so does
-// a Forwarder already under Run. Two Forwarders of one table, under two
+// a Forwarder already under Run; a Run once the plugin is on a router
+// returns ErrForwarderInUse itself. Two Forwarders of one table, under two
 // routers of one process or of two, are safe: claims are exclusive, so
 // each row is published once by one of them (and a router refuses the
 // second relay of a table it already runs one of from the same pool). A
@@ -152,9 +154,9 @@ func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *mess
 		s.mu.Unlock()
 		return nil, errors.New("outbox: the relay's subscriber subscribes once")
 	}
-	// Claimed here rather than by Run in the goroutine: a Run someone else
-	// started since the plugin ran would otherwise close Running for us.
-	if err := s.f.claimRun(); err != nil {
+	// Claimed for the router, whose plugin Run now refuses: no Run started
+	// since the plugin ran closes Running for us.
+	if err := s.f.claimRun(true); err != nil {
 		s.mu.Unlock()
 		return nil, err
 	}

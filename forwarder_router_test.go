@@ -551,3 +551,41 @@ func TestForwarderPlugin_ClosedByHandWhileRouterStarts_HandlerEndsRouterClosesAt
 	}
 	closesWithin(t, r, 5*time.Second, "it waited for a relay handler that never started")
 }
+
+// A Forwarder's own Run, started after its plugin ran and before the
+// router started its handlers (in a later plugin), returns
+// ErrForwarderInUse, and the router runs the relay. The Run was accepted:
+// the router's Subscribe then failed with ErrForwarderClosed ("Run called
+// twice") and its Close waited CloseTimeout.
+func TestForwarderPlugin_OwnRunAfterThePluginRan_RunRefusedRouterRunsTheRelay(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the plugin's lifecycle, the same on every database
+	f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() }) // ends a Run that was let through
+	own := make(chan error, 1)
+	r, runErr := startRouterBesidePlugin(t, f, func(*message.Router) error {
+		go func() { own <- f.Run(context.Background()) }()
+		select {
+		case err := <-own:
+			own <- err
+		case <-f.Running():
+		}
+		return nil
+	})
+	select {
+	case err := <-own:
+		if !errors.Is(err, outbox.ErrForwarderInUse) {
+			t.Errorf("the Forwarder's own Run: %v, want ErrForwarderInUse", err)
+		}
+	default:
+		t.Errorf("the Forwarder's own Run was let through after its plugin was on a router")
+	}
+	if runErr != nil {
+		t.Errorf("router Run: %v, want it to run the relay", runErr)
+	} else if _, err := f.Sweep(context.Background()); err != nil {
+		t.Errorf("Sweep beside the router's relay: %v", err)
+	}
+	closesWithin(t, r, 5*time.Second, "it waited for the relay's handler")
+}
