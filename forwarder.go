@@ -344,10 +344,11 @@ func (f *Forwarder) LastSweep() time.Time {
 	return time.Time{}
 }
 
-// Running is closed once Run is at work. A Run that never gets to work
-// (Close came first, or its context had ended) returns without closing
-// it: wait for Running and for Run's return together, not for Running
-// alone.
+// Running is closed once Run is at work. A Run that Close came before
+// returns ErrForwarderClosed without closing it: wait for Running and for
+// Run's return together, not for Running alone. A Run whose context had
+// ended already closes it all the same, and returns nil once stopped, as
+// one stopped later does (the router's Subscribe waits for Running).
 func (f *Forwarder) Running() chan struct{} { return f.running }
 
 // Notify wakes the relay now rather than at its next poll. Call it after
