@@ -344,10 +344,11 @@ func (f *Forwarder) LastSweep() time.Time {
 	return time.Time{}
 }
 
-// Running is closed once Run is at work. A Run that never gets to work
-// (Close came first, or its context had ended) returns without closing
-// it: wait for Running and for Run's return together, not for Running
-// alone.
+// Running is closed once Run is at work. A Run that Close came before
+// returns ErrForwarderClosed without closing it: wait for Running and for
+// Run's return together, not for Running alone. A Run whose context had
+// ended already closes it all the same, and returns nil once stopped, as
+// one stopped later does (the router's Subscribe waits for Running).
 func (f *Forwarder) Running() chan struct{} { return f.running }
 
 // Notify wakes the relay now rather than at its next poll. Call it after
@@ -366,18 +367,32 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // Run relays until ctx ends or Close is called, then finishes the batch in
 // flight and returns. Failed sweeps are reported through OnError and retried
 // with backoff; Run returns nil when stopped.
+// A Forwarder whose plugin is on a router runs under it: Run returns
+// ErrForwarderInUse, or ErrForwarderClosed once it is closed.
 func (f *Forwarder) Run(ctx context.Context) error {
-	if err := f.claimRun(); err != nil {
+	select {
+	case <-f.closing:
+		return ErrForwarderClosed
+	default:
+	}
+	if err := f.claimRun(false); err != nil {
 		return err
 	}
 	return f.run(ctx)
 }
 
-// claimRun makes the caller the one that runs the forwarder: it runs once.
-func (f *Forwarder) claimRun() error {
+// claimRun makes the caller the one that runs the forwarder: it runs once,
+// and once its plugin is on a router only that router's handler runs it
+// (byRouter). A Run let through there would leave the router's Subscribe
+// to fail after the plugins, with the other handlers started, and its
+// Close to wait CloseTimeout for the relay's.
+func (f *Forwarder) claimRun(byRouter bool) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.runCalled {
+	switch {
+	case f.routed && !byRouter:
+		return fmt.Errorf("%w: its plugin is on a router; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case f.runCalled:
 		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
 	}
 	f.runCalled = true

@@ -13,8 +13,9 @@ import (
 
 // ErrForwarderInUse is returned by the plugin of a Forwarder that runs
 // already (under another router's plugin, under the same plugin added
-// twice, under a Run of its own), and by a plugin whose router runs a relay
-// of the same table already.
+// twice, under a Run of its own), by a plugin whose router runs a relay
+// of the same table already, and by Run on a Forwarder whose plugin is on
+// a router.
 var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 
 // Plugin runs the relay as part of a Watermill router: router.AddPlugin
@@ -36,7 +37,8 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 //
 // A Forwarder runs once: its plugin on a second router, or the same plugin
 // added twice, fails that router's Run with ErrForwarderInUse, and so does
-// a Forwarder already under Run. Two Forwarders of one table, under two
+// a Forwarder already under Run; a Run once the plugin is on a router
+// returns ErrForwarderInUse itself. Two Forwarders of one table, under two
 // routers of one process or of two, are safe: claims are exclusive, so
 // each row is published once by one of them (and a router refuses the
 // second relay of a table it already runs one of from the same pool). A
@@ -144,16 +146,17 @@ type relaySubscriber struct {
 }
 
 // Subscribe starts the relay under ctx, which the router cancels when it
-// closes, and returns once it works, or why it cannot start.
+// closes, and returns once it works, or once it ended because the
+// Forwarder was closed before it started.
 func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *message.Message, error) {
 	s.mu.Lock()
 	if s.owns {
 		s.mu.Unlock()
 		return nil, errors.New("outbox: the relay's subscriber subscribes once")
 	}
-	// Claimed here rather than by Run in the goroutine: a Run someone else
-	// started since the plugin ran would otherwise close Running for us.
-	if err := s.f.claimRun(); err != nil {
+	// Claimed for the router, whose plugin Run now refuses: no Run started
+	// since the plugin ran closes Running for us.
+	if err := s.f.claimRun(true); err != nil {
 		s.mu.Unlock()
 		return nil, err
 	}
@@ -161,25 +164,28 @@ func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *mess
 	s.mu.Unlock()
 
 	out := make(chan *message.Message)
-	refused := make(chan error, 1)
 	go func() {
 		defer close(s.stopped)
-		if err := s.f.run(ctx); err != nil {
-			refused <- err // closed before it started
+		defer close(out)
+		// run fails only for a Forwarder closed before it started: by hand,
+		// after the plugin ran and before the router started its handlers.
+		// Then the handler ends at once, as one closed later would; an
+		// error here would fail the router's Run after it started the
+		// other handlers, and its Close would wait CloseTimeout for this
+		// one.
+		if s.f.run(ctx) != nil {
 			return
 		}
 		// run returns nil only once stopped, its batch finished.
 		if err := s.f.Close(); err != nil {
 			s.f.log.Error("Outbox forwarder: closing the destination failed", err, nil)
 		}
-		close(out)
 	}()
 	select {
 	case <-s.f.Running():
-		return out, nil
-	case err := <-refused:
-		return nil, err
+	case <-s.stopped:
 	}
+	return out, nil
 }
 
 // Close stops the relay, waits for the batch in flight, and closes the

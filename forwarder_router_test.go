@@ -502,3 +502,90 @@ func TestForwarder_Plugin_DatabaseUnreachableAtStart_RouterClosesInTime(t *testi
 		t.Fatal("the relay still runs 5 s after the router closed: its dial was not cut")
 	}
 }
+
+// startRouterBesidePlugin runs a router with f's plugin and then later, a
+// plugin of the service's (Republisher's, say) during which something
+// happens to f, and returns Run's error once the router runs or failed.
+func startRouterBesidePlugin(t *testing.T, f *outbox.Forwarder, later message.RouterPlugin) (r *message.Router, runErr error) {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(f.Plugin(), later)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(context.Background()) }()
+	select {
+	case runErr = <-done:
+	case <-r.Running():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the router neither ran nor failed within 30 s")
+	}
+	return r, runErr
+}
+
+// closesWithin fails the test unless r's Close returns within bound.
+func closesWithin(t *testing.T, r *message.Router, bound time.Duration, why string) {
+	t.Helper()
+	start := time.Now()
+	_ = r.Close()
+	if took := time.Since(start); took > bound {
+		t.Errorf("router Close took %s (CloseTimeout 10 s): %s", took.Round(time.Millisecond), why)
+	}
+}
+
+// A Forwarder closed by hand after its plugin ran and before the router
+// started its handlers (a shutdown during a later plugin) ends its
+// handler, as one closed later does. Its Subscribe returned
+// ErrForwarderClosed: the router's Run failed after starting the other
+// handlers, and its Close waited the whole CloseTimeout for the relay's.
+func TestForwarderPlugin_ClosedByHandWhileRouterStarts_HandlerEndsRouterClosesAtOnce(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the plugin's lifecycle, the same on every database
+	f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, runErr := startRouterBesidePlugin(t, f, func(*message.Router) error { return f.Close() })
+	if runErr != nil {
+		t.Errorf("router Run: %v, want the relay's handler to end", runErr)
+	}
+	closesWithin(t, r, 5*time.Second, "it waited for a relay handler that never started")
+}
+
+// A Forwarder's own Run, started after its plugin ran and before the
+// router started its handlers (in a later plugin), returns
+// ErrForwarderInUse, and the router runs the relay. The Run was accepted:
+// the router's Subscribe then failed with ErrForwarderClosed ("Run called
+// twice") and its Close waited CloseTimeout.
+func TestForwarderPlugin_OwnRunAfterThePluginRan_RunRefusedRouterRunsTheRelay(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the plugin's lifecycle, the same on every database
+	f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() }) // ends a Run that was let through
+	own := make(chan error, 1)
+	r, runErr := startRouterBesidePlugin(t, f, func(*message.Router) error {
+		go func() { own <- f.Run(context.Background()) }()
+		select {
+		case err := <-own:
+			own <- err
+		case <-f.Running():
+		}
+		return nil
+	})
+	select {
+	case err := <-own:
+		if !errors.Is(err, outbox.ErrForwarderInUse) {
+			t.Errorf("the Forwarder's own Run: %v, want ErrForwarderInUse", err)
+		}
+	default:
+		t.Errorf("the Forwarder's own Run was let through after its plugin was on a router")
+	}
+	if runErr != nil {
+		t.Errorf("router Run: %v, want it to run the relay", runErr)
+	} else if _, err := f.Sweep(context.Background()); err != nil {
+		t.Errorf("Sweep beside the router's relay: %v", err)
+	}
+	closesWithin(t, r, 5*time.Second, "it waited for the relay's handler")
+}

@@ -8,10 +8,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -107,5 +109,70 @@ func TestForwarder_SQLite_ServicesHoldTheWriteLock_ClaimsAndMarksGetItBetween(t 
 	var ms int
 	if err := pool.Get(&ms, "PRAGMA busy_timeout"); err != nil || ms != 100 {
 		t.Fatalf("busy_timeout after the sweeps %d (%v), want 100", ms, err)
+	}
+}
+
+// A wake-up's probe that meets the write lock held past the relay's
+// busy_timeout by a writer that then rolls back (or held it only to read)
+// lets the claim run: the row whose commit woke the relay goes out once
+// the lock is free. The busy probe said "nothing to claim", and a rollback
+// writes nothing to the log, so nothing woke the relay again: the row
+// waited for the poll (an hour here).
+func TestForwarder_SQLite_WakeProbeBusy_WriterRollsBack_RowStillGoesOut(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	dsn := strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=300", 1)
+	if dsn == db.DSN {
+		t.Fatalf("DSN %s sets no _busy_timeout=10000 to replace", db.DSN)
+	}
+	relayDB := otherPool(t, &testdb.DB{DB: db.DB, Kind: db.Kind, DSN: dsn, Name: db.Name})
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, relayDB, outbox.ForwarderConfig{PollInterval: time.Hour, MinPollInterval: time.Hour})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	<-f.Running()
+	waitFor(t, 10*time.Second, "the watch", func() bool { return outbox.Woken(f) })
+
+	// A service's connection, as another process's: BEGIN and COMMIT by
+	// hand, so that it takes the write lock again at once after its commit.
+	conn, err := db.DB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	exec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := conn.ExecContext(context.Background(), q, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exercised := 0
+	for try := 0; try < 10 && exercised < 2; try++ {
+		id := watermill.NewUUID()
+		exec("BEGIN IMMEDIATE")
+		exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES (?, ?, 't', 'x', 'utf-8', 'text/plain', '{}', ?)",
+			id, b.Exchange, time.Now().UTC().Format("2006-01-02 15:04:05.000000"))
+		exec("COMMIT")
+		// The next transaction holds the lock past the relay's
+		// busy_timeout (300 ms), and rolls back.
+		exec("BEGIN IMMEDIATE")
+		time.Sleep(time.Second)
+		if got := b.Drain(queue, 1, 50*time.Millisecond); len(got) == 1 {
+			exec("ROLLBACK")
+			t.Logf("try %d: the relay took the lock before the writer", try)
+			continue
+		}
+		exec("ROLLBACK")
+		exercised++
+		start := time.Now()
+		if got := b.Drain(queue, 1, 10*time.Second); len(got) != 1 || got[0].MessageId != id {
+			t.Fatalf("try %d: a row whose wake-up probe met a writer that then rolled back did not arrive within 10 s (PollInterval 1 h); pending %d", try, pendingCount(t, f))
+		}
+		t.Logf("try %d: arrived %s after the rollback", try, time.Since(start).Round(time.Millisecond))
+	}
+	if exercised == 0 {
+		t.Fatal("in 10 tries the relay always took the lock before the writer: the case was not exercised")
 	}
 }

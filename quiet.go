@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // quietLease is how far ahead of the database's clock a relay in a flow
@@ -47,10 +49,10 @@ const quietLongLeave = 10 * time.Second
 // No commit the trigger kept quiet waits for the poll's safety net while
 // this relay runs: such a transaction holds the table's advisory lock,
 // shared, until it ends, and a relay that leaves its flow clears the time
-// first (or, where that failed, waits until the time it set has lapsed),
-// then polls as in the flow until it can take that lock exclusively
-// (without waiting, once per look), and then looks once more before it
-// waits for NOTIFY again. Other relays of the table get no NOTIFY while
+// first (or, where that failed, waits until the time it set, or may have
+// set, has lapsed), then polls as in the flow until it can take that lock
+// exclusively (without waiting, once per look), and then looks once more
+// before it waits for NOTIFY again. Other relays of the table get no NOTIFY while
 // the trigger is quiet: they find what this one leaves at their poll.
 type quietFlow struct {
 	on      bool      // the trigger is quiet, by this relay: it polls
@@ -120,9 +122,17 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 	if elapsed := now.Sub(q.enterSince); elapsed >= quietEnterWindow {
 		rate := float64(q.enterRows) / elapsed.Seconds()
 		q.enterRows, q.enterSince = 0, now
-		if !q.polls() && seq != "" && rate >= above && q.set(ctx, f, seq, now) {
-			q.on, q.rows, q.since = true, 0, now
-			f.log.Debug("Outbox relay in a flow: the NOTIFY trigger stays quiet, the relay polls", watermill.LogFields{"per_second": int(rate)})
+		if !q.polls() && seq != "" && rate >= above {
+			switch {
+			case q.set(ctx, f, seq, now):
+				q.on, q.rows, q.since = true, 0, now
+				f.log.Debug("Outbox relay in a flow: the NOTIFY trigger stays quiet, the relay polls", watermill.LogFields{"per_second": int(rate)})
+			case !q.until.IsZero():
+				// The time may be set all the same: cleared, or left to
+				// lapse, and what it kept quiet waited for, as at the end
+				// of a flow.
+				q.leave(ctx, f, now)
+			}
 		}
 	}
 	if elapsed := now.Sub(q.since); elapsed >= quietWindow {
@@ -136,16 +146,35 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 }
 
 // set keeps the trigger quiet for quietLease from now, and reports whether
-// it did.
+// it did. A set that failed may have taken effect all the same: setval is
+// not transactional, and the server may have run it with its answer lost
+// to a connection reset or to a context cut at stop. Unless the driver
+// says the statement never went out, until moves to the latest time the
+// server may hold, and the caller leaves the flow, which clears that time
+// or polls until it has lapsed, and then until the transactions it kept
+// quiet have ended. Taken as not set, the time left the relay waiting for
+// the NOTIFYs the trigger kept quiet, and a commit of that second for the
+// poll.
 func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.Time) bool {
-	if err := f.store.quietFor(ctx, seq, quietLease); f.quietFailed(q, "keep the NOTIFY trigger quiet", err) {
+	err := f.store.quietFor(ctx, seq, quietLease)
+	// The time was set on the database's clock while the statement ran:
+	// after it returned (or failed), quietLease on this clock is past it,
+	// and a margin covers the clocks' rates, and a statement the server
+	// ran a little after the client gave it up.
+	lapsed := time.Now().Add(quietLease + quietLease/10)
+	if err != nil {
+		what := "keep the NOTIFY trigger quiet; NOTIFY wakes it meanwhile"
+		if !sqldialect.NeverSent(err) {
+			q.until = lapsed
+		}
+		if !q.until.IsZero() {
+			what = "keep the NOTIFY trigger quiet; it polls until the time it may have set is cleared or has lapsed"
+		}
+		f.quietFailed(q, what, err)
 		return false
 	}
-	q.renew = now.Add(quietLease / 2)
-	// The time was set on the database's clock while the statement ran:
-	// after it returned, quietLease on this clock is past it, and a margin
-	// covers the clocks' rates.
-	q.until = time.Now().Add(quietLease + quietLease/10)
+	q.failed = false
+	q.renew, q.until = now.Add(quietLease/2), lapsed
 	return true
 }
 
@@ -154,7 +183,7 @@ func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.
 func (q *quietFlow) leave(ctx context.Context, f *Forwarder, now time.Time) {
 	q.on, q.leaving, q.left, q.long = false, true, now, false
 	if seq := f.quietSequenceAny(); seq != "" && !q.until.IsZero() {
-		if err := f.store.quietOff(ctx, seq); !f.quietFailed(q, "let the NOTIFY trigger notify again", err) {
+		if err := f.store.quietOff(ctx, seq); !f.quietFailed(q, "let the NOTIFY trigger notify again; it polls until the time has lapsed", err) {
 			q.until = time.Time{}
 		}
 		// Otherwise the time lapses by itself, at until.
@@ -176,7 +205,7 @@ func (q *quietFlow) over(ctx context.Context, f *Forwarder, now time.Time) bool 
 		}
 	}
 	over, err := f.store.quietOver(ctx)
-	if f.quietFailed(q, "see whether the transactions the NOTIFY trigger kept quiet have ended", err) || !over {
+	if f.quietFailed(q, "see whether the transactions the NOTIFY trigger kept quiet have ended; it polls meanwhile", err) || !over {
 		if !q.long && now.Sub(q.left) > quietLongLeave {
 			q.long = true
 			f.log.Info("A transaction the NOTIFY trigger kept quiet is still open; the relay polls until it ends",
@@ -215,7 +244,7 @@ func (f *Forwarder) quietFailed(q *quietFlow, what string, err error) bool {
 		return false
 	}
 	if !q.failed {
-		f.log.Error("Outbox relay cannot "+what+"; it polls meanwhile", err, nil)
+		f.log.Error("Outbox relay cannot "+what, err, nil)
 	}
 	q.failed = true
 	return true

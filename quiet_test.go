@@ -2,9 +2,12 @@ package outbox_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
+	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -575,6 +578,120 @@ func TestForwarder_Postgres_ClearFails_RelayPollsUntilTheTimeLapses(t *testing.T
 	if !sawQuiet {
 		t.Log("the time had lapsed before the first commit: the window this test is about was not exercised")
 	}
+}
+
+// answerLost is a TCP proxy to a PostgreSQL server that passes the first
+// statement setting the quiet time ahead (the relay's entry into a flow)
+// to the server and cuts the client's connection as that statement's
+// answer comes back: the server ran it, the client sees its connection
+// reset. ran is set then.
+type answerLost struct {
+	addr  string
+	armed atomic.Bool // the statement went through a connection
+	ran   atomic.Bool
+
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func newAnswerLost(t *testing.T, server string) *answerLost {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &answerLost{addr: ln.Addr().String()}
+	var pairs sync.WaitGroup
+	pairs.Add(1)
+	go func() {
+		defer pairs.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", server)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, c, s)
+			p.mu.Unlock()
+			pairs.Add(2)
+			var target atomic.Bool
+			go func() { defer pairs.Done(); p.pipe(s, c, &target, false) }()
+			go func() { defer pairs.Done(); p.pipe(c, s, &target, true) }()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		p.mu.Lock()
+		for _, c := range p.conns {
+			_ = c.Close()
+		}
+		p.mu.Unlock()
+		pairs.Wait()
+	})
+	return p
+}
+
+// pipe copies src to dst; from the server (answers), it cuts both at the
+// target statement's CommandComplete.
+func (p *answerLost) pipe(dst, src net.Conn, target *atomic.Bool, answers bool) {
+	defer func() { _ = dst.Close(); _ = src.Close() }()
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			got := buf[:n]
+			switch {
+			case !answers && bytes.Contains(got, []byte("setval($1::regclass, (extract")) && p.armed.CompareAndSwap(false, true):
+				target.Store(true)
+			case answers && target.Load() && bytes.Contains(got, []byte("SELECT 1\x00")):
+				p.ran.Store(true)
+				return
+			}
+			if _, err := dst.Write(got); err != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// A relay entering a flow whose setval ran on the server but whose answer
+// was lost (a connection reset; a context cut at stop) takes the time as
+// possibly set: it clears it and polls until the transactions it kept
+// quiet have ended. setval is not transactional: the relay took the set
+// as failed, neither polled nor cleared, and waited for NOTIFYs the
+// trigger kept quiet, so a commit of that second waited for the poll
+// (once an hour here).
+func TestForwarder_Postgres_EntrySetRanButItsAnswerWasLost_RelayStillFindsTheCommitsKeptQuiet(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	u, err := url.Parse(db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := newAnswerLost(t, u.Host)
+	u.Host = p.addr
+	proxied := otherPool(t, &testdb.DB{DB: db.DB, Kind: db.Kind, DSN: u.String(), Name: db.Name})
+	b, queue, _, flow := quietRelay(t, proxied)
+	sent := flow("setval whose answer was lost", p.ran.Load)
+	id, err := commitOne(db, b.Exchange)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	for _, m := range b.Drain(queue, sent+1, 10*time.Second) {
+		if m.MessageId == id {
+			t.Logf("arrived %s after its commit", time.Since(start).Round(time.Millisecond))
+			return
+		}
+	}
+	t.Fatalf("a commit right after the relay's entry setval ran with its answer lost did not reach the broker within 10 s (the poll is an hour); quiet now: %v", quietAhead(t, db))
 }
 
 // A relay that dies in a flow (SIGKILL: no clear, no wake-up) leaves the

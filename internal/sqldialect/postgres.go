@@ -3,10 +3,13 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // postgres holds all SQL text for PostgreSQL.
@@ -95,6 +98,15 @@ func QuietFor(sequence string, ms int64) Query {
 // QuietOff (PostgreSQL) lets the table's NOTIFY trigger notify again.
 func QuietOff(sequence string) Query {
 	return Query{SQL: "SELECT setval($1::regclass, 0)", Args: []any{sequence}}
+}
+
+// NeverSent (PostgreSQL) reports whether err says that a statement never
+// reached the server: database/sql's driver.ErrBadConn, which pgx's stdlib
+// returns for what pgconn deems safe to retry, or pgconn's own word. Any
+// other error may come after the server ran it (setval, which no rollback
+// undoes).
+func NeverSent(err error) bool {
+	return errors.Is(err, driver.ErrBadConn) || pgconn.SafeToRetry(err)
 }
 
 // QuietOver (PostgreSQL) reports whether every transaction the NOTIFY
