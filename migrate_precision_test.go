@@ -350,3 +350,45 @@ func sameRelFiles(after, before map[string]int64) bool {
 	}
 	return true
 }
+
+// A table of whole seconds that Migrate has not raised (migrated by an
+// earlier release, or by a tool that stopped before 0011): a call that
+// meets rows already there cannot tell its own, and fails naming the
+// migration, rather than give back the numbers of rows it wrote or leave
+// a refused call's rows behind. The key's numbers stay whole.
+func TestTxPublisher_SecondsPrecisionTableNotMigrated_CallMeetingItsRowsFailsNamingMigrate(t *testing.T) {
+	onSecondsTables(t, func(t *testing.T, db *testdb.DB) {
+		lower := "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL, MODIFY published_at datetime NULL, MODIFY locked_until datetime NULL"
+		if db.Kind == testdb.Postgres {
+			lower = "ALTER TABLE acemq_outbox ALTER created_at TYPE timestamp(0), ALTER published_at TYPE timestamp(0), ALTER locked_until TYPE timestamp(0)"
+		}
+		if _, err := db.Exec(lower); err != nil {
+			t.Fatal(err)
+		}
+		first, second, third := keyed("order-7"), keyed("order-7"), keyed("order-7")
+		publishInTx(t, db, "orders", []*message.Message{first})
+
+		tx, pub := beginPublisher(t, db)
+		err := pub.Publish("orders", first, second) // a retried transaction, with a new message
+		if err == nil || !strings.Contains(err.Error(), "outbox.Migrate") {
+			t.Errorf("retried call on the table of seconds: %v, want an error naming outbox.Migrate", err)
+		}
+		_ = tx.Rollback()
+		publishInTx(t, db, "orders", []*message.Message{second})
+		publishInTx(t, db, "orders", []*message.Message{third})
+		for i, m := range []*message.Message{first, second, third} {
+			if _, seq := seqOf(t, db, m.UUID); seq != int64(i+1) {
+				t.Errorf("message %d numbered %d, want %d", i+1, seq, i+1)
+			}
+		}
+
+		// The table named with its schema: the lookup of its precision
+		// finds it there.
+		tx, pub = beginPublisher(t, db, outbox.TxPublisherConfig{Exchange: "billing", Table: db.Name + ".acemq_outbox"})
+		err = pub.Publish("orders", message.NewMessage(first.UUID, []byte("a")), message.NewMessage("new-id", []byte("b")))
+		if err == nil || !strings.Contains(err.Error(), "outbox.Migrate") {
+			t.Errorf("conflicting call on the table of seconds: %v, want an error naming outbox.Migrate", err)
+		}
+		_ = tx.Rollback()
+	})
+}
