@@ -24,6 +24,11 @@
 -- a large table run it at a quiet time, or make the same change with an
 -- online schema tool first; this file then finds nothing to do.
 --
+-- processed_messages.processed_at is left as it is: the inbox tells no row
+-- by it, only compares it with now (retention, the at-most-once lease),
+-- where a rounded half second makes a copy wait or a purge run that much
+-- early or late, and it is a table that can be large to rebuild.
+--
 -- information_schema tells a default differently: MySQL 8 gives a literal
 -- bare and marks an expression DEFAULT_GENERATED; MariaDB quotes a literal,
 -- gives an expression bare, and a nullable column's default NULL as 'NULL'.

@@ -20,6 +20,11 @@
 -- rebuilds no index: it takes the table's ACCESS EXCLUSIVE lock for a
 -- moment only. A view over one of the columns makes PostgreSQL refuse the
 -- change, naming the view: drop it, migrate, and make it again.
+--
+-- processed_messages.processed_at is left as it is: the inbox tells no row
+-- by it, only compares it with now (retention, the at-most-once lease),
+-- where a rounded half second makes a copy wait or a purge run that much
+-- early or late.
 -- +goose StatementBegin
 DO $$
 DECLARE
