@@ -259,9 +259,13 @@ func TestMigrate_MicrosecondTable_0011ChangesNothing(t *testing.T) {
 						t.Fatal(err)
 					}
 					defer conn.Close()
-					stmts := sqlschema.Statements(m.Up)
-					if _, err := conn.ExecContext(ctx, stmts[0]); err != nil {
-						t.Fatal(err)
+					for _, stmt := range sqlschema.Statements(m.Up) {
+						if _, err := conn.ExecContext(ctx, stmt); err != nil {
+							t.Fatal(err)
+						}
+						if strings.Contains(stmt, "GROUP_CONCAT") {
+							break // the ALTER prepared, not run
+						}
 					}
 					var ddl string
 					if err := conn.QueryRowContext(ctx, "SELECT @acemq_ddl").Scan(&ddl); err != nil {
@@ -391,4 +395,43 @@ func TestTxPublisher_SecondsPrecisionTableNotMigrated_CallMeetingItsRowsFailsNam
 		}
 		_ = tx.Rollback()
 	})
+}
+
+// With explicit_defaults_for_timestamp OFF (MariaDB's default before
+// 10.10), an ALTER TABLE gives the first timestamp NOT NULL without a
+// default DEFAULT CURRENT_TIMESTAMP ON UPDATE CURRENT_TIMESTAMP: created_at
+// would change at every update of its row (every relay's mark). 0011,
+// run under OFF on a table migrated up to 0010 under ON, keeps it without.
+func TestMigrate_MySQLExplicitDefaultsForTimestampOff_0011KeepsTimestampWithoutDefault(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	testrails.CreateTable(t, db)
+	if _, err := db.Exec("ALTER TABLE acemq_outbox MODIFY created_at timestamp NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	migrate(t, db)
+	for _, stmt := range []string{"ALTER TABLE acemq_outbox MODIFY created_at timestamp NOT NULL", "DELETE FROM acemq_schema_migrations WHERE version = 11"} {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sep := "?"
+	if strings.Contains(db.DSN, "?") {
+		sep = "&"
+	}
+	off, err := sql.Open("mysql", db.DSN+sep+"explicit_defaults_for_timestamp=OFF")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer off.Close()
+	if err := outbox.Migrate(context.Background(), off, outbox.MySQL); err != nil {
+		t.Fatal(err)
+	}
+	c := timeColumns(t, db)["created_at"]
+	if c.Precision != 6 || c.Type != "timestamp" || c.Nullable != "NO" || c.Default != "" || c.Extra != "" {
+		t.Errorf("created_at became %+v, want timestamp(6) NOT NULL without a default or ON UPDATE", c)
+	}
+	var on int
+	if err := off.QueryRow("SELECT @@SESSION.explicit_defaults_for_timestamp").Scan(&on); err != nil || on != 0 {
+		t.Errorf("the pool's session reads explicit_defaults_for_timestamp %d (%v) after Migrate, want it OFF again", on, err)
+	}
 }

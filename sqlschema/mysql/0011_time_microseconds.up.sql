@@ -29,6 +29,23 @@
 -- where a rounded half second makes a copy wait or a purge run that much
 -- early or late, and it is a table that can be large to rebuild.
 --
+-- With explicit_defaults_for_timestamp OFF (MariaDB's default before
+-- 10.10), an ALTER TABLE gives the table's first timestamp NOT NULL
+-- without a default DEFAULT CURRENT_TIMESTAMP ON UPDATE CURRENT_TIMESTAMP:
+-- a created_at would change at every update of its row. When the table
+-- has such a column and a time to raise, the session turns it ON for the
+-- change, and back after (MySQL 8, whose default is ON, wants
+-- SESSION_VARIABLES_ADMIN for that).
+SET @acemq_edft = @@SESSION.explicit_defaults_for_timestamp;
+SET @acemq_ddl = (SELECT IF(@acemq_edft OR COUNT(*) = 0 OR SUM(DATA_TYPE = 'timestamp' AND IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL) = 0
+        OR SUM(COLUMN_NAME IN ('created_at', 'published_at', 'locked_until', 'processed_at') AND DATETIME_PRECISION < 6) = 0,
+        'DO 0', 'SET SESSION explicit_defaults_for_timestamp = ON')
+    FROM information_schema.COLUMNS
+    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox' AND DATA_TYPE IN ('datetime', 'timestamp'));
+PREPARE acemq_ddl FROM @acemq_ddl;
+EXECUTE acemq_ddl;
+DEALLOCATE PREPARE acemq_ddl;
+
 -- information_schema tells a default differently: MySQL 8 gives a literal
 -- bare and marks an expression DEFAULT_GENERATED; MariaDB quotes a literal,
 -- gives an expression bare, and a nullable column's default NULL as 'NULL'.
@@ -52,4 +69,10 @@ SET @acemq_ddl = (SELECT IFNULL(CONCAT('ALTER TABLE acemq_outbox ', GROUP_CONCAT
 PREPARE acemq_ddl FROM @acemq_ddl;
 EXECUTE acemq_ddl;
 DEALLOCATE PREPARE acemq_ddl;
+
+SET @acemq_ddl = IF(@acemq_edft = @@SESSION.explicit_defaults_for_timestamp, 'DO 0', 'SET SESSION explicit_defaults_for_timestamp = OFF');
+PREPARE acemq_ddl FROM @acemq_ddl;
+EXECUTE acemq_ddl;
+DEALLOCATE PREPARE acemq_ddl;
 SET @acemq_ddl = NULL;
+SET @acemq_edft = NULL;
