@@ -31,8 +31,9 @@ import (
 // less than microseconds, as Rails before 7.0 made them, are raised to
 // microseconds, their type family, nullability and default kept
 // (sqlschema's 0011), for the publisher tells its own rows by created_at
-// to the microsecond. On PostgreSQL that rewrites nothing; on MySQL it
-// rebuilds the table, once, and writes to it wait meanwhile. The table is,
+// to the microsecond. On PostgreSQL that rewrites no row but builds the
+// partial indexes over those columns again; on MySQL it rebuilds the
+// table; either once, and writes to the table wait meanwhile. The table is,
 // on PostgreSQL, the one the unqualified name acemq_outbox resolves to on
 // db's search_path: with search_path=svc,public and the estate's table in
 // public, Migrate works in public, and creates nothing in svc.

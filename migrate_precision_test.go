@@ -22,6 +22,12 @@ import (
 func railsSecondsTable(t *testing.T, db *testdb.DB) {
 	t.Helper()
 	testrails.CreateTable(t, db)
+	toSeconds(t, db)
+}
+
+// toSeconds makes the times of Rails' acemq_outbox whole seconds.
+func toSeconds(t *testing.T, db *testdb.DB) {
+	t.Helper()
 	alter := "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL, MODIFY published_at datetime NULL, MODIFY locked_until datetime NULL"
 	if db.Kind == testdb.Postgres {
 		alter = "ALTER TABLE acemq_outbox ALTER created_at TYPE timestamp(0), ALTER published_at TYPE timestamp(0), ALTER locked_until TYPE timestamp(0)"
@@ -195,7 +201,7 @@ func TestMigrate_CoarseTimeColumns_RaisedToMicrosecondsKeepingTypeNullabilityDef
 				}
 			}
 			before := timeColumns(t, db)
-			rels := relFiles(t, db)
+			rels := relFiles(t, db, false)
 			migrate(t, db)
 			after := timeColumns(t, db)
 			if len(after) != 4 {
@@ -226,7 +232,7 @@ func TestMigrate_CoarseTimeColumns_RaisedToMicrosecondsKeepingTypeNullabilityDef
 			if kind == testdb.Postgres {
 				// Raising a timestamp's precision rewrites no row and rebuilds
 				// no index, as 0011's comment says.
-				if got := relFiles(t, db); !sameRelFiles(got, rels) {
+				if got := relFiles(t, db, false); !sameRelFiles(got, rels) {
 					t.Errorf("files of the table and its indexes %v became %v: rewritten", rels, got)
 				}
 			}
@@ -250,7 +256,7 @@ func TestMigrate_MicrosecondTable_0011ChangesNothing(t *testing.T) {
 					railsSecondsTable(t, db)
 				}
 				migrate(t, db)
-				before, rels := timeColumns(t, db), relFiles(t, db)
+				before, rels := timeColumns(t, db), relFiles(t, db, true)
 				m := migration11(t, db)
 				if kind == testdb.MySQL {
 					ctx := context.Background()
@@ -290,7 +296,7 @@ func TestMigrate_MicrosecondTable_0011ChangesNothing(t *testing.T) {
 						t.Errorf("%s: %+v became %+v, want it at 6 and unchanged", name, b, a)
 					}
 				}
-				if got := relFiles(t, db); !sameRelFiles(got, rels) {
+				if got := relFiles(t, db, true); !sameRelFiles(got, rels) {
 					t.Errorf("files of the table and its indexes %v became %v: rewritten", rels, got)
 				}
 			})
@@ -313,17 +319,19 @@ func migration11(t *testing.T, db *testdb.DB) sqlschema.Migration {
 	return sqlschema.Migration{}
 }
 
-// relFiles names the storage of acemq_outbox and of its indexes: on
-// PostgreSQL their relfilenodes, which a rewrite or rebuild changes; on
-// MySQL nothing (its test reads the statement 0011 prepares).
-func relFiles(t *testing.T, db *testdb.DB) map[string]int64 {
+// relFiles names the storage of acemq_outbox and of its indexes, with
+// partial or without the partial ones (which PostgreSQL builds again when a
+// column they name changes type, precision or not): on PostgreSQL their
+// relfilenodes, which a rewrite or rebuild changes; on MySQL nothing (its
+// test reads the statement 0011 prepares).
+func relFiles(t *testing.T, db *testdb.DB, partial bool) map[string]int64 {
 	t.Helper()
 	files := map[string]int64{}
 	if db.Kind != testdb.Postgres {
 		return files
 	}
 	rows, err := db.Query(`SELECT c.relname, c.relfilenode FROM pg_class c
-		WHERE c.oid = 'acemq_outbox'::regclass OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = 'acemq_outbox'::regclass)`)
+		WHERE c.oid = 'acemq_outbox'::regclass OR c.oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = 'acemq_outbox'::regclass AND (indpred IS NULL OR $1))`, partial)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -362,13 +370,7 @@ func sameRelFiles(after, before map[string]int64) bool {
 // a refused call's rows behind. The key's numbers stay whole.
 func TestTxPublisher_SecondsPrecisionTableNotMigrated_CallMeetingItsRowsFailsNamingMigrate(t *testing.T) {
 	onSecondsTables(t, func(t *testing.T, db *testdb.DB) {
-		lower := "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL, MODIFY published_at datetime NULL, MODIFY locked_until datetime NULL"
-		if db.Kind == testdb.Postgres {
-			lower = "ALTER TABLE acemq_outbox ALTER created_at TYPE timestamp(0), ALTER published_at TYPE timestamp(0), ALTER locked_until TYPE timestamp(0)"
-		}
-		if _, err := db.Exec(lower); err != nil {
-			t.Fatal(err)
-		}
+		toSeconds(t, db) // back to seconds after Migrate
 		first, second, third := keyed("order-7"), keyed("order-7"), keyed("order-7")
 		publishInTx(t, db, "orders", []*message.Message{first})
 
@@ -434,4 +436,28 @@ func TestMigrate_MySQLExplicitDefaultsForTimestampOff_0011KeepsTimestampWithoutD
 	if err := off.QueryRow("SELECT @@SESSION.explicit_defaults_for_timestamp").Scan(&on); err != nil || on != 0 {
 		t.Errorf("the pool's session reads explicit_defaults_for_timestamp %d (%v) after Migrate, want it OFF again", on, err)
 	}
+}
+
+// 0011 on PostgreSQL rewrites no row and keeps the plain indexes over the
+// times (Rails' acemq_outbox_pending); the partial ones are built again,
+// as its comment says.
+func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	railsSecondsTable(t, db)
+	migrate(t, db)
+	toSeconds(t, db)
+	if _, err := db.Exec("DELETE FROM acemq_schema_migrations WHERE version = 11"); err != nil {
+		t.Fatal(err)
+	}
+	rels := relFiles(t, db, false)
+	migrate(t, db)
+	if got := relFiles(t, db, false); !sameRelFiles(got, rels) || len(got) != len(rels) {
+		t.Errorf("files of the table and its indexes %v became %v: rewritten", rels, got)
+	}
+	for name, c := range timeColumns(t, db) {
+		if c.Precision != 6 {
+			t.Errorf("%s keeps %d digits after 0011, want 6", name, c.Precision)
+		}
+	}
+	t.Logf("table and indexes: %v", rels)
 }

@@ -16,10 +16,15 @@
 -- (p < 6) becomes timestamp(6) or timestamptz(6), the same family, its
 -- nullability and default kept. A column at 6 already (or without a
 -- precision, which is 6) is left alone, so on a table 0001 made, and on a
--- second run, nothing happens. Raising the precision rewrites no row and
--- rebuilds no index: it takes the table's ACCESS EXCLUSIVE lock for a
--- moment only. A view over one of the columns makes PostgreSQL refuse the
--- change, naming the view: drop it, migrate, and make it again.
+-- second run, nothing happens. Raising the precision rewrites no row, and
+-- keeps the plain indexes (Rails' acemq_outbox_pending among them); but
+-- PostgreSQL builds again every partial index over these columns: the
+-- pending ones, small, and 0001's acemq_outbox_published, over every
+-- published row. That runs under the table's ACCESS EXCLUSIVE lock, held
+-- until Migrate commits, and the services' writes wait meanwhile: on a
+-- table of many published rows, purge them first (outboxctl purge), or
+-- migrate at a quiet time. A view over one of the columns makes PostgreSQL
+-- refuse the change, naming the view: drop it, migrate, and make it again.
 --
 -- processed_messages.processed_at is left as it is: the inbox tells no row
 -- by it, only compares it with now (retention, the at-most-once lease),
