@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -169,9 +170,10 @@ func timeColumns(t *testing.T, db *testdb.DB) map[string]timeColumn {
 // currentTimestamp says whether a column's default is the time of the
 // insert, as each database spells it.
 func currentTimestamp(def string) bool {
-	def = strings.ToLower(def)
-	return strings.HasPrefix(def, "current_timestamp") || strings.HasPrefix(def, "now()")
+	return insertTime.MatchString(def)
 }
+
+var insertTime = regexp.MustCompile(`^(?i)(current_timestamp|now)(\([0-6]?\))?$`)
 
 // 0011 raises a coarse time column to microseconds and keeps the rest of
 // it: timestamp stays timestamp and timestamptz timestamptz (datetime and
@@ -184,7 +186,7 @@ func TestMigrate_CoarseTimeColumns_RaisedToMicrosecondsKeepingTypeNullabilityDef
 			testrails.CreateTable(t, db)
 			stmts := []string{
 				"ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL DEFAULT CURRENT_TIMESTAMP," +
-					" MODIFY published_at timestamp(3) NULL DEFAULT NULL," +
+					" MODIFY published_at timestamp(3) NULL DEFAULT (CURRENT_TIMESTAMP(3) + INTERVAL 1 DAY)," +
 					" MODIFY locked_until datetime(2) NULL DEFAULT '2000-01-01 00:00:00' COMMENT 'end of the lease'," +
 					" ADD processed_at timestamp NULL DEFAULT CURRENT_TIMESTAMP ON UPDATE CURRENT_TIMESTAMP",
 			}

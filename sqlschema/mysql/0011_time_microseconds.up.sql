@@ -49,12 +49,14 @@ DEALLOCATE PREPARE acemq_ddl;
 -- information_schema tells a default differently: MySQL 8 gives a literal
 -- bare and marks an expression DEFAULT_GENERATED; MariaDB quotes a literal,
 -- gives an expression bare, and a nullable column's default NULL as 'NULL'.
+-- Only the insert's time alone becomes CURRENT_TIMESTAMP(6); an expression
+-- over it (a day later, say) is kept as it is.
 SET @acemq_ddl = (SELECT IFNULL(CONCAT('ALTER TABLE acemq_outbox ', GROUP_CONCAT(
         CONCAT('MODIFY COLUMN `', COLUMN_NAME, '` ', DATA_TYPE, '(6)',
             IF(IS_NULLABLE = 'YES', ' NULL', ' NOT NULL'),
             CASE
                 WHEN COLUMN_DEFAULT IS NULL OR COLUMN_DEFAULT = 'NULL' THEN ''
-                WHEN COLUMN_DEFAULT LIKE 'current_timestamp%' OR COLUMN_DEFAULT LIKE 'now(%' THEN ' DEFAULT CURRENT_TIMESTAMP(6)'
+                WHEN COLUMN_DEFAULT REGEXP '^(current_timestamp|now|localtime|localtimestamp)([(][0-6]?[)])?$' THEN ' DEFAULT CURRENT_TIMESTAMP(6)'
                 WHEN COLUMN_DEFAULT LIKE '''%' THEN CONCAT(' DEFAULT ', COLUMN_DEFAULT)
                 WHEN EXTRA LIKE '%DEFAULT_GENERATED%' OR VERSION() LIKE '%MariaDB%' THEN CONCAT(' DEFAULT (', COLUMN_DEFAULT, ')')
                 ELSE CONCAT(' DEFAULT ', QUOTE(COLUMN_DEFAULT))
