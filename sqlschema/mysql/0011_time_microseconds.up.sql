@@ -50,18 +50,19 @@ DEALLOCATE PREPARE acemq_ddl;
 -- bare and marks an expression DEFAULT_GENERATED; MariaDB quotes a literal,
 -- gives an expression bare, and a nullable column's default NULL as 'NULL'.
 -- Only the insert's time alone becomes CURRENT_TIMESTAMP(6); an expression
--- over it (a day later, say) is kept as it is.
+-- over it (a day later, say) is kept as it is. The texts are compared in
+-- lower case: MySQL 8's information_schema may collate them binary.
 SET @acemq_ddl = (SELECT IFNULL(CONCAT('ALTER TABLE acemq_outbox ', GROUP_CONCAT(
         CONCAT('MODIFY COLUMN `', COLUMN_NAME, '` ', DATA_TYPE, '(6)',
             IF(IS_NULLABLE = 'YES', ' NULL', ' NOT NULL'),
             CASE
-                WHEN COLUMN_DEFAULT IS NULL OR COLUMN_DEFAULT = 'NULL' THEN ''
-                WHEN COLUMN_DEFAULT REGEXP '^(current_timestamp|now|localtime|localtimestamp)([(][0-6]?[)])?$' THEN ' DEFAULT CURRENT_TIMESTAMP(6)'
+                WHEN COLUMN_DEFAULT IS NULL OR LOWER(COLUMN_DEFAULT) = 'null' THEN ''
+                WHEN LOWER(COLUMN_DEFAULT) REGEXP '^(current_timestamp|now|localtime|localtimestamp)([(][0-6]?[)])?$' THEN ' DEFAULT CURRENT_TIMESTAMP(6)'
                 WHEN COLUMN_DEFAULT LIKE '''%' THEN CONCAT(' DEFAULT ', COLUMN_DEFAULT)
-                WHEN EXTRA LIKE '%DEFAULT_GENERATED%' OR VERSION() LIKE '%MariaDB%' THEN CONCAT(' DEFAULT (', COLUMN_DEFAULT, ')')
+                WHEN LOWER(EXTRA) LIKE '%default_generated%' OR LOWER(VERSION()) LIKE '%mariadb%' THEN CONCAT(' DEFAULT (', COLUMN_DEFAULT, ')')
                 ELSE CONCAT(' DEFAULT ', QUOTE(COLUMN_DEFAULT))
             END,
-            IF(EXTRA LIKE '%on update%', ' ON UPDATE CURRENT_TIMESTAMP(6)', ''),
+            IF(LOWER(EXTRA) LIKE '%on update%', ' ON UPDATE CURRENT_TIMESTAMP(6)', ''),
             IF(COLUMN_COMMENT = '', '', CONCAT(' COMMENT ', QUOTE(COLUMN_COMMENT))))
         ORDER BY ORDINAL_POSITION SEPARATOR ', ')), 'DO 0')
     FROM information_schema.COLUMNS
