@@ -404,6 +404,9 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 // from those already there, and taking its guess would give back the
 // numbers of rows it wrote or leave a refused call's rows behind. Only the
 // slow path asks, and only when a row's time is within a second of ours.
+// It cannot tell a call that inserted nothing (a plain retry, whose guess
+// would be right) from one that did: on such a table every call that meets
+// ids already there within a second of them fails until it is migrated.
 func (p *TxPublisher) checkPrecision(ctx context.Context) error {
 	q, ok := p.q.CreatedAtPrecision()
 	if !ok {
