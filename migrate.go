@@ -26,9 +26,16 @@ import (
 // is brought up to date in place: what this library needs and the table
 // lacks (processed_at, the index of pending rows the relay's claim walks, on
 // PostgreSQL the trigger that wakes the relay) is added, and no row is
-// rewritten or dropped; the columns keep their types. On PostgreSQL that
-// is the table the unqualified name acemq_outbox resolves to on db's
-// search_path: with search_path=svc,public and the estate's table in
+// dropped or changed. The columns keep their types but for one change:
+// times (created_at, published_at, locked_until, processed_at) that keep
+// less than microseconds, as Rails before 7.0 made them, are raised to
+// microseconds, their type family, nullability and default kept
+// (sqlschema's 0011), for the publisher tells its own rows by created_at
+// to the microsecond. On PostgreSQL that rewrites no row but builds the
+// partial indexes over those columns again; on MySQL it rebuilds the
+// table; either once, and writes to the table wait meanwhile. The table is,
+// on PostgreSQL, the one the unqualified name acemq_outbox resolves to on
+// db's search_path: with search_path=svc,public and the estate's table in
 // public, Migrate works in public, and creates nothing in svc.
 //
 // db is a *sql.DB or a *sqlx.DB; with a *sqlx.DB, d may be nil (its driver

@@ -330,6 +330,10 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 // (ON DUPLICATE KEY UPDATE leaving the row there as it is), and a keyed row whose (aggregate_id, seq) another row holds
 // (a counter behind the table) would otherwise be lost without a word.
 func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours []string, conflict error, err error) {
+	// near: a row not ours whose created_at is within a second of our
+	// stamp, as all of ours are in a table that rounds them (see
+	// checkPrecision).
+	near := false
 	seen := make(map[string]bool, len(rows))
 	want := make(map[string]*sqldialect.Row, len(rows))
 	for i := range rows {
@@ -374,8 +378,14 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 			case (exchange != r.Exchange || routingKey != r.RoutingKey) && conflict == nil:
 				conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey}
 			}
+			near = near || (!created.T.IsZero() && created.T.UnixMicro() != r.CreatedAt.UnixMicro() && created.T.Sub(r.CreatedAt).Abs() < time.Second)
 		}
 		if err := found.Close(); err != nil {
+			return nil, nil, err
+		}
+	}
+	if near {
+		if err := p.checkPrecision(ctx); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -386,6 +396,38 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 		}
 	}
 	return ours, conflict, nil
+}
+
+// checkPrecision fails when the table's created_at keeps less than
+// microseconds (a table of Rails before 7.0, say, not migrated since): the
+// database rounded the call's stamps, readBack cannot tell the call's rows
+// from those already there, and taking its guess would give back the
+// numbers of rows it wrote or leave a refused call's rows behind. Only the
+// slow path asks, and only when a row's time is within a second of ours.
+// It cannot tell a call that inserted nothing (a plain retry, whose guess
+// would be right) from one that did: on such a table every call that meets
+// ids already there within a second of them fails until it is migrated.
+func (p *TxPublisher) checkPrecision(ctx context.Context) error {
+	q, ok := p.q.CreatedAtPrecision()
+	if !ok {
+		return nil
+	}
+	found, err := p.query(ctx, q)
+	if err != nil {
+		return err
+	}
+	digits := 6
+	if found.Next() {
+		err = found.Scan(&digits)
+	}
+	if err := errors.Join(err, found.Close()); err != nil {
+		return err
+	}
+	if digits < 6 {
+		return fmt.Errorf("outbox: %s.created_at keeps %d digits of a second, and the publisher tells the rows of its call from those already there by created_at to the microsecond;"+
+			" roll this transaction back, and run outbox.Migrate (or sqlschema's 0011) on the table", p.q.Table(), digits)
+	}
+	return nil
 }
 
 // checkCallDuplicates refuses one id sent to two destinations, or under two

@@ -337,6 +337,12 @@ func (mysql) pendingIndex() string {
 		" AND s1.COLUMN_NAME = 'published_at' ORDER BY s1.INDEX_NAME LIMIT 1"
 }
 
+// createdAtPrecision: DATETIME_PRECISION of a datetime or timestamp.
+func (mysql) createdAtPrecision() string {
+	return "SELECT DATETIME_PRECISION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = COALESCE(?, DATABASE())" +
+		" AND TABLE_NAME = ? AND COLUMN_NAME = 'created_at' AND DATA_TYPE IN ('datetime', 'timestamp')"
+}
+
 // keyIndex: the index keyHead names, looked up as pendingIndex's is: one
 // on (aggregate_id, published_at, seq), 0007's acemq_outbox_pending_key
 // under whatever name. None found, the probe goes unnamed. Arguments: the

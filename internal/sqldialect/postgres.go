@@ -282,6 +282,15 @@ func (postgres) pendingIndex() string { return "" }
 
 func (postgres) keyIndex() string { return "" }
 
+// createdAtPrecision: an unqualified name is the table it resolves to on
+// the search_path, as every statement's; a timestamp without a precision
+// keeps 6 digits.
+func (postgres) createdAtPrecision() string {
+	return "SELECT CASE WHEN a.atttypmod < 0 THEN 6 ELSE a.atttypmod END FROM pg_catalog.pg_attribute a" +
+		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
+		" AND a.attname = 'created_at' AND NOT a.attisdropped AND a.atttypid IN ('timestamp'::regtype, 'timestamptz'::regtype)"
+}
+
 func (d postgres) timeCmp(col, op string, t time.Time) (string, []any) {
 	return timeColumnCmp(d, col, op, t)
 }

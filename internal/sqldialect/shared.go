@@ -434,6 +434,15 @@ func (o *Outbox) PendingIndex() (Query, bool) { return o.indexLookup(o.d.pending
 // the index name; no row when there is none.
 func (o *Outbox) KeyIndex() (Query, bool) { return o.indexLookup(o.d.keyIndex()) }
 
+// CreatedAtPrecision is the lookup of how many fractional digits of a
+// second the table's created_at keeps, if the database rounds (not
+// SQLite). Column: the digits; no row when created_at is no timestamp.
+func (o *Outbox) CreatedAtPrecision() (Query, bool) {
+	q, ok := o.indexLookup(o.d.createdAtPrecision())
+	q.SQL = o.d.rebind(q.SQL)
+	return q, ok
+}
+
 // indexLookup gives a dialect's index-name lookup q the table's schema and
 // name; false when the dialect has none.
 func (o *Outbox) indexLookup(q string) (Query, bool) {

@@ -149,6 +149,10 @@ type Dialect interface {
 	// writers itself.
 	busyTimeout() string
 	pendingIndex() string
+	// createdAtPrecision looks up the fractional digits created_at keeps,
+	// "" where a column keeps what it is sent (SQLite). Arguments: the
+	// table's schema (or NULL for the current one), its name.
+	createdAtPrecision() string
 	// keyIndex looks up the index of a key's pending rows that keyHead
 	// names, "" if the dialect's claims name none (see pendingIndex).
 	keyIndex() string

@@ -144,6 +144,10 @@ func (sqlite) pendingIndex() string { return "" }
 
 func (sqlite) keyIndex() string { return "" }
 
+// createdAtPrecision: SQLite keeps the text it is sent, whatever the
+// column's declared type.
+func (sqlite) createdAtPrecision() string { return "" }
+
 // purgePublished: see timeCmp for how its cutoff compares.
 func (sqlite) purgePublished(table, before string) string {
 	return "DELETE FROM " + table + " WHERE id IN (SELECT id FROM " + table +
