@@ -804,7 +804,7 @@ func (in *Inbox) RefreshStats(ctx context.Context) error {
 	if err != nil || overdue == 0 {
 		return err
 	}
-	return in.logGaps(ctx, overdue)
+	return in.logGaps(ctx)
 }
 
 // readHeld reads the held messages into the gauges and returns how many
@@ -834,17 +834,13 @@ func (in *Inbox) readHeld(ctx context.Context) (int64, error) {
 const gapLogs = 20
 
 // logGaps logs the longest-held of the overdue keys held past GapAfter.
-func (in *Inbox) logGaps(ctx context.Context, overdue int64) error {
-	gs, err := in.Gaps(ctx, in.cfg.GapAfter)
+func (in *Inbox) logGaps(ctx context.Context) error {
+	gs, total, err := in.ListGaps(ctx, in.cfg.GapAfter, gapLogs)
 	if err != nil {
 		return err
 	}
 	now := time.Now()
-	for i, g := range gs {
-		if i == gapLogs {
-			in.log.Error("Ordered inbox: more keys hold messages past GapAfter (outboxctl held lists them)", fmt.Errorf("%d keys, %d logged", overdue, gapLogs), nil)
-			break
-		}
+	for _, g := range gs {
 		age := now.Sub(g.OldestHeldAt)
 		why := "Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)"
 		if g.Missing() <= 0 {
@@ -854,6 +850,9 @@ func (in *Inbox) logGaps(ctx context.Context, overdue int64) error {
 			"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
 			"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
 		})
+	}
+	if total > len(gs) {
+		in.log.Error("Ordered inbox: more keys hold messages past GapAfter (outboxctl held lists them)", fmt.Errorf("%d keys, %d logged", total, len(gs)), nil)
 	}
 	return nil
 }

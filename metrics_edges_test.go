@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"reflect"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -27,6 +29,7 @@ func (pgConflict) SQLState() string { return "40001" }
 // The gauges of the ordered inbox count every held message. RefreshStats
 // read them through Gaps, which stops at 1000 keys, so with more keys
 // holding messages outbox_inbox_held and outbox_inbox_gaps stopped at 1000.
+// Its log names the 20 longest-held keys and counts the rest.
 func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
@@ -34,7 +37,8 @@ func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testin
 	if err != nil {
 		t.Fatal(err)
 	}
-	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Metrics: m, GapAfter: 1})
+	logs := watermill.NewCaptureLogger()
+	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Metrics: m, GapAfter: 1, Logger: logs})
 	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, nil })
 	const keys = 1005
 	for i := range keys {
@@ -51,6 +55,18 @@ func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testin
 	}
 	if got := metricValue(t, reg, "outbox_inbox_gaps", ""); got != keys {
 		t.Errorf("outbox_inbox_gaps = %v with %d keys held past GapAfter, want %d", got, keys, keys)
+	}
+	named, more := 0, ""
+	for _, l := range logs.Captured()[watermill.ErrorLogLevel] {
+		switch {
+		case l.Fields["aggregate_id"] != nil:
+			named++
+		case strings.HasPrefix(l.Msg, "Ordered inbox: more keys"):
+			more = l.Err.Error()
+		}
+	}
+	if named != 20 || more != fmt.Sprintf("%d keys, 20 logged", keys) {
+		t.Errorf("RefreshStats logged %d keys by name and %q of the rest, want 20 and \"%d keys, 20 logged\"", named, more, keys)
 	}
 }
 
