@@ -121,6 +121,90 @@ func TestForwarder_Blackhole_SweepEndsNearItsPublishTimeout(t *testing.T) {
 	}
 }
 
+// Mark after confirm, when the connection goes with a window unconfirmed:
+// the publishes never reached the broker (the proxy drops them), then the
+// connection closes. Whether the broker has such a message is unknown, so
+// none may be marked published, by a Sweep or by Run's pipelined windows,
+// and each arrives once the broker is reachable again. With the real
+// broker RabbitMQ had routed each publish before the close, and an
+// unconfirmed record read as confirmed passed every other test.
+func TestForwarder_ConnectionClosedBeforeConfirms_NothingMarkedEveryRowArrives(t *testing.T) {
+	t.Run("Sweep", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		proxy := testamqp.NewProxy(t)
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		f := newForwarder(t, db, outbox.ForwarderConfig{PublishTimeout: 10 * time.Second, OnError: func(error, outbox.ErrorContext) {}},
+			outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+		first := publishN(t, db, b.Exchange, "t", 1)
+		if n := sweepAll(t, f); n != 1 {
+			t.Fatalf("published %d, want 1", n)
+		}
+		ids := publishN(t, db, b.Exchange, "t", 3)
+		proxy.Blackhole(true)
+		sent := proxy.Bodies()
+		swept := make(chan error, 1)
+		go func() { _, err := f.Sweep(context.Background()); swept <- err }()
+		waitFor(t, 10*time.Second, "the relay to write the batch", func() bool { return proxy.Bodies() >= sent+3 })
+		proxy.DropConns()
+		proxy.Blackhole(false)
+		if err := <-swept; !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Errorf("sweep: %v, want ErrConnectionLost", err)
+		}
+		assertNoneMarked(t, db, ids)
+		sweepAll(t, f)
+		all := append(first, ids...)
+		assertArrivedOnce(t, b.Drain(queue, len(all), 10*time.Second), all)
+	})
+	t.Run("Run", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		proxy := testamqp.NewProxy(t)
+		b := testamqp.New(t)
+		queue := b.Queue("t")
+		var lost atomic.Bool
+		f := newForwarder(t, db, outbox.ForwarderConfig{
+			BatchSize: 10, PublishTimeout: 10 * time.Second, RetryMin: 50 * time.Millisecond, RetryMax: 200 * time.Millisecond,
+			OnError: func(err error, _ outbox.ErrorContext) {
+				lost.Store(lost.Load() || errors.Is(err, outbox.ErrConnectionLost))
+			},
+		}, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+		first := publishN(t, db, b.Exchange, "t", 1)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		defer func() { cancel(); <-done }()
+		waitFor(t, 10*time.Second, "the first row published", func() bool { return stateOf(t, db, first[0]).Published })
+
+		proxy.Blackhole(true)
+		sent := proxy.Bodies()
+		var ids []string
+		for _, m := range publishBatch(t, db, b.Exchange, "t", 30) { // three windows of BatchSize
+			ids = append(ids, m.UUID)
+		}
+		f.Notify()
+		waitFor(t, 10*time.Second, "the relay to write its first window", func() bool { return proxy.Bodies() >= sent+10 })
+		// The broker stays out of reach: what the relay marks until it
+		// reports the loss, it marked on the lost connection's word.
+		proxy.DropConns()
+		waitFor(t, 30*time.Second, "the relay to report the lost connection", lost.Load)
+		assertNoneMarked(t, db, ids)
+		proxy.Blackhole(false)
+		waitFor(t, 30*time.Second, "every row published", func() bool { return pendingCount(t, f) == 0 })
+		all := append(first, ids...)
+		assertArrivedOnce(t, b.Drain(queue, len(all), 10*time.Second), all)
+	})
+}
+
+// assertNoneMarked fails t for each row of ids marked published.
+func assertNoneMarked(t testing.TB, db *testdb.DB, ids []string) {
+	t.Helper()
+	for _, id := range ids {
+		if stateOf(t, db, id).Published {
+			t.Errorf("row %s marked published, yet the broker never got it and never confirmed it", id)
+		}
+	}
+}
+
 // A record whose publish makes the broker close the channel (a CC header
 // that is a string), early in a batch large enough that the client's
 // writes flush while it publishes. An audit saw the close come in

@@ -28,6 +28,16 @@ func countProcessed(t testing.TB, db *testdb.DB, id string) int {
 	return n
 }
 
+// recordProcessed reports whether the outbox record id is marked processed.
+func recordProcessed(t testing.TB, db *testdb.DB, id string) bool {
+	t.Helper()
+	var p bool
+	if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 func TestInbox_Duplicate_AckedHandlerNotRun(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
@@ -238,18 +248,59 @@ func TestInbox_MarkOutboxProcessed_SetsProcessedAtOnlyWhenConfigured(t *testing.
 		if _, err := plain(message.NewMessage(ids[1], []byte("x"))); err != nil {
 			t.Fatal(err)
 		}
-		processed := func(id string) bool {
-			var p bool
-			if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
-				t.Fatal(err)
-			}
-			return p
-		}
-		if !processed(ids[0]) {
+		if !recordProcessed(t, db, ids[0]) {
 			t.Error("the record was not marked processed")
 		}
-		if processed(ids[1]) {
+		if recordProcessed(t, db, ids[1]) {
 			t.Error("an inbox without MarkOutboxProcessed touched the outbox")
+		}
+	})
+}
+
+// The mark of MarkOutboxProcessed commits with the handler's effect, in the
+// inbox's transaction, plain and ordered: a handler that made its effect
+// and then failed leaves the record unprocessed (a Republish sends it
+// again), and its redelivery, which succeeds, marks it. A mark made on a
+// connection of its own stayed after the failure on PostgreSQL and MySQL
+// (the message counted as processed, its effect rolled back), and on
+// SQLite waited for the inbox's write lock and failed every delivery.
+func TestInbox_MarkOutboxProcessed_HandlerFailsAfterEffect_RecordStaysUnprocessed(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		for _, ordered := range []bool{false, true} {
+			t.Run(fmt.Sprintf("ordered=%v", ordered), func(t *testing.T) {
+				id := publishN(t, db, "", "order.placed", 1)[0]
+				var ran atomic.Int32
+				effect := writeEffect(t, db, &ran)
+				fail := true
+				h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true, Ordered: ordered}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+					if _, err := effect(msg); err != nil {
+						return nil, err
+					}
+					if fail {
+						return nil, errors.New("carrier API down")
+					}
+					return nil, nil
+				})
+				msg := message.NewMessage(id, []byte("x"))
+				if ordered {
+					msg.Metadata.Set(outbox.HeaderAggregateID, "a")
+					msg.Metadata.Set(outbox.HeaderSeq, "1")
+				}
+				if _, err := h(msg.Copy()); err == nil || !strings.Contains(err.Error(), "carrier API down") {
+					t.Fatalf("err = %v, want the handler's failure", err)
+				}
+				if recordProcessed(t, db, id) || countEffects(t, db, id) != 0 {
+					t.Fatalf("after the failure: processed %v, %d effects; want false and 0", recordProcessed(t, db, id), countEffects(t, db, id))
+				}
+				fail = false
+				if _, err := h(msg.Copy()); err != nil {
+					t.Fatalf("redelivery: %v, want nil (ack)", err)
+				}
+				if !recordProcessed(t, db, id) || countEffects(t, db, id) != 1 {
+					t.Fatalf("after the redelivery: processed %v, %d effects; want true and 1", recordProcessed(t, db, id), countEffects(t, db, id))
+				}
+			})
 		}
 	})
 }

@@ -245,26 +245,19 @@ func TestOrderedInbox_MarkOutboxProcessed_InOrderAndHeldMarkedWhenApplied(t *tes
 			m.Metadata.Set(outbox.HeaderSeq, strconv.Itoa(i+1))
 			return m
 		}
-		processed := func(id string) bool {
-			var p bool
-			if err := db.Get(&p, db.Rebind("SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?"), id); err != nil {
-				t.Fatal(err)
-			}
-			return p
-		}
 		for _, i := range []int{0, 2} {
 			if _, err := h(msg(i)); err != nil {
 				t.Fatal(err)
 			}
 		}
-		if !processed(ids[0]) || processed(ids[2]) {
-			t.Fatalf("after seq 1 and 3 (held): processed %v and %v, want true and false", processed(ids[0]), processed(ids[2]))
+		if !recordProcessed(t, db, ids[0]) || recordProcessed(t, db, ids[2]) {
+			t.Fatalf("after seq 1 and 3 (held): processed %v and %v, want true and false", recordProcessed(t, db, ids[0]), recordProcessed(t, db, ids[2]))
 		}
 		if _, err := h(msg(1)); err != nil {
 			t.Fatal(err)
 		}
 		for i, id := range ids {
-			if !processed(id) {
+			if !recordProcessed(t, db, id) {
 				t.Errorf("seq %d applied but its record not marked processed", i+1)
 			}
 		}

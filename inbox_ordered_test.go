@@ -300,6 +300,31 @@ func TestOrderedInbox_HeldCopyDeliveredInTurn_AppliedOnceHeldCopyGone(t *testing
 	})
 }
 
+// The key's next message runs its handler and advances the key in one
+// transaction: a handler that fails takes the advance back with it, and the
+// redelivery runs the handler. Advanced in a transaction of its own (the
+// mutant commits the advance, then runs the handler in a second one), the
+// key moved past a message whose handler failed: its redelivery was acked
+// as a duplicate and never applied.
+func TestOrderedInbox_InOrderHandlerFails_KeyNotAdvancedRedeliveryApplied(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		failing := true
+		l := applyLog{fail: failSeq2(&failing)}
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+		deliver(t, h, "k", 1)
+		if _, err := h(keyedMsg("k", 2)); err == nil {
+			t.Fatal("seq 2 acked, want the handler's error (nack)")
+		}
+		failing = false
+		deliver(t, h, "k", 2, 3)
+		if got := l.of("k"); !reflect.DeepEqual(got, upTo(3)) {
+			t.Fatalf("applied %v, want [1 2 3]", got)
+		}
+		assertEffectsOnce(t, db, "k", 3)
+	})
+}
+
 func TestOrderedInbox_HeldMessageHandlerFails_StaysHeldAppliedLaterInOrder(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)

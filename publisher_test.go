@@ -16,6 +16,7 @@ import (
 	wsql "github.com/ThreeDotsLabs/watermill-sql/v4/pkg/sql"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/rowcodec"
@@ -427,54 +428,80 @@ func TestTxPublisher_ManyMessagesInOneCall_AllRows(t *testing.T) {
 	})
 }
 
+// refuseBoom makes the database refuse, with the error "boom refused",
+// the insert of the outbox row whose id is "boom": a failure in whichever
+// statement of a call writes that row.
+func refuseBoom(t testing.TB, db *testdb.DB) {
+	t.Helper()
+	refuse := map[string][]string{
+		testdb.Postgres: {
+			`CREATE FUNCTION refuse_boom() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'boom refused'; END $$ LANGUAGE plpgsql`,
+			`CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW WHEN (NEW.id = 'boom') EXECUTE FUNCTION refuse_boom()`,
+		},
+		testdb.MySQL: {
+			"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW BEGIN IF NEW.id = 'boom' THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'boom refused'; END IF; END",
+		},
+		testdb.SQLite: {
+			"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox WHEN NEW.id = 'boom' BEGIN SELECT RAISE(ABORT, 'boom refused'); END",
+		},
+	}
+	for _, stmt := range refuse[db.Kind] {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// publishRefusedCallThenCommit publishes msgs, whose last is "boom", in a
+// transaction that first ran before (if any); it wants the trigger's
+// refusal, and commits after it as a caller may on MySQL and SQLite, where
+// a failed statement leaves the transaction open. It reports false on
+// PostgreSQL, whose failed statement aborted the transaction: nothing can
+// commit there.
+func publishRefusedCallThenCommit(t *testing.T, db *testdb.DB, msgs []*message.Message, before func(tx *sqlx.Tx)) bool {
+	t.Helper()
+	tx, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if before != nil {
+		before(tx)
+	}
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pub.Publish("t", msgs...); err == nil || !strings.Contains(err.Error(), "boom refused") {
+		t.Fatalf("err = %v, want the trigger's refusal", err)
+	}
+	if db.Kind == testdb.Postgres {
+		return false
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
 // A database refusal in the third statement of a call must undo the first
 // two, even on MySQL and SQLite where a failed statement does not abort the
 // transaction and the caller may commit after our error.
 func TestTxPublisher_FailureInLaterStatement_WritesNothingOfTheCall(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		refuse := map[string][]string{
-			testdb.Postgres: {
-				`CREATE FUNCTION refuse_boom() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'boom refused'; END $$ LANGUAGE plpgsql`,
-				`CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW WHEN (NEW.id = 'boom') EXECUTE FUNCTION refuse_boom()`,
-			},
-			testdb.MySQL: {
-				"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox FOR EACH ROW BEGIN IF NEW.id = 'boom' THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'boom refused'; END IF; END",
-			},
-			testdb.SQLite: {
-				"CREATE TRIGGER refuse_boom BEFORE INSERT ON acemq_outbox WHEN NEW.id = 'boom' BEGIN SELECT RAISE(ABORT, 'boom refused'); END",
-			},
-		}
-		for _, stmt := range refuse[db.Kind] {
-			if _, err := db.Exec(stmt); err != nil {
-				t.Fatal(err)
-			}
-		}
+		refuseBoom(t, db)
 		var msgs []*message.Message
 		for i := 0; i < 2100; i++ {
 			msgs = append(msgs, message.NewMessage(watermill.NewUUID(), []byte("x")))
 		}
 		msgs = append(msgs, message.NewMessage("boom", []byte("x")))
-
-		tx, err := db.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = tx.Rollback() }()
-		if _, err := tx.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES ('before', '', 't', 'x', 'utf-8', '', '{}', '2026-01-01 00:00:00')"); err != nil {
-			t.Fatal(err)
-		}
-		pub, err := outbox.NewTxPublisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := pub.Publish("t", msgs...); err == nil || !strings.Contains(err.Error(), "boom refused") {
-			t.Fatalf("err = %v, want the trigger's refusal", err)
-		}
-		if db.Kind == testdb.Postgres {
-			return // the failed statement aborted the transaction: nothing can commit
-		}
-		if err := tx.Commit(); err != nil {
-			t.Fatal(err)
+		committed := publishRefusedCallThenCommit(t, db, msgs, func(tx *sqlx.Tx) {
+			if _, err := tx.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at) VALUES ('before', '', 't', 'x', 'utf-8', '', '{}', '2026-01-01 00:00:00')"); err != nil {
+				t.Fatal(err)
+			}
+		})
+		if !committed {
+			return
 		}
 		var ids []string
 		if err := db.Select(&ids, "SELECT id FROM acemq_outbox"); err != nil {
@@ -482,6 +509,33 @@ func TestTxPublisher_FailureInLaterStatement_WritesNothingOfTheCall(t *testing.T
 		}
 		if len(ids) != 1 || ids[0] != "before" {
 			t.Fatalf("%d rows committed, want only the caller's own earlier row: the call was half written", len(ids))
+		}
+	})
+}
+
+// The same for a keyed call of several statements (publishKeyed's
+// savepoint): the refusal in its last statement undoes the rows of the
+// earlier ones and their numbers. Without the rollback to the savepoint a
+// caller committing after the error kept 2000 rows of a call that
+// returned an error, each with a number of the key.
+func TestTxPublisher_KeyedFailureInLaterStatement_WritesNothingOfTheCall(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		refuseBoom(t, db)
+		inTx(t, db, true, []*message.Message{keyed("k")}) // k: 1
+		var msgs []*message.Message
+		for i := 0; i < 2100; i++ {
+			msgs = append(msgs, keyed("k"))
+		}
+		boom := message.NewMessage("boom", []byte("x"))
+		boom.Metadata.Set(outbox.MetadataAggregateID, "k")
+		if !publishRefusedCallThenCommit(t, db, append(msgs, boom), nil) {
+			return
+		}
+		if rows := countRows(t, db); rows != 1 {
+			t.Errorf("%d rows committed, want only k's first: the refused keyed call was half written", rows)
+		}
+		if seqs, last := seqsOf(t, db, "k"), lastSeq(t, db, "k"); len(seqs) != 1 || last != 1 {
+			t.Errorf("k has %d numbered rows, its counter at %d; want 1 and 1", len(seqs), last)
 		}
 	})
 }

@@ -29,8 +29,9 @@ type Proxy struct {
 	dialed  int
 	closed  bool
 
-	loseConfirms atomic.Bool // drop the broker's basic.ack frames
-	blackhole    atomic.Bool // drop every frame, both ways
+	loseConfirms atomic.Bool  // drop the broker's basic.ack frames
+	blackhole    atomic.Bool  // drop every frame, both ways
+	bodies       atomic.Int64 // content body frames read from the clients
 }
 
 // alarm is a memory alarm the proxy plays (see Alarm).
@@ -151,6 +152,9 @@ func (p *Proxy) fromClient(client, upstream net.Conn, toClient *frameWriter) {
 		if err != nil {
 			return
 		}
+		if frame[0] == 3 {
+			p.bodies.Add(1)
+		}
 		p.mu.Lock()
 		a := p.alarm
 		if a != nil && isPublish(frame) {
@@ -186,6 +190,24 @@ func (p *Proxy) LoseConfirms(on bool) { p.loseConfirms.Store(on) }
 // connections open and to come: a partition the kernel does not see,
 // where connections stay open and nothing answers.
 func (p *Proxy) Blackhole(on bool) { p.blackhole.Store(on) }
+
+// Bodies is how many content body frames the clients sent through the
+// proxy, passed on or dropped: the last frame of a publish whose body is
+// not empty (and under the frame size), so that a client has written
+// every publish of a batch once Bodies has grown by its size.
+func (p *Proxy) Bodies() int64 { return p.bodies.Load() }
+
+// DropConns closes every connection open through the proxy, both sides, as
+// a broker that went away would; connections dialed after it are passed
+// on as before.
+func (p *Proxy) DropConns() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		_ = c.Close()
+	}
+	p.conns = nil
+}
 
 // Dialed is how many connections were made through the proxy.
 func (p *Proxy) Dialed() int {
