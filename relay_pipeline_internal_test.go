@@ -85,9 +85,11 @@ func TestClaimNow_BatchesOut_ClaimsOnAWakeUpOrInAFlowWithoutOne(t *testing.T) {
 // writer holds the lock with its row written and not yet committed, as at
 // that moment: the plain probe (a poll's) finds nothing; the woken one
 // waits for the commit and finds the row. A writer that holds the lock past
-// busy_timeout leaves nothing to claim for now, and no error: its commit
-// will wake the relay again. The pool's BEGIN is deferred here, the
-// driver's default, which the probe must not depend on.
+// busy_timeout may yet roll back, which writes nothing to the log and wakes
+// nobody: the woken probe then lets the claim run (which fails on the lock
+// still held and backs off, or finds the row), rather than leave the row
+// to the poll. The pool's BEGIN is deferred here, the driver's default,
+// which the probe must not depend on.
 func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "outbox.db")
 	open := func(busyMs int) *sql.DB {
@@ -146,8 +148,8 @@ func TestNothingToClaim_SQLiteWokenProbeWaitsForTheWriter(t *testing.T) {
 	tx = write("held-past-busy-timeout")
 	defer func() { _ = tx.Rollback() }()
 	start := time.Now()
-	if !loop(short, true).nothingToClaim(ctx) {
-		t.Fatal("a woken probe that could not get the lock within busy_timeout claims, and would fail on the same lock")
+	if loop(short, true).nothingToClaim(ctx) {
+		t.Fatal("a woken probe that could not get the lock within busy_timeout found nothing: a writer that rolls back would leave the row that woke it to the poll")
 	}
 	if waited := time.Since(start); waited < 250*time.Millisecond {
 		t.Fatalf("the woken probe gave up after %s, want busy_timeout (300 ms)", waited)
