@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -685,6 +686,43 @@ func mysqlRailsTableKeys(t *testing.T, legacy bool) {
 		if got := seqsOf(t, db, key); fmt.Sprint(got) != "[1]" {
 			t.Errorf("key %q numbered %v, want [1]: a key of its own", key, got)
 		}
+	}
+}
+
+// A MySQL migration that failed part way leaves its session as it stopped
+// (its user variables; a setting a file changes for its own ALTER and sets
+// back at its end), so its connection is discarded rather than returned to
+// the pool for the application's next statement. Here 0005's refusal
+// leaves @acemq_guard set on the connection that ran it.
+func TestMigrate_MySQLFailedPartWay_ItsConnectionDiscarded(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	testrails.CreateTable(t, db)
+	if _, err := db.Exec("ALTER TABLE acemq_outbox ROW_FORMAT=COMPACT"); err != nil {
+		t.Fatal(err)
+	}
+	pool, err := sql.Open("mysql", db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pool.Close() })
+	pool.SetMaxOpenConns(1)
+	ctx := context.Background()
+	var before int64
+	if err := pool.QueryRowContext(ctx, "SELECT CONNECTION_ID()").Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	if err := outbox.Migrate(ctx, pool, outbox.MySQL); err == nil {
+		t.Fatal("Migrate on a utf8mb4 COMPACT table succeeded; the test needs 0005's refusal")
+	}
+	var (
+		after int64
+		guard sql.NullString
+	)
+	if err := pool.QueryRowContext(ctx, "SELECT CONNECTION_ID(), @acemq_guard").Scan(&after, &guard); err != nil {
+		t.Fatal(err)
+	}
+	if after == before || guard.Valid {
+		t.Errorf("after the failed Migrate the pool handed out connection %d (before: %d) with @acemq_guard = %q: the migration's session, as it stopped", after, before, guard.String)
 	}
 }
 

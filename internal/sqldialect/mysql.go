@@ -3,6 +3,7 @@ package sqldialect
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"math"
@@ -456,6 +457,16 @@ const migrationLockTimeout = 60
 const migrationLockName = "IF(CHAR_LENGTH(DATABASE()) <= 50, CONCAT(DATABASE(), '.acemq_migrate'), CONCAT('acemq_migrate.', MD5(DATABASE())))"
 
 func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) (err error) {
+	// A migration that failed part way leaves its session as it stopped:
+	// its user variables, and a setting a file changes for its own ALTER
+	// and sets back at its end (0011's explicit_defaults_for_timestamp).
+	// The connection is discarded rather than handed to the application's
+	// next statement.
+	defer func() {
+		if err != nil {
+			_ = conn.Raw(func(any) error { return driver.ErrBadConn })
+		}
+	}()
 	// DDL commits implicitly on MySQL, so a transaction cannot hold the
 	// lock: a named lock on this connection does, scoped to the database.
 	var got sql.NullInt64
