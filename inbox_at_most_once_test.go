@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"os"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -312,4 +314,68 @@ func inboxProcess() int {
 	err = router.Run(ctx)
 	fmt.Fprintf(os.Stderr, "inbox process survived: its handler never ran (%v)\n", err)
 	return 3
+}
+
+// The messages an at-most-once handler returned are written in a
+// transaction of their own after its key committed. A serialization
+// failure there (PostgreSQL under REPEATABLE READ, the returned message's
+// key counter raised by another transaction meanwhile) ran the whole
+// delivery again: it found the key, was acked as a duplicate, and the
+// messages were lost. The write is tried again instead.
+func TestInbox_AtMostOnce_ReturnedWriteRefusedForAConcurrentOne_WrittenOnRetry(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "notify", AtMostOnce: true, Isolation: sql.LevelRepeatableRead, Metrics: m})
+
+	// Another transaction holds aggregate K's counter row.
+	holder, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback() }()
+	hp, err := outbox.NewTxPublisher(holder)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hp.Publish("k-events", keyed("K")); err != nil {
+		t.Fatal(err)
+	}
+
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	router := newRouter(t)
+	var runs atomic.Int32
+	returning := make(chan struct{}, 8)
+	router.AddMiddleware(in.Middleware)
+	returned := keyed("K")
+	router.AddHandler("notify", "in", ps, "k-events", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+		runs.Add(1)
+		returning <- struct{}{}
+		return []*message.Message{returned}, nil
+	})
+	stop := startRouter(t, router)
+	defer stop()
+	if err := ps.Publish("in", message.NewMessage(watermill.NewUUID(), []byte("order"))); err != nil {
+		t.Fatal(err)
+	}
+	<-returning
+	time.Sleep(300 * time.Millisecond) // the returned message's write waits on K's row
+	if err := holder.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the delivery's outcome", func() bool {
+		return metricValue(t, reg, "outbox_inbox_processed_total", "notify")+metricValue(t, reg, "outbox_inbox_duplicates_total", "notify")+
+			metricValue(t, reg, "outbox_inbox_failed_total", "notify") > 0
+	})
+	var rows int
+	if err := db.Get(&rows, "SELECT COUNT(*) FROM acemq_outbox WHERE id = $1", returned.UUID); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 1 || runs.Load() != 1 {
+		t.Errorf("the handler ran %d times and its returned message is in the outbox %d times, want 1 and 1 (duplicates counted %v, failed %v)",
+			runs.Load(), rows, metricValue(t, reg, "outbox_inbox_duplicates_total", "notify"), metricValue(t, reg, "outbox_inbox_failed_total", "notify"))
+	}
 }

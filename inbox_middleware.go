@@ -411,7 +411,7 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 	)
 	for try := 0; ; try++ {
 		outcome, consumer, err = in.process(h, msg)
-		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) {
+		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) || errors.As(err, new(*keyStaysError)) {
 			break
 		}
 		in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": try + 1, "error": err.Error()})
@@ -652,9 +652,12 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		// that the redelivery runs it. MarkOutboxProcessed's mark stays: the
 		// broker still holds the message, so republish need not resend it.
 		del := in.q.Delete(consumer, key)
-		if _, delErr := in.db.ExecContext(after, del.SQL, del.Args...); delErr != nil {
+		if delErr := in.retryConflicts(after, func() error {
+			_, err := in.db.ExecContext(after, del.SQL, del.Args...)
+			return err
+		}); delErr != nil {
 			in.log.Error("At-most-once handler failed and its key could not be taken back: the message will not run again", delErr, fields)
-			return inboxFailed, errors.Join(err, fmt.Errorf("outbox: inbox: take back key %s for %s: %w", key, consumer, delErr))
+			return inboxFailed, &keyStaysError{errors.Join(err, fmt.Errorf("outbox: inbox: take back key %s for %s: %w", key, consumer, delErr))}
 		}
 		return inboxFailed, err
 	}
@@ -664,11 +667,34 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		// take the message for a duplicate, as they should.
 		in.log.Error("At-most-once handler ran, but its key could not be stamped done: copies delivered elsewhere wait until its lease ends", doneErr, fields)
 	}
-	if err := in.writeReturnedAlone(after, out); err != nil {
+	if err := in.retryConflicts(after, func() error { return in.writeReturnedAlone(after, out) }); err != nil {
 		in.log.Error("At-most-once handler ran, but the messages it returned could not be written into the outbox: they are lost, its key stays", err, fields)
-		return inboxFailed, err
+		return inboxFailed, &keyStaysError{err}
 	}
 	return inboxProcessed, nil
+}
+
+// keyStaysError is an at-most-once delivery's failure after its key
+// committed for good: running the delivery again would only find the key
+// and ack it as a duplicate, so handle does not, even for a conflict (the
+// failure is counted, and the message nacked, as it is).
+type keyStaysError struct{ error }
+
+func (e *keyStaysError) Unwrap() error { return e.error }
+
+// retryConflicts runs f, and again while the database refuses it for a
+// concurrent transaction (see conflictTries): the writes after an
+// at-most-once handler, each its own transaction, which a redelivery
+// cannot redo since the key is committed. A serialization failure writing
+// the messages it returned lost them, and the delivery run again was acked
+// as a duplicate.
+func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
+	for try := 0; ; try++ {
+		err := f()
+		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) || !sleepCtx(ctx, conflictPause(try)) {
+			return err
+		}
+	}
 }
 
 // renewWhileRunning moves the running key's stamp to now +
