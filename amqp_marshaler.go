@@ -97,7 +97,8 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 	if uuidKey == "" {
 		uuidKey = wamqp.DefaultMessageUUIDHeaderKey
 	}
-	msg := message.NewMessage(messageUUID(d, uuidKey), d.Body)
+	id, copied := messageUUID(d, uuidKey)
+	msg := message.NewMessage(id, d.Body)
 	msg.Metadata = make(message.Metadata, len(d.Headers))
 	for k, v := range d.Headers {
 		if k == uuidKey {
@@ -105,7 +106,7 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		}
 		msg.Metadata[k] = metadataValue(v)
 	}
-	if v := msg.Metadata[HeaderMessageID]; v != "" && v != msg.UUID {
+	if copied {
 		// The inbox dedupes by this header first: a copy's stale one, set
 		// aside for the UUID, must not come back through it.
 		msg.Metadata[HeaderMessageID] = msg.UUID
@@ -144,18 +145,21 @@ func closedDelivery(d amqp.Delivery) bool {
 // DefaultMarshaler or any publisher that is not AMQPMarshaler, which sets
 // no message_id and carries the original's x-acemq-id on. Taken first, it
 // made every copy its original, and an inbox acked them as duplicates.
-func messageUUID(d amqp.Delivery, uuidKey string) string {
+//
+// copied reports that case: the metadata's x-acemq-id is then the copy's
+// UUID too.
+func messageUUID(d amqp.Delivery, uuidKey string) (id string, copied bool) {
 	own, _ := d.Headers[uuidKey].(string)
 	if s, ok := d.Headers[HeaderMessageID].(string); ok && s != "" {
 		if d.MessageId == "" && own != "" && own != s {
-			return own
+			return own, true
 		}
-		return s
+		return s, false
 	}
 	if own != "" {
-		return own
+		return own, false
 	}
-	return d.MessageId
+	return d.MessageId, false
 }
 
 // metadataValue is a header value as Watermill metadata holds it: a string

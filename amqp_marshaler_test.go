@@ -210,6 +210,31 @@ func TestAMQPMarshaler_CopyPublishedThroughDefaultMarshaler_ReadBackUnderItsOwnU
 	}
 }
 
+// An x-acemq-id that is not a string names no UUID, and stays in the
+// metadata as its JSON text, where the inbox dedupes by it: the copy rule
+// above rewrote it to the UUID, empty without message_id, and every such
+// delivery was refused for having no id.
+func TestAMQPMarshaler_AcemqIDNotAString_KeptInTheMetadata(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		d    amqp.Delivery
+		uuid string
+	}{
+		{"alone", amqp.Delivery{DeliveryTag: 1, Headers: amqp.Table{outbox.HeaderMessageID: int64(42)}}, ""},
+		{"beside message_id", amqp.Delivery{DeliveryTag: 1, MessageId: "m", Headers: amqp.Table{outbox.HeaderMessageID: int64(42)}}, "m"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			msg, err := outbox.AMQPMarshaler{}.Unmarshal(tc.d)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if msg.UUID != tc.uuid || msg.Metadata.Get(outbox.HeaderMessageID) != "42" {
+				t.Errorf("UUID %q, x-acemq-id %q in the metadata; want %q and \"42\"", msg.UUID, msg.Metadata.Get(outbox.HeaderMessageID), tc.uuid)
+			}
+		})
+	}
+}
+
 // PublisherDestination puts a record's typed headers into the metadata as
 // AMQPMarshaler does: a consumer reads the same metadata whichever
 // destination relayed the message.
