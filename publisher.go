@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"reflect"
 	"sort"
 	"strings"
 	"sync"
@@ -200,7 +201,7 @@ func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
 			conn = stdTx{t}
 		}
 	case wsql.Tx:
-		if t != nil {
+		if !nilWatermillTx(t) {
 			conn = watermillTx{t}
 		}
 	default:
@@ -218,6 +219,26 @@ func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
 	return &TxPublisher{tx: conn, cfg: cfg, q: q}, nil
+}
+
+// nilWatermillTx reports whether t, a non-nil interface, holds no
+// transaction: watermill-sql's adapters around a nil one
+// (sql.TxFromStdSQL(nil), sql.TxFromPgx(nil)) or a typed nil pointer. It
+// was accepted, and Publish panicked.
+func nilWatermillTx(t wsql.Tx) bool {
+	switch w := t.(type) {
+	case *wsql.StdSQLTx:
+		return w == nil || w.Tx == nil
+	case wsql.PgxTx:
+		return w.Tx == nil
+	case *wsql.PgxTx:
+		return w == nil || w.Tx == nil
+	}
+	switch v := reflect.ValueOf(t); v.Kind() {
+	case reflect.Pointer, reflect.Interface, reflect.Map, reflect.Slice, reflect.Func, reflect.Chan:
+		return v.IsNil()
+	}
+	return false
 }
 
 // Publish writes one outbox row per message into the transaction, in one

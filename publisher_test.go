@@ -547,6 +547,7 @@ func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	pg := []outbox.TxPublisherConfig{{Dialect: outbox.Postgres}}
 	cases := []struct {
 		name  string
 		tx    any
@@ -556,6 +557,12 @@ func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
 		{"*sql.Tx without dialect", tx.Tx, nil, "Dialect"},
 		{"not a transaction", db.DB, nil, "tx"},
 		{"nil *sql.Tx", (*sql.Tx)(nil), nil, "tx"},
+		// watermill-sql's adapters around no transaction were taken, and
+		// Publish panicked.
+		{"watermill-sql TxFromStdSQL(nil)", wsql.TxFromStdSQL(nil), pg, "tx"},
+		{"watermill-sql TxFromPgx(nil)", wsql.TxFromPgx(nil), pg, "tx"},
+		{"nil *watermill-sql StdSQLTx", (*wsql.StdSQLTx)(nil), pg, "tx"},
+		{"nil *watermill-sql PgxTx", (*wsql.PgxTx)(nil), pg, "tx"},
 		{"table with a quote", tx, []outbox.TxPublisherConfig{{Table: `x"; DROP TABLE y; --`}}, "Table"},
 		{"table with two dots", tx, []outbox.TxPublisherConfig{{Table: "a.b.c"}}, "Table"},
 		{"exchange over 255 bytes", tx, []outbox.TxPublisherConfig{{Exchange: strings.Repeat("e", 256)}}, "Exchange"},
