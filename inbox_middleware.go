@@ -194,6 +194,13 @@ func (c InboxConfig) validate() error {
 	if c.Ordered && c.AtMostOnce {
 		return &ConfigError{Field: "Ordered", Reason: "not with AtMostOnce: a held message runs after its predecessor's commit, with no key committed before its effect"}
 	}
+	switch c.Isolation {
+	case sql.LevelDefault, sql.LevelReadUncommitted, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable:
+	default:
+		// Refused by PostgreSQL's and MySQL's drivers at every BEGIN, each
+		// delivery nacked for ever; SQLite's ignores it.
+		return &ConfigError{Field: "Isolation", Reason: fmt.Sprintf("%v; want sql.LevelDefault, LevelReadUncommitted, LevelReadCommitted, LevelRepeatableRead or LevelSerializable", c.Isolation)}
+	}
 	return nil
 }
 

@@ -278,6 +278,26 @@ func TestNewInbox_OutboxConfigAtOddsWithInbox_ConfigErrorNamesField(t *testing.T
 	}
 }
 
+// An isolation level database/sql names but the databases' drivers refuse
+// at BEGIN (PostgreSQL's and MySQL's; SQLite's ignores it) is refused by
+// NewInbox, naming the field: it was taken, and every delivery then failed
+// at BEGIN and was nacked for ever.
+func TestNewInbox_IsolationNoDriverTakes_ConfigErrorNamesField(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	for _, iso := range []sql.IsolationLevel{sql.LevelLinearizable, sql.LevelSnapshot, sql.LevelWriteCommitted, sql.IsolationLevel(99)} {
+		_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "c", Isolation: iso})
+		var ce *outbox.ConfigError
+		if !errors.As(err, &ce) || ce.Field != "Isolation" {
+			t.Errorf("%v: err = %v, want a *ConfigError naming Isolation", iso, err)
+		}
+	}
+	for _, iso := range []sql.IsolationLevel{sql.LevelDefault, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
+		if _, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "c", Isolation: iso}); err != nil {
+			t.Errorf("%v: %v", iso, err)
+		}
+	}
+}
+
 // newRouter returns a router that logs only with OUTBOX_TEST_DEBUG.
 func newRouter(t testing.TB) *message.Router {
 	t.Helper()
