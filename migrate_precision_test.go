@@ -463,3 +463,64 @@ func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *test
 	}
 	t.Logf("table and indexes: %v", rels)
 }
+
+// 0011 on MySQL copies each column's default back and rebuilds the table.
+// A zero date default (an older server's habit), on a time column or
+// another, failed that rebuild under MySQL 8's default sql_mode (strict,
+// NO_ZERO_DATE), and long column comments cut the built statement at
+// MySQL 8's group_concat_max_len of 1024: Migrate failed at every boot,
+// where before 0011 it had nothing to do. The session's settings come back
+// after it.
+func TestMigrate_MySQL0011_ZeroDateDefaultsStrictModeShortGroupConcat_Migrated(t *testing.T) {
+	comment := strings.Repeat("c", 300)
+	for name, alter := range map[string]string{
+		"zero default on created_at": "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL DEFAULT '0000-00-00 00:00:00'",
+		"zero default elsewhere":     "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL, ADD legacy_at datetime NOT NULL DEFAULT '0000-00-00 00:00:00'",
+		"long comments": "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL COMMENT '" + comment + "', MODIFY published_at datetime NULL COMMENT '" + comment +
+			"', MODIFY locked_until datetime NULL COMMENT '" + comment + "'",
+	} {
+		t.Run(name, func(t *testing.T) {
+			db := testdb.New(t, testdb.MySQL)
+			testrails.CreateTable(t, db)
+			migrate(t, db)
+			ctx := context.Background()
+			conn, err := db.DB.DB.Conn(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, s := range []string{"SET SESSION sql_mode = ''", alter, "DELETE FROM acemq_schema_migrations WHERE version = 11"} {
+				if _, err := conn.ExecContext(ctx, s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			_ = conn.Close()
+			const mode = "STRICT_TRANS_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+			sep := "?"
+			if strings.Contains(db.DSN, "?") {
+				sep = "&"
+			}
+			strict, err := sql.Open("mysql", db.DSN+sep+"sql_mode=%27"+mode+"%27&group_concat_max_len=1024")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer strict.Close()
+			strict.SetMaxOpenConns(1)
+			if err := outbox.Migrate(ctx, strict, outbox.MySQL); err != nil {
+				t.Fatalf("Migrate: %v", err)
+			}
+			for col, c := range timeColumns(t, db) {
+				if c.Precision != 6 {
+					t.Errorf("%s keeps %d digits after 0011", col, c.Precision)
+				}
+			}
+			var got string
+			var gcml int
+			if err := strict.QueryRowContext(ctx, "SELECT @@SESSION.sql_mode, @@SESSION.group_concat_max_len").Scan(&got, &gcml); err != nil {
+				t.Fatal(err)
+			}
+			if got != mode || gcml != 1024 {
+				t.Errorf("the session after Migrate: sql_mode %q, group_concat_max_len %d; want %q and 1024 back", got, gcml, mode)
+			}
+		})
+	}
+}

@@ -36,6 +36,17 @@
 -- has such a column and a time to raise, the session turns it ON for the
 -- change, and back after (MySQL 8, whose default is ON, wants
 -- SESSION_VARIABLES_ADMIN for that).
+--
+-- The ALTER copies each column's default back as it is, and rebuilds the
+-- table: a zero date default ('0000-00-00 00:00:00', which older servers
+-- took), on these columns or another, fails it under NO_ZERO_DATE and
+-- NO_ZERO_IN_DATE (MySQL 8's default sql_mode, strict), every boot. They
+-- are off for the change and back after, as is a group_concat_max_len of
+-- MySQL 8's 1024 bytes, which cut the built statement where columns carry
+-- long comments. A failed Migrate discards its connection.
+SET @acemq_sql_mode = @@SESSION.sql_mode, @acemq_gcml = @@SESSION.group_concat_max_len;
+SET SESSION sql_mode = TRIM(BOTH ',' FROM REPLACE(REPLACE(CONCAT(',', @@SESSION.sql_mode, ','), ',NO_ZERO_IN_DATE,', ','), ',NO_ZERO_DATE,', ','));
+SET SESSION group_concat_max_len = GREATEST(@@SESSION.group_concat_max_len, 1048576);
 SET @acemq_edft = @@SESSION.explicit_defaults_for_timestamp;
 SET @acemq_ddl = (SELECT IF(@acemq_edft OR COUNT(*) = 0 OR SUM(DATA_TYPE = 'timestamp' AND IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL) = 0
         OR SUM(COLUMN_NAME IN ('created_at', 'published_at', 'locked_until', 'processed_at') AND DATETIME_PRECISION < 6) = 0,
@@ -79,3 +90,5 @@ EXECUTE acemq_ddl;
 DEALLOCATE PREPARE acemq_ddl;
 SET @acemq_ddl = NULL;
 SET @acemq_edft = NULL;
+SET SESSION sql_mode = @acemq_sql_mode, group_concat_max_len = @acemq_gcml;
+SET @acemq_sql_mode = NULL, @acemq_gcml = NULL;
