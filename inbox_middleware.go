@@ -883,7 +883,9 @@ func publishTopic(ctx context.Context, n int) (string, error) {
 // string header) and without a UUID, or with a stale one: a service that
 // copies the headers it received onto what it sends carries the Watermill
 // header of the message it received on, and two messages would be one.
-// AMQPMarshaler takes the UUID from x-acemq-id first itself.
+// AMQPMarshaler takes the UUID from x-acemq-id first itself, but for a
+// copy's (beside an empty message_id and a UUID header of another id),
+// which it sets to the UUID in the metadata.
 func dedupeKey(msg *message.Message) string {
 	if id := msg.Metadata.Get(HeaderMessageID); id != "" {
 		return id
