@@ -236,6 +236,15 @@ var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 // inbox.Middleware.
 var ErrHandlerTxEnded = errors.New("outbox: inbox: the handler's transaction was rolled back while it ran, and the handler returned no error")
 
+// ErrHandlerEndedTx fails a delivery whose transaction was over when the
+// handler returned: the handler committed or rolled back the transaction
+// TxFromContext gave it (leave both to the inbox), or the message's context
+// ended while it ran, which makes database/sql roll it back. The messages
+// the handler returned are not written, and the delivery is nacked. After
+// a commit by the handler its key is committed, so the redelivery is acked
+// as a duplicate and those messages are lost: the handler must not commit.
+var ErrHandlerEndedTx = errors.New("outbox: inbox: the handler's transaction was over when it returned: committed or rolled back by the handler (leave both to the inbox), or rolled back as the message's context ended")
+
 // ErrNotUnderInbox is returned by the publisher of Inbox.Publisher when a
 // router hands it messages: their handler did not run behind the inbox's
 // middleware, which writes them into the outbox and returns none.
@@ -371,8 +380,10 @@ type txKey struct{}
 // TxFromContext returns the transaction the Inbox opened for the message
 // being handled. Make the handler's effect through it, and publish through
 // NewTxPublisher(tx): the effect, the outgoing messages and the dedupe key
-// commit together, or none of them. Under InboxConfig.AtMostOnce there is
-// none.
+// commit together, or none of them. The inbox commits or rolls it back
+// after the handler: a handler that does either itself fails its delivery
+// with ErrHandlerEndedTx, and after its own commit the messages it returns
+// are lost. Under InboxConfig.AtMostOnce there is none.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(*sqlx.Tx)
 	return tx, ok
@@ -537,6 +548,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 // middleware added after inbox.Middleware (PoisonQueue, Retry), which then
 // runs inside its transaction.
 func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
+	err = endedUnderHandler(err)
 	if in.dialect.sql().CommitRolledBack(err) {
 		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", id, consumer, err)
 	}

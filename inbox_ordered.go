@@ -395,9 +395,19 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 		return err
 	}
 	if err := in.stillInTx(ctx, tx, consumer, key, len(out) > 0); err != nil {
-		return err
+		return endedUnderHandler(err)
 	}
-	return in.writeReturned(hctx, stdTx{tx.Tx}, out)
+	return endedUnderHandler(in.writeReturned(hctx, stdTx{tx.Tx}, out))
+}
+
+// endedUnderHandler names ErrHandlerEndedTx in err where database/sql says
+// the handler's transaction is over (sql.ErrTxDone): a bare "transaction
+// has already been committed or rolled back" said nothing of why.
+func endedUnderHandler(err error) error {
+	if errors.Is(err, sql.ErrTxDone) && !errors.Is(err, ErrHandlerEndedTx) {
+		return fmt.Errorf("%w: %w", ErrHandlerEndedTx, err)
+	}
+	return err
 }
 
 // stillInTx fails with ErrHandlerTxEnded where the database may have rolled

@@ -256,6 +256,61 @@ func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(
 	}
 }
 
+// A handler that commits (or rolls back) the transaction TxFromContext gave
+// it and returns messages fails its delivery with ErrHandlerEndedTx, which
+// names the mistake, on every database: it failed with database/sql's bare
+// "transaction has already been committed or rolled back", or on MySQL and
+// SQLite with "read back the key".
+func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
+	for _, end := range []string{"commit", "rollback"} {
+		t.Run(end, func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				in := newInbox(t, db, outbox.InboxConfig{})
+				ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+				router := newRouter(t)
+				failed := make(chan error, 1)
+				router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
+					return func(msg *message.Message) ([]*message.Message, error) {
+						out, err := h(msg)
+						if err != nil {
+							select {
+							case failed <- err:
+							default:
+							}
+						}
+						return out, err
+					}
+				}, in.Middleware)
+				router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+					tx, _ := outbox.TxFromContext(msg.Context())
+					var err error
+					if end == "commit" {
+						err = tx.Commit()
+					} else {
+						err = tx.Rollback()
+					}
+					if err != nil {
+						return nil, err
+					}
+					return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
+				})
+				startRouter(t, router)
+				if err := ps.Publish("order.paid", message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
+					t.Fatal(err)
+				}
+				select {
+				case err := <-failed:
+					if !errors.Is(err, outbox.ErrHandlerEndedTx) {
+						t.Errorf("delivery failed with %v, want ErrHandlerEndedTx", err)
+					}
+				case <-time.After(10 * time.Second):
+					t.Fatal("the delivery did not fail")
+				}
+			})
+		})
+	}
+}
+
 // InboxConfig.Outbox takes its dialect and table from the inbox, whose
 // transaction the rows go through: another value is refused, naming the
 // field, and so is an invalid publisher setting.
