@@ -219,18 +219,7 @@ func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(
 	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 	router := newRouter(t)
 	failed := make(chan error, 1)
-	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-		return func(msg *message.Message) ([]*message.Message, error) {
-			out, err := h(msg)
-			if err != nil {
-				select {
-				case failed <- err:
-				default:
-				}
-			}
-			return out, err
-		}
-	}, in.Middleware)
+	router.AddMiddleware(firstFailure(failed), in.Middleware)
 	router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := outbox.TxFromContext(msg.Context())
 		// As SQLite does after an interrupt: the transaction is gone, the
@@ -269,18 +258,7 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 				ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 				router := newRouter(t)
 				failed := make(chan error, 1)
-				router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
-					return func(msg *message.Message) ([]*message.Message, error) {
-						out, err := h(msg)
-						if err != nil {
-							select {
-							case failed <- err:
-							default:
-							}
-						}
-						return out, err
-					}
-				}, in.Middleware)
+				router.AddMiddleware(firstFailure(failed), in.Middleware)
 				router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
 					tx, _ := outbox.TxFromContext(msg.Context())
 					var err error
@@ -349,6 +327,23 @@ func TestNewInbox_IsolationNoDriverTakes_ConfigErrorNamesField(t *testing.T) {
 	for _, iso := range []sql.IsolationLevel{sql.LevelDefault, sql.LevelReadCommitted, sql.LevelRepeatableRead, sql.LevelSerializable} {
 		if _, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "c", Isolation: iso}); err != nil {
 			t.Errorf("%v: %v", iso, err)
+		}
+	}
+}
+
+// firstFailure is a router middleware, outside the inbox, that sends the
+// first error a delivery fails with to failed.
+func firstFailure(failed chan<- error) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			out, err := h(msg)
+			if err != nil {
+				select {
+				case failed <- err:
+				default:
+				}
+			}
+			return out, err
 		}
 	}
 }
