@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -25,7 +26,9 @@ type StoreConfig struct {
 	// MaxAttempts is the number of failed publishes after which a record is
 	// left alone ("stuck") until an operator retries it. Default 10. Without
 	// a ceiling one record nothing can publish would be claimed for ever and
-	// hold the records behind it.
+	// hold the records behind it. At most math.MaxInt32: attempts is a
+	// 32-bit column on PostgreSQL and MySQL, which refuse a record's
+	// attempts past it, and with them the marks of its batch.
 	MaxAttempts int
 	// PurgeBatch is how many rows one DELETE of PurgePublished removes, so a
 	// purge of millions of rows never holds long locks. Default
@@ -52,8 +55,8 @@ func (c StoreConfig) validate() error {
 	if c.Dialect == nil {
 		return &ConfigError{Field: "Dialect", Reason: "required unless the handle is a *sqlx.DB; use outbox.Postgres, MySQL or SQLite"}
 	}
-	if c.MaxAttempts < 1 {
-		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("%d; want at least 1", c.MaxAttempts)}
+	if c.MaxAttempts < 1 || c.MaxAttempts > math.MaxInt32 {
+		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("%d; want 1 to %d, what the attempts column holds", c.MaxAttempts, math.MaxInt32)}
 	}
 	if c.PurgeBatch < 1 {
 		return &ConfigError{Field: "PurgeBatch", Reason: fmt.Sprintf("%d; want at least 1", c.PurgeBatch)}
