@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jmoiron/sqlx"
 
@@ -685,7 +686,6 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 // mark marks the published and the failed rows of a claim, lease its
 // relay id if it is a leasing claim's ("" for a locking one).
 func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Time, published []string, failures []failure) error {
-	s.sent.Add(int64(len(failures)))
 	if len(published) > 0 {
 		s.sent.Add(1)
 		if _, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published)); err != nil {
@@ -693,23 +693,103 @@ func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Tim
 		}
 	}
 	for _, f := range failures {
-		q := s.inline(s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason), f.holdBy, f.holdUntil, lease))
-		if _, err := tx.ExecContext(ctx, q.SQL, q.Args...); err != nil {
+		if err := s.markFailed(ctx, tx, lease, f); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}
 	}
 	return nil
 }
 
-// maxLastError is the size of the last_error column.
+// markFailed records the failure f in tx, its reason made storable
+// (storableError): refused, it would undo the whole mark, the records the
+// broker took included, which went out again at every sweep while f was
+// never charged its attempt. A reason that is not plain ASCII may still
+// be refused by a table another library created (a MySQL last_error in
+// utf8mb3 or latin1 refuses characters it has no room for, Error 1366):
+// it is written after a savepoint, and, refused, taken back to it and
+// written again as its ASCII escape, which any text column takes. The
+// savepoint is the publisher's (sqldialect's savepoint): the relay's
+// transactions run no publish.
+func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, f failure) error {
+	reason := storableError(f.reason)
+	write := func(reason string) error {
+		q := s.inline(s.q.MarkFailed(f.id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
+		s.sent.Add(1)
+		_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+		return err
+	}
+	ascii := asciiError(reason)
+	if ascii == reason {
+		return write(reason)
+	}
+	if err := s.execSavepoint(ctx, tx, s.q.Savepoint()); err != nil {
+		return err
+	}
+	err := write(reason)
+	if err == nil {
+		return nil
+	}
+	if rbErr := s.execSavepoint(ctx, tx, s.q.RollbackToSavepoint()); rbErr != nil {
+		return errors.Join(err, rbErr)
+	}
+	if err2 := write(ascii); err2 != nil {
+		return errors.Join(err, err2)
+	}
+	return nil
+}
+
+func (s *Store) execSavepoint(ctx context.Context, tx *sql.Tx, q sqldialect.Query) error {
+	s.sent.Add(1)
+	_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+	return err
+}
+
+// maxLastError is the size of the last_error column, in characters
+// (varchar(1000) on PostgreSQL and MySQL, a CHECK on length() on SQLite).
 const maxLastError = 1000
 
-// truncateError cuts a reason to what last_error holds, on a rune boundary.
-func truncateError(s string) string {
-	if len([]rune(s)) <= maxLastError {
+// storableError is a failure's reason as every last_error column takes it:
+// valid UTF-8 (PostgreSQL and MySQL's utf8mb4 refuse the bytes of an
+// error text that is not, a destination's quoting a binary payload, say),
+// with no NUL (PostgreSQL refuses it in text), and at most maxLastError
+// characters. A byte that is not UTF-8 becomes U+FFFD, a NUL the text
+// \x00, so a reader sees that something was there.
+func storableError(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	return truncateError(s, maxLastError)
+}
+
+// truncateError cuts s, valid UTF-8, to at most n characters, on a rune
+// boundary, its end marked with an ellipsis.
+func truncateError(s string, n int) string {
+	if utf8.RuneCountInString(s) <= n {
 		return s
 	}
-	return string([]rune(s)[:maxLastError-1]) + "…"
+	r := []rune(s)
+	return string(r[:n-1]) + "…"
+}
+
+// asciiError is the reason s, storable, in plain ASCII: every character
+// past ASCII written as its \u escape, cut to maxLastError characters.
+func asciiError(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch {
+		case r == '…':
+			b.WriteString("...")
+		case r < utf8.RuneSelf:
+			b.WriteRune(r)
+		case r <= 0xFFFF:
+			fmt.Fprintf(&b, `\u%04X`, r)
+		default:
+			fmt.Fprintf(&b, `\U%08X`, r)
+		}
+	}
+	if b.Len() <= maxLastError {
+		return b.String()
+	}
+	return b.String()[:maxLastError-3] + "..."
 }
 
 // Stats is the state of the outbox at one moment.
