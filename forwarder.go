@@ -316,11 +316,13 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 	if m, ok := dest.(metricsUser); ok && cfg.Metrics != nil {
 		m.useMetrics(cfg.Metrics) // the broker's node shows with the relay's figures
 	}
+	log := cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID})
+	store.log = log
 	return &Forwarder{
 		store:   store,
 		dest:    dest,
 		cfg:     cfg,
-		log:     cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID}),
+		log:     log,
 		wake:    make(chan struct{}, 1),
 		running: make(chan struct{}),
 		closing: make(chan struct{}),

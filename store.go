@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -98,6 +99,10 @@ type Store struct {
 	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
 	// by their SQL.
 	stmts atomic.Pointer[map[string]*sql.Stmt]
+
+	// log is the logger of the Forwarder the store is for; a NopLogger
+	// for a store of its own (NewStore).
+	log watermill.LoggerAdapter
 }
 
 // indexRecheck is how long a MySQL relay claims without naming an index
@@ -135,7 +140,7 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q}, nil
+	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}}, nil
 }
 
 // listens reports whether the database can wake the relay at commit
@@ -302,6 +307,21 @@ type claim struct {
 	// end releases the context tx began with, once tx is over (locking
 	// claims; see claimBatch).
 	end context.CancelFunc
+}
+
+// idArgs are the ids of the claim's rows a mark must not bind as text,
+// with how it binds them (ClaimedRow.IDArg); nil when there are none.
+func (c *claim) idArgs() map[string]any {
+	var m map[string]any
+	for _, r := range c.rows {
+		if r.BlobID {
+			if m == nil {
+				m = map[string]any{}
+			}
+			m[r.ID] = r.IDArg()
+		}
+	}
+	return m
 }
 
 // ended releases what the claim's transaction began with, once it is over.
@@ -626,7 +646,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
 		defer c.ended()
-		err := s.mark(ctx, c.tx, c.lease, time.Now(), published, failures)
+		err := s.mark(ctx, c, c.tx, time.Now(), published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
 			return err
@@ -637,7 +657,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		return nil
 	}
 	return s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
-		if err := s.mark(ctx, tx, c.lease, time.Now(), published, failures); err != nil {
+		if err := s.mark(ctx, c, tx, time.Now(), published, failures); err != nil {
 			return err
 		}
 		// Rows claimed but neither published nor failed (not sent, behind a
@@ -666,10 +686,10 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	for _, f := range failures {
 		done[f.id] = true
 	}
-	var free []string
+	var free []any
 	for _, r := range c.rows {
 		if !done[r.ID] {
-			free = append(free, r.ID)
+			free = append(free, r.IDArg())
 		}
 	}
 	if len(free) == 0 {
@@ -683,17 +703,31 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	return nil
 }
 
-// mark marks the published and the failed rows of a claim, lease its
-// relay id if it is a leasing claim's ("" for a locking one).
-func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Time, published []string, failures []failure) error {
+// mark marks the published and the failed rows of the claim c in tx.
+//
+// A published mark that changes fewer rows than it names leaves a record
+// the broker took unmarked, to go out again at its lease's end: it is
+// logged. Marks run on rows the claim holds, so none should be missing:
+// one an operator deleted meanwhile, or an id the mark does not find as
+// the claim read it.
+func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
 	if len(published) > 0 {
 		s.sent.Add(1)
-		if _, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published)); err != nil {
+		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published))
+		if err != nil {
 			return fmt.Errorf("outbox: mark published: %w", err)
 		}
+		if n, err := res.RowsAffected(); err == nil && n < int64(len(published)) {
+			s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": len(published), "table": s.q.Table()})
+		}
 	}
+	ids := c.idArgs()
 	for _, f := range failures {
-		if err := s.markFailed(ctx, tx, lease, f); err != nil {
+		id := any(f.id)
+		if arg, ok := ids[f.id]; ok {
+			id = arg
+		}
+		if err := s.markFailed(ctx, tx, c.lease, id, f); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}
 	}
@@ -710,10 +744,10 @@ func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Tim
 // written again as its ASCII escape, which any text column takes. The
 // savepoint is the publisher's (sqldialect's savepoint): the relay's
 // transactions run no publish.
-func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, f failure) error {
+func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) error {
 	reason := storableError(f.reason)
 	write := func(reason string) error {
-		q := s.inline(s.q.MarkFailed(f.id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
+		q := s.inline(s.q.MarkFailed(id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
 		s.sent.Add(1)
 		_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
 		return err
