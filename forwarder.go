@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -221,8 +222,12 @@ func (c ForwarderConfig) validate() error {
 		return &ConfigError{Field: "MinPollInterval", Reason: fmt.Sprintf("%s; want 0 < MinPollInterval <= PollInterval (%s)", c.MinPollInterval, c.PollInterval)}
 	case c.PublishTimeout < 0:
 		return &ConfigError{Field: "PublishTimeout", Reason: "negative"}
-	case c.Lease < 2*c.PublishTimeout:
-		return &ConfigError{Field: "Lease", Reason: fmt.Sprintf("%s is shorter than a sweep can take (2 × PublishTimeout = %s): a second relay would publish rows still in flight", c.Lease, 2*c.PublishTimeout)}
+	case c.Lease < 0:
+		return &ConfigError{Field: "Lease", Reason: "negative"}
+	case c.PublishTimeout > c.Lease/2:
+		// Lease < 2 × PublishTimeout, which overflows for a PublishTimeout
+		// past half of time.Duration's range, and took it.
+		return &ConfigError{Field: "Lease", Reason: fmt.Sprintf("%s is shorter than a sweep can take (2 × PublishTimeout, PublishTimeout %s): a second relay would publish rows still in flight", c.Lease, c.PublishTimeout)}
 	case c.RetryMin <= 0 || c.RetryMax < c.RetryMin:
 		return &ConfigError{Field: "RetryMin", Reason: fmt.Sprintf("want 0 < RetryMin (%s) <= RetryMax (%s)", c.RetryMin, c.RetryMax)}
 	case len(c.RelayID) > 64:
@@ -311,11 +316,13 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 	if m, ok := dest.(metricsUser); ok && cfg.Metrics != nil {
 		m.useMetrics(cfg.Metrics) // the broker's node shows with the relay's figures
 	}
+	log := cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID})
+	store.log = log
 	return &Forwarder{
 		store:   store,
 		dest:    dest,
 		cfg:     cfg,
-		log:     cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID}),
+		log:     log,
 		wake:    make(chan struct{}, 1),
 		running: make(chan struct{}),
 		closing: make(chan struct{}),
@@ -533,7 +540,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 func (f *Forwarder) retryDelay(attempts int) time.Duration {
 	d := f.cfg.RetryMin
 	for i := 1; i < attempts && d < f.cfg.RetryMax; i++ {
-		d *= 2
+		d = doubled(d)
 	}
 	return min(d, f.cfg.RetryMax)
 }
@@ -542,7 +549,17 @@ func (f *Forwarder) nextDelay(prev time.Duration) time.Duration {
 	if prev == 0 {
 		return f.cfg.RetryMin
 	}
-	return min(2*prev, f.cfg.RetryMax)
+	return min(doubled(prev), f.cfg.RetryMax)
+}
+
+// doubled is 2 × d, or the longest duration where that overflows: a
+// RetryMax or PollInterval past half of time.Duration's range doubled a
+// wait into a negative one, a backoff or a poll of no wait at all.
+func doubled(d time.Duration) time.Duration {
+	if d > math.MaxInt64/2 {
+		return math.MaxInt64
+	}
+	return 2 * d
 }
 
 // Close stops Run, waits for the batch in flight, and closes the

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -197,6 +198,36 @@ func TestForwarder_Notify_WakesRelayInProcess(t *testing.T) {
 			t.Fatal("Notify did not wake the relay")
 		}
 	})
+}
+
+// Lease must be at least 2 × PublishTimeout, which overflowed for a
+// PublishTimeout past half of time.Duration's range: the default lease of
+// 60 s was taken beside an unbounded publish, and a second relay would
+// have published the rows still in flight.
+func TestNewForwarder_PublishTimeoutPastHalfTheDurationRange_LeaseRefused(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	dest := outbox.NewPublisherDestination(gochannel.NewGoChannel(gochannel.Config{}, nil), nil)
+	for _, pt := range []time.Duration{math.MaxInt64, math.MaxInt64/2 + 1} {
+		_, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{PublishTimeout: pt})
+		var cerr *outbox.ConfigError
+		if !errors.As(err, &cerr) || cerr.Field != "Lease" {
+			t.Errorf("PublishTimeout %s with the default Lease: err = %v, want a *ConfigError naming Lease", pt, err)
+		}
+	}
+	for _, c := range []outbox.ForwarderConfig{
+		{PublishTimeout: math.MaxInt64 / 2, Lease: math.MaxInt64 - 1},
+		{PublishTimeout: time.Second, Lease: 2 * time.Second},
+	} {
+		f, err := outbox.NewForwarder(db.DB, dest, c)
+		if err != nil {
+			t.Errorf("PublishTimeout %s, Lease %s (at least twice it): %v", c.PublishTimeout, c.Lease, err)
+			continue
+		}
+		_ = f.Close()
+	}
+	if _, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{PublishTimeout: time.Second, Lease: 2*time.Second - 1}); err == nil {
+		t.Error("a Lease 1 ns short of 2 × PublishTimeout was taken")
+	}
 }
 
 func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {

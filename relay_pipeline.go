@@ -622,7 +622,10 @@ func (l *relayLoop) leaseRunningOut() bool {
 		return false
 	}
 	left := l.f.cfg.Lease - time.Since(l.queue[0].claimedAt)
-	return left < 2*(l.f.cfg.PublishTimeout+l.f.store.busyBound())
+	// PublishTimeout is at most Lease / 2 (validate), and the busy wait
+	// SQLite's 32-bit milliseconds: their sum does not overflow, its double
+	// may.
+	return left < doubled(l.f.cfg.PublishTimeout+l.f.store.busyBound())
 }
 
 // claimNow reports whether this sweep claims. It does not when the last
@@ -722,7 +725,7 @@ func (l *relayLoop) idleWait(s swept) time.Duration {
 	if s.progressed || s.claimed != nil {
 		l.poll = cfg.MinPollInterval
 	} else {
-		l.poll = min(max(2*l.poll, cfg.MinPollInterval), cfg.PollInterval)
+		l.poll = min(max(doubled(l.poll), cfg.MinPollInterval), cfg.PollInterval)
 	}
 	if l.q.leaving {
 		l.poll = min(l.poll, max(quietLeavePoll, cfg.MinPollInterval))

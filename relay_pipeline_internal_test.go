@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
 	"testing"
 	"time"
@@ -322,5 +323,40 @@ func TestCrowded_MySQL_OwnRowsInFlightDoNotCount(t *testing.T) {
 	l = &relayLoop{f: f} // first held by another relay
 	if !l.crowded(ctx, swept{claimed: second, size: 50}) {
 		t.Error("a claim that passed over as many rows of another relay as it took is not crowded")
+	}
+}
+
+// A duration past half of time.Duration's range doubled into a negative
+// one: a RetryMax that large made the backoff after a failed sweep no wait
+// at all (and a keyed record's retry-after none), a PollInterval that
+// large made an idle relay poll every MinPollInterval, and a batch in
+// flight never ran short of a lease that large.
+func TestDoubledDurations_PastHalfTheRange_NeverNegative(t *testing.T) {
+	const huge = time.Duration(math.MaxInt64)
+	f := &Forwarder{cfg: ForwarderConfig{RetryMin: time.Millisecond, RetryMax: huge}}
+	if d := f.nextDelay(huge/2 + 1); d != huge {
+		t.Errorf("backoff after %s: %s, want RetryMax", huge/2+1, d)
+	}
+	if d := f.retryDelay(100); d != huge {
+		t.Errorf("retry-after of a 100th failure: %s, want RetryMax", d)
+	}
+	l := &relayLoop{f: &Forwarder{cfg: ForwarderConfig{PollInterval: huge, MinPollInterval: time.Millisecond}}, poll: huge/2 + 1}
+	if d := l.idleWait(swept{}); d != huge {
+		t.Errorf("idle wait after %s: %s, want PollInterval", huge/2+1, d)
+	}
+	db, err := sql.Open("sqlite3", "file:"+filepath.Join(t.TempDir(), "outbox.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	store, err := NewStore(db, StoreConfig{Dialect: SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	store.busyWait, store.busyKnown = 5*time.Second, true
+	f = &Forwarder{store: store, cfg: ForwarderConfig{Lease: huge, PublishTimeout: huge / 2}}
+	l = &relayLoop{f: f, queue: []*batch{{claimedAt: time.Now()}}}
+	if !l.leaseRunningOut() {
+		t.Error("a batch with less lease left than 2 × (PublishTimeout + busy wait) is not running out of it")
 	}
 }

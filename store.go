@@ -5,12 +5,15 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jmoiron/sqlx"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -25,7 +28,9 @@ type StoreConfig struct {
 	// MaxAttempts is the number of failed publishes after which a record is
 	// left alone ("stuck") until an operator retries it. Default 10. Without
 	// a ceiling one record nothing can publish would be claimed for ever and
-	// hold the records behind it.
+	// hold the records behind it. At most math.MaxInt32: attempts is a
+	// 32-bit column on PostgreSQL and MySQL, which refuse a record's
+	// attempts past it, and with them the marks of its batch.
 	MaxAttempts int
 	// PurgeBatch is how many rows one DELETE of PurgePublished removes, so a
 	// purge of millions of rows never holds long locks. Default
@@ -52,8 +57,8 @@ func (c StoreConfig) validate() error {
 	if c.Dialect == nil {
 		return &ConfigError{Field: "Dialect", Reason: "required unless the handle is a *sqlx.DB; use outbox.Postgres, MySQL or SQLite"}
 	}
-	if c.MaxAttempts < 1 {
-		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("%d; want at least 1", c.MaxAttempts)}
+	if c.MaxAttempts < 1 || c.MaxAttempts > math.MaxInt32 {
+		return &ConfigError{Field: "MaxAttempts", Reason: fmt.Sprintf("%d; want 1 to %d, what the attempts column holds", c.MaxAttempts, math.MaxInt32)}
 	}
 	if c.PurgeBatch < 1 {
 		return &ConfigError{Field: "PurgeBatch", Reason: fmt.Sprintf("%d; want at least 1", c.PurgeBatch)}
@@ -94,6 +99,10 @@ type Store struct {
 	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
 	// by their SQL.
 	stmts atomic.Pointer[map[string]*sql.Stmt]
+
+	// log is the logger of the Forwarder the store is for; a NopLogger
+	// for a store of its own (NewStore).
+	log watermill.LoggerAdapter
 }
 
 // indexRecheck is how long a MySQL relay claims without naming an index
@@ -131,7 +140,7 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q}, nil
+	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}}, nil
 }
 
 // listens reports whether the database can wake the relay at commit
@@ -298,6 +307,21 @@ type claim struct {
 	// end releases the context tx began with, once tx is over (locking
 	// claims; see claimBatch).
 	end context.CancelFunc
+}
+
+// idArgs are the ids of the claim's rows a mark must not bind as text,
+// with how it binds them (ClaimedRow.IDArg); nil when there are none.
+func (c *claim) idArgs() map[string]any {
+	var m map[string]any
+	for _, r := range c.rows {
+		if r.BlobID {
+			if m == nil {
+				m = map[string]any{}
+			}
+			m[r.ID] = r.IDArg()
+		}
+	}
+	return m
 }
 
 // ended releases what the claim's transaction began with, once it is over.
@@ -622,7 +646,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
 		defer c.ended()
-		err := s.mark(ctx, c.tx, c.lease, time.Now(), published, failures)
+		err := s.mark(ctx, c, c.tx, time.Now(), published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
 			return err
@@ -633,7 +657,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		return nil
 	}
 	return s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
-		if err := s.mark(ctx, tx, c.lease, time.Now(), published, failures); err != nil {
+		if err := s.mark(ctx, c, tx, time.Now(), published, failures); err != nil {
 			return err
 		}
 		// Rows claimed but neither published nor failed (not sent, behind a
@@ -662,10 +686,10 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	for _, f := range failures {
 		done[f.id] = true
 	}
-	var free []string
+	var free []any
 	for _, r := range c.rows {
 		if !done[r.ID] {
-			free = append(free, r.ID)
+			free = append(free, r.IDArg())
 		}
 	}
 	if len(free) == 0 {
@@ -679,34 +703,127 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	return nil
 }
 
-// mark marks the published and the failed rows of a claim, lease its
-// relay id if it is a leasing claim's ("" for a locking one).
-func (s *Store) mark(ctx context.Context, tx *sql.Tx, lease string, now time.Time, published []string, failures []failure) error {
-	s.sent.Add(int64(len(failures)))
+// mark marks the published and the failed rows of the claim c in tx.
+//
+// A published mark that changes fewer rows than it names leaves a record
+// the broker took unmarked, to go out again at its lease's end: it is
+// logged. Marks run on rows the claim holds, so none should be missing:
+// one an operator deleted meanwhile, or an id the mark does not find as
+// the claim read it.
+func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
 	if len(published) > 0 {
 		s.sent.Add(1)
-		if _, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published)); err != nil {
+		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published))
+		if err != nil {
 			return fmt.Errorf("outbox: mark published: %w", err)
 		}
+		if n, err := res.RowsAffected(); err == nil && n < int64(len(published)) {
+			s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": len(published), "table": s.q.Table()})
+		}
 	}
+	ids := c.idArgs()
 	for _, f := range failures {
-		q := s.inline(s.q.MarkFailed(f.id, f.attempts, truncateError(f.reason), f.holdBy, f.holdUntil, lease))
-		if _, err := tx.ExecContext(ctx, q.SQL, q.Args...); err != nil {
+		id := any(f.id)
+		if arg, ok := ids[f.id]; ok {
+			id = arg
+		}
+		if err := s.markFailed(ctx, tx, c.lease, id, f); err != nil {
 			return fmt.Errorf("outbox: mark failed: %w", err)
 		}
 	}
 	return nil
 }
 
-// maxLastError is the size of the last_error column.
+// markFailed records the failure f in tx, its reason made storable
+// (storableError): refused, it would undo the whole mark, the records the
+// broker took included, which went out again at every sweep while f was
+// never charged its attempt. A reason that is not plain ASCII may still
+// be refused by a table another library created (a MySQL last_error in
+// utf8mb3 or latin1 refuses characters it has no room for, Error 1366):
+// it is written after a savepoint, and, refused, taken back to it and
+// written again as its ASCII escape, which any text column takes. The
+// savepoint is the publisher's (sqldialect's savepoint): the relay's
+// transactions run no publish.
+func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) error {
+	reason := storableError(f.reason)
+	write := func(reason string) error {
+		q := s.inline(s.q.MarkFailed(id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
+		s.sent.Add(1)
+		_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+		return err
+	}
+	ascii := asciiError(reason)
+	if ascii == reason {
+		return write(reason)
+	}
+	if err := s.execSavepoint(ctx, tx, s.q.Savepoint()); err != nil {
+		return err
+	}
+	err := write(reason)
+	if err == nil {
+		return nil
+	}
+	if rbErr := s.execSavepoint(ctx, tx, s.q.RollbackToSavepoint()); rbErr != nil {
+		return errors.Join(err, rbErr)
+	}
+	if err2 := write(ascii); err2 != nil {
+		return errors.Join(err, err2)
+	}
+	return nil
+}
+
+func (s *Store) execSavepoint(ctx context.Context, tx *sql.Tx, q sqldialect.Query) error {
+	s.sent.Add(1)
+	_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+	return err
+}
+
+// maxLastError is the size of the last_error column, in characters
+// (varchar(1000) on PostgreSQL and MySQL, a CHECK on length() on SQLite).
 const maxLastError = 1000
 
-// truncateError cuts a reason to what last_error holds, on a rune boundary.
-func truncateError(s string) string {
-	if len([]rune(s)) <= maxLastError {
+// storableError is a failure's reason as every last_error column takes it:
+// valid UTF-8 (PostgreSQL and MySQL's utf8mb4 refuse the bytes of an
+// error text that is not, a destination's quoting a binary payload, say),
+// with no NUL (PostgreSQL refuses it in text), and at most maxLastError
+// characters. A byte that is not UTF-8 becomes U+FFFD, a NUL the text
+// \x00, so a reader sees that something was there.
+func storableError(s string) string {
+	s = strings.ToValidUTF8(s, "\uFFFD")
+	s = strings.ReplaceAll(s, "\x00", `\x00`)
+	return truncateError(s, maxLastError)
+}
+
+// truncateError cuts s, valid UTF-8, to at most n characters, on a rune
+// boundary, its end marked with an ellipsis.
+func truncateError(s string, n int) string {
+	if utf8.RuneCountInString(s) <= n {
 		return s
 	}
-	return string([]rune(s)[:maxLastError-1]) + "…"
+	r := []rune(s)
+	return string(r[:n-1]) + "…"
+}
+
+// asciiError is the reason s, storable, in plain ASCII: every character
+// past ASCII written as its \u escape, cut to maxLastError characters.
+func asciiError(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch {
+		case r == '…':
+			b.WriteString("...")
+		case r < utf8.RuneSelf:
+			b.WriteRune(r)
+		case r <= 0xFFFF:
+			fmt.Fprintf(&b, `\u%04X`, r)
+		default:
+			fmt.Fprintf(&b, `\U%08X`, r)
+		}
+	}
+	if b.Len() <= maxLastError {
+		return b.String()
+	}
+	return b.String()[:maxLastError-3] + "..."
 }
 
 // Stats is the state of the outbox at one moment.

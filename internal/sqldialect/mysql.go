@@ -58,6 +58,8 @@ func (mysql) PadsKeys() bool { return true }
 
 func (mysql) TextKeys() bool { return false }
 
+func (mysql) BlobIDs() bool { return false }
+
 // Conflict: a deadlock (1213), or MariaDB's "Record has changed since last
 // read" (1020) under innodb_snapshot_isolation (on by default from
 // 11.6.2): a write to a row another transaction changed after this one's

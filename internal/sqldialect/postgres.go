@@ -173,6 +173,8 @@ func (postgres) PadsKeys() bool { return false }
 
 func (postgres) TextKeys() bool { return true }
 
+func (postgres) BlobIDs() bool { return false }
+
 func (postgres) EndsTransaction(err error) bool { return err != nil }
 
 func (postgres) TimeoutEnds(error) (Query, bool) { return Query{}, false }

@@ -469,15 +469,59 @@ type ClaimedRow struct {
 	Seq         int64
 	// Unreadable, if not nil, names the columns of the row that could not
 	// be read and says why: a NULL in a table made by hand, a created_at
-	// that is no time. Their fields are zero. No retry mends such a row.
+	// that is no time, an id stored as a BLOB. Their fields are zero. No
+	// retry mends such a row.
 	Unreadable error
+	// BlobID: the id is stored as a BLOB (see Dialect.BlobIDs), its bytes
+	// in ID. A mark binding it as text would match nothing: IDArg binds it
+	// as it is stored.
+	BlobID bool
+}
+
+// IDArg is the row's id as a mark's argument must bind it to find the row.
+func (r ClaimedRow) IDArg() any {
+	if r.BlobID {
+		return []byte(r.ID)
+	}
+	return r.ID
+}
+
+// idColumn reads a claimed row's id, noting an id stored as a BLOB where
+// the dialect has them (BlobIDs): its row is Unreadable, to be failed
+// alone, and marked by its bytes. Read as text, its marks bound it as
+// TEXT, which SQLite never finds equal to a BLOB: it was published, never
+// marked, and claimed again at every lease's end, for ever, charged no
+// attempt. Its bytes are no message id another library's consumers would
+// know it by (a UUID's 16 raw bytes, say), so it is not published.
+type idColumn struct {
+	c   *columnReader
+	dst *ClaimedRow
+}
+
+func (col idColumn) Scan(v any) error {
+	switch x := v.(type) {
+	case string:
+		col.dst.ID = x
+	case []byte:
+		col.dst.ID = string(x)
+		if col.c.d.BlobIDs() {
+			col.dst.BlobID = true
+			col.c.failed = append(col.c.failed, fmt.Sprintf("column id: a BLOB of %d bytes (hex %X), not text, which this library cannot read as a message id; rewrite it as text and retry the row", len(x), x))
+		}
+	case nil:
+		return errors.New("column id: NULL")
+	default:
+		return fmt.Errorf("column id: a %T, not text", v)
+	}
+	return nil
 }
 
 // ScanClaimed reads the rows of a Claim of d, and closes them. Every column
 // but the id is read on its own: a value that cannot be read makes its row
 // Unreadable, for the relay to fail alone, rather than failing the claim,
-// which would put the whole batch into a retry that never ends. An id that
-// cannot be read (no primary key is NULL) fails the claim.
+// which would put the whole batch into a retry that never ends. An id stored
+// as a BLOB makes its row Unreadable too (see idColumn); an id that cannot
+// be read at all (no primary key is NULL) fails the claim.
 func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 	defer rows.Close()
 	var (
@@ -485,7 +529,7 @@ func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 		r   ClaimedRow
 		c   = columnReader{d: o.d}
 	)
-	dest := []any{&r.ID,
+	dest := []any{idColumn{c: &c, dst: &r},
 		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
 		c.timestamp("created_at", &r.CreatedAt), nullable(c.integer("attempts", &r.Attempts)),
@@ -628,7 +672,7 @@ func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []str
 // under (a leasing claim's): when its lease ran out and another relay
 // claimed the row, that relay's outcome decides, and this failure must not
 // clear its live lease and free the row for a third.
-func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy string, holdUntil time.Time, leasedBy string) Query {
+func (o *Outbox) MarkFailed(id any, attempts int, reason string, holdBy string, holdUntil time.Time, leasedBy string) Query {
 	var by, until any // NULL
 	if holdBy != "" {
 		by, until = holdBy, o.d.TimeArg(holdUntil)
@@ -643,11 +687,12 @@ func (o *Outbox) MarkFailed(id string, attempts int, reason string, holdBy strin
 
 // ReleaseLease frees leased rows that were neither published nor failed. By
 // id, not by relay: a release by locked_by alone scans every pending row.
-func (o *Outbox) ReleaseLease(relayID string, ids []string) Query {
+// An id is bound as given: a ClaimedRow's IDArg.
+func (o *Outbox) ReleaseLease(relayID string, ids []any) Query {
 	args := make([]any, 0, len(ids)+1)
 	args = append(args, relayID)
 	return o.query("UPDATE "+o.table+" SET locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND id IN ("+
-		placeholders(len(ids))+")", stringArgs(args, ids)...)
+		placeholders(len(ids))+")", append(args, ids...)...)
 }
 
 // Stats counts pending and stuck rows. Columns: pending, stuck, the oldest

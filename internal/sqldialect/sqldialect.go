@@ -76,6 +76,10 @@ type Dialect interface {
 	// valid UTF-8 without NUL only (PostgreSQL); elsewhere they hold any
 	// bytes (MySQL's varbinary since 0009, SQLite's TEXT).
 	TextKeys() bool
+	// BlobIDs: an outbox id may be stored as a BLOB rather than text (a
+	// column of SQLite takes any storage class, and another library may
+	// write a UUID's raw bytes), and no text equals it there.
+	BlobIDs() bool
 	// EndsTransaction reports whether err, a statement's, may have ended
 	// the transaction it ran in: what the statement changed before it is
 	// gone, and a statement sent after it would run outside it, committed

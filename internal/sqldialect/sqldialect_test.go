@@ -44,7 +44,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"mark published":    o.MarkPublished(now, ids),
 			"mark failed":       o.MarkFailed("a", 3, "nack", "", time.Time{}, ""),
 			"mark failed, held": o.MarkFailed("a", 3, "nack", "r", now, "relay"),
-			"release lease":     o.ReleaseLease("r", ids),
+			"release lease":     o.ReleaseLease("r", []any{"a", []byte("b"), "c"}),
 			"stats":             o.Stats(10),
 			"stuck":             o.Stuck(10, 50, now),
 			"retry":             o.Retry(ids, now),

@@ -48,6 +48,8 @@ func (sqlite) PadsKeys() bool { return false }
 
 func (sqlite) TextKeys() bool { return false }
 
+func (sqlite) BlobIDs() bool { return true }
+
 // Conflict: SQLite runs one writer at a time; a writer that waited past
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
