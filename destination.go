@@ -161,7 +161,12 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			msg.Metadata.Set(HeaderAggregateID, r.AggregateID)
 			msg.Metadata.Set(HeaderSeq, strconv.FormatInt(r.Seq, 10))
 		}
-		msg.SetContext(ctx)
+		// The relay's values (a trace) without its cancellation: the
+		// relay cancels ctx as soon as Publish returns, and a publisher
+		// that hands the message's context on (a GoChannel with
+		// PreserveContext) would deliver it dead, failing the consumer's
+		// transaction at BEGIN on every delivery.
+		msg.SetContext(context.WithoutCancel(ctx))
 		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
 			results[i] = err
 			for j := i + 1; j < len(records); j++ {
