@@ -134,6 +134,15 @@ type Connector interface {
 type PublisherDestination struct {
 	pub      message.Publisher
 	topicFor func(Record) string
+	// abandoned, when not nil, gives the outcome of a publish that Publish
+	// stopped waiting for at its context's end: the next publish waits for
+	// it first, so that a publisher that hangs has one publish in flight,
+	// not one more per sweep, and a later record never overtakes it. Only
+	// Publish touches it, which is not called concurrently. Close closes
+	// the publisher, which ends that publish in a publisher that honours
+	// its Close, and does not wait for it: one that does not would hold
+	// Close for ever, the hang this bound is there to escape.
+	abandoned <-chan error
 }
 
 // NewPublisherDestination adapts pub. topicFor maps a record to the topic to
@@ -149,9 +158,30 @@ func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string
 // Publish publishes the records one at a time, in order, and stops at the
 // first failure. A Watermill publisher's Publish returning nil is taken as
 // the broker's confirmation: how strong that is depends on the publisher.
+//
+// ctx (the Forwarder's PublishTimeout) bounds the batch even with a
+// publisher that ignores the message's context, as most do: past it,
+// Publish returns without waiting for the publish under way, whose record
+// fails with ErrConnectionLost, and sends nothing more of the batch. The
+// publish it stopped waiting for may still deliver the message: the record
+// is then sent again (at-least-once, the consumers' inbox absorbs the
+// copy), and the next publish waits for that one to return first.
 func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
 	results := make([]error, len(records))
+	if d.abandoned != nil {
+		select {
+		case <-d.abandoned:
+			d.abandoned = nil
+		case <-ctx.Done():
+			fillNotSent(results, 0, connectionLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
+			return results
+		}
+	}
 	for i, r := range records {
+		if err := ctx.Err(); err != nil {
+			fillNotSent(results, i, connectionLost(fmt.Errorf("publish timed out before this record was sent: %w", err)))
+			return results
+		}
 		msg := message.NewMessage(r.ID, r.Body)
 		for k, v := range r.Headers {
 			msg.Metadata.Set(k, metadataValue(v))
@@ -167,16 +197,50 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 		// PreserveContext) would deliver it dead, failing the consumer's
 		// transaction at BEGIN on every delivery.
 		msg.SetContext(context.WithoutCancel(ctx))
-		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
-			results[i] = err
-			for j := i + 1; j < len(records); j++ {
-				results[j] = ErrNotSent
+		topic := d.topicFor(r)
+		// The publish writes only to its own channel, never to results,
+		// so that one abandoned at the timeout writes nothing the caller
+		// holds once Publish returned.
+		done := make(chan error, 1)
+		go func() {
+			defer func() {
+				if p := recover(); p != nil {
+					done <- publishPanic{p}
+				}
+			}()
+			done <- d.pub.Publish(topic, msg)
+		}()
+		var err error
+		select {
+		case err = <-done:
+		case <-ctx.Done():
+			select {
+			case err = <-done: // returned as the time ran out: its answer stands
+			default:
+				d.abandoned = done
+				fillNotSent(results, i, connectionLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
+				return results
 			}
+		}
+		if p, ok := err.(publishPanic); ok {
+			// In the caller, as before the publish had a goroutine: the
+			// Forwarder ends its claim on the way up, and a recovering
+			// caller (net/http) keeps the process.
+			panic(p.v)
+		}
+		if err != nil {
+			fillNotSent(results, i, err)
 			return results
 		}
 	}
 	return results
 }
+
+// publishPanic carries a publisher's panic out of the goroutine its publish
+// runs in (an abandoned one's is dropped: its Publish has returned).
+type publishPanic struct{ v any }
+
+func (p publishPanic) Error() string { return fmt.Sprintf("outbox: the publisher panicked: %v", p.v) }
 
 // Close closes the Watermill publisher.
 func (d *PublisherDestination) Close() error { return d.pub.Close() }

@@ -2,6 +2,10 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -66,4 +70,230 @@ func TestPublisherDestination_GoChannelPreserveContext_InboxHandlesIt(t *testing
 		}
 	}
 	t.Errorf("the inbox failed every delivery with the message's context cancelled; the handler ran %d times", runs)
+}
+
+// slowPub takes every message after delay, ignoring the message's context
+// (as sarama's sync producer, NATS and GoChannel do). It counts each id at
+// the start of its publish: a publish abandoned at the timeout is counted
+// even if it never finishes.
+type slowPub struct {
+	delay   time.Duration
+	mu      sync.Mutex
+	started map[string]int
+}
+
+func (p *slowPub) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		p.mu.Lock()
+		p.started[m.UUID]++
+		p.mu.Unlock()
+		time.Sleep(p.delay) // the broker's slowness, not synchronisation
+	}
+	return nil
+}
+func (p *slowPub) Close() error { return nil }
+func (p *slowPub) count(id string) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.started[id]
+}
+
+// PublishTimeout bounds a batch through PublisherDestination even when the
+// publisher ignores the message's context: the loop sent record after
+// record, and a batch of slow publishes ran past its SQLite lease while a
+// second relay claimed and published the same rows.
+func TestPublisherDestination_SlowPublisherIgnoringContext_BatchEndsWithinLease(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "orders", 30)
+	const (
+		publishTimeout = 250 * time.Millisecond
+		lease          = 2 * time.Second // 30 publishes of 150 ms would take 4.5 s
+	)
+	slowA := &slowPub{delay: 150 * time.Millisecond, started: map[string]int{}}
+	fastB := &slowPub{started: map[string]int{}}
+	cfg := outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: publishTimeout, Lease: lease}
+	cfgA, cfgB := cfg, cfg
+	cfgA.RelayID, cfgB.RelayID = "relay-a", "relay-b"
+	fa, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(slowA, nil), cfgA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fa.Close()
+	fb, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(fastB, nil), cfgB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fb.Close()
+
+	start := time.Now()
+	var took time.Duration
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		n, err := fa.Sweep(context.Background())
+		took = time.Since(start)
+		t.Logf("relay A: %d published in %s (PublishTimeout %s), err %v", n, took.Round(time.Millisecond), publishTimeout, err)
+	}()
+	// Relay B comes once A's lease has run out, A's sweep over or not.
+	time.Sleep(lease + 100*time.Millisecond) // the scenario's time, not synchronisation
+	nB := sweepAll(t, fb)
+	<-done
+	if took >= lease {
+		t.Errorf("relay A's batch took %s, past its lease (%s) and PublishTimeout (%s)", took.Round(time.Millisecond), lease, publishTimeout)
+	}
+	both := 0
+	for _, id := range ids {
+		a, b := slowA.count(id), fastB.count(id)
+		if a+b == 0 {
+			t.Errorf("record %s published by neither relay", id)
+		}
+		if a > 0 && b > 0 {
+			both++
+		}
+	}
+	t.Logf("relay B published %d; %d records published by both", nB, both)
+	// The one publish A abandoned at its timeout may land too: its record
+	// is sent again (at-least-once). Nothing else is published twice.
+	if both > 1 {
+		t.Errorf("%d of %d records published by both relays, want at most the one relay A abandoned at its timeout", both, len(ids))
+	}
+}
+
+// hangPub never returns from Publish until released: a publisher whose
+// broker stopped answering, ignoring the message's context.
+type hangPub struct {
+	release chan struct{}
+	calls   atomic.Int32
+}
+
+func (p *hangPub) Publish(string, ...*message.Message) error {
+	p.calls.Add(1)
+	<-p.release
+	return nil
+}
+func (p *hangPub) Close() error { return nil }
+
+// A publisher that hangs held Run, and Close with it, for ever: Publish
+// waited for it past PublishTimeout.
+func TestPublisherDestination_HungPublisher_CloseReturns(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	publishN(t, db, "", "orders", 1)
+	pub := &hangPub{release: make(chan struct{})}
+	defer close(pub.release)
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan struct{})
+	go func() { defer close(ran); _ = f.Run(context.Background()) }()
+	<-f.Running()
+	waitFor(t, 5*time.Second, "the relay's publish", func() bool { return pub.calls.Load() > 0 })
+	closed := make(chan struct{})
+	go func() { _ = f.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("Close has not returned 5 s after it was called (PublishTimeout 200 ms): the relay waits on a publish past its timeout")
+	}
+	<-ran
+}
+
+// A publish abandoned at the timeout is waited for by the next, not joined
+// by another: a hung publisher has one publish in flight however many
+// sweeps come, and a later record never overtakes it. Once it returns,
+// the records go out in order.
+func TestPublisherDestination_HungPublish_NextSweepWaitsForItNotAnother(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "orders", 3)
+	hang := &hangPub{release: make(chan struct{})}
+	var release sync.Once
+	unhang := func() { release.Do(func() { close(hang.release) }) }
+	after := &slowCapture{} // records the order it is called in
+	pub := &switchPub{hang: hang, then: after}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	defer unhang() // before Close, which waits for a sweep in a hung publish
+	sweep := func() error {
+		res := make(chan error, 1)
+		go func() { _, err := f.Sweep(context.Background()); res <- err }()
+		select {
+		case err := <-res:
+			return err
+		case <-time.After(5 * time.Second):
+			t.Fatal("a sweep has not returned 5 s after it began (PublishTimeout 200 ms): it waits on a hung publish")
+			return nil
+		}
+	}
+	for i := 0; i < 3; i++ {
+		err := sweep()
+		if !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Errorf("sweep %d with the publisher hung: %v, want ErrConnectionLost", i, err)
+		}
+	}
+	if n := hang.calls.Load(); n != 1 {
+		t.Errorf("the hung publisher was called %d times over three sweeps, want once", n)
+	}
+	unhang()
+	if n := sweepAll(t, f); n != len(ids) {
+		t.Errorf("%d published once the publisher returned, want %d", n, len(ids))
+	}
+	sent := after.got()
+	if !slices.Equal(sent, ids) {
+		t.Errorf("records went out as %v, want %v", sent, ids)
+	}
+}
+
+// switchPub hangs its first publish on hang, and passes the rest to then.
+type switchPub struct {
+	hang  *hangPub
+	then  message.Publisher
+	calls atomic.Int32
+}
+
+func (p *switchPub) Publish(topic string, msgs ...*message.Message) error {
+	if p.calls.Add(1) == 1 {
+		return p.hang.Publish(topic, msgs...)
+	}
+	return p.then.Publish(topic, msgs...)
+}
+func (p *switchPub) Close() error { return nil }
+
+// panicPub panics in Publish.
+type panicPub struct{}
+
+func (panicPub) Publish(string, ...*message.Message) error { panic("publisher bug") }
+func (panicPub) Close() error                              { return nil }
+
+// A publisher's panic reaches Sweep's caller although the publish runs in
+// a goroutine of its own (for the timeout), and the claim ends: a
+// recovering caller sends the row later.
+func TestPublisherDestination_PublisherPanics_PanicReachesCallerClaimEnds(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "orders", 1)
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(panicPub{}, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	func() {
+		defer func() {
+			if p := recover(); p != "publisher bug" {
+				t.Errorf("recovered %v, want the publisher's panic", p)
+			}
+		}()
+		_, _ = f.Sweep(context.Background())
+	}()
+	good := &slowCapture{}
+	g, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(good, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, RelayID: "good"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	sweepAll(t, g)
+	if got := good.got(); !slices.Equal(got, ids) {
+		t.Errorf("after the panic, published %v, want %v", got, ids)
+	}
 }
