@@ -25,7 +25,8 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // the error as its last_error, holds back the records behind it as behind a
 // failure, and backs off. Only when the connection is lost at the same record
 // more than three times in a row is an attempt counted: that record is what
-// breaks it.
+// breaks it. Not through [PublisherDestination], which cannot tell an
+// outage from such a record: there it counts none.
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
@@ -36,6 +37,22 @@ var ErrConnectionLost = errors.New("outbox: connection to the broker lost before
 // a connection lost at the same record time after time otherwise charges
 // the record.
 var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
+
+// unprobedLost is an ErrConnectionLost from PublisherDestination, which
+// has no Connect to tell an outage before the claim: the Forwarder claims
+// during one, and the connection is lost at the same head record on every
+// sweep. Counting an attempt for a loss that repeats there (as it does for
+// AMQPDestination, whose Connect keeps it from claiming through an outage)
+// would make that record stuck, and let the records behind it out first,
+// after a few minutes of outage. So it counts none: a record that makes the
+// publisher fail so, every time, holds the records behind it, visibly, in
+// last_error and OnError, rather than being stepped over.
+type unprobedLost struct{ error }
+
+func (e unprobedLost) Unwrap() error { return e.error }
+
+// publisherLost wraps err as an ErrConnectionLost that counts no attempt.
+func publisherLost(err error) error { return unprobedLost{connectionLost(err)} }
 
 // connectionLost wraps err as ErrConnectionLost.
 func connectionLost(err error) error {
@@ -132,6 +149,14 @@ type Connector interface {
 // [AMQPMarshaler] renders it) and its body as payload, published to the
 // topic that TopicFor gives.
 type PublisherDestination struct {
+	// Transient, when set, tells which of the publisher's errors mean its
+	// broker is unreachable (an outage: the record is not at fault), as
+	// only the user knows for their publisher: such a record's result
+	// wraps ErrConnectionLost. Set it before the Forwarder starts. Without
+	// it, only context errors and the publish timeout are taken for an
+	// outage, and any other error counts an attempt against the record.
+	Transient func(error) bool
+
 	pub      message.Publisher
 	topicFor func(Record) string
 	// abandoned, when not nil, gives the outcome of a publish that Publish
@@ -173,13 +198,13 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 		case <-d.abandoned:
 			d.abandoned = nil
 		case <-ctx.Done():
-			fillNotSent(results, 0, connectionLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
+			fillNotSent(results, 0, publisherLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
 			return results
 		}
 	}
 	for i, r := range records {
 		if err := ctx.Err(); err != nil {
-			fillNotSent(results, i, connectionLost(fmt.Errorf("publish timed out before this record was sent: %w", err)))
+			fillNotSent(results, i, publisherLost(fmt.Errorf("publish timed out before this record was sent: %w", err)))
 			return results
 		}
 		msg := message.NewMessage(r.ID, r.Body)
@@ -218,7 +243,7 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			case err = <-done: // returned as the time ran out: its answer stands
 			default:
 				d.abandoned = done
-				fillNotSent(results, i, connectionLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
+				fillNotSent(results, i, publisherLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
 				return results
 			}
 		}
@@ -229,11 +254,22 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			panic(p.v)
 		}
 		if err != nil {
-			fillNotSent(results, i, err)
+			fillNotSent(results, i, d.classify(err))
 			return results
 		}
 	}
 	return results
+}
+
+// classify makes err, a publish's error, an ErrConnectionLost when it
+// means an outage: a context error (a publisher that honours its own
+// timeout, or the message's context, gives one) or one Transient tells.
+func (d *PublisherDestination) classify(err error) error {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) ||
+		errors.Is(err, ErrConnectionLost) || (d.Transient != nil && d.Transient(err)) {
+		return publisherLost(err)
+	}
+	return err
 }
 
 // publishPanic carries a publisher's panic out of the goroutine its publish

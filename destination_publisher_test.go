@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -163,8 +164,14 @@ func TestPublisherDestination_SlowPublisherIgnoringContext_BatchEndsWithinLease(
 // broker stopped answering, ignoring the message's context.
 type hangPub struct {
 	release chan struct{}
+	once    sync.Once
 	calls   atomic.Int32
 }
+
+func newHangPub() *hangPub { return &hangPub{release: make(chan struct{})} }
+
+// unhang lets every publish return, once however often it is called.
+func (p *hangPub) unhang() { p.once.Do(func() { close(p.release) }) }
 
 func (p *hangPub) Publish(string, ...*message.Message) error {
 	p.calls.Add(1)
@@ -178,8 +185,8 @@ func (p *hangPub) Close() error { return nil }
 func TestPublisherDestination_HungPublisher_CloseReturns(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	publishN(t, db, "", "orders", 1)
-	pub := &hangPub{release: make(chan struct{})}
-	defer close(pub.release)
+	pub := newHangPub()
+	defer pub.unhang()
 	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: 200 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -205,9 +212,7 @@ func TestPublisherDestination_HungPublisher_CloseReturns(t *testing.T) {
 func TestPublisherDestination_HungPublish_NextSweepWaitsForItNotAnother(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	ids := publishN(t, db, "", "orders", 3)
-	hang := &hangPub{release: make(chan struct{})}
-	var release sync.Once
-	unhang := func() { release.Do(func() { close(hang.release) }) }
+	hang := newHangPub()
 	after := &slowCapture{} // records the order it is called in
 	pub := &switchPub{hang: hang, then: after}
 	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: 200 * time.Millisecond})
@@ -215,7 +220,7 @@ func TestPublisherDestination_HungPublish_NextSweepWaitsForItNotAnother(t *testi
 		t.Fatal(err)
 	}
 	defer f.Close()
-	defer unhang() // before Close, which waits for a sweep in a hung publish
+	defer hang.unhang() // before Close, which waits for a sweep in a hung publish
 	sweep := func() error {
 		res := make(chan error, 1)
 		go func() { _, err := f.Sweep(context.Background()); res <- err }()
@@ -236,7 +241,7 @@ func TestPublisherDestination_HungPublish_NextSweepWaitsForItNotAnother(t *testi
 	if n := hang.calls.Load(); n != 1 {
 		t.Errorf("the hung publisher was called %d times over three sweeps, want once", n)
 	}
-	unhang()
+	hang.unhang()
 	if n := sweepAll(t, f); n != len(ids) {
 		t.Errorf("%d published once the publisher returned, want %d", n, len(ids))
 	}
@@ -296,4 +301,141 @@ func TestPublisherDestination_PublisherPanics_PanicReachesCallerClaimEnds(t *tes
 	if got := good.got(); !slices.Equal(got, ids) {
 		t.Errorf("after the panic, published %v, want %v", got, ids)
 	}
+}
+
+// downPub fails every publish with err until up is set, as a publisher
+// does with its broker gone.
+type downPub struct {
+	err  error
+	mu   sync.Mutex
+	up   bool
+	sent []string
+}
+
+func (p *downPub) Publish(_ string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.up {
+		return p.err
+	}
+	for _, m := range msgs {
+		p.sent = append(p.sent, m.UUID)
+	}
+	return nil
+}
+func (p *downPub) Close() error { return nil }
+func (p *downPub) setUp() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.up = true
+}
+
+// errKafkaDown is a publisher's own outage error, which only its user can
+// tell from a record's fault.
+var errKafkaDown = errors.New("kafka: client has run out of available brokers to talk to")
+
+// A broker outage through PublisherDestination counted an attempt per
+// sweep against the head record: after MaxAttempts sweeps it was stuck,
+// and the records behind it went out first. Nothing was taken for an
+// outage, not even a context error; and with the connection lost it was
+// charged once lost at it more than three times in a row, as
+// AMQPDestination's is, whose Connect keeps the relay from claiming
+// through an outage, which this one cannot. An outage of any length now
+// makes no row stuck, and the records go out in order once it ends.
+func TestPublisherDestination_Outage_HeadNotChargedNothingSteppedOver(t *testing.T) {
+	const sweeps = 12 // past lostRepeats (3) + MaxAttempts (3)
+	cases := []struct {
+		name      string
+		err       error
+		transient func(error) bool
+	}{
+		{name: "publisher gives a context error", err: context.DeadlineExceeded},
+		{name: "publisher's own outage error, classified by Transient", err: fmt.Errorf("publish: %w", errKafkaDown),
+			transient: func(err error) bool { return errors.Is(err, errKafkaDown) }},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			db := migrated(t, testdb.SQLite)
+			ids := publishN(t, db, "", "orders", 3)
+			pub := &downPub{err: tc.err}
+			d := outbox.NewPublisherDestination(pub, nil)
+			d.Transient = tc.transient
+			f, err := outbox.NewForwarder(db.DB, d, outbox.ForwarderConfig{Dialect: outbox.SQLite, MaxAttempts: 3})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			attempts := sweepThroughOutage(t, db, f, sweeps, ids[0])
+			pub.setUp()
+			n := sweepAll(t, f)
+			stuck, err := f.Store().Stuck(context.Background(), 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if attempts != 0 || len(stuck) > 0 || n != len(ids) || !slices.Equal(pub.sent, ids) {
+				t.Errorf("after %d sweeps in an outage the head record had %d attempts and %d record(s) were stuck; once it ended %d published as %v, want %v",
+					sweeps, attempts, len(stuck), n, pub.sent, ids)
+			}
+		})
+	}
+	// The default is not to guess: an error Transient does not tell
+	// counts an attempt, as a record's fault.
+	t.Run("unclassified error counts attempts", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		ids := publishN(t, db, "", "orders", 1)
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(&downPub{err: errKafkaDown}, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if _, err := f.Sweep(context.Background()); err == nil || errors.Is(err, outbox.ErrConnectionLost) {
+			t.Fatalf("sweep: %v, want the publisher's error, not ErrConnectionLost", err)
+		}
+		if attempts := attemptsOf(t, db, ids[0]); attempts != 1 {
+			t.Errorf("attempts %d, want 1", attempts)
+		}
+	})
+}
+
+// A publisher that hangs through an outage, its publishes past the
+// timeout, made the head record stuck the same way.
+func TestPublisherDestination_HungThroughOutage_HeadNotCharged(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "orders", 2)
+	hang := newHangPub()
+	after := &slowCapture{}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(&switchPub{hang: hang, then: after}, nil),
+		outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: 100 * time.Millisecond, MaxAttempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	defer hang.unhang()                                 // before Close, which waits for a sweep in a hung publish
+	attempts := sweepThroughOutage(t, db, f, 8, ids[0]) // past lostRepeats (3) + MaxAttempts (3)
+	hang.unhang()
+	sweepAll(t, f)
+	if got := after.got(); attempts != 0 || !slices.Equal(got, ids) {
+		t.Errorf("after 8 sweeps hung the head record had %d attempts; once it returned the records went out as %v, want %v", attempts, got, ids)
+	}
+}
+
+// sweepThroughOutage sweeps n times with the destination down, and returns
+// the attempts counted against head.
+func sweepThroughOutage(t *testing.T, db *testdb.DB, f *outbox.Forwarder, n int, head string) int {
+	t.Helper()
+	for i := 0; i < n; i++ {
+		if _, err := f.Sweep(context.Background()); i == 0 && !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Errorf("sweep with the destination down: %v, want ErrConnectionLost", err)
+		}
+	}
+	return attemptsOf(t, db, head)
+}
+
+func attemptsOf(t *testing.T, db *testdb.DB, id string) int {
+	t.Helper()
+	var n int
+	if err := db.QueryRow("SELECT attempts FROM acemq_outbox WHERE id = ?", id).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
