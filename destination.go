@@ -25,7 +25,8 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // the error as its last_error, holds back the records behind it as behind a
 // failure, and backs off. Only when the connection is lost at the same record
 // more than three times in a row is an attempt counted: that record is what
-// breaks it.
+// breaks it. Not through [PublisherDestination], which cannot tell an
+// outage from such a record: there it counts none.
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
@@ -36,6 +37,22 @@ var ErrConnectionLost = errors.New("outbox: connection to the broker lost before
 // a connection lost at the same record time after time otherwise charges
 // the record.
 var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
+
+// unprobedLost is an ErrConnectionLost from PublisherDestination, which
+// has no Connect to tell an outage before the claim: the Forwarder claims
+// during one, and the connection is lost at the same head record on every
+// sweep. Counting an attempt for a loss that repeats there (as it does for
+// AMQPDestination, whose Connect keeps it from claiming through an outage)
+// would make that record stuck, and let the records behind it out first,
+// after a few minutes of outage. So it counts none: a record that makes the
+// publisher fail so, every time, holds the records behind it, visibly, in
+// last_error and OnError, rather than being stepped over.
+type unprobedLost struct{ error }
+
+func (e unprobedLost) Unwrap() error { return e.error }
+
+// publisherLost wraps err as an ErrConnectionLost that counts no attempt.
+func publisherLost(err error) error { return unprobedLost{connectionLost(err)} }
 
 // connectionLost wraps err as ErrConnectionLost.
 func connectionLost(err error) error {
@@ -132,8 +149,25 @@ type Connector interface {
 // [AMQPMarshaler] renders it) and its body as payload, published to the
 // topic that TopicFor gives.
 type PublisherDestination struct {
+	// Transient, when set, tells which of the publisher's errors mean its
+	// broker is unreachable (an outage: the record is not at fault), as
+	// only the user knows for their publisher: such a record's result
+	// wraps ErrConnectionLost. Set it before the Forwarder starts. Without
+	// it, only context errors and the publish timeout are taken for an
+	// outage, and any other error counts an attempt against the record.
+	Transient func(error) bool
+
 	pub      message.Publisher
 	topicFor func(Record) string
+	// abandoned, when not nil, gives the outcome of a publish that Publish
+	// stopped waiting for at its context's end: the next publish waits for
+	// it first, so that a publisher that hangs has one publish in flight,
+	// not one more per sweep, and a later record never overtakes it. Only
+	// Publish touches it, which is not called concurrently. Close closes
+	// the publisher, which ends that publish in a publisher that honours
+	// its Close, and does not wait for it: one that does not would hold
+	// Close for ever, the hang this bound is there to escape.
+	abandoned <-chan error
 }
 
 // NewPublisherDestination adapts pub. topicFor maps a record to the topic to
@@ -149,9 +183,30 @@ func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string
 // Publish publishes the records one at a time, in order, and stops at the
 // first failure. A Watermill publisher's Publish returning nil is taken as
 // the broker's confirmation: how strong that is depends on the publisher.
+//
+// ctx (the Forwarder's PublishTimeout) bounds the batch even with a
+// publisher that ignores the message's context, as most do: past it,
+// Publish returns without waiting for the publish under way, whose record
+// fails with ErrConnectionLost, and sends nothing more of the batch. The
+// publish it stopped waiting for may still deliver the message: the record
+// is then sent again (at-least-once, the consumers' inbox absorbs the
+// copy), and the next publish waits for that one to return first.
 func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
 	results := make([]error, len(records))
+	if d.abandoned != nil {
+		select {
+		case <-d.abandoned:
+			d.abandoned = nil
+		case <-ctx.Done():
+			fillNotSent(results, 0, publisherLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
+			return results
+		}
+	}
 	for i, r := range records {
+		if err := ctx.Err(); err != nil {
+			fillNotSent(results, i, publisherLost(fmt.Errorf("publish timed out before this record was sent: %w", err)))
+			return results
+		}
 		msg := message.NewMessage(r.ID, r.Body)
 		for k, v := range r.Headers {
 			msg.Metadata.Set(k, metadataValue(v))
@@ -161,17 +216,67 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			msg.Metadata.Set(HeaderAggregateID, r.AggregateID)
 			msg.Metadata.Set(HeaderSeq, strconv.FormatInt(r.Seq, 10))
 		}
-		msg.SetContext(ctx)
-		if err := d.pub.Publish(d.topicFor(r), msg); err != nil {
-			results[i] = err
-			for j := i + 1; j < len(records); j++ {
-				results[j] = ErrNotSent
+		// The relay's values (a trace) without its cancellation: the
+		// relay cancels ctx as soon as Publish returns, and a publisher
+		// that hands the message's context on (a GoChannel with
+		// PreserveContext) would deliver it dead, failing the consumer's
+		// transaction at BEGIN on every delivery.
+		msg.SetContext(context.WithoutCancel(ctx))
+		topic := d.topicFor(r)
+		// The publish writes only to its own channel, never to results,
+		// so that one abandoned at the timeout writes nothing the caller
+		// holds once Publish returned.
+		done := make(chan error, 1)
+		go func() {
+			defer func() {
+				if p := recover(); p != nil {
+					done <- publishPanic{p}
+				}
+			}()
+			done <- d.pub.Publish(topic, msg)
+		}()
+		var err error
+		select {
+		case err = <-done:
+		case <-ctx.Done():
+			select {
+			case err = <-done: // returned as the time ran out: its answer stands
+			default:
+				d.abandoned = done
+				fillNotSent(results, i, publisherLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
+				return results
 			}
+		}
+		if p, ok := err.(publishPanic); ok {
+			// In the caller, as before the publish had a goroutine: the
+			// Forwarder ends its claim on the way up, and a recovering
+			// caller (net/http) keeps the process.
+			panic(p.v)
+		}
+		if err != nil {
+			fillNotSent(results, i, d.classify(err))
 			return results
 		}
 	}
 	return results
 }
+
+// classify makes err, a publish's error, an ErrConnectionLost when it
+// means an outage: a context error (a publisher that honours its own
+// timeout, or the message's context, gives one) or one Transient tells.
+func (d *PublisherDestination) classify(err error) error {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) ||
+		errors.Is(err, ErrConnectionLost) || (d.Transient != nil && d.Transient(err)) {
+		return publisherLost(err)
+	}
+	return err
+}
+
+// publishPanic carries a publisher's panic out of the goroutine its publish
+// runs in (an abandoned one's is dropped: its Publish has returned).
+type publishPanic struct{ v any }
+
+func (p publishPanic) Error() string { return fmt.Sprintf("outbox: the publisher panicked: %v", p.v) }
 
 // Close closes the Watermill publisher.
 func (d *PublisherDestination) Close() error { return d.pub.Close() }

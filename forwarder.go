@@ -999,10 +999,13 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// failure, keeps its last_error, and counts no attempt, unless
 			// the connection is lost at the same record time after time:
 			// then the record is what breaks it. Not while the broker
-			// blocks the connection (an alarm): then no record is.
+			// blocks the connection (an alarm), nor through a destination
+			// that cannot tell an outage from the record (unprobedLost):
+			// then no record is.
 			failedOne = true
 			n := b.attempts[rec.ID]
-			if !errors.Is(err, ErrBrokerBlocked) && f.lostAgain(rec.ID) {
+			var unprobed unprobedLost
+			if !errors.Is(err, ErrBrokerBlocked) && !errors.As(err, &unprobed) && f.lostAgain(rec.ID) {
 				n++
 			}
 			b.fail(rec, n, err)
