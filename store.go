@@ -907,12 +907,18 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 // by another library's relay) is left alone, so that no second relay
 // publishes it meanwhile; a failed keyed record's backoff is ended.
 func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
-	if len(ids) == 0 {
-		return 0, nil
-	}
-	n, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Retry(ids, time.Now()))
-	if err != nil {
-		return 0, fmt.Errorf("outbox: retry: %w", err)
+	// In statements of maxRowsPerStmt ids, each committed on its own: one
+	// statement of them all failed past the databases' limits on
+	// arguments (65,535 on PostgreSQL and MySQL, 32,766 on SQLite), and an
+	// operator retrying the rows of an incident can pass more.
+	var n int64
+	for start := 0; start < len(ids); start += maxRowsPerStmt {
+		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Retry(ids[start:min(start+maxRowsPerStmt, len(ids))], time.Now()))
+		n += m
+		if err != nil {
+			s.wake(ctx, n)
+			return n, fmt.Errorf("outbox: retry: %w (%d made pending before)", err, n)
+		}
 	}
 	s.wake(ctx, n)
 	return n, nil

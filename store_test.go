@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -155,6 +156,40 @@ func TestStore_PurgePublished_RowMadePendingWhileItRuns_Kept(t *testing.T) {
 		}
 		if got := countRows(t, db); got != 1 {
 			t.Errorf("%d rows after the purge, want 1 (old-2 purged, old-1 kept)", got)
+		}
+	})
+}
+
+// Retry takes as many ids as an operator passes: they went in one
+// statement, which every database refused past its limit on arguments
+// (65,535 on PostgreSQL and MySQL, 32,766 on SQLite), retrying none.
+func TestStore_RetryMoreIDsThanAStatementTakes_EveryStuckRowPending(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		stuck := publishN(t, db, "", "t", 3)
+		if _, err := db.Exec("UPDATE acemq_outbox SET attempts = 10"); err != nil {
+			t.Fatal(err)
+		}
+		st, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := make([]string, 0, 70003)
+		for i := range 70000 {
+			ids = append(ids, fmt.Sprintf("gone-%d", i))
+			if i%30000 == 0 {
+				ids = append(ids, stuck[i/30000])
+			}
+		}
+		n, err := st.Retry(context.Background(), ids...)
+		if err != nil || n != 3 {
+			t.Fatalf("Retry of %d ids, 3 of them stuck rows: %d made pending, err %v", len(ids), n, err)
+		}
+		var left int
+		if err := db.Get(&left, "SELECT COUNT(*) FROM acemq_outbox WHERE attempts > 0"); err != nil {
+			t.Fatal(err)
+		}
+		if left != 0 {
+			t.Errorf("%d rows still with attempts after Retry", left)
 		}
 	})
 }
