@@ -215,30 +215,15 @@ func TestInbox_Router_ReturnedMessageWithoutContext_RowCarriesHandlersTrace(t *t
 // inbox now fails the delivery before it writes the message.
 func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
-	in := newInbox(t, db, outbox.InboxConfig{})
-	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-	router := newRouter(t)
-	failed := make(chan error, 1)
-	router.AddMiddleware(firstFailure(failed), in.Middleware)
-	router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+	err := routedDeliveryFailure(t, newInbox(t, db, outbox.InboxConfig{}), func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := outbox.TxFromContext(msg.Context())
 		// As SQLite does after an interrupt: the transaction is gone, the
 		// handler's error taken.
 		_, _ = tx.Exec("ROLLBACK")
 		return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
 	})
-	startRouter(t, router)
-	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-	if err := ps.Publish("order.paid", msg); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-failed:
-		if !errors.Is(err, outbox.ErrHandlerTxEnded) {
-			t.Errorf("delivery failed with %v, want ErrHandlerTxEnded", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the delivery did not fail")
+	if !errors.Is(err, outbox.ErrHandlerTxEnded) {
+		t.Errorf("delivery failed with %v, want ErrHandlerTxEnded", err)
 	}
 	if n := countRows(t, db); n != 0 {
 		t.Errorf("%d outbox rows committed for a delivery whose transaction was gone, want 0", n)
@@ -254,12 +239,7 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 	for _, end := range []string{"commit", "rollback"} {
 		t.Run(end, func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-				in := newInbox(t, db, outbox.InboxConfig{})
-				ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
-				router := newRouter(t)
-				failed := make(chan error, 1)
-				router.AddMiddleware(firstFailure(failed), in.Middleware)
-				router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), func(msg *message.Message) ([]*message.Message, error) {
+				err := routedDeliveryFailure(t, newInbox(t, db, outbox.InboxConfig{}), func(msg *message.Message) ([]*message.Message, error) {
 					tx, _ := outbox.TxFromContext(msg.Context())
 					var err error
 					if end == "commit" {
@@ -272,17 +252,8 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 					}
 					return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
 				})
-				startRouter(t, router)
-				if err := ps.Publish("order.paid", message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
-					t.Fatal(err)
-				}
-				select {
-				case err := <-failed:
-					if !errors.Is(err, outbox.ErrHandlerEndedTx) {
-						t.Errorf("delivery failed with %v, want ErrHandlerEndedTx", err)
-					}
-				case <-time.After(10 * time.Second):
-					t.Fatal("the delivery did not fail")
+				if !errors.Is(err, outbox.ErrHandlerEndedTx) {
+					t.Errorf("delivery failed with %v, want ErrHandlerEndedTx", err)
 				}
 			})
 		})
@@ -331,10 +302,16 @@ func TestNewInbox_IsolationNoDriverTakes_ConfigErrorNamesField(t *testing.T) {
 	}
 }
 
-// firstFailure is a router middleware, outside the inbox, that sends the
-// first error a delivery fails with to failed.
-func firstFailure(failed chan<- error) message.HandlerMiddleware {
-	return func(h message.HandlerFunc) message.HandlerFunc {
+// routedDeliveryFailure runs one message through a router handler h
+// behind in, with a publish topic for what h returns, and returns the error
+// the delivery failed with; it fails the test if the delivery does not
+// fail within 10 s.
+func routedDeliveryFailure(t *testing.T, in *outbox.Inbox, h message.HandlerFunc) error {
+	t.Helper()
+	ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	router := newRouter(t)
+	failed := make(chan error, 1)
+	router.AddMiddleware(func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			out, err := h(msg)
 			if err != nil {
@@ -345,6 +322,18 @@ func firstFailure(failed chan<- error) message.HandlerMiddleware {
 			}
 			return out, err
 		}
+	}, in.Middleware)
+	router.AddHandler("ship-orders", "order.paid", ps, "order.shipped", in.Publisher(), h)
+	startRouter(t, router)
+	if err := ps.Publish("order.paid", message.NewMessage(watermill.NewUUID(), []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-failed:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("the delivery did not fail")
+		return nil
 	}
 }
 
