@@ -425,18 +425,16 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 	var (
 		outcome  inboxOutcome
 		consumer string
+		tries    int
 		err      error
 	)
-	for try := 0; ; try++ {
+	err = in.retryConflicts(msg.Context(), func() error {
+		if tries++; tries > 1 {
+			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": tries - 1, "error": err.Error()})
+		}
 		outcome, consumer, err = in.process(h, msg)
-		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) || errors.As(err, new(*keyStaysError)) {
-			break
-		}
-		in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": try + 1, "error": err.Error()})
-		if !sleepCtx(msg.Context(), conflictPause(try)) {
-			break
-		}
-	}
+		return err
+	})
 	if err == nil && outcome == inboxDuplicate {
 		in.markDuplicateProcessed(msg)
 	}
@@ -702,15 +700,16 @@ type keyStaysError struct{ error }
 func (e *keyStaysError) Unwrap() error { return e.error }
 
 // retryConflicts runs f, and again while the database refuses it for a
-// concurrent transaction (see conflictTries): the writes after an
-// at-most-once handler, each its own transaction, which a redelivery
-// cannot redo since the key is committed. A serialization failure writing
-// the messages it returned lost them, and the delivery run again was acked
-// as a duplicate.
+// concurrent transaction (see conflictTries), but not past a keyStaysError:
+// a delivery (handle), and the writes after an at-most-once handler, each
+// its own transaction, which a redelivery cannot redo since the key is
+// committed. A serialization failure writing the messages it returned lost
+// them, and the delivery run again was acked as a duplicate.
 func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 	for try := 0; ; try++ {
 		err := f()
-		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) || !sleepCtx(ctx, conflictPause(try)) {
+		if err == nil || try == conflictTries-1 || !in.dialect.sql().Conflict(err) || errors.As(err, new(*keyStaysError)) ||
+			!sleepCtx(ctx, conflictPause(try)) {
 			return err
 		}
 	}
