@@ -721,6 +721,9 @@ func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, p
 			s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": len(published), "table": s.q.Table()})
 		}
 	}
+	if len(failures) == 0 {
+		return nil
+	}
 	ids := c.idArgs()
 	for _, f := range failures {
 		id := any(f.id)
