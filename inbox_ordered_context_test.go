@@ -1,0 +1,86 @@
+package outbox_test
+
+import (
+	"context"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// tenantKey is the context key of the test's tenant middleware.
+type tenantKey struct{ where string }
+
+// tenantFromMetadata puts the message's "tenant" metadata into its context
+// under where, as a service's middleware puts a tenant or a user there.
+func tenantFromMetadata(where string) message.HandlerMiddleware {
+	return func(h message.HandlerFunc) message.HandlerFunc {
+		return func(msg *message.Message) ([]*message.Message, error) {
+			msg.SetContext(context.WithValue(msg.Context(), tenantKey{where}, msg.Metadata.Get("tenant")))
+			return h(msg)
+		}
+	}
+}
+
+// The README's rule for middleware that reads a message into its context:
+// one added before the inbox ran for the delivery that was held, not for
+// the held message, which runs with the context of the delivery that
+// released it; one added after the inbox runs for every message it
+// applies. Seq 2 (tenant b) is held, and runs when seq 1 (tenant a) is
+// applied: the inner middleware gives it tenant b, the outer one's value is
+// a's.
+func TestOrderedInbox_HeldMessage_MiddlewareAfterTheInboxSeesItsOwnValues(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger"})
+		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 5 * time.Second}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		router.AddMiddleware(tenantFromMetadata("outer"), in.Middleware, tenantFromMetadata("inner"))
+		var (
+			mu  sync.Mutex
+			ran []string
+		)
+		router.AddConsumerHandler("ledger", "payment", pubsub, func(msg *message.Message) error {
+			mu.Lock()
+			defer mu.Unlock()
+			outer, _ := msg.Context().Value(tenantKey{"outer"}).(string)
+			inner, _ := msg.Context().Value(tenantKey{"inner"}).(string)
+			ran = append(ran, msg.Metadata.Get(outbox.HeaderSeq)+" outer="+outer+" inner="+inner)
+			return nil
+		})
+		t.Cleanup(func() { _ = pubsub.Close() }) // after the router's stop
+		stop := runRouter(t, router)
+		t.Cleanup(func() {
+			if err := stop(); err != nil {
+				t.Error(err)
+			}
+		})
+
+		second := keyedMsg("payment-7", 2)
+		second.Metadata.Set("tenant", "b")
+		if err := pubsub.Publish("payment", second); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "seq 2 held", func() bool { return countHeld(t, db) == 1 })
+		first := keyedMsg("payment-7", 1)
+		first.Metadata.Set("tenant", "a")
+		if err := pubsub.Publish("payment", first); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "both applied", func() bool { mu.Lock(); defer mu.Unlock(); return len(ran) >= 2 })
+		mu.Lock()
+		defer mu.Unlock()
+		if want := []string{"1 outer=a inner=a", "2 outer=a inner=b"}; !reflect.DeepEqual(ran, want) {
+			t.Errorf("ran %q, want %q", ran, want)
+		}
+	})
+}
