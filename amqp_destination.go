@@ -166,6 +166,7 @@ type AMQPDestination struct {
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
 	renew     bool            // a nack came: a fresh connection once no window is out on this one
+	nacks     nackRenewal     // spaces the renewals of a stream of nacks
 	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
 	short     []*sent         // windows not collected yet whose send stopped short (see behindAShortWindow)
 	closed    bool
@@ -877,6 +878,40 @@ func (d *AMQPDestination) othersOut(p *sent) bool {
 	return slices.ContainsFunc(d.inflight, func(w *sent) bool { return w != p && w.on == p.on })
 }
 
+// nackRenewal spaces the connection renewals that nacks ask for. The first
+// nack of a stream renews at once, as a channel left nacking by a lost
+// quorum leader needs; the next ones wait nackRenewFirstGap after that
+// renewal, then twice as long each time, up to nackRenewMaxGap. A queue
+// that nacks every publish to it (full, reject-publish) so costs a
+// connection every half minute, not one per window: each was a handshake,
+// a channel, the exchanges checked again, and a hop to the next node of a
+// cluster. A stream ends after nackStreakEnd without a nack.
+type nackRenewal struct {
+	last time.Time     // the latest nack
+	next time.Time     // no renewal for a nack before it
+	gap  time.Duration // the wait after the latest renewal
+}
+
+const (
+	nackRenewFirstGap = time.Second
+	nackRenewMaxGap   = 30 * time.Second
+	nackStreakEnd     = 2 * nackRenewMaxGap
+)
+
+// due notes a nack at now, and reports whether it renews the connection.
+func (r *nackRenewal) due(now time.Time) bool {
+	if now.Sub(r.last) > nackStreakEnd {
+		r.next, r.gap = time.Time{}, 0 // a new stream
+	}
+	r.last = now
+	if now.Before(r.next) {
+		return false
+	}
+	r.gap = min(max(nackRenewFirstGap, 2*r.gap), nackRenewMaxGap)
+	r.next = now.Add(r.gap)
+	return true
+}
+
 // staleWindow is how long a window may stay uncollected before
 // behindAClosedChannel forgets it; the relay collects each within its
 // PublishTimeout, far shorter.
@@ -937,11 +972,14 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		}
 	}
 	markBlocked(res, p.on.blocked)
-	if nacked && p.on == d.cc {
+	if nacked && p.on == d.cc && d.nacks.due(time.Now()) {
 		// After its quorum queue's leader was lost, a channel on another
 		// node went on nacking every publish while a fresh one was acked:
 		// the connection is renewed once no other window is out on it
-		// (dropped now, their confirms would be lost with it).
+		// (dropped now, their confirms would be lost with it). A queue
+		// that nacks for its own reasons (full, x-overflow reject-publish)
+		// nacks on every connection: the renewals of a stream of nacks
+		// are spaced (see nackRenewal).
 		d.renew = true
 	}
 	switch {

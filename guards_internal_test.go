@@ -88,6 +88,35 @@ func TestNackRenewsTheConnectionOnce(t *testing.T) {
 	}
 }
 
+// A queue that nacks every publish (full, reject-publish) nacks on every
+// connection: a stream of nacks renews the connection once, then at
+// spaced times, not for every window (each renewal a handshake, a channel
+// and the exchanges checked again, and on a cluster a hop to the next
+// node).
+func TestNackStream_RenewsTheConnectionOnceNotPerWindow(t *testing.T) {
+	b, _ := brokerWithFullQueue(t)
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	conns := map[*amqp.Connection]bool{}
+	for range 10 {
+		p := d.send(ctx, []Record{{ID: "full-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "full", Body: []byte("x")}})
+		if p.res[0] != nil {
+			t.Fatalf("send: %v", p.res[0])
+		}
+		conns[p.on.conn] = true
+		if err := d.wait(ctx, p)[0]; err == nil || !strings.Contains(err.Error(), "nacked") {
+			t.Fatalf("window to the full queue: %v, want nacked", err)
+		}
+	}
+	if len(conns) != 2 {
+		t.Errorf("ten nacked windows within a second went out on %d connections, want 2 (the first and one renewal)", len(conns))
+	}
+}
+
 // brokerWithFullQueue is a test broker whose exchange routes "full" to a
 // queue that nacks every publish (x-max-length 1, reject-publish, filled)
 // and "ok" to the queue it returns.
