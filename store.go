@@ -798,13 +798,15 @@ func storableError(s string) string {
 }
 
 // truncateError cuts s, valid UTF-8, to at most n characters, on a rune
-// boundary, its end marked with an ellipsis.
+// boundary, its end marked with "...": in ASCII, so that a long reason in
+// plain ASCII stays one (markFailed writes a reason that is not under a
+// savepoint, one statement more).
 func truncateError(s string, n int) string {
 	if utf8.RuneCountInString(s) <= n {
 		return s
 	}
 	r := []rune(s)
-	return string(r[:n-1]) + "…"
+	return string(r[:n-3]) + "..."
 }
 
 // asciiError is the reason s, storable, in plain ASCII: every character
@@ -813,8 +815,6 @@ func asciiError(s string) string {
 	var b strings.Builder
 	for _, r := range s {
 		switch {
-		case r == '…':
-			b.WriteString("...")
 		case r < utf8.RuneSelf:
 			b.WriteRune(r)
 		case r <= 0xFFFF:
