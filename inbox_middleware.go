@@ -9,6 +9,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -396,11 +397,20 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // Middlewares added after it run inside its transaction: add Retry and
 // PoisonQueue before it (one after it would commit a failed attempt's
 // writes), and CorrelationID, which changes the returned messages, after.
+//
+// Wrap each handler once, and share what Middleware returns among the
+// goroutines that deliver to it: outside a router, where a delivery names
+// no handler, an Ordered inbox tells handlers apart by the call of
+// Middleware that wrapped them (see ErrConsumerShared).
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	wrap := wraps.Add(1)
 	return func(msg *message.Message) ([]*message.Message, error) {
-		return in.handle(h, msg)
+		return in.handle(h, wrap, msg)
 	}
 }
+
+// wraps numbers the calls of Middleware in the process, from 1.
+var wraps atomic.Uint64
 
 // conflictTries is how many times a delivery runs whose transaction the
 // database refused for a concurrent one on the same rows, and
@@ -413,7 +423,7 @@ func conflictPause(try int) time.Duration {
 	return d/2 + rand.N(d)
 }
 
-func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+func (in *Inbox) handle(h message.HandlerFunc, wrap uint64, msg *message.Message) ([]*message.Message, error) {
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
 	// failures, and a deadlock refuses one of two transactions anywhere.
@@ -432,7 +442,7 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 		if tries++; tries > 1 {
 			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": tries - 1, "error": err.Error()})
 		}
-		outcome, consumer, err = in.process(h, msg)
+		outcome, consumer, err = in.process(h, wrap, msg)
 		return err
 	})
 	if err == nil && outcome == inboxDuplicate {
@@ -447,8 +457,9 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 }
 
 // process runs one message through the inbox, and says what became of it
-// and for which consumer ("" if it has no valid name).
-func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
+// and for which consumer ("" if it has no valid name). wrap is the call of
+// Middleware that wrapped h.
+func (in *Inbox) process(h message.HandlerFunc, wrap uint64, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
 		// The publisher's trace, carried in the metadata through the row and
@@ -505,7 +516,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, nameErr)}
 	}
 	if keyed {
-		outcome, err := in.processOrdered(ctx, h, msg, consumer, key, aggregate, seq)
+		outcome, err := in.processOrdered(ctx, h, wrap, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
 	if in.cfg.AtMostOnce {

@@ -73,16 +73,32 @@ type routeKey struct{ consumer, handler string }
 // earlier version has none, and goes to the consumer's first handler seen.
 const heldHandlerKey = "x-acemq-inbox-handler"
 
+// ErrConsumerShared is returned (and the message nacked, before any
+// statement: nothing is run, held or recorded) for a keyed message of an
+// Ordered inbox delivered outside a router, with no handler name, to a
+// handler other than the one that had its consumer's first such delivery:
+// the handlers one Inbox wraps (each call of Middleware is one) share a
+// consumer's route without a handler name, so a message held for one would
+// run in the other, and a copy both get would be taken for a duplicate by
+// the second and acked without running. The first handler keeps the name;
+// give the other a ConsumerName of its own, or run both under a router,
+// whose handler names tell them apart.
+var ErrConsumerShared = errors.New("outbox: inbox: ordered consumer name shared by two handlers without a router handler name")
+
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
 	q      *sqldialect.OrderedInbox
 	mu     sync.Mutex
 	routes map[routeKey]orderedRoute
 	first  map[string]routeKey // by consumer, its first handler seen
+	// bare holds, by consumer, the call of Middleware (see wraps) whose
+	// handler had the consumer's first keyed delivery without a router
+	// handler name: the route of "" is that handler's alone.
+	bare map[string]uint64
 }
 
 func newOrderedState(d sqldialect.Dialect) *orderedState {
-	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}}
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]uint64{}}
 }
 
 // voidHeader is how AMQPMarshaler renders a void header in metadata.
@@ -120,11 +136,24 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 	return key, seq, true, nil
 }
 
-func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Context) {
+// remember keeps h, wrapped by the call of Middleware wrap, as the route
+// of consumer's held messages delivered to its router handler, or refuses
+// with ErrConsumerShared a handler without a router handler name that is
+// not the consumer's first such (see orderedState.bare). A map lookup on
+// the common paths; the refusal comes before any statement.
+func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap uint64, ctx context.Context) error {
 	o := in.ordered
 	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	if k.handler == "" {
+		if owner, ok := o.bare[consumer]; !ok {
+			o.bare[consumer] = wrap
+		} else if owner != wrap {
+			return fmt.Errorf("%w: consumer %q had keyed deliveries outside a router from another handler (another call of Middleware) of this inbox; "+
+				"a message held for one would run in the other: give each handler its own ConsumerName, run them under a router, or wrap the handler once", ErrConsumerShared, consumer)
+		}
+	}
 	// Without its cancellation: the route outlives the delivery. It keeps
 	// the router's handler name and topics, which a held message's handler
 	// and its returned messages need. The latest delivery's: a router
@@ -135,6 +164,7 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Co
 	if _, ok := o.first[consumer]; !ok {
 		o.first[consumer] = k
 	}
+	return nil
 }
 
 // routedConsumers lists, sorted, the consumers with a handler this inbox
@@ -189,8 +219,10 @@ func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // number applied already is a duplicate; the next one runs the handler and
 // advances the key in one transaction, then applies the messages held
 // behind it; a later one is held in the database and acked.
-func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
-	in.remember(consumer, h, msg.Context())
+func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap uint64, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
+	if err := in.remember(consumer, h, wrap, msg.Context()); err != nil {
+		return inboxFailed, err
+	}
 	// The common case, the key's next message with nothing held, costs the
 	// statements of the plain inbox's key, or one more (see
 	// sqldialect.OrderedInbox.Apply).
