@@ -324,7 +324,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
 	if cfg.Ordered {
-		in.ordered = newOrderedState(cfg.Dialect.sql())
+		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.Table)
 	}
 	return in, nil
 }
