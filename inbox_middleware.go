@@ -35,12 +35,17 @@ type InboxConfig struct {
 	//
 	// With Ordered, a held message runs in the handler it was delivered
 	// to, told apart by the router's handler name. Outside a router there
-	// is none (""), and the handlers one Inbox wraps under one
-	// ConsumerName share a single route: a held message runs in whichever
-	// of them had a delivery last, not necessarily its own. There, give
+	// is none (""), so one ConsumerName is one handler there: the keyed
+	// deliveries of a second handler the Inbox wraps (another call of
+	// Middleware) fail with ErrConsumerShared, nacked before any
+	// statement, since a message held for one would run in the other. Give
 	// each handler a ConsumerName of its own, as dedupe needs already when
-	// two handlers get the same messages; a key whose numbers run across
-	// several handlers' topics needs a router.
+	// two handlers get the same messages, and wrap it once; a key whose
+	// numbers run across several handlers' topics needs a router. Two
+	// Inboxes over one database, each wrapping a handler outside a router
+	// under one ConsumerName, mix up their held messages the same way but
+	// are not refused: a new Inbox over the pool is also how a restart in
+	// the process looks.
 	ConsumerName string
 	// Table is the inbox table. Default processed_messages.
 	//
@@ -48,8 +53,11 @@ type InboxConfig struct {
 	// is not in Table: it is one per database, keyed by consumer name
 	// alone. Two Ordered inboxes over different Tables of one database
 	// with the same ConsumerName share it, and the second one's messages
-	// are taken for duplicates of numbers the first applied, acked
-	// without running. Give them distinct ConsumerNames.
+	// would be taken for duplicates of numbers the first applied, acked
+	// without running. Over one *sql.DB the second one's keyed
+	// deliveries fail with ErrConsumerShared instead, nacked before any
+	// statement; over two pools of one database nothing tells. Give them
+	// distinct ConsumerNames.
 	Table string
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
@@ -125,7 +133,8 @@ type InboxConfig struct {
 	// one whose key the database cannot hold with ErrInvalidKey. Unkeyed messages take the unordered path. Needs sqlschema's 0006
 	// tables; not with AtMostOnce (a held message's effect would have no
 	// key committed before it). Its state is keyed by ConsumerName, not by
-	// Table (see both). See ApplyHeld, Gaps and SkipGap.
+	// Table, and outside a router one ConsumerName is one handler (see
+	// both, and ErrConsumerShared). See ApplyHeld, Gaps and SkipGap.
 	Ordered bool
 	// GapAfter, with Ordered, is how long a message may be held before
 	// RefreshStats reports its key as a gap (outbox_inbox_gaps, a logged
