@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"runtime/debug"
 	"strings"
 	"sync"
@@ -36,12 +37,12 @@ type InboxConfig struct {
 	// With Ordered, a held message runs in the handler it was delivered
 	// to, told apart by the router's handler name. Outside a router there
 	// is none (""), so one ConsumerName is one handler there: the keyed
-	// deliveries of a second handler the Inbox wraps (another call of
-	// Middleware) fail with ErrConsumerShared, nacked before any
-	// statement, since a message held for one would run in the other. Give
-	// each handler a ConsumerName of its own, as dedupe needs already when
-	// two handlers get the same messages, and wrap it once; a key whose
-	// numbers run across several handlers' topics needs a router. Two
+	// deliveries of a second handler function the Inbox wraps fail with
+	// ErrConsumerShared, nacked before any statement, since a message held
+	// for one would run in the other. Give each handler a ConsumerName of
+	// its own, as dedupe needs already when two handlers get the same
+	// messages; a key whose numbers run across several handlers' topics
+	// needs a router. Two
 	// Inboxes over one database, each wrapping a handler outside a router
 	// under one ConsumerName, mix up their held messages the same way but
 	// are not refused: a new Inbox over the pool is also how a restart in
@@ -407,18 +408,30 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // PoisonQueue before it (one after it would commit a failed attempt's
 // writes), and CorrelationID, which changes the returned messages, after.
 //
-// Wrap each handler once, and share what Middleware returns among the
-// goroutines that deliver to it: outside a router, where a delivery names
-// no handler, an Ordered inbox tells handlers apart by the call of
-// Middleware that wrapped them (see ErrConsumerShared).
+// Outside a router, where a delivery names no handler, an Ordered inbox
+// tells handlers apart by their function (see ErrConsumerShared): one
+// handler may be wrapped again (per worker, or at each reconnect of a
+// consume loop), two functions under one ConsumerName may not.
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	wrap := wraps.Add(1)
+	wrap := wrapped{n: wraps.Add(1), fn: reflect.ValueOf(h).Pointer()}
 	return func(msg *message.Message) ([]*message.Message, error) {
 		return in.handle(h, wrap, msg)
 	}
 }
 
-// wraps numbers the calls of Middleware in the process, from 1.
+// wrapped is a call of Middleware: its number in the process, from 1 (see
+// wraps), and the code of the handler it wrapped.
+type wrapped struct {
+	n  uint64
+	fn uintptr
+}
+
+// sameHandler reports whether w and o wrapped the same handler, as far as
+// the process can tell: one call, or one function. Two closures of one
+// function literal are one function to it.
+func (w wrapped) sameHandler(o wrapped) bool { return w.n == o.n || w.fn == o.fn }
+
+// wraps numbers the calls of Middleware in the process.
 var wraps atomic.Uint64
 
 // conflictTries is how many times a delivery runs whose transaction the
@@ -432,7 +445,7 @@ func conflictPause(try int) time.Duration {
 	return d/2 + rand.N(d)
 }
 
-func (in *Inbox) handle(h message.HandlerFunc, wrap uint64, msg *message.Message) ([]*message.Message, error) {
+func (in *Inbox) handle(h message.HandlerFunc, wrap wrapped, msg *message.Message) ([]*message.Message, error) {
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
 	// failures, and a deadlock refuses one of two transactions anywhere.
@@ -468,7 +481,7 @@ func (in *Inbox) handle(h message.HandlerFunc, wrap uint64, msg *message.Message
 // process runs one message through the inbox, and says what became of it
 // and for which consumer ("" if it has no valid name). wrap is the call of
 // Middleware that wrapped h.
-func (in *Inbox) process(h message.HandlerFunc, wrap uint64, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
+func (in *Inbox) process(h message.HandlerFunc, wrap wrapped, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
 		// The publisher's trace, carried in the metadata through the row and

@@ -59,12 +59,15 @@ var ErrGapChanged = errors.New("outbox: inbox: the gap to skip is no longer the 
 // Ordered inbox whose ConsumerName is used in this process in a way that
 // mixes up its keys:
 //
-//   - by two handlers of one Inbox (two calls of its Middleware) for
-//     deliveries outside a router, which name no handler: they share the
-//     consumer's held messages then, so a message held for one would run
-//     in the other, and a copy both get would be taken for a duplicate by
-//     the second and acked without running. The handler of the consumer's
-//     first such delivery keeps the name.
+//   - by two handlers of one Inbox (two functions wrapped by its
+//     Middleware) for deliveries outside a router, which name no handler:
+//     they share the consumer's held messages then, so a message held for
+//     one would run in the other, and a copy both get would be taken for a
+//     duplicate by the second and acked without running. The handler of
+//     the consumer's first such delivery keeps the name. One function
+//     wrapped again (per worker, at a consume loop's reconnect) is the same
+//     handler; two closures of one function literal are too, and are not
+//     told apart.
 //   - by two Inboxes over one *sql.DB with different Tables: the ordered
 //     state is keyed by consumer name alone, and the second one's messages
 //     would be taken for duplicates of numbers the first applied. The
@@ -104,17 +107,17 @@ type orderedState struct {
 	mu     sync.Mutex
 	routes map[routeKey]orderedRoute
 	first  map[string]routeKey // by consumer, its first handler seen
-	// bare holds, by consumer, the call of Middleware (see wraps) whose
-	// handler had the consumer's first keyed delivery without a router
-	// handler name: the route of "" is that handler's alone.
-	bare map[string]uint64
+	// bare holds, by consumer, the call of Middleware whose handler had
+	// the consumer's first keyed delivery without a router handler name:
+	// the route of "" is that handler's alone.
+	bare map[string]wrapped
 	// pool and table: what claimTable takes a consumer for.
 	pool  *sql.DB
 	table string
 }
 
 func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
-	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]uint64{},
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]wrapped{},
 		pool: pool, table: table}
 }
 
@@ -203,7 +206,7 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 // whose Table is not the consumer's (see claimTable). A map lookup on the
 // common paths, claimTable's the first time only; the refusal comes
 // before any statement.
-func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap uint64, ctx context.Context) error {
+func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap wrapped, ctx context.Context) error {
 	o := in.ordered
 	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
@@ -217,9 +220,9 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap uint64, c
 	if k.handler == "" {
 		if owner, ok := o.bare[consumer]; !ok {
 			o.bare[consumer] = wrap
-		} else if owner != wrap {
-			return fmt.Errorf("%w: consumer %q had keyed deliveries outside a router from another handler (another call of Middleware) of this Inbox; "+
-				"a message held for one would run in the other: give each handler its own ConsumerName, run them under a router, or wrap the handler once", ErrConsumerShared, consumer)
+		} else if !owner.sameHandler(wrap) {
+			return fmt.Errorf("%w: consumer %q had keyed deliveries outside a router from another handler function of this Inbox; "+
+				"a message held for one would run in the other: give each handler its own ConsumerName, or run them under a router", ErrConsumerShared, consumer)
 		}
 	}
 	// Without its cancellation: the route outlives the delivery. It keeps
@@ -287,7 +290,7 @@ func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // number applied already is a duplicate; the next one runs the handler and
 // advances the key in one transaction, then applies the messages held
 // behind it; a later one is held in the database and acked.
-func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap uint64, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
+func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap wrapped, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
 	if err := in.remember(consumer, h, wrap, msg.Context()); err != nil {
 		return inboxFailed, err
 	}

@@ -26,7 +26,10 @@ func TestOrderedInbox_TwoHandlersOfOneInboxOutsideARouter_SecondRefusedNeverRuns
 		createEffects(t, db)
 		var a, b applyLog
 		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
-		ha, hb := in.Middleware(a.handler(t, db)), in.Middleware(b.handler(t, db))
+		// Two functions: two closures of applyLog.handler's one literal
+		// would be one handler to the inbox.
+		bh := b.handler(t, db)
+		ha, hb := in.Middleware(a.handler(t, db)), in.Middleware(func(msg *message.Message) ([]*message.Message, error) { return bh(msg) })
 		deliver(t, ha, "k", 2) // held, A's
 		if _, err := hb(keyedMsg("k", 1)); !errors.Is(err, outbox.ErrConsumerShared) {
 			t.Errorf("B's delivery of seq 1: %v, want ErrConsumerShared (nacked)", err)
@@ -142,4 +145,23 @@ func createInboxTable(t testing.TB, db *testdb.DB, name string) {
 	if _, err := db.Exec(q); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// One handler function wrapped again (a worker's own wrapping, or a consume
+// loop wrapping it at each reconnect) is one handler: its deliveries run,
+// and a message held through one wrapping runs through the other.
+func TestOrderedInbox_OneHandlerWrappedTwiceOutsideARouter_BothRun(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		var l applyLog
+		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
+		h := l.handler(t, db)
+		first, again := in.Middleware(h), in.Middleware(h)
+		deliver(t, first, "k", 2) // held
+		deliver(t, again, "k", 1, 3)
+		if got := l.of("k"); !reflect.DeepEqual(got, upTo(3)) {
+			t.Errorf("applied %v, want [1 2 3]", got)
+		}
+		assertEffectsOnce(t, db, "k", 3)
+	})
 }
