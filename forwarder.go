@@ -273,10 +273,10 @@ type Forwarder struct {
 
 	mu        sync.Mutex
 	runCalled bool
-	routed    bool          // a router's plugin runs it (Plugin)
-	running   chan struct{} // closed once Run works
-	closing   chan struct{} // closed by Close
-	done      chan struct{} // closed when Run returns
+	routedBy  *relaySubscriber // the subscriber of the router whose plugin runs it (Plugin)
+	running   chan struct{}    // closed once Run works
+	closing   chan struct{}    // closed by Close
+	done      chan struct{}    // closed when Run returns
 	closeOnce sync.Once
 	closeErr  error
 
@@ -375,14 +375,16 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // flight and returns. Failed sweeps are reported through OnError and retried
 // with backoff; Run returns nil when stopped.
 // A Forwarder whose plugin is on a router runs under it: Run returns
-// ErrForwarderInUse, or ErrForwarderClosed once it is closed.
+// ErrForwarderInUse, or ErrForwarderClosed once it is closed; once that
+// router is closed without having started the relay, Run runs it.
 func (f *Forwarder) Run(ctx context.Context) error {
 	select {
 	case <-f.closing:
 		return ErrForwarderClosed
 	default:
 	}
-	if err := f.claimRun(false); err != nil {
+	f.unrouteClosed()
+	if err := f.claimRun(nil); err != nil {
 		return err
 	}
 	return f.run(ctx)
@@ -390,15 +392,18 @@ func (f *Forwarder) Run(ctx context.Context) error {
 
 // claimRun makes the caller the one that runs the forwarder: it runs once,
 // and once its plugin is on a router only that router's handler runs it
-// (byRouter). A Run let through there would leave the router's Subscribe
-// to fail after the plugins, with the other handlers started, and its
-// Close to wait CloseTimeout for the relay's.
-func (f *Forwarder) claimRun(byRouter bool) error {
+// (by, its subscriber; nil for Run). A Run let through there would leave
+// the router's Subscribe to fail after the plugins, with the other
+// handlers started, and its Close to wait CloseTimeout for the relay's.
+// The subscriber of a router that let the Forwarder go gets errUnrouted.
+func (f *Forwarder) claimRun(by *relaySubscriber) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	switch {
-	case f.routed && !byRouter:
-		return fmt.Errorf("%w: its plugin is on a router; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case by == nil && f.routedBy != nil:
+		return fmt.Errorf("%w: its plugin is on a router that has not closed; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case by != nil && f.routedBy != by:
+		return errUnrouted
 	case f.runCalled:
 		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
 	}
