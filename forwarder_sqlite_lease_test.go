@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"math/rand/v2"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
@@ -368,4 +370,78 @@ func mapsJoin(a, b map[string]any) map[string]any {
 	maps.Copy(m, a)
 	maps.Copy(m, b)
 	return m
+}
+
+// SQLite: a batch's mark may wait the pool's busy timeout for the write
+// lock after a publish of up to PublishTimeout, and a lease that ran out
+// meanwhile lets a second relay, waiting for the same lock, claim the
+// batch's rows and publish them too. NewForwarder took a Lease of 2 ×
+// PublishTimeout (2 s) beside a busy timeout of 10 s without a word; the
+// first claim, which learns the busy timeout, now logs it as an error,
+// once.
+func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // busy_timeout 10 s
+	cases := []struct {
+		name   string
+		cfg    outbox.ForwarderConfig
+		report bool
+	}{
+		{"PublishTimeout 1 s, Lease 2 s", outbox.ForwarderConfig{PublishTimeout: time.Second, Lease: 2 * time.Second}, true},
+		{"the defaults", outbox.ForwarderConfig{}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			logged := &errorLog{LoggerAdapter: watermill.NopLogger{}}
+			c.cfg.Logger = logged
+			f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(&slowCapture{}, nil), c.cfg)
+			if err != nil {
+				t.Fatalf("NewForwarder: %v", err)
+			}
+			defer f.Close()
+			for range 2 { // logged once, not per claim
+				publishN(t, db, "x", "t", 1)
+				if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+					t.Fatalf("sweep: %d, %v; want 1, nil", n, err)
+				}
+			}
+			reported := logged.errors()
+			var leaseErrs []error
+			for _, err := range reported {
+				var cerr *outbox.ConfigError
+				if errors.As(err, &cerr) && cerr.Field == "Lease" {
+					leaseErrs = append(leaseErrs, err)
+				}
+			}
+			switch {
+			case c.report && len(leaseErrs) != 1:
+				t.Errorf("logged %v; want one *ConfigError naming Lease: a batch can stay unmarked for PublishTimeout and the busy timeout, 11 s, past its 2 s lease", reported)
+			case !c.report && len(leaseErrs) != 0:
+				t.Errorf("logged %v; want nothing: Lease 60 s outlasts PublishTimeout 15 s and the busy timeout 10 s", leaseErrs)
+			}
+			if len(leaseErrs) > 0 {
+				t.Logf("logged: %v", leaseErrs[0])
+			}
+		})
+	}
+}
+
+// errorLog records what is logged as an error, safe across goroutines.
+type errorLog struct {
+	watermill.LoggerAdapter
+	mu   sync.Mutex
+	errs []error
+}
+
+func (l *errorLog) Error(msg string, err error, fields watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errs = append(l.errs, err)
+}
+
+func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *errorLog) errors() []error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]error(nil), l.errs...)
 }
