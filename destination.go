@@ -25,8 +25,9 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // the error as its last_error, holds back the records behind it as behind a
 // failure, and backs off. Only when the connection is lost at the same record
 // more than three times in a row is an attempt counted: that record is what
-// breaks it. Not through [PublisherDestination], which cannot tell an
-// outage from such a record: there it counts none.
+// breaks it. Through [PublisherDestination], which cannot tell an outage
+// from such a record as a rule, only a publish timeout after the publisher
+// answered the record's previous publish counts so (see its Publish).
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
@@ -46,7 +47,9 @@ var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
 // would make that record stuck, and let the records behind it out first,
 // after a few minutes of outage. So it counts none: a record that makes the
 // publisher fail so, every time, holds the records behind it, visibly, in
-// last_error and OnError, rather than being stepped over.
+// last_error and OnError, rather than being stepped over. The exception, a
+// timeout at a record whose previous publish the publisher has answered
+// since, is a plain ErrConnectionLost (see PublisherDestination.Publish).
 type unprobedLost struct{ error }
 
 func (e unprobedLost) Unwrap() error { return e.error }
@@ -159,15 +162,21 @@ type PublisherDestination struct {
 
 	pub      message.Publisher
 	topicFor func(Record) string
-	// abandoned, when not nil, gives the outcome of a publish that Publish
-	// stopped waiting for at its context's end: the next publish waits for
-	// it first, so that a publisher that hangs has one publish in flight,
-	// not one more per sweep, and a later record never overtakes it. Only
-	// Publish touches it, which is not called concurrently. Close closes
-	// the publisher, which ends that publish in a publisher that honours
-	// its Close, and does not wait for it: one that does not would hold
-	// Close for ever, the hang this bound is there to escape.
-	abandoned <-chan error
+	// abandoned, when not nil, is a publish that Publish stopped waiting
+	// for at its context's end: the next publish waits for it first, so
+	// that a publisher that hangs has one publish in flight, not one more
+	// per sweep, and a later record never overtakes it. Only Publish
+	// touches it, which is not called concurrently. Close closes the
+	// publisher, which ends that publish in a publisher that honours its
+	// Close, and does not wait for it: one that does not would hold Close
+	// for ever, the hang this bound is there to escape.
+	abandoned *abandonedPublish
+}
+
+// abandonedPublish is a publish past its timeout, still under way.
+type abandonedPublish struct {
+	id   string       // its record's
+	done <-chan error // its outcome, once the publisher returns
 }
 
 // NewPublisherDestination adapts pub. topicFor maps a record to the topic to
@@ -191,11 +200,35 @@ func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string
 // publish it stopped waiting for may still deliver the message: the record
 // is then sent again (at-least-once, the consumers' inbox absorbs the
 // copy), and the next publish waits for that one to return first.
+//
+// A timeout counts no attempt against its record (see unprobedLost): a
+// publisher whose broker is down hangs on every record, and the head
+// record would be charged for the outage. But a publisher that hangs on
+// one record alone (its payload, say) would then hold the records behind it
+// for ever, never stuck. What tells the two apart is the publisher's answer
+// to the publish cut off: in an outage it gives none until the broker is
+// back (and then the record goes, at once), or gives an outage's error (a
+// context error, one Transient tells); a publisher that answers anything
+// else (nil: it delivered, late; or an error of its own) is working, and
+// what it cannot get through in time is that record. So a timeout at a
+// record whose publish cut off before has since been answered so is a
+// plain ErrConnectionLost, which the Forwarder charges once it comes more
+// than three times in a row at that record: it becomes stuck after
+// MaxAttempts more, with the timeout as its last_error, and the records
+// behind it go. A publisher slower than PublishTimeout on every message,
+// but delivering, makes each record stuck in turn that way: PublishTimeout
+// is too short for it.
 func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
 	results := make([]error, len(records))
+	// answered is the record whose publish, cut off at an earlier timeout,
+	// the publisher has answered, other than with an outage's error.
+	answered := ""
 	if d.abandoned != nil {
 		select {
-		case <-d.abandoned:
+		case err := <-d.abandoned.done:
+			if !errors.Is(d.classify(err), ErrConnectionLost) {
+				answered = d.abandoned.id
+			}
 			d.abandoned = nil
 		case <-ctx.Done():
 			fillNotSent(results, 0, publisherLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
@@ -242,8 +275,14 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			select {
 			case err = <-done: // returned as the time ran out: its answer stands
 			default:
-				d.abandoned = done
-				fillNotSent(results, i, publisherLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
+				d.abandoned = &abandonedPublish{id: r.ID, done: done}
+				err := fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())
+				if r.ID == answered {
+					// The record's, and its last_error says why: see Publish.
+					fillNotSent(results, i, connectionLost(fmt.Errorf("%w (again, after the publisher answered this record's previous publish: the record is what it cannot publish in time)", err)))
+					return results
+				}
+				fillNotSent(results, i, publisherLost(err))
 				return results
 			}
 		}

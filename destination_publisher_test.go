@@ -439,3 +439,115 @@ func attemptsOf(t *testing.T, db *testdb.DB, id string) int {
 	}
 	return n
 }
+
+// stallPub takes hold over each publish of the message whose UUID is
+// stall (or of every message when stall is ""), and then answers late;
+// any other message it takes at once. With one stalled message it is a
+// publisher that works and cannot get that one message through in time
+// (its payload, say); with every message stalled, a publisher whose broker
+// is down and which gives up on its own, past the relay's timeout.
+type stallPub struct {
+	stall string
+	hold  time.Duration
+	late  error
+	mu    sync.Mutex
+	sent  []string
+}
+
+func (p *stallPub) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if p.stall == "" || m.UUID == p.stall {
+			time.Sleep(p.hold) // the publisher's slowness, not synchronisation
+			return p.late
+		}
+		p.mu.Lock()
+		p.sent = append(p.sent, m.UUID)
+		p.mu.Unlock()
+	}
+	return nil
+}
+func (p *stallPub) Close() error { return nil }
+func (p *stallPub) got() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.sent)
+}
+
+// A record whose publish always ran past the timeout, through a publisher
+// that answered each of them late, was charged no attempt, ever (a timeout
+// was taken for an outage): it held the records behind it for ever and
+// never became stuck, so outboxctl stuck never showed it. Once the
+// publisher has answered the record's publish cut off at the timeout, a
+// timeout at it again is the record's, and is charged past lostRepeats in a
+// row: it becomes stuck and the records behind it go. A publisher that
+// answers late with an outage's error (or never: see
+// TestPublisherDestination_HungThroughOutage_HeadNotCharged) is an outage,
+// and charges nothing.
+func TestPublisherDestination_RecordTimesOutEachTime_ChargedUntilStuckFollowersGo(t *testing.T) {
+	const (
+		publishTimeout = 100 * time.Millisecond
+		hold           = 150 * time.Millisecond
+		maxAttempts    = 3
+		sweeps         = 40 // lostRepeats (3) + MaxAttempts (3) of them count, a few do not (see below)
+	)
+	newRelay := func(t *testing.T, db *testdb.DB, pub message.Publisher) *outbox.Forwarder {
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil),
+			outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: publishTimeout, MaxAttempts: maxAttempts})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		return f
+	}
+	for _, tc := range []struct {
+		name string
+		late error
+	}{
+		{name: "answered late, delivered", late: nil},
+		{name: "answered late with the publisher's own error", late: errors.New("webhook: upstream hung up")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := migrated(t, testdb.SQLite)
+			ids := publishN(t, db, "", "orders", 2)
+			pub := &stallPub{stall: ids[0], hold: hold, late: tc.late}
+			f := newRelay(t, db, pub)
+			// A sweep whose wait for the publish cut off before ran out
+			// fails as a timeout of that publish, not of the record's, and
+			// counts nothing: hence more sweeps than the counted ones.
+			n := 0
+			for ; n < sweeps && stateOf(t, db, ids[0]).Attempts < maxAttempts; n++ {
+				if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrConnectionLost) {
+					t.Fatalf("sweep %d: %v, want ErrConnectionLost", n, err)
+				}
+			}
+			attempts := attemptsOf(t, db, ids[0])
+			stuck, err := f.Store().Stuck(context.Background(), 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The records behind it go, once the publish cut off last
+			// has returned (a sweep may time out waiting for it).
+			for i := 0; len(stuck) == 1 && i < 5 && len(pub.got()) < len(ids)-1; i++ {
+				_, _ = f.Sweep(context.Background())
+			}
+			if attempts != maxAttempts || len(stuck) != 1 || stuck[0].ID != ids[0] || !slices.Equal(pub.got(), ids[1:]) {
+				t.Errorf("after %d sweeps timing out at the head record, it had %d attempts, %d record(s) stuck; then published %v, want %d attempts, the head stuck and %v published",
+					n, attempts, len(stuck), pub.got(), maxAttempts, ids[1:])
+			}
+		})
+	}
+	t.Run("every record times out, answered late with an outage error", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		ids := publishN(t, db, "", "orders", 2)
+		pub := &stallPub{hold: hold, late: fmt.Errorf("publish: %w", context.DeadlineExceeded)}
+		f := newRelay(t, db, pub)
+		attempts := sweepThroughOutage(t, db, f, 12, ids[0])
+		stuck, err := f.Store().Stuck(context.Background(), 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if attempts != 0 || len(stuck) != 0 {
+			t.Errorf("after 12 sweeps in an outage the head record had %d attempts and %d record(s) were stuck, want none", attempts, len(stuck))
+		}
+	})
+}
