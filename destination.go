@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -165,11 +166,10 @@ type PublisherDestination struct {
 	// abandoned, when not nil, is a publish that Publish stopped waiting
 	// for at its context's end: the next publish waits for it first, so
 	// that a publisher that hangs has one publish in flight, not one more
-	// per sweep, and a later record never overtakes it. Only Publish
-	// touches it, which is not called concurrently. Close closes the
-	// publisher, which ends that publish in a publisher that honours its
-	// Close, and does not wait for it: one that does not would hold Close
-	// for ever, the hang this bound is there to escape.
+	// per sweep, and a later record never overtakes it. Publish and Close
+	// touch it, which are not called concurrently (the Forwarder closes
+	// its destination once its sweeps are over). Close waits for it, but
+	// no longer than its wait.
 	abandoned *abandonedPublish
 }
 
@@ -177,7 +177,16 @@ type PublisherDestination struct {
 type abandonedPublish struct {
 	id   string       // its record's
 	done <-chan error // its outcome, once the publisher returns
+	// wait is the time its Publish was given (from its context's
+	// deadline: PublishTimeout under a Forwarder), which bounds Close's
+	// wait for it.
+	wait time.Duration
 }
+
+// closeWait bounds Close's wait for a publish cut off by a context
+// without a deadline (a caller's cancel, not the relay's timeout): the
+// default PublishTimeout.
+const closeWait = 15 * time.Second
 
 // NewPublisherDestination adapts pub. topicFor maps a record to the topic to
 // publish on; nil uses the routing key, which by default is the topic given to
@@ -219,6 +228,7 @@ func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string
 // but delivering, makes each record stuck in turn that way: PublishTimeout
 // is too short for it.
 func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
+	started := time.Now()
 	results := make([]error, len(records))
 	// answered is the record whose publish, cut off at an earlier timeout,
 	// the publisher has answered, other than with an outage's error.
@@ -275,7 +285,10 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			select {
 			case err = <-done: // returned as the time ran out: its answer stands
 			default:
-				d.abandoned = &abandonedPublish{id: r.ID, done: done}
+				d.abandoned = &abandonedPublish{id: r.ID, done: done, wait: closeWait}
+				if deadline, ok := ctx.Deadline(); ok {
+					d.abandoned.wait = deadline.Sub(started)
+				}
 				err := fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())
 				if r.ID == answered {
 					// The record's, and its last_error says why: see Publish.
@@ -317,8 +330,27 @@ type publishPanic struct{ v any }
 
 func (p publishPanic) Error() string { return fmt.Sprintf("outbox: the publisher panicked: %v", p.v) }
 
-// Close closes the Watermill publisher.
-func (d *PublisherDestination) Close() error { return d.pub.Close() }
+// Close closes the Watermill publisher, once a publish that Publish cut
+// off at its timeout and that is still under way has returned: closed
+// from under it, the publisher would be used after its Close, and the
+// caller, once Close returned, could close what it uses (its client, its
+// connection). Close waits for it no longer than its Publish was given
+// (PublishTimeout), and then closes the publisher all the same, which ends
+// that publish in a publisher that honours its Close: one that never
+// returns would hold Close for ever, the hang the timeout is there to
+// escape.
+func (d *PublisherDestination) Close() error {
+	if a := d.abandoned; a != nil {
+		t := time.NewTimer(a.wait)
+		select {
+		case <-a.done:
+			d.abandoned = nil
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	return d.pub.Close()
+}
 
 // PublishError is a record's failure, with where it was going: what the
 // Forwarder reports and stores (as last_error) for it.

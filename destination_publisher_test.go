@@ -551,3 +551,87 @@ func TestPublisherDestination_RecordTimesOutEachTime_ChargedUntilStuckFollowersG
 		}
 	})
 }
+
+// closeWatchPub takes hold over each publish, or hangs in it until
+// released when hold is 0, and notes the publishes under way when it is
+// closed.
+type closeWatchPub struct {
+	hold     time.Duration
+	release  chan struct{}
+	inFlight atomic.Int32
+	// closedOver is how many publishes were under way when Close came, -1
+	// before it came.
+	closedOver atomic.Int32
+}
+
+func newCloseWatchPub(hold time.Duration) *closeWatchPub {
+	p := &closeWatchPub{hold: hold, release: make(chan struct{})}
+	p.closedOver.Store(-1)
+	return p
+}
+
+func (p *closeWatchPub) Publish(string, ...*message.Message) error {
+	p.inFlight.Add(1)
+	defer p.inFlight.Add(-1)
+	if p.hold == 0 {
+		<-p.release
+		return nil
+	}
+	time.Sleep(p.hold) // the broker's slowness, not synchronisation
+	return nil
+}
+
+func (p *closeWatchPub) Close() error {
+	p.closedOver.Store(p.inFlight.Load())
+	return nil
+}
+
+// The Forwarder's Close closed the Watermill publisher while a publish cut
+// off at PublishTimeout was still under way in it: the publisher was
+// closed, and the caller could close what it uses (its client, its
+// connection), from under that publish. Close now waits for it, and a
+// publish that never returns holds Close for PublishTimeout, not for ever.
+func TestPublisherDestination_Close_WaitsForPublishCutOffBounded(t *testing.T) {
+	const publishTimeout = 200 * time.Millisecond
+	sweepCutOff := func(t *testing.T, pub message.Publisher) *outbox.Forwarder {
+		db := migrated(t, testdb.SQLite)
+		publishN(t, db, "", "orders", 1)
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: publishTimeout})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Fatalf("sweep: %v, want ErrConnectionLost (the publish cut off)", err)
+		}
+		return f
+	}
+	t.Run("publish returns past the timeout", func(t *testing.T) {
+		pub := newCloseWatchPub(publishTimeout + 150*time.Millisecond)
+		f := sweepCutOff(t, pub)
+		if err := f.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if over, now := pub.closedOver.Load(), pub.inFlight.Load(); over != 0 || now != 0 {
+			t.Errorf("the publisher was closed over %d publish(es) under way, and %d were under way once Close returned; want none", over, now)
+		}
+	})
+	t.Run("publish never returns", func(t *testing.T) {
+		pub := newCloseWatchPub(0)
+		defer close(pub.release)
+		f := sweepCutOff(t, pub)
+		start := time.Now()
+		closed := make(chan struct{})
+		go func() { _ = f.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Close has not returned 5 s after it was called (PublishTimeout %s): it waits for ever on a publish that never returns", publishTimeout)
+		}
+		if took := time.Since(start); took > publishTimeout+time.Second {
+			t.Errorf("Close took %s with a publish that never returns, want about PublishTimeout (%s)", took.Round(time.Millisecond), publishTimeout)
+		}
+		if pub.closedOver.Load() < 0 {
+			t.Error("the publisher was not closed")
+		}
+	})
+}

@@ -563,7 +563,9 @@ func doubled(d time.Duration) time.Duration {
 }
 
 // Close stops Run, waits for the batch in flight, and closes the
-// destination. Calling it again does nothing and returns the same error.
+// destination (a PublisherDestination's Close waits, up to PublishTimeout
+// more, for a publish cut off at its timeout). Calling it again does
+// nothing and returns the same error.
 func (f *Forwarder) Close() error {
 	f.closeOnce.Do(func() {
 		close(f.closing)
