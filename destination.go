@@ -151,7 +151,11 @@ type Connector interface {
 // (plus x-acemq-id, and a keyed record's aggregateId and seq, the number
 // in decimal; a header that is not a string as its JSON text, as
 // [AMQPMarshaler] renders it) and its body as payload, published to the
-// topic that TopicFor gives.
+// topic that TopicFor gives. Its content_type goes as the metadata
+// MetadataContentType, unless a header of that name is there already. Its
+// created_at does not go: AMQPDestination sends it as the AMQP timestamp
+// property, but a Watermill message has no time of its own, nor Watermill
+// a metadata key for one that its consumers read.
 type PublisherDestination struct {
 	// Transient, when set, tells which of the publisher's errors mean its
 	// broker is unreachable (an outage: the record is not at fault), as
@@ -253,6 +257,14 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 		msg := message.NewMessage(r.ID, r.Body)
 		for k, v := range r.Headers {
 			msg.Metadata.Set(k, metadataValue(v))
+		}
+		// The content type where a Watermill consumer reads it: the key
+		// TxPublisher takes a row's content_type from, so that a copy a
+		// handler publishes through one keeps it. A header of that name is
+		// the message's own (a TxPublisher wrote it beside the column it
+		// took from it), and stands.
+		if _, ok := msg.Metadata[MetadataContentType]; !ok && r.ContentType != "" {
+			msg.Metadata.Set(MetadataContentType, r.ContentType)
 		}
 		msg.Metadata.Set(HeaderMessageID, r.ID)
 		if r.AggregateID != "" {

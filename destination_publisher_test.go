@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
@@ -634,4 +635,48 @@ func TestPublisherDestination_Close_WaitsForPublishCutOffBounded(t *testing.T) {
 			t.Error("the publisher was not closed")
 		}
 	})
+}
+
+// PublisherDestination dropped the row's content_type: a consumer of a
+// relayed message could not tell it, and a copy its handler published
+// through a TxPublisher went out with that publisher's default. It now
+// comes in the metadata key TxPublisher takes it from
+// (MetadataContentType), unless the message carries one of its own.
+func TestPublisherDestination_GoChannel_ConsumerReadsContentType(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	plain := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	own := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	own.Metadata.Set(outbox.MetadataContentType, "application/cloudevents+json")
+	publishInTx(t, db, "orders", []*message.Message{plain, own}, outbox.TxPublisherConfig{ContentType: "application/json"})
+	// Another library's row, whose header of that name differs from its
+	// content_type column (text/plain): the message's own header stands.
+	raw := watermill.NewUUID()
+	insertRaw(t, db, raw, "", "orders", `{"content_type":"application/xml"}`, "")
+	want := map[string]string{plain.UUID: "application/json", own.UUID: "application/cloudevents+json", raw: "application/xml"}
+
+	ch := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(len(want))}, nil)
+	defer ch.Close()
+	out, err := ch.Subscribe(context.Background(), "orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(ch, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n := sweepAll(t, f); n != len(want) {
+		t.Fatalf("published %d, want %d", n, len(want))
+	}
+	for range want {
+		select {
+		case m := <-out:
+			m.Ack()
+			if got := m.Metadata.Get(outbox.MetadataContentType); got != want[m.UUID] {
+				t.Errorf("message %s: metadata %s %q, want %q", m.UUID, outbox.MetadataContentType, got, want[m.UUID])
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a message did not arrive")
+		}
+	}
 }
