@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 )
@@ -25,8 +26,9 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // the error as its last_error, holds back the records behind it as behind a
 // failure, and backs off. Only when the connection is lost at the same record
 // more than three times in a row is an attempt counted: that record is what
-// breaks it. Not through [PublisherDestination], which cannot tell an
-// outage from such a record: there it counts none.
+// breaks it. Through [PublisherDestination], which cannot tell an outage
+// from such a record as a rule, only a publish timeout after the publisher
+// answered the record's previous publish counts so (see its Publish).
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
@@ -46,7 +48,9 @@ var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
 // would make that record stuck, and let the records behind it out first,
 // after a few minutes of outage. So it counts none: a record that makes the
 // publisher fail so, every time, holds the records behind it, visibly, in
-// last_error and OnError, rather than being stepped over.
+// last_error and OnError, rather than being stepped over. The exception, a
+// timeout at a record whose previous publish the publisher has answered
+// since, is a plain ErrConnectionLost (see PublisherDestination.Publish).
 type unprobedLost struct{ error }
 
 func (e unprobedLost) Unwrap() error { return e.error }
@@ -147,7 +151,11 @@ type Connector interface {
 // (plus x-acemq-id, and a keyed record's aggregateId and seq, the number
 // in decimal; a header that is not a string as its JSON text, as
 // [AMQPMarshaler] renders it) and its body as payload, published to the
-// topic that TopicFor gives.
+// topic that TopicFor gives. Its content_type goes as the metadata
+// MetadataContentType, unless a header of that name is there already. Its
+// created_at does not go: AMQPDestination sends it as the AMQP timestamp
+// property, but a Watermill message has no time of its own, nor Watermill
+// a metadata key for one that its consumers read.
 type PublisherDestination struct {
 	// Transient, when set, tells which of the publisher's errors mean its
 	// broker is unreachable (an outage: the record is not at fault), as
@@ -159,16 +167,30 @@ type PublisherDestination struct {
 
 	pub      message.Publisher
 	topicFor func(Record) string
-	// abandoned, when not nil, gives the outcome of a publish that Publish
-	// stopped waiting for at its context's end: the next publish waits for
-	// it first, so that a publisher that hangs has one publish in flight,
-	// not one more per sweep, and a later record never overtakes it. Only
-	// Publish touches it, which is not called concurrently. Close closes
-	// the publisher, which ends that publish in a publisher that honours
-	// its Close, and does not wait for it: one that does not would hold
-	// Close for ever, the hang this bound is there to escape.
-	abandoned <-chan error
+	// abandoned, when not nil, is a publish that Publish stopped waiting
+	// for at its context's end: the next publish waits for it first, so
+	// that a publisher that hangs has one publish in flight, not one more
+	// per sweep, and a later record never overtakes it. Publish and Close
+	// touch it, which are not called concurrently (the Forwarder closes
+	// its destination once its sweeps are over). Close waits for it, but
+	// no longer than its wait.
+	abandoned *abandonedPublish
 }
+
+// abandonedPublish is a publish past its timeout, still under way.
+type abandonedPublish struct {
+	id   string       // its record's
+	done <-chan error // its outcome, once the publisher returns
+	// wait is the time its Publish was given (from its context's
+	// deadline: PublishTimeout under a Forwarder), which bounds Close's
+	// wait for it.
+	wait time.Duration
+}
+
+// closeWait bounds Close's wait for a publish cut off by a context
+// without a deadline (a caller's cancel, not the relay's timeout): the
+// default PublishTimeout.
+const closeWait = 15 * time.Second
 
 // NewPublisherDestination adapts pub. topicFor maps a record to the topic to
 // publish on; nil uses the routing key, which by default is the topic given to
@@ -191,11 +213,36 @@ func NewPublisherDestination(pub message.Publisher, topicFor func(Record) string
 // publish it stopped waiting for may still deliver the message: the record
 // is then sent again (at-least-once, the consumers' inbox absorbs the
 // copy), and the next publish waits for that one to return first.
+//
+// A timeout counts no attempt against its record (see unprobedLost): a
+// publisher whose broker is down hangs on every record, and the head
+// record would be charged for the outage. But a publisher that hangs on
+// one record alone (its payload, say) would then hold the records behind it
+// for ever, never stuck. What tells the two apart is the publisher's answer
+// to the publish cut off: in an outage it gives none until the broker is
+// back (and then the record goes, at once), or gives an outage's error (a
+// context error, one Transient tells); a publisher that answers anything
+// else (nil: it delivered, late; or an error of its own) is working, and
+// what it cannot get through in time is that record. So a timeout at a
+// record whose publish cut off before has since been answered so is a
+// plain ErrConnectionLost, which the Forwarder charges once it comes more
+// than three times in a row at that record: it becomes stuck after
+// MaxAttempts more, with the timeout as its last_error, and the records
+// behind it go. A publisher slower than PublishTimeout on every message,
+// but delivering, makes each record stuck in turn that way: PublishTimeout
+// is too short for it.
 func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []error {
+	started := time.Now()
 	results := make([]error, len(records))
+	// answered is the record whose publish, cut off at an earlier timeout,
+	// the publisher has answered, other than with an outage's error.
+	answered := ""
 	if d.abandoned != nil {
 		select {
-		case <-d.abandoned:
+		case err := <-d.abandoned.done:
+			if !errors.Is(d.classify(err), ErrConnectionLost) {
+				answered = d.abandoned.id
+			}
 			d.abandoned = nil
 		case <-ctx.Done():
 			fillNotSent(results, 0, publisherLost(fmt.Errorf("an earlier publish, past its timeout, has not returned: %w", ctx.Err())))
@@ -210,6 +257,14 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 		msg := message.NewMessage(r.ID, r.Body)
 		for k, v := range r.Headers {
 			msg.Metadata.Set(k, metadataValue(v))
+		}
+		// The content type where a Watermill consumer reads it: the key
+		// TxPublisher takes a row's content_type from, so that a copy a
+		// handler publishes through one keeps it. A header of that name is
+		// the message's own (a TxPublisher wrote it beside the column it
+		// took from it), and stands.
+		if _, ok := msg.Metadata[MetadataContentType]; !ok && r.ContentType != "" {
+			msg.Metadata.Set(MetadataContentType, r.ContentType)
 		}
 		msg.Metadata.Set(HeaderMessageID, r.ID)
 		if r.AggregateID != "" {
@@ -242,8 +297,17 @@ func (d *PublisherDestination) Publish(ctx context.Context, records []Record) []
 			select {
 			case err = <-done: // returned as the time ran out: its answer stands
 			default:
-				d.abandoned = done
-				fillNotSent(results, i, publisherLost(fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())))
+				d.abandoned = &abandonedPublish{id: r.ID, done: done, wait: closeWait}
+				if deadline, ok := ctx.Deadline(); ok {
+					d.abandoned.wait = deadline.Sub(started)
+				}
+				err := fmt.Errorf("the publisher did not return within the publish timeout; it may still deliver the message: %w", ctx.Err())
+				if r.ID == answered {
+					// The record's, and its last_error says why: see Publish.
+					fillNotSent(results, i, connectionLost(fmt.Errorf("%w (again, after the publisher answered this record's previous publish: the record is what it cannot publish in time)", err)))
+					return results
+				}
+				fillNotSent(results, i, publisherLost(err))
 				return results
 			}
 		}
@@ -278,8 +342,27 @@ type publishPanic struct{ v any }
 
 func (p publishPanic) Error() string { return fmt.Sprintf("outbox: the publisher panicked: %v", p.v) }
 
-// Close closes the Watermill publisher.
-func (d *PublisherDestination) Close() error { return d.pub.Close() }
+// Close closes the Watermill publisher, once a publish that Publish cut
+// off at its timeout and that is still under way has returned: closed
+// from under it, the publisher would be used after its Close, and the
+// caller, once Close returned, could close what it uses (its client, its
+// connection). Close waits for it no longer than its Publish was given
+// (PublishTimeout), and then closes the publisher all the same, which ends
+// that publish in a publisher that honours its Close: one that never
+// returns would hold Close for ever, the hang the timeout is there to
+// escape.
+func (d *PublisherDestination) Close() error {
+	if a := d.abandoned; a != nil {
+		t := time.NewTimer(a.wait)
+		select {
+		case <-a.done:
+			d.abandoned = nil
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	return d.pub.Close()
+}
 
 // PublishError is a record's failure, with where it was going: what the
 // Forwarder reports and stores (as last_error) for it.

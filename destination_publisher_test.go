@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
@@ -438,4 +439,244 @@ func attemptsOf(t *testing.T, db *testdb.DB, id string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// stallPub takes hold over each publish of the message whose UUID is
+// stall (or of every message when stall is ""), and then answers late;
+// any other message it takes at once. With one stalled message it is a
+// publisher that works and cannot get that one message through in time
+// (its payload, say); with every message stalled, a publisher whose broker
+// is down and which gives up on its own, past the relay's timeout.
+type stallPub struct {
+	stall string
+	hold  time.Duration
+	late  error
+	mu    sync.Mutex
+	sent  []string
+}
+
+func (p *stallPub) Publish(_ string, msgs ...*message.Message) error {
+	for _, m := range msgs {
+		if p.stall == "" || m.UUID == p.stall {
+			time.Sleep(p.hold) // the publisher's slowness, not synchronisation
+			return p.late
+		}
+		p.mu.Lock()
+		p.sent = append(p.sent, m.UUID)
+		p.mu.Unlock()
+	}
+	return nil
+}
+func (p *stallPub) Close() error { return nil }
+func (p *stallPub) got() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return slices.Clone(p.sent)
+}
+
+// A record whose publish always ran past the timeout, through a publisher
+// that answered each of them late, was charged no attempt, ever (a timeout
+// was taken for an outage): it held the records behind it for ever and
+// never became stuck, so outboxctl stuck never showed it. Once the
+// publisher has answered the record's publish cut off at the timeout, a
+// timeout at it again is the record's, and is charged past lostRepeats in a
+// row: it becomes stuck and the records behind it go. A publisher that
+// answers late with an outage's error (or never: see
+// TestPublisherDestination_HungThroughOutage_HeadNotCharged) is an outage,
+// and charges nothing.
+func TestPublisherDestination_RecordTimesOutEachTime_ChargedUntilStuckFollowersGo(t *testing.T) {
+	const (
+		publishTimeout = 100 * time.Millisecond
+		hold           = 150 * time.Millisecond
+		maxAttempts    = 3
+		sweeps         = 40 // lostRepeats (3) + MaxAttempts (3) of them count, a few do not (see below)
+	)
+	newRelay := func(t *testing.T, db *testdb.DB, pub message.Publisher) *outbox.Forwarder {
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil),
+			outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: publishTimeout, MaxAttempts: maxAttempts})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		return f
+	}
+	for _, tc := range []struct {
+		name string
+		late error
+	}{
+		{name: "answered late, delivered", late: nil},
+		{name: "answered late with the publisher's own error", late: errors.New("webhook: upstream hung up")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			db := migrated(t, testdb.SQLite)
+			ids := publishN(t, db, "", "orders", 2)
+			pub := &stallPub{stall: ids[0], hold: hold, late: tc.late}
+			f := newRelay(t, db, pub)
+			// A sweep whose wait for the publish cut off before ran out
+			// fails as a timeout of that publish, not of the record's, and
+			// counts nothing: hence more sweeps than the counted ones.
+			n := 0
+			for ; n < sweeps && stateOf(t, db, ids[0]).Attempts < maxAttempts; n++ {
+				if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrConnectionLost) {
+					t.Fatalf("sweep %d: %v, want ErrConnectionLost", n, err)
+				}
+			}
+			attempts := attemptsOf(t, db, ids[0])
+			stuck, err := f.Store().Stuck(context.Background(), 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The records behind it go, once the publish cut off last
+			// has returned (a sweep may time out waiting for it).
+			for i := 0; len(stuck) == 1 && i < 5 && len(pub.got()) < len(ids)-1; i++ {
+				_, _ = f.Sweep(context.Background())
+			}
+			if attempts != maxAttempts || len(stuck) != 1 || stuck[0].ID != ids[0] || !slices.Equal(pub.got(), ids[1:]) {
+				t.Errorf("after %d sweeps timing out at the head record, it had %d attempts, %d record(s) stuck; then published %v, want %d attempts, the head stuck and %v published",
+					n, attempts, len(stuck), pub.got(), maxAttempts, ids[1:])
+			}
+		})
+	}
+	t.Run("every record times out, answered late with an outage error", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		ids := publishN(t, db, "", "orders", 2)
+		pub := &stallPub{hold: hold, late: fmt.Errorf("publish: %w", context.DeadlineExceeded)}
+		f := newRelay(t, db, pub)
+		attempts := sweepThroughOutage(t, db, f, 12, ids[0])
+		stuck, err := f.Store().Stuck(context.Background(), 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if attempts != 0 || len(stuck) != 0 {
+			t.Errorf("after 12 sweeps in an outage the head record had %d attempts and %d record(s) were stuck, want none", attempts, len(stuck))
+		}
+	})
+}
+
+// closeWatchPub takes hold over each publish, or hangs in it until
+// released when hold is 0, and notes the publishes under way when it is
+// closed.
+type closeWatchPub struct {
+	hold     time.Duration
+	release  chan struct{}
+	inFlight atomic.Int32
+	// closedOver is how many publishes were under way when Close came, -1
+	// before it came.
+	closedOver atomic.Int32
+}
+
+func newCloseWatchPub(hold time.Duration) *closeWatchPub {
+	p := &closeWatchPub{hold: hold, release: make(chan struct{})}
+	p.closedOver.Store(-1)
+	return p
+}
+
+func (p *closeWatchPub) Publish(string, ...*message.Message) error {
+	p.inFlight.Add(1)
+	defer p.inFlight.Add(-1)
+	if p.hold == 0 {
+		<-p.release
+		return nil
+	}
+	time.Sleep(p.hold) // the broker's slowness, not synchronisation
+	return nil
+}
+
+func (p *closeWatchPub) Close() error {
+	p.closedOver.Store(p.inFlight.Load())
+	return nil
+}
+
+// The Forwarder's Close closed the Watermill publisher while a publish cut
+// off at PublishTimeout was still under way in it: the publisher was
+// closed, and the caller could close what it uses (its client, its
+// connection), from under that publish. Close now waits for it, and a
+// publish that never returns holds Close for PublishTimeout, not for ever.
+func TestPublisherDestination_Close_WaitsForPublishCutOffBounded(t *testing.T) {
+	const publishTimeout = 200 * time.Millisecond
+	sweepCutOff := func(t *testing.T, pub message.Publisher) *outbox.Forwarder {
+		db := migrated(t, testdb.SQLite)
+		publishN(t, db, "", "orders", 1)
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(pub, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, PublishTimeout: publishTimeout})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Fatalf("sweep: %v, want ErrConnectionLost (the publish cut off)", err)
+		}
+		return f
+	}
+	t.Run("publish returns past the timeout", func(t *testing.T) {
+		pub := newCloseWatchPub(publishTimeout + 150*time.Millisecond)
+		f := sweepCutOff(t, pub)
+		if err := f.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if over, now := pub.closedOver.Load(), pub.inFlight.Load(); over != 0 || now != 0 {
+			t.Errorf("the publisher was closed over %d publish(es) under way, and %d were under way once Close returned; want none", over, now)
+		}
+	})
+	t.Run("publish never returns", func(t *testing.T) {
+		pub := newCloseWatchPub(0)
+		defer close(pub.release)
+		f := sweepCutOff(t, pub)
+		start := time.Now()
+		closed := make(chan struct{})
+		go func() { _ = f.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Close has not returned 5 s after it was called (PublishTimeout %s): it waits for ever on a publish that never returns", publishTimeout)
+		}
+		if took := time.Since(start); took > publishTimeout+time.Second {
+			t.Errorf("Close took %s with a publish that never returns, want about PublishTimeout (%s)", took.Round(time.Millisecond), publishTimeout)
+		}
+		if pub.closedOver.Load() < 0 {
+			t.Error("the publisher was not closed")
+		}
+	})
+}
+
+// PublisherDestination dropped the row's content_type: a consumer of a
+// relayed message could not tell it, and a copy its handler published
+// through a TxPublisher went out with that publisher's default. It now
+// comes in the metadata key TxPublisher takes it from
+// (MetadataContentType), unless the message carries one of its own.
+func TestPublisherDestination_GoChannel_ConsumerReadsContentType(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	plain := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	own := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
+	own.Metadata.Set(outbox.MetadataContentType, "application/cloudevents+json")
+	publishInTx(t, db, "orders", []*message.Message{plain, own}, outbox.TxPublisherConfig{ContentType: "application/json"})
+	// Another library's row, whose header of that name differs from its
+	// content_type column (text/plain): the message's own header stands.
+	raw := watermill.NewUUID()
+	insertRaw(t, db, raw, "", "orders", `{"content_type":"application/xml"}`, "")
+	want := map[string]string{plain.UUID: "application/json", own.UUID: "application/cloudevents+json", raw: "application/xml"}
+
+	ch := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: int64(len(want))}, nil)
+	defer ch.Close()
+	out, err := ch.Subscribe(context.Background(), "orders")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(ch, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n := sweepAll(t, f); n != len(want) {
+		t.Fatalf("published %d, want %d", n, len(want))
+	}
+	for range want {
+		select {
+		case m := <-out:
+			m.Ack()
+			if got := m.Metadata.Get(outbox.MetadataContentType); got != want[m.UUID] {
+				t.Errorf("message %s: metadata %s %q, want %q", m.UUID, outbox.MetadataContentType, got, want[m.UUID])
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a message did not arrive")
+		}
+	}
 }

@@ -93,7 +93,12 @@ type ForwarderConfig struct {
 	PublishTimeout time.Duration
 	// Lease is how long a claim holds rows on SQLite, where a claim is a
 	// lease rather than a row lock: a relay killed mid-batch leaves its rows
-	// for this long. It must outlast a sweep (twice PublishTimeout).
+	// for this long. It must outlast a sweep: at least twice PublishTimeout
+	// (refused otherwise), and longer than PublishTimeout and the pool's
+	// busy timeout together, which the batch's mark may wait for SQLite's
+	// write lock after its publish (logged as an error at the first claim
+	// otherwise, once that timeout is known: a lock held past the lease's
+	// end lets a second relay claim and publish the batch too).
 	// Default 60 s.
 	Lease time.Duration
 	// RetryMin and RetryMax bound the backoff after a failed sweep (the
@@ -273,10 +278,10 @@ type Forwarder struct {
 
 	mu        sync.Mutex
 	runCalled bool
-	routed    bool          // a router's plugin runs it (Plugin)
-	running   chan struct{} // closed once Run works
-	closing   chan struct{} // closed by Close
-	done      chan struct{} // closed when Run returns
+	routedBy  *relaySubscriber // the subscriber of the router whose plugin runs it (Plugin)
+	running   chan struct{}    // closed once Run works
+	closing   chan struct{}    // closed by Close
+	done      chan struct{}    // closed when Run returns
 	closeOnce sync.Once
 	closeErr  error
 
@@ -284,6 +289,10 @@ type Forwarder struct {
 	// many times in a row (under sweepMu).
 	lostID string
 	lostN  int
+
+	// leaseChecked: Lease was compared with PublishTimeout and the pool's
+	// busy timeout (see checkLease).
+	leaseChecked sync.Once
 
 	// afterPublish, when set (tests), runs between the broker's confirms and
 	// the marks: the window in which a relay's death duplicates a message.
@@ -375,14 +384,16 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // flight and returns. Failed sweeps are reported through OnError and retried
 // with backoff; Run returns nil when stopped.
 // A Forwarder whose plugin is on a router runs under it: Run returns
-// ErrForwarderInUse, or ErrForwarderClosed once it is closed.
+// ErrForwarderInUse, or ErrForwarderClosed once it is closed; once that
+// router is closed without having started the relay, Run runs it.
 func (f *Forwarder) Run(ctx context.Context) error {
 	select {
 	case <-f.closing:
 		return ErrForwarderClosed
 	default:
 	}
-	if err := f.claimRun(false); err != nil {
+	f.unrouteClosed()
+	if err := f.claimRun(nil); err != nil {
 		return err
 	}
 	return f.run(ctx)
@@ -390,15 +401,18 @@ func (f *Forwarder) Run(ctx context.Context) error {
 
 // claimRun makes the caller the one that runs the forwarder: it runs once,
 // and once its plugin is on a router only that router's handler runs it
-// (byRouter). A Run let through there would leave the router's Subscribe
-// to fail after the plugins, with the other handlers started, and its
-// Close to wait CloseTimeout for the relay's.
-func (f *Forwarder) claimRun(byRouter bool) error {
+// (by, its subscriber; nil for Run). A Run let through there would leave
+// the router's Subscribe to fail after the plugins, with the other
+// handlers started, and its Close to wait CloseTimeout for the relay's.
+// The subscriber of a router that let the Forwarder go gets errUnrouted.
+func (f *Forwarder) claimRun(by *relaySubscriber) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	switch {
-	case f.routed && !byRouter:
-		return fmt.Errorf("%w: its plugin is on a router; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case by == nil && f.routedBy != nil:
+		return fmt.Errorf("%w: its plugin is on a router that has not closed; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
+	case by != nil && f.routedBy != by:
+		return errUnrouted
 	case f.runCalled:
 		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
 	}
@@ -563,7 +577,9 @@ func doubled(d time.Duration) time.Duration {
 }
 
 // Close stops Run, waits for the batch in flight, and closes the
-// destination. Calling it again does nothing and returns the same error.
+// destination (a PublisherDestination's Close waits, up to PublishTimeout
+// more, for a publish cut off at its timeout). Calling it again does
+// nothing and returns the same error.
 func (f *Forwarder) Close() error {
 	f.closeOnce.Do(func() {
 		close(f.closing)
@@ -897,6 +913,9 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	if err != nil {
 		return nil, err
 	}
+	if f.store.leases() {
+		f.leaseChecked.Do(f.checkLease)
+	}
 	if len(cl.rows) == 0 {
 		return nil, f.store.abandon(ctx, cl)
 	}
@@ -922,6 +941,31 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		b.records = append(b.records, rec)
 	}
 	return b, nil
+}
+
+// checkLease reports, once, a Lease a batch can outlive on SQLite: its
+// publish takes up to PublishTimeout, and its mark then waits up to the
+// pool's busy timeout for the write lock. A lease that ran out meanwhile
+// lets a second relay, waiting for the same lock, claim the batch's rows
+// and publish them again while the first still has them to mark. validate
+// cannot count the busy timeout: it is the pool's, read at the first
+// claim (busyBound). Logged rather than refused: such a relay publishes
+// twice only while a lock is held that long, and a refusal at run time
+// would stop relays that run today (2 × PublishTimeout is what validate
+// has always let through). Not through
+// OnError, which is for failed records and sweeps, and whose handlers
+// branch on those.
+func (f *Forwarder) checkLease() {
+	// PublishTimeout is at most Lease / 2 (validate), and the busy timeout
+	// SQLite's 32-bit milliseconds: the sum does not overflow.
+	busy := f.store.busyBound()
+	if f.cfg.Lease > f.cfg.PublishTimeout+busy {
+		return
+	}
+	f.log.Error("Outbox forwarder: Lease is too short for SQLite's busy timeout; two relays may publish the same batch", &ConfigError{Field: "Lease", Reason: fmt.Sprintf(
+		"%s is not longer than a batch can stay unmarked: PublishTimeout %s for its publish and the pool's busy timeout %s for its mark's wait for the write lock; a lock held past the lease's end lets a second relay publish the batch again. Raise Lease past %s, or lower the busy timeout",
+		f.cfg.Lease, f.cfg.PublishTimeout, busy, f.cfg.PublishTimeout+busy)},
+		watermill.LogFields{"lease": f.cfg.Lease, "publish_timeout": f.cfg.PublishTimeout, "busy_timeout": busy})
 }
 
 // readRecord decodes a claimed row, or says why it cannot be read at all:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -193,6 +194,69 @@ func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
 			t.Errorf("gap %d was %s, want at least %dms", i+1, gap, min)
 		}
 	}
+}
+
+// A wake-up during a backoff (Notify here; NOTIFY or the file watch alike)
+// neither cuts it short nor lengthens it: the retry comes one backoff
+// after the failure. The relay slept a whole backoff again after the
+// wake-up, on top of what it had waited already: woken 1.5 s into a 2 s
+// backoff, it tried again 3.5 s after the failure.
+func TestForwarder_Run_WokenDuringBackoff_RetriesOneBackoffAfterTheFailure(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	insertRaw(t, db, "lost", "x", "t", "{}", "utf-8")
+	const backoff = 2 * time.Second
+	dest := &sendLog{}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
+		Dialect: outbox.SQLite, RetryMin: backoff, RetryMax: backoff, PollInterval: time.Hour,
+		DisableListen: true, // no wake-up but the test's: its own marks would wake it through the file watch
+		OnError:       func(error, outbox.ErrorContext) {},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done; _ = f.Close() })
+
+	waitFor(t, 10*time.Second, "the first send", func() bool { return len(dest.times()) >= 1 })
+	// Not a synchronisation: the wake-up must come while the relay backs
+	// off, three quarters of the way through.
+	time.Sleep(backoff * 3 / 4)
+	f.Notify()
+	waitFor(t, 4*backoff, "the retry", func() bool { return len(dest.times()) >= 2 })
+	sends := dest.times()
+	gap := sends[1].Sub(sends[0])
+	t.Logf("retry %s after the failure (backoff %s, woken at %s)", gap.Round(time.Millisecond), backoff, backoff*3/4)
+	if gap < backoff {
+		t.Errorf("retry %s after the failure: the wake-up cut the %s backoff short", gap.Round(time.Millisecond), backoff)
+	}
+	// Halfway between one backoff and the 1.75 it became: room for a
+	// stalled machine either way.
+	if limit := backoff * 11 / 8; gap > limit {
+		t.Errorf("retry %s after the failure, over %s: the wake-up lengthened the %s backoff", gap.Round(time.Millisecond), limit, backoff)
+	}
+}
+
+// sendLog is a broker whose connection goes before it confirms anything
+// (see lostDest), and notes when each batch was sent.
+type sendLog struct {
+	lostDest
+	mu   sync.Mutex
+	sent []time.Time
+}
+
+func (d *sendLog) Publish(ctx context.Context, records []outbox.Record) []error {
+	d.mu.Lock()
+	d.sent = append(d.sent, time.Now())
+	d.mu.Unlock()
+	return d.lostDest.Publish(ctx, records)
+}
+
+func (d *sendLog) times() []time.Time {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return slices.Clone(d.sent)
 }
 
 // Rows another library or a person wrote badly (headers that are not a JSON

@@ -15,7 +15,7 @@ import (
 // already (under another router's plugin, under the same plugin added
 // twice, under a Run of its own), by a plugin whose router runs a relay
 // of the same table already, and by Run on a Forwarder whose plugin is on
-// a router.
+// a router that has not closed.
 var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 
 // Plugin runs the relay as part of a Watermill router: router.AddPlugin
@@ -38,29 +38,38 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 // A Forwarder runs once: its plugin on a second router, or the same plugin
 // added twice, fails that router's Run with ErrForwarderInUse, and so does
 // a Forwarder already under Run; a Run once the plugin is on a router
-// returns ErrForwarderInUse itself. Two Forwarders of one table, under two
-// routers of one process or of two, are safe: claims are exclusive, so
-// each row is published once by one of them (and a router refuses the
-// second relay of a table it already runs one of from the same pool). A
-// table of the same name in another pool (a second database) is relayed
-// under "outbox-relay <table> #2", and so on.
+// returns ErrForwarderInUse itself. A router closed without starting the
+// relay (its Run failed in a later plugin, or at another handler's
+// Subscribe) lets the Forwarder go, open: its own Run, or its plugin on
+// another router, runs it then, and a Close of your own closes it. A
+// router whose Run failed and that is not closed keeps it: nothing tells
+// its failed Run from one that is still starting, and Watermill's
+// RunHandlers may start its handlers yet.
+//
+// Two Forwarders of one table, under two routers of one process or of
+// two, are safe: claims are exclusive, so each row is published once by
+// one of them (and a router refuses the second relay of a table it
+// already runs one of from the same pool). A table of the same name in
+// another pool (a second database) is relayed under "outbox-relay
+// <table> #2", and so on.
 //
 // The relay stops only when the router closes, its context ends, or the
 // Forwarder is closed by hand; in the last case its handler ends, and a
 // router left with no handler running closes, as Watermill's routers do.
 func (f *Forwarder) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
+		f.unrouteClosed()
 		routerRelays.Lock()
 		defer routerRelays.Unlock()
 		name, err := relayHandlerName(r, f)
 		if err != nil {
 			return err
 		}
-		if err := f.route(); err != nil {
+		sub := &relaySubscriber{f: f, router: weak.Make(r), stopped: make(chan struct{})}
+		if err := f.route(sub); err != nil {
 			return err
 		}
 		routerRelays.m[weak.Make(r)][name] = weak.Make(f.store.db)
-		sub := &relaySubscriber{f: f, stopped: make(chan struct{})}
 		r.AddConsumerHandler(name, f.store.cfg.Table, sub, func(*message.Message) error {
 			return errors.New("outbox: the relay's handler received a message; its subscriber delivers none")
 		})
@@ -111,15 +120,16 @@ func relayHandlerName(r *message.Router, f *Forwarder) (string, error) {
 	}
 }
 
-// route marks the forwarder as run by a router's plugin, or says why it
-// cannot be: refused here, the router's Run returns before any handler
-// starts; refused at Subscribe, Watermill would have started some of the
-// others, and would wait for ever for the one that failed.
-func (f *Forwarder) route() error {
+// route marks the forwarder as run by the router of sub, a router's
+// plugin's subscriber, or says why it cannot be: refused here, the
+// router's Run returns before any handler starts; refused at Subscribe,
+// Watermill would have started some of the others, and would wait for
+// ever for the one that failed.
+func (f *Forwarder) route(sub *relaySubscriber) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	switch {
-	case f.routed:
+	case f.routedBy != nil:
 		return fmt.Errorf("%w: its plugin is on a router already; give each router a Forwarder of its own", ErrForwarderInUse)
 	case f.runCalled:
 		return fmt.Errorf("%w: Run was called; a Forwarder runs under Run or under its plugin, not both", ErrForwarderInUse)
@@ -129,16 +139,45 @@ func (f *Forwarder) route() error {
 		return ErrForwarderClosed
 	default:
 	}
-	f.routed = true
+	f.routedBy = sub
 	return nil
 }
+
+// unrouteClosed lets the Forwarder go from the router whose plugin took
+// it, when that router closed (or is gone) before it started the relay:
+// no router runs it then, and it stayed taken for ever, its own Run and
+// its plugin on another router refused. The router's Subscribe, should a
+// closed router call it yet, ends its handler at once (see claimRun).
+// Watermill's IsClosed waits while a Close of that router waits for its
+// handlers, up to its CloseTimeout: so does this, under no lock of ours.
+func (f *Forwarder) unrouteClosed() {
+	f.mu.Lock()
+	sub, started := f.routedBy, f.runCalled
+	f.mu.Unlock()
+	if sub == nil || started {
+		return // started: the router runs it, and closes it as it closes
+	}
+	if r := sub.router.Value(); r != nil && !r.IsClosed() {
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.routedBy == sub && !f.runCalled {
+		f.routedBy = nil
+	}
+}
+
+// errUnrouted is claimRun's answer to the subscriber of a router that let
+// the Forwarder go (unrouteClosed).
+var errUnrouted = errors.New("outbox: the router closed before it started the relay, and let the forwarder go")
 
 // relaySubscriber is the Subscriber of the relay's router handler: Subscribe
 // starts Run, and the channel it returns delivers nothing and closes once
 // Run returned and the Forwarder is closed. The router's Close waits for
 // that channel, so it waits for the batch in flight.
 type relaySubscriber struct {
-	f *Forwarder
+	f      *Forwarder
+	router weak.Pointer[message.Router] // whose plugin added it; gone, it runs nothing
 
 	mu      sync.Mutex
 	owns    bool          // Subscribe claimed the run: closing the Forwarder is ours
@@ -156,7 +195,17 @@ func (s *relaySubscriber) Subscribe(ctx context.Context, _ string) (<-chan *mess
 	}
 	// Claimed for the router, whose plugin Run now refuses: no Run started
 	// since the plugin ran closes Running for us.
-	if err := s.f.claimRun(true); err != nil {
+	switch err := s.f.claimRun(s); {
+	case errors.Is(err, errUnrouted):
+		// The router closed before it got here, and the Forwarder is
+		// the user's: the handler ends at once, as one whose Forwarder
+		// was closed does. An error would fail the router's Run, and its
+		// Close would wait CloseTimeout for this handler.
+		s.mu.Unlock()
+		out := make(chan *message.Message)
+		close(out)
+		return out, nil
+	case err != nil:
 		s.mu.Unlock()
 		return nil, err
 	}

@@ -508,7 +508,14 @@ func TestForwarder_Plugin_DatabaseUnreachableAtStart_RouterClosesInTime(t *testi
 // happens to f, and returns Run's error once the router runs or failed.
 func startRouterBesidePlugin(t *testing.T, f *outbox.Forwarder, later message.RouterPlugin) (r *message.Router, runErr error) {
 	t.Helper()
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
+	return startRouterBesidePluginWithin(t, 10*time.Second, f, later)
+}
+
+// startRouterBesidePluginWithin is startRouterBesidePlugin with the
+// router's CloseTimeout.
+func startRouterBesidePluginWithin(t *testing.T, closeTimeout time.Duration, f *outbox.Forwarder, later message.RouterPlugin) (r *message.Router, runErr error) {
+	t.Helper()
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: closeTimeout}, watermill.NopLogger{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -588,4 +595,114 @@ func TestForwarderPlugin_OwnRunAfterThePluginRan_RunRefusedRouterRunsTheRelay(t 
 		t.Errorf("Sweep beside the router's relay: %v", err)
 	}
 	closesWithin(t, r, 5*time.Second, "it waited for the relay's handler")
+}
+
+// A Forwarder whose router closed without starting the relay (its Run
+// failed in a later plugin, or the router was closed as it started) is
+// the user's again: its own Run, or its plugin on another router, runs
+// it. It stayed on the router for ever, and both returned
+// ErrForwarderInUse though nothing could run it. While that router is not
+// closed its Run may still start its handlers (RunHandlers), so the
+// Forwarder stays on it.
+func TestForwarderPlugin_RouterClosedWithoutStartingTheRelay_ForwarderRunsAgain(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the plugin's lifecycle, the same on every database
+	failedRouter := func(t *testing.T) *outbox.Forwarder {
+		t.Helper()
+		f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		r, runErr := startRouterBesidePluginWithin(t, time.Second, f, func(*message.Router) error { return errors.New("a later plugin failed") })
+		if runErr == nil {
+			t.Fatal("the router ran, want its Run to fail in the later plugin")
+		}
+		if err := f.Run(context.Background()); !errors.Is(err, outbox.ErrForwarderInUse) {
+			t.Errorf("Run while the router that failed is not closed: %v, want ErrForwarderInUse", err)
+		}
+		// Watermill's Close waits CloseTimeout (a second here) for the
+		// handlers that never started, and says it timed out.
+		_ = r.Close()
+		return f
+	}
+
+	t.Run("its own Run", func(t *testing.T) {
+		f := failedRouter(t)
+		relaysByHand(t, db, f)
+	})
+
+	t.Run("its plugin on another router", func(t *testing.T) {
+		f := failedRouter(t)
+		r := newRouterWithConsumer(t)
+		r.AddPlugin(f.Plugin())
+		stop := runRouter(t, r)
+		insertRaw(t, db, "other-router", "x", "t", "{}", "utf-8")
+		waitFor(t, 10*time.Second, "the other router's relay to publish", func() bool { return publishedIDs(t, db)["other-router"] })
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		assertForwarderClosed(t, f)
+	})
+
+	// Closed while its Run is between the plugins and the handlers: the
+	// Forwarder is taken by hand, and the relay's handler, started after
+	// all, ends at once rather than fail the router's Run (whose Close
+	// would then wait CloseTimeout for it).
+	t.Run("its own Run while the router closes as it starts", func(t *testing.T) {
+		f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		own := make(chan error, 1)
+		_, runErr := startRouterBesidePluginWithin(t, time.Second, f, func(r *message.Router) error {
+			// Close waits CloseTimeout for the handlers, which start
+			// after this plugin: IsClosed waits with it.
+			go func() { _ = r.Close() }()
+			waitFor(t, 30*time.Second, "the router to be closed", r.IsClosed)
+			go func() { own <- f.Run(context.Background()) }()
+			select {
+			case err := <-own:
+				own <- err
+			case <-f.Running():
+			}
+			return nil
+		})
+		if runErr != nil {
+			t.Errorf("router Run: %v, want the relay's handler to end", runErr)
+		}
+		select {
+		case err := <-own:
+			t.Fatalf("the Forwarder's own Run after its router closed: %v", err)
+		default:
+		}
+		if err := f.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-own; err != nil {
+			t.Errorf("the Forwarder's own Run: %v", err)
+		}
+	})
+}
+
+// relaysByHand runs f with its own Run, sees it publish a row, and stops
+// it.
+func relaysByHand(t *testing.T, db *testdb.DB, f *outbox.Forwarder) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Run by hand: %v", err)
+	case <-f.Running():
+	}
+	insertRaw(t, db, "by-hand", "x", "t", "{}", "utf-8")
+	f.Notify()
+	waitFor(t, 10*time.Second, "the row published by hand", func() bool { return publishedIDs(t, db)["by-hand"] })
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run by hand: %v", err)
+	}
 }

@@ -2,12 +2,15 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
+	"maps"
 	"math/rand/v2"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
@@ -266,4 +269,179 @@ func TestForwarder_SQLitePipelinedBatchOutlivingItsLease_NoSecondRelayOnIt(t *te
 	if twice > 0 {
 		t.Errorf("%d of %d rows sent more than once: a second relay claimed rows whose lease ran out in flight", twice, len(d.sent))
 	}
+}
+
+// foreignLeases are locked_until values another library's relay might write
+// on SQLite, by row id: text no date parser reads is no lease at all; a live
+// lease, written in a form julianday() reads or (Go's time.String(), as
+// modernc.org/sqlite stores a time) starting with a date, is one.
+func foreignLeases(now time.Time) (noTime map[string]any, live map[string]any) {
+	return map[string]any{
+			"garbage":  "garbage",
+			"empty":    "",
+			"month-13": "2026-13-45 00:00:00",
+			"blob":     []byte{0xff, 0x00},
+		}, map[string]any{
+			"live-iso":     now.Add(time.Hour).UTC().Format(time.RFC3339Nano),
+			"live-modernc": now.Add(time.Hour).UTC().Format("2006-01-02 15:04:05.999999999 -0700 MST"),
+		}
+}
+
+// SQLite: a lease another library's relay wrote as text that is no time
+// ('garbage', a month 13, a BLOB) compared through julianday() as NULL,
+// then as text, which sorted above every time: the row looked leased for
+// ever, and was never published, with nothing to say so (pending, never
+// stuck). Such a lease is now over, and the row is published.
+func TestForwarder_SQLiteLeaseNoDateReads_RowPublished(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	noTime, live := foreignLeases(time.Now())
+	for id, until := range mapsJoin(noTime, live) {
+		insertRaw(t, db, id, "ex", "k", "{}", "utf-8")
+		if _, err := db.Exec("UPDATE acemq_outbox SET locked_by = 'ruby-relay-1', locked_until = ? WHERE id = ?", until, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dest := &slowCapture{}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(dest, nil), outbox.ForwarderConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Sweep(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, id := range dest.got() {
+		got[id] = true
+	}
+	for id, until := range noTime {
+		if !got[id] || !stateOf(t, db, id).Published {
+			t.Errorf("row %s, its lease %q no time at all: not published (sent: %v); it is leased for ever", id, until, got[id])
+		}
+	}
+	for id, until := range live {
+		if got[id] {
+			t.Errorf("row %s published under the Ruby relay's live lease %q", id, until)
+		}
+	}
+}
+
+// The operator's side of the same: a stuck row whose lease is no time was
+// listed as leased, until a time that never came, and Retry and
+// RetryAllStuck left it alone for ever ("retry once it runs out").
+func TestStore_SQLiteLeaseNoDateReads_NotLeasedRetried(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite, MaxAttempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	noTime, live := foreignLeases(time.Now())
+	for id, until := range mapsJoin(noTime, live) {
+		insertRaw(t, db, id, "ex", "k", "{}", "utf-8")
+		if _, err := db.Exec("UPDATE acemq_outbox SET attempts = 3, locked_by = 'ruby-relay-1', locked_until = ? WHERE id = ?", until, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx := context.Background()
+	stuck, err := s.Stuck(ctx, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range stuck {
+		if _, ok := live[r.ID]; r.Leased != ok {
+			t.Errorf("stuck row %s: leased %v, want %v (lease %q)", r.ID, r.Leased, ok, mapsJoin(noTime, live)[r.ID])
+		}
+	}
+	if n, err := s.Retry(ctx, "garbage"); n != 1 || err != nil {
+		t.Errorf("retry of the row whose lease is 'garbage': %d, %v; want 1, nil", n, err)
+	}
+	if n, err := s.RetryAllStuck(ctx); n != int64(len(noTime)-1) || err != nil {
+		t.Errorf("retry of every stuck row: %d, %v; want %d, those whose lease is no time", n, err, len(noTime)-1)
+	}
+	for id := range live {
+		if st := stateOf(t, db, id); st.Attempts != 3 {
+			t.Errorf("row %s under a live lease: %+v, want left alone", id, st)
+		}
+	}
+}
+
+func mapsJoin(a, b map[string]any) map[string]any {
+	m := make(map[string]any, len(a)+len(b))
+	maps.Copy(m, a)
+	maps.Copy(m, b)
+	return m
+}
+
+// SQLite: a batch's mark may wait the pool's busy timeout for the write
+// lock after a publish of up to PublishTimeout, and a lease that ran out
+// meanwhile lets a second relay, waiting for the same lock, claim the
+// batch's rows and publish them too. NewForwarder took a Lease of 2 ×
+// PublishTimeout (2 s) beside a busy timeout of 10 s without a word; the
+// first claim, which learns the busy timeout, now logs it as an error,
+// once.
+func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // busy_timeout 10 s
+	cases := []struct {
+		name   string
+		cfg    outbox.ForwarderConfig
+		report bool
+	}{
+		{"PublishTimeout 1 s, Lease 2 s", outbox.ForwarderConfig{PublishTimeout: time.Second, Lease: 2 * time.Second}, true},
+		{"the defaults", outbox.ForwarderConfig{}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			logged := &errorLog{LoggerAdapter: watermill.NopLogger{}}
+			c.cfg.Logger = logged
+			f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(&slowCapture{}, nil), c.cfg)
+			if err != nil {
+				t.Fatalf("NewForwarder: %v", err)
+			}
+			defer f.Close()
+			for range 2 { // logged once, not per claim
+				publishN(t, db, "x", "t", 1)
+				if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+					t.Fatalf("sweep: %d, %v; want 1, nil", n, err)
+				}
+			}
+			reported := logged.errors()
+			var leaseErrs []error
+			for _, err := range reported {
+				var cerr *outbox.ConfigError
+				if errors.As(err, &cerr) && cerr.Field == "Lease" {
+					leaseErrs = append(leaseErrs, err)
+				}
+			}
+			switch {
+			case c.report && len(leaseErrs) != 1:
+				t.Errorf("logged %v; want one *ConfigError naming Lease: a batch can stay unmarked for PublishTimeout and the busy timeout, 11 s, past its 2 s lease", reported)
+			case !c.report && len(leaseErrs) != 0:
+				t.Errorf("logged %v; want nothing: Lease 60 s outlasts PublishTimeout 15 s and the busy timeout 10 s", leaseErrs)
+			}
+			if len(leaseErrs) > 0 {
+				t.Logf("logged: %v", leaseErrs[0])
+			}
+		})
+	}
+}
+
+// errorLog records what is logged as an error, safe across goroutines.
+type errorLog struct {
+	watermill.LoggerAdapter
+	mu   sync.Mutex
+	errs []error
+}
+
+func (l *errorLog) Error(msg string, err error, fields watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errs = append(l.errs, err)
+}
+
+func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+func (l *errorLog) errors() []error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]error(nil), l.errs...)
 }

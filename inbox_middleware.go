@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -34,12 +36,17 @@ type InboxConfig struct {
 	//
 	// With Ordered, a held message runs in the handler it was delivered
 	// to, told apart by the router's handler name. Outside a router there
-	// is none (""), and the handlers one Inbox wraps under one
-	// ConsumerName share a single route: a held message runs in whichever
-	// of them had a delivery last, not necessarily its own. There, give
-	// each handler a ConsumerName of its own, as dedupe needs already when
-	// two handlers get the same messages; a key whose numbers run across
-	// several handlers' topics needs a router.
+	// is none (""), so one ConsumerName is one handler there: the keyed
+	// deliveries of a second handler function the Inbox wraps fail with
+	// ErrConsumerShared, nacked before any statement, since a message held
+	// for one would run in the other. Give each handler a ConsumerName of
+	// its own, as dedupe needs already when two handlers get the same
+	// messages; a key whose numbers run across several handlers' topics
+	// needs a router. Two
+	// Inboxes over one database, each wrapping a handler outside a router
+	// under one ConsumerName, mix up their held messages the same way but
+	// are not refused: a new Inbox over the pool is also how a restart in
+	// the process looks.
 	ConsumerName string
 	// Table is the inbox table. Default processed_messages.
 	//
@@ -47,8 +54,11 @@ type InboxConfig struct {
 	// is not in Table: it is one per database, keyed by consumer name
 	// alone. Two Ordered inboxes over different Tables of one database
 	// with the same ConsumerName share it, and the second one's messages
-	// are taken for duplicates of numbers the first applied, acked
-	// without running. Give them distinct ConsumerNames.
+	// would be taken for duplicates of numbers the first applied, acked
+	// without running. Over one *sql.DB the second one's keyed
+	// deliveries fail with ErrConsumerShared instead, nacked before any
+	// statement; over two pools of one database nothing tells. Give them
+	// distinct ConsumerNames.
 	Table string
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
@@ -124,7 +134,8 @@ type InboxConfig struct {
 	// one whose key the database cannot hold with ErrInvalidKey. Unkeyed messages take the unordered path. Needs sqlschema's 0006
 	// tables; not with AtMostOnce (a held message's effect would have no
 	// key committed before it). Its state is keyed by ConsumerName, not by
-	// Table (see both). See ApplyHeld, Gaps and SkipGap.
+	// Table, and outside a router one ConsumerName is one handler (see
+	// both, and ErrConsumerShared). See ApplyHeld, Gaps and SkipGap.
 	Ordered bool
 	// GapAfter, with Ordered, is how long a message may be held before
 	// RefreshStats reports its key as a gap (outbox_inbox_gaps, a logged
@@ -323,7 +334,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
 	if cfg.Ordered {
-		in.ordered = newOrderedState(cfg.Dialect.sql())
+		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.Table)
 	}
 	return in, nil
 }
@@ -396,11 +407,32 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // Middlewares added after it run inside its transaction: add Retry and
 // PoisonQueue before it (one after it would commit a failed attempt's
 // writes), and CorrelationID, which changes the returned messages, after.
+//
+// Outside a router, where a delivery names no handler, an Ordered inbox
+// tells handlers apart by their function (see ErrConsumerShared): one
+// handler may be wrapped again (per worker, or at each reconnect of a
+// consume loop), two functions under one ConsumerName may not.
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	wrap := wrapped{n: wraps.Add(1), fn: reflect.ValueOf(h).Pointer()}
 	return func(msg *message.Message) ([]*message.Message, error) {
-		return in.handle(h, msg)
+		return in.handle(h, wrap, msg)
 	}
 }
+
+// wrapped is a call of Middleware: its number in the process, from 1 (see
+// wraps), and the code of the handler it wrapped.
+type wrapped struct {
+	n  uint64
+	fn uintptr
+}
+
+// sameHandler reports whether w and o wrapped the same handler, as far as
+// the process can tell: one call, or one function. Two closures of one
+// function literal are one function to it.
+func (w wrapped) sameHandler(o wrapped) bool { return w.n == o.n || w.fn == o.fn }
+
+// wraps numbers the calls of Middleware in the process.
+var wraps atomic.Uint64
 
 // conflictTries is how many times a delivery runs whose transaction the
 // database refused for a concurrent one on the same rows, and
@@ -413,7 +445,7 @@ func conflictPause(try int) time.Duration {
 	return d/2 + rand.N(d)
 }
 
-func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message.Message, error) {
+func (in *Inbox) handle(h message.HandlerFunc, wrap wrapped, msg *message.Message) ([]*message.Message, error) {
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
 	// failures, and a deadlock refuses one of two transactions anywhere.
@@ -432,7 +464,7 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 		if tries++; tries > 1 {
 			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": tries - 1, "error": err.Error()})
 		}
-		outcome, consumer, err = in.process(h, msg)
+		outcome, consumer, err = in.process(h, wrap, msg)
 		return err
 	})
 	if err == nil && outcome == inboxDuplicate {
@@ -447,8 +479,9 @@ func (in *Inbox) handle(h message.HandlerFunc, msg *message.Message) ([]*message
 }
 
 // process runs one message through the inbox, and says what became of it
-// and for which consumer ("" if it has no valid name).
-func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
+// and for which consumer ("" if it has no valid name). wrap is the call of
+// Middleware that wrapped h.
+func (in *Inbox) process(h message.HandlerFunc, wrap wrapped, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
 		// The publisher's trace, carried in the metadata through the row and
@@ -505,7 +538,7 @@ func (in *Inbox) process(h message.HandlerFunc, msg *message.Message) (outcome i
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, nameErr)}
 	}
 	if keyed {
-		outcome, err := in.processOrdered(ctx, h, msg, consumer, key, aggregate, seq)
+		outcome, err := in.processOrdered(ctx, h, wrap, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
 	if in.cfg.AtMostOnce {

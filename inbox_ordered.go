@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"maps"
 	"math"
+	"runtime"
 	"sort"
 	"strconv"
 	"sync"
 	"time"
+	"weak"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -52,6 +54,32 @@ var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
 // number since the gap was looked at. Look again (Gaps, outboxctl held).
 var ErrGapChanged = errors.New("outbox: inbox: the gap to skip is no longer the key's gap")
 
+// ErrConsumerShared is returned (and the message nacked, before any
+// statement: nothing is run, held or recorded) for a keyed message of an
+// Ordered inbox whose ConsumerName is used in this process in a way that
+// mixes up its keys:
+//
+//   - by two handlers of one Inbox (two functions wrapped by its
+//     Middleware) for deliveries outside a router, which name no handler:
+//     they share the consumer's held messages then, so a message held for
+//     one would run in the other, and a copy both get would be taken for a
+//     duplicate by the second and acked without running. The handler of
+//     the consumer's first such delivery keeps the name. One function
+//     wrapped again (per worker, at a consume loop's reconnect) is the same
+//     handler; two closures of one function literal are too, and are not
+//     told apart.
+//   - by two Inboxes over one *sql.DB with different Tables: the ordered
+//     state is keyed by consumer name alone, and the second one's messages
+//     would be taken for duplicates of numbers the first applied. The
+//     Table of the consumer's first keyed delivery keeps it.
+//
+// Give the other handler or Inbox a ConsumerName of its own, or run the
+// handlers under a router, whose handler names tell them apart. Not
+// caught: two Inboxes over one *sql.DB with one Table, each wrapping a
+// handler outside a router (a new Inbox is also how a restart in the
+// process looks), and Inboxes over two pools of one database.
+var ErrConsumerShared = errors.New("outbox: inbox: ordered consumer name shared by two handlers without a router handler name, or by two inbox tables")
+
 // orderedRoute is what the inbox needs to apply a held message outside its
 // own delivery (after its predecessor's, ApplyHeld, SkipGap): the handler
 // it was delivered to, behind the middleware, and a router context holding
@@ -79,10 +107,61 @@ type orderedState struct {
 	mu     sync.Mutex
 	routes map[routeKey]orderedRoute
 	first  map[string]routeKey // by consumer, its first handler seen
+	// bare holds, by consumer, the call of Middleware whose handler had
+	// the consumer's first keyed delivery without a router handler name:
+	// the route of "" is that handler's alone.
+	bare map[string]wrapped
+	// pool and table: what claimTable takes a consumer for.
+	pool  *sql.DB
+	table string
 }
 
-func newOrderedState(d sqldialect.Dialect) *orderedState {
-	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}}
+func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]wrapped{},
+		pool: pool, table: table}
+}
+
+// consumerTables are the Tables of the process's ordered consumers, by
+// pool: the ordered state is the database's, keyed by consumer name alone,
+// so Inboxes over one pool share a consumer's state whatever their Table.
+// An Inbox asks here at the first keyed delivery of each consumer; its own
+// map answers after that.
+var consumerTables struct {
+	mu sync.Mutex
+	m  map[poolConsumer]string
+}
+
+// poolConsumer holds its pool weakly: the entry goes with the pool it is
+// on, and keeps no closed pool in memory.
+type poolConsumer struct {
+	pool     weak.Pointer[sql.DB]
+	consumer string
+}
+
+// claimTable claims consumer, on pool, for the Inbox of table, or fails
+// with ErrConsumerShared if an Inbox of another Table has it.
+func claimTable(pool *sql.DB, table, consumer string) error {
+	k := poolConsumer{weak.Make(pool), consumer}
+	consumerTables.mu.Lock()
+	defer consumerTables.mu.Unlock()
+	had, ok := consumerTables.m[k]
+	if !ok {
+		if consumerTables.m == nil {
+			consumerTables.m = map[poolConsumer]string{}
+		}
+		consumerTables.m[k] = table
+		runtime.AddCleanup(pool, func(k poolConsumer) {
+			consumerTables.mu.Lock()
+			defer consumerTables.mu.Unlock()
+			delete(consumerTables.m, k)
+		}, k)
+		return nil
+	}
+	if had != table {
+		return fmt.Errorf("%w: consumer %q is ordered by another Inbox over this *sql.DB, of Table %q, not %q: the ordered state is keyed by consumer name alone, "+
+			"and this one's messages would be taken for duplicates of the other's; give each its own ConsumerName", ErrConsumerShared, consumer, had, table)
+	}
+	return nil
 }
 
 // voidHeader is how AMQPMarshaler renders a void header in metadata.
@@ -120,11 +199,32 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 	return key, seq, true, nil
 }
 
-func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Context) {
+// remember keeps h, wrapped by the call of Middleware wrap, as the route
+// of consumer's held messages delivered to its router handler, or refuses
+// with ErrConsumerShared a handler without a router handler name that is
+// not the consumer's first such (see orderedState.bare), and an Inbox
+// whose Table is not the consumer's (see claimTable). A map lookup on the
+// common paths, claimTable's the first time only; the refusal comes
+// before any statement.
+func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap wrapped, ctx context.Context) error {
 	o := in.ordered
 	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	_, seen := o.first[consumer]
+	if !seen {
+		if err := claimTable(o.pool, o.table, consumer); err != nil {
+			return err
+		}
+	}
+	if k.handler == "" {
+		if owner, ok := o.bare[consumer]; !ok {
+			o.bare[consumer] = wrap
+		} else if !owner.sameHandler(wrap) {
+			return fmt.Errorf("%w: consumer %q had keyed deliveries outside a router from another handler function of this Inbox; "+
+				"a message held for one would run in the other: give each handler its own ConsumerName, or run them under a router", ErrConsumerShared, consumer)
+		}
+	}
 	// Without its cancellation: the route outlives the delivery. It keeps
 	// the router's handler name and topics, which a held message's handler
 	// and its returned messages need. The latest delivery's: a router
@@ -132,9 +232,10 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, ctx context.Co
 	// with one handler name) must not leave held messages to the handler
 	// of a router that is gone.
 	o.routes[k] = orderedRoute{h: h, ctx: context.WithoutCancel(ctx)}
-	if _, ok := o.first[consumer]; !ok {
+	if !seen {
 		o.first[consumer] = k
 	}
+	return nil
 }
 
 // routedConsumers lists, sorted, the consumers with a handler this inbox
@@ -189,8 +290,10 @@ func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // number applied already is a duplicate; the next one runs the handler and
 // advances the key in one transaction, then applies the messages held
 // behind it; a later one is held in the database and acked.
-func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
-	in.remember(consumer, h, msg.Context())
+func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap wrapped, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
+	if err := in.remember(consumer, h, wrap, msg.Context()); err != nil {
+		return inboxFailed, err
+	}
 	// The common case, the key's next message with nothing held, costs the
 	// statements of the plain inbox's key, or one more (see
 	// sqldialect.OrderedInbox.Apply).

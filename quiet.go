@@ -67,8 +67,14 @@ type quietFlow struct {
 	// enterSince and enterRows are since and rows of quietEnterWindow.
 	enterSince time.Time
 	enterRows  int
-	failed     bool // a statement failed, and was logged
-	long       bool // a long leave was logged
+	// setFailed: a setval of the time (set, or its clear) failed, and
+	// was logged; lookFailed: the same for quietOver's look. Each is a run
+	// of its own, ended only by a success of its own statement: one flag
+	// for all, ended by the look that succeeds between two entries, logged
+	// a setval that kept failing (its privilege revoked, the sequence
+	// dropped) again at every entry window, every second of a flow.
+	setFailed, lookFailed bool
+	long                  bool // a long leave was logged
 }
 
 // polls reports whether the relay polls rather than wait for NOTIFY.
@@ -170,10 +176,10 @@ func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.
 		if !q.until.IsZero() {
 			what = "keep the NOTIFY trigger quiet; it polls until the time it may have set is cleared or has lapsed"
 		}
-		f.quietFailed(q, what, err)
+		f.quietFailed(&q.setFailed, what, err)
 		return false
 	}
-	q.failed = false
+	q.setFailed = false
 	q.renew, q.until = now.Add(quietLease/2), lapsed
 	return true
 }
@@ -183,7 +189,7 @@ func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.
 func (q *quietFlow) leave(ctx context.Context, f *Forwarder, now time.Time) {
 	q.on, q.leaving, q.left, q.long = false, true, now, false
 	if seq := f.quietSequenceAny(); seq != "" && !q.until.IsZero() {
-		if err := f.store.quietOff(ctx, seq); !f.quietFailed(q, "let the NOTIFY trigger notify again; it polls until the time has lapsed", err) {
+		if err := f.store.quietOff(ctx, seq); !f.quietFailed(&q.setFailed, "let the NOTIFY trigger notify again; it polls until the time has lapsed", err) {
 			q.until = time.Time{}
 		}
 		// Otherwise the time lapses by itself, at until.
@@ -205,7 +211,7 @@ func (q *quietFlow) over(ctx context.Context, f *Forwarder, now time.Time) bool 
 		}
 	}
 	over, err := f.store.quietOver(ctx)
-	if f.quietFailed(q, "see whether the transactions the NOTIFY trigger kept quiet have ended; it polls meanwhile", err) || !over {
+	if f.quietFailed(&q.lookFailed, "see whether the transactions the NOTIFY trigger kept quiet have ended; it polls meanwhile", err) || !over {
 		if !q.long && now.Sub(q.left) > quietLongLeave {
 			q.long = true
 			f.log.Info("A transaction the NOTIFY trigger kept quiet is still open; the relay polls until it ends",
@@ -228,7 +234,7 @@ func (q *quietFlow) stop(f *Forwarder) {
 	if q.on {
 		q.leave(ctx, f, time.Now())
 	}
-	q.failed = true // a stopping relay logs none of these failures: it is gone
+	q.setFailed, q.lookFailed = true, true // a stopping relay logs none of these failures: it is gone
 	for !q.over(ctx, f, time.Now()) && sleepCtx(ctx, quietLeavePoll) {
 	}
 	wake, cancel := context.WithTimeout(context.Background(), stopGrace)
@@ -237,15 +243,15 @@ func (q *quietFlow) stop(f *Forwarder) {
 }
 
 // quietFailed reports whether err is an error, and logs the first of a
-// run of them.
-func (f *Forwarder) quietFailed(q *quietFlow, what string, err error) bool {
+// run of them, which *failed (setFailed or lookFailed) follows.
+func (f *Forwarder) quietFailed(failed *bool, what string, err error) bool {
 	if err == nil {
-		q.failed = false
+		*failed = false
 		return false
 	}
-	if !q.failed {
+	if !*failed {
 		f.log.Error("Outbox relay cannot "+what, err, nil)
 	}
-	q.failed = true
+	*failed = true
 	return true
 }

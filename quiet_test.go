@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -578,6 +579,92 @@ func TestForwarder_Postgres_ClearFails_RelayPollsUntilTheTimeLapses(t *testing.T
 	if !sawQuiet {
 		t.Log("the time had lapsed before the first commit: the window this test is about was not exercised")
 	}
+}
+
+// A relay whose setval keeps failing (its UPDATE on the quiet sequence
+// revoked while it runs) says so once, not at every entry window of a
+// flow: it tries again at each, and the look that succeeds between two of
+// them is no setval that succeeded. Once one has, the next failure is
+// logged again. It logged the failure at every entry, every other second
+// of the flow here.
+func TestForwarder_Postgres_SetKeepsFailingInAFlow_LoggedOnceUntilOneSucceeds(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	role, relayDB := newRole(t, db, "", "USAGE ON SCHEMA "+db.Name,
+		"SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "+db.Name,
+		"USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA "+db.Name)
+	relayDB.SetMaxOpenConns(10)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	log := &errorLogger{LoggerAdapter: watermill.NopLogger{}}
+	f := newForwarder(t, relayDB, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: 20, Logger: log})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	<-f.Running()
+	// Read at the LISTEN's look, with the privilege: the relay takes the
+	// sequence as its own to set until its next look, a minute on.
+	waitFor(t, 10*time.Second, "the relay to listen", func() bool { return outbox.Woken(f) })
+	if _, err := db.Exec("REVOKE UPDATE ON SEQUENCE acemq_outbox_quiet FROM " + role); err != nil {
+		t.Fatal(err)
+	}
+
+	// A flow of 200 commits a second, above QuietAbove for 5.5 s: the
+	// relay tries to enter it at about 1, 3 and 5 s (each failed entry
+	// leaves the flow for the 1.1 s the time it may have set lasts).
+	sent := 0
+	for end := time.Now().Add(5500 * time.Millisecond); time.Now().Before(end); sent++ {
+		if _, err := commitOne(db, b.Exchange); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
+	}
+	logged := func() []string {
+		log.mu.Lock()
+		defer log.mu.Unlock()
+		return slices.Clone(log.msgs)
+	}
+	msgs := logged()
+	for _, m := range msgs {
+		t.Logf("logged: %s", m)
+	}
+	if len(msgs) == 0 || !strings.Contains(msgs[0], "keep the NOTIFY trigger quiet") {
+		t.Fatalf("logged %q, want first that the relay cannot keep the trigger quiet", msgs)
+	}
+	if len(msgs) != 1 {
+		t.Fatalf("%d errors logged while the same setval kept failing, want 1", len(msgs))
+	}
+
+	// Once a setval succeeded, the next failure is news again.
+	if _, err := db.Exec("GRANT UPDATE ON SEQUENCE acemq_outbox_quiet TO " + role); err != nil {
+		t.Fatal(err)
+	}
+	quietFlowUntil(t, db, b.Exchange, "quiet trigger", func() bool { return quietAhead(t, db) })
+	if _, err := db.Exec("REVOKE UPDATE ON SEQUENCE acemq_outbox_quiet FROM " + role); err != nil {
+		t.Fatal(err)
+	}
+	quietFlowUntil(t, db, b.Exchange, "failed renewal logged", func() bool { return len(logged()) >= 2 })
+	t.Logf("logged: %s", logged()[1])
+}
+
+// quietFlowUntil commits one message every 5 ms until cond holds (10 s at
+// most), and returns how many it committed.
+func quietFlowUntil(t *testing.T, db *testdb.DB, exchange, what string, cond func() bool) int {
+	t.Helper()
+	n := 0
+	for deadline := time.Now().Add(10 * time.Second); !cond(); n++ {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 10 s of a flow", what)
+		}
+		if _, err := commitOne(db, exchange); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return n
 }
 
 // answerLost is a TCP proxy to a PostgreSQL server that passes the first

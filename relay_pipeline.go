@@ -744,6 +744,7 @@ const wakeCooldown = time.Millisecond
 // pause waits wait, or until ctx ends or the relay is woken, and reports
 // whether it was woken.
 func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) (woken bool) {
+	end := time.Now().Add(wait)
 	timer := time.NewTimer(wait)
 	select {
 	case <-ctx.Done():
@@ -752,8 +753,11 @@ func (l *relayLoop) pause(ctx context.Context, wait time.Duration, failed bool) 
 		timer.Stop()
 		if failed {
 			// A wake-up does not cut a backoff short: the failure is
-			// still there, and each try of a refused record counts.
-			sleepCtx(ctx, l.delay)
+			// still there, and each try of a refused record counts. Nor
+			// does it lengthen it: the rest of the wait, not the whole
+			// again after part of it on the timer, which made a backoff
+			// up to twice as long.
+			sleepCtx(ctx, time.Until(end))
 		} else if cool := time.Until(l.swept.Add(wakeCooldown)); cool > 0 {
 			sleepCtx(ctx, cool)
 		}

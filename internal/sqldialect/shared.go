@@ -54,7 +54,10 @@ func (o *Outbox) claimable(maxAttempts int, now time.Time) (string, []any) {
 // so that on SQLite a lease another library wrote as a number (Java's
 // sqlite-jdbc writes Unix milliseconds), which sorts below every text, or
 // as ISO 8601 text, is neither taken for one long expired, and its row for
-// ours to claim, nor held for hours after it expired.
+// ours to claim, nor held for hours after it expired. A lease whose end
+// cannot be read as a time ('garbage', an empty text) is over: held, its row would
+// never be published, and at-least-once allows the resend should its
+// writer have it in flight. Retry and Stuck (notClaimed) agree.
 func (o *Outbox) leaseOver(now time.Time) (string, []any) {
 	before, args := o.d.instantCmp("locked_until", "<", now)
 	return "(locked_until IS NULL OR " + before + ")", args

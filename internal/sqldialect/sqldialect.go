@@ -168,7 +168,8 @@ type Dialect interface {
 	// It returns the condition and its arguments.
 	timeCmp(col, op string, t time.Time) (string, []any)
 	// instantCmp is timeCmp for a column no index serves (locked_until):
-	// exact for any way a library writes a time, whatever it costs a row.
+	// exact for any way a library writes a time, whatever it costs a row;
+	// a value that is no time compares as earlier than any t.
 	instantCmp(col, op string, t time.Time) (string, []any)
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string

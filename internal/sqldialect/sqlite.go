@@ -180,12 +180,23 @@ func (d sqlite) timeCmp(col, op string, t time.Time) (string, []any) {
 // "2026-12-03 03:30:45" on the same day ("T" sorts above the space), and
 // one with an offset is not in UTC: a lease expired a minute ago looked
 // live until midnight, and a live one with a negative offset expired. Text
-// compares through julianday(), which reads every one of those forms (and
-// falls back to the text when it reads none); a number as in timeCmp.
+// compares through julianday(), which reads every one of those forms; a
+// number as in timeCmp. Text julianday() does not read falls back to a
+// text comparison when it starts with a date (modernc.org/sqlite's default,
+// Go's time.String(), "2026-12-03 03:30:45.179 +0000 UTC", whose zone
+// julianday() refuses), and is otherwise no time at all ('garbage', a
+// month 13, a BLOB): it compares as earlier than any t. As text it sorted
+// above every time, so a lease nobody can read was live for ever, and its
+// row was never published, nor retried, nor listed as anything but leased.
 func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 	text := d.TimeArg(t)
 	numeric := unixSeconds(col) + " " + op + " ?"
-	asText := "COALESCE(julianday(" + col + ") " + op + " julianday(?), " + col + " " + op + " ?)"
+	noTime := "0"
+	if op == "<" {
+		noTime = "1"
+	}
+	asText := "COALESCE(julianday(" + col + ") " + op + " julianday(?), CASE WHEN julianday(substr(" + col + ", 1, 10)) IS NULL THEN " +
+		noTime + " ELSE " + col + " " + op + " ? END)"
 	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN " + numeric + " ELSE " + asText + " END)",
 		[]any{float64(t.UnixNano()) / 1e9, text, text}
 }
