@@ -877,9 +877,17 @@ const (
 )
 
 // sendable refuses metadata the relay could never send: a key AMQP cannot
-// name (over 255 bytes), more headers than AMQP clients read, or headers
-// beyond the broker's default frame.
+// name (over 255 bytes), more headers than AMQP clients read, headers
+// beyond the broker's default frame, or CC and BCC, which RabbitMQ reads as
+// sender-selected routing and takes only as arrays: as the strings
+// metadata holds, it refuses the message (406, unacceptable_type_in_header)
+// at every try, and a keyed one holds its key.
 func sendable(md message.Metadata, contentType, id string) error {
+	for _, k := range []string{"CC", "BCC"} {
+		if _, ok := md[k]; ok {
+			return fmt.Errorf("has the key %q, which RabbitMQ reads as sender-selected routing and refuses as a string (406 unacceptable_type_in_header): name it otherwise", k)
+		}
+	}
 	if limit := rowcodec.MaxElements - 8; len(md) > limit {
 		return fmt.Errorf("has %d keys: AMQP clients read at most %d headers, and the relay adds up to 8 of its own: at most %d", len(md), rowcodec.MaxElements, limit)
 	}

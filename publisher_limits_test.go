@@ -26,8 +26,15 @@ func TestTxPublisher_MetadataTheRelayCannotSend_Refused(t *testing.T) {
 		keyedBad := message.NewMessage("keyed-bad", []byte("x"))
 		keyedBad.Metadata.Set(outbox.MetadataAggregateID, "acct-1")
 		keyedBad.Metadata.Set(strings.Repeat("n", 300), "v")
+		// RabbitMQ reads CC and BCC as sender-selected routing, arrays only:
+		// it refused the string at every try (406), until the row was stuck.
+		cc := message.NewMessage("cc", []byte("x"))
+		cc.Metadata.Set("CC", "ops@example.com")
+		bcc := message.NewMessage("bcc", []byte("x"))
+		bcc.Metadata.Set("BCC", "audit")
 		fine := message.NewMessage("fine", []byte("x"))
 		fine.Metadata.Set(strings.Repeat("n", 255), strings.Repeat("v", 100<<10))
+		fine.Metadata.Set("cc", "a header like any other")
 
 		tx, err := db.Beginx()
 		if err != nil {
@@ -35,7 +42,7 @@ func TestTxPublisher_MetadataTheRelayCannotSend_Refused(t *testing.T) {
 		}
 		defer func() { _ = tx.Rollback() }()
 		pub, _ := outbox.NewTxPublisher(tx)
-		for _, m := range []*message.Message{longName, bigValue, keyedBad} {
+		for _, m := range []*message.Message{longName, bigValue, keyedBad, cc, bcc} {
 			var invalid *outbox.InvalidMessageError
 			if err := pub.Publish("t", fine.Copy(), m); !errors.As(err, &invalid) || invalid.Field != "metadata" {
 				t.Errorf("Publish(%s): %v, want an InvalidMessageError of its metadata", m.UUID, err)
