@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 	"testing"
@@ -133,4 +134,71 @@ func TestInbox_MySQL_MarkForeignIDs_HandlersPublishingDoNotDeadlock(t *testing.T
 	if n := countRows(t, db); n != 3 {
 		t.Errorf("%d outbox rows, want 3 (the first and one per handler)", n)
 	}
+}
+
+// Under the ordered inbox a message ahead of its predecessor is held in
+// acemq_inbox_held and acked: the held row is its durable copy, and a copy
+// sent again only makes another "held again". So the hold's transaction
+// marks its outbox record processed, and Republish leaves it alone for as
+// long as its key waits; when its turn comes it is applied, once.
+func TestOrderedInbox_HeldMessage_RecordMarkedNotResentAtEachBoot_AppliedOnceLater(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		one, two := keyedMsg("order-7", 1), keyedMsg("order-7", 2)
+		publishOrdered(t, db, "", [2]string{one.UUID, "orders"}, [2]string{two.UUID, "orders"})
+		var ran atomic.Int32
+		h := orderedInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Grace: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ageRecords(t, db, time.Hour, two.UUID) // sent an hour ago; seq 1 is not sent yet
+		deliver(t, h, "order-7", 2)            // held: seq 1 has not come
+		if !recordProcessed(t, db, two.UUID) {
+			t.Error("a held message's record not marked processed")
+		}
+		resent := 0
+		for boot := 1; boot <= 3; boot++ {
+			n, err := rp.Republish(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			resent += int(n)
+			ageRecords(t, db, time.Hour, two.UUID) // as if the relay had sent it again
+			deliver(t, h, "order-7", 2)            // held again
+		}
+		if resent != 0 || ran.Load() != 0 {
+			t.Errorf("over 3 boots the held record was sent again %d times, and the handler ran %d times; want 0 and 0", resent, ran.Load())
+		}
+		deliver(t, h, "order-7", 1) // applies 1, then the held 2
+		deliver(t, h, "order-7", 2) // a late copy: a duplicate
+		assertEffectsOnce(t, db, "order-7", 2)
+		if n := ran.Load(); n != 2 || countHeld(t, db) != 0 || !recordProcessed(t, db, one.UUID) {
+			t.Errorf("handler ran %d times (want 2), %d held (want 0), seq 1's record processed %v (want true)", n, countHeld(t, db), recordProcessed(t, db, one.UUID))
+		}
+	})
+}
+
+// A copy of a message held before MarkOutboxProcessed was on (a service
+// that turned it on with Republish) marks its record in the transaction
+// that finds it held again, as a duplicate's copy does on the unordered
+// path: otherwise every boot would send it again while its key waits.
+func TestOrderedInbox_CopyOfAMessageHeldUnmarked_RecordMarkedWhenHeldAgain(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		two := keyedMsg("k", 2)
+		publishOrdered(t, db, "", [2]string{two.UUID, "t"})
+		var ran atomic.Int32
+		deliver(t, orderedInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran)), "k", 2)
+		if recordProcessed(t, db, two.UUID) {
+			t.Fatal("record marked by an inbox without MarkOutboxProcessed")
+		}
+		h := orderedInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(writeEffect(t, db, &ran))
+		deliver(t, h, "k", 2) // held again
+		if !recordProcessed(t, db, two.UUID) {
+			t.Error("record of a message held again not marked processed")
+		}
+		deliver(t, h, "k", 1)
+		assertEffectsOnce(t, db, "k", 2)
+	})
 }

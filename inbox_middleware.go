@@ -63,8 +63,10 @@ type InboxConfig struct {
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
 	// a message also sets its outbox record's processed_at, if still null.
-	// Republish then leaves it alone. Off by default: then no query touches
-	// the outbox table.
+	// Republish then leaves it alone. With Ordered, so does the transaction
+	// that holds a message ahead of its predecessor: the held row is the
+	// message's copy in this database, and one sent again would only be
+	// held again. Off by default: then no query touches the outbox table.
 	MarkOutboxProcessed bool
 	// OutboxTable is the outbox table MarkOutboxProcessed updates and the
 	// messages a handler returns are written into. Default acemq_outbox.
