@@ -63,8 +63,10 @@ type InboxConfig struct {
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
 	// a message also sets its outbox record's processed_at, if still null.
-	// Republish then leaves it alone. Off by default: then no query touches
-	// the outbox table.
+	// Republish then leaves it alone. With Ordered, so does the transaction
+	// that holds a message ahead of its predecessor: the held row is the
+	// message's copy in this database, and one sent again would only be
+	// held again. Off by default: then no query touches the outbox table.
 	MarkOutboxProcessed bool
 	// OutboxTable is the outbox table MarkOutboxProcessed updates and the
 	// messages a handler returns are written into. Default acemq_outbox.
@@ -626,15 +628,50 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 // markProcessed, with MarkOutboxProcessed, marks the outbox record of a key
 // processed: in the transaction that just recorded the key, or for a
 // duplicate on the pool (markDuplicateProcessed).
-func (in *Inbox) markProcessed(ctx context.Context, on sqlx.ExecerContext, key string, now time.Time) error {
+//
+// Where a write that finds no row locks its gap (MySQL, under REPEATABLE
+// READ), it first looks for an unprocessed record with a plain read, and
+// writes only if there is one. Many a message is not from this outbox
+// (another service's, or any message when TrackedTopics is nil), and the
+// UPDATE of its missing id locked the gap above it until the handler's
+// commit: every insert of the service's own outbox rows into that gap (on
+// a small table, any id above the last) waited for the whole handler, and
+// two such handlers that publish through their transaction deadlocked.
+// The record a message came from was committed before it was sent, so the
+// read sees it; an UPDATE of a row that is there locks that row alone.
+// Under REPEATABLE READ the read takes the transaction's snapshot, as
+// PostgreSQL's first statement does: the handler's plain reads see the
+// database as of the mark rather than as of its own first read, a moment
+// later. Under SERIALIZABLE every read locks, and the gap stays locked.
+// PostgreSQL takes no gap locks, and SQLite's transaction holds the
+// database's write lock from the key's insert on: one statement there.
+func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, now time.Time) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
-	q := sqldialect.Inline(in.dialect.sql(), in.outbox.MarkProcessed(key, now))
+	d := in.dialect.sql()
+	if d.GapLocks() {
+		look := sqldialect.Inline(d, in.outbox.Unprocessed(key))
+		var one int
+		switch err := on.QueryRowContext(ctx, look.SQL, look.Args...).Scan(&one); {
+		case errors.Is(err, sql.ErrNoRows):
+			return nil // not from this outbox, or processed already
+		case err != nil:
+			return fmt.Errorf("outbox: inbox: look up outbox record %s: %w", key, err)
+		}
+	}
+	q := sqldialect.Inline(d, in.outbox.MarkProcessed(key, now))
 	if _, err := on.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 	}
 	return nil
+}
+
+// execQuerier is what markProcessed runs on: the message's transaction,
+// or the pool.
+type execQuerier interface {
+	sqlx.ExecerContext
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
 // markDuplicateProcessed, with MarkOutboxProcessed, marks the outbox record

@@ -355,6 +355,14 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap
 		if err != nil {
 			return inboxFailed, err
 		}
+		// Held, the message is in the consumer's database for good, and
+		// acked: Republish has nothing to send again, and a copy it sent
+		// would only be held again, at every boot while the key waits. So
+		// its record is processed with the hold, also at a copy (held
+		// before MarkOutboxProcessed was on). Its apply marks nothing more.
+		if err := in.markProcessed(ctx, tx, id, now); err != nil {
+			return inboxFailed, err
+		}
 		ready, err := in.nextHeld(ctx, tx, consumer, key, last, heldBefore)
 		if err != nil {
 			return inboxFailed, err

@@ -1184,25 +1184,3 @@ func TestOrderedInbox_Postgres_RepeatableRead_SerializationFailureRunAgain(t *te
 	}
 	assertEffectsOnce(t, db, "acct-1", 2)
 }
-
-// A copy of a held message is acked as a duplicate, but its outbox record
-// is not marked processed until the message is applied: marked at the
-// copy, Republish would never resend a message still only held. (From a
-// review of markDuplicateProcessed.)
-func TestOrderedInbox_CopyOfAHeldMessage_RecordMarkedOnlyWhenApplied(t *testing.T) {
-	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		createEffects(t, db)
-		two := keyedMsg("k", 2)
-		insertRaw(t, db, two.UUID, "", "t", "{}", "utf-8")
-		var l applyLog
-		h := orderedInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(l.handler(t, db))
-		deliver(t, h, "k", 2, 2) // held, then its copy
-		if outboxStateOf(t, db, two.UUID).Processed {
-			t.Fatal("record of a message only held marked processed")
-		}
-		deliver(t, h, "k", 1)
-		if !outboxStateOf(t, db, two.UUID).Processed {
-			t.Error("record not marked processed once its message was applied")
-		}
-	})
-}

@@ -256,7 +256,7 @@ const (
 	// acked; it is counted processed when it is applied.
 	inboxHeld
 	// inboxHeldAgain: a copy of a message held already, acked; counted as
-	// a duplicate, but its outbox record is not marked processed, since
-	// the message is not applied yet.
+	// a duplicate. Its outbox record is marked processed in the hold's
+	// transaction, as the held message's is, not by markDuplicateProcessed.
 	inboxHeldAgain
 )

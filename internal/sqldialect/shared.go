@@ -815,6 +815,13 @@ func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
 	return o.query("UPDATE "+o.table+" SET processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
 }
 
+// Unprocessed reads 1 if the record id is there with processed_at still
+// null, and no row otherwise: a plain read, which locks nothing where
+// MarkProcessed would lock the gap of a missing id (see GapLocks).
+func (o *Outbox) Unprocessed(id string) Query {
+	return o.query("SELECT 1 FROM "+o.table+" WHERE id = ? AND processed_at IS NULL", id)
+}
+
 // The statements below are those PostgreSQL and SQLite write alike and
 // MySQL does not (it has INSERT IGNORE, and refuses LIMIT in a subquery).
 

@@ -66,7 +66,9 @@ type Dialect interface {
 	// default isolation (REPEATABLE READ) locks the gaps in it, where other
 	// transactions insert (InnoDB): the library's own range writes run
 	// under READ COMMITTED there, so that the services' inserts neither
-	// wait for them nor deadlock with them.
+	// wait for them nor deadlock with them. So does a write of one key
+	// that finds no row: it locks the gap where the row would be, until
+	// the transaction ends.
 	GapLocks() bool
 	// PadsKeys: the outbox's key columns ignore trailing spaces in
 	// comparisons (MySQL's _bin collations are PAD SPACE), so "k" and "k "
