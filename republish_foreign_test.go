@@ -7,6 +7,7 @@ import (
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testrails"
 )
 
 // foreignPublishedAt are published_at values as other AceMQ libraries
@@ -132,5 +133,50 @@ func TestStore_SQLiteISOPublishedAt_PurgedByInstantNotByText(t *testing.T) {
 	}
 	if n != int64(len(old)) {
 		t.Errorf("PurgePublished deleted %d, want the %d old", n, len(old))
+	}
+}
+
+// An acemq_outbox the Rails library created on MySQL/MariaDB keeps the
+// database's case- and accent-insensitive collation on routing_key and
+// exchange_name. AMQP routing keys and exchange names are case-sensitive,
+// and the inbox's TrackedTopics compares them exactly: records under
+// "Orders" or "ÓRDERS" (or to exchange "Shop") are another topic's, which
+// no tracked consumer marks. Republish leaves them alone; compared by the
+// collation, every boot sent them again.
+func TestRepublish_RailsTableMySQL_RoutingKeyOfAnotherCase_LeftAlone(t *testing.T) {
+	db := testdb.New(t, testdb.MySQL)
+	testrails.CreateTable(t, db)
+	migrate(t, db)
+	old := time.Now().Add(-time.Hour)
+	testrails.Insert(t, db, testrails.Row{ID: "tracked", Exchange: "shop", RoutingKey: "orders", Body: "{}", CreatedAt: old, PublishedAt: old})
+	others := []testrails.Row{
+		{ID: "key-case", Exchange: "shop", RoutingKey: "Orders"},
+		{ID: "key-accent", Exchange: "shop", RoutingKey: "ÓRDERS"},
+		{ID: "key-trailing-space", Exchange: "shop", RoutingKey: "orders "},
+		{ID: "exchange-case", Exchange: "Shop", RoutingKey: "orders"},
+	}
+	for _, r := range others {
+		r.Body, r.CreatedAt, r.PublishedAt = "{}", old, old
+		testrails.Insert(t, db, r)
+	}
+	rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Exchanges: []string{"shop"}, Grace: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for boot := 1; boot <= 2; boot++ {
+		n, err := rp.Republish(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n != 1 {
+			t.Errorf("boot %d made %d records pending, want 1 (routing key \"orders\" to \"shop\")", boot, n)
+		}
+		for _, r := range others {
+			if !stateOf(t, db, r.ID).Published {
+				t.Errorf("boot %d: record %s (%q to %q) made pending", boot, r.ID, r.RoutingKey, r.Exchange)
+			}
+		}
+		// The relay sent the tracked record again, an hour ago; nobody marked it.
+		db.MustExec("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL", testrails.Time(old))
 	}
 }

@@ -214,6 +214,9 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 		[]any{float64(t.UnixNano()) / 1e9, text, text}
 }
 
+// bytes: a column's default collation, BINARY, compares bytes.
+func (sqlite) bytes(col string) string { return col }
+
 // stored: unary plus, a no-op on any value, makes the column an expression
 // with no declared type, which go-sqlite3 reads as stored: a TIMESTAMP
 // column it would read as a time.Time, and pass back as text of another
