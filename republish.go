@@ -41,8 +41,12 @@ func (t *TrackedTopics) Tracked(topic string) bool {
 	return ok
 }
 
-// Topics returns the tracked topics, in no order.
+// Topics returns the tracked topics, in no order; nil for a nil registry,
+// which tracks nothing.
 func (t *TrackedTopics) Topics() []string {
+	if t == nil {
+		return nil
+	}
 	out := make([]string, 0, len(t.set))
 	for topic := range t.set {
 		out = append(out, topic)

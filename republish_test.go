@@ -310,3 +310,12 @@ func TestRepublish_RecordProcessedBeforeMarkingWasOn_SentAgainOnceOnly(t *testin
 		}
 	})
 }
+
+// A nil registry tracks nothing (Tracked answers false), and lists no
+// topic: Topics on it panicked with a nil pointer dereference.
+func TestTrackedTopics_NilRegistry_NoTopicsNoPanic(t *testing.T) {
+	var track *outbox.TrackedTopics
+	if got := track.Topics(); got != nil {
+		t.Fatalf("Topics() = %v, want nil", got)
+	}
+}

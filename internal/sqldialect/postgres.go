@@ -303,6 +303,10 @@ func (d postgres) instantCmp(col, op string, t time.Time) (string, []any) {
 
 func (postgres) timeOf(col string) string { return col }
 
+// bytes: the collations a table gets by default (and Rails') are
+// deterministic, equal only where the bytes are.
+func (postgres) bytes(col string) string { return col }
+
 func (postgres) stored(col string) string { return col }
 
 // purgePublished locks the rows it picks, skipping locked ones: a row made

@@ -779,17 +779,18 @@ type RepublishCursor struct {
 }
 
 // RepublishPick reads the ids of at most limit published, unprocessed
-// records of routingKeys (to one of exchanges, unless it is empty)
+// records of routingKeys (to one of exchanges, unless it is empty; both
+// compared byte for byte, see bytes)
 // published before cutoff, in (published_at, id) order from after (nil:
 // from the first). Each walk goes on where the last ended, rather than
 // from the oldest published row past every processed one again. Columns:
 // id, published_at.
 func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
-	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND routing_key IN (" + placeholders(len(routingKeys)) + ")"
+	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND " + o.d.bytes("routing_key") + " IN (" + placeholders(len(routingKeys)) + ")"
 	args = stringArgs(args, routingKeys)
 	if len(exchanges) > 0 {
-		where += " AND exchange_name IN (" + placeholders(len(exchanges)) + ")"
+		where += " AND " + o.d.bytes("exchange_name") + " IN (" + placeholders(len(exchanges)) + ")"
 		args = stringArgs(args, exchanges)
 	}
 	if after != nil {

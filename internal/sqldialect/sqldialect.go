@@ -173,6 +173,10 @@ type Dialect interface {
 	// exact for any way a library writes a time, whatever it costs a row;
 	// a value that is no time compares as earlier than any t.
 	instantCmp(col, op string, t time.Time) (string, []any)
+	// bytes is the text column col as a value that equals an argument
+	// only if their bytes do: AMQP routing keys and exchange names are
+	// case-sensitive, whatever collation the table was made with.
+	bytes(col string) string
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
 	// stored is col as a select list reads it back as stored, to be

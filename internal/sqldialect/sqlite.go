@@ -156,23 +156,36 @@ func (sqlite) purgePublished(table, before string) string {
 		" WHERE published_at IS NOT NULL AND " + before + " ORDER BY published_at LIMIT ?)"
 }
 
-// timeCmp: a timestamp another library stored as a number (Java's
-// sqlite-jdbc writes Unix milliseconds) sorts below every text in SQLite,
-// so a text comparison alone took a row published a minute ago for one
-// older than any cutoff (a purge deleted it, a Republish resent it at
-// once). Such a value is compared as a time, read as the driver reads it
-// (unixSeconds), against t's Unix seconds, worked out here rather than by
-// unixepoch(), which SQLite before 3.38 lacks. Text values keep the
-// index's range: numbers sort first, so "< t" holds every numeric row in
-// its range, and "col < ”" is the range of the numeric ones.
+// timeCmp is instantCmp (a number, ISO 8601 text of another library, an
+// offset: each compared as the instant it is) behind a text range the
+// index serves. Compared as text alone, a record another library marked
+// published in ISO 8601 text ("…T…" sorts above this library's "… …" on
+// the same day) an hour ago was not resent nor purged until the UTC date
+// changed, and one with a -05:00 offset published a minute ago was resent
+// (or purged) at once. The range is widened by the largest offset
+// julianday() reads (±14:59) and to whole days, so that it holds every
+// text whose instant meets the comparison; numbers sort below every text,
+// so "< bound" holds them, and "col < ”" is their range for ">=". The
+// cost: "<" also walks the index entries of up to 15 hours and a day past
+// t, each one checked by instantCmp (for Republish, whose t is now less
+// Grace, only the rows published within Grace; for a purge, those
+// published in that span after its cutoff), and ">=" as many before t.
+// Text that is no time keeps its text comparison's answer outside the
+// range ('garbage' is never before t) and is before any t within it.
 func (d sqlite) timeCmp(col, op string, t time.Time) (string, []any) {
-	args := []any{d.TimeArg(t), float64(t.UnixNano()) / 1e9}
-	numeric := "typeof(" + col + ") IN ('integer', 'real')"
+	exact, args := d.instantCmp(col, op, t)
 	if op == "<" {
-		return "(" + col + " < ? AND (NOT " + numeric + " OR " + unixSeconds(col) + " < ?))", args
+		bound := t.UTC().Add(maxOffset).AddDate(0, 0, 1).Format(time.DateOnly)
+		return "(" + col + " < ? AND " + exact + ")", append([]any{bound}, args...)
 	}
-	return "(" + col + " " + op + " ? OR " + col + " < '' AND " + unixSeconds(col) + " " + op + " ?)", args
+	bound := t.UTC().Add(-maxOffset).Format(time.DateOnly)
+	return "((" + col + " >= ? OR " + col + " < '') AND " + exact + ")", append([]any{bound}, args...)
 }
+
+// maxOffset is the largest UTC offset julianday() reads (its parser takes
+// hours up to 14 and minutes up to 59): text with a larger one is no time
+// to it.
+const maxOffset = 14*time.Hour + 59*time.Minute
 
 // instantCmp: a time written as ISO 8601 text by another library (Rust's
 // sqlx writes RFC 3339, "2026-12-03T03:30:45.179+00:00"; JavaScript's
@@ -200,6 +213,9 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN " + numeric + " ELSE " + asText + " END)",
 		[]any{float64(t.UnixNano()) / 1e9, text, text}
 }
+
+// bytes: a column's default collation, BINARY, compares bytes.
+func (sqlite) bytes(col string) string { return col }
 
 // stored: unary plus, a no-op on any value, makes the column an expression
 // with no declared type, which go-sqlite3 reads as stored: a TIMESTAMP
