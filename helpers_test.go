@@ -91,21 +91,30 @@ func countRows(t testing.TB, db *testdb.DB) int {
 // publishInTx publishes msgs on topic in one transaction and commits it.
 func publishInTx(t testing.TB, db *testdb.DB, topic string, msgs []*message.Message, cfg ...outbox.TxPublisherConfig) {
 	t.Helper()
+	if err := commitPublish(db, topic, msgs, cfg...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// commitPublish is publishInTx reporting its error rather than failing
+// the test: for other goroutines than the test's.
+func commitPublish(db *testdb.DB, topic string, msgs []*message.Message, cfg ...outbox.TxPublisherConfig) error {
 	tx, err := db.Beginx()
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer func() { _ = tx.Rollback() }()
 	pub, err := outbox.NewTxPublisher(tx, cfg...)
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	if err := pub.Publish(topic, msgs...); err != nil {
-		t.Fatalf("publish: %v", err)
+		return fmt.Errorf("publish: %w", err)
 	}
 	if err := tx.Commit(); err != nil {
-		t.Fatalf("commit: %v", err)
+		return fmt.Errorf("commit: %w", err)
 	}
+	return nil
 }
 
 // publishN commits n messages on topic, one transaction each, and returns their ids in order.

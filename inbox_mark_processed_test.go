@@ -25,24 +25,6 @@ import (
 // every id these tests publish, so in the gap a missing-row lock would take.
 const foreignID = "f0000000-0000-0000-0000-00000000beef"
 
-// publishAlone commits one message on topic in a transaction of its own,
-// from any goroutine (it reports, rather than failing the test).
-func publishAlone(db *testdb.DB, id, topic string) error {
-	tx, err := db.Beginx()
-	if err != nil {
-		return err
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, err := outbox.NewTxPublisher(tx)
-	if err != nil {
-		return err
-	}
-	if err := pub.Publish(topic, message.NewMessage(id, []byte("x"))); err != nil {
-		return err
-	}
-	return tx.Commit()
-}
-
 func TestInbox_MySQL_MarkForeignID_ServicePublishDoesNotWaitForHandler(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
 	publishOrdered(t, db, "", [2]string{"00000000-0000-0000-0000-000000000001", "orders"})
@@ -64,7 +46,9 @@ func TestInbox_MySQL_MarkForeignID_ServicePublishDoesNotWaitForHandler(t *testin
 	const handlerHeld, want = 3 * time.Second, time.Second
 	start := time.Now()
 	published := make(chan error, 1)
-	go func() { published <- publishAlone(db, "f1000000-0000-0000-0000-000000000002", "billing") }()
+	go func() {
+		published <- commitPublish(db, "billing", []*message.Message{message.NewMessage("f1000000-0000-0000-0000-000000000002", []byte("x"))})
+	}()
 	var took time.Duration
 	var err error
 	select {
