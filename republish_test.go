@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -11,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jmoiron/sqlx"
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -317,5 +319,107 @@ func TestTrackedTopics_NilRegistry_NoTopicsNoPanic(t *testing.T) {
 	var track *outbox.TrackedTopics
 	if got := track.Topics(); got != nil {
 		t.Fatalf("Topics() = %v, want nil", got)
+	}
+}
+
+// poisonRecorder is a poison topic: it keeps what PoisonQueue sets aside,
+// or refuses it with err.
+type poisonRecorder struct {
+	mu   sync.Mutex
+	msgs []*message.Message
+	err  error
+}
+
+func (p *poisonRecorder) Publish(_ string, msgs ...*message.Message) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.err != nil {
+		return p.err
+	}
+	p.msgs = append(p.msgs, msgs...)
+	return nil
+}
+
+func (p *poisonRecorder) Close() error { return nil }
+
+func (p *poisonRecorder) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.msgs)
+}
+
+// A message whose handler keeps failing goes to the poison topic and is
+// acked. Its record stayed unprocessed: each boot's Republish sent it
+// again, and the poison topic got a copy per boot (3 over 3 boots). Set
+// aside through Inbox.PoisonPublisher, it counts as processed.
+func TestRepublish_PoisonedMessage_NotSentAgainAtEveryBoot(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		topic := "order.placed"
+		id := publishN(t, db, "", topic, 1)[0]
+		ageRecords(t, db, time.Hour, id)
+		in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+		poison := &poisonRecorder{}
+		pq, err := middleware.PoisonQueue(in.PoisonPublisher(poison), topic+".poison")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ran atomic.Int32
+		h := pq(in.Middleware(func(*message.Message) ([]*message.Message, error) {
+			ran.Add(1)
+			return nil, errors.New("cannot process this order")
+		}))
+		deliver := func() {
+			if _, err := h(message.NewMessage(id, []byte("x"))); err != nil {
+				t.Fatalf("PoisonQueue did not take the failure: %v", err)
+			}
+		}
+		deliver()
+		rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics(topic), Grace: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent := 0
+		for boot := 1; boot <= 3; boot++ {
+			n, err := rp.Republish(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			sent += int(n)
+			if n > 0 {
+				ageRecords(t, db, time.Hour, id) // the relay sent it again
+				deliver()
+			}
+		}
+		if sent != 0 || poison.count() != 1 || ran.Load() != 1 {
+			t.Errorf("over 3 boots Republish sent the poisoned record %d times, the poison topic got %d copies, the handler ran %d times; want 0, 1 and 1",
+				sent, poison.count(), ran.Load())
+		}
+		if !outboxStateOf(t, db, id).Processed {
+			t.Errorf("record %s not processed after it went to the poison topic", id)
+		}
+	})
+}
+
+// A poison topic that refuses the message: nothing is marked, and the
+// failure reaches PoisonQueue, which fails the message (nacked, delivered
+// again), so the record stays Republish's to send.
+func TestInbox_PoisonPublisher_RefusedPublish_MarksNothing(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	topic := "order.placed"
+	id := publishN(t, db, "", topic, 1)[0]
+	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+	refused := errors.New("poison topic down")
+	pq, err := middleware.PoisonQueue(in.PoisonPublisher(&poisonRecorder{err: refused}), topic+".poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := pq(in.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, errors.New("cannot process this order")
+	}))
+	if _, err := h(message.NewMessage(id, []byte("x"))); !errors.Is(err, refused) {
+		t.Fatalf("delivery: %v, want the poison topic's refusal", err)
+	}
+	if outboxStateOf(t, db, id).Processed {
+		t.Errorf("record %s marked processed though the poison topic refused it", id)
 	}
 }
