@@ -45,10 +45,10 @@ const (
 	// headers HeaderAggregateID and HeaderSeq. Without it a message is
 	// unkeyed and costs nothing more.
 	//
-	// A message whose id is in the table already keeps the row's key: it
-	// is a retry when its own key is the same, compared byte for byte (or
-	// both have none), and a *DuplicateIDError otherwise, keyed where the
-	// row is unkeyed and the reverse included.
+	// A keyed message whose id is in the table already is a retry when the
+	// row has its key, compared byte for byte, and a *DuplicateIDError
+	// when the row has another key or none. An unkeyed message over a
+	// keyed row is a retry: the row keeps its key.
 	MetadataAggregateID = "outbox_aggregate_id"
 )
 
@@ -366,8 +366,10 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 	near := false
 	seen := make(map[string]bool, len(rows))
 	want := make(map[string]*sqldialect.Row, len(rows))
+	keyed := false // the call's keyed rows need aggregate_id, and 0005
 	for i := range rows {
 		want[rows[i].ID] = &rows[i]
+		keyed = keyed || rows[i].AggregateID != ""
 	}
 	for start := 0; start < len(rows); start += maxRowsPerStmt {
 		end := min(start+maxRowsPerStmt, len(rows))
@@ -375,7 +377,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 		for i := start; i < end; i++ {
 			ids = append(ids, rows[i].ID)
 		}
-		found, err := p.query(ctx, p.q.Destinations(ids))
+		found, err := p.query(ctx, p.q.Destinations(ids, keyed))
 		if err != nil {
 			return nil, nil, err
 		}
@@ -391,7 +393,11 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				// is compared in its bytes, not by the column's collation.
 				key sql.NullString
 			)
-			if err := found.Scan(&id, &exchange, &routingKey, created, &key); err != nil {
+			dest := []any{&id, &exchange, &routingKey, created}
+			if keyed {
+				dest = append(dest, &key)
+			}
+			if err := found.Scan(dest...); err != nil {
 				_ = found.Close()
 				return nil, nil, err
 			}
@@ -409,7 +415,9 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 			switch {
 			case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
 				ours = append(ours, id) // inserted by this statement
-			case (exchange != r.Exchange || routingKey != r.RoutingKey || key.String != r.AggregateID) && conflict == nil:
+			// An unkeyed message over a keyed row is a retry: the row keeps
+			// its key, and goes out ordered by it.
+			case (exchange != r.Exchange || routingKey != r.RoutingKey || r.AggregateID != "" && key.String != r.AggregateID) && conflict == nil:
 				conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, AggregateID: key.String,
 					WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey, WantAggregateID: r.AggregateID}
 			}

@@ -17,6 +17,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
 // keyed returns a new message on aggregate key (none for "").
@@ -687,7 +688,7 @@ func underKey(id, key string) *message.Message {
 }
 
 // A message whose id is already in the table under another ordering key
-// (or keyed where the row is not, or the reverse) was skipped as a retry,
+// (or keyed where the row is not) was skipped as a retry,
 // and the call returned nil: the caller believed it ordered under its key
 // while the relay sent the row under the other. It is a DuplicateIDError
 // naming both keys; nothing of the call is written, and the new key's
@@ -703,7 +704,6 @@ func TestTxPublisher_SameIDUnderAnotherOrderingKey_DuplicateIDErrorNothingWritte
 			id, have, key string
 		}{
 			{"keyed-under-another-key", onA.UUID, "order-a", "order-b"},
-			{"keyed-row-republished-unkeyed", onA.UUID, "order-a", ""},
 			{"unkeyed-row-republished-keyed", unkeyed.UUID, "", "order-b"},
 			{"key-differing-in-case", onA.UUID, "order-a", "ORDER-A"},
 		} {
@@ -725,10 +725,15 @@ func TestTxPublisher_SameIDUnderAnotherOrderingKey_DuplicateIDErrorNothingWritte
 		inTx(t, db, true, []*message.Message{next})
 		wantSeq(t, db, next, "order-b", 1) // no number of a refused call kept
 
-		// The same messages again, under their own keys: retries.
+		// The same messages again, under their own keys, and the keyed one
+		// unkeyed (it keeps the row's key): retries.
 		if err := republish(t, db, underKey(onA.UUID, "order-a"), underKey(unkeyed.UUID, "")); err != nil {
 			t.Fatalf("the same messages under the same keys again: %v", err)
 		}
+		if err := republish(t, db, underKey(onA.UUID, "")); err != nil {
+			t.Fatalf("the keyed message again, unkeyed: %v", err)
+		}
+		wantSeq(t, db, onA, "order-a", 1)
 		if n := countRows(t, db); n != 3 {
 			t.Fatalf("%d rows, want 3", n)
 		}
@@ -772,4 +777,32 @@ func TestTxPublisher_SameIDOverForeignRows_KeyComparedByteForByte(t *testing.T) 
 			t.Errorf("%d rows, want the 2 foreign ones", n)
 		}
 	})
+}
+
+// A service that publishes only unkeyed messages into a table another
+// library made, without 0005's aggregate_id and seq: its retried
+// transaction (the same id again) reads the row back without the
+// ordering key's column, and is a retry, as before keys were compared.
+func TestTxPublisher_UnkeyedRetryOnTableWithoutKeyColumns_IsARetry(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := testdb.New(t, kind)
+			migs, err := sqlschema.Migrations(dialectOf(t, db).Name())
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, stmt := range sqlschema.Statements(migs[0].Up) { // 0001 alone
+				db.MustExec(stmt)
+			}
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			for try := 1; try <= 2; try++ {
+				if err := republish(t, db, msg); err != nil {
+					t.Fatalf("publish %d of the same message: %v", try, err)
+				}
+			}
+			if n := countRows(t, db); n != 1 {
+				t.Errorf("%d rows, want 1", n)
+			}
+		})
+	}
 }

@@ -275,12 +275,18 @@ func (o *Outbox) GiveBackSeq(key string, n int) Query {
 	return o.query("UPDATE "+o.sequences+" SET last_seq = last_seq - ? WHERE aggregate_id = ?", n, key)
 }
 
-// Destinations reads where the rows of ids go, and under which ordering
-// key. Columns: id, exchange_name, routing_key, created_at, aggregate_id
-// (NULL for an unkeyed row).
-func (o *Outbox) Destinations(ids []string) Query {
-	return o.query("SELECT id, exchange_name, routing_key, created_at, aggregate_id FROM "+o.table+
-		" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+// Destinations reads where the rows of ids go and, with keys, under which
+// ordering key. Columns: id, exchange_name, routing_key, created_at, and
+// with keys aggregate_id (NULL for an unkeyed row). Without keys it reads
+// no column Insert does not write: a service that publishes only unkeyed
+// messages into a table another library made, without 0005's columns,
+// reads its retries back.
+func (o *Outbox) Destinations(ids []string, keys bool) Query {
+	cols := "id, exchange_name, routing_key, created_at"
+	if keys {
+		cols += ", aggregate_id"
+	}
+	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
 }
 
 // Delete deletes the rows of ids.
