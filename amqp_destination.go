@@ -67,6 +67,19 @@ type AMQPConfig struct {
 	// next publish, so that even the first failure of a record is not
 	// overtaken on the broker, at the cost of a round trip per message.
 	Window int
+	// MaxMessageSize is the largest body the broker takes, in bytes: its
+	// max_message_size (RabbitMQ 3.x's default is 128 MiB, 4.x's 16 MiB).
+	// A record whose body is larger is never sent: it is stuck at once
+	// with a *MessageTooLargeError. 0 (the default): the limit is not
+	// known beforehand, and the first such record goes out, whole; the
+	// broker reads it all, closes the channel over it (406
+	// PRECONDITION_FAILED, naming its limit), and the record is stuck at
+	// once all the same; the destination then refuses larger bodies
+	// itself for as long as that connection lasts. Set it to the broker's
+	// limit to spare the broker that transfer and the channel close
+	// (below it, bodies the broker would take are refused; above it, the
+	// bodies between the two go out and are refused as with 0).
+	MaxMessageSize int
 	// ConnectionName is shown in RabbitMQ's management UI. Default
 	// "watermill-outbox relay".
 	ConnectionName string
@@ -118,6 +131,9 @@ func (c AMQPConfig) validate() error {
 		// amqp091-go's recovery reopens channels in place and restarts their
 		// confirms under the destination, which reconnects on its own.
 		return &ConfigError{Field: "AMQP.Recovery", Reason: "not supported: the destination reconnects by itself"}
+	}
+	if c.MaxMessageSize < 0 {
+		return &ConfigError{Field: "MaxMessageSize", Reason: fmt.Sprintf("%d; want 0 (the broker's limit, as it refuses a message) or the largest body in bytes", c.MaxMessageSize)}
 	}
 	if c.Window < 0 || c.Window > maxWindow {
 		return &ConfigError{Field: "Window", Reason: fmt.Sprintf("%d; want 0 (all of a batch) to %d", c.Window, maxWindow)}
@@ -174,6 +190,12 @@ type AMQPDestination struct {
 	last      string // the node of the latest connection, for the log of a failover
 	counted   string // the node this destination counts as connected in cfg.Metrics
 
+	// brokerMax is the broker's max_message_size as it named it closing a
+	// channel over a larger message on this connection, 0 until then, and
+	// brokerMaxBy the close that named it.
+	brokerMax   int
+	brokerMaxBy string
+
 	current atomic.Pointer[nodeConn] // for Node, which does not wait for mu
 	// For Close, which may have to cut a call it waits behind: closing is
 	// set as it begins (no connect starts after it), dialing is the socket
@@ -209,6 +231,9 @@ type confirmChannel struct {
 	// blamed, once the broker closed the channel, the confirms of the
 	// records that closed it (see blame).
 	blamed map[*amqp.DeferredConfirmation]bool
+	// maxBody is the broker's max_message_size when it closed the channel
+	// over a larger message, as it named it; 0 otherwise.
+	maxBody int
 }
 
 // ErrDestinationClosed is returned by a destination used after Close.
@@ -344,6 +369,9 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		d.conn, d.wire = conn, w
 		d.blocked = watchBlocked(conn)
 		d.exchanges = map[string]bool{}
+		// Another node, or the broker restarted since: its limit may be
+		// another.
+		d.brokerMax, d.brokerMaxBy = 0, ""
 		// The next connect starts after this node: if it is lost, the next
 		// one is the likelier to answer.
 		d.next = (k + 1) % len(d.nodes)
@@ -790,6 +818,12 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 			p.res[i] = Permanent(fmt.Errorf("publish: %w", err))
 			break
 		}
+		if err := d.overMaxSize(recs[i]); err != nil {
+			// The broker would read it all and close the channel over
+			// it, taking the records in flight behind it along.
+			p.res[i] = Permanent(err)
+			break
+		}
 		dc, err := p.on.ch.PublishWithDeferredConfirmWithContext(ctx, recs[i].Exchange, recs[i].RoutingKey, true, false, msg)
 		if err != nil && p.on.ch.IsClosed() && !d.conn.IsClosed() && p.on.closedByBroker() {
 			// The broker closed the channel over a message this window or
@@ -949,6 +983,13 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// The broker closed this channel and kept the connection: a
 			// channel error, caused by this record.
 			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
+			if p.on.maxBody > 0 && len(p.recs[i].Body) > p.on.maxBody {
+				// Over the broker's max_message_size: no retry will send
+				// it, and each would send it whole and hold back what is
+				// behind it.
+				res[i] = Permanent(&MessageTooLargeError{Size: len(p.recs[i].Body), Max: p.on.maxBody,
+					detail: "the broker closed the channel over it: " + p.on.closeReason()})
+			}
 		case p.on.ch.IsClosed():
 			// Closed over another record: the broker dropped this one, or
 			// has it unconfirmed. Not its fault, so it counts no attempt,
@@ -1081,8 +1122,12 @@ func (c *confirmChannel) takeReturn(id string) (amqp.Return, bool) {
 // exchange, one the relay's user may not write to) take the others down
 // with it, every try, until all are stuck. The broker names the exchange
 // it refused ("… exchange 'x' in vhost '/'", cut short past 255 bytes):
-// the records to it are to blame. A close that names none (a header the
-// broker refuses, a message over its size limit) blames the record if it
+// the records to it are to blame. A close over a message's size names the
+// broker's limit ("message size 134217729 is larger than configured max
+// size 134217728"): the records whose bodies are larger are to blame, and
+// the destination refuses larger bodies itself from then on, on this
+// connection. A close that names neither (a header the
+// broker refuses) blames the record if it
 // was the only one unconfirmed; else nobody, and each of those records
 // becomes a suspect, which goes alone until it is through (see isolates),
 // so that the next close has one record to blame. (The first record left
@@ -1094,6 +1139,12 @@ func (d *AMQPDestination) blame(ctx context.Context, c *confirmChannel, dc *amqp
 		c.blamed = map[*amqp.DeferredConfirmation]bool{}
 		c.closeReason()
 		exchange, named := refusedExchange(c.refusal)
+		if limit, ok := refusedSize(c.refusal); ok {
+			c.maxBody = limit
+			if c.conn == d.conn {
+				d.brokerMax, d.brokerMaxBy = limit, c.reason
+			}
+		}
 		var unconfirmed []string
 		var only *amqp.DeferredConfirmation
 		for _, w := range d.inflight {
@@ -1110,7 +1161,7 @@ func (d *AMQPDestination) blame(ctx context.Context, c *confirmChannel, dc *amqp
 				}
 				unconfirmed = append(unconfirmed, w.recs[i].ID)
 				only = conf
-				if named && sameExchange(w.recs[i].Exchange, exchange) {
+				if named && sameExchange(w.recs[i].Exchange, exchange) || c.maxBody > 0 && len(w.recs[i].Body) > c.maxBody {
 					c.blamed[conf] = true
 				}
 			}
@@ -1161,6 +1212,63 @@ func refusedExchange(reason string) (exchange, bool) {
 		return exchange{name: name, whole: true}, true
 	}
 	return exchange{name: strings.TrimSuffix(rest, "...")}, rest != ""
+}
+
+// refusedSize reads the limit a channel close over a message's size names,
+// as RabbitMQ 3.8 to 4.x write it: "PRECONDITION_FAILED - message size
+// 134217729 is larger than configured max size 134217728" ("larger than
+// max size" at its ceiling, 512 MiB).
+func refusedSize(reason string) (int, bool) {
+	_, rest, ok := strings.Cut(reason, "message size ")
+	if !ok {
+		return 0, false
+	}
+	_, rest, ok = strings.Cut(rest, "max size ")
+	if !ok {
+		return 0, false
+	}
+	end := 0
+	for end < len(rest) && rest[end] >= '0' && rest[end] <= '9' {
+		end++
+	}
+	limit, err := strconv.Atoi(rest[:end])
+	if err != nil || limit <= 0 {
+		return 0, false
+	}
+	return limit, true
+}
+
+// overMaxSize refuses r when its body is larger than the broker takes, as
+// far as the destination knows its limit: AMQPConfig.MaxMessageSize, or
+// what the broker named refusing a larger message on this connection.
+func (d *AMQPDestination) overMaxSize(r Record) error {
+	switch limit := d.cfg.MaxMessageSize; {
+	case limit > 0 && len(r.Body) > limit && (d.brokerMax == 0 || limit <= d.brokerMax):
+		return &MessageTooLargeError{Size: len(r.Body), Max: limit, detail: "AMQPConfig.MaxMessageSize; not sent"}
+	case d.brokerMax > 0 && len(r.Body) > d.brokerMax:
+		return &MessageTooLargeError{Size: len(r.Body), Max: d.brokerMax,
+			detail: "as the broker named it closing a channel over a larger message on this connection (" + d.brokerMaxBy + "); not sent"}
+	}
+	return nil
+}
+
+// MessageTooLargeError is the failure of a record whose body is larger
+// than the broker takes: its max_message_size, which RabbitMQ checks once
+// it has read the whole body, closing the channel over it. It is
+// permanent: the record is stuck at once, visible with this in last_error,
+// and holds back nothing but its key. Raise the broker's limit (and
+// AMQPConfig.MaxMessageSize) and retry it, or send the payload another way.
+type MessageTooLargeError struct {
+	Size int // the body's bytes
+	Max  int // the limit it is over
+	// detail says where the limit comes from and whether the message went
+	// out.
+	detail string
+}
+
+func (e *MessageTooLargeError) Error() string {
+	return fmt.Sprintf("body of %d bytes is over the broker's max_message_size of %d bytes (%s): no retry will send it; raise the limit and retry the record, or send a smaller message",
+		e.Size, e.Max, e.detail)
 }
 
 // exchange is the exchange a channel close names, whole or cut short.

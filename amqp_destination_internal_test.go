@@ -287,6 +287,52 @@ func TestRefusedExchange_ReadsRabbitMQsWording(t *testing.T) {
 	}
 }
 
+// The limit a channel close over a message's size names, as RabbitMQ
+// words it (3.8 to 4.x), and none in other closes.
+func TestRefusedSize_ReadsRabbitMQsWording(t *testing.T) {
+	for reason, want := range map[string]int{
+		"PRECONDITION_FAILED - message size 134217729 is larger than configured max size 134217728": 134217728,
+		"PRECONDITION_FAILED - message size 536870913 is larger than max size 536870912":            536870912,
+		"PRECONDITION_FAILED - message size 2000000 is larger than configured max size 1000000":     1000000,
+		"PRECONDITION_FAILED - invalid message: {unacceptable_type_in_header,\"CC\",longstr}":       0,
+		"NOT_FOUND - no exchange 'gone' in vhost '/'":                                               0,
+		"PRECONDITION_FAILED - message size 7 is larger than configured max size ":                  0,
+	} {
+		got, ok := refusedSize(reason)
+		if got != want || ok != (want > 0) {
+			t.Errorf("refusedSize(%q) = %d, %v; want %d", reason, got, ok, want)
+		}
+	}
+}
+
+// The limit a destination refuses bodies over before sending them: the
+// configured one, or the broker's as it named it refusing a larger message
+// on this connection, whichever is lower.
+func TestOverMaxSize_ConfiguredOrLearnedLimit(t *testing.T) {
+	body := func(n int) Record { return Record{Body: make([]byte, n)} }
+	for _, c := range []struct {
+		configured, learned, size, want int // want: the limit named, 0 for none
+	}{
+		{0, 0, 1 << 30, 0},
+		{100, 0, 100, 0},
+		{100, 0, 101, 100},
+		{0, 100, 101, 100},
+		{0, 100, 100, 0},
+		{50, 100, 60, 50},
+		{200, 100, 150, 100},
+	} {
+		d := &AMQPDestination{cfg: AMQPConfig{MaxMessageSize: c.configured}, brokerMax: c.learned}
+		err := d.overMaxSize(body(c.size))
+		var tooLarge *MessageTooLargeError
+		switch {
+		case c.want == 0 && err != nil:
+			t.Errorf("%+v: %v; want none", c, err)
+		case c.want > 0 && (!errors.As(err, &tooLarge) || tooLarge.Max != c.want || tooLarge.Size != c.size):
+			t.Errorf("%+v: %v; want a *MessageTooLargeError over %d", c, err, c.want)
+		}
+	}
+}
+
 // Destinations built from one amqp.Config whose Properties the caller set
 // each name their connections themselves, and leave the caller's table as
 // it was: the first used to write its connection_name there, and every

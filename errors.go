@@ -48,24 +48,49 @@ func (e *ConfigError) Error() string { return fmt.Sprintf("outbox: %s: %s", e.Fi
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
 
 // ErrDuplicateID matches every *DuplicateIDError with errors.Is.
-var ErrDuplicateID = errors.New("outbox: message id already in the outbox for another destination")
+var ErrDuplicateID = errors.New("outbox: message id already in the outbox for another destination or ordering key")
 
 // DuplicateIDError is a message whose id is already in the outbox for
-// another exchange or routing key: a copy of one message published to a
-// second topic (Watermill's Copy keeps the UUID). The id is the row's key
-// and the consumers' dedupe key, so that copy would be lost; instead the
-// whole Publish call is refused and nothing of it written. Give each copy
-// its own UUID. The same message to the same place again (a retried
-// transaction) is not an error: it leaves one row.
+// another exchange or routing key, or under another ordering key
+// (MetadataAggregateID): a copy of one message published to a second topic
+// (Watermill's Copy keeps the UUID), or given another key. The id is the
+// row's key and the consumers' dedupe key, so that copy would be lost, or
+// sent under the row's key rather than its own; instead the whole Publish
+// call is refused and nothing of it written. Give each copy its own UUID.
+// The same message to the same place under the same key again (a retried
+// transaction) is not an error: it leaves one row, the first written.
+//
+// Keys are compared in their bytes, as the table holds them, whatever the
+// column's collation; a row without one (aggregate_id NULL, or ” as
+// another library may write it, which the relay sends unkeyed too) has
+// AggregateID "".
 type DuplicateIDError struct {
 	ID                           string
 	Exchange, RoutingKey         string // where the row already in the table goes
 	WantExchange, WantRoutingKey string // where this call wanted it to go
+	AggregateID                  string // the row's ordering key, "" for none
+	WantAggregateID              string // this call's message's, "" for none
 }
 
 func (e *DuplicateIDError) Error() string {
-	return fmt.Sprintf("outbox: message id %q is already in the outbox for exchange %q routing key %q; it cannot also go to exchange %q routing key %q: give each copy its own UUID",
+	if e.Exchange == e.WantExchange && e.RoutingKey == e.WantRoutingKey {
+		return fmt.Sprintf("outbox: message id %q is already in the outbox %s; it cannot be published again %s, as the row keeps its key: give the message its own UUID",
+			e.ID, orderingKey(e.AggregateID), orderingKey(e.WantAggregateID))
+	}
+	msg := fmt.Sprintf("outbox: message id %q is already in the outbox for exchange %q routing key %q; it cannot also go to exchange %q routing key %q",
 		e.ID, e.Exchange, e.RoutingKey, e.WantExchange, e.WantRoutingKey)
+	if e.AggregateID != e.WantAggregateID {
+		msg += fmt.Sprintf(" (the row is %s, this message %s)", orderingKey(e.AggregateID), orderingKey(e.WantAggregateID))
+	}
+	return msg + ": give each copy its own UUID"
+}
+
+// orderingKey names a row's or message's ordering key in an error.
+func orderingKey(key string) string {
+	if key == "" {
+		return "without an ordering key"
+	}
+	return fmt.Sprintf("under ordering key %q", key)
 }
 
 // Is makes errors.Is(err, ErrDuplicateID) and errors.Is(err, ErrInvalidMessage) true.

@@ -44,6 +44,11 @@ const (
 	// without gaps, increasing in commit order; the relay sends both as the
 	// headers HeaderAggregateID and HeaderSeq. Without it a message is
 	// unkeyed and costs nothing more.
+	//
+	// A keyed message whose id is in the table already is a retry when the
+	// row has its key, compared byte for byte, and a *DuplicateIDError
+	// when the row has another key or none. An unkeyed message over a
+	// keyed row is a retry: the row keeps its key.
 	MetadataAggregateID = "outbox_aggregate_id"
 )
 
@@ -249,7 +254,9 @@ func nilWatermillTx(t wsql.Tx) bool {
 // Every message is checked before anything is written; an invalid one
 // fails the whole call with an *InvalidMessageError. A message whose id is
 // already in the table (the caller retrying its transaction) is skipped
-// without error.
+// without error, the row keeping what was written first; unless the row
+// goes to another exchange or routing key, or under another ordering key:
+// that fails the whole call with a *DuplicateIDError.
 //
 // A message with MetadataAggregateID gets its key's next sequence number
 // first: the call takes its keys' rows of acemq_outbox_sequences (in the
@@ -324,7 +331,8 @@ func (p *TxPublisher) insert(ctx context.Context, rows []sqldialect.Row) error {
 }
 
 // checkConflicts compares the rows already in the table under the ids of
-// rows with where rows were going. A different destination is an error, and
+// rows with where rows were going. A different destination or ordering key
+// is an error, and
 // the rows this statement inserted are taken out again, so that nothing of
 // the call stays.
 //
@@ -346,7 +354,8 @@ func (p *TxPublisher) checkConflicts(ctx context.Context, rows []sqldialect.Row)
 
 // readBack reads the rows under the ids of rows: ours are those this call
 // inserted (by their created_at), and conflict the first of the others
-// that goes to another destination (a *DuplicateIDError), or else a row
+// that goes to another destination or under another ordering key (a
+// *DuplicateIDError), or else a row
 // that is not there at all: MySQL's insert skips a row for any unique key
 // (ON DUPLICATE KEY UPDATE leaving the row there as it is), and a keyed row whose (aggregate_id, seq) another row holds
 // (a counter behind the table) would otherwise be lost without a word.
@@ -357,8 +366,10 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 	near := false
 	seen := make(map[string]bool, len(rows))
 	want := make(map[string]*sqldialect.Row, len(rows))
+	keyed := false // the call's keyed rows need aggregate_id, and 0005
 	for i := range rows {
 		want[rows[i].ID] = &rows[i]
+		keyed = keyed || rows[i].AggregateID != ""
 	}
 	for start := 0; start < len(rows); start += maxRowsPerStmt {
 		end := min(start+maxRowsPerStmt, len(rows))
@@ -366,7 +377,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 		for i := start; i < end; i++ {
 			ids = append(ids, rows[i].ID)
 		}
-		found, err := p.query(ctx, p.q.Destinations(ids))
+		found, err := p.query(ctx, p.q.Destinations(ids, keyed))
 		if err != nil {
 			return nil, nil, err
 		}
@@ -377,8 +388,16 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				// library wrote with a created_at that is no time reads as
 				// the zero time, not ours.
 				created = sqldialect.NewTime(p.cfg.Dialect.sql())
+				// NULL and '' (which another library may write for none)
+				// are both unkeyed, as the relay reads them; any other key
+				// is compared in its bytes, not by the column's collation.
+				key sql.NullString
 			)
-			if err := found.Scan(&id, &exchange, &routingKey, created); err != nil {
+			dest := []any{&id, &exchange, &routingKey, created}
+			if keyed {
+				dest = append(dest, &key)
+			}
+			if err := found.Scan(dest...); err != nil {
 				_ = found.Close()
 				return nil, nil, err
 			}
@@ -396,8 +415,11 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 			switch {
 			case created.T.UnixMicro() == r.CreatedAt.UnixMicro():
 				ours = append(ours, id) // inserted by this statement
-			case (exchange != r.Exchange || routingKey != r.RoutingKey) && conflict == nil:
-				conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey}
+			// An unkeyed message over a keyed row is a retry: the row keeps
+			// its key, and goes out ordered by it.
+			case (exchange != r.Exchange || routingKey != r.RoutingKey || r.AggregateID != "" && key.String != r.AggregateID) && conflict == nil:
+				conflict = &DuplicateIDError{ID: id, Exchange: exchange, RoutingKey: routingKey, AggregateID: key.String,
+					WantExchange: r.Exchange, WantRoutingKey: r.RoutingKey, WantAggregateID: r.AggregateID}
 			}
 			near = near || (!created.T.IsZero() && created.T.UnixMicro() != r.CreatedAt.UnixMicro() && created.T.Sub(r.CreatedAt).Abs() < time.Second)
 		}

@@ -17,6 +17,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
 // keyed returns a new message on aggregate key (none for "").
@@ -664,5 +665,144 @@ func TestTxPublisher_RelayOrderingHeaders_LeftOutOnlyAsAPair(t *testing.T) {
 	}
 	if both.Metadata.Get(outbox.HeaderSeq) != "3" {
 		t.Error("Publish changed the caller's message")
+	}
+}
+
+// republish publishes msgs in one transaction and commits it whatever
+// Publish returned (a caller may), returning Publish's error.
+func republish(t *testing.T, db *testdb.DB, msgs ...*message.Message) error {
+	t.Helper()
+	tx, pub := beginPublisher(t, db)
+	perr := pub.Publish("orders", msgs...)
+	if err := tx.Commit(); err != nil && (perr == nil || db.Kind != testdb.Postgres) {
+		t.Fatal(err) // PostgreSQL's transaction may be aborted by the refused call
+	}
+	return perr
+}
+
+// underKey is a new message of id on ordering key key (none for "").
+func underKey(id, key string) *message.Message {
+	msg := keyed(key)
+	msg.UUID = id
+	return msg
+}
+
+// A message whose id is already in the table under another ordering key
+// (or keyed where the row is not) was skipped as a retry,
+// and the call returned nil: the caller believed it ordered under its key
+// while the relay sent the row under the other. It is a DuplicateIDError
+// naming both keys; nothing of the call is written, and the new key's
+// counter is as it was. The same message under the same key is still a
+// retry.
+func TestTxPublisher_SameIDUnderAnotherOrderingKey_DuplicateIDErrorNothingWritten(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		onA, unkeyed := keyed("order-a"), keyed("")
+		inTx(t, db, true, []*message.Message{onA, unkeyed})
+
+		for _, c := range []struct {
+			name          string
+			id, have, key string
+		}{
+			{"keyed-under-another-key", onA.UUID, "order-a", "order-b"},
+			{"unkeyed-row-republished-keyed", unkeyed.UUID, "", "order-b"},
+			{"key-differing-in-case", onA.UUID, "order-a", "ORDER-A"},
+		} {
+			fresh := keyed("order-b")
+			err := republish(t, db, fresh, underKey(c.id, c.key))
+			var dup *outbox.DuplicateIDError
+			if !errors.As(err, &dup) || !errors.Is(err, outbox.ErrDuplicateID) || dup.ID != c.id ||
+				dup.AggregateID != c.have || dup.WantAggregateID != c.key || dup.RoutingKey != "orders" || dup.WantRoutingKey != "orders" {
+				t.Errorf("%s: err = %v (%+v), want a *DuplicateIDError naming aggregate %q and %q", c.name, err, dup, c.have, c.key)
+				continue
+			}
+			if n := countRows(t, db); n != 2 {
+				t.Errorf("%s: %d rows, want 2: nothing of the refused call", c.name, n)
+			}
+		}
+		wantSeq(t, db, onA, "order-a", 1)
+		wantSeq(t, db, unkeyed, "", 0)
+		next := keyed("order-b")
+		inTx(t, db, true, []*message.Message{next})
+		wantSeq(t, db, next, "order-b", 1) // no number of a refused call kept
+
+		// The same messages again, under their own keys, and the keyed one
+		// unkeyed (it keeps the row's key): retries.
+		if err := republish(t, db, underKey(onA.UUID, "order-a"), underKey(unkeyed.UUID, "")); err != nil {
+			t.Fatalf("the same messages under the same keys again: %v", err)
+		}
+		if err := republish(t, db, underKey(onA.UUID, "")); err != nil {
+			t.Fatalf("the keyed message again, unkeyed: %v", err)
+		}
+		wantSeq(t, db, onA, "order-a", 1)
+		if n := countRows(t, db); n != 3 {
+			t.Fatalf("%d rows, want 3", n)
+		}
+	})
+}
+
+// Rows another library wrote: an unkeyed one may hold ” rather than NULL
+// (the relay sends either unkeyed), and a key is compared as the database
+// stores it, byte for byte, not by the column's collation: "order-1 "
+// equals "order-1" under MySQL's PAD SPACE, but the relay sends the
+// row's bytes, to another key of the ordered inbox.
+func TestTxPublisher_SameIDOverForeignRows_KeyComparedByteForByte(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		created := any(time.Now().UTC())
+		if db.Kind != testdb.Postgres {
+			created = time.Now().UTC().Format("2006-01-02 15:04:05.000000")
+		}
+		q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, aggregate_id, seq)" +
+			" VALUES (?, '', 'orders', 'x', 'utf-8', 'text/plain', '{}', ?, ?, ?)")
+		for _, r := range []struct {
+			id  string
+			key any
+			seq any
+		}{{"empty-key", "", nil}, {"padded-key", "order-1 ", 1}} {
+			if _, err := db.Exec(q, r.id, created, r.key, r.seq); err != nil {
+				t.Fatal(err)
+			}
+		}
+
+		if err := republish(t, db, underKey("empty-key", "")); err != nil {
+			t.Errorf("unkeyed, over a row whose aggregate_id is '': %v, want a retry", err)
+		}
+		var dup *outbox.DuplicateIDError
+		if err := republish(t, db, underKey("empty-key", "order-1")); !errors.As(err, &dup) || dup.AggregateID != "" || dup.WantAggregateID != "order-1" {
+			t.Errorf("keyed, over a row whose aggregate_id is '': %v, want a *DuplicateIDError", err)
+		}
+		if err := republish(t, db, underKey("padded-key", "order-1")); !errors.As(err, &dup) || dup.AggregateID != "order-1 " || dup.WantAggregateID != "order-1" {
+			t.Errorf(`"order-1" over a row of "order-1 ": %v, want a *DuplicateIDError`, err)
+		}
+		if n := countRows(t, db); n != 2 {
+			t.Errorf("%d rows, want the 2 foreign ones", n)
+		}
+	})
+}
+
+// A service that publishes only unkeyed messages into a table another
+// library made, without 0005's aggregate_id and seq: its retried
+// transaction (the same id again) reads the row back without the
+// ordering key's column, and is a retry, as before keys were compared.
+func TestTxPublisher_UnkeyedRetryOnTableWithoutKeyColumns_IsARetry(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			db := testdb.New(t, kind)
+			migs, err := sqlschema.Migrations(dialectOf(t, db).Name())
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, stmt := range sqlschema.Statements(migs[0].Up) { // 0001 alone
+				db.MustExec(stmt)
+			}
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			for try := 1; try <= 2; try++ {
+				if err := republish(t, db, msg); err != nil {
+					t.Fatalf("publish %d of the same message: %v", try, err)
+				}
+			}
+			if n := countRows(t, db); n != 1 {
+				t.Errorf("%d rows, want 1", n)
+			}
+		})
 	}
 }

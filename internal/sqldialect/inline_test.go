@@ -33,7 +33,7 @@ func TestInline_MySQL_PublisherAndInboxStatements_KeepEveryArgument(t *testing.T
 	queries := map[string]Query{
 		"insert":          o.Insert(rows[:1]),
 		"give back seq":   o.GiveBackSeq(awkward, 2),
-		"destinations":    o.Destinations([]string{"a'?", awkward}),
+		"destinations":    o.Destinations([]string{"a'?", awkward}, true),
 		"delete":          o.Delete([]string{"a'?", awkward}),
 		"lock keys":       o.LockKeys(keys),
 		"inbox insert":    in.Insert("consumer", awkward, now),

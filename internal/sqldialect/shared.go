@@ -161,7 +161,8 @@ type Row struct {
 // Insert writes rows without a key in one statement, skipping ids already
 // present (RowsAffected counts only the rows it inserted). It writes
 // outboxColumns only, as before per-aggregate order, so that it still works
-// on a table that lacks aggregate_id and seq; keyed rows go through
+// on a table that lacks aggregate_id and seq (but Destinations, the read
+// back of an id already there, needs aggregate_id); keyed rows go through
 // InsertNumbered.
 func (o *Outbox) Insert(rows []Row) Query {
 	args := make([]any, 0, len(rows)*outboxColumnCount)
@@ -274,11 +275,18 @@ func (o *Outbox) GiveBackSeq(key string, n int) Query {
 	return o.query("UPDATE "+o.sequences+" SET last_seq = last_seq - ? WHERE aggregate_id = ?", n, key)
 }
 
-// Destinations reads where the rows of ids go. Columns: id, exchange_name,
-// routing_key, created_at.
-func (o *Outbox) Destinations(ids []string) Query {
-	return o.query("SELECT id, exchange_name, routing_key, created_at FROM "+o.table+
-		" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+// Destinations reads where the rows of ids go and, with keys, under which
+// ordering key. Columns: id, exchange_name, routing_key, created_at, and
+// with keys aggregate_id (NULL for an unkeyed row). Without keys it reads
+// no column Insert does not write: a service that publishes only unkeyed
+// messages into a table another library made, without 0005's columns,
+// reads its retries back.
+func (o *Outbox) Destinations(ids []string, keys bool) Query {
+	cols := "id, exchange_name, routing_key, created_at"
+	if keys {
+		cols += ", aggregate_id"
+	}
+	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
 }
 
 // Delete deletes the rows of ids.

@@ -39,7 +39,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		queries := map[string]Query{
 			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}),
 			"give back seq":     o.GiveBackSeq("k", 2),
-			"destinations":      o.Destinations(ids),
+			"destinations":      o.Destinations(ids, true),
 			"delete":            o.Delete(ids),
 			"mark published":    o.MarkPublished(now, ids),
 			"mark failed":       o.MarkFailed("a", 3, "nack", "", time.Time{}, ""),

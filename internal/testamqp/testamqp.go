@@ -6,6 +6,7 @@
 package testamqp
 
 import (
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
@@ -148,4 +149,21 @@ func CloseConnections(t testing.TB, connectionName string) int {
 		closed++
 	}
 	return closed
+}
+
+// MaxMessageSize is the test broker's max_message_size, the largest body
+// it takes, as rabbitmqctl reads it (read only: the broker is shared), or
+// RabbitMQ 3.x's default of 128 MiB where rabbitmqctl cannot tell (4.x's
+// default, 16 MiB, is below it: a body above 128 MiB is above both).
+func MaxMessageSize(t testing.TB) int {
+	t.Helper()
+	out, err := exec.Command("rabbitmqctl", "-q", "eval", "application:get_env(rabbit, max_message_size).").CombinedOutput()
+	if err == nil {
+		var n int
+		if _, err := fmt.Sscanf(strings.TrimSpace(string(out)), "{ok,%d}", &n); err == nil && n > 0 {
+			return n
+		}
+	}
+	t.Logf("testamqp: the broker's max_message_size unknown (%v: %s); taking 128 MiB", err, out)
+	return 128 << 20
 }
