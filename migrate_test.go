@@ -363,7 +363,7 @@ func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) 
 		}
 		want := map[string][]string{
 			testdb.Postgres: {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pending_key", "acemq_outbox_pkey", "acemq_outbox_published"},
-			testdb.MySQL:    {"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key"},
+			testdb.MySQL:    {"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key", "acemq_outbox_unprocessed"},
 			testdb.SQLite:   {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
 		}[db.Kind]
 		if got := indexes(t, db); !reflect.DeepEqual(got, want) {
@@ -477,7 +477,7 @@ func TestMigrate_MySQL_IndexOnPublishedAtAlone_ClaimIndexAdded_SecondRelayClaims
 					}
 				}
 			}
-			want := []string{"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_by_published", "acemq_outbox_pending_claim", "acemq_outbox_pending_key"}
+			want := []string{"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_by_published", "acemq_outbox_pending_claim", "acemq_outbox_pending_key", "acemq_outbox_unprocessed"}
 			if got := indexes(t, db); !reflect.DeepEqual(got, want) {
 				t.Errorf("indexes %v, want %v: the other library's kept, and the one the claim walks added once", got, want)
 			}
