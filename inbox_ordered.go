@@ -201,8 +201,9 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 
 // remember keeps h, wrapped by the call of Middleware wrap, as the route
 // of consumer's held messages delivered to its router handler, or refuses
-// with ErrConsumerShared a handler without a router handler name that is
-// not the consumer's first such (see orderedState.bare), and an Inbox
+// with ErrConsumerShared a handler without a router handler name whose
+// function is not that of the consumer's first such handler (see
+// orderedState.bare and sameHandler), and an Inbox
 // whose Table is not the consumer's (see claimTable). A map lookup on the
 // common paths, claimTable's the first time only; the refusal comes
 // before any statement.
