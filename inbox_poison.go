@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"context"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -45,9 +46,11 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 		if key == "" {
 			continue
 		}
-		// The message's own context: it holds the topic it arrived on,
-		// which TrackedTopics asks about.
-		if err := p.in.markProcessed(msg.Context(), p.in.db, key, now); err != nil {
+		// The message's own context holds the topic it arrived on, which
+		// TrackedTopics asks about; not its end: middleware.Timeout, before
+		// the inbox, cancels it as it returns, before PoisonQueue
+		// publishes.
+		if err := p.in.markProcessed(context.WithoutCancel(msg.Context()), p.in.db, key, now); err != nil {
 			p.in.log.Error("Message set aside on the poison topic, but its outbox record could not be marked processed; Republish may send it again", err,
 				watermill.LogFields{"message_uuid": key, "poison_topic": topic})
 		}

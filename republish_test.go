@@ -366,10 +366,12 @@ func TestRepublish_PoisonedMessage_NotSentAgainAtEveryBoot(t *testing.T) {
 			t.Fatal(err)
 		}
 		var ran atomic.Int32
-		h := pq(in.Middleware(func(*message.Message) ([]*message.Message, error) {
+		// Behind Timeout, as the README orders them: it cancels the
+		// message's context as it returns, before PoisonQueue publishes.
+		h := pq(middleware.Timeout(30 * time.Second)(in.Middleware(func(*message.Message) ([]*message.Message, error) {
 			ran.Add(1)
 			return nil, errors.New("cannot process this order")
-		}))
+		})))
 		deliver := func() {
 			if _, err := h(message.NewMessage(id, []byte("x"))); err != nil {
 				t.Fatalf("PoisonQueue did not take the failure: %v", err)
