@@ -450,11 +450,13 @@ func handlerReads(t testing.TB, db *testdb.DB) int64 {
 }
 
 // On MySQL Republish walked every published record and read each row for
-// its processed_at: its cost grew with the history a table keeps, and on
-// MariaDB 1,000,000 processed records took over 100 s, past the plugin's
-// 30 s Timeout, so the router never started. 0012's index puts the
-// unprocessed ones together: what it reads does not grow with the
-// processed ones.
+// its processed_at and routing key: its cost grew with the history a table
+// keeps, and on MariaDB 1,000,000 processed records took over 100 s, past
+// the plugin's 30 s Timeout, so the router never started. 0012's index
+// puts the unprocessed records together by routing key: what it reads
+// grows neither with the processed records nor with the unprocessed ones
+// of a topic it does not track (another service's, which no consumer of
+// this database marks).
 func TestRepublish_MySQL_ReadsTheUnprocessedRecordsNotTheHistory(t *testing.T) {
 	db := migrated(t, testdb.MySQL)
 	const history = 20000
@@ -466,7 +468,11 @@ func TestRepublish_MySQL_ReadsTheUnprocessedRecordsNotTheHistory(t *testing.T) {
 			if i > start {
 				b.WriteString(", ")
 			}
-			fmt.Fprintf(&b, "('h-%06d', '', 'orders', 'x', '{}', '%s', '%s', '%s')", i, old, old, old)
+			if i%2 == 0 {
+				fmt.Fprintf(&b, "('h-%06d', '', 'orders', 'x', '{}', '%s', '%s', '%s')", i, old, old, old)
+			} else {
+				fmt.Fprintf(&b, "('h-%06d', '', 'audit', 'x', '{}', '%s', '%s', NULL)", i, old, old)
+			}
 		}
 		db.MustExec(b.String())
 	}
@@ -484,8 +490,8 @@ func TestRepublish_MySQL_ReadsTheUnprocessedRecordsNotTheHistory(t *testing.T) {
 		t.Fatalf("Republish: %d, %v; want the 3 unprocessed records", n, err)
 	}
 	read := handlerReads(t, db) - before
-	t.Logf("Republish of 3 records beside %d processed ones read %d rows and index entries", history, read)
+	t.Logf("Republish of 3 records beside %d processed ones and as many unprocessed of another topic read %d rows and index entries", history/2, read)
 	if read > 1000 {
-		t.Errorf("Republish read %d rows and index entries to find 3 unprocessed records among %d processed ones: it walks the history", read, history)
+		t.Errorf("Republish read %d rows and index entries to find 3 unprocessed records beside %d processed ones and as many unprocessed of another topic: it walks them", read, history/2)
 	}
 }
