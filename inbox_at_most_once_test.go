@@ -132,6 +132,9 @@ func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *
 // Two Inboxes over two pools stand for the two processes.
 func TestInbox_AtMostOnce_CopyInAnotherProcessWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		// The databases' runs wait side by side, and beside nothing else:
+		// the test stays serial, so that no busy test delays the renewals.
+		t.Parallel()
 		const lease = 600 * time.Millisecond
 		// The copy waits past three leases: the first one's is renewed.
 		copyWhileTheFirstRuns(t, db, 3*lease, func(h message.HandlerFunc) (first, second message.HandlerFunc) {
@@ -226,6 +229,7 @@ func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t
 // key and is acked without running the handler: the effect is dropped, not
 // repeated.
 func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunning(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue()
