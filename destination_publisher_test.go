@@ -491,7 +491,6 @@ func (p *stallPub) got() []string {
 // TestPublisherDestination_HungThroughOutage_HeadNotCharged) is an outage,
 // and charges nothing.
 func TestPublisherDestination_RecordTimesOutEachTime_ChargedUntilStuckFollowersGo(t *testing.T) {
-	t.Parallel()
 	const (
 		publishTimeout = 100 * time.Millisecond
 		hold           = 150 * time.Millisecond
