@@ -17,6 +17,7 @@ import (
 // Every AMQP field type amqp091-go reads reaches the metadata: a string as
 // it is, any other value as its JSON text, never a refused message.
 func TestAMQPMarshaler_EveryAMQPFieldType_InMetadataAsJSONText(t *testing.T) {
+	t.Parallel()
 	berlin := time.FixedZone("CEST", 2*3600)
 	for _, tc := range []struct {
 		name  string
@@ -76,6 +77,7 @@ func TestAMQPMarshaler_EveryAMQPFieldType_InMetadataAsJSONText(t *testing.T) {
 // stale Watermill header another service copied on does not override it.
 // The UUID header is not copied into the metadata; x-acemq-id is.
 func TestAMQPMarshaler_UUID_FromAcemqIDElseWatermillHeaderElseMessageID(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name      string
 		marshaler outbox.AMQPMarshaler
@@ -118,6 +120,7 @@ func TestAMQPMarshaler_UUID_FromAcemqIDElseWatermillHeaderElseMessageID(t *testi
 // Marshal is watermill-amqp's, and what it marshals unmarshals to the same
 // message.
 func TestAMQPMarshaler_MarshalThenUnmarshal_SameMessage(t *testing.T) {
+	t.Parallel()
 	sent := message.NewMessage("m-1", []byte("payload"))
 	sent.Metadata.Set("tenant", "acme")
 	m := outbox.AMQPMarshaler{}
@@ -143,6 +146,7 @@ func TestAMQPMarshaler_MarshalThenUnmarshal_SameMessage(t *testing.T) {
 // original: the x-acemq-id it carried over from the original is set to its
 // own UUID. A PostprocessPublishing of the caller's still runs, after it.
 func TestAMQPMarshaler_CopyOfADelivery_ReadBackUnderItsOwnUUID(t *testing.T) {
+	t.Parallel()
 	m := outbox.AMQPMarshaler{DefaultMarshaler: wamqp.DefaultMarshaler{PostprocessPublishing: func(p amqp.Publishing) amqp.Publishing {
 		p.CorrelationId = "c-1"
 		return p
@@ -181,6 +185,7 @@ func TestAMQPMarshaler_CopyOfADelivery_ReadBackUnderItsOwnUUID(t *testing.T) {
 // straight from a relay, whose UUID header may be a stale copy, keeps its
 // x-acemq-id.
 func TestAMQPMarshaler_CopyPublishedThroughDefaultMarshaler_ReadBackUnderItsOwnUUID(t *testing.T) {
+	t.Parallel()
 	m := outbox.AMQPMarshaler{}
 	original, err := m.Unmarshal(amqp.Delivery{MessageId: "a", Headers: amqp.Table{outbox.HeaderMessageID: "a", "_watermill_message_uuid": "a"}, Body: []byte("x")})
 	if err != nil {
@@ -215,6 +220,7 @@ func TestAMQPMarshaler_CopyPublishedThroughDefaultMarshaler_ReadBackUnderItsOwnU
 // above rewrote it to the UUID, empty without message_id, and every such
 // delivery was refused for having no id.
 func TestAMQPMarshaler_AcemqIDNotAString_KeptInTheMetadata(t *testing.T) {
+	t.Parallel()
 	for _, tc := range []struct {
 		name string
 		d    amqp.Delivery
@@ -239,6 +245,7 @@ func TestAMQPMarshaler_AcemqIDNotAString_KeptInTheMetadata(t *testing.T) {
 // AMQPMarshaler does: a consumer reads the same metadata whichever
 // destination relayed the message.
 func TestPublisherDestination_TypedHeaders_RenderedAsAMQPMarshalerDoes(t *testing.T) {
+	t.Parallel()
 	headers := map[string]any{
 		"aggregateId": "pay-1", "seq": int64(7), "ratio": 0.5, "priority": true, "note": nil,
 		"tags": []any{"a", "b"}, "trace": map[string]any{"id": "t1", "n": int64(2)},
@@ -285,6 +292,7 @@ func TestPublisherDestination_TypedHeaders_RenderedAsAMQPMarshalerDoes(t *testin
 // message of nothing; a delivery with anything of the broker's in it is a
 // message, an empty one included.
 func TestAMQPMarshaler_ZeroDelivery_RefusedOthersNot(t *testing.T) {
+	t.Parallel()
 	if msg, err := (outbox.AMQPMarshaler{}).Unmarshal(amqp.Delivery{}); err == nil {
 		t.Fatalf("the zero delivery became a message (%+v), want an error", msg)
 	}

@@ -21,6 +21,7 @@ import (
 // without it (a table migrated before 0007, or by other SQL), when the
 // optimizer chooses.
 func TestClaim_TakesOnlyEachKeysFirstPendingRecord(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		t.Run("migrated", func(t *testing.T) {
 			if db.Kind == testdb.MySQL {
@@ -193,6 +194,7 @@ const odd = `o'"\ü`
 // sequence number: on MySQL a claim keeps the rows it passed over locked
 // until it ends.
 func TestClaim_KeysNextRecord_ClaimableWhileItsPredecessorsAreInFlightHere(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		keys := []string{"a", "b", odd}
 		var rows []keyedRow

@@ -27,6 +27,7 @@ type ctxKey struct{}
 // downstream failed at BEGIN on every delivery. The message now carries
 // the relay's context's values without its cancellation.
 func TestPublisherDestination_GoChannelPreserveContext_InboxHandlesIt(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	publishN(t, db, "", "orders", 1)
 	ch := gochannel.NewGoChannel(gochannel.Config{PreserveContext: true, OutputChannelBuffer: 1}, nil)
@@ -184,6 +185,7 @@ func (p *hangPub) Close() error { return nil }
 // A publisher that hangs held Run, and Close with it, for ever: Publish
 // waited for it past PublishTimeout.
 func TestPublisherDestination_HungPublisher_CloseReturns(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	publishN(t, db, "", "orders", 1)
 	pub := newHangPub()
@@ -211,6 +213,7 @@ func TestPublisherDestination_HungPublisher_CloseReturns(t *testing.T) {
 // sweeps come, and a later record never overtakes it. Once it returns,
 // the records go out in order.
 func TestPublisherDestination_HungPublish_NextSweepWaitsForItNotAnother(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	ids := publishN(t, db, "", "orders", 3)
 	hang := newHangPub()
@@ -277,6 +280,7 @@ func (panicPub) Close() error                              { return nil }
 // a goroutine of its own (for the timeout), and the claim ends: a
 // recovering caller sends the row later.
 func TestPublisherDestination_PublisherPanics_PanicReachesCallerClaimEnds(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	ids := publishN(t, db, "", "orders", 1)
 	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(panicPub{}, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite})
@@ -344,6 +348,7 @@ var errKafkaDown = errors.New("kafka: client has run out of available brokers to
 // through an outage, which this one cannot. An outage of any length now
 // makes no row stuck, and the records go out in order once it ends.
 func TestPublisherDestination_Outage_HeadNotChargedNothingSteppedOver(t *testing.T) {
+	t.Parallel()
 	const sweeps = 12 // past lostRepeats (3) + MaxAttempts (3)
 	cases := []struct {
 		name      string
@@ -401,6 +406,7 @@ func TestPublisherDestination_Outage_HeadNotChargedNothingSteppedOver(t *testing
 // A publisher that hangs through an outage, its publishes past the
 // timeout, made the head record stuck the same way.
 func TestPublisherDestination_HungThroughOutage_HeadNotCharged(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	ids := publishN(t, db, "", "orders", 2)
 	hang := newHangPub()
@@ -643,6 +649,7 @@ func TestPublisherDestination_Close_WaitsForPublishCutOffBounded(t *testing.T) {
 // comes in the metadata key TxPublisher takes it from
 // (MetadataContentType), unless the message carries one of its own.
 func TestPublisherDestination_GoChannel_ConsumerReadsContentType(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	plain := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	own := message.NewMessage(watermill.NewUUID(), []byte(`{}`))

@@ -91,6 +91,7 @@ func insertForeign(t testing.TB, db *testdb.DB, exchange, routingKey string, r f
 // the AMQP type and value the JSON wrote: integer int64, other number
 // double, boolean, array, table, null void; bodies as their encoding says.
 func TestForwarder_ForeignRowsWithTypedHeaders_ArriveWithAMQPTypes(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("payments")
@@ -138,6 +139,7 @@ func typed(v any) string { return fmt.Sprintf("%T %v", v, v) }
 // each message has the row's id as UUID, its payload, and every header in
 // the metadata, a string as it is and any other value as its JSON text.
 func TestForwarder_ForeignRowsWithTypedHeaders_WatermillSubscriberWithAMQPMarshalerReadsThem(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		testdb.Require(t, "amqp")
 		topic := "estate-" + testdb.RandomName()
@@ -203,6 +205,7 @@ func TestForwarder_ForeignRowsWithTypedHeaders_WatermillSubscriberWithAMQPMarsha
 // and 2 in the JSON) is stuck at once, never taken for a lost connection;
 // the rows around it arrive.
 func TestForwarder_Run_TypedHeadersLargerThanTheFrame_StuckAtOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -241,6 +244,7 @@ func TestForwarder_Run_TypedHeadersLargerThanTheFrame_StuckAtOnce(t *testing.T) 
 // AMQPMarshaler (UUID from x-acemq-id); its redelivery after a crash
 // between commit and ack is acked without running the handler.
 func TestInbox_Router_MessageFromAnotherAceMQRelay_HandledOnceRedeliveryAcked(t *testing.T) {
+	t.Parallel()
 	for _, m := range []struct {
 		name      string
 		marshaler wamqp.Marshaler
@@ -273,6 +277,7 @@ func TestInbox_Router_MessageFromAnotherAceMQRelay_HandledOnceRedeliveryAcked(t 
 // cluster test lost an order so, its consumer's node stopped under it).
 // Under AMQPMarshaler the redelivery after the inbox's nack is handled.
 func TestInbox_Router_QuorumQueueRedelivery_ReachesHandlerUnderAMQPMarshaler(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.Postgres)
 	testdb.Require(t, "amqp")
 	createEffects(t, db)
@@ -364,6 +369,7 @@ func runInboxRouterCrashingOnce(t testing.TB, db *testdb.DB, in *outbox.Inbox, h
 // Without a UUID the inbox dedupes on the x-acemq-id metadata, with or
 // without AllowMissingID; only a message with no id at all is refused.
 func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		for _, allow := range []bool{false, true} {
 			var ran int
@@ -397,6 +403,7 @@ func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
 // relay sets x-acemq-id to the new message's id: two messages of one stale
 // UUID are two messages to the inbox, keyed by their x-acemq-id.
 func TestInbox_StaleWatermillUUIDCopiedOn_DedupedOnAcemqID(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var ran []string
 		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {

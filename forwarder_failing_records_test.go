@@ -23,6 +23,7 @@ import (
 // their destination, left alone at MaxAttempts and listed as stuck, and the
 // other rows flow.
 func TestForwarder_UnroutableAndMissingExchange_CountedStuckOthersFlow(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -108,6 +109,7 @@ func TestForwarder_UnroutableAndMissingExchange_CountedStuckOthersFlow(t *testin
 // Window 1 not even sent, with the whole batch in flight not marked (and so
 // sent again after it). On its retry the failed record goes alone.
 func TestForwarder_FailingRecord_RowsBehindItNotPublishedBeforeIt(t *testing.T) {
+	t.Parallel()
 	for _, window := range []int{1, 0} {
 		t.Run(fmt.Sprintf("window=%d", window), func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
@@ -157,6 +159,7 @@ func TestForwarder_FailingRecord_RowsBehindItNotPublishedBeforeIt(t *testing.T) 
 // After a failed sweep the relay waits RetryMin, doubling up to RetryMax:
 // a record that keeps failing is not hammered.
 func TestForwarder_Run_FailingRecord_BackoffDoubles(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	testamqp.New(t)
 	publishOrdered(t, db, "no-such-exchange-"+testdb.RandomName(), [2]string{"refused", "k"})
@@ -263,6 +266,7 @@ func (d *sendLog) times() []time.Time {
 // object or hold what AMQP cannot carry, an unknown body encoding) fail alone
 // and at once, and the relay goes on with the rest in the same sweep.
 func TestForwarder_PoisonRows_FailAloneStuckAtOnce_RelayGoesOn(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -296,6 +300,7 @@ func TestForwarder_PoisonRows_FailAloneStuckAtOnce_RelayGoesOn(t *testing.T) {
 // once, as under Sweep: it is not taken for a lost connection and retried
 // for ever. The rows around it arrive.
 func TestForwarder_Run_RowTheClientCannotEncode_StuckAtOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -333,6 +338,7 @@ func TestForwarder_Run_RowTheClientCannotEncode_StuckAtOnce(t *testing.T) {
 // lost connection and retried for ever. (Whether the next batch's connect or
 // the wait sees the closed channel first is up to timing; both must count.)
 func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -374,6 +380,7 @@ func TestForwarder_Run_ChannelClosedOverARecord_CountedNotLost(t *testing.T) {
 // and sent again, and the relay does not back off. Every other row arrives
 // once.
 func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -403,7 +410,9 @@ func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) 
 		if err := <-done; err != nil {
 			t.Fatal(err)
 		}
-		got := countIDs(b.Drain(queue, 10*half, 2*time.Second))
+		// Run has returned: the queue holds all that will ever arrive,
+		// duplicates too.
+		got := countIDs(b.Drain(queue, 2*half, 10*time.Second))
 		for _, r := range rows {
 			if got[r.id] != 1 {
 				t.Errorf("%s arrived %d times, want once", r.id, got[r.id])

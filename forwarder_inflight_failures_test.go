@@ -77,6 +77,7 @@ func (p hookedPipe) Wait(ctx context.Context, s outbox.Sent) []error {
 // the ones the broker confirms are marked, and no message reaches the
 // broker twice. (They were held back, released and sent again.)
 func TestForwarder_Run_ClaimFailsWithBatchesInFlight_ConfirmedOnesMarkedNoneTwice(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("claim.fails")
@@ -124,6 +125,7 @@ func TestForwarder_Run_ClaimFailsWithBatchesInFlight_ConfirmedOnesMarkedNoneTwic
 // them), but the batches after it are marked as their confirms say. (They
 // were held back as if behind a failed record, and went out again too.)
 func TestForwarder_Run_MarkFailsWithBatchesInFlight_OnlyItsBatchGoesTwice(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			db := migrated(t, kind)
@@ -218,6 +220,7 @@ func arrivedTwice(t *testing.T, b *testamqp.Broker, queue string, n int) int {
 // none of their rows is marked before it is tried again. (From review: the
 // mark's failure hid the record's, and they were marked.)
 func TestForwarder_Run_RecordAndMarkFailInOneBatch_BatchesAfterItHeldBack(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	queue := b.Queue("ok")
@@ -274,6 +277,7 @@ func TestForwarder_Run_RecordAndMarkFailInOneBatch_BatchesAfterItHeldBack(t *tes
 // it, as a failed record does: none is marked published before it. They
 // were marked, and it went out after them.
 func TestForwarder_Run_RecordReleasedUnsentMidBatch_NothingAfterItMarkedFirst(t *testing.T) {
+	t.Parallel()
 	for _, unsent := range []string{"m-015", "m-019"} { // within its batch, and last in it
 		t.Run(unsent, func(t *testing.T) { releasedUnsentHoldsBack(t, unsent) })
 	}

@@ -123,6 +123,7 @@ func (b *orderBroker) checkInOrderOnce(t *testing.T) {
 // confirmed once, and (but on MySQL, where a locked row says nothing) some
 // key's next record was claimed before its predecessor was marked.
 func TestForwarder_Run_KeysNextRecordsClaimedInFlight_SentInOrderAfterTheirPredecessors(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		const keys, perKey = 6, 40
 		rows := interleavedKeys(keys, perKey)
@@ -192,6 +193,7 @@ func TestForwarder_Run_KeysNextRecordsClaimedInFlight_SentInOrderAfterTheirPrede
 // without its record of the key, which waits for the refused one's retry,
 // and with the rest.
 func TestForwarder_Run_BatchSentAloneBehindARefusedPredecessor_HoldsBackOnlyItsKey(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		start := time.Now().Add(-time.Hour)
 		row := func(i int, id, key string, seq int64) keyedRow {

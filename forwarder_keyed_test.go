@@ -127,6 +127,7 @@ func inOrderOnce(seqs []int64, n int) string {
 // them: a plain consumer sees every key's records once each, in sequence
 // order, and every unkeyed record once.
 func TestForwarder_ThreeRelays_EachKeyArrivesInSeqOrderExactlyOnce(t *testing.T) {
+	t.Parallel()
 	const keys, perKeyN, unkeyedN = 200, 10, 100
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -185,6 +186,7 @@ func TestForwarder_ThreeRelays_EachKeyArrivesInSeqOrderExactlyOnce(t *testing.T)
 // hour too), and its key's later records stay pending. Once it can be
 // routed and an operator retries it, its key drains in order.
 func TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff(t *testing.T) {
+	t.Parallel()
 	const keys, perKeyN, unkeyedPerRound = 40, 3, 7
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -270,6 +272,7 @@ func TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff(t
 // backoff; unkeyed, they wait behind it, as unkeyed records do, and go out
 // once it is stuck. Either way none of them is charged an attempt.
 func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct {
 		name      string
 		keyed     bool
@@ -323,7 +326,7 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				runForwarders(t, db, 1, outbox.ForwarderConfig{
+				relays := runForwarders(t, db, 1, outbox.ForwarderConfig{
 					MaxAttempts: 3, RetryMin: 10 * time.Millisecond, RetryMax: 50 * time.Millisecond, PollInterval: 20 * time.Millisecond,
 					OnError: func(error, outbox.ErrorContext) {},
 				})
@@ -344,7 +347,12 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 						t.Errorf("record %s: %+v, want no attempt charged", r.id, s)
 					}
 				}
-				if got := countIDs(b.Drain(queue, 10*n, 2*time.Second)); len(got) != n {
+				// Closed, the relay sends nothing more: the queue holds all
+				// that will ever arrive, a late copy of the poison record too.
+				if err := relays[0].Close(); err != nil {
+					t.Errorf("close the relay: %v", err)
+				}
+				if got := countIDs(b.Drain(queue, n, 10*time.Second)); len(got) != n {
 					t.Errorf("%d distinct records arrived, want %d", len(got), n)
 				}
 			})
@@ -357,6 +365,7 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 // drain: the next claim goes back to the head for them, rather than leave
 // them for the end of the backlog.
 func TestForwarder_Run_RecordsReleasedBehindAKeyedFailure_GoOutAtOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("k")
@@ -395,6 +404,7 @@ func TestForwarder_Run_RecordsReleasedBehindAKeyedFailure_GoOutAtOnce(t *testing
 // claimed later, so the unkeyed records first arrive in created_at order.
 // The batch claimed in the same sweep used to overtake them.
 func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing.T) {
+	t.Parallel()
 	// Within a batch, and first in one: a batch whose first record failed
 	// and the rest were released counted as clean, and the next batch went
 	// down the pipeline ahead of them.
@@ -412,6 +422,7 @@ func TestForwarder_Run_ChannelClosedOverAKeyedRecord_UnkeyedOrderKept(t *testing
 // marked, so the released records first arrived after records created
 // after them.
 func TestForwarder_Run_SendStoppedAtARecord_ReleasedRecordsNotOvertaken(t *testing.T) {
+	t.Parallel()
 	for _, key := range []string{"poison", ""} {
 		t.Run(map[string]string{"poison": "keyed", "": "unkeyed"}[key], func(t *testing.T) {
 			releasedRecordsKeepOrder(t, "missing exchange", key, false)
@@ -486,6 +497,7 @@ func releasedRecordsKeepOrder(t *testing.T, poison, key string, first bool) {
 // 3,003rd of 3,003). It now goes back for them once the first is
 // published.
 func TestForwarder_Run_KeysNextRecordsBehindTheCursor_SentSoon(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("k")

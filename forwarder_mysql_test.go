@@ -26,6 +26,7 @@ import (
 // pipeline alike; a table without an index on published_at still drains,
 // without overlapping claims.
 func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	migs, err := sqlschema.Migrations("mysql")
 	if err != nil {
@@ -121,6 +122,7 @@ func TestForwarder_MySQL_PipelinedClaims_NeverWaitOnEachOther(t *testing.T) {
 // another size) goes with its arguments in its text, one round trip too,
 // and prepares nothing either.
 func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
@@ -173,6 +175,7 @@ func TestForwarder_MySQL_Run_PreparesItsStatementsOnce(t *testing.T) {
 // holds the pool's last connection meanwhile goes on, rather than wait on
 // Run for the lookup while Run waits on it for the connection.
 func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	db.DB.SetMaxOpenConns(1)
 	f := newForwarder(t, db, outbox.ForwarderConfig{})
@@ -212,6 +215,7 @@ func TestForwarder_MySQL_RunStartsWhileAClaimHoldsTheLastConnection(t *testing.T
 // then runs its statements unprepared, as it would have without them, and
 // every row arrives.
 func TestForwarder_MySQL_PreparedStatementsFail_RelayGoesOnUnprepared(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	other := migrated(t, testdb.MySQL)
 	b := testamqp.New(t)

@@ -21,6 +21,7 @@ import (
 // Under Run, with batches pipelined: a refused record is counted and left
 // stuck, and every other row flows.
 func TestForwarder_Run_PipelinedBatchesWithAFailure_OthersFlowFailureStuck(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("ok")
@@ -64,6 +65,7 @@ func (d *embeddingDest) Publish(ctx context.Context, records []outbox.Record) []
 // A destination that embeds AMQPDestination has its own Publish called under
 // Run: the relay's pipelining must not go around it.
 func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	b.Queue("t")
@@ -90,6 +92,7 @@ func TestForwarder_Run_WrapperEmbeddingAMQPDestination_ItsPublishIsCalled(t *tes
 // free by itself (LISTEN holds one for good, every batch in flight holds its
 // claim's), so it drains instead of waiting on itself for ever.
 func TestForwarder_Run_CappedPool_DrainsWithoutWaitingOnItself(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		for _, limit := range []int{1, 2, 3} {
 			t.Run(fmt.Sprintf("max_open=%d", limit), func(t *testing.T) {

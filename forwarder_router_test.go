@@ -150,6 +150,7 @@ func assertForwarderClosed(t testing.TB, f *outbox.Forwarder) {
 // what is committed while it runs arrives once, and the router's Close
 // closes the forwarder.
 func TestForwarderPlugin_RouterRunsRelay_RowsCommittedBeforeAndAfterStartArriveOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("t")
@@ -248,6 +249,7 @@ func TestForwarderPlugin_RouterClosedMidStream_BatchFinishedNothingClaimedNoGoro
 // plugin added twice to one router, a second relay of the same table on one
 // router, a Forwarder under Run and a closed one refuse the router too.
 func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite) // the refusal is the plugin's, the same on every database
 	b := testamqp.New(t)
 	queue := b.Queue("t")
@@ -337,6 +339,7 @@ func TestForwarderPlugin_OneForwarderOnTwoRouters_SecondRouterFailsToStart(t *te
 // Two Forwarders of one table, each under a router of its own in one
 // process: claims are exclusive, so every row is published exactly once.
 func TestForwarderPlugin_TwoForwardersOneTableTwoRouters_EveryRowPublishedExactlyOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("t")
@@ -367,6 +370,7 @@ func TestForwarderPlugin_TwoForwardersOneTableTwoRouters_EveryRowPublishedExactl
 // plugin): the records it makes pending go out at router start, with no
 // poll (an hour) and no Notify to wake the relay.
 func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(t *testing.T) {
+	t.Parallel()
 	for _, order := range []string{"republisher first", "relay first"} {
 		t.Run(order, func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
@@ -416,6 +420,7 @@ func TestForwarderPlugin_WithRepublisherPlugin_RepublishedRowsSentAtRouterStart(
 // router did not run. It is named "outbox-relay acemq_outbox #2" now, and
 // both relay. (From an audit.)
 func TestForwarderPlugin_TwoDatabasesOneTableName_BothRelayUnderOneRouter(t *testing.T) {
+	t.Parallel()
 	db1, db2 := migrated(t, testdb.SQLite), migrated(t, testdb.Postgres)
 	id1, id2 := publishN(t, db1, "", "t", 1)[0], publishN(t, db2, "", "t", 1)[0]
 	ch := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})

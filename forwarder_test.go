@@ -74,6 +74,7 @@ func TestForwarder_CommittedRowsArriveWithEveryProperty_RolledBackNever(t *testi
 
 // Two relays on 5,000 rows: every id published exactly once.
 func TestForwarder_TwoRelays_EveryRowPublishedExactlyOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("order.placed")
@@ -186,6 +187,7 @@ func TestForwarder_Postgres_ListenNotify_WakesAtCommit(t *testing.T) {
 
 // With a relay in the same process, Notify wakes it without a poll.
 func TestForwarder_Notify_WakesRelayInProcess(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("t")
@@ -205,6 +207,7 @@ func TestForwarder_Notify_WakesRelayInProcess(t *testing.T) {
 // 60 s was taken beside an unbounded publish, and a second relay would
 // have published the rows still in flight.
 func TestNewForwarder_PublishTimeoutPastHalfTheDurationRange_LeaseRefused(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	dest := outbox.NewPublisherDestination(gochannel.NewGoChannel(gochannel.Config{}, nil), nil)
 	for _, pt := range []time.Duration{math.MaxInt64, math.MaxInt64/2 + 1} {
@@ -231,6 +234,7 @@ func TestNewForwarder_PublishTimeoutPastHalfTheDurationRange_LeaseRefused(t *tes
 }
 
 func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	dest := outbox.NewPublisherDestination(gochannel.NewGoChannel(gochannel.Config{}, nil), nil)
 	cases := map[string]outbox.ForwarderConfig{
@@ -264,6 +268,7 @@ func TestNewForwarder_Config_ErrorsNameTheField(t *testing.T) {
 // A Watermill subscriber (watermill-amqp, default marshaler) receives the
 // UUID, metadata and payload given to NewTxPublisher.
 func TestForwarder_WatermillAMQPSubscriber_ReceivesSameUUIDMetadataPayload(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		testdb.Require(t, "amqp")
 		topic := "wm-" + testdb.RandomName()
@@ -310,6 +315,7 @@ func TestForwarder_WatermillAMQPSubscriber_ReceivesSameUUIDMetadataPayload(t *te
 
 // Any Watermill publisher can be the destination, one message at a time.
 func TestForwarder_PublisherDestination_DeliversThroughAnyWatermillPublisher(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		ch := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 10, Persistent: true}, nil)
 		ids := publishN(t, db, "", "orders", 3)

@@ -66,6 +66,9 @@ func TestForwarder_SQLite_CommitElsewhere_WakesRelayWithoutPoll(t *testing.T) {
 // (DisableListen) it still finds a row another pool commits, by its poll.
 func TestForwarder_Idle_OneStatementPerPoll_AndThePollFindsRows(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		// The databases' idle relays count side by side, and beside
+		// nothing else: the test stays serial.
+		t.Parallel()
 		for _, disable := range []bool{false, true} {
 			b := testamqp.New(t)
 			queue := b.Queue("t")

@@ -49,6 +49,7 @@ func sendEffect(t testing.TB, db *testdb.DB, ran *atomic.Int32) message.HandlerF
 // The key commits before the handler, which runs with no transaction; a
 // redelivery is acked without running it.
 func TestInbox_AtMostOnce_KeyCommittedBeforeHandlerWithoutTx_DuplicateNotRun(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -115,6 +116,7 @@ func TestInbox_AtMostOnce_HandlerFailsOrPanics_KeyTakenBackRetryMakesEffectOnce(
 // message was lost. The copy now waits for the first, and runs once the
 // key is taken back; had the first succeeded, it would be a duplicate.
 func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		copyWhileTheFirstRuns(t, db, 200*time.Millisecond, func(h message.HandlerFunc) (first, second message.HandlerFunc) {
 			in := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(h)
@@ -130,6 +132,9 @@ func TestInbox_AtMostOnce_CopyWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *
 // Two Inboxes over two pools stand for the two processes.
 func TestInbox_AtMostOnce_CopyInAnotherProcessWhileTheFirstRuns_WaitsAndRunsIfTheFirstFailed(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		// The databases' runs wait side by side, and beside nothing else:
+		// the test stays serial, so that no busy test delays the renewals.
+		t.Parallel()
 		const lease = 600 * time.Millisecond
 		// The copy waits past three leases: the first one's is renewed.
 		copyWhileTheFirstRuns(t, db, 3*lease, func(h message.HandlerFunc) (first, second message.HandlerFunc) {
@@ -196,6 +201,7 @@ func copyWhileTheFirstRuns(t *testing.T, db *testdb.DB, quiet time.Duration, inb
 }
 
 func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var ran atomic.Int32
 		h := newInbox(t, db, outbox.InboxConfig{AtMostOnce: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
@@ -223,6 +229,7 @@ func TestInbox_AtMostOnce_ReturnedMessagesNotWritten_KeyStaysRedeliveryDropped(t
 // key and is acked without running the handler: the effect is dropped, not
 // repeated.
 func TestInbox_AtMostOnce_ProcessKilledAfterKeyCommit_RedeliveryAckedWithoutRunning(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue()

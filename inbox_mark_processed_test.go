@@ -73,6 +73,7 @@ func TestInbox_MySQL_MarkForeignID_ServicePublishDoesNotWaitForHandler(t *testin
 }
 
 func TestInbox_MySQL_MarkForeignIDs_HandlersPublishingDoNotDeadlock(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	publishOrdered(t, db, "", [2]string{"00000000-0000-0000-0000-000000000001", "orders"})
 	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
@@ -126,6 +127,7 @@ func TestInbox_MySQL_MarkForeignIDs_HandlersPublishingDoNotDeadlock(t *testing.T
 // marks its outbox record processed, and Republish leaves it alone for as
 // long as its key waits; when its turn comes it is applied, once.
 func TestOrderedInbox_HeldMessage_RecordMarkedNotResentAtEachBoot_AppliedOnceLater(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		one, two := keyedMsg("order-7", 1), keyedMsg("order-7", 2)
@@ -168,6 +170,7 @@ func TestOrderedInbox_HeldMessage_RecordMarkedNotResentAtEachBoot_AppliedOnceLat
 // that finds it held again, as a duplicate's copy does on the unordered
 // path: otherwise every boot would send it again while its key waits.
 func TestOrderedInbox_CopyOfAMessageHeldUnmarked_RecordMarkedWhenHeldAgain(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		two := keyedMsg("k", 2)

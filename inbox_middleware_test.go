@@ -39,6 +39,7 @@ func recordProcessed(t testing.TB, db *testdb.DB, id string) bool {
 }
 
 func TestInbox_Duplicate_AckedHandlerNotRun(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -58,6 +59,7 @@ func TestInbox_Duplicate_AckedHandlerNotRun(t *testing.T) {
 // The case Watermill's Deduplicator loses: it records the key before the
 // handler runs, so the retry of a failed handler is dropped as a duplicate.
 func TestInbox_HandlerFailsOnceThenSucceeds_EffectExactlyOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -88,6 +90,7 @@ func TestInbox_HandlerFailsOnceThenSucceeds_EffectExactlyOnce(t *testing.T) {
 }
 
 func TestInbox_HandlerPanics_RolledBackErrorReturned(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -108,6 +111,7 @@ func TestInbox_HandlerPanics_RolledBackErrorReturned(t *testing.T) {
 
 // A commit that fails stores neither the key nor the effect, and nacks.
 func TestInbox_CommitFails_NeitherKeyNorEffectStored(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		// PostgreSQL and SQLite check a deferred foreign key at commit; MySQL
@@ -158,6 +162,7 @@ func TestInbox_CommitFails_NeitherKeyNorEffectStored(t *testing.T) {
 // Two deliveries of one id at once (two consumers, a redelivery racing the
 // original): the effect happens once.
 func TestInbox_ConcurrentDuplicates_OneEffect(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -194,6 +199,7 @@ func TestInbox_ConcurrentDuplicates_OneEffect(t *testing.T) {
 // on the inbox's transaction commits with its effect, and a failure after
 // the publish leaves neither.
 func TestInbox_ConsumerPublishesThenFails_NeitherEffectNorOutgoingMessage(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -236,6 +242,7 @@ func TestInbox_ConsumerPublishesThenFails_NeitherEffectNorOutgoingMessage(t *tes
 // A service consuming its own events marks the outbox record processed in
 // the same transaction; with the option off, the outbox is not touched.
 func TestInbox_MarkOutboxProcessed_SetsProcessedAtOnlyWhenConfigured(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		ids := publishN(t, db, "", "order.placed", 2)
@@ -265,6 +272,7 @@ func TestInbox_MarkOutboxProcessed_SetsProcessedAtOnlyWhenConfigured(t *testing.
 // (the message counted as processed, its effect rolled back), and on
 // SQLite waited for the inbox's write lock and failed every delivery.
 func TestInbox_MarkOutboxProcessed_HandlerFailsAfterEffect_RecordStaysUnprocessed(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		for _, ordered := range []bool{false, true} {
@@ -306,6 +314,7 @@ func TestInbox_MarkOutboxProcessed_HandlerFailsAfterEffect_RecordStaysUnprocesse
 }
 
 func TestInbox_MessageWithoutID_RefusedUnlessAllowed(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	ran := 0
 	h := func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil }
@@ -318,6 +327,7 @@ func TestInbox_MessageWithoutID_RefusedUnlessAllowed(t *testing.T) {
 }
 
 func TestInbox_PurgeProcessed_OldKeysOnlyInBatches(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		in := newInbox(t, db, outbox.InboxConfig{PurgeBatch: 2})
 		old := time.Now().Add(-30 * 24 * time.Hour).UTC()
@@ -346,6 +356,7 @@ func TestInbox_PurgeProcessed_OldKeysOnlyInBatches(t *testing.T) {
 // handler's name, and a crash after the commit and before the ack (the broker
 // redelivers) is acked without a second effect.
 func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		testdb.Require(t, "amqp")
 		createEffects(t, db)
@@ -393,6 +404,7 @@ func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t 
 // as a duplicate without running. MySQL refuses such a name; PostgreSQL and
 // SQLite keep the two apart.
 func TestInbox_ConsumerNamesDifferingInTrailingSpaces_RefusedOnMySQLTwoConsumersElsewhere(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		if d == outbox.MySQL {
 			_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "ship "})
@@ -563,6 +575,7 @@ func TestInbox_MySQL_DeadlockSwallowedByTheHandler_DeliveryFails(t *testing.T) {
 // resulted in rollback" and nothing more. The error now says what most
 // likely happened and where the middleware goes. (From an audit.)
 func TestInbox_Postgres_HandlersErrorSwallowed_CommitErrorSaysWhy(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.Postgres)
 	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "pay"})
 	swallow := func(h message.HandlerFunc) message.HandlerFunc {

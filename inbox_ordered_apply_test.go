@@ -37,6 +37,7 @@ func sqlDialect(t testing.TB, d outbox.Dialect) sqldialect.Dialect {
 // already, past which the key moves on. MySQL is run twice, the second time
 // with clientFoundRows, which changes what its result counts.
 func TestOrderedInbox_InOrderStatements_AllDoneOnlyForTheNextOfAKeyHoldingNothing(t *testing.T) {
+	t.Parallel()
 	type row struct{ last, held int64 }
 	cases := []struct {
 		name      string
@@ -142,6 +143,7 @@ func withClientFoundRows(t testing.TB, db *testdb.DB) *testdb.DB {
 // and which arrives as its key's next is a duplicate: acked without
 // running, and its key moves on past it, so the next runs.
 func TestOrderedInbox_NextWhoseIDWasProcessed_AckedWithoutRunningKeyMovesOn(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, CURRENT_TIMESTAMP)"), "fulfilment", keyedMsg("a", 2).UUID)
@@ -162,6 +164,7 @@ func TestOrderedInbox_NextWhoseIDWasProcessed_AckedWithoutRunningKeyMovesOn(t *t
 // sequence number runs once, in order, and no delivery fails (a deadlock
 // between the in-order statements of two copies would).
 func TestOrderedInbox_ConcurrentCopiesInOrder_EachSeqRunsOnceNoneFails(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -206,6 +209,7 @@ func TestOrderedInbox_ConcurrentCopiesInOrder_EachSeqRunsOnceNoneFails(t *testin
 // (go-sql-driver's way with a statement that has arguments), and no
 // statement is kept prepared on a connection, which a proxy might lose.
 func TestOrderedInbox_MySQL_NothingPrepared(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
 	db.DB.SetMaxOpenConns(1) // one session, whose counters the test reads
@@ -234,6 +238,7 @@ func TestOrderedInbox_MySQL_NothingPrepared(t *testing.T) {
 // predecessor, in the same transaction, and of a held message in the
 // hold's (see TestOrderedInbox_HeldMessage_RecordMarkedNotResentAtEachBoot_AppliedOnceLater).
 func TestOrderedInbox_MarkOutboxProcessed_AppliedAndHeldMarkedInTheirTransaction(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		ids := publishN(t, db, "", "order.placed", 3)

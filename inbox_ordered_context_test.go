@@ -37,6 +37,7 @@ func tenantFromMetadata(where string) message.HandlerMiddleware {
 // applied: the inner middleware gives it tenant b, the outer one's value is
 // a's.
 func TestOrderedInbox_HeldMessage_MiddlewareAfterTheInboxSeesItsOwnValues(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger"})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})

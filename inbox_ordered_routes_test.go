@@ -24,6 +24,7 @@ import (
 // the other arrives, by the handler it was delivered to, with that
 // handler's router context, not by the handler of the predecessor.
 func TestOrderedInbox_SharedConsumer_HeldMessageRunsInItsOwnHandler(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
 		pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, watermill.NopLogger{})
@@ -84,6 +85,7 @@ func TestOrderedInbox_SharedConsumer_HeldMessageRunsInItsOwnHandler(t *testing.T
 // key's next delivery, also one that is itself held (a later number): not
 // only by ApplyHeld.
 func TestOrderedInbox_HeldMessageFailed_NextDeliveryOfTheKeyRetriesIt(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		failing := true
@@ -114,6 +116,7 @@ func TestOrderedInbox_HeldMessageFailed_NextDeliveryOfTheKeyRetriesIt(t *testing
 // names a handler this process has not seen stays held, rather than run
 // in another handler.
 func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	var l applyLog
@@ -153,6 +156,7 @@ func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
 // and SkipHeld hands back the other part decoded and this one as the row
 // stored it, with the reason: the row was the message's only copy.
 func TestOrderedInbox_SkipHeld_RowPartlyUndecodable_HandsBackEveryPart(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	in := newInbox(t, db, outbox.InboxConfig{}) // as outboxctl's: not Ordered
 	const badMetadata = `{"seq": 2}`            // a number: metadata values are strings
@@ -240,6 +244,7 @@ func TestOrderedInbox_SkipHeld_PoisonSkippedHandedBackTheRestApplied(t *testing.
 // applied by the closed router's handler function. The latest delivery's
 // route now takes it. (From an audit.)
 func TestOrderedInbox_RouterRebuilt_HeldMessageRunsInTheNewRoutersHandler(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Ordered: true})
 	var mu sync.Mutex

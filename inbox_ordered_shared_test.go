@@ -22,6 +22,7 @@ import (
 // refused before any statement (nacked: nothing run, held or recorded),
 // and A, which had the consumer's first keyed delivery, applies both.
 func TestOrderedInbox_TwoHandlersOfOneInboxOutsideARouter_SecondRefusedNeverRunsTheFirstsHeldMessage(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var a, b applyLog
@@ -61,6 +62,7 @@ func TestOrderedInbox_TwoHandlersOfOneInboxOutsideARouter_SecondRefusedNeverRuns
 // had applied was acked as a duplicate without running. Refused now; a
 // third Inbox on the first one's Table shares the consumer as before.
 func TestOrderedInbox_TwoInboxesOneConsumerDifferentTables_SecondRefusedNotAckedAsDuplicate(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		createInboxTable(t, db, "other_inbox")
@@ -151,6 +153,7 @@ func createInboxTable(t testing.TB, db *testdb.DB, name string) {
 // loop wrapping it at each reconnect) is one handler: its deliveries run,
 // and a message held through one wrapping runs through the other.
 func TestOrderedInbox_OneHandlerWrappedTwiceOutsideARouter_BothRun(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog

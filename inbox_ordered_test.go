@@ -126,6 +126,7 @@ func orderedInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.I
 }
 
 func TestOrderedInbox_InOrder_AppliedInOrderNothingHeld(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -145,6 +146,7 @@ func TestOrderedInbox_InOrder_AppliedInOrderNothingHeld(t *testing.T) {
 }
 
 func TestOrderedInbox_OutOfOrder_HandlerSeesEachSeqOnceInOrder(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -191,6 +193,7 @@ func TestOrderedInbox_OutOfOrder_HandlerSeesEachSeqOnceInOrder(t *testing.T) {
 // bytes; another language's producer may send any), which JSON in the held
 // row would have turned into U+FFFD.
 func TestOrderedInbox_HeldMessage_AppliedWithItsPayloadAndMetadataByteForByte(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var (
@@ -228,6 +231,7 @@ func TestOrderedInbox_HeldMessage_AppliedWithItsPayloadAndMetadataByteForByte(t 
 }
 
 func TestOrderedInbox_DuplicateOfAppliedSeq_AckedWithoutRunning(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -248,6 +252,7 @@ func TestOrderedInbox_DuplicateOfAppliedSeq_AckedWithoutRunning(t *testing.T) {
 }
 
 func TestOrderedInbox_EarlyMessageRedelivered_HeldOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -271,6 +276,7 @@ func TestOrderedInbox_EarlyMessageRedelivered_HeldOnce(t *testing.T) {
 // the relay sent twice) runs from that delivery, and its held copy goes
 // with the commit: it is not run twice, nor left behind as a gap.
 func TestOrderedInbox_HeldCopyDeliveredInTurn_AppliedOnceHeldCopyGone(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var failing atomic.Bool
@@ -307,6 +313,7 @@ func TestOrderedInbox_HeldCopyDeliveredInTurn_AppliedOnceHeldCopyGone(t *testing
 // key moved past a message whose handler failed: its redelivery was acked
 // as a duplicate and never applied.
 func TestOrderedInbox_InOrderHandlerFails_KeyNotAdvancedRedeliveryApplied(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		failing := true
@@ -326,6 +333,7 @@ func TestOrderedInbox_InOrderHandlerFails_KeyNotAdvancedRedeliveryApplied(t *tes
 }
 
 func TestOrderedInbox_HeldMessageHandlerFails_StaysHeldAppliedLaterInOrder(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
@@ -381,6 +389,7 @@ func failSeq2(on *bool) func(msg *message.Message) error {
 // held longer than this one's: ApplyHeld reads this process's consumers
 // only, and applies its key.
 func TestOrderedInbox_ApplyHeld_OtherConsumersOlderReadyKeys_OwnKeyApplied(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		// "billing": 100 keys whose held seq 2 failed when its turn came, so
@@ -416,6 +425,7 @@ func TestOrderedInbox_ApplyHeld_OtherConsumersOlderReadyKeys_OwnKeyApplied(t *te
 // key of the same consumer whose message would now apply: one ApplyHeld
 // reaches that key, and says which failed.
 func TestOrderedInbox_ApplyHeld_ManyFailingKeysAhead_KeyBehindThemApplied(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		const poison = 101 // a page is 100
@@ -452,6 +462,7 @@ func TestOrderedInbox_ApplyHeld_ManyFailingKeysAhead_KeyBehindThemApplied(t *tes
 }
 
 func TestOrderedInbox_ConcurrentDeliveriesOfOneKey_AppliedInOrderExactlyOnce(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -565,6 +576,7 @@ func TestOrderedInbox_GapOlderThanGapAfter_ListedMeasuredSkippedNeverAppliedOutO
 // no change, instead of skipping 4 and 5, which nobody saw missing (they
 // were in flight) and which run when they arrive.
 func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
@@ -595,6 +607,7 @@ func TestOrderedInbox_SkipGap_GapFilledMeanwhile_RefusesAndSkipsNothingUnseen(t 
 // and a skip that checked only its end (4 is below every held number)
 // would skip them and ack them as duplicates when they come.
 func TestOrderedInbox_SkipGap_PredecessorArrivedMeanwhile_RefusesAndSkipsNothingInFlight(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
@@ -631,6 +644,7 @@ func TestOrderedInbox_SkipGap_PredecessorArrivedMeanwhile_RefusesAndSkipsNothing
 // numbers are skipped, the held messages are applied after them in order,
 // and a skipped number arriving late does not run.
 func TestOrderedInbox_SkipGap_TheGapAsSeen_SkippedAndHeldAppliedInOrder(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
@@ -662,6 +676,7 @@ func TestOrderedInbox_SkipGap_TheGapAsSeen_SkippedAndHeldAppliedInOrder(t *testi
 // and its end must be below every held number, else it refuses; a skip of
 // the gap's start alone skips that far, and the key waits for the rest.
 func TestOrderedInbox_SkipGap_FromAndThroughNameTheSkip_HeldOrUnseenNumbersRefused(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		l := applyLog{}
@@ -699,6 +714,7 @@ func TestOrderedInbox_SkipGap_FromAndThroughNameTheSkip_HeldOrUnseenNumbersRefus
 // duplicate; either way the held messages run once, in order, and nothing
 // but the named number is skipped.
 func TestOrderedInbox_SkipGapRacingTheMissingMessage_OneWinsNothingElseSkipped(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		for round := 0; round < 10; round++ {
@@ -741,6 +757,7 @@ func TestOrderedInbox_SkipGapRacingTheMissingMessage_OneWinsNothingElseSkipped(t
 }
 
 func TestOrderedInbox_UnkeyedMessage_TakesUnorderedPath(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -763,6 +780,7 @@ func TestOrderedInbox_UnkeyedMessage_TakesUnorderedPath(t *testing.T) {
 }
 
 func TestOrderedInbox_KeyedMessageWithoutValidSeq_FailsNamingItHandlerNotRun(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	var l applyLog
@@ -785,6 +803,7 @@ func TestOrderedInbox_KeyedMessageWithoutValidSeq_FailsNamingItHandlerNotRun(t *
 // and on PostgreSQL (text columns) a NUL or bytes that are not UTF-8.
 // MySQL (varbinary) and SQLite hold those, and apply them in order.
 func TestOrderedInbox_KeyTheDatabaseCannotHold_ErrInvalidKeyNothingWritten(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -831,6 +850,7 @@ func TestOrderedInbox_KeyTheDatabaseCannotHold_ErrInvalidKeyNothingWritten(t *te
 }
 
 func TestOrderedInbox_WithoutOrdered_KeyedMessagesRunAsTheyCome(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	var l applyLog
@@ -842,6 +862,7 @@ func TestOrderedInbox_WithoutOrdered_KeyedMessagesRunAsTheyCome(t *testing.T) {
 }
 
 func TestOrderedInbox_WithAtMostOnce_ConfigError(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Ordered: true, AtMostOnce: true})
 	var ce *outbox.ConfigError
@@ -853,6 +874,7 @@ func TestOrderedInbox_WithAtMostOnce_ConfigError(t *testing.T) {
 // Through a router: the broker hands the messages over out of order, and
 // the handler sees them in order.
 func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	var l applyLog
@@ -897,6 +919,7 @@ func TestOrderedInbox_Router_OutOfOrderDeliveries_HandlerSeesOrder(t *testing.T)
 // counts 1, as a new one does): first messages, next ones, copies, holds and
 // the drain must come out as without it.
 func TestOrderedInbox_MySQLClientFoundRows_OrderAndDuplicatesAsWithout(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
 	found := withClientFoundRows(t, db)
@@ -1000,6 +1023,7 @@ func TestOrderedInbox_ViaAMQP_VoidAggregateIDAndSeq_IsUnkeyed(t *testing.T) {
 // one starting with a control byte sorts below it. Its first page had the
 // lower bound ”, and never read them.
 func TestOrderedInbox_ApplyHeld_KeysOfSpacesOrControlBytes_Reached(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		keys := []string{"a", " ", "\tx", "\x01k", " \x01"}
@@ -1037,6 +1061,7 @@ func TestOrderedInbox_ApplyHeld_KeysOfSpacesOrControlBytes_Reached(t *testing.T)
 // state: its down dropped the held messages (acked to the broker already)
 // and every key's last applied number.
 func TestMigrations_DownPast0006ThenUp_OrderedInboxKeepsItsState(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := migrate(t, db)
 		createEffects(t, db)
@@ -1059,6 +1084,7 @@ func TestMigrations_DownPast0006ThenUp_OrderedInboxKeepsItsState(t *testing.T) {
 // a MariaDB consumer: acked as a duplicate without running, lost. Held
 // messages too are kept apart.
 func TestOrderedInbox_KeysDifferingInTrailingSpaces_AreTwoKeys(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var l applyLog
@@ -1093,6 +1119,7 @@ func TestOrderedInbox_KeysDifferingInTrailingSpaces_AreTwoKeys(t *testing.T) {
 // applying the held one, which then waited for ApplyHeld or the key's
 // next number. Any delivery of the key now applies it. (From an audit.)
 func TestOrderedInbox_CrashBeforeTheHeldApply_RedeliveryAppliesIt(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		crashed := false
@@ -1125,6 +1152,7 @@ func TestOrderedInbox_CrashBeforeTheHeldApply_RedeliveryAppliesIt(t *testing.T) 
 // key fail on MySQL (last_seq + 1 out of range). It is refused as invalid.
 // (From an audit.)
 func TestOrderedInbox_SeqMaxInt64_RefusedAsInvalid(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		in := orderedInbox(t, db, outbox.InboxConfig{})
 		h := in.Middleware(func(*message.Message) ([]*message.Message, error) {

@@ -30,6 +30,7 @@ import (
 // router's publisher (here one whose first call fails) is never called, the
 // row is there once, and the relay delivers it once.
 func TestInbox_Router_RouterPublishWouldFailAfterCommit_ReturnedMessageInOutboxOnceAndDelivered(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		b := testamqp.New(t)
@@ -95,6 +96,7 @@ func TestInbox_Router_RouterPublishWouldFailAfterCommit_ReturnedMessageInOutboxO
 // nor sent, nor dropped. One database shows it: the property is the
 // publisher's, which touches none.
 func TestInbox_PublisherWithoutMiddleware_PublishFailsNotUnderInboxNothingWrittenSentOrDropped(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	input := b.Queue()
@@ -137,6 +139,7 @@ func TestInbox_PublisherWithoutMiddleware_PublishFailsNotUnderInboxNothingWritte
 // publish topic) has nowhere to write what the handler returns: an error
 // that says so, and the effect, the key and any row rolled back.
 func TestInbox_ReturnedMessagesWithoutPublishTopic_ErrorAndEverythingRolledBack(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		var ran atomic.Int32
@@ -214,6 +217,7 @@ func TestInbox_Router_ReturnedMessageWithoutContext_RowCarriesHandlersTrace(t *t
 // failed and the delivery, nacked, ran again and returned it again. The
 // inbox now fails the delivery before it writes the message.
 func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	err := routedDeliveryFailure(t, newInbox(t, db, outbox.InboxConfig{}), func(msg *message.Message) ([]*message.Message, error) {
 		tx, _ := outbox.TxFromContext(msg.Context())
@@ -236,6 +240,7 @@ func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(
 // "transaction has already been committed or rolled back", or on MySQL and
 // SQLite with "read back the key".
 func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
+	t.Parallel()
 	for _, end := range []string{"commit", "rollback"} {
 		t.Run(end, func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
@@ -264,6 +269,7 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 // transaction the rows go through: another value is refused, naming the
 // field, and so is an invalid publisher setting.
 func TestNewInbox_OutboxConfigAtOddsWithInbox_ConfigErrorNamesField(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	for field, cfg := range map[string]outbox.InboxConfig{
 		"Outbox.Dialect":  {Outbox: outbox.TxPublisherConfig{Dialect: outbox.Postgres}},
@@ -287,6 +293,7 @@ func TestNewInbox_OutboxConfigAtOddsWithInbox_ConfigErrorNamesField(t *testing.T
 // NewInbox, naming the field: it was taken, and every delivery then failed
 // at BEGIN and was nacked for ever.
 func TestNewInbox_IsolationNoDriverTakes_ConfigErrorNamesField(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	for _, iso := range []sql.IsolationLevel{sql.LevelLinearizable, sql.LevelSnapshot, sql.LevelWriteCommitted, sql.IsolationLevel(99)} {
 		_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "c", Isolation: iso})
@@ -461,6 +468,7 @@ func (p *recordingPublisher) errors() []error {
 // here back into its own input queue, a loop. The publisher's steering
 // keys are the row's columns now, not headers. (From an audit.)
 func TestInbox_ReturnedCopyOfASteeredMessage_GoesToThePublishTopic(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.Postgres)
 	b := testamqp.New(t)
 	input := b.Queue("order.placed")

@@ -325,6 +325,7 @@ func (d *recordingDest) Publish(_ context.Context, recs []outbox.Record) []error
 // narrow: it opened within a few hundred rounds under -race, and 2 runs in
 // 3 of 20,000 rounds without.
 func TestLifecycle_SweepConcurrentWithClose_NothingAfterCloseReturned(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	publishN(t, db, "x", "t", 1)
 	deadline := time.Now().Add(8 * time.Second)
@@ -499,6 +500,7 @@ func TestLifecycle_AMQPDestinationAlone_CloseReleasesEverything(t *testing.T) {
 // the broker closing the relay's connection twice): its bookkeeping stays
 // small, and so do the metrics' label sets.
 func TestLifecycle_LongRun_BookkeepingBounded(t *testing.T) {
+	t.Parallel()
 	n := 30000
 	if testing.Short() {
 		n = 10000

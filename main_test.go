@@ -2,8 +2,11 @@ package outbox_test
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
+	"runtime"
+	"strconv"
 	"syscall"
 	"testing"
 
@@ -30,7 +33,24 @@ func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOX_QUIET_RELAY_PROCESS") != "" {
 		os.Exit(quietRelayProcess())
 	}
+	flag.Parse()
+	raiseParallel()
 	os.Exit(m.Run())
+}
+
+// raiseParallel runs up to four of the tests that call t.Parallel at once
+// where -parallel's default (GOMAXPROCS) is lower and the command line does
+// not set it. They wait on the databases and the broker far more than on
+// the CPU (the package used about half a core of two), so two at a time
+// left the CI machine idle for much of its budget. The tests that measure
+// time, count goroutines or share state stay serial and never run beside
+// them; -parallel on the command line still decides.
+func raiseParallel() {
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	if !set {
+		_ = flag.Set("test.parallel", strconv.Itoa(max(runtime.GOMAXPROCS(0), 4)))
+	}
 }
 
 // relayProcess sweeps once and dies by SIGKILL between the broker's confirms

@@ -31,6 +31,7 @@ func (pgConflict) SQLState() string { return "40001" }
 // holding messages outbox_inbox_held and outbox_inbox_gaps stopped at 1000.
 // Its log names the 20 longest-held keys and counts the rest.
 func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -76,6 +77,7 @@ func TestInbox_RefreshStats_MoreThan1000KeysHeld_TheGaugesCountThemAll(t *testin
 // for the same message: one message, applied once, showed in
 // outbox_inbox_failed_total.
 func TestInbox_HeldApplyRefusedAndRunAgain_CountsOnce(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.Postgres)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -132,6 +134,7 @@ func (lostDest) Publish(_ context.Context, records []outbox.Record) []error {
 // went, none confirmed, charge the first and release the rest. The metric
 // and the rows tell the same story.
 func TestForwarder_ConnectionLost_FailedCountsTheFailuresRecorded(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -163,6 +166,7 @@ func TestForwarder_ConnectionLost_FailedCountsTheFailuresRecorded(t *testing.T) 
 // takes back the collectors it did register: they were left behind, in a
 // registry the caller may go on using.
 func TestNewMetrics_FailedRegistration_LeavesTheRegistryAsItWas(t *testing.T) {
+	t.Parallel()
 	reg := prometheus.NewRegistry()
 	taken := prometheus.NewGauge(prometheus.GaugeOpts{Name: "outbox_stuck", Help: "someone else's"})
 	reg.MustRegister(taken)
@@ -185,6 +189,7 @@ func TestNewMetrics_FailedRegistration_LeavesTheRegistryAsItWas(t *testing.T) {
 // counted only what Run's loop reported, so a relay driven by Sweep
 // showed none.
 func TestForwarder_Sweep_StatementsCounted(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -327,6 +332,7 @@ func TestStore_SQLiteISOTextLease_HeldUntilItExpires(t *testing.T) {
 // relay published the row the first had in flight; an operator's retry
 // cleared it too.
 func TestStore_SQLiteNumericLease_HeldUntilItExpires(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite, MaxAttempts: 3})
 	if err != nil {

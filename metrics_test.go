@@ -51,6 +51,7 @@ func sampleValue(m *dto.Metric) float64 {
 }
 
 func TestMetrics_KnownSequence_ExactValues(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	b := testamqp.New(t)
@@ -114,6 +115,7 @@ func TestMetrics_KnownSequence_ExactValues(t *testing.T) {
 // so a message whose handler then fails counts there and as failed; the
 // other outcomes keep their meaning.
 func TestMetrics_AtMostOnce_ExactValues(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -150,6 +152,7 @@ func TestMetrics_AtMostOnce_ExactValues(t *testing.T) {
 // was not counted at all, and a message refused on every delivery stayed
 // out of sight of alerting.
 func TestMetrics_Inbox_RefusedBeforeItIsRead_CountedFailed(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	reg := prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
@@ -176,6 +179,7 @@ func TestMetrics_Inbox_RefusedBeforeItIsRead_CountedFailed(t *testing.T) {
 // to 0 when the connection closes, not when the next row comes, so that
 // an alert on it sees the broker gone during a quiet spell.
 func TestMetrics_IdleRelay_BrokerGone_ConnectedDropsToZero(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)
 	_ = b.Queue("x")
@@ -212,6 +216,7 @@ func TestMetrics_IdleRelay_BrokerGone_ConnectedDropsToZero(t *testing.T) {
 // Two tables' relays in one process: each Metrics on the one registry,
 // apart by a label, as the README and NewMetrics say.
 func TestNewMetrics_TwoTablesOneRegistry_ApartByALabel(t *testing.T) {
+	t.Parallel()
 	reg := prometheus.NewRegistry()
 	for _, name := range []string{"billing", "shop"} {
 		if _, err := outbox.NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"outbox": name}, reg)); err != nil {

@@ -180,6 +180,7 @@ var insertTime = regexp.MustCompile(`^(?i)(current_timestamp|now)(\([0-6]?\))?$`
 // timestamp on MySQL), NOT NULL or not, a literal default as it was, a
 // default or ON UPDATE of the insert's time as CURRENT_TIMESTAMP(6).
 func TestMigrate_CoarseTimeColumns_RaisedToMicrosecondsKeepingTypeNullabilityDefault(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{testdb.MySQL, testdb.Postgres} {
 		t.Run(kind, func(t *testing.T) {
 			db := testdb.New(t, kind)
@@ -247,6 +248,7 @@ func TestMigrate_CoarseTimeColumns_RaisedToMicrosecondsKeepingTypeNullabilityDef
 // rebuild the table), on PostgreSQL no file of the table changes. Run
 // again on a coarse table it found nothing more to do.
 func TestMigrate_MicrosecondTable_0011ChangesNothing(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{testdb.MySQL, testdb.Postgres} {
 		for _, table := range []string{"0001", "rails", "rails-seconds-migrated"} {
 			t.Run(kind+"/"+table, func(t *testing.T) {
@@ -407,6 +409,7 @@ func TestTxPublisher_SecondsPrecisionTableNotMigrated_CallMeetingItsRowsFailsNam
 // would change at every update of its row (every relay's mark). 0011,
 // run under OFF on a table migrated up to 0010 under ON, keeps it without.
 func TestMigrate_MySQLExplicitDefaultsForTimestampOff_0011KeepsTimestampWithoutDefault(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.MySQL)
 	testrails.CreateTable(t, db)
 	if _, err := db.Exec("ALTER TABLE acemq_outbox MODIFY created_at timestamp NOT NULL"); err != nil {
@@ -444,6 +447,7 @@ func TestMigrate_MySQLExplicitDefaultsForTimestampOff_0011KeepsTimestampWithoutD
 // times (Rails' acemq_outbox_pending); the partial ones are built again,
 // as its comment says.
 func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.Postgres)
 	railsSecondsTable(t, db)
 	migrate(t, db)
@@ -472,6 +476,7 @@ func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *test
 // where before 0011 it had nothing to do. The session's settings come back
 // after it.
 func TestMigrate_MySQL0011_ZeroDateDefaultsStrictModeShortGroupConcat_Migrated(t *testing.T) {
+	t.Parallel()
 	comment := strings.Repeat("c", 300)
 	for name, alter := range map[string]string{
 		"zero default on created_at": "ALTER TABLE acemq_outbox MODIFY created_at datetime NOT NULL DEFAULT '0000-00-00 00:00:00'",

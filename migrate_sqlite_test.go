@@ -30,6 +30,7 @@ import (
 // failed, and every claim with "no such column: c.aggregate_id", so
 // nothing was ever sent.
 func TestMigrations_SQLiteToolsOnly_FreshDatabase_RelaySendsKeyedAndUnkeyedInboxAppliesInOrder(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	if err := applyPlain(db, sqliteMigrations(t)); err != nil {
 		t.Fatal(err)
@@ -84,6 +85,7 @@ func TestMigrations_SQLiteToolsOnly_FreshDatabase_RelaySendsKeyedAndUnkeyedInbox
 // columns of 0005 in the same place, the same indexes. The earlier files
 // are those testdata/sqlite-earlier holds, the rest as they are now.
 func TestMigrate_SQLiteMigratedByAnEarlierRelease_EndsWithTheSchemaOfAFreshDatabase(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	want := func() string {
 		db := testdb.New(t, testdb.SQLite)
@@ -134,6 +136,7 @@ func TestMigrate_SQLiteMigratedByAnEarlierRelease_EndsWithTheSchemaOfAFreshDatab
 // needs; past it, 0005's index is missing too, and Migrate, run once,
 // adds what is missing.
 func TestMigrations_SQLiteToolOnAnEarlierToolsTable_StopsNamingTheColumnThenUpToDate(t *testing.T) {
+	t.Parallel()
 	want := func() string {
 		db := testdb.New(t, testdb.SQLite)
 		migrate(t, db)
@@ -330,6 +333,7 @@ func sqliteSchema(t testing.TB, db *testdb.DB) string {
 // keyed and unkeyed messages, which a relay sends, and the marks of the
 // inbox. The row the other library wrote stays as it was.
 func TestMigrate_SQLiteStrictTableOfAnotherLibrary_AdoptedAndUsable(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	if _, err := db.Exec(`CREATE TABLE acemq_outbox (id TEXT PRIMARY KEY, exchange_name TEXT NOT NULL, routing_key TEXT NOT NULL, body TEXT NOT NULL,
 		body_encoding TEXT NOT NULL, content_type TEXT NOT NULL, headers TEXT NOT NULL, created_at TEXT NOT NULL, published_at TEXT,

@@ -24,6 +24,7 @@ import (
 )
 
 func TestMigrate_Twice_IsANoOp(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := dialectOf(t, db)
 		ctx := context.Background()
@@ -54,6 +55,7 @@ func TestMigrate_ConcurrentProcesses_AllSucceedSchemaAppliedOnce(t *testing.T) {
 // recorded, ran the migrations again, and failed recording them (23505, or
 // 40001 under SERIALIZABLE).
 func TestMigrate_ConcurrentProcesses_PostgresDefaultIsolationAboveReadCommitted_AllSucceed(t *testing.T) {
+	t.Parallel()
 	for _, iso := range []string{"repeatable read", "serializable"} {
 		t.Run(iso, func(t *testing.T) {
 			db := testdb.New(t, testdb.Postgres)
@@ -113,6 +115,7 @@ func migrateAtOnce(t *testing.T, driver, dsn string, d outbox.Dialect, n int) []
 // replica whose snapshot another's commit had made stale failed at its
 // first write with "database is locked" instead of waiting for the lock.
 func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.T) {
+	t.Parallel()
 	for _, upgrade := range []bool{false, true} {
 		t.Run(map[bool]string{false: "fresh", true: "upgrade"}[upgrade], func(t *testing.T) {
 			const replicas, rounds = 4, 10 // one round failed about half its replicas
@@ -169,6 +172,7 @@ func TestMigrate_SQLiteConcurrentProcesses_DeferredTxLock_AllSucceed(t *testing.
 // A database migrated by golang-migrate or goose (the same files, no record in
 // acemq_schema_migrations) is left as it is by Migrate.
 func TestMigrate_AfterExternalTool_Succeeds(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := dialectOf(t, db)
 		migs, err := sqlschema.Migrations(d.Name())
@@ -190,6 +194,7 @@ func TestMigrate_AfterExternalTool_Succeeds(t *testing.T) {
 }
 
 func TestMigrations_DownUndoesUp(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := dialectOf(t, db)
 		migs, err := sqlschema.Migrations(d.Name())
@@ -227,6 +232,7 @@ func TestMigrations_DownUndoesUp(t *testing.T) {
 // while the table holds a row not published, with the reason in its
 // error, and leaves the row; once none is pending it drops the table.
 func TestMigrations_DownOf0001_RefusesWhileRowsAreUnpublished(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := migrate(t, db)
 		ids := publishN(t, db, "orders", "orders.created", 2)
@@ -288,6 +294,7 @@ func TestMigrations_DownOf0001_RefusesWhileRowsAreUnpublished(t *testing.T) {
 }
 
 func TestSQLSchema_GooseView_HoldsOnlyAnnotatedUpFiles(t *testing.T) {
+	t.Parallel()
 	for _, d := range sqlschema.Dialects {
 		fsys, err := sqlschema.Goose(d)
 		if err != nil {
@@ -335,6 +342,7 @@ func fsReadDir(fsys fs.FS) ([]fs.DirEntry, error) { return fs.ReadDir(fsys, ".")
 // is missing is added, every row stays as it was, the columns keep their
 // types, and a second run changes nothing.
 func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		testrails.CreateTable(t, db)
 		now := time.Now().UTC()
@@ -383,6 +391,7 @@ func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) 
 // on MySQL, where 0001 makes its indexes with the table, 0004's, which the
 // claim names.
 func TestMigrate_TableWithoutPendingIndex_GetsOne(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		testrails.CreateTable(t, db)
 		drop := "DROP INDEX acemq_outbox_pending"
@@ -427,6 +436,7 @@ func TestMigrate_TableWithoutPendingIndex_GetsOne(t *testing.T) {
 // acemq_outbox_pending_claim beside it, once, whether Migrate runs the file
 // or a migration tool runs it twice; the relays' claims then go apart.
 func TestMigrate_MySQL_IndexOnPublishedAtAlone_ClaimIndexAdded_SecondRelayClaims(t *testing.T) {
+	t.Parallel()
 	migs, err := sqlschema.Migrations("mysql")
 	if err != nil {
 		t.Fatal(err)
@@ -525,6 +535,7 @@ func TestMigrate_MySQL_IndexOnPublishedAtAlone_ClaimIndexAdded_SecondRelayClaims
 // lacks, as the README says, the files run, twice over, and leave the
 // table as Migrate leaves it. Migrate after the tool changes no row.
 func TestMigrations_PlainSQL_RailsTable_UpToDateWhereSQLCanSayIt(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		testrails.CreateTable(t, db)
 		testrails.Insert(t, db, testrails.Row{ID: "a", Exchange: "shop", RoutingKey: "k", Body: "x", CreatedAt: time.Now()})
@@ -634,6 +645,7 @@ func indexes(t *testing.T, db *testdb.DB) []string {
 // to the counters, and the second key's publishes failed. 0008 makes the
 // column compare byte for byte, as the counters do.
 func TestMigrate_MySQLRailsTable_KeysDifferingInCaseOrAccentAreTwoKeys(t *testing.T) {
+	t.Parallel()
 	for _, legacy := range []bool{false, true} {
 		t.Run(map[bool]string{false: "utf8mb4", true: "utf8mb3 compact"}[legacy], func(t *testing.T) {
 			mysqlRailsTableKeys(t, legacy)
@@ -695,6 +707,7 @@ func mysqlRailsTableKeys(t *testing.T, legacy bool) {
 // the pool for the application's next statement. Here 0005's refusal
 // leaves @acemq_guard set on the connection that ran it.
 func TestMigrate_MySQLFailedPartWay_ItsConnectionDiscarded(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.MySQL)
 	testrails.CreateTable(t, db)
 	if _, err := db.Exec("ALTER TABLE acemq_outbox ROW_FORMAT=COMPACT"); err != nil {
@@ -735,6 +748,7 @@ func TestMigrate_MySQLFailedPartWay_ItsConnectionDiscarded(t *testing.T) {
 // the remedy; after that remedy, Migrate adopts the table. A utf8mb3 table
 // in COMPACT fits (765 bytes), and is adopted at once.
 func TestMigrate_MySQLCompactRowFormatTable_RefusedBeforeAnyChangeAdoptedOnceDynamic(t *testing.T) {
+	t.Parallel()
 	for _, c := range []struct{ name, alter string }{
 		{"COMPACT", "ROW_FORMAT=COMPACT"},
 		{"REDUNDANT", "ROW_FORMAT=REDUNDANT"},
@@ -788,6 +802,7 @@ func TestMigrate_MySQLCompactRowFormatTable_RefusedBeforeAnyChangeAdoptedOnceDyn
 // duplicate (and on SQLite, whose down keeps the columns, every keyed
 // publish on an old key failed).
 func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := migrate(t, db)
 		inTx(t, db, true, []*message.Message{keyed("order-42")})
@@ -808,6 +823,7 @@ func TestMigrations_DownPast0005ThenUp_KeysGoOnNumbering(t *testing.T) {
 // only copy. It now refuses, with the reason, before it drops anything;
 // once none is held, the down goes through.
 func TestMigrations_DownOf0002_RefusesWhileTheInboxHoldsMessages(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		d := migrate(t, db)
 		if _, err := db.Exec(db.Rebind("INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, 'utf-8', '{}', ?)"),
@@ -856,6 +872,7 @@ func TestMigrations_DownOf0002_RefusesWhileTheInboxHoldsMessages(t *testing.T) {
 // the rows still have their keys and numbers, and once they are published
 // the down goes through. (SQLite's down keeps the columns.)
 func TestMigrations_DownPast0005_RefusedWhileKeyedRowsArePending(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			db := testdb.New(t, kind)
@@ -946,6 +963,7 @@ func downTo(t *testing.T, db *testdb.DB, d outbox.Dialect, from int) error {
 // name would mean svc's: this service's messages in one table, the
 // estate's relays reading the other.
 func TestMigrate_PostgresSearchPath_AdoptsTheTableTheNameResolvesTo(t *testing.T) {
+	t.Parallel()
 	base := testdb.New(t, testdb.Postgres) // its schema plays public
 	testrails.CreateTable(t, base)
 	svc := base.Name + "_svc"
@@ -996,6 +1014,7 @@ func TestMigrate_PostgresSearchPath_AdoptsTheTableTheNameResolvesTo(t *testing.T
 // EXISTS checks the privilege before it looks for the table. A migration
 // still to run fails, and says in which schema.
 func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testing.T) {
+	t.Parallel()
 	base := testdb.New(t, testdb.Postgres)
 	testrails.CreateTable(t, base)
 	migrate(t, base)
@@ -1031,6 +1050,7 @@ func TestMigrate_PostgresSearchPath_RoleWithoutCreateOnTheEstateSchema(t *testin
 // do, its dialect from its driver: the README's outbox.Migrate(ctx, db, …)
 // did not compile with it. (From an audit of the README.)
 func TestMigrate_TakesAnSqlxDB_DialectFromItsDriver(t *testing.T) {
+	t.Parallel()
 	testdb.Each(t, func(t *testing.T, db *testdb.DB) {
 		if err := outbox.Migrate(context.Background(), db.DB, nil); err != nil {
 			t.Fatal(err)

@@ -78,6 +78,7 @@ func TestTxPublisher_MySQL_ClientFoundRows_RetriedIDSkippedConflictRefused(t *te
 }
 
 func TestInbox_MySQL_ClientFoundRows_DuplicateAckedHandlerNotRun(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
 	fr := withClientFoundRows(t, db)
@@ -104,6 +105,7 @@ func TestInbox_MySQL_ClientFoundRows_DuplicateAckedHandlerNotRun(t *testing.T) {
 // (strict mode, the default) and writes nothing, keyed or not; INSERT
 // IGNORE stored "?" and a cut key.
 func TestTxPublisher_MySQL_NarrowerColumnsOfAnotherLibrary_RefusedNotChanged(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	if _, err := db.Exec("ALTER TABLE acemq_outbox MODIFY body text CHARACTER SET utf8mb3 NOT NULL," +
 		" MODIFY routing_key varchar(32) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"); err != nil {
@@ -164,6 +166,7 @@ func TestTxPublisher_MySQL_NarrowerColumnsOfAnotherLibrary_RefusedNotChanged(t *
 // delivery fails (to be retried, or sent to a poison queue) and the first
 // message's key stays the only one.
 func TestInbox_MySQL_NarrowerKeyColumnOfAnotherLibrary_DeliveryFailsNotAckedAsDuplicate(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	createEffects(t, db)
 	if _, err := db.Exec("ALTER TABLE processed_messages MODIFY message_id varchar(36) CHARACTER SET utf8mb3 COLLATE utf8mb3_bin NOT NULL"); err != nil {
@@ -280,6 +283,7 @@ func TestMySQL_TablesWithAnAutoIncrementKey_InsertsAndSkipsToldApart(t *testing.
 // again, as it does a deadlock's, rather than nack it (a nack per conflict
 // took a hot key's delivery past a quorum queue's delivery limit).
 func TestInbox_MariaDBSnapshotIsolation_ChangedSinceReadRunsAgain(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	var on int
 	if err := db.Get(&on, "SELECT @@innodb_snapshot_isolation"); err != nil {

@@ -125,6 +125,7 @@ func TestTxPublisher_MySQLLockWaitTimeoutOnKeyedInsert_NumberGivenBack(t *testin
 // takes with it the rows another goroutine's successful Publish wrote in
 // the meantime.
 func TestTxPublisher_ConcurrentPublishOnOneTx_NoCallUndoesAnothers(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		publishInTx(t, db, "t", []*message.Message{msgTo("taken", "ex-a")})
 		for attempt := 0; attempt < 5; attempt++ {
@@ -194,6 +195,7 @@ func TestTxPublisher_ConcurrentPublishOnOneTx_NoCallUndoesAnothers(t *testing.T)
 // found one of its ids already present) lowers the counter below a number
 // another goroutine's call took in between.
 func TestTxPublisher_ConcurrentKeyedPublishOnOneTx_NumbersGapless(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		present := keyed("k")
 		inTx(t, db, true, []*message.Message{present}) // k: 1
@@ -302,6 +304,7 @@ func TestTxPublisher_MySQLIDEqualUnderCollation_ClearErrorNoPanic(t *testing.T) 
 // error, and so does PostgreSQL, as the cancelled statement never reached
 // the server.
 func TestTxPublisher_ContextCancelledDuringCleanup_NothingLeftBehind(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		t.Run("unkeyed-duplicate-id-error-keeps-rows", func(t *testing.T) {
 			publishInTx(t, db, "t", []*message.Message{msgTo("dup-1", "ex-a")})

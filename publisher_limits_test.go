@@ -63,6 +63,7 @@ func TestTxPublisher_MetadataTheRelayCannotSend_Refused(t *testing.T) {
 // database's bound on arguments the call failed. It locks them a thousand
 // at a time. (From an audit.)
 func TestTxPublisher_ManyDistinctKeysInOneCall_Published(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		n := 17000
 		if db.Kind == testdb.Postgres {

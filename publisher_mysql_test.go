@@ -24,6 +24,7 @@ import (
 // session's sql_mode makes of quotes and backslashes, and nothing is
 // prepared.
 func TestTxPublisher_MySQL_OneRoundTrip_ValuesExactUnderEverySQLMode(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	ctx := context.Background()
 	awkward := "it's \\' \"q\" ? -- # /* ` \x00 ζ 😀 \\x41"
@@ -128,6 +129,7 @@ func sessionPrepares(t testing.TB, tx interface {
 // reads the session's prepare count: between two messages on the one
 // connection nothing was prepared.
 func TestInbox_MySQL_OneRoundTrip_KeyExact(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	db.SetMaxOpenConns(1)
 	var counts []int64
@@ -190,6 +192,7 @@ func TestOrderedInbox_MySQL_KeyNotUTF8_AppliedInOrder(t *testing.T) {
 // the counter below the number the second took, and every later Publish
 // on the key would fail.
 func TestTxPublisher_MySQL_DeadlockedPublish_CounterStaysWithTheCommittedNumbers(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.MySQL)
 	if _, err := db.Exec("CREATE TABLE work (id int AUTO_INCREMENT PRIMARY KEY, v int)"); err != nil {
 		t.Fatal(err)

@@ -88,6 +88,7 @@ func wantSeq(t testing.TB, db *testdb.DB, msg *message.Message, key string, seq 
 }
 
 func TestTxPublisher_Keyed_NumbersFromOneConsecutiveAcrossCallsAndTransactions(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		a1, a2, u, b1, a3 := keyed("order-a"), keyed("order-a"), keyed(""), keyed("order-b"), keyed("order-a")
 		a4, a5 := keyed("order-a"), keyed("order-a")
@@ -120,6 +121,7 @@ func readRowsByID(t testing.TB, db *testdb.DB) map[string]row {
 }
 
 func TestTxPublisher_Keyed_RolledBackTransactionGivesItsNumbersBack(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		first := keyed("order-a")
 		inTx(t, db, true, []*message.Message{first})
@@ -135,6 +137,7 @@ func TestTxPublisher_Keyed_RolledBackTransactionGivesItsNumbersBack(t *testing.T
 // others already (read on another connection): numbers increase in commit
 // order, because the key's row serialises the transactions to their end.
 func TestTxPublisher_Keyed_ConcurrentTransactionsOnOneKey_GaplessAndInCommitOrder(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		const workers, txs, perTx = 20, 5, 2
 		var (
@@ -256,6 +259,7 @@ func TestTxPublisher_Keyed_DifferentKeysDoNotWaitForEachOther(t *testing.T) {
 }
 
 func TestTxPublisher_Keyed_PurgeOfPublishedRows_SequenceContinues(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		inTx(t, db, true, []*message.Message{keyed("order-a"), keyed("order-a")})
 		publishAllAt(t, db, time.Now().Add(-48*time.Hour))
@@ -275,6 +279,7 @@ func TestTxPublisher_Keyed_PurgeOfPublishedRows_SequenceContinues(t *testing.T) 
 // Unkeyed messages write both columns NULL and run no statement on the
 // sequences: they publish with the table gone.
 func TestTxPublisher_Unkeyed_NullColumnsAndNoSequenceStatement(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		db.MustExec("DROP TABLE acemq_outbox_sequences")
 		m1, m2 := keyed(""), keyed("")
@@ -324,6 +329,7 @@ func TestTxPublisher_BadAggregateID_InvalidMessageErrorNothingWritten(t *testing
 // would wait for ever for the ones "k" took. Elsewhere it is a key of its
 // own, numbered from 1.
 func TestTxPublisher_KeyEndingInSpace_RefusedOnMySQLAKeyOfItsOwnElsewhere(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		inTx(t, db, true, []*message.Message{keyed("k")})
 		spaced := keyed("k ")
@@ -356,6 +362,7 @@ func TestTxPublisher_KeyEndingInSpace_RefusedOnMySQLAKeyOfItsOwnElsewhere(t *tes
 // A message already in the table takes no number: the ordered inbox would
 // wait for ever for one that never arrives.
 func TestTxPublisher_Keyed_DuplicateIDs_TakeNoNumber(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		// Twice in one call: one row.
 		a1 := keyed("order-a")
@@ -385,6 +392,7 @@ func TestTxPublisher_Keyed_DuplicateIDs_TakeNoNumber(t *testing.T) {
 }
 
 func TestTxPublisher_Keyed_SameIDUnderTwoKeysInOneCall_InvalidMessageError(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		a := keyed("order-a")
 		b := message.NewMessage(a.UUID, nil)
@@ -402,6 +410,7 @@ func TestTxPublisher_Keyed_SameIDUnderTwoKeysInOneCall_InvalidMessageError(t *te
 // A keyed message to another destination under an id already taken fails
 // the call as before, and gives its numbers back.
 func TestTxPublisher_Keyed_DuplicateIDToAnotherDestination_ErrorAndNumbersGivenBack(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		taken := keyed("order-a")
 		inTx(t, db, true, []*message.Message{taken})
@@ -472,6 +481,7 @@ func TestTxPublisher_Keyed_SeqHeldByAnotherRow_ErrorNothingWrittenNumberGivenBac
 // Over 1,000 keyed messages take several statements: still consecutive, and
 // still all or nothing.
 func TestTxPublisher_Keyed_ManyMessagesInOneCall_Consecutive(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		msgs := make([]*message.Message, 2500)
 		for i := range msgs {
@@ -493,6 +503,7 @@ func TestTxPublisher_Keyed_ManyMessagesInOneCall_Consecutive(t *testing.T) {
 // its statements: the others have nothing to number, and go as plain
 // inserts (a raise of no keys was a syntax error).
 func TestTxPublisher_Keyed_StatementWithoutAKeyedRow_Inserted(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		msgs := []*message.Message{keyed("k")}
 		for range 1500 {
@@ -510,6 +521,7 @@ func TestTxPublisher_Keyed_StatementWithoutAKeyedRow_Inserted(t *testing.T) {
 }
 
 func TestForwarder_KeyedRow_ArrivesWithAggregateIDStringAndSeqInteger(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
 		queue := b.Queue("order.placed")
@@ -642,6 +654,7 @@ func TestTxPublisher_SQLiteInsertInterrupted_KeyKeepsItsCounter(t *testing.T) {
 // would go out as its original's key and number); either alone is the
 // application's own metadata and stays.
 func TestTxPublisher_RelayOrderingHeaders_LeftOutOnlyAsAPair(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	both := message.NewMessage("both", nil)
 	both.Metadata.Set(outbox.HeaderAggregateID, "order-1")

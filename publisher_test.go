@@ -54,6 +54,7 @@ func readRows(t testing.TB, db *testdb.DB) []row {
 }
 
 func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		msg := message.NewMessage(watermill.NewUUID(), []byte(`{"order":42,"name":"Zoë <&>"}`))
 		msg.Metadata.Set("tenant", "acme")
@@ -91,6 +92,7 @@ func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
 }
 
 func TestTxPublisher_CreatedAt_KeepsMicrosecondsAndCallOrder(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var msgs []*message.Message
 		for i := 0; i < 5; i++ {
@@ -124,6 +126,7 @@ func TestTxPublisher_CreatedAt_KeepsMicrosecondsAndCallOrder(t *testing.T) {
 }
 
 func TestTxPublisher_Rollback_LeavesNoRow(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		tx, err := db.Beginx()
 		if err != nil {
@@ -146,6 +149,7 @@ func TestTxPublisher_Rollback_LeavesNoRow(t *testing.T) {
 }
 
 func TestTxPublisher_SameIDTwice_LeavesOneRowAndNoError(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		id := watermill.NewUUID()
 		first := message.NewMessage(id, []byte("first"))
@@ -165,6 +169,7 @@ func TestTxPublisher_SameIDTwice_LeavesOneRowAndNoError(t *testing.T) {
 }
 
 func TestTxPublisher_IDsDifferingOnlyInCase_AreTwoRows(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		publishInTx(t, db, "t", []*message.Message{message.NewMessage("abc", []byte("1")), message.NewMessage("ABC", []byte("2"))})
 		if n := countRows(t, db); n != 2 {
@@ -174,6 +179,7 @@ func TestTxPublisher_IDsDifferingOnlyInCase_AreTwoRows(t *testing.T) {
 }
 
 func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
+	t.Parallel()
 	binary := make([]byte, 64<<10)
 	for i := range binary {
 		binary[i] = byte(i*7 + i/256) // invalid UTF-8 throughout
@@ -215,6 +221,7 @@ func TestTxPublisher_BinaryAndLargeBodies_RoundTripByteForByte(t *testing.T) {
 }
 
 func TestTxPublisher_BadInput_TypedErrorAndNothingOfTheCallWritten(t *testing.T) {
+	t.Parallel()
 	long := func(n int) string { return strings.Repeat("x", n) }
 	withMeta := func(k, v string) *message.Message {
 		m := message.NewMessage(watermill.NewUUID(), []byte("x"))
@@ -279,6 +286,7 @@ func TestTxPublisher_BadInput_TypedErrorAndNothingOfTheCallWritten(t *testing.T)
 }
 
 func TestTxPublisher_FinishedTransaction_ErrTxDone(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		for _, finish := range []string{"commit", "rollback"} {
 			t.Run(finish, func(t *testing.T) {
@@ -311,6 +319,7 @@ func TestTxPublisher_FinishedTransaction_ErrTxDone(t *testing.T) {
 }
 
 func TestTxPublisher_CanceledMessageContext_NoRow(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		tx, err := db.Beginx()
 		if err != nil {
@@ -336,6 +345,7 @@ func TestTxPublisher_CanceledMessageContext_NoRow(t *testing.T) {
 }
 
 func TestTxPublisher_Close_IdempotentConcurrentAndRefusesPublish(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		tx, err := db.Beginx()
 		if err != nil {
@@ -371,6 +381,7 @@ func TestTxPublisher_Close_IdempotentConcurrentAndRefusesPublish(t *testing.T) {
 }
 
 func TestTxPublisher_FiftyConcurrentTransactions_AllRows(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		const n = 50
 		var wg sync.WaitGroup
@@ -410,6 +421,7 @@ func TestTxPublisher_FiftyConcurrentTransactions_AllRows(t *testing.T) {
 }
 
 func TestTxPublisher_ManyMessagesInOneCall_AllRows(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		var msgs []*message.Message
 		for i := 0; i < 2500; i++ { // three statements' worth
@@ -488,6 +500,7 @@ func publishRefusedCallThenCommit(t *testing.T, db *testdb.DB, msgs []*message.M
 // two, even on MySQL and SQLite where a failed statement does not abort the
 // transaction and the caller may commit after our error.
 func TestTxPublisher_FailureInLaterStatement_WritesNothingOfTheCall(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		refuseBoom(t, db)
 		var msgs []*message.Message
@@ -519,6 +532,7 @@ func TestTxPublisher_FailureInLaterStatement_WritesNothingOfTheCall(t *testing.T
 // caller committing after the error kept 2000 rows of a call that
 // returned an error, each with a number of the key.
 func TestTxPublisher_KeyedFailureInLaterStatement_WritesNothingOfTheCall(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		refuseBoom(t, db)
 		inTx(t, db, true, []*message.Message{keyed("k")}) // k: 1
@@ -541,6 +555,7 @@ func TestTxPublisher_KeyedFailureInLaterStatement_WritesNothingOfTheCall(t *test
 }
 
 func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	tx, err := db.Beginx()
 	if err != nil {
@@ -579,6 +594,7 @@ func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
 }
 
 func TestNewTxPublisher_SQLTxWithDialect_AndCustomTable(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		create := map[string]string{
 			testdb.Postgres: "CREATE TABLE custom_outbox (LIKE acemq_outbox INCLUDING ALL)",
@@ -627,6 +643,7 @@ func TestNewTxPublisher_SQLTxWithDialect_AndCustomTable(t *testing.T) {
 }
 
 func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.Postgres)
 	ctx := context.Background()
 	if err := outbox.Migrate(ctx, db.DB.DB, outbox.Postgres); err != nil {
@@ -684,6 +701,7 @@ func TestNewTxPublisher_WatermillSQLTx_PgxNativeAndStdSQL(t *testing.T) {
 // stamp than the row, so the row was not recognised as the call's and
 // stayed, to be published if the caller committed after the error.
 func TestTxPublisher_SameIDTwiceAndAConflict_NothingOfTheCallWritten(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		taken := message.NewMessage(watermill.NewUUID(), []byte("x"))
 		publishInTx(t, db, "topic-a", []*message.Message{taken})
@@ -711,6 +729,7 @@ func TestTxPublisher_SameIDTwiceAndAConflict_NothingOfTheCallWritten(t *testing.
 // second topic would be dropped as a "retry" and lost without a word: it is
 // refused instead, and nothing of that call is written.
 func TestTxPublisher_SameIDToAnotherDestination_DuplicateIDErrorNothingWritten(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
 		publishInTx(t, db, "topic-a", []*message.Message{msg})

@@ -63,6 +63,7 @@ func writeForeignPublishedAt(t *testing.T, db *testdb.DB, topic string, now time
 // as text, "…T…" records of the cutoff's UTC date were not resent until
 // the next day, and one with a -05:00 offset was resent inside Grace.
 func TestRepublish_SQLiteISOPublishedAt_ResentByInstantNotByText(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	ids := writeForeignPublishedAt(t, db, "orders", time.Now())
 	rp, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Grace: 10 * time.Minute})
@@ -94,6 +95,7 @@ func TestRepublish_SQLiteISOPublishedAt_ResentByInstantNotByText(t *testing.T) {
 // ISO 8601 text an hour ago is purged (and counted as published before
 // the cutoff), one marked a minute ago is kept, whatever its offset.
 func TestStore_SQLiteISOPublishedAt_PurgedByInstantNotByText(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	now := time.Now()
 	ids := writeForeignPublishedAt(t, db, "orders", now)
@@ -144,6 +146,7 @@ func TestStore_SQLiteISOPublishedAt_PurgedByInstantNotByText(t *testing.T) {
 // no tracked consumer marks. Republish leaves them alone; compared by the
 // collation, every boot sent them again.
 func TestRepublish_RailsTableMySQL_RoutingKeyOfAnotherCase_LeftAlone(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.MySQL)
 	testrails.CreateTable(t, db)
 	migrate(t, db)

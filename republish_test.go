@@ -55,6 +55,7 @@ func outboxStateOf(t testing.TB, db *testdb.DB, id string) outboxState {
 // once; processed records, untracked topics and records younger than the
 // grace are left alone.
 func TestRepublish_RouterBoot_LostMessageResentAndProcessedOnce_OthersUntouched(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		testdb.Require(t, "amqp")
 		createEffects(t, db)
@@ -149,6 +150,7 @@ func TestRepublish_RouterBoot_LostMessageResentAndProcessedOnce_OthersUntouched(
 // all published at the same instant (the walk goes on by id), with every
 // third processed among them (left alone, and walked past once).
 func TestRepublish_TwoInstancesRacing_EachRecordResentOnce(t *testing.T) {
+	t.Parallel()
 	for _, n := range []int{40, 2*outbox.DefaultPurgeBatch + 500} {
 		t.Run(strconv.Itoa(n), func(t *testing.T) { republishRacing(t, n) })
 	}
@@ -223,6 +225,7 @@ func republishRacing(t *testing.T, n int) {
 // processes. With Exchanges set, a boot sends only this service's records
 // again; without it, both (as before).
 func TestRepublish_Exchanges_AnotherServicesRecordsOfTheTopicLeftAlone(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		ours := publishN(t, db, "shop", "orders", 3)
 		theirs := publishN(t, db, "billing", "orders", 2)
@@ -264,6 +267,7 @@ func TestTrackedTopics_UntrackedLookup_NoAllocation(t *testing.T) {
 }
 
 func TestNewRepublisher_NoTopics_ConfigError(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	if _, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{}); err == nil {
 		t.Fatal("a republisher tracking nothing was accepted")
@@ -277,6 +281,7 @@ func TestNewRepublisher_NoTopics_ConfigError(t *testing.T) {
 // consumer of its routing key. A duplicate now marks its record. (From an
 // audit of the README.)
 func TestRepublish_RecordProcessedBeforeMarkingWasOn_SentAgainOnceOnly(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		createEffects(t, db)
 		topic := "order.placed"
@@ -318,6 +323,7 @@ func TestRepublish_RecordProcessedBeforeMarkingWasOn_SentAgainOnceOnly(t *testin
 // A nil registry tracks nothing (Tracked answers false), and lists no
 // topic: Topics on it panicked with a nil pointer dereference.
 func TestTrackedTopics_NilRegistry_NoTopicsNoPanic(t *testing.T) {
+	t.Parallel()
 	var track *outbox.TrackedTopics
 	if got := track.Topics(); got != nil {
 		t.Fatalf("Topics() = %v, want nil", got)

@@ -19,6 +19,7 @@ import (
 // purge there leaves the numbers where they were, and nothing is written
 // to the default schema.
 func TestSchemaQualifiedTable_KeyedPublishRelayAndPurge(t *testing.T) {
+	t.Parallel()
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			home := migrated(t, kind) // where the outbox lives

@@ -55,6 +55,7 @@ func (p *refusingPublisher) sent(id string) int {
 // PostgreSQL, and on MySQL the mark of a record failed for good, which
 // undid the marks of the records published beside it.
 func TestMaxAttempts_AboveTheAttemptsColumn_ConfigError(t *testing.T) {
+	t.Parallel()
 	db := testdb.New(t, testdb.SQLite)
 	dest := outbox.NewPublisherDestination(gochannel.NewGoChannel(gochannel.Config{}, nil), nil)
 	for _, n := range []int{math.MaxInt32 + 1, math.MaxInt} {

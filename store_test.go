@@ -12,6 +12,7 @@ import (
 )
 
 func TestStore_PurgePublished_BoundedBatchesNeverPending(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		ids := publishN(t, db, "", "t", 7)
 		mark := db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE id = ?")
@@ -61,6 +62,7 @@ func TestStore_PurgePublished_BoundedBatchesNeverPending(t *testing.T) {
 // TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff), and an expired lease
 // is no claim.
 func TestStore_Retry_LeavesRowsUnderALiveLeaseAlone(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d, MaxAttempts: 3})
 		if err != nil {
@@ -164,6 +166,7 @@ func TestStore_PurgePublished_RowMadePendingWhileItRuns_Kept(t *testing.T) {
 // statement, which every database refused past its limit on arguments
 // (65,535 on PostgreSQL and MySQL, 32,766 on SQLite), retrying none.
 func TestStore_RetryMoreIDsThanAStatementTakes_EveryStuckRowPending(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		stuck := publishN(t, db, "", "t", 3)
 		if _, err := db.Exec("UPDATE acemq_outbox SET attempts = 10"); err != nil {

@@ -19,6 +19,7 @@ import (
 // traceparent rides in the row's headers, through the relay and the broker,
 // and the inbox restores it.
 func TestTrace_TraceparentAtPublish_RestoredInHandler(t *testing.T) {
+	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		testdb.Require(t, "amqp")
 		createEffects(t, db)
