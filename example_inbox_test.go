@@ -9,6 +9,8 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 	"github.com/jmoiron/sqlx"
 	_ "github.com/mattn/go-sqlite3"
 
@@ -64,4 +66,67 @@ func ExampleInbox() {
 	// Output:
 	// handler runs: 1
 	// shipments: 1
+}
+
+// A message whose handler keeps failing goes to a poison topic, where an
+// operator deals with it. Given PoisonQueue's publisher through
+// PoisonPublisher, the inbox marks the message's outbox record processed
+// once the poison topic has it, so a Republish at the next boot does not
+// send it again.
+func ExampleInbox_PoisonPublisher() {
+	dir, _ := os.MkdirTemp("", "outbox-example")
+	defer os.RemoveAll(dir)
+	db := sqlx.MustOpen("sqlite3", "file:"+filepath.Join(dir, "warehouse.db")+"?_txlock=immediate&_busy_timeout=5000")
+	defer db.Close()
+	if err := outbox.Migrate(context.Background(), db.DB, outbox.SQLite); err != nil {
+		log.Fatal(err)
+	}
+
+	inbox, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: "fulfil-orders", MarkOutboxProcessed: true})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// The poison topic: here Watermill's in-memory pub/sub; in a service
+	// the broker's publisher, or an outbox of its own.
+	poison := gochannel.NewGoChannel(gochannel.Config{Persistent: true}, watermill.NopLogger{})
+	poisonQueue, err := middleware.PoisonQueue(inbox.PoisonPublisher(poison), "orders.poison")
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Under a router: router.AddMiddleware(poisonQueue, …, inbox.Middleware).
+	handle := poisonQueue(inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, fmt.Errorf("order %s: no such warehouse", msg.Payload)
+	}))
+	// The message as the relay delivers it, from an outbox record of this
+	// database.
+	msg := message.NewMessage(watermill.NewUUID(), []byte("o-1"))
+	tx := db.MustBegin()
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := pub.Publish("orders.placed", msg); err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := handle(msg.Copy()); err != nil {
+		log.Fatal(err)
+	}
+	set, err := poison.Subscribe(context.Background(), "orders.poison")
+	if err != nil {
+		log.Fatal(err)
+	}
+	poisoned := <-set
+	poisoned.Ack()
+	var processed bool
+	if err := db.Get(&processed, "SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?", msg.UUID); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("poisoned:", string(poisoned.Payload), "-", poisoned.Metadata.Get(middleware.ReasonForPoisonedKey))
+	fmt.Println("record processed:", processed)
+	// Output:
+	// poisoned: o-1 - order o-1: no such warehouse
+	// record processed: true
 }
