@@ -189,7 +189,10 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 			return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q %v, which PostgreSQL's text columns refuse", ErrInvalidKey, dedupeKey(msg), key, err)
 		}
 	}
-	text := msg.Metadata.Get(HeaderSeq)
+	text, hasSeq := msg.Metadata[HeaderSeq]
+	if !hasSeq {
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, and no seq: not numbered by an ordering relay (application metadata named aggregateId? name it otherwise, or publish with MetadataAggregateID)", ErrInvalidSeq, dedupeKey(msg), key)
+	}
 	seq, perr := strconv.ParseInt(text, 10, 64)
 	// The largest int64 has no successor: applied, it would make every
 	// later last_seq + 1 of its key overflow.

@@ -792,6 +792,13 @@ func TestOrderedInbox_KeyedMessageWithoutValidSeq_FailsNamingItHandlerNotRun(t *
 			t.Errorf("seq %q: %v, want ErrInvalidSeq", seq, err)
 		}
 	}
+	// No seq at all: an application's own aggregateId metadata, most
+	// likely, which the error says.
+	msg := keyedMsg("a", 1)
+	delete(msg.Metadata, outbox.HeaderSeq)
+	if _, err := h(msg); !errors.Is(err, outbox.ErrInvalidSeq) || !strings.Contains(err.Error(), "MetadataAggregateID") {
+		t.Errorf("no seq: %v, want ErrInvalidSeq saying how to publish a keyed message", err)
+	}
 	if got := l.of("a"); len(got) != 0 {
 		t.Errorf("handler ran for %v", got)
 	}
