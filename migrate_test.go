@@ -1062,3 +1062,35 @@ func TestMigrate_TakesAnSqlxDB_DialectFromItsDriver(t *testing.T) {
 		t.Errorf("a string for db: %v, want a ConfigError", err)
 	}
 }
+
+// 0012's index holds the routing key only where an index can hold it
+// whole: another library's TEXT routing_key, or a utf8mb4 varchar(255) in
+// a COMPACT table (1,020 bytes over its 767), would refuse CREATE INDEX
+// and stop the migration; there the index is (processed_at, published_at).
+func TestMigrate_MySQL_0012_RoutingKeyAnIndexCannotHold_IndexWithoutIt(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name, alter string
+		want        []string
+	}{
+		{"varchar, dynamic", "", []string{"processed_at", "routing_key", "published_at"}},
+		{"text", "ALTER TABLE acemq_outbox MODIFY routing_key text NOT NULL", []string{"processed_at", "published_at"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			db := testdb.New(t, testdb.MySQL)
+			testrails.CreateTable(t, db)
+			if c.alter != "" {
+				db.MustExec(c.alter)
+			}
+			migrate(t, db)
+			var cols []string
+			if err := db.Select(&cols, "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'acemq_outbox'"+
+				" AND INDEX_NAME = 'acemq_outbox_unprocessed' ORDER BY SEQ_IN_INDEX"); err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(cols, c.want) {
+				t.Errorf("acemq_outbox_unprocessed on %v, want %v", cols, c.want)
+			}
+		})
+	}
+}
