@@ -983,7 +983,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// The broker closed this channel and kept the connection: a
 			// channel error, caused by this record.
 			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
-			if p.on.maxBody > 0 && len(p.recs[i].Body) > p.on.maxBody {
+			if p.on.tooLarge(p.recs[i]) {
 				// Over the broker's max_message_size: no retry will send
 				// it, and each would send it whole and hold back what is
 				// behind it.
@@ -1068,6 +1068,10 @@ func (c *confirmChannel) waitConfirm(ctx context.Context, dc *amqp.DeferredConfi
 		}
 	}
 }
+
+// tooLarge reports whether r's body is over the limit the broker named
+// closing c over a larger message (maxBody).
+func (c *confirmChannel) tooLarge(r Record) bool { return c.maxBody > 0 && len(r.Body) > c.maxBody }
 
 func (c *confirmChannel) drainReturns() {
 	for {
@@ -1161,7 +1165,7 @@ func (d *AMQPDestination) blame(ctx context.Context, c *confirmChannel, dc *amqp
 				}
 				unconfirmed = append(unconfirmed, w.recs[i].ID)
 				only = conf
-				if named && sameExchange(w.recs[i].Exchange, exchange) || c.maxBody > 0 && len(w.recs[i].Body) > c.maxBody {
+				if named && sameExchange(w.recs[i].Exchange, exchange) || c.tooLarge(w.recs[i]) {
 					c.blamed[conf] = true
 				}
 			}

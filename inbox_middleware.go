@@ -10,7 +10,6 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -415,26 +414,17 @@ func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 // handler may be wrapped again (per worker, or at each reconnect of a
 // consume loop), two functions under one ConsumerName may not.
 func (in *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
-	wrap := wrapped{n: wraps.Add(1), fn: reflect.ValueOf(h).Pointer()}
+	code := handlerCode(reflect.ValueOf(h).Pointer())
 	return func(msg *message.Message) ([]*message.Message, error) {
-		return in.handle(h, wrap, msg)
+		return in.handle(h, code, msg)
 	}
 }
 
-// wrapped is a call of Middleware: its number in the process, from 1 (see
-// wraps), and the code of the handler it wrapped.
-type wrapped struct {
-	n  uint64
-	fn uintptr
-}
-
-// sameHandler reports whether w and o wrapped the same handler, as far as
-// the process can tell: one call, or one function. Two closures of one
-// function literal are one function to it.
-func (w wrapped) sameHandler(o wrapped) bool { return w.n == o.n || w.fn == o.fn }
-
-// wraps numbers the calls of Middleware in the process.
-var wraps atomic.Uint64
+// handlerCode is the code of a handler Middleware wrapped: what tells two
+// handlers apart outside a router, as far as the process can tell. One
+// function wrapped twice is one handler, and so are two closures of one
+// function literal.
+type handlerCode uintptr
 
 // conflictTries is how many times a delivery runs whose transaction the
 // database refused for a concurrent one on the same rows, and
@@ -447,7 +437,7 @@ func conflictPause(try int) time.Duration {
 	return d/2 + rand.N(d)
 }
 
-func (in *Inbox) handle(h message.HandlerFunc, wrap wrapped, msg *message.Message) ([]*message.Message, error) {
+func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
 	// failures, and a deadlock refuses one of two transactions anywhere.
@@ -466,7 +456,7 @@ func (in *Inbox) handle(h message.HandlerFunc, wrap wrapped, msg *message.Messag
 		if tries++; tries > 1 {
 			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": tries - 1, "error": err.Error()})
 		}
-		outcome, consumer, err = in.process(h, wrap, msg)
+		outcome, consumer, err = in.process(h, code, msg)
 		return err
 	})
 	if err == nil && outcome == inboxDuplicate {
@@ -481,9 +471,8 @@ func (in *Inbox) handle(h message.HandlerFunc, wrap wrapped, msg *message.Messag
 }
 
 // process runs one message through the inbox, and says what became of it
-// and for which consumer ("" if it has no valid name). wrap is the call of
-// Middleware that wrapped h.
-func (in *Inbox) process(h message.HandlerFunc, wrap wrapped, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
+// and for which consumer ("" if it has no valid name). code is h's.
+func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
 		// The publisher's trace, carried in the metadata through the row and
@@ -540,7 +529,7 @@ func (in *Inbox) process(h message.HandlerFunc, wrap wrapped, msg *message.Messa
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, nameErr)}
 	}
 	if keyed {
-		outcome, err := in.processOrdered(ctx, h, wrap, msg, consumer, key, aggregate, seq)
+		outcome, err := in.processOrdered(ctx, h, code, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
 	if in.cfg.AtMostOnce {
@@ -682,6 +671,15 @@ type execQuerier interface {
 // at every boot, to every consumer of its routing key. One statement, on
 // its own; a failure is logged, and the next duplicate tries again.
 func (in *Inbox) markDuplicateProcessed(msg *message.Message) {
+	in.markOnPool(msg.Context(), msg, "Duplicate acked, but its outbox record could not be marked processed; Republish may send it again", nil)
+}
+
+// markOnPool, with MarkOutboxProcessed, marks the outbox record of msg
+// processed, if it is not, in a statement of its own on the pool (see
+// markProcessed). ctx holds the topic msg arrived on, which TrackedTopics
+// asks about. A failure is logged as failed says, with fields, and the
+// message's id.
+func (in *Inbox) markOnPool(ctx context.Context, msg *message.Message, failed string, fields watermill.LogFields) {
 	if !in.cfg.MarkOutboxProcessed {
 		return
 	}
@@ -689,10 +687,8 @@ func (in *Inbox) markDuplicateProcessed(msg *message.Message) {
 	if key == "" {
 		return
 	}
-	ctx := msg.Context()
-	err := in.markProcessed(ctx, in.db, key, time.Now())
-	if err != nil {
-		in.log.Error("Duplicate acked, but its outbox record could not be marked processed; Republish may send it again", err, watermill.LogFields{"message_uuid": key})
+	if err := in.markProcessed(ctx, in.db, key, time.Now()); err != nil {
+		in.log.Error(failed, err, fields.Add(watermill.LogFields{"message_uuid": key}))
 	}
 }
 

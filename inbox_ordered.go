@@ -107,17 +107,17 @@ type orderedState struct {
 	mu     sync.Mutex
 	routes map[routeKey]orderedRoute
 	first  map[string]routeKey // by consumer, its first handler seen
-	// bare holds, by consumer, the call of Middleware whose handler had
-	// the consumer's first keyed delivery without a router handler name:
-	// the route of "" is that handler's alone.
-	bare map[string]wrapped
+	// bare holds, by consumer, the code of the handler that had the
+	// consumer's first keyed delivery without a router handler name: the
+	// route of "" is that handler's alone.
+	bare map[string]handlerCode
 	// pool and table: what claimTable takes a consumer for.
 	pool  *sql.DB
 	table string
 }
 
 func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
-	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]wrapped{},
+	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]handlerCode{},
 		pool: pool, table: table}
 }
 
@@ -202,15 +202,15 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 	return key, seq, true, nil
 }
 
-// remember keeps h, wrapped by the call of Middleware wrap, as the route
-// of consumer's held messages delivered to its router handler, or refuses
-// with ErrConsumerShared a handler without a router handler name whose
-// function is not that of the consumer's first such handler (see
-// orderedState.bare and sameHandler), and an Inbox
+// remember keeps h (its code: code) as the route of consumer's held
+// messages delivered to its router handler, or refuses with
+// ErrConsumerShared a handler without a router handler name whose code is
+// not that of the consumer's first such handler (see orderedState.bare
+// and handlerCode), and an Inbox
 // whose Table is not the consumer's (see claimTable). A map lookup on the
 // common paths, claimTable's the first time only; the refusal comes
 // before any statement.
-func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap wrapped, ctx context.Context) error {
+func (in *Inbox) remember(consumer string, h message.HandlerFunc, code handlerCode, ctx context.Context) error {
 	o := in.ordered
 	k := routeKey{consumer, message.HandlerNameFromCtx(ctx)}
 	o.mu.Lock()
@@ -223,8 +223,8 @@ func (in *Inbox) remember(consumer string, h message.HandlerFunc, wrap wrapped, 
 	}
 	if k.handler == "" {
 		if owner, ok := o.bare[consumer]; !ok {
-			o.bare[consumer] = wrap
-		} else if !owner.sameHandler(wrap) {
+			o.bare[consumer] = code
+		} else if owner != code {
 			return fmt.Errorf("%w: consumer %q had keyed deliveries outside a router from another handler function of this Inbox; "+
 				"a message held for one would run in the other: give each handler its own ConsumerName, or run them under a router", ErrConsumerShared, consumer)
 		}
@@ -294,8 +294,8 @@ func (in *Inbox) lockSequence(ctx context.Context, tx *sqlx.Tx, consumer, key st
 // number applied already is a duplicate; the next one runs the handler and
 // advances the key in one transaction, then applies the messages held
 // behind it; a later one is held in the database and acked.
-func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, wrap wrapped, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
-	if err := in.remember(consumer, h, wrap, msg.Context()); err != nil {
+func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code handlerCode, msg *message.Message, consumer, id, key string, seq int64) (inboxOutcome, error) {
+	if err := in.remember(consumer, h, code, msg.Context()); err != nil {
 		return inboxFailed, err
 	}
 	// The common case, the key's next message with nothing held, costs the

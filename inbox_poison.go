@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -40,20 +39,12 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if err := p.pub.Publish(topic, msgs...); err != nil {
 		return err
 	}
-	now := time.Now()
 	for _, msg := range msgs {
-		key := dedupeKey(msg)
-		if key == "" {
-			continue
-		}
-		// The message's own context holds the topic it arrived on, which
-		// TrackedTopics asks about; not its end: middleware.Timeout, before
-		// the inbox, cancels it as it returns, before PoisonQueue
-		// publishes.
-		if err := p.in.markProcessed(context.WithoutCancel(msg.Context()), p.in.db, key, now); err != nil {
-			p.in.log.Error("Message set aside on the poison topic, but its outbox record could not be marked processed; Republish may send it again", err,
-				watermill.LogFields{"message_uuid": key, "poison_topic": topic})
-		}
+		// Not the message context's end: middleware.Timeout, before the
+		// inbox, cancels it as it returns, before PoisonQueue publishes.
+		p.in.markOnPool(context.WithoutCancel(msg.Context()), msg,
+			"Message set aside on the poison topic, but its outbox record could not be marked processed; Republish may send it again",
+			watermill.LogFields{"poison_topic": topic})
 	}
 	return nil
 }

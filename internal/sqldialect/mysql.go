@@ -538,7 +538,8 @@ func (mysql) insertMigration() string {
 // utf8mb4_bin is too) "orders ": Republish sent another topic's records
 // again at every boot. As binary strings they compare byte for byte; the
 // conversion to utf8mb4 first keeps that right for a column of another
-// character set (the arguments are utf8mb4). No index has routing_key or
-// exchange_name: the pick's range on published_at is the same, and the
-// conversion costs each row it filters a copy of two short strings.
+// character set (the arguments are utf8mb4). An index cannot serve the
+// conversion: RepublishPick also compares routing_key as it is, for 0012's
+// index, and the conversion costs each row it then filters a copy of two
+// short strings.
 func (mysql) bytes(col string) string { return "CAST(CONVERT(" + col + " USING utf8mb4) AS BINARY)" }

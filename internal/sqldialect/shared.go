@@ -161,8 +161,8 @@ type Row struct {
 // Insert writes rows without a key in one statement, skipping ids already
 // present (RowsAffected counts only the rows it inserted). It writes
 // outboxColumns only, as before per-aggregate order, so that it still works
-// on a table that lacks aggregate_id and seq (but Destinations, the read
-// back of an id already there, needs aggregate_id); keyed rows go through
+// on a table that lacks aggregate_id and seq (as does Destinations without
+// keys, the read back of an id already there); keyed rows go through
 // InsertNumbered.
 func (o *Outbox) Insert(rows []Row) Query {
 	args := make([]any, 0, len(rows)*outboxColumnCount)
@@ -796,7 +796,8 @@ type RepublishCursor struct {
 func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
 	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND "
-	if exact := o.d.bytes("routing_key"); exact != "routing_key" {
+	exact := o.d.bytes("routing_key")
+	if exact != "routing_key" {
 		// The column as it is, for an index to narrow the walk to the
 		// tracked keys (MySQL's 0012): its collation may take more rows
 		// for equal than their bytes do, never fewer, and the exact test
@@ -804,7 +805,7 @@ func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string
 		where += "routing_key IN (" + placeholders(len(routingKeys)) + ") AND "
 		args = stringArgs(args, routingKeys)
 	}
-	where += o.d.bytes("routing_key") + " IN (" + placeholders(len(routingKeys)) + ")"
+	where += exact + " IN (" + placeholders(len(routingKeys)) + ")"
 	args = stringArgs(args, routingKeys)
 	if len(exchanges) > 0 {
 		where += " AND " + o.d.bytes("exchange_name") + " IN (" + placeholders(len(exchanges)) + ")"
