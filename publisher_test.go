@@ -778,3 +778,83 @@ func TestTxPublisher_SameIDToAnotherDestination_DuplicateIDErrorNothingWritten(t
 		}
 	})
 }
+
+// Under REPEATABLE READ, MySQL's default, a transaction reads the snapshot of
+// its first read, while its insert sees the rows committed since. A row of
+// the same id that another transaction committed after the caller's first
+// read was skipped by MySQL's insert and yet invisible to a plain read back:
+// the publisher said the message was written nowhere. The read back is a
+// current read, as the insert: the retry is one row, and another
+// destination or key is ErrDuplicateID. PostgreSQL's insert refuses such a
+// row as a serialization failure, which the caller's retry of its
+// transaction meets in its new snapshot. (SQLite's writer holds the
+// database from its first statement: nothing commits inside its
+// transaction.)
+func TestTxPublisher_RepeatableRead_IDCommittedAfterTheSnapshot(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{testdb.MySQL, testdb.Postgres} {
+		db := migrated(t, kind)
+		for _, tc := range []struct {
+			name, topic, firstKey, key string
+			dup                        bool
+		}{
+			{name: "same destination", topic: "orders"},
+			{name: "same destination keyed", topic: "orders", firstKey: "k", key: "k"},
+			{name: "unkeyed over keyed", topic: "orders", firstKey: "k"},
+			{name: "other destination", topic: "billing", dup: true},
+			{name: "other key", topic: "orders", firstKey: "k", key: "k2", dup: true},
+		} {
+			t.Run(kind+"/"+tc.name, func(t *testing.T) {
+				id := watermill.NewUUID()
+				first := message.NewMessage(id, []byte("x"))
+				if tc.firstKey != "" {
+					first.Metadata.Set(outbox.MetadataAggregateID, tc.firstKey)
+				}
+				caller, err := db.BeginTxx(context.Background(), &sql.TxOptions{Isolation: sql.LevelRepeatableRead})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = caller.Rollback() }()
+				var n int
+				if err := caller.Get(&n, "SELECT COUNT(*) FROM acemq_outbox"); err != nil { // the snapshot
+					t.Fatal(err)
+				}
+				inTx(t, db, true, []*message.Message{first}) // to orders, committed after it
+				p, err := outbox.NewTxPublisher(caller)
+				if err != nil {
+					t.Fatal(err)
+				}
+				again := message.NewMessage(id, []byte("x"))
+				if tc.key != "" {
+					again.Metadata.Set(outbox.MetadataAggregateID, tc.key)
+				}
+				err = p.Publish(tc.topic, again)
+				var state interface{ SQLState() string }
+				switch {
+				case kind == testdb.Postgres:
+					if !errors.As(err, &state) || state.SQLState() != "40001" {
+						t.Fatalf("publish of an id committed since the snapshot: %v, want PostgreSQL's serialization failure (40001)", err)
+					}
+				case tc.dup && !errors.Is(err, outbox.ErrDuplicateID):
+					t.Fatalf("publish of an id committed since the snapshot to %s under %q: %v, want ErrDuplicateID", tc.topic, tc.key, err)
+				case !tc.dup && err != nil:
+					t.Fatalf("publish of an id committed since the snapshot: %v, want nil (a retry)", err)
+				}
+				_ = caller.Commit()
+				var rows int
+				if err := db.Get(&rows, db.Rebind("SELECT COUNT(*) FROM acemq_outbox WHERE id = ?"), id); err != nil || rows != 1 {
+					t.Fatalf("rows of the id: %d (%v), want 1", rows, err)
+				}
+				if tc.firstKey != "" {
+					var last int64
+					if err := db.Get(&last, db.Rebind("SELECT last_seq FROM acemq_outbox_sequences WHERE aggregate_id = ?"), tc.firstKey); err != nil {
+						t.Fatal(err)
+					}
+					if seqs := seqsOf(t, db, tc.firstKey); int64(len(seqs)) != last {
+						t.Errorf("counter of %q at %d over rows numbered %v: a number given out to no row", tc.firstKey, last, seqs)
+					}
+				}
+			})
+		}
+	}
+}

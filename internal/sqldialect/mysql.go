@@ -543,3 +543,9 @@ func (mysql) insertMigration() string {
 // index, and the conversion costs each row it then filters a copy of two
 // short strings.
 func (mysql) bytes(col string) string { return "CAST(CONVERT(" + col + " USING utf8mb4) AS BINARY)" }
+
+// currentRead: under REPEATABLE READ, MySQL's default, a plain SELECT reads
+// the snapshot of the transaction's first read, while an insert skips ids
+// committed since. A locking read sees them. LOCK IN SHARE MODE, which
+// MariaDB and MySQL 8 both take (FOR SHARE is MySQL's only).
+func (mysql) currentRead() string { return " LOCK IN SHARE MODE" }

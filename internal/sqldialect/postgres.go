@@ -307,6 +307,12 @@ func (postgres) timeOf(col string) string { return col }
 // deterministic, equal only where the bytes are.
 func (postgres) bytes(col string) string { return col }
 
+// currentRead: under READ COMMITTED, the default, each statement reads
+// what was committed before it; under REPEATABLE READ an insert that
+// meets a row its snapshot does not see fails as a serialization failure,
+// before anything reads back.
+func (postgres) currentRead() string { return "" }
+
 func (postgres) stored(col string) string { return col }
 
 // purgePublished locks the rows it picks, skipping locked ones: a row made

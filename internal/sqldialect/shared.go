@@ -280,13 +280,14 @@ func (o *Outbox) GiveBackSeq(key string, n int) Query {
 // with keys aggregate_id (NULL for an unkeyed row). Without keys it reads
 // no column Insert does not write: a service that publishes only unkeyed
 // messages into a table another library made, without 0005's columns,
-// reads its retries back.
+// reads its retries back. It reads the rows the insert before it met,
+// also those committed after the transaction's snapshot (currentRead).
 func (o *Outbox) Destinations(ids []string, keys bool) Query {
 	cols := "id, exchange_name, routing_key, created_at"
 	if keys {
 		cols += ", aggregate_id"
 	}
-	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
+	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")"+o.d.currentRead(), stringArgs(nil, ids)...)
 }
 
 // Delete deletes the rows of ids.

@@ -177,6 +177,10 @@ type Dialect interface {
 	// only if their bytes do: AMQP routing keys and exchange names are
 	// case-sensitive, whatever collation the table was made with.
 	bytes(col string) string
+	// currentRead ends a SELECT that must see the rows committed since the
+	// transaction's snapshot, as its writes do: "" where a statement of
+	// the default isolation reads them anyway.
+	currentRead() string
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
 	// stored is col as a select list reads it back as stored, to be

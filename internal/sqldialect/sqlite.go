@@ -217,6 +217,11 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 // bytes: a column's default collation, BINARY, compares bytes.
 func (sqlite) bytes(col string) string { return col }
 
+// currentRead: a transaction that writes holds the database's write lock,
+// and could take it only from the latest snapshot (SQLITE_BUSY_SNAPSHOT
+// otherwise).
+func (sqlite) currentRead() string { return "" }
+
 // stored: unary plus, a no-op on any value, makes the column an expression
 // with no declared type, which go-sqlite3 reads as stored: a TIMESTAMP
 // column it would read as a time.Time, and pass back as text of another
