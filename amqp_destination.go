@@ -983,12 +983,19 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// The broker closed this channel and kept the connection: a
 			// channel error, caused by this record.
 			res[i] = fmt.Errorf("channel closed by the broker before it confirmed: %s", p.on.closeReason())
-			if p.on.tooLarge(p.recs[i]) {
+			switch {
+			case p.on.tooLarge(p.recs[i]):
 				// Over the broker's max_message_size: no retry will send
 				// it, and each would send it whole and hold back what is
 				// behind it.
 				res[i] = Permanent(&MessageTooLargeError{Size: len(p.recs[i].Body), Max: p.on.maxBody,
 					detail: "the broker closed the channel over it: " + p.on.closeReason()})
+			case invalidMessage(p.on.closeReason()):
+				// The broker refused the message for what it holds (a
+				// header of a type it does not take where it reads one):
+				// every try would close the channel again, and an unkeyed
+				// record would hold back all behind it until MaxAttempts.
+				res[i] = Permanent(res[i])
 			}
 		case p.on.ch.IsClosed():
 			// Closed over another record: the broker dropped this one, or
@@ -1334,6 +1341,14 @@ func (c *confirmChannel) readClose(wait time.Duration) {
 }
 
 // closeReason is why the channel closed, as far as it is known.
+// invalidMessage reports whether a channel's close reason is RabbitMQ's
+// refusal of a published message for its content ("PRECONDITION_FAILED -
+// invalid message: …", from basic.publish): the same message is refused
+// at every try.
+func invalidMessage(reason string) bool {
+	return strings.Contains(reason, "PRECONDITION_FAILED - invalid message")
+}
+
 func (c *confirmChannel) closeReason() string {
 	c.readClose(0)
 	switch {
@@ -1375,8 +1390,14 @@ func (d *AMQPDestination) checkExchange(name string) error {
 // routing key, content type, message id and header keys.
 const maxShortString = 255
 
+// routingHeaders are the headers RabbitMQ reads as sender-selected routing
+// (extra routing keys): it takes them as arrays only, and closes the
+// channel over a message with any other value in them. TxPublisher refuses
+// them as metadata (strings); another library's row can hold them.
+var routingHeaders = []string{"CC", "BCC"}
+
 // encodable checks what amqp091-go would refuse to encode, or the broker or
-// an AMQP client refuse to read, in a message: a short string over 255
+// an AMQP client refuse to read, in a message: CC or BCC that is no array, a short string over 255
 // bytes (names, the routing key, content type, message id, header names and
 // the keys of tables nested in headers), a header value of no AMQP field
 // type, nesting or containers beyond what amqp091-go reads, or properties
@@ -1390,6 +1411,13 @@ func encodable(r Record, msg amqp.Publishing, frameSize int) error {
 	} {
 		if len(f.s) > maxShortString {
 			return fmt.Errorf("%s of %d bytes: AMQP allows %d", f.what, len(f.s), maxShortString)
+		}
+	}
+	for _, k := range routingHeaders {
+		if v, ok := msg.Headers[k]; ok {
+			if _, array := v.([]any); !array {
+				return fmt.Errorf("header %q of type %T: RabbitMQ reads %s as sender-selected routing and refuses any value but an array (406 unacceptable_type_in_header)", k, v, k)
+			}
 		}
 	}
 	if len(msg.Headers) > rowcodec.MaxElements {

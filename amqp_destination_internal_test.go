@@ -245,6 +245,11 @@ func TestEncodable_TypedAndNestedHeaders_SizedAndChecked(t *testing.T) {
 		{"33 deep", map[string]any{"d": deep}, `header "d": arrays and tables nested 33 deep`},
 		{"no AMQP type", map[string]any{"x": struct{}{}}, `header "x": a value of type struct {}`},
 		{"8191 headers and the ids", manyHeaders(8191), "8193 headers with the ids"},
+		{"CC a string", map[string]any{"CC": "ops"}, `header "CC" of type string: RabbitMQ reads CC as sender-selected routing`},
+		{"BCC an integer", map[string]any{"BCC": int64(1)}, `header "BCC" of type int64`},
+		{"CC null", map[string]any{"CC": nil}, `header "CC" of type <nil>`},
+		{"CC an array", map[string]any{"CC": []any{"ops", "audit"}, "BCC": []any{}}, ""},
+		{"cc in lower case is the application's", map[string]any{"cc": "ops"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rec := Record{ID: "r", Headers: tc.headers}
@@ -362,5 +367,34 @@ func TestNewAMQPDestination_SharedConnectionProperties_EachKeepsItsName(t *testi
 	}
 	if _, ok := shared.Properties["connection_name"]; ok || len(shared.Properties) != 1 {
 		t.Errorf("the caller's table was written: %v", shared.Properties)
+	}
+}
+
+// A message RabbitMQ refuses for what it holds ("PRECONDITION_FAILED -
+// invalid message", here a CC header that is no array, as another library's
+// row can hold when encodable's check does not know the refusal) fails its
+// record permanently once the close is blamed on it: every try would close
+// the channel again, and an unkeyed record would hold back every row behind
+// it until MaxAttempts.
+func TestAMQPDestination_BrokerRefusesTheMessage_PermanentFailure(t *testing.T) {
+	b := testamqp.New(t)
+	b.Queue("t")
+	saved := routingHeaders
+	routingHeaders = nil // as if encodable did not know this refusal
+	defer func() { routingHeaders = saved }()
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	rec := Record{ID: "refused-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x"), Headers: map[string]any{"CC": "ops"}}
+	res := d.Publish(context.Background(), []Record{rec}) // alone: the close is its
+	if !IsPermanent(res[0]) || !strings.Contains(res[0].Error(), "unacceptable_type_in_header") {
+		t.Fatalf("result %v, want a permanent failure with the broker's reason", res[0])
+	}
+	// The destination goes on: the next record is published.
+	ok := Record{ID: "fine-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "t", Body: []byte("x")}
+	if res := d.Publish(context.Background(), []Record{ok}); res[0] != nil {
+		t.Fatalf("the next record: %v", res[0])
 	}
 }

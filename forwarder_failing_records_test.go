@@ -331,6 +331,45 @@ func TestForwarder_Run_RowTheClientCannotEncode_StuckAtOnce(t *testing.T) {
 	})
 }
 
+// A row of another library with a CC (or BCC) header that is a string:
+// RabbitMQ reads both as sender-selected routing, takes arrays only, and
+// closes the channel over any other value, at every try. The row was
+// retried as an ordinary failure and held back every row behind it until
+// MaxAttempts (43 s with the defaults). It is stuck at once, saying why,
+// and the rows around it arrive; an array is sent.
+func TestForwarder_Run_ForeignRoutingHeaderNotAnArray_StuckAtOnce(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		queue := b.Queue("ok")
+		before := publishN(t, db, b.Exchange, "ok", 10)
+		insertRaw(t, db, "cc-string", b.Exchange, "ok", `{"CC":"audit"}`, "utf-8")
+		insertRaw(t, db, "cc-array", b.Exchange, "ok", `{"CC":["nowhere-bound"]}`, "utf-8")
+		after := publishN(t, db, b.Exchange, "ok", 10)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{BatchSize: 5})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		waitFor(t, 10*time.Second, "the row to be stuck and the rest published", func() bool {
+			return stateOf(t, db, "cc-string").Attempts == outbox.DefaultMaxAttempts && pendingCount(t, f) == 0
+		})
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+		if s := stateOf(t, db, "cc-string"); s.Published || !strings.Contains(s.LastError, `header "CC" of type string`) {
+			t.Errorf("row: %+v, want stuck with last_error about the CC header", s)
+		}
+		got := countIDs(b.Drain(queue, 21, 10*time.Second))
+		for _, id := range append(append(before, after...), "cc-array") {
+			if got[id] == 0 {
+				t.Fatalf("message %s never arrived (%d of 21)", id, len(got))
+			}
+		}
+	})
+}
+
 // Under the pipelined Run, a message over which the broker closes the
 // channel (its exchange deleted after the relay checked it) fails its
 // record with an attempt counted, and the exchange is checked again: the
