@@ -1045,11 +1045,14 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// then the record is what breaks it. Not while the broker
 			// blocks the connection (an alarm), nor through a destination
 			// that cannot tell an outage from the record (unprobedLost):
-			// then no record is.
+			// then no record is. Nor when the caller's context ended
+			// before the confirm (a Sweep bounded by its caller, Run
+			// stopping): that says nothing of the record, and a caller
+			// that bounds every sweep would otherwise make it stuck.
 			failedOne = true
 			n := b.attempts[rec.ID]
 			var unprobed unprobedLost
-			if !errors.Is(err, ErrBrokerBlocked) && !errors.As(err, &unprobed) && f.lostAgain(rec.ID) {
+			if !errors.Is(err, ErrBrokerBlocked) && !errors.As(err, &unprobed) && ctx.Err() == nil && f.lostAgain(rec.ID) {
 				n++
 			}
 			b.fail(rec, n, err)

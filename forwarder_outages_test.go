@@ -472,3 +472,40 @@ func (s slowDest) Publish(ctx context.Context, records []outbox.Record) []error 
 	time.Sleep(s.d)
 	return make([]error, len(records))
 }
+
+// A Sweep whose own context ends while the broker has not yet confirmed
+// (a caller that bounds each sweep, as a cron job does) ends with
+// ErrConnectionLost at the head record, and it may end so at the same
+// record time after time. The caller's deadline says nothing of the
+// record: none of those sweeps charges it an attempt, where a connection
+// lost at one record that often otherwise does (lostRepeats) and makes
+// it stuck at MaxAttempts.
+func TestForwarder_Sweep_CallersContextEndsBeforeTheConfirm_NoAttemptCounted(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	proxy := testamqp.NewProxy(t)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	f := newForwarder(t, db, outbox.ForwarderConfig{PublishTimeout: time.Minute, Lease: 3 * time.Minute, MaxAttempts: 2, RetryMin: time.Millisecond, RetryMax: time.Millisecond},
+		outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+	id := publishN(t, db, b.Exchange, "t", 1)[0]
+	proxy.LoseConfirms(true)
+	for i := range 8 { // past lostRepeats (3) and MaxAttempts (2)
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		n, err := f.Sweep(ctx)
+		cancel()
+		if n != 0 || !errors.Is(err, outbox.ErrConnectionLost) {
+			t.Fatalf("sweep %d = %d, %v; want nothing published and ErrConnectionLost", i+1, n, err)
+		}
+	}
+	if s := stateOf(t, db, id); s.Published || s.Attempts != 0 {
+		t.Fatalf("row after 8 sweeps cut short by their caller: %+v, want unpublished with no attempt counted", s)
+	}
+	proxy.LoseConfirms(false)
+	if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+		t.Fatalf("sweep once the confirms come = %d, %v; want the row published", n, err)
+	}
+	if got := countIDs(b.Drain(queue, 1, 10*time.Second)); got[id] == 0 {
+		t.Fatalf("message %s never arrived", id)
+	}
+}
