@@ -818,7 +818,10 @@ func (in *Inbox) ListGaps(ctx context.Context, olderThan time.Duration, limit in
 // after it are applied in order, if this inbox has run the consumer's
 // handler (otherwise at the consumer's next ApplyHeld or delivery of the
 // key). A message of a skipped number that arrives later is acked as a
-// duplicate without running.
+// duplicate without running. Once the skip is committed it returns nil: a
+// held message behind it whose handler fails stays held, and its failure
+// is logged (Gaps lists it; ApplyHeld or the key's next delivery runs it
+// again).
 //
 // from and through name the gap by both ends, as it was seen: a listed Gap
 // g is skipped whole with SkipGap(ctx, g.Consumer, g.AggregateID,
@@ -835,12 +838,22 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, throug
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	defer in.refreshAfterSkip(ctx)
-	if in.ordered != nil {
-		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
-			return err
-		}
-	}
+	in.drainAfterSkip(ctx, consumer, key)
 	return nil
+}
+
+// drainAfterSkip applies what a committed skip freed. A failure is logged,
+// not returned: the skip is done, and an error would read as a skip that
+// failed (retried, it finds the gap changed; SkipHeld's message, whose row
+// is deleted, would be dropped with its error).
+func (in *Inbox) drainAfterSkip(ctx context.Context, consumer, key string) {
+	if in.ordered == nil {
+		return
+	}
+	if _, err := in.drain(ctx, nil, consumer, key); err != nil {
+		in.log.Error("Held message behind a skip could not be applied; it stays held until the next delivery of its key or ApplyHeld", err,
+			watermill.LogFields{"consumer": consumer, "aggregate_id": key})
+	}
 }
 
 // refreshAfterSkip reads the held messages into the gauges after a skip in
@@ -1015,7 +1028,8 @@ type SkippedMessage struct {
 //
 // It skips nothing and returns ErrGapChanged when seq is not the key's
 // next any more (applied since, or the key waits for a number before it),
-// and ErrNoHeld when seq is not held.
+// and ErrNoHeld when seq is not held. Once the skip is committed it returns
+// the message and nil, whatever the messages behind it do (see SkipGap).
 func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
 	if seq < 1 {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: want a positive sequence number", key, seq, consumer)
@@ -1026,11 +1040,7 @@ func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) 
 	}
 	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": skipped.ID})
 	defer in.refreshAfterSkip(ctx)
-	if in.ordered != nil {
-		if _, err := in.drain(ctx, nil, consumer, key); err != nil {
-			return skipped, err
-		}
-	}
+	in.drainAfterSkip(ctx, consumer, key)
 	return skipped, nil
 }
 

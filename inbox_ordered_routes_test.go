@@ -287,3 +287,51 @@ func TestOrderedInbox_RouterRebuilt_HeldMessageRunsInTheNewRoutersHandler(t *tes
 		t.Errorf("ran by %v, want %v", ranBy, want)
 	}
 }
+
+// A skip is committed before the messages held behind it are applied; a
+// handler of theirs that fails then leaves its message held. SkipGap and
+// SkipHeld returned that handler's error, so the caller read a done skip
+// as a failed one: retried, the skip found the gap changed, and SkipHeld's
+// message, whose row was deleted, came back beside an error that callers
+// drop. Both now return nil (and the message) once the skip is committed;
+// the failing message stays held and is applied once its handler passes.
+func TestOrderedInbox_Skip_MessageBehindItFails_SkipDoneMessageStaysHeld(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		failing := map[string]bool{}
+		l := applyLog{fail: func(msg *message.Message) error {
+			if failing[msg.UUID] {
+				return errors.New("downstream unavailable")
+			}
+			return nil
+		}}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		ctx := context.Background()
+
+		// SkipGap: 1 applied, 2 never comes, 3 held and failing.
+		deliver(t, h, "g", 1, 3)
+		failing["g-3"] = true
+		if err := in.SkipGap(ctx, "fulfilment", "g", 2, 2); err != nil {
+			t.Fatalf("SkipGap(2..2) = %v, want nil: the skip is committed", err)
+		}
+		// SkipHeld: 1 applied, 2 held and poison, 3 held and failing.
+		failing["s-2"], failing["s-3"] = true, true
+		deliver(t, h, "s", 2, 3, 1)
+		skipped, err := in.SkipHeld(ctx, "fulfilment", "s", 2)
+		if err != nil || skipped.ID != "s-2" || string(skipped.Payload) != "event 2" {
+			t.Fatalf("SkipHeld(2) = %q %q, %v; want s-2 and its payload, nil: the skip is committed", skipped.ID, skipped.Payload, err)
+		}
+		if n := countHeld(t, db); n != 2 {
+			t.Fatalf("%d held, want g-3 and s-3, left held by their failing handlers", n)
+		}
+		failing["g-3"], failing["s-3"] = false, false
+		if n, err := in.ApplyHeld(ctx); n != 2 || err != nil {
+			t.Fatalf("ApplyHeld once the handler passes = %d, %v; want 2, nil", n, err)
+		}
+		if g, s := l.of("g"), l.of("s"); !reflect.DeepEqual(g, []int{1, 3}) || !reflect.DeepEqual(s, []int{1, 3}) {
+			t.Errorf("applied g %v, s %v; want [1 3] each", g, s)
+		}
+	})
+}
