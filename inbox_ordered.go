@@ -484,15 +484,17 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 		// another seq: its effect happened, and the key moves on past it.
 		outcome = inboxDuplicate
 	}
+	// After the handler: a transaction it ended fails these statements
+	// with sql.ErrTxDone, named as the handler's doing (endedUnderHandler).
 	if clearHeld {
 		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
 		if _, err := in.exec(ctx, tx, del); err != nil {
-			return inboxFailed, fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err)
+			return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err))
 		}
 	}
 	set := in.ordered.q.SetSequence(consumer, key, seq)
 	if _, err := in.exec(ctx, tx, set); err != nil {
-		return inboxFailed, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err)
+		return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err))
 	}
 	return outcome, nil
 }
@@ -665,7 +667,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 		return false, true, err
 	}
 	if err := tx.Commit(); err != nil {
-		return false, true, fmt.Errorf("outbox: inbox: commit held %s for %s: %w", id, consumer, err)
+		return false, true, in.handledCommitErr(err, id, consumer)
 	}
 	in.cfg.Metrics.inbox(consumer, outcome)
 	return true, true, nil

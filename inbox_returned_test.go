@@ -265,6 +265,34 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 	}
 }
 
+// The same for an ordered inbox on the path that reads the key first (the
+// key holds messages): the statements after the handler, which clear the
+// held messages and advance the key, failed with database/sql's bare error
+// on PostgreSQL and SQLite. A message the redelivery then finds applied is
+// a duplicate, as on every path.
+func TestOrderedInbox_HandlerEndsItsTransaction_KeyHoldingMessages_FailsNamingIt(t *testing.T) {
+	t.Parallel()
+	for _, end := range []string{"commit", "rollback"} {
+		t.Run(end, func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+					tx, _ := outbox.TxFromContext(msg.Context())
+					if end == "commit" {
+						return nil, tx.Commit()
+					}
+					return nil, tx.Rollback()
+				})
+				if _, err := h(keyedMsg("k", 3)); err != nil { // held: the key holds a message
+					t.Fatal(err)
+				}
+				if _, err := h(keyedMsg("k", 1)); !errors.Is(err, outbox.ErrHandlerEndedTx) {
+					t.Errorf("seq 1 of a key holding a message: %v, want ErrHandlerEndedTx", err)
+				}
+			})
+		})
+	}
+}
+
 // InboxConfig.Outbox takes its dialect and table from the inbox, whose
 // transaction the rows go through: another value is refused, naming the
 // field, and so is an invalid publisher setting.
