@@ -438,6 +438,14 @@ func conflictPause(try int) time.Duration {
 }
 
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
+	if err := msg.Context().Err(); err != nil {
+		// Nothing to begin a transaction with, and a bare "begin: context
+		// canceled" hid the usual cause: Watermill's Timeout cancels the
+		// context it gave the message when it returns, and a Retry before
+		// it starts every retry with that context unless told otherwise.
+		return nil, fmt.Errorf("outbox: inbox: message %s: its context ended before the inbox began (%w); behind middleware.Timeout, "+
+			"a middleware.Retry before it needs ResetContextOnRetry, or every retry gets the first attempt's ended context", msg.UUID, err)
+	}
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
 	// failures, and a deadlock refuses one of two transactions anywhere.

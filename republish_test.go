@@ -410,6 +410,70 @@ func TestRepublish_PoisonedMessage_NotSentAgainAtEveryBoot(t *testing.T) {
 	})
 }
 
+// The README's middleware chain (PoisonQueue through PoisonPublisher, Retry,
+// Timeout, the inbox, CorrelationID): a handler that fails once is run
+// again and applied once, and nothing is poisoned. Without Retry's
+// ResetContextOnRetry, as the README first wrote it, Timeout's cancelled
+// context reached every retry, each failed at the inbox's BEGIN, and
+// PoisonQueue set aside (and PoisonPublisher marked processed) a message
+// whose handler failed only once: the inbox's error now names that cause.
+func TestInbox_ReadmeMiddlewareChain_TransientFailureRetriedNotPoisoned(t *testing.T) {
+	t.Parallel()
+	for _, reset := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ResetContextOnRetry=%v", reset), func(t *testing.T) {
+			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+				createEffects(t, db)
+				topic := "order.paid"
+				id := publishN(t, db, "", topic, 1)[0]
+				in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+				poison := &poisonRecorder{}
+				pq, err := middleware.PoisonQueue(in.PoisonPublisher(poison), topic+".poison")
+				if err != nil {
+					t.Fatal(err)
+				}
+				var ran atomic.Int32
+				ship := func(msg *message.Message) ([]*message.Message, error) {
+					if ran.Add(1) == 1 {
+						return nil, errors.New("downstream blip")
+					}
+					tx, _ := outbox.TxFromContext(msg.Context())
+					_, err := tx.ExecContext(msg.Context(), db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, "shipped")
+					return nil, err
+				}
+				chain := []message.HandlerMiddleware{ // in AddMiddleware's order, outermost first
+					pq,
+					middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: reset}.Middleware,
+					middleware.Timeout(30 * time.Second),
+					in.Middleware,
+					middleware.CorrelationID,
+				}
+				h := message.HandlerFunc(ship)
+				for i := len(chain) - 1; i >= 0; i-- {
+					h = chain[i](h)
+				}
+				msg := message.NewMessage(id, []byte("x"))
+				msg.SetContext(context.Background())
+				if _, err := h(msg); err != nil {
+					t.Fatalf("delivery: %v, want nil (applied, or poisoned and acked)", err)
+				}
+				if !reset {
+					// Pins why the README sets it, and the inbox's words.
+					if poison.count() != 1 || !strings.Contains(poison.msgs[0].Metadata.Get(middleware.ReasonForPoisonedKey), "needs ResetContextOnRetry") {
+						t.Fatalf("without ResetContextOnRetry: %d poisoned, want 1 whose reason names ResetContextOnRetry", poison.count())
+					}
+					return
+				}
+				if poison.count() != 0 || ran.Load() != 2 || countEffects(t, db, id) != 1 {
+					t.Errorf("%d poisoned, handler ran %d times, %d effects; want 0, 2 and 1", poison.count(), ran.Load(), countEffects(t, db, id))
+				}
+				if !outboxStateOf(t, db, id).Processed {
+					t.Errorf("record %s not processed after its retry applied it", id)
+				}
+			})
+		})
+	}
+}
+
 // A poison topic that refuses the message: nothing is marked, and the
 // failure reaches PoisonQueue, which fails the message (nacked, delivered
 // again), so the record stays Republish's to send.
