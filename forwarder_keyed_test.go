@@ -263,9 +263,10 @@ func TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff(t
 }
 
 // A record whose publish makes the broker close the confirm channel fails
-// alone: one to an internal exchange (403, the broker names the exchange),
-// or one whose CC header is not an array, as another library may write
-// (406, naming nothing). Every record unconfirmed on that channel gets a
+// alone: one to an internal exchange (403, the broker names the exchange).
+// (One whose CC header is not an array, as another library may write, was
+// the broker's 406, naming nothing; the relay now refuses it unsent, and
+// it must fail alone all the same.) Every record unconfirmed on that channel gets a
 // nack with the close; charging each an attempt made the poison record
 // take the records of other keys down with it, try after try, until all
 // were stuck. Keyed, the others flow while the poison record waits out its
@@ -282,8 +283,8 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 	}{
 		{"internal exchange, keyed", true, true, "", "internal exchange"},
 		{"internal exchange, unkeyed", false, true, "", "internal exchange"},
-		{"refused header, keyed", true, false, `{"CC":"not-an-array"}`, "PRECONDITION_FAILED"},
-		{"refused header, unkeyed", false, false, `{"CC":"not-an-array"}`, "PRECONDITION_FAILED"},
+		{"refused header, keyed", true, false, `{"CC":"not-an-array"}`, `header "CC" of type string`},
+		{"refused header, unkeyed", false, false, `{"CC":"not-an-array"}`, `header "CC" of type string`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
@@ -340,7 +341,7 @@ func TestForwarder_RecordThatClosesTheChannel_FailsAlone(t *testing.T) {
 					return true
 				})
 				if s := stateOf(t, db, poison); s.Published || !strings.Contains(s.LastError, c.lastError) {
-					t.Errorf("poison record %+v, want unpublished, its last error the broker's refusal (%s)", s, c.lastError)
+					t.Errorf("poison record %+v, want unpublished, its last error the refusal (%s)", s, c.lastError)
 				}
 				for _, r := range rows[:n] {
 					if s := stateOf(t, db, r.id); s.Attempts != 0 {
