@@ -67,7 +67,7 @@ func (c *cli) relay(args []string) error {
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
 	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
 	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
-	stallAfterFlag := fs.Duration("stall-after", 0, "/healthz answers 503 once no sweep has ended for this long: a database or broker that does not answer (default 2 × the 15 s publish timeout + max(--poll-interval, 10 s) + 30 s)")
+	stallAfterFlag := fs.Duration("stall-after", 0, "/healthz answers 503 once no sweep has ended for this long: a relay held by a database that does not answer (default 2 × the 15 s publish timeout + max(--poll-interval, 10 s) + 30 s)")
 	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--max-batch-size N] [--poll-interval D] [--listen ADDR]")
 	if err != nil {
 		return err
@@ -201,7 +201,7 @@ func (c *cli) relay(args []string) error {
 				last = time.Unix(0, runningSince.Load())
 			}
 			if idle := time.Since(last); idle > stallAfter {
-				http.Error(w, fmt.Sprintf("stalled: no sweep has ended for %s (the database or the broker does not answer)", idle.Round(time.Second)), http.StatusServiceUnavailable)
+				http.Error(w, fmt.Sprintf("stalled: no sweep has ended for %s (a statement or connection that does not answer holds the relay)", idle.Round(time.Second)), http.StatusServiceUnavailable)
 				return
 			}
 			fmt.Fprintln(w, "ok")

@@ -248,7 +248,7 @@ func (d mysql) claim(table string, p ClaimParams, where string, args []any) Quer
 	// taken as before, to fail alone as malformed.
 	where = "(created_at IS NULL OR created_at <= (SELECT MAX(created_at) FROM " + table + hint + " WHERE published_at IS NULL)) AND " + where
 	from := table + " " + claimAlias + hint // the alias comes before the hint
-	return Query{SQL: lockingClaim(from, where), Args: append(args, p.Limit)}
+	return Query{SQL: lockingClaim(mysql{}, from, where), Args: append(args, p.Limit)}
 }
 
 // keyHead: a keyed row is claimable when it is its key's first pending
@@ -543,6 +543,9 @@ func (mysql) insertMigration() string {
 // index, and the conversion costs each row it then filters a copy of two
 // short strings.
 func (mysql) bytes(col string) string { return "CAST(CONVERT(" + col + " USING utf8mb4) AS BINARY)" }
+
+// text: MySQL strips a CHAR column's padding as it reads it.
+func (mysql) text(col string) string { return col }
 
 // currentRead: under REPEATABLE READ, MySQL's default, a plain SELECT reads
 // the snapshot of the transaction's first read, while an insert skips ids

@@ -243,7 +243,7 @@ func (postgres) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
-	return Query{SQL: rebindDollar(lockingClaim(table+" "+claimAlias, where)), Args: append(args, p.Limit)}
+	return Query{SQL: rebindDollar(lockingClaim(postgres{}, table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
 // keyHead: InFlight's ids are a json array, read as a set (a hashed
@@ -306,6 +306,14 @@ func (postgres) timeOf(col string) string { return col }
 // bytes: the collations a table gets by default (and Rails') are
 // deterministic, equal only where the bytes are.
 func (postgres) bytes(col string) string { return col }
+
+// text: a character(n) column reads back padded with spaces to n, and an
+// id, a routing key or an exchange read so is not the one written: the
+// relay sent "<uuid>" and 28 spaces as the message id, which every inbox
+// refuses, and a padded routing key goes nowhere. As text the padding is
+// gone; comparisons with the column (id IN (…), the cursor) ignore it
+// already, so the marks and claims find the row by the unpadded value.
+func (postgres) text(col string) string { return col + "::text" }
 
 // currentRead: under READ COMMITTED, the default, each statement reads
 // what was committed before it; under REPEATABLE READ an insert that

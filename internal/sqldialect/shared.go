@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -29,6 +30,24 @@ const keyedColumnCount = outboxColumnCount + 2
 
 // claimColumns are what a claim reads, in ClaimedRow's order.
 const claimColumns = "id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, attempts, aggregate_id, seq"
+
+// textColumns is cols (comma-separated names) with each of names read as
+// text by d (see Dialect.text).
+func textColumns(d Dialect, cols string, names ...string) string {
+	parts := strings.Split(cols, ", ")
+	for i, c := range parts {
+		if slices.Contains(names, c) {
+			parts[i] = d.text(c)
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+// claimed is claimColumns as d's claim reads them: the names and short
+// strings without a fixed-width column's padding.
+func claimed(d Dialect) string {
+	return textColumns(d, claimColumns, "id", "exchange_name", "routing_key", "body_encoding", "content_type", "aggregate_id")
+}
 
 // SequencesTable is the table of each key's last sequence number, in the
 // schema of the outbox table it numbers.
@@ -287,6 +306,7 @@ func (o *Outbox) Destinations(ids []string, keys bool) Query {
 	if keys {
 		cols += ", aggregate_id"
 	}
+	cols = textColumns(o.d, cols, "id", "exchange_name", "routing_key", "aggregate_id")
 	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")"+o.d.currentRead(), stringArgs(nil, ids)...)
 }
 
@@ -878,8 +898,8 @@ func purgeProcessedByKey(table, before string) string {
 // lockingClaim is the claim of PostgreSQL and MySQL: row locks held by the
 // claim's open transaction, skipping rows another relay holds. from is the
 // table, with an index hint where the dialect gives one.
-func lockingClaim(from, where string) string {
-	return "SELECT " + claimColumns + " FROM " + from + " WHERE " + where +
+func lockingClaim(d Dialect, from, where string) string {
+	return "SELECT " + claimed(d) + " FROM " + from + " WHERE " + where +
 		" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED"
 }
 

@@ -177,6 +177,10 @@ type Dialect interface {
 	// only if their bytes do: AMQP routing keys and exchange names are
 	// case-sensitive, whatever collation the table was made with.
 	bytes(col string) string
+	// text is the text column col as a select list reads it: its value
+	// without the padding a fixed-width column (PostgreSQL's character(n),
+	// which another library may make) adds, as it was written.
+	text(col string) string
 	// currentRead ends a SELECT that must see the rows committed since the
 	// transaction's snapshot, as its writes do: "" where a statement of
 	// the default isolation reads them anyway.

@@ -217,6 +217,9 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 // bytes: a column's default collation, BINARY, compares bytes.
 func (sqlite) bytes(col string) string { return col }
 
+// text: SQLite pads nothing.
+func (sqlite) text(col string) string { return col }
+
 // currentRead: a transaction that writes holds the database's write lock,
 // and could take it only from the latest snapshot (SQLITE_BUSY_SNAPSHOT
 // otherwise).
