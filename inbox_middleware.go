@@ -10,6 +10,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -292,6 +293,10 @@ type Inbox struct {
 	// process, each closed when it returns (see processAtMostOnce).
 	runningMu sync.Mutex
 	running   map[[2]string]chan struct{}
+
+	// outboxUUIDs is whether the outbox's id column is a uuid (see
+	// markable): 0 not looked up yet, 1 no, 2 yes.
+	outboxUUIDs atomic.Int32
 }
 
 // NewInbox returns the inbox over db, a *sql.DB or *sqlx.DB.
@@ -646,6 +651,9 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
+	if !in.markable(ctx, key) {
+		return nil // not from this outbox
+	}
 	d := in.dialect.sql()
 	if d.GapLocks() {
 		look := sqldialect.Inline(d, in.outbox.Unprocessed(key))
@@ -662,6 +670,60 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
 	}
 	return nil
+}
+
+// markable reports whether key can be an id of the outbox's rows. An
+// outbox another library made on PostgreSQL with a uuid id holds no row of
+// an id that does not read as one (a ULID, another service's id), and the
+// mark's statement, binding it, failed, aborting the message's transaction
+// at every delivery. The column's type is looked up once; a failed look-up
+// is tried again at the next mark, which then binds the id as before.
+func (in *Inbox) markable(ctx context.Context, key string) bool {
+	switch in.outboxUUIDs.Load() {
+	case 1:
+		return true
+	case 2:
+		return pgUUID(key)
+	}
+	q, ok := in.outbox.IDIsUUID()
+	if !ok {
+		in.outboxUUIDs.Store(1)
+		return true
+	}
+	var isUUID bool
+	if err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&isUUID); err != nil {
+		return true
+	}
+	if !isUUID {
+		in.outboxUUIDs.Store(1)
+		return true
+	}
+	in.outboxUUIDs.Store(2)
+	return pgUUID(key)
+}
+
+// pgUUID reports whether PostgreSQL's uuid input reads s: 32 hex digits, in
+// either case, a hyphen allowed after any group of four but the last, the
+// whole in braces or not (string_to_uuid in its uuid.c).
+func pgUUID(s string) bool {
+	braces := strings.HasPrefix(s, "{")
+	if braces {
+		if !strings.HasSuffix(s, "}") {
+			return false
+		}
+		s = s[1 : len(s)-1]
+	}
+	digits := 0
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case '0' <= c && c <= '9', 'a' <= c && c <= 'f', 'A' <= c && c <= 'F':
+			digits++
+		case c == '-' && digits%4 == 0 && digits > 0 && digits < 32 && s[i-1] != '-':
+		default:
+			return false
+		}
+	}
+	return digits == 32
 }
 
 // execQuerier is what markProcessed runs on: the message's transaction,

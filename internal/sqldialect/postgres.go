@@ -248,11 +248,15 @@ func (postgres) claim(table string, p ClaimParams, where string, args []any) Que
 
 // keyHead: InFlight's ids are a json array, read as a set (a hashed
 // subplan, made once per claim). A NULL in it would make NOT IN unknown
-// for every row, and the predecessor ours: none is read.
+// for every row, and the predecessor ours: none is read. The ids are
+// compared as text, as the claim read them (see text): an id column of
+// another type (uuid, which another library's table may have) has no
+// operator with text, and its claims failed while keyed records were in
+// flight.
 func (postgres) keyHead(table, alias string, p ClaimParams) string {
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		notOurs = " AND p.id NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
+		notOurs = " AND p.id::text NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
 	}
 	return keyHeadNotExists(table, alias, notOurs)
 }

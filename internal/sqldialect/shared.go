@@ -125,6 +125,19 @@ func inFlightArg(ids []string) any {
 // Arguments: created_at, created_at, id.
 const afterCursor = "created_at >= ? AND (created_at > ? OR id > ?)"
 
+// after is the condition of the rows after c (afterCursor), in a claim or
+// a count. A cursor without an id stands just before its created_at
+// (Store.firstNext's): every row from that time on, without comparing ids
+// with "", which an id column of another type (PostgreSQL's uuid, that an
+// EF Core or Hibernate outbox makes) refuses to read.
+func (o *Outbox) after(c *Cursor) (string, []any) {
+	at := o.d.TimeArg(c.CreatedAt)
+	if c.ID == "" {
+		return "created_at >= ?", []any{at}
+	}
+	return afterCursor, []any{at, at, c.ID}
+}
+
 // savepoint is the savepoint of a Publish that takes several statements.
 const savepoint = "acemq_outbox_publish"
 
@@ -382,9 +395,9 @@ type ClaimParams struct {
 func (o *Outbox) Claim(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
 	if p.After != nil {
-		at := o.d.TimeArg(p.After.CreatedAt)
-		where += " AND " + afterCursor
-		args = append(args, at, at, p.After.ID)
+		cond, cargs := o.after(p.After)
+		where += " AND " + cond
+		args = append(args, cargs...)
 	}
 	return o.d.claim(o.table, p, where, args)
 }
@@ -400,9 +413,9 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 	}
 	where, args := "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts}
 	if after != nil {
-		a := o.d.TimeArg(after.CreatedAt)
-		where += " AND " + afterCursor
-		args = append(args, a, a, after.ID)
+		cond, cargs := o.after(after)
+		where += " AND " + cond
+		args = append(args, cargs...)
 	}
 	l := o.d.TimeArg(last.CreatedAt)
 	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
@@ -471,6 +484,21 @@ func (o *Outbox) KeyIndex() (Query, bool) { return o.indexLookup(o.d.keyIndex())
 // SQLite). Column: the digits; no row when created_at is no timestamp.
 func (o *Outbox) CreatedAtPrecision() (Query, bool) {
 	q, ok := o.indexLookup(o.d.createdAtPrecision())
+	q.SQL = o.d.rebind(q.SQL)
+	return q, ok
+}
+
+// IDIsUUID reads whether the table's id column is PostgreSQL's uuid (a
+// table another library made): a message id that does not read as a uuid
+// cannot be one of its rows, and a statement that binds it fails. Column:
+// a boolean; false when the dialect has no such type.
+func (o *Outbox) IDIsUUID() (Query, bool) {
+	if _, ok := o.d.(postgres); !ok {
+		return Query{}, false
+	}
+	q, ok := o.indexLookup("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a" +
+		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
+		" AND a.attname = 'id' AND NOT a.attisdropped AND a.atttypid = 'uuid'::regtype)")
 	q.SQL = o.d.rebind(q.SQL)
 	return q, ok
 }
