@@ -293,6 +293,9 @@ type Forwarder struct {
 	// leaseChecked: Lease was compared with PublishTimeout and the pool's
 	// busy timeout (see checkLease).
 	leaseChecked sync.Once
+	// zoneChecked: the session's time zone was compared with the table's
+	// TIMESTAMP columns (see checkZone).
+	zoneChecked sync.Once
 
 	// afterPublish, when set (tests), runs between the broker's confirms and
 	// the marks: the window in which a relay's death duplicates a message.
@@ -916,6 +919,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	if f.store.leases() {
 		f.leaseChecked.Do(f.checkLease)
 	}
+	f.zoneChecked.Do(func() { f.checkZone(ctx) })
 	if len(cl.rows) == 0 {
 		return nil, f.store.abandon(ctx, cl)
 	}
@@ -966,6 +970,32 @@ func (f *Forwarder) checkLease() {
 		"%s is not longer than a batch can stay unmarked: PublishTimeout %s for its publish and the pool's busy timeout %s for its mark's wait for the write lock; a lock held past the lease's end lets a second relay publish the batch again. Raise Lease past %s, or lower the busy timeout",
 		f.cfg.Lease, f.cfg.PublishTimeout, busy, f.cfg.PublishTimeout+busy)},
 		watermill.LogFields{"lease": f.cfg.Lease, "publish_timeout": f.cfg.PublishTimeout, "busy_timeout": busy})
+}
+
+// checkZone reports, once, a MySQL table whose time columns are TIMESTAMP
+// (another library's: Laravel's $table->timestamp()) read through a session
+// whose time_zone is not UTC. MySQL converts a TIMESTAMP from and to the
+// session's zone, so every time the relay writes and compares is that far
+// off for relays of other services connected at UTC: a live lease of
+// theirs reads expired (the row is published twice) or an expired one
+// alive for hours. Logged rather than refused, as checkLease: an estate
+// whose every service connects in that one zone agrees with itself.
+func (f *Forwarder) checkZone(ctx context.Context) {
+	q, ok := f.store.q.ZonedTimes()
+	if !ok {
+		return
+	}
+	q = f.store.inline(q)
+	var (
+		cols   string
+		offset int64
+	)
+	if err := f.store.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || cols == "" || offset == 0 {
+		return // nothing to report, or nothing known: the relay goes on as before
+	}
+	f.log.Error("Outbox forwarder: TIMESTAMP columns read in a session that is not at UTC; relays of other services read its times hours off",
+		fmt.Errorf("%s of %s are TIMESTAMP, which MySQL converts to and from the session's time_zone, %+d s from UTC here: connect at UTC (DSN time_zone=%%27%%2B00%%3A00%%27, or the server's time_zone '+00:00')",
+			cols, f.store.q.Table(), offset), watermill.LogFields{"columns": cols, "offset_seconds": offset})
 }
 
 // readRecord decodes a claimed row, or says why it cannot be read at all:

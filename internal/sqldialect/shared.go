@@ -488,6 +488,24 @@ func (o *Outbox) CreatedAtPrecision() (Query, bool) {
 	return q, ok
 }
 
+// ZonedTimes reads, on MySQL, which of the table's time columns are
+// TIMESTAMP (which MySQL converts from and to each session's time_zone),
+// comma-separated ('' for none), and how many seconds the session's
+// time_zone is ahead of UTC now. false: the dialect converts no column.
+func (o *Outbox) ZonedTimes() (Query, bool) {
+	if _, ok := o.d.(mysql); !ok {
+		return Query{}, false
+	}
+	var schema any // NULL: the current one
+	if o.schema != "" {
+		schema = o.schema
+	}
+	return o.query("SELECT COALESCE((SELECT GROUP_CONCAT(COLUMN_NAME ORDER BY COLUMN_NAME) FROM information_schema.COLUMNS"+
+		" WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND DATA_TYPE = 'timestamp'"+
+		" AND COLUMN_NAME IN ('created_at', 'published_at', 'locked_until', 'processed_at')), ''),"+
+		" TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())", schema, o.name), true
+}
+
 // IDIsUUID reads whether the table's id column is PostgreSQL's uuid (a
 // table another library made): a message id that does not read as a uuid
 // cannot be one of its rows, and a statement that binds it fails. Column:
