@@ -490,7 +490,7 @@ func (o *Outbox) CreatedAtPrecision() (Query, bool) {
 
 // ZonedTimes reads, on MySQL, which of the table's time columns are
 // TIMESTAMP (which MySQL converts from and to each session's time_zone),
-// comma-separated ('' for none), and how many seconds the session's
+// comma-separated (empty for none), and how many seconds the session's
 // time_zone is ahead of UTC now. false: the dialect converts no column.
 func (o *Outbox) ZonedTimes() (Query, bool) {
 	if _, ok := o.d.(mysql); !ok {
