@@ -544,6 +544,8 @@ func (mysql) insertMigration() string {
 // short strings.
 func (mysql) bytes(col string) string { return "CAST(CONVERT(" + col + " USING utf8mb4) AS BINARY)" }
 
+func (mysql) keepCreatedAt() string { return "created_at = created_at, " }
+
 // text: MySQL strips a CHAR column's padding as it reads it.
 func (mysql) text(col string) string { return col }
 

@@ -311,6 +311,8 @@ func (postgres) timeOf(col string) string { return col }
 // deterministic, equal only where the bytes are.
 func (postgres) bytes(col string) string { return col }
 
+func (postgres) keepCreatedAt() string { return "" }
+
 // text: a character(n) column reads back padded with spaces to n, and an
 // id, a routing key or an exchange read so is not the one written: the
 // relay sent "<uuid>" and 28 spaces as the message id, which every inbox

@@ -323,6 +323,18 @@ func (o *Outbox) Destinations(ids []string, keys bool) Query {
 	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")"+o.d.currentRead(), stringArgs(nil, ids)...)
 }
 
+// update begins an UPDATE of the outbox's rows, up to its SET and the
+// first column's: on MySQL with created_at set to itself. A table another
+// library made may update created_at itself (TIMESTAMP … ON UPDATE
+// CURRENT_TIMESTAMP, MariaDB's first TIMESTAMP column before 10.10), and
+// every failure counted, lease or mark then moved its row to the end of
+// the claim order: a failing record went behind the rows written after
+// it, and they out before it. A column the statement sets is not
+// updated by itself.
+func (o *Outbox) update() string {
+	return "UPDATE " + o.table + " SET " + o.d.keepCreatedAt()
+}
+
 // Delete deletes the rows of ids.
 func (o *Outbox) Delete(ids []string) Query {
 	return o.query("DELETE FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")", stringArgs(nil, ids)...)
@@ -720,7 +732,7 @@ func readInt64(v any) (int64, error) {
 func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 	args := make([]any, 0, len(ids)+1)
 	args = append(args, o.d.TimeArg(now))
-	return o.query("UPDATE "+o.table+" SET published_at = ?, locked_by = NULL, locked_until = NULL WHERE id IN ("+
+	return o.query(o.update()+"published_at = ?, locked_by = NULL, locked_until = NULL WHERE id IN ("+
 		placeholders(len(ids))+")", stringArgs(args, ids)...)
 }
 
@@ -729,7 +741,9 @@ func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 // batchSizes: what it prepares.
 func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []string {
 	head := ClaimParams{Index: index, KeyIndex: keyIndex}
-	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{}}
+	// A cursor with an id: one without (Store.firstNext's, rare) is a
+	// statement of its own, run unprepared.
+	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{ID: "-"}}
 	var stmts []string
 	for _, inFlight := range [][]string{nil, {""}} { // with keyed records in flight and without
 		head.InFlight, after.InFlight = inFlight, inFlight
@@ -756,10 +770,10 @@ func (o *Outbox) MarkFailed(id any, attempts int, reason string, holdBy string, 
 		by, until = holdBy, o.d.TimeArg(holdUntil)
 	}
 	if leasedBy != "" {
-		return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ? AND locked_by = ?",
+		return o.query(o.update()+"attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ? AND locked_by = ?",
 			attempts, reason, by, until, id, leasedBy)
 	}
-	return o.query("UPDATE "+o.table+" SET attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ?",
+	return o.query(o.update()+"attempts = ?, last_error = ?, locked_by = ?, locked_until = ? WHERE id = ?",
 		attempts, reason, by, until, id)
 }
 
@@ -769,7 +783,7 @@ func (o *Outbox) MarkFailed(id any, attempts int, reason string, holdBy string, 
 func (o *Outbox) ReleaseLease(relayID string, ids []any) Query {
 	args := make([]any, 0, len(ids)+1)
 	args = append(args, relayID)
-	return o.query("UPDATE "+o.table+" SET locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND id IN ("+
+	return o.query(o.update()+"locked_by = NULL, locked_until = NULL WHERE locked_by = ? AND id IN ("+
 		placeholders(len(ids))+")", append(args, ids...)...)
 }
 
@@ -811,7 +825,7 @@ func (o *Outbox) notClaimed(now time.Time) (string, []any) {
 // relay holds under a live lease (see notClaimed).
 func (o *Outbox) Retry(ids []string, now time.Time) Query {
 	free, args := o.notClaimed(now)
-	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
+	return o.query(o.update()+"attempts = 0, locked_by = NULL, locked_until = NULL"+
 		" WHERE published_at IS NULL AND "+free+" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
 }
 
@@ -819,7 +833,7 @@ func (o *Outbox) Retry(ids []string, now time.Time) Query {
 // relay holds under a live lease (see notClaimed).
 func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
 	free, args := o.notClaimed(now)
-	return o.query("UPDATE "+o.table+" SET attempts = 0, locked_by = NULL, locked_until = NULL"+
+	return o.query(o.update()+"attempts = 0, locked_by = NULL, locked_until = NULL"+
 		" WHERE published_at IS NULL AND "+free+" AND attempts >= ?", append(args, maxAttempts)...)
 }
 
@@ -891,14 +905,14 @@ func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string
 // one makes it pending.
 func (o *Outbox) RepublishIDs(ids []string, cutoff time.Time) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
-	return o.query("UPDATE "+o.table+" SET published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+	return o.query(o.update()+"published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
 		" WHERE id IN ("+placeholders(len(ids))+") AND published_at IS NOT NULL AND "+before+" AND processed_at IS NULL",
 		append(stringArgs(nil, ids), args...)...)
 }
 
 // MarkProcessed sets the record id's processed_at, if still null.
 func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
-	return o.query("UPDATE "+o.table+" SET processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
+	return o.query(o.update()+"processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
 }
 
 // Unprocessed reads 1 if the record id is there with processed_at still

@@ -177,6 +177,10 @@ type Dialect interface {
 	// only if their bytes do: AMQP routing keys and exchange names are
 	// case-sensitive, whatever collation the table was made with.
 	bytes(col string) string
+	// keepCreatedAt is what an UPDATE of the outbox's rows sets first to
+	// leave created_at as it is (see Outbox.update): "" where no column
+	// updates itself.
+	keepCreatedAt() string
 	// text is the text column col as a select list reads it: its value
 	// without the padding a fixed-width column (PostgreSQL's character(n),
 	// which another library may make) adds, as it was written.

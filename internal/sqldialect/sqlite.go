@@ -217,6 +217,8 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 // bytes: a column's default collation, BINARY, compares bytes.
 func (sqlite) bytes(col string) string { return col }
 
+func (sqlite) keepCreatedAt() string { return "" }
+
 // text: SQLite pads nothing.
 func (sqlite) text(col string) string { return col }
 
