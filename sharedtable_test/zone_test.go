@@ -1,34 +1,17 @@
 package sharedtable_test
 
 import (
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/go-sql-driver/mysql"
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 	"github.com/acemq/watermill-outbox/internal/testrails"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
-
-// errorLog keeps what is logged at Error level.
-type errorLog struct {
-	watermill.LoggerAdapter
-	mu   sync.Mutex
-	msgs []string
-}
-
-func (l *errorLog) Error(msg string, err error, _ watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.msgs = append(l.msgs, msg+": "+fmt.Sprint(err))
-}
-
-func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
 
 // A MySQL table another library made with TIMESTAMP columns (Laravel's
 // $table->timestamp()), which MySQL converts from and to each session's
@@ -62,18 +45,17 @@ func TestMySQL_TimestampColumnsInASessionNotAtUTC_RelaySaysSo(t *testing.T) {
 			if err := outbox.Migrate(t.Context(), lib.DB, outbox.MySQL); err != nil {
 				t.Fatal(err)
 			}
-			log := &errorLog{LoggerAdapter: watermill.NopLogger{}}
+			log := &testutil.ErrorLog{}
 			c := &conn{lib: lib}
 			f := c.forwarder(t, outbox.ForwarderConfig{Logger: log})
 			sweepAll(t, f)
 			sweepAll(t, f)
-			log.mu.Lock()
-			defer log.mu.Unlock()
+			msgs := log.Msgs()
 			switch {
-			case tc.want == "" && len(log.msgs) > 0:
-				t.Errorf("at UTC the relay logged %q", log.msgs)
-			case tc.want != "" && (len(log.msgs) != 1 || !strings.Contains(log.msgs[0], tc.want) || !strings.Contains(log.msgs[0], "-18000 s from UTC") || !strings.Contains(log.msgs[0], "time_zone=%27%2B00%3A00%27")):
-				t.Errorf("logged %q, want once: %q, the offset and the DSN's fix", log.msgs, tc.want)
+			case tc.want == "" && len(msgs) > 0:
+				t.Errorf("at UTC the relay logged %q", msgs)
+			case tc.want != "" && (len(msgs) != 1 || !strings.Contains(msgs[0], tc.want) || !strings.Contains(msgs[0], "-18000 s from UTC") || !strings.Contains(msgs[0], "time_zone=%27%2B00%3A00%27")):
+				t.Errorf("logged %q, want once: %q, the offset and the DSN's fix", msgs, tc.want)
 			}
 		})
 	}

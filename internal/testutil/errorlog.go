@@ -1,0 +1,33 @@
+package testutil
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill"
+)
+
+// ErrorLog is a Watermill logger that keeps what is logged at Error level,
+// each as its message, ": " and its error, and drops the rest.
+type ErrorLog struct {
+	watermill.NopLogger
+	mu   sync.Mutex
+	msgs []string
+}
+
+// Error keeps msg and err.
+func (l *ErrorLog) Error(msg string, err error, _ watermill.LogFields) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.msgs = append(l.msgs, msg+": "+fmt.Sprint(err))
+}
+
+// With returns l: the fields are not kept.
+func (l *ErrorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
+
+// Msgs is what was logged at Error level so far.
+func (l *ErrorLog) Msgs() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.msgs...)
+}
