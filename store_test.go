@@ -57,7 +57,10 @@ func TestStore_PurgePublished_BoundedBatchesNeverPending(t *testing.T) {
 
 // An operator's retry leaves alone a row a relay holds under a live lease:
 // one in flight on SQLite, or one another library's relay claimed. Clearing
-// that lease let a second relay claim the row and publish it too. A failed
+// that lease let a second relay claim the row and publish it too. (And a
+// row pending already, with nothing to reset, is not counted: PostgreSQL
+// and SQLite counted it, MySQL did not, and outboxctl's "made pending
+// again" named a row it had not touched.) A failed
 // keyed record's backoff is a lease of another kind, which a retry ends (see
 // TestForwarder_KeyedRecordRefused_HoldsOnlyItsKey_OthersFlowWithoutBackoff), and an expired lease
 // is no claim.
@@ -81,6 +84,13 @@ func TestStore_Retry_LeavesRowsUnderALiveLeaseAlone(t *testing.T) {
 			}
 		}
 		ctx := context.Background()
+		insertRaw(t, db, "pending-already", "ex", "k", "{}", "utf-8")
+		if n, err := s.Retry(ctx, "pending-already"); n != 0 || err != nil {
+			t.Errorf("retry of a row pending already: %d, %v; want 0, nil (nothing changed)", n, err)
+		}
+		if _, err := db.Exec("DELETE FROM acemq_outbox WHERE id = 'pending-already'"); err != nil {
+			t.Fatal(err)
+		}
 		if n, err := s.Retry(ctx, "foreign-live"); n != 0 || err != nil {
 			t.Errorf("retry of a row under another relay's live lease: %d, %v; want 0, nil", n, err)
 		}

@@ -822,11 +822,15 @@ func (o *Outbox) notClaimed(now time.Time) (string, []any) {
 }
 
 // Retry makes the unpublished rows of ids pending again, but for those a
-// relay holds under a live lease (see notClaimed).
+// relay holds under a live lease (see notClaimed), and those with nothing
+// to reset (pending already, no attempt and no lease), which it does not
+// count: on PostgreSQL and SQLite an update counts the rows it matched,
+// on MySQL those it changed.
 func (o *Outbox) Retry(ids []string, now time.Time) Query {
 	free, args := o.notClaimed(now)
 	return o.query(o.update()+"attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE published_at IS NULL AND "+free+" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
+		" WHERE published_at IS NULL AND "+free+" AND (COALESCE(attempts, 0) <> 0 OR locked_by IS NOT NULL OR locked_until IS NOT NULL)"+
+		" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
 }
 
 // RetryStuck makes every row at maxAttempts pending again, but for those a
