@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -919,7 +920,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	if f.store.leases() {
 		f.leaseChecked.Do(f.checkLease)
 	}
-	f.zoneChecked.Do(func() { f.checkZone(ctx) })
+	f.zoneChecked.Do(func() { f.checkZone(ctx, cl.tx) })
 	if len(cl.rows) == 0 {
 		return nil, f.store.abandon(ctx, cl)
 	}
@@ -980,9 +981,12 @@ func (f *Forwarder) checkLease() {
 // theirs reads expired (the row is published twice) or an expired one
 // alive for hours. Logged rather than refused, as checkLease: an estate
 // whose every service connects in that one zone agrees with itself.
-func (f *Forwarder) checkZone(ctx context.Context) {
+//
+// It asks on tx, the claim's (MySQL's claims are locking): on the pool it
+// would wait for a connection the claim holds, for ever with a pool of one.
+func (f *Forwarder) checkZone(ctx context.Context, tx *sql.Tx) {
 	q, ok := f.store.q.ZonedTimes()
-	if !ok {
+	if !ok || tx == nil {
 		return
 	}
 	q = f.store.inline(q)
@@ -990,7 +994,7 @@ func (f *Forwarder) checkZone(ctx context.Context) {
 		cols   string
 		offset int64
 	)
-	if err := f.store.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || cols == "" || offset == 0 {
+	if err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || cols == "" || offset == 0 {
 		return // nothing to report, or nothing known: the relay goes on as before
 	}
 	f.log.Error("Outbox forwarder: TIMESTAMP columns read in a session that is not at UTC; relays of other services read its times hours off",
