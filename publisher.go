@@ -130,6 +130,10 @@ type txConn interface {
 type rowsScanner interface {
 	Next() bool
 	Scan(dest ...any) error
+	// Err is the error that ended Next early: pgx reports an error the
+	// server raised while the statement ran only there (watermill-sql's
+	// PgxRows closes without one), and rows that merely ended look alike.
+	Err() error
 	Close() error
 }
 
@@ -150,7 +154,22 @@ func (t watermillTx) exec(ctx context.Context, q sqldialect.Query) (sqldialect.R
 }
 
 func (t watermillTx) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
-	return t.tx.QueryContext(ctx, q.SQL, q.Args...)
+	rows, err := t.tx.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, err
+	}
+	return watermillRows{rows}, nil
+}
+
+// watermillRows is watermill-sql's Rows with the Err its value has
+// (PgxRows's pgx.Rows, *sql.Rows), or none.
+type watermillRows struct{ wsql.Rows }
+
+func (r watermillRows) Err() error {
+	if e, ok := r.Rows.(interface{ Err() error }); ok {
+		return e.Err()
+	}
+	return nil
 }
 
 // TxPublisher is a Watermill message.Publisher bound to one database
@@ -234,14 +253,24 @@ func nilWatermillTx(t wsql.Tx) bool {
 	switch w := t.(type) {
 	case *wsql.StdSQLTx:
 		return w == nil || w.Tx == nil
-	case wsql.PgxTx:
+	case wsql.StdSQLTx:
 		return w.Tx == nil
+	case wsql.PgxTx:
+		return nilValue(w.Tx)
 	case *wsql.PgxTx:
-		return w == nil || w.Tx == nil
+		return w == nil || nilValue(w.Tx)
 	}
-	switch v := reflect.ValueOf(t); v.Kind() {
+	return nilValue(t)
+}
+
+// nilValue reports whether v is nil, or a typed nil in an interface.
+func nilValue(v any) bool {
+	if v == nil {
+		return true
+	}
+	switch r := reflect.ValueOf(v); r.Kind() {
 	case reflect.Pointer, reflect.Interface, reflect.Map, reflect.Slice, reflect.Func, reflect.Chan:
-		return v.IsNil()
+		return r.IsNil()
 	}
 	return false
 }
@@ -423,7 +452,7 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 			}
 			near = near || (!created.T.IsZero() && created.T.UnixMicro() != r.CreatedAt.UnixMicro() && created.T.Sub(r.CreatedAt).Abs() < time.Second)
 		}
-		if err := found.Close(); err != nil {
+		if err := errors.Join(found.Err(), found.Close()); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -463,7 +492,7 @@ func (p *TxPublisher) checkPrecision(ctx context.Context) error {
 	if found.Next() {
 		err = found.Scan(&digits)
 	}
-	if err := errors.Join(err, found.Close()); err != nil {
+	if err := errors.Join(err, found.Err(), found.Close()); err != nil {
 		return err
 	}
 	if digits < 6 {

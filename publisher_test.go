@@ -578,6 +578,8 @@ func TestNewTxPublisher_Config_ErrorsNameTheOption(t *testing.T) {
 		{"watermill-sql TxFromPgx(nil)", wsql.TxFromPgx(nil), pg, "tx"},
 		{"nil *watermill-sql StdSQLTx", (*wsql.StdSQLTx)(nil), pg, "tx"},
 		{"nil *watermill-sql PgxTx", (*wsql.PgxTx)(nil), pg, "tx"},
+		{"watermill-sql StdSQLTx value without a transaction", wsql.StdSQLTx{}, pg, "tx"},
+		{"watermill-sql PgxTx around a nil pgx tx", wsql.PgxTx{Tx: (*nilPgxTx)(nil)}, pg, "tx"},
 		{"table with a quote", tx, []outbox.TxPublisherConfig{{Table: `x"; DROP TABLE y; --`}}, "Table"},
 		{"table with two dots", tx, []outbox.TxPublisherConfig{{Table: "a.b.c"}}, "Table"},
 		{"exchange over 255 bytes", tx, []outbox.TxPublisherConfig{{Exchange: strings.Repeat("e", 256)}}, "Exchange"},
@@ -856,5 +858,56 @@ func TestTxPublisher_RepeatableRead_IDCommittedAfterTheSnapshot(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// nilPgxTx is a pgx.Tx implementation, of which a nil pointer is no
+// transaction.
+type nilPgxTx struct{ pgx.Tx }
+
+// With pgx's own transaction (watermill-sql's TxFromPgx), an error the
+// server raises while the read back of a retried id runs reaches the
+// caller only through pgx's Rows.Err: watermill-sql's Rows closes without
+// it. It read as no rows, and the publisher said the message had been
+// skipped for another unique key ("does another row hold its next seq"),
+// the server's SQLSTATE gone: a caller that retries its transaction on a
+// serialization failure (40001) did not. A row-security policy raises
+// such an error here, for the read back alone.
+func TestTxPublisher_PgxNative_ReadBackError_IsTheServers(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	ctx := context.Background()
+	publishInTx(t, db, "t", []*message.Message{message.NewMessage("dup", []byte("x"))})
+	for _, s := range []string{
+		`CREATE FUNCTION boom(id text) RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN IF id = 'dup' AND current_query() ILIKE 'SELECT%' THEN RAISE EXCEPTION 'simulated serialization failure' USING ERRCODE = '40001'; END IF; RETURN true; END $$`,
+		`ALTER TABLE acemq_outbox ENABLE ROW LEVEL SECURITY`,
+		`ALTER TABLE acemq_outbox FORCE ROW LEVEL SECURITY`,
+		`CREATE POLICY sel ON acemq_outbox FOR SELECT USING (boom(id))`,
+		`CREATE POLICY ins ON acemq_outbox FOR INSERT WITH CHECK (true)`,
+	} {
+		if _, err := db.Exec(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Row security binds roles that are not superusers.
+	_, as := newRole(t, db, db.Name, "USAGE ON SCHEMA "+db.Name, "SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA "+db.Name)
+	conn, err := pgx.Connect(ctx, as.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	p, err := outbox.NewTxPublisher(wsql.TxFromPgx(tx), outbox.TxPublisherConfig{Dialect: outbox.Postgres})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = p.Publish("t", message.NewMessage("dup", []byte("x")))
+	var state interface{ SQLState() string }
+	if !errors.As(err, &state) || state.SQLState() != "40001" {
+		t.Fatalf("publish: %v, want the server's error (SQLSTATE 40001)", err)
 	}
 }
