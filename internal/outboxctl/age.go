@@ -1,10 +1,30 @@
 package outboxctl
 
 import (
+	"fmt"
 	"math"
 	"strconv"
 	"time"
 )
+
+// ageFlag is a duration flag that takes an age as purge's flags do (7d,
+// 1d12h) as well as anything time.ParseDuration reads (5m, 1.5h).
+type ageFlag struct{ d time.Duration }
+
+func (a *ageFlag) String() string { return a.d.String() }
+
+func (a *ageFlag) Set(s string) error {
+	if d, err := time.ParseDuration(s); err == nil {
+		a.d = d
+		return nil
+	}
+	d, ok := parseAge(s)
+	if !ok {
+		return fmt.Errorf("want a duration: 7d, 36h, 90m, 1d12h, 1.5h")
+	}
+	a.d = d
+	return nil
+}
 
 // parseAge reads an age as operators write one: whole numbers of days,
 // hours, minutes or seconds, alone or in sequence: 7d, 36h, 90m, 45s, 1d12h.

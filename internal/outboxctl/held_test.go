@@ -40,6 +40,13 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 		if out := mustCtl(t, "held", "--db", db.DSN, "--older-than", "2h"); !strings.Contains(out, "no held messages") {
 			t.Errorf("held --older-than 2h lists a key held for 1h:\n%s", out)
 		}
+		// Ages as purge takes them, days too.
+		if out := mustCtl(t, "held", "--db", db.DSN, "--older-than", "1d"); !strings.Contains(out, "no held messages") {
+			t.Errorf("held --older-than 1d lists a key held for 1h:\n%s", out)
+		}
+		if out := mustCtl(t, "held", "--db", db.DSN, "--older-than", "0d30m"); strings.Contains(out, "no held messages") {
+			t.Errorf("held --older-than 0d30m leaves out a key held for 1h:\n%s", out)
+		}
 		js := decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json"))
 		keys, _ := js["keys"].([]any)
 		if len(keys) != 1 {
