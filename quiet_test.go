@@ -49,20 +49,34 @@ func setQuiet(t testing.TB, db *testdb.DB, aheadMs int64) {
 
 // commitOne commits one message to the outbox in a transaction of its own.
 func commitOne(db *testdb.DB, exchange string) (string, error) {
-	tx, err := db.Beginx()
+	ids, err := commitN(db, exchange, 1)
 	if err != nil {
 		return "", err
+	}
+	return ids[0], nil
+}
+
+// commitN commits n messages to the outbox in a transaction of their own.
+func commitN(db *testdb.DB, exchange string, n int) ([]string, error) {
+	tx, err := db.Beginx()
+	if err != nil {
+		return nil, err
 	}
 	defer func() { _ = tx.Rollback() }()
 	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: exchange})
 	if err != nil {
-		return "", err
+		return nil, err
 	}
-	msg := message.NewMessage(watermill.NewUUID(), []byte("{}"))
-	if err := pub.Publish("t", msg); err != nil {
-		return "", err
+	ids := make([]string, n)
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(watermill.NewUUID(), []byte("{}"))
+		ids[i] = msgs[i].UUID
 	}
-	return msg.UUID, tx.Commit()
+	if err := pub.Publish("t", msgs...); err != nil {
+		return nil, err
+	}
+	return ids, tx.Commit()
 }
 
 // quietRelay runs a relay that keeps the trigger quiet above 20 records a
@@ -797,28 +811,36 @@ func TestForwarder_Postgres_RelayDiesInAFlow_TheTimeLapsesThenNotifyWakesTheOthe
 	var ids []string
 	commit := func() {
 		t.Helper()
-		id, err := commitOne(db, b.Exchange)
+		// Ten rows a commit: the other relay takes its share of the flow,
+		// and on a loaded machine (CI, beside the other packages) commits
+		// of one row each left the dying relay's share below its 20 a
+		// second, and the trigger never quiet.
+		more, err := commitN(db, b.Exchange, 10)
 		if err != nil {
 			t.Fatal(err)
 		}
-		ids = append(ids, id)
+		ids = append(ids, more...)
 	}
+	// 30 s at most: on a loaded machine the dying relay's share of the
+	// flow took over 10 s to stay above QuietAbove.
 	flow := func(what string, cond func() bool) int {
 		t.Helper()
 		n := 0
-		for deadline := time.Now().Add(10 * time.Second); !cond(); n++ {
+		for deadline := time.Now().Add(30 * time.Second); !cond(); n++ {
 			if time.Now().After(deadline) {
-				t.Fatalf("no %s within 10 s of a flow", what)
+				t.Fatalf("no %s within 30 s of a flow", what)
 			}
 			commit()
 			time.Sleep(5 * time.Millisecond)
 		}
 		return n
 	}
-	tx, late, _ := keptQuiet(t, db, b.Exchange, flow)
-	// The other relay starts in the flow, as in the stopping relay's test:
-	// from the start it would take the notified rows, and the flow might
-	// never reach QuietAbove for the first.
+	// The other relay listens first, and the dying relay's flow then
+	// keeps a transaction quiet, just before the kill. The other way round
+	// (the transaction first), a dying relay that left its flow for a
+	// moment while the other took its share of the rows (a loaded
+	// machine: CI beside the other packages) could not go quiet again
+	// while that transaction stayed open, and the test waited in vain.
 	other := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: -1})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -827,7 +849,23 @@ func TestForwarder_Postgres_RelayDiesInAFlow_TheTimeLapsesThenNotifyWakesTheOthe
 	<-other.Running()
 	more := 0
 	flow("the other relay to listen", func() bool { more++; return outbox.Woken(other) && more > 20 })
-	flow("quiet trigger before the kill", func() bool { return quietAhead(t, db) }) // a stall may have ended the flow
+	// A dying relay that left its flow after it kept the transaction quiet
+	// (a stall) cannot go quiet again while the transaction is open: the
+	// transaction is rolled back, and the flow kept quiet again.
+	var (
+		tx   *sqlx.Tx
+		late *message.Message
+	)
+	for try := 1; ; try++ {
+		tx, late, _ = keptQuiet(t, db, b.Exchange, flow)
+		if quietAhead(t, db) {
+			break
+		}
+		_ = tx.Rollback()
+		if try == 5 {
+			t.Fatal("in 5 tries, the trigger was never still quiet once a transaction was kept quiet")
+		}
+	}
 
 	if err := dying.Process.Kill(); err != nil {
 		t.Fatal(err)
