@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"math/rand/v2"
 	"os/exec"
 	"runtime"
@@ -23,6 +22,7 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // Close while Run's loop is connecting to a broker that
@@ -716,21 +716,6 @@ func assertClaimsReleased(t *testing.T, db *testdb.DB, pool *sqlx.DB, what strin
 	}
 }
 
-// errorLogger records the messages logged at Error level.
-type errorLogger struct {
-	watermill.LoggerAdapter
-	mu   sync.Mutex
-	msgs []string
-}
-
-func (l *errorLogger) Error(msg string, err error, _ watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.msgs = append(l.msgs, msg+": "+fmt.Sprint(err))
-}
-
-func (l *errorLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
 // Run given a context that has ended, or closed while it
 // starts, is stopped by design; it should not log an error for it. On the
 // databases whose relay prepares its statements, prepareRelay runs under
@@ -741,7 +726,7 @@ func TestLifecycle_RunStoppedAtStart_LogsNoError(t *testing.T) {
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			db := migrated(t, kind)
-			log := &errorLogger{LoggerAdapter: watermill.NopLogger{}}
+			log := &testutil.ErrorLog{}
 			f := newForwarder(t, db, outbox.ForwarderConfig{Logger: log})
 			ctx, cancel := context.WithCancel(context.Background())
 			cancel()
@@ -755,10 +740,8 @@ func TestLifecycle_RunStoppedAtStart_LogsNoError(t *testing.T) {
 				// under a context the router ended, waits for it.
 				t.Errorf("Run with an ended context returned nil without closing Running")
 			}
-			log.mu.Lock()
-			defer log.mu.Unlock()
-			if len(log.msgs) > 0 {
-				t.Errorf("Run with an ended context logged at Error level: %q", log.msgs)
+			if msgs := log.Msgs(); len(msgs) > 0 {
+				t.Errorf("Run with an ended context logged at Error level: %q", msgs)
 			}
 		})
 	}

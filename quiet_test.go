@@ -10,7 +10,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -609,7 +608,7 @@ func TestForwarder_Postgres_SetKeepsFailingInAFlow_LoggedOnceUntilOneSucceeds(t 
 	relayDB.SetMaxOpenConns(10)
 	b := testamqp.New(t)
 	queue := b.Queue("t")
-	log := &errorLogger{LoggerAdapter: watermill.NopLogger{}}
+	log := &testutil.ErrorLog{}
 	f := newForwarder(t, relayDB, outbox.ForwarderConfig{PollInterval: time.Hour, QuietAbove: 20, Logger: log})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -637,9 +636,7 @@ func TestForwarder_Postgres_SetKeepsFailingInAFlow_LoggedOnceUntilOneSucceeds(t 
 		t.Fatalf("%d of %d messages of the flow arrived", len(got), sent)
 	}
 	logged := func() []string {
-		log.mu.Lock()
-		defer log.mu.Unlock()
-		return slices.Clone(log.msgs)
+		return log.Msgs()
 	}
 	msgs := logged()
 	for _, m := range msgs {

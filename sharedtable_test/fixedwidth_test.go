@@ -21,13 +21,8 @@ import (
 // back padded, and took it for another message's. Read as text, the values
 // are the ones written.
 func TestPostgres_FixedWidthColumns_IDsAndNamesAsWritten(t *testing.T) {
-	c := open(t, "postgres", testdb.Postgres, false)
-	testrails.CreateTable(t, c.db)
-	if _, err := c.db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE character(64), ALTER exchange_name TYPE character(255)," +
-		" ALTER routing_key TYPE character(255), ALTER content_type TYPE character(100)"); err != nil {
-		t.Fatal(err)
-	}
-	c.migrate(t)
+	c := alteredTable(t, "postgres", testdb.Postgres, "ALTER TABLE acemq_outbox ALTER id TYPE character(64), ALTER exchange_name TYPE character(255),"+
+		" ALTER routing_key TYPE character(255), ALTER content_type TYPE character(100)")
 	if _, err := c.db.Exec("ALTER TABLE acemq_outbox ALTER aggregate_id TYPE character(64)"); err != nil {
 		t.Fatal(err)
 	}

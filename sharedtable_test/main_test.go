@@ -131,6 +131,20 @@ func (c *conn) forwarder(t *testing.T, cfg outbox.ForwarderConfig) *outbox.Forwa
 	return testrelay.New(t, c.lib, cfg)
 }
 
+// alteredTable opens a database of kind with acemq_outbox made as the Rails
+// store makes it, then changed by alter (another library's column types),
+// and migrated.
+func alteredTable(t *testing.T, name, kind, alter string) *conn {
+	t.Helper()
+	c := open(t, name, kind, false)
+	testrails.CreateTable(t, c.db)
+	if _, err := c.db.Exec(alter); err != nil {
+		t.Fatal(err)
+	}
+	c.migrate(t)
+	return c
+}
+
 // migrate applies the library's schema with outbox.Migrate.
 func (c *conn) migrate(t *testing.T) {
 	t.Helper()

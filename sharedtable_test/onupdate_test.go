@@ -21,12 +21,7 @@ import (
 // rows written after it, and they would be sent before it. The relay's
 // updates leave created_at as it was.
 func TestMySQL_CreatedAtOnUpdate_RelayLeavesItAsWritten(t *testing.T) {
-	c := open(t, "mysql", testdb.MySQL, false)
-	testrails.CreateTable(t, c.db)
-	if _, err := c.db.Exec("ALTER TABLE acemq_outbox MODIFY created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)"); err != nil {
-		t.Fatal(err)
-	}
-	c.migrate(t)
+	c := alteredTable(t, "mysql", testdb.MySQL, "ALTER TABLE acemq_outbox MODIFY created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) ON UPDATE CURRENT_TIMESTAMP(6)")
 	b := testamqp.New(t)
 	queue := b.Queue("ok")
 	internal := b.Exchange + "-internal"

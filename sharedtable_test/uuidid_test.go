@@ -14,7 +14,6 @@ import (
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
-	"github.com/acemq/watermill-outbox/internal/testrails"
 )
 
 // Another library (EF Core's or Hibernate's, say) made acemq_outbox on
@@ -29,12 +28,7 @@ import (
 // delivery. The keyed drain goes through, in order, without an error; a
 // message from elsewhere runs, and one from this outbox is marked.
 func TestPostgres_UUIDIDColumn_KeyedDrainAndInboxMark(t *testing.T) {
-	c := open(t, "postgres", testdb.Postgres, false)
-	testrails.CreateTable(t, c.db)
-	if _, err := c.db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE uuid USING id::uuid"); err != nil {
-		t.Fatal(err)
-	}
-	c.migrate(t)
+	c := alteredTable(t, "postgres", testdb.Postgres, "ALTER TABLE acemq_outbox ALTER id TYPE uuid USING id::uuid")
 	b := testamqp.New(t)
 	queue := b.Queue("ok")
 

@@ -248,7 +248,7 @@ func (d mysql) claim(table string, p ClaimParams, where string, args []any) Quer
 	// taken as before, to fail alone as malformed.
 	where = "(created_at IS NULL OR created_at <= (SELECT MAX(created_at) FROM " + table + hint + " WHERE published_at IS NULL)) AND " + where
 	from := table + " " + claimAlias + hint // the alias comes before the hint
-	return Query{SQL: lockingClaim(mysql{}, from, where), Args: append(args, p.Limit)}
+	return Query{SQL: lockingClaim(mysqlClaimed, from, where), Args: append(args, p.Limit)}
 }
 
 // keyHead: a keyed row is claimable when it is its key's first pending
@@ -345,6 +345,19 @@ func (mysql) createdAtPrecision() string {
 	return "SELECT DATETIME_PRECISION FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = COALESCE(?, DATABASE())" +
 		" AND TABLE_NAME = ? AND COLUMN_NAME = 'created_at' AND DATA_TYPE IN ('datetime', 'timestamp')"
 }
+
+// zonedTimes: TIMESTAMP is converted, DATETIME is not.
+func (mysql) zonedTimes() string {
+	return "SELECT COALESCE((SELECT GROUP_CONCAT(COLUMN_NAME ORDER BY COLUMN_NAME) FROM information_schema.COLUMNS" +
+		" WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND DATA_TYPE = 'timestamp'" +
+		" AND COLUMN_NAME IN ('created_at', 'published_at', 'locked_until', 'processed_at')), '')," +
+		" TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
+}
+
+func (mysql) idIsUUID() string { return "" }
+
+// mysqlClaimed is the claim's select list (see claimed).
+var mysqlClaimed = claimed(mysql{})
 
 // keyIndex: the index keyHead names, looked up as pendingIndex's is: one
 // on (aggregate_id, published_at, seq), 0007's acemq_outbox_pending_key

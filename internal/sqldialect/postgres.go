@@ -243,7 +243,7 @@ func (postgres) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
-	return Query{SQL: rebindDollar(lockingClaim(postgres{}, table+" "+claimAlias, where)), Args: append(args, p.Limit)}
+	return Query{SQL: rebindDollar(lockingClaim(postgresClaimed, table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
 // keyHead: InFlight's ids are a json array, read as a set (a hashed
@@ -287,6 +287,19 @@ func (postgres) busyTimeout() string { return "" }
 func (postgres) pendingIndex() string { return "" }
 
 func (postgres) keyIndex() string { return "" }
+
+func (postgres) zonedTimes() string { return "" }
+
+// idIsUUID: an unqualified name is the table it resolves to on the
+// search_path, as in createdAtPrecision.
+func (postgres) idIsUUID() string {
+	return "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a" +
+		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
+		" AND a.attname = 'id' AND NOT a.attisdropped AND a.atttypid = 'uuid'::regtype)"
+}
+
+// postgresClaimed is the claim's select list (see claimed).
+var postgresClaimed = claimed(postgres{})
 
 // createdAtPrecision: an unqualified name is the table it resolves to on
 // the search_path, as every statement's; a timestamp without a precision

@@ -44,7 +44,8 @@ func textColumns(d Dialect, cols string, names ...string) string {
 }
 
 // claimed is claimColumns as d's claim reads them: the names and short
-// strings without a fixed-width column's padding.
+// strings without a fixed-width column's padding. Each locking dialect
+// keeps its own, made once (postgresClaimed, mysqlClaimed).
 func claimed(d Dialect) string {
 	return textColumns(d, claimColumns, "id", "exchange_name", "routing_key", "body_encoding", "content_type", "aggregate_id")
 }
@@ -494,43 +495,27 @@ func (o *Outbox) KeyIndex() (Query, bool) { return o.indexLookup(o.d.keyIndex())
 // CreatedAtPrecision is the lookup of how many fractional digits of a
 // second the table's created_at keeps, if the database rounds (not
 // SQLite). Column: the digits; no row when created_at is no timestamp.
-func (o *Outbox) CreatedAtPrecision() (Query, bool) {
-	q, ok := o.indexLookup(o.d.createdAtPrecision())
-	q.SQL = o.d.rebind(q.SQL)
-	return q, ok
-}
+func (o *Outbox) CreatedAtPrecision() (Query, bool) { return o.catalogLookup(o.d.createdAtPrecision()) }
 
-// ZonedTimes reads, on MySQL, which of the table's time columns are
-// TIMESTAMP (which MySQL converts from and to each session's time_zone),
-// comma-separated (empty for none), and how many seconds the session's
-// time_zone is ahead of UTC now. false: the dialect converts no column.
-func (o *Outbox) ZonedTimes() (Query, bool) {
-	if _, ok := o.d.(mysql); !ok {
-		return Query{}, false
-	}
-	var schema any // NULL: the current one
-	if o.schema != "" {
-		schema = o.schema
-	}
-	return o.query("SELECT COALESCE((SELECT GROUP_CONCAT(COLUMN_NAME ORDER BY COLUMN_NAME) FROM information_schema.COLUMNS"+
-		" WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND DATA_TYPE = 'timestamp'"+
-		" AND COLUMN_NAME IN ('created_at', 'published_at', 'locked_until', 'processed_at')), ''),"+
-		" TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())", schema, o.name), true
-}
+// ZonedTimes is the lookup of which of the table's time columns the
+// database converts from and to each session's time zone (MySQL's
+// TIMESTAMP), comma-separated (empty for none), and how many seconds the
+// session's zone is ahead of UTC now; false when the dialect converts
+// none.
+func (o *Outbox) ZonedTimes() (Query, bool) { return o.catalogLookup(o.d.zonedTimes()) }
 
-// IDIsUUID reads whether the table's id column is PostgreSQL's uuid (a
-// table another library made): a message id that does not read as a uuid
-// cannot be one of its rows, and a statement that binds it fails. Column:
-// a boolean; false when the dialect has no such type.
-func (o *Outbox) IDIsUUID() (Query, bool) {
-	if _, ok := o.d.(postgres); !ok {
-		return Query{}, false
-	}
-	q, ok := o.indexLookup("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a" +
-		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
-		" AND a.attname = 'id' AND NOT a.attisdropped AND a.atttypid = 'uuid'::regtype)")
-	q.SQL = o.d.rebind(q.SQL)
-	return q, ok
+// IDIsUUID is the lookup of whether the table's id column is PostgreSQL's
+// uuid (a table another library made): a message id that does not read as
+// a uuid cannot be one of its rows, and a statement that binds it fails.
+// Column: a boolean; false when the dialect has no such type.
+func (o *Outbox) IDIsUUID() (Query, bool) { return o.catalogLookup(o.d.idIsUUID()) }
+
+// catalogLookup is indexLookup for a lookup written with "?" placeholders,
+// rebound for the dialect.
+func (o *Outbox) catalogLookup(q string) (Query, bool) {
+	lookup, ok := o.indexLookup(q)
+	lookup.SQL = o.d.rebind(lookup.SQL)
+	return lookup, ok
 }
 
 // indexLookup gives a dialect's index-name lookup q the table's schema and
@@ -961,9 +946,10 @@ func purgeProcessedByKey(table, before string) string {
 
 // lockingClaim is the claim of PostgreSQL and MySQL: row locks held by the
 // claim's open transaction, skipping rows another relay holds. from is the
-// table, with an index hint where the dialect gives one.
-func lockingClaim(d Dialect, from, where string) string {
-	return "SELECT " + claimed(d) + " FROM " + from + " WHERE " + where +
+// table, with an index hint where the dialect gives one; cols the dialect's
+// claimed columns.
+func lockingClaim(cols, from, where string) string {
+	return "SELECT " + cols + " FROM " + from + " WHERE " + where +
 		" ORDER BY created_at, id LIMIT ? FOR UPDATE SKIP LOCKED"
 }
 

@@ -162,6 +162,13 @@ type Dialect interface {
 	// keyIndex looks up the index of a key's pending rows that keyHead
 	// names, "" if the dialect's claims name none (see pendingIndex).
 	keyIndex() string
+	// zonedTimes looks up which time columns the database converts to the
+	// session's time zone, and the session's offset (see
+	// Outbox.ZonedTimes); idIsUUID whether the id column is a uuid (see
+	// Outbox.IDIsUUID). "" where the dialect has neither. Arguments: the
+	// table's schema (or NULL for the current one), its name.
+	zonedTimes() string
+	idIsUUID() string
 	// purgePublished deletes at most ? rows of table that meet before (a
 	// timeCmp of published_at) and are published, oldest first. Arguments:
 	// before's, then the limit.

@@ -146,6 +146,10 @@ func (sqlite) pendingIndex() string { return "" }
 
 func (sqlite) keyIndex() string { return "" }
 
+func (sqlite) zonedTimes() string { return "" }
+
+func (sqlite) idIsUUID() string { return "" }
+
 // createdAtPrecision: SQLite keeps the text it is sent, whatever the
 // column's declared type.
 func (sqlite) createdAtPrecision() string { return "" }
