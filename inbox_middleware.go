@@ -608,10 +608,37 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	if fresh, err := sqldialect.InsertedAll(in.dialect.sql(), res, 1); err != nil {
 		return false, fmt.Errorf("outbox: inbox: %w", err)
 	} else if !fresh {
+		if err := in.sameKey(ctx, tx, consumer, key); err != nil {
+			return false, err
+		}
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
 		return false, nil
 	}
 	return true, in.markProcessed(ctx, tx, key, now)
+}
+
+// sameKey makes sure that the key the insert found is consumer's id, byte
+// for byte, before its message is taken for a duplicate. A table another
+// library created may compare message_id (or consumer_name) without case
+// (MySQL's *_ci collations, SQLite's NOCASE, a nondeterministic collation
+// on PostgreSQL): "ORDER-1" was then the key of "order-1", and its message,
+// acked without running, was lost. Its delivery fails instead, until the
+// column is converted. A key gone since the insert found it is left to the
+// duplicate it was. Duplicates only: a redelivery pays the read.
+func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string) error {
+	var gotConsumer, gotKey string
+	err := in.queryRow(ctx, tx, in.q.Key(consumer, key)).Scan(&gotConsumer, &gotKey)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", key, consumer, err)
+	case gotConsumer != consumer || gotKey != key:
+		return fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
+			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
+			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", key, consumer, in.q.Table(), gotKey, gotConsumer)
+	}
+	return nil
 }
 
 // exec and queryRow run q in a message's transaction, its arguments written

@@ -977,6 +977,15 @@ func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
 	return Query{SQL: in.d.rebind(in.d.insertProcessed(in.table)), Args: []any{consumer, id, in.d.TimeArg(now)}}
 }
 
+// Key reads the key stored under consumer's id, as the table's collation
+// matched it: another id's under a case-insensitive collation, which a
+// table another library created may have. Columns: consumer_name,
+// message_id; no row when there is none.
+func (in *Inbox) Key(consumer, id string) Query {
+	return Query{SQL: in.d.rebind("SELECT " + in.d.text("consumer_name") + ", " + in.d.text("message_id") + " FROM " + in.table +
+		" WHERE consumer_name = ? AND message_id = ?" + in.d.currentRead()), Args: []any{consumer, id}}
+}
+
 // Delete takes back the key Insert recorded: an at-most-once handler that
 // failed before its effect, whose message is to be retried.
 func (in *Inbox) Delete(consumer, id string) Query {

@@ -1,0 +1,71 @@
+package outbox_test
+
+import (
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// A processed_messages another library created with message_id under a
+// case-insensitive collation (MySQL's utf8mb4_general_ci, SQLite's NOCASE, a nondeterministic ICU
+// collation on PostgreSQL)
+// takes "ORDER-1" for the key of "order-1": the second message, a message
+// of its own, was acked as a duplicate without running, its effect lost.
+// Its delivery fails now, naming the cause, and the first message's
+// redelivery is still a duplicate.
+func TestInbox_KeyColumnComparesCaseInsensitively_DeliveryFailsNotAckedAsDuplicate(t *testing.T) {
+	alter := map[string][]string{
+		testdb.Postgres: {
+			"CREATE COLLATION case_blind (provider = icu, locale = 'und-u-ks-level2', deterministic = false)",
+			"ALTER TABLE processed_messages ALTER COLUMN message_id TYPE varchar(64) COLLATE case_blind",
+		},
+		testdb.MySQL: {"ALTER TABLE processed_messages MODIFY message_id varchar(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"},
+		testdb.SQLite: {
+			"DROP TABLE processed_messages",
+			"CREATE TABLE processed_messages (consumer_name TEXT NOT NULL, message_id TEXT NOT NULL COLLATE NOCASE," +
+				" processed_at DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now')), PRIMARY KEY (consumer_name, message_id))",
+		},
+	}
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL, testdb.SQLite} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			db := migrated(t, kind)
+			createEffects(t, db)
+			for _, stmt := range alter[kind] {
+				if _, err := db.Exec(stmt); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var ran atomic.Int32
+			h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+			if _, err := h(message.NewMessage("order-1", []byte("1"))); err != nil {
+				t.Fatalf("first delivery: %v", err)
+			}
+			_, err := h(message.NewMessage("ORDER-1", []byte("2")))
+			if err == nil {
+				t.Fatal(`message "ORDER-1": acked as a duplicate of "order-1", want the delivery to fail`)
+			}
+			if !strings.Contains(err.Error(), "case") {
+				t.Errorf("error %q does not name the cause (ids that differ in case taken for one)", err)
+			}
+			var effects int // all of them: the effects table may compare without case too
+			if err := db.Get(&effects, "SELECT COUNT(*) FROM effects"); err != nil {
+				t.Fatal(err)
+			}
+			if effects != 1 {
+				t.Errorf("%d effects, want the first message's only", effects)
+			}
+			if _, err := h(message.NewMessage("order-1", []byte("1"))); err != nil {
+				t.Errorf("the first message delivered again: %v, want a duplicate acked", err)
+			}
+			if ran.Load() != 1 {
+				t.Errorf("the handler ran %d times, want once", ran.Load())
+			}
+		})
+	}
+}
