@@ -963,16 +963,20 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	}
 	defer func() { d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p }) }()
 	timedOut, nacked := false, false
+	lastAcked := -1      // the window's last record the broker confirmed
+	var unanswered []int // the records whose confirms did not come in time
 	for i, dc := range p.confirms {
 		acked, err := p.on.waitConfirm(ctx, dc)
 		switch {
 		case acked:
 			delete(d.suspects, p.recs[i].ID)
+			lastAcked = i
 		case err != nil:
 			// The broker is up but does not confirm (a memory or disk alarm,
 			// a quorum queue without its majority) or the network went
-			// quiet: nothing this record did.
+			// quiet: nothing this record did (see silent below).
 			res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
+			unanswered = append(unanswered, i)
 			timedOut = true
 		case p.on.dropped || p.on.conn.IsClosed():
 			// The connection went, or the channel was closed over another
@@ -1007,6 +1011,8 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			nacked = true
 		}
 	}
+
+	silent(res, unanswered, lastAcked)
 
 	// RabbitMQ sends basic.return before the basic.ack of the same message,
 	// and the client delivers frames in order, so every return of this
@@ -1045,6 +1051,25 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		d.dropLocked()
 	}
 	return res
+}
+
+// silent makes the records of unanswered (their confirms did not come in
+// time) after the window's last confirmed one, lastAcked, an outage's:
+// they count no attempt however often the relay meets them at the same
+// record (unprobedLost). The broker fell silent there (a quorum queue
+// without its majority, a network gone quiet one way), and the relay drops
+// the connection itself: counted at the head record once the timeouts came
+// there more than three times in a row, as a connection lost at one record
+// is, a sound record was stuck after a few minutes of such an outage, and
+// the records behind it overtook it. A confirm missing before one that
+// came is the broker answering the others but not this record: that
+// counts as before.
+func silent(res []error, unanswered []int, lastAcked int) {
+	for _, i := range unanswered {
+		if i > lastAcked {
+			res[i] = unprobedLost{res[i]}
+		}
+	}
 }
 
 // waitConfirm waits for dc, filing the channel's returns as they come

@@ -407,12 +407,7 @@ func TestForwarder_BrokerAlarm_NoAttemptCountedNoRowStuck(t *testing.T) {
 	b := testamqp.New(t)
 	queue := b.Queue("t")
 	var lastErr atomic.Value
-	cfg := outbox.ForwarderConfig{
-		PublishTimeout: 300 * time.Millisecond, Lease: 2 * time.Second, MaxAttempts: 2,
-		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond,
-		OnError: func(err error, _ outbox.ErrorContext) { lastErr.Store(err) },
-	}
-	f := newForwarder(t, db, cfg, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
+	f := quickLossForwarder(t, db, proxy, func(err error, _ outbox.ErrorContext) { lastErr.Store(err) })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = f.Run(ctx) }()
@@ -438,6 +433,57 @@ func TestForwarder_BrokerAlarm_NoAttemptCountedNoRowStuck(t *testing.T) {
 	proxy.ClearAlarm()
 	if seen := countIDs(b.Drain(queue, len(ids), 30*time.Second)); len(seen) != len(ids) {
 		t.Errorf("%d of %d messages arrived once the alarm cleared", len(seen), len(ids))
+	}
+}
+
+// Confirms that stop coming (a quorum queue without its majority, a
+// network quiet one way) are the broker's outage: the relay drops the
+// connection itself at each timeout, at the same head record, and counted
+// there after three in a row as a connection lost at one record, a sound
+// record was stuck after 3 + MaxAttempts timeouts (a few minutes at the
+// defaults), and the records behind it overtook it. None is charged now,
+// and once the confirms come back every record is published, none stuck.
+func TestForwarder_ConfirmsStopComing_NoAttemptCountedNoRowStuck(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	proxy := testamqp.NewProxy(t)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	var timeouts atomic.Int32
+	f := quickLossForwarder(t, db, proxy, func(err error, dest outbox.ErrorContext) {
+		if dest.MessageID != "" && errors.Is(err, outbox.ErrConnectionLost) {
+			timeouts.Add(1)
+		}
+	})
+	ids := publishN(t, db, b.Exchange, "t", 3)
+	proxy.LoseConfirms(true)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	// Past lostRepeats (3) and MaxAttempts (2) timeouts at the head record.
+	waitFor(t, 60*time.Second, "eight publishes without a confirm", func() bool { return timeouts.Load() >= 8 })
+	for _, id := range ids {
+		if s := stateOf(t, db, id); s.Published || s.Attempts != 0 {
+			t.Fatalf("row %s without confirms: %+v, want unpublished with no attempt counted", id, s)
+		}
+	}
+	proxy.LoseConfirms(false)
+	waitFor(t, 30*time.Second, "every row published once the confirms came back", func() bool {
+		for _, id := range ids {
+			if !stateOf(t, db, id).Published {
+				return false
+			}
+		}
+		return true
+	})
+	// Each try delivered them (the broker has what it did not confirm):
+	// the copies come in the written order, the head first each time.
+	got := b.Drain(queue, 0, time.Second)
+	if len(got) == 0 || got[0].MessageId != ids[0] {
+		t.Errorf("first delivery %v, want the head record %s first", got, ids[0])
+	}
+	if seen := countIDs(got); len(seen) != len(ids) {
+		t.Errorf("%d of %d messages arrived", len(seen), len(ids))
 	}
 }
 
@@ -508,4 +554,18 @@ func TestForwarder_Sweep_CallersContextEndsBeforeTheConfirm_NoAttemptCounted(t *
 	if got := countIDs(b.Drain(queue, 1, 10*time.Second)); got[id] == 0 {
 		t.Fatalf("message %s never arrived", id)
 	}
+}
+
+// quickLossForwarder is a relay through proxy that loses a publish within
+// 300 ms and charges a record its second attempt at most: lostRepeats (3)
+// plus MaxAttempts (2) losses at the head record make it stuck, unless
+// they count no attempt.
+func quickLossForwarder(t *testing.T, db *testdb.DB, proxy *testamqp.Proxy, onError func(error, outbox.ErrorContext)) *outbox.Forwarder {
+	t.Helper()
+	cfg := outbox.ForwarderConfig{
+		PublishTimeout: 300 * time.Millisecond, Lease: 2 * time.Second, MaxAttempts: 2,
+		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond,
+		OnError: onError,
+	}
+	return newForwarder(t, db, cfg, outbox.AMQPConfig{AMQP: amqp.Config{Dial: proxy.Dial}})
 }
