@@ -468,6 +468,55 @@ func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *test
 	t.Logf("table and indexes: %v", rels)
 }
 
+// A view over a PostgreSQL table of whole seconds (the estate's "what is
+// stuck in the outbox", made a view): PostgreSQL changes no column a view
+// reads, and Migrate failed at every boot with "cannot alter type of a
+// column used by a view or rule", naming nothing. It now fails naming the
+// views and what to do, having changed nothing; a view over other columns
+// only is no obstacle, and once the views are gone 0011 runs.
+func TestMigrate_PostgresSecondsTableUnderAView_FailsNamingTheViewThenMigrates(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, testdb.Postgres)
+	railsSecondsTable(t, db)
+	for _, v := range []string{
+		"CREATE VIEW acemq_outbox_stuck AS SELECT id, exchange_name, attempts, created_at FROM acemq_outbox WHERE published_at IS NULL AND attempts >= 10",
+		"CREATE MATERIALIZED VIEW acemq_outbox_daily AS SELECT date_trunc('day', published_at) AS day, count(*) FROM acemq_outbox GROUP BY 1",
+		"CREATE VIEW acemq_outbox_errors AS SELECT id, last_error FROM acemq_outbox", // no time column
+	} {
+		if _, err := db.Exec(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err := outbox.Migrate(context.Background(), db.DB.DB, outbox.Postgres)
+	if err == nil {
+		t.Fatal("Migrate raised the times under a view, or left them coarse without a word")
+	}
+	for _, want := range []string{"acemq_outbox_stuck", "acemq_outbox_daily", "timestamp(6)"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Migrate's error %q does not name %s", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "acemq_outbox_errors") {
+		t.Errorf("Migrate's error %q names a view that reads no time column", err)
+	}
+	for name, c := range timeColumns(t, db) {
+		if c.Precision == 6 {
+			t.Errorf("%s changed by the Migrate that failed", name)
+		}
+	}
+	for _, v := range []string{"DROP VIEW acemq_outbox_stuck", "DROP MATERIALIZED VIEW acemq_outbox_daily"} {
+		if _, err := db.Exec(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	migrate(t, db)
+	for name, c := range timeColumns(t, db) {
+		if c.Precision != 6 {
+			t.Errorf("%s keeps %d digits once the views were dropped, want 6", name, c.Precision)
+		}
+	}
+}
+
 // 0011 on MySQL copies each column's default back and rebuilds the table.
 // A zero date default (an older server's habit), on a time column or
 // another, failed that rebuild under MySQL 8's default sql_mode (strict,

@@ -23,8 +23,11 @@
 -- published row. That runs under the table's ACCESS EXCLUSIVE lock, held
 -- until Migrate commits, and the services' writes wait meanwhile: on a
 -- table of many published rows, purge them first (outboxctl purge), or
--- migrate at a quiet time. A view over one of the columns makes PostgreSQL
--- refuse the change, naming the view: drop it, migrate, and make it again.
+-- migrate at a quiet time. PostgreSQL refuses to change a column a view
+-- (or a materialized view, or a rule) reads: this migration then fails at
+-- once naming them, before it changes anything, and again at every run
+-- until they are gone. Drop them, migrate, and make them again (or raise
+-- the columns to (6) yourself, views and all: this then does nothing).
 --
 -- processed_messages.processed_at is left as it is: the inbox tells no row
 -- by it, only compares it with now (retention, the at-most-once lease),
@@ -33,21 +36,38 @@
 -- +goose StatementBegin
 DO $$
 DECLARE
-    alters text;
+    alters  text;
+    columns smallint[];
+    views   text;
 BEGIN
     SELECT string_agg(format('ALTER COLUMN %I TYPE %s', a.attname,
                CASE WHEN a.atttypid = 'timestamptz'::regtype THEN 'timestamptz(6)' ELSE 'timestamp(6)' END),
-           ', ' ORDER BY a.attnum)
-      INTO alters
+           ', ' ORDER BY a.attnum),
+           array_agg(a.attnum)
+      INTO alters, columns
       FROM pg_catalog.pg_attribute a
      WHERE a.attrelid = to_regclass('acemq_outbox')
        AND a.attname IN ('created_at', 'published_at', 'locked_until', 'processed_at')
        AND NOT a.attisdropped
        AND a.atttypid IN ('timestamp'::regtype, 'timestamptz'::regtype)
        AND a.atttypmod BETWEEN 0 AND 5;
-    IF alters IS NOT NULL THEN
-        EXECUTE format('ALTER TABLE %s %s', to_regclass('acemq_outbox'), alters);
+    IF alters IS NULL THEN
+        RETURN;
     END IF;
+    SELECT string_agg(DISTINCT r.ev_class::regclass::text, ', ')
+      INTO views
+      FROM pg_catalog.pg_depend d
+      JOIN pg_catalog.pg_rewrite r ON r.oid = d.objid
+     WHERE d.classid = 'pg_catalog.pg_rewrite'::regclass
+       AND d.refclassid = 'pg_catalog.pg_class'::regclass
+       AND d.refobjid = to_regclass('acemq_outbox')
+       AND d.refobjsubid = ANY (columns)
+       AND r.ev_class <> to_regclass('acemq_outbox');
+    IF views IS NOT NULL THEN
+        RAISE EXCEPTION 'acemq_outbox''s times are to become microseconds (timestamp(6)), and PostgreSQL changes no column that a view or rule reads: % read them; drop them, migrate, and create them again (or ALTER those columns TYPE timestamp(6) or timestamptz(6) yourself, views and all: this migration then does nothing)', views
+            USING ERRCODE = '0A000';
+    END IF;
+    EXECUTE format('ALTER TABLE %s %s', to_regclass('acemq_outbox'), alters);
 END
 $$;
 -- +goose StatementEnd
