@@ -1007,7 +1007,9 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 			// and it is sent again (the consumers' inbox absorbs a copy).
 			res[i] = fmt.Errorf("%w: the broker closed the channel over another message before it confirmed this one: %s", ErrNotSent, p.on.closeReason())
 		default:
-			res[i] = errors.New("nacked by the broker")
+			// RabbitMQ nacks for a queue's reasons: it says which
+			// in no frame, and last_error is where an operator looks.
+			res[i] = errors.New("nacked by the broker: a queue it routes to refused it (full under x-overflow reject-publish, or a queue error); it counts an attempt")
 			nacked = true
 		}
 	}
