@@ -2,6 +2,8 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
+	"strings"
 	"testing"
 	"time"
 
@@ -77,5 +79,31 @@ func TestMigrate_AdoptingABusyTable_OtherServicesWritesGoOn(t *testing.T) {
 				t.Fatal("Migrate did not complete within 30 s of the long transaction's end")
 			}
 		})
+	}
+}
+
+// A MySQL DSN that names no database (root@tcp(host:3306)/): Migrate said
+// "another process held the migration lock for 60s", sending the operator
+// after a process that does not exist. It names the missing database now,
+// at once.
+func TestMigrate_MySQLDSNWithoutADatabase_SaysSo(t *testing.T) {
+	t.Parallel()
+	dsn := testdb.MySQLDSN()
+	noDB := dsn[:strings.LastIndex(dsn, "/")+1]
+	if i := strings.Index(dsn[len(noDB):], "?"); i >= 0 {
+		noDB += dsn[len(noDB)+i:]
+	}
+	db, err := sql.Open("mysql", noDB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	start := time.Now()
+	err = outbox.Migrate(context.Background(), db, outbox.MySQL)
+	if err == nil || !strings.Contains(err.Error(), "no database selected") {
+		t.Errorf("Migrate over %q: %v, want an error saying the connection has no database", noDB, err)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Errorf("Migrate took %v to say so", took)
 	}
 }
