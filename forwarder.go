@@ -642,7 +642,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	default:
 	}
 	defer f.countStatements()
-	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil)
+	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil, false)
 	if err != nil || b == nil {
 		if err != nil && report {
 			f.reportError(err, ErrorContext{})
@@ -901,7 +901,7 @@ func (b *batch) last() *sqldialect.Cursor {
 // returns nil when there is nothing to claim, and claims nothing while the
 // broker is down: an outage must not count attempts against records, nor
 // hold their locks.
-func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string) (*batch, error) {
+func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string, holding bool) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
 		// Bounded like a batch: a broker that answers nothing must not
 		// hold the relay.
@@ -913,7 +913,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		}
 	}
 	started := time.Now()
-	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight)
+	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight, holding)
 	if err != nil {
 		return nil, err
 	}

@@ -678,7 +678,7 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
-	if !in.markable(ctx, key) {
+	if !in.markable(ctx, on, key) {
 		return nil // not from this outbox
 	}
 	d := in.dialect.sql()
@@ -705,7 +705,12 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 // mark's statement, binding it, failed, aborting the message's transaction
 // at every delivery. The column's type is looked up once; a failed look-up
 // is tried again at the next mark, which then binds the id as before.
-func (in *Inbox) markable(ctx context.Context, key string) bool {
+//
+// The look-up runs on on, the message's transaction (or the pool for a
+// duplicate's mark): on the pool it waited for a second connection while
+// the message's transaction held one, for ever on a pool capped at one,
+// or at as many deliveries at once as the pool has connections.
+func (in *Inbox) markable(ctx context.Context, on execQuerier, key string) bool {
 	switch in.outboxUUIDs.Load() {
 	case 1:
 		return true
@@ -718,7 +723,7 @@ func (in *Inbox) markable(ctx context.Context, key string) bool {
 		return true
 	}
 	var isUUID bool
-	if err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&isUUID); err != nil {
+	if err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&isUUID); err != nil {
 		return true
 	}
 	if !isUUID {

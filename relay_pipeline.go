@@ -165,8 +165,13 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	s.leaseDue = !s.stopping && l.leaseRunningOut()
 	if !s.stopping && !s.leaseDue && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
-		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
+		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight(), len(l.queue) > 0)
 		switch {
+		case errors.Is(err, errNoConnection):
+			// The pool's other connections are taken, perhaps by
+			// transactions waiting for the rows in flight: those are
+			// settled first, and the next sweep claims.
+			s.claimed, s.leaseDue = nil, true
 		case err == nil:
 			l.dependOn(s.claimed)
 			// Not once Run's ctx ended: the look is not worth the stop's wait.
@@ -344,9 +349,11 @@ func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Curs
 	if len(recs) == 0 || len(recs) > maxNextOfKeys {
 		return after
 	}
-	next, err := l.f.store.firstNext(ctx, recs)
+	next, err := l.f.store.firstNext(ctx, len(l.queue) > 0, recs)
 	if err != nil {
-		l.f.reportError(err, ErrorContext{})
+		if !errors.Is(err, errNoConnection) { // the claim goes back to the head
+			l.f.reportError(err, ErrorContext{})
+		}
 		return nil
 	}
 	if next != nil && (next.CreatedAt.Before(after.CreatedAt) || next.CreatedAt.Equal(after.CreatedAt) && next.ID < after.ID) {

@@ -15,6 +15,7 @@ import (
 	_ "github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/mattn/go-sqlite3"
 
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -181,7 +182,7 @@ func TestStoreFinish_SQLiteLeaseTakenOver_FailureMarkLeavesTheOtherLease(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil, nil)
+	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil, nil, false)
 	if err != nil || len(c.rows) != 2 {
 		t.Fatalf("claim: %v rows, %v", c, err)
 	}
@@ -290,7 +291,7 @@ func TestCrowded_MySQL_OwnRowsInFlightDoNotCount(t *testing.T) {
 	f := &Forwarder{store: store, log: watermill.NopLogger{}}
 	claim := func(inFlight []string) *batch {
 		t.Helper()
-		c, err := store.claimBatch(ctx, 50, "r", time.Minute, nil, inFlight)
+		c, err := store.claimBatch(ctx, 50, "r", time.Minute, nil, inFlight, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -358,5 +359,56 @@ func TestDoubledDurations_PastHalfTheRange_NeverNegative(t *testing.T) {
 	l = &relayLoop{f: f, queue: []*batch{{claimedAt: time.Now()}}}
 	if !l.leaseRunningOut() {
 		t.Error("a batch with less lease left than 2 × (PublishTimeout + busy wait) is not running out of it")
+	}
+}
+
+// The statements the relay sends on the pool while batches are in flight
+// (a claim, the quiet trigger's time and look, a drain's look for the next
+// records of its keys) wait only briefly for a connection of a capped pool
+// that others hold: a service's transaction there may wait for the rows of
+// those batches, which the relay marks only after the statement (an inbox
+// marking processed_at; TestForwarder_RelayAndInboxShareACappedPool_…
+// runs the whole deadlock). Without batches in flight they wait as long
+// as their context allows.
+func TestStore_PoolStatementsWithBatchesInFlight_CappedPoolTaken_GiveUpSoon(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	if err := Migrate(context.Background(), db.DB.DB, Postgres); err != nil {
+		t.Fatal(err)
+	}
+	store, err := NewStore(db.DB.DB, StoreConfig{Dialect: Postgres})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(1)
+	held, err := db.DB.DB.Conn(context.Background()) // the service's transaction, waiting
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	statements := map[string]func(holding bool) error{
+		"claim":      func(h bool) error { _, err := store.claimBatch(ctx, 10, "r", time.Minute, nil, nil, h); return err },
+		"quiet for":  func(h bool) error { return store.quietFor(ctx, h, "acemq_outbox_quiet", time.Second) },
+		"quiet off":  func(h bool) error { return store.quietOff(ctx, h, "acemq_outbox_quiet") },
+		"quiet over": func(h bool) error { _, err := store.quietOver(ctx, h); return err },
+		"first next": func(h bool) error {
+			_, err := store.firstNext(ctx, h, []sqldialect.KeySeq{{Key: "k", Seq: 1}})
+			return err
+		},
+	}
+	for name, run := range statements {
+		start := time.Now()
+		if err := run(true); !errors.Is(err, errNoConnection) {
+			t.Errorf("%s with batches in flight on a pool taken: %v, want errNoConnection", name, err)
+		}
+		if took := time.Since(start); took > time.Second {
+			t.Errorf("%s took %v to give up", name, took)
+		}
+	}
+	short, stop := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer stop()
+	if _, err := store.claimBatch(short, 10, "r", time.Minute, nil, nil, false); errors.Is(err, errNoConnection) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("claim with nothing in flight: %v, want it to wait out its context", err)
 	}
 }

@@ -196,28 +196,28 @@ func (s *Store) hasClaimable(ctx context.Context) (bool, error) { return s.probe
 
 // quietFor keeps the table's NOTIFY trigger quiet for d, through its quiet
 // sequence (see quietFlow).
-func (s *Store) quietFor(ctx context.Context, sequence string, d time.Duration) error {
-	return s.execQuiet(ctx, sqldialect.QuietFor(sequence, d.Milliseconds()))
+// holding: the relay has batches in flight (see poolConn).
+func (s *Store) quietFor(ctx context.Context, holding bool, sequence string, d time.Duration) error {
+	return s.execQuiet(ctx, holding, sqldialect.QuietFor(sequence, d.Milliseconds()))
 }
 
 // quietOff lets the table's NOTIFY trigger notify again.
-func (s *Store) quietOff(ctx context.Context, sequence string) error {
-	return s.execQuiet(ctx, sqldialect.QuietOff(sequence))
+func (s *Store) quietOff(ctx context.Context, holding bool, sequence string) error {
+	return s.execQuiet(ctx, holding, sqldialect.QuietOff(sequence))
 }
 
-func (s *Store) execQuiet(ctx context.Context, q sqldialect.Query) error {
+func (s *Store) execQuiet(ctx context.Context, holding bool, q sqldialect.Query) error {
 	s.sent.Add(1)
 	var v int64
-	return s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&v)
+	return s.queryRowHolding(ctx, holding, q, &v)
 }
 
 // quietOver reports whether every transaction the table's NOTIFY trigger
 // kept quiet has ended (see quietFlow).
-func (s *Store) quietOver(ctx context.Context) (bool, error) {
-	q := s.q.QuietOver()
+func (s *Store) quietOver(ctx context.Context, holding bool) (bool, error) {
 	s.sent.Add(1)
 	var over bool
-	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&over)
+	err := s.queryRowHolding(ctx, holding, s.q.QuietOver(), &over)
 	return over, err
 }
 
@@ -238,12 +238,12 @@ func (s *Store) probe(ctx context.Context, db interface {
 // firstNext is where a drain must resume to find the next records of the
 // keyed records recs: a cursor just before the first of them, nil when
 // none is unpublished (see sqldialect.Outbox.FirstNext).
-func (s *Store) firstNext(ctx context.Context, recs []sqldialect.KeySeq) (*sqldialect.Cursor, error) {
+func (s *Store) firstNext(ctx context.Context, holding bool, recs []sqldialect.KeySeq) (*sqldialect.Cursor, error) {
 	q := s.inline(s.q.FirstNext(recs))
 	s.sent.Add(1)
 	var id string
 	at := sqldialect.NewTime(s.dialect.sql())
-	err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(at, &id)
+	err := s.queryRowHolding(ctx, holding, q, at, &id)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return nil, nil
@@ -302,8 +302,9 @@ func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
 // transaction (PostgreSQL, MySQL) or under a lease (SQLite).
 type claim struct {
 	rows  []sqldialect.ClaimedRow
-	tx    *sql.Tx // locking claims; nil for leases
-	lease string  // leasing claims: the relay id in locked_by
+	tx    *sql.Tx   // locking claims; nil for leases
+	conn  *sql.Conn // tx's connection (locking claims)
+	lease string    // leasing claims: the relay id in locked_by
 	// end releases the context tx began with, once tx is over (locking
 	// claims; see claimBatch).
 	end context.CancelFunc
@@ -329,6 +330,50 @@ func (c *claim) ended() {
 	if c.end != nil {
 		c.end()
 	}
+	if c.conn != nil {
+		_ = c.conn.Close()
+	}
+}
+
+// errNoConnection: a statement of the relay's found no connection in the
+// pool within claimConnWait while its batches in flight hold theirs (see
+// poolConn).
+var errNoConnection = errors.New("outbox: no free connection in the pool while batches are in flight")
+
+// claimConnWait is how long a statement of the relay waits for a connection
+// of a capped pool while the relay holds batches in flight.
+const claimConnWait = 50 * time.Millisecond
+
+// poolConn takes a connection of the pool for a statement of the relay's.
+// holding: the relay holds locking claims in flight, whose rows a service's
+// transaction on the same pool may wait for (an inbox marking the
+// processed_at of a message the broker delivered before the relay marked
+// it published). On a capped pool that transaction may hold the last free
+// connection, and the relay, waiting for it before it marks the rows, waited
+// for ever: it then waits claimConnWait at most, and the error is
+// errNoConnection (settle what is in flight, and try again).
+func (s *Store) poolConn(ctx context.Context, holding bool) (*sql.Conn, error) {
+	acquire, cancel := ctx, context.CancelFunc(func() {})
+	if holding && s.maxOpenConns() > 0 {
+		acquire, cancel = context.WithTimeout(ctx, claimConnWait)
+	}
+	defer cancel()
+	conn, err := s.db.Conn(acquire)
+	if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+		return nil, errNoConnection
+	}
+	return conn, err
+}
+
+// queryRowHolding runs q on a connection of the pool, taken as poolConn
+// takes it, and scans its row into dest.
+func (s *Store) queryRowHolding(ctx context.Context, holding bool, q sqldialect.Query, dest ...any) error {
+	conn, err := s.poolConn(ctx, holding)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = conn.Close() }()
+	return conn.QueryRowContext(ctx, q.SQL, q.Args...).Scan(dest...)
 }
 
 // failure is a row whose publish failed: attempts becomes attempts, and the
@@ -348,7 +393,13 @@ type failure struct {
 // unpublished, under MaxAttempts, not under a live lease, and after the
 // cursor if there is one. inFlight are the ids of the keyed records the
 // relay has in flight (see sqldialect.ClaimParams.InFlight).
-func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
+//
+// holding: the relay holds locking claims in flight. On a capped pool the
+// claim then waits for a connection only claimConnWait, and fails with
+// errNoConnection: a service's transaction on that pool (an inbox marking
+// processed_at) may wait for the rows those claims lock, and the relay,
+// waiting for its connection before it marks them, waited for ever.
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string, holding bool) (*claim, error) {
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
 		return s.claimLease(ctx, func() sqldialect.Query {
@@ -372,16 +423,29 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	// and its marks with it.
 	txCtx, end := context.WithCancel(context.WithoutCancel(ctx))
 	stop := context.AfterFunc(ctx, end)
-	var tx *sql.Tx
+	var (
+		tx   *sql.Tx
+		conn *sql.Conn
+	)
 	fail := func(err error) (*claim, error) {
 		stop()
 		if tx != nil {
 			_ = tx.Rollback()
 		}
 		end()
+		if conn != nil {
+			_ = conn.Close()
+		}
+		if errors.Is(err, errNoConnection) {
+			return nil, err
+		}
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	tx, err := s.db.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	conn, err := s.poolConn(ctx, holding)
+	if err != nil {
+		return fail(err)
+	}
+	tx, err = conn.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	s.sent.Add(2) // BEGIN, the claim
 	if err != nil {
 		return fail(err)
@@ -409,7 +473,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
-	return &claim{rows: claimed, tx: tx, end: end}, nil
+	return &claim{rows: claimed, tx: tx, conn: conn, end: end}, nil
 }
 
 // claimIndexes are the indexes a locking claim names, "" for none: on
