@@ -1009,7 +1009,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		default:
 			// RabbitMQ nacks for a queue's reasons: it says which
 			// in no frame, and last_error is where an operator looks.
-			res[i] = errors.New("nacked by the broker: a queue it routes to refused it (full under x-overflow reject-publish, or a queue error); it counts an attempt")
+			res[i] = fmt.Errorf("%w: a queue it routes to refused it (full under x-overflow reject-publish, without the majority of its quorum, or a queue error); it counts an attempt, but never makes the record stuck", errNacked)
 			nacked = true
 		}
 	}
@@ -1054,6 +1054,14 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	}
 	return res
 }
+
+// errNacked is the result of a record the broker nacked. RabbitMQ nacks
+// for a queue's reasons only (full under x-overflow reject-publish, a
+// quorum queue without its majority, a queue process that failed), never
+// for what the message holds: a nack counts an attempt (the record's
+// backoff grows, and it goes alone) but never makes the record stuck, as
+// an outage of any length makes no row stuck (see Forwarder.charge).
+var errNacked = errors.New("nacked by the broker")
 
 // silent makes the records of unanswered (their confirms did not come in
 // time) after the window's last confirmed one, lastAcked, an outage's:

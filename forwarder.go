@@ -1099,7 +1099,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// the relay, at full speed. Its retry waits out a backoff of
 			// its own, a lease on the row that every relay respects, so
 			// that a record the broker keeps refusing is not hammered.
-			n := b.attempts[rec.ID] + 1
+			n := f.charge(b.attempts[rec.ID], err)
 			if IsPermanent(err) {
 				n = max(n, f.cfg.MaxAttempts) // stuck at once; it holds its key, visibly
 			}
@@ -1115,7 +1115,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.isolated++
 		default:
 			failedOne = true
-			b.fail(rec, b.attempts[rec.ID]+1, err)
+			b.fail(rec, f.charge(b.attempts[rec.ID], err), err)
 		}
 	}
 	// The marks are not cut short: the broker has the messages.
@@ -1142,6 +1142,20 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		f.log.Trace("Outbox batch published", watermill.LogFields{"published": len(published), "failed": len(b.failures)})
 	}
 	return len(published), len(b.failures) > b.isolated, errors.Join(b.errs...)
+}
+
+// charge is the attempts a record that had attempts has after it failed
+// with err: one more, except that a broker's nack (errNacked: a queue's
+// state, never the record's content) does not take it to MaxAttempts. A
+// quorum queue without its majority nacks every publish on every
+// connection for as long as it lasts: counted in full, its records were
+// stuck within a minute of the outage, and stayed so after it.
+func (f *Forwarder) charge(attempts int, err error) int {
+	n := attempts + 1
+	if errors.Is(err, errNacked) {
+		n = min(n, max(attempts, f.cfg.MaxAttempts-1))
+	}
+	return n
 }
 
 // mark marks the batch's published rows and failures, and ends its claim.

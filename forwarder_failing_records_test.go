@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
@@ -475,7 +477,8 @@ func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) 
 // and the next publish goes on a fresh connection: after a quorum queue's
 // leader was lost, a channel on a surviving node nacked every publish
 // while a fresh one was acked, and a row went stuck every few seconds (an
-// audit, on a three-node cluster).
+// audit, on a three-node cluster). A nack never takes a record to
+// MaxAttempts (see the test below).
 func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
@@ -516,6 +519,81 @@ func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 		})
 		if got := countIDs(b.Drain(full, 1, 5*time.Second)); got["nacked"] != 1 {
 			t.Errorf("the record arrived %d times, want once", got["nacked"])
+		}
+	})
+}
+
+// RabbitMQ nacks for a queue's reasons (full under x-overflow
+// reject-publish, a quorum queue without its majority), never for what a
+// message holds. Each nack counted an attempt: a queue full for a few
+// seconds, or a quorum queue that lost its majority for a minute (an
+// audit, on a three-node cluster), made every record that reached it stuck
+// at MaxAttempts, and they stayed unpublished once the queue took
+// publishes again, keyed and unkeyed alike. A nack still counts, so the
+// record's backoff grows, but never to MaxAttempts.
+func TestForwarder_QueueFullForAWhile_NackedRecordsNotStuck_PublishedOnceItHasRoom(t *testing.T) {
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		b := testamqp.New(t)
+		full := "test-q-full-" + testdb.RandomName()
+		b.With(func(ch *amqp.Channel) error {
+			if _, err := ch.QueueDeclare(full, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
+				return err
+			}
+			if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
+				return err
+			}
+			return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
+		})
+		t.Cleanup(func() {
+			b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
+		})
+		waitFor(t, 5*time.Second, "the filler in the queue", func() bool { return b.Count(full) == 1 })
+
+		ids := publishN(t, db, b.Exchange, "full", 2)
+		keyed := message.NewMessage(watermill.NewUUID(), []byte("k"))
+		keyed.Metadata.Set(outbox.MetadataAggregateID, "order-1")
+		publishInTx(t, db, "full", []*message.Message{keyed}, outbox.TxPublisherConfig{Exchange: b.Exchange})
+		ids = append(ids, keyed.UUID)
+
+		f := newForwarder(t, db, outbox.ForwarderConfig{
+			MaxAttempts: 3, RetryMin: 5 * time.Millisecond, RetryMax: 20 * time.Millisecond,
+			OnError: func(error, outbox.ErrorContext) {},
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		defer func() { cancel(); <-done }()
+		// Well past MaxAttempts nacks at the head record.
+		waitFor(t, 30*time.Second, "the head record nacked", func() bool {
+			return strings.Contains(stateOf(t, db, ids[0]).LastError, "nacked")
+		})
+		time.Sleep(2 * time.Second) // backoffs of 20 ms at most: far past MaxAttempts nacks
+		for _, id := range ids {
+			if s := stateOf(t, db, id); s.Published || s.Attempts >= 3 {
+				t.Errorf("record %s while its queue is full: %+v, want unpublished and below MaxAttempts (3)", id, s)
+			}
+		}
+		b.With(func(ch *amqp.Channel) error { _, err := ch.QueuePurge(full, false); return err })
+		// One at a time: the queue holds one.
+		arrived := map[string]int{}
+		waitFor(t, 30*time.Second, "every record published once the queue has room", func() bool {
+			for id, n := range countIDs(b.Drain(full, 0, 100*time.Millisecond)) {
+				arrived[id] += n
+			}
+			for _, id := range ids {
+				if !stateOf(t, db, id).Published {
+					return false
+				}
+			}
+			return true
+		})
+		for id, n := range countIDs(b.Drain(full, 0, 500*time.Millisecond)) {
+			arrived[id] += n
+		}
+		for _, id := range ids {
+			if arrived[id] == 0 {
+				t.Errorf("record %s is marked published and never arrived", id)
+			}
 		}
 	})
 }
