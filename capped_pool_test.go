@@ -2,12 +2,16 @@ package outbox_test
 
 import (
 	"context"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/prometheus/client_golang/prometheus"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
@@ -59,13 +63,28 @@ func TestInbox_Postgres_PoolOfOne_MarkOutboxProcessed_DoesNotWaitOnItself(t *tes
 // relay must not then wait for a connection to claim its next batch before
 // it marks the one in flight: that connection is the inbox's, which waits
 // for the relay.
+//
+// With Metrics, the relay's reading of the gauges' figures at the top of a
+// sweep waited for a connection the same way (a pool of three: two
+// batches in flight, the inbox's connection).
 func TestForwarder_RelayAndInboxShareACappedPool_InboxWaitingForABatchInFlight_NoDeadlock(t *testing.T) {
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
-		t.Run(kind, func(t *testing.T) { relayAndInboxOnACappedPool(t, kind) })
+		t.Run(kind, func(t *testing.T) { relayAndInboxOnACappedPool(t, kind, 2, outbox.ForwarderConfig{}) })
 	}
+	t.Run("postgres, metrics", func(t *testing.T) {
+		m, err := outbox.NewMetrics(prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		relayAndInboxOnACappedPool(t, testdb.Postgres, 3, outbox.ForwarderConfig{Metrics: m, StatsInterval: time.Millisecond})
+	})
 }
 
-func relayAndInboxOnACappedPool(t *testing.T, kind string) {
+// relayAndInboxOnACappedPool drains 20 rows with a relay (cfg, batches of
+// 10) and an inbox that share a pool capped at limit, the inbox's delivery
+// of the first batch's first message waiting for its row lock while the
+// relay claims the next batch.
+func relayAndInboxOnACappedPool(t *testing.T, kind string, limit int, cfg outbox.ForwarderConfig) {
 	db := migrated(t, kind)
 	createEffects(t, db)
 	b := testamqp.New(t)
@@ -73,7 +92,7 @@ func relayAndInboxOnACappedPool(t *testing.T, kind string) {
 	msgs := publishBatch(t, db, b.Exchange, "t", 20)
 
 	pool, appName := ownRelayPool(t, db)
-	pool.SetMaxOpenConns(2)
+	pool.SetMaxOpenConns(limit)
 	shared := &testdb.DB{DB: pool, Kind: db.Kind, DSN: db.DSN, Name: db.Name}
 
 	in := newInbox(t, shared, outbox.InboxConfig{MarkOutboxProcessed: true})
@@ -122,7 +141,8 @@ func relayAndInboxOnACappedPool(t *testing.T, kind string) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	f, err := outbox.NewForwarder(pool, dest, outbox.ForwarderConfig{BatchSize: 10, MaxBatchSize: 10, DisableListen: true})
+	cfg.BatchSize, cfg.MaxBatchSize, cfg.DisableListen = 10, 10, true
+	f, err := outbox.NewForwarder(pool, dest, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,13 +151,7 @@ func relayAndInboxOnACappedPool(t *testing.T, kind string) {
 	runDone := make(chan error, 1)
 	go func() { runDone <- f.Run(runCtx) }()
 
-	pending := func() int {
-		var n int
-		if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL"); err != nil {
-			t.Fatal(err)
-		}
-		return n
-	}
+	pending := func() int { return countPending(t, db) }
 	deadline := time.Now().Add(15 * time.Second)
 	for pending() > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
@@ -169,4 +183,80 @@ func relayAndInboxOnACappedPool(t *testing.T, kind string) {
 		t.Fatalf("inbox: %v", inboxErr)
 	}
 	b.Drain(queue, 20, 10*time.Second)
+}
+
+// A relay alone on a pool capped far above what it needs, to a database
+// whose connections take 80 ms to open (a remote server: TCP, TLS,
+// SCRAM). The short wait for a connection that a claim with batches in
+// flight allows itself (see the test above) cut the dial of a new one
+// short: every such claim failed though the pool was idle, the dial was
+// wasted, and the relay never had two batches in flight (41 dials and
+// 2.3 s against 4 and 0.6 s uncapped). It pipelines as uncapped now.
+func TestForwarder_CappedPoolSlowToConnect_RelayStillPipelines(t *testing.T) {
+	db := migrated(t, testdb.Postgres)
+	b := testamqp.New(t)
+	queue := b.Queue("t")
+	const n = 400
+	publishBatch(t, db, b.Exchange, "t", n)
+
+	drain := func(maxOpen int) (dials, inFlight int32) {
+		cfg, err := pgx.ParseConfig(db.DSN)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var dialed atomic.Int32
+		cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			dialed.Add(1)
+			select {
+			case <-time.After(80 * time.Millisecond):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			return (&net.Dialer{}).DialContext(ctx, network, addr)
+		}
+		pool := stdlib.OpenDB(*cfg)
+		defer pool.Close()
+		pool.SetMaxOpenConns(maxOpen)
+		var peak atomic.Int32
+		dest := newHookedDest(t)
+		dest.beforeConnect = func(sent, waited int32) error {
+			if d := sent - waited; d > peak.Load() {
+				peak.Store(d)
+			}
+			return nil
+		}
+		f, err := outbox.NewForwarder(pool, dest, outbox.ForwarderConfig{Dialect: outbox.Postgres, BatchSize: 10, MaxBatchSize: 10, DisableListen: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		waitFor(t, 60*time.Second, "the drain", func() bool { return countPending(t, db) == 0 })
+		cancel()
+		<-done
+		b.Drain(queue, n, 10*time.Second)
+		return dialed.Load(), peak.Load()
+	}
+	dials, peak := drain(10)
+	if _, err := db.Exec("UPDATE acemq_outbox SET published_at = NULL"); err != nil {
+		t.Fatal(err)
+	}
+	udials, upeak := drain(0)
+	t.Logf("capped at 10: %d dials, %d batches in flight at most; uncapped: %d, %d", dials, peak, udials, upeak)
+	if peak < upeak || dials > udials+2 {
+		t.Errorf("capped at 10, an idle pool: %d batch(es) in flight at most and %d dials, against %d and %d uncapped", peak, dials, upeak, udials)
+	}
+}
+
+// countPending counts db's unpublished rows, on a connection of db's pool,
+// not the relay's.
+func countPending(t testing.TB, db *testdb.DB) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL"); err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

@@ -532,8 +532,15 @@ func (f *Forwarder) run(ctx context.Context) error {
 const stopGrace = 250 * time.Millisecond
 
 // refreshStats sets the metrics' gauges from one Stats reading.
-func (f *Forwarder) refreshStats(ctx context.Context) {
-	st, err := f.store.Stats(ctx)
+//
+// holding: the relay has batches in flight (see Store.poolConn); on a
+// capped pool whose connections are taken the figures wait for the next
+// interval.
+func (f *Forwarder) refreshStats(ctx context.Context, holding bool) {
+	st, err := f.store.stats(ctx, holding)
+	if errors.Is(err, errNoConnection) {
+		return
+	}
 	if err != nil {
 		f.log.Error("Outbox stats for metrics failed", err, nil)
 		return

@@ -69,3 +69,29 @@ func TestInbox_KeyColumnComparesCaseInsensitively_DeliveryFailsNotAckedAsDuplica
 		})
 	}
 }
+
+// A processed_messages another library made on PostgreSQL with message_id
+// a uuid holds the UUID, not the text it came as: a message whose id is a
+// UUID in upper case reads back in lower case. Its redelivery is still
+// the same message, acked as a duplicate (a byte-for-byte comparison of
+// the key read back failed it at every redelivery, for ever).
+func TestInbox_Postgres_UUIDKeyColumn_RedeliveryOfAnUpperCaseUUID_IsADuplicate(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	createEffects(t, db)
+	if _, err := db.Exec("ALTER TABLE processed_messages ALTER COLUMN message_id TYPE uuid USING message_id::uuid"); err != nil {
+		t.Fatal(err)
+	}
+	var ran atomic.Int32
+	h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
+	for _, id := range []string{"3F2C1A9E-8B7D-4E6F-9A0B-1C2D3E4F5A6B", "{0c2d3e4f-5a6b-4e6f-9a0b-1c2d3e4f5a6b}"} {
+		for i := 0; i < 2; i++ {
+			if _, err := h(message.NewMessage(id, []byte("1"))); err != nil {
+				t.Fatalf("delivery %d of %s: %v", i+1, id, err)
+			}
+		}
+	}
+	if ran.Load() != 2 {
+		t.Errorf("the handler ran %d times for two messages delivered twice each, want twice", ran.Load())
+	}
+}

@@ -624,7 +624,10 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 // on PostgreSQL): "ORDER-1" was then the key of "order-1", and its message,
 // acked without running, was lost. Its delivery fails instead, until the
 // column is converted. A key gone since the insert found it is left to the
-// duplicate it was. Duplicates only: a redelivery pays the read.
+// duplicate it was. A key that reads back as the id's UUID in PostgreSQL's
+// form (lower case, hyphens) is the id's: a message_id column of type uuid
+// holds the UUID, not the text it came as. Duplicates only: a redelivery
+// pays the read.
 func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string) error {
 	var gotConsumer, gotKey string
 	err := in.queryRow(ctx, tx, in.q.Key(consumer, key)).Scan(&gotConsumer, &gotKey)
@@ -633,7 +636,7 @@ func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string)
 		return nil
 	case err != nil:
 		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", key, consumer, err)
-	case gotConsumer != consumer || gotKey != key:
+	case gotConsumer != consumer || gotKey != key && gotKey != canonicalUUID(key):
 		return fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
 			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
 			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", key, consumer, in.q.Table(), gotKey, gotConsumer)
@@ -756,6 +759,24 @@ func pgUUID(s string) bool {
 		}
 	}
 	return digits == 32
+}
+
+// canonicalUUID is s as PostgreSQL's uuid output writes it (32 lower case
+// hex digits in groups of 8-4-4-4-12), or "" when pgUUID does not read s.
+func canonicalUUID(s string) string {
+	if !pgUUID(s) {
+		return ""
+	}
+	hex := make([]byte, 0, 32)
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case 'A' <= c && c <= 'F':
+			hex = append(hex, c+'a'-'A')
+		case '0' <= c && c <= '9', 'a' <= c && c <= 'f':
+			hex = append(hex, c)
+		}
+	}
+	return string(hex[:8]) + "-" + string(hex[8:12]) + "-" + string(hex[12:16]) + "-" + string(hex[16:20]) + "-" + string(hex[20:])
 }
 
 // execQuerier is what markProcessed runs on: the message's transaction,

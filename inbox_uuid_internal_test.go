@@ -31,5 +31,14 @@ func TestPgUUID_AgreesWithPostgreSQL(t *testing.T) {
 		if got := pgUUID(s); got != ok {
 			t.Errorf("pgUUID(%q) = %v, PostgreSQL reads it: %v", s, got, ok)
 		}
+		want := ""
+		if ok {
+			if err := db.Get(&want, "SELECT $1::uuid::text", s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got := canonicalUUID(s); got != want {
+			t.Errorf("canonicalUUID(%q) = %q, PostgreSQL writes it %q", s, got, want)
+		}
 	}
 }

@@ -472,8 +472,9 @@ func TestMigrate_PostgresSecondsTable_0011RewritesNoRowKeepsPlainIndexes(t *test
 // stuck in the outbox", made a view): PostgreSQL changes no column a view
 // reads, and Migrate failed at every boot with "cannot alter type of a
 // column used by a view or rule", naming nothing. It now fails naming the
-// views and what to do, having changed nothing; a view over other columns
-// only is no obstacle, and once the views are gone 0011 runs.
+// views (and a rule on the table itself) and what to do, having changed
+// nothing; a view over other columns only is no obstacle, and once they
+// are gone 0011 runs.
 func TestMigrate_PostgresSecondsTableUnderAView_FailsNamingTheViewThenMigrates(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, testdb.Postgres)
@@ -482,6 +483,8 @@ func TestMigrate_PostgresSecondsTableUnderAView_FailsNamingTheViewThenMigrates(t
 		"CREATE VIEW acemq_outbox_stuck AS SELECT id, exchange_name, attempts, created_at FROM acemq_outbox WHERE published_at IS NULL AND attempts >= 10",
 		"CREATE MATERIALIZED VIEW acemq_outbox_daily AS SELECT date_trunc('day', published_at) AS day, count(*) FROM acemq_outbox GROUP BY 1",
 		"CREATE VIEW acemq_outbox_errors AS SELECT id, last_error FROM acemq_outbox", // no time column
+		"CREATE TABLE outbox_audit (created_at timestamp)",
+		"CREATE RULE acemq_outbox_audit AS ON UPDATE TO acemq_outbox DO ALSO INSERT INTO outbox_audit VALUES (NEW.created_at)",
 	} {
 		if _, err := db.Exec(v); err != nil {
 			t.Fatal(err)
@@ -491,7 +494,7 @@ func TestMigrate_PostgresSecondsTableUnderAView_FailsNamingTheViewThenMigrates(t
 	if err == nil {
 		t.Fatal("Migrate raised the times under a view, or left them coarse without a word")
 	}
-	for _, want := range []string{"acemq_outbox_stuck", "acemq_outbox_daily", "timestamp(6)"} {
+	for _, want := range []string{"acemq_outbox_stuck", "acemq_outbox_daily", "rule acemq_outbox_audit", "timestamp(6)"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Migrate's error %q does not name %s", err, want)
 		}
@@ -504,7 +507,7 @@ func TestMigrate_PostgresSecondsTableUnderAView_FailsNamingTheViewThenMigrates(t
 			t.Errorf("%s changed by the Migrate that failed", name)
 		}
 	}
-	for _, v := range []string{"DROP VIEW acemq_outbox_stuck", "DROP MATERIALIZED VIEW acemq_outbox_daily"} {
+	for _, v := range []string{"DROP VIEW acemq_outbox_stuck", "DROP MATERIALIZED VIEW acemq_outbox_daily", "DROP RULE acemq_outbox_audit ON acemq_outbox"} {
 		if _, err := db.Exec(v); err != nil {
 			t.Fatal(err)
 		}

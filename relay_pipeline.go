@@ -123,7 +123,7 @@ type swept struct {
 func (l *relayLoop) refreshStats(ctx context.Context) {
 	f := l.f
 	if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(l.lastStats) >= f.cfg.StatsInterval {
-		f.refreshStats(ctx)
+		f.refreshStats(ctx, len(l.queue) > 0)
 		l.lastStats = time.Now()
 	}
 }

@@ -341,8 +341,12 @@ func (c *claim) ended() {
 var errNoConnection = errors.New("outbox: no free connection in the pool while batches are in flight")
 
 // claimConnWait is how long a statement of the relay waits for a connection
-// of a capped pool while the relay holds batches in flight.
-const claimConnWait = 50 * time.Millisecond
+// of a capped pool that others hold while the relay holds batches in
+// flight, and claimDialWait how long for one the pool dials.
+const (
+	claimConnWait = 50 * time.Millisecond
+	claimDialWait = 10 * time.Second
+)
 
 // poolConn takes a connection of the pool for a statement of the relay's.
 // holding: the relay holds locking claims in flight, whose rows a service's
@@ -352,10 +356,20 @@ const claimConnWait = 50 * time.Millisecond
 // connection, and the relay, waiting for it before it marks the rows, waited
 // for ever: it then waits claimConnWait at most, and the error is
 // errNoConnection (settle what is in flight, and try again).
+//
+// Only the wait for a connection others hold is that short: a pool with
+// room dials a new one, which to a remote server (TLS, SCRAM) may take
+// longer, and cut short it wasted the dial and stopped the pipeline on an
+// idle pool. That wait is bounded too (claimDialWait), should the room be
+// taken meanwhile.
 func (s *Store) poolConn(ctx context.Context, holding bool) (*sql.Conn, error) {
 	acquire, cancel := ctx, context.CancelFunc(func() {})
-	if holding && s.maxOpenConns() > 0 {
-		acquire, cancel = context.WithTimeout(ctx, claimConnWait)
+	if st := s.db.Stats(); holding && st.MaxOpenConnections > 0 {
+		wait := claimDialWait
+		if st.OpenConnections >= st.MaxOpenConnections && st.Idle == 0 {
+			wait = claimConnWait
+		}
+		acquire, cancel = context.WithTimeout(ctx, wait)
 	}
 	defer cancel()
 	conn, err := s.db.Conn(acquire)
@@ -908,12 +922,18 @@ type Stats struct {
 }
 
 // Stats counts pending and stuck rows.
-func (s *Store) Stats(ctx context.Context) (Stats, error) {
+func (s *Store) Stats(ctx context.Context) (Stats, error) { return s.stats(ctx, false) }
+
+// stats is Stats, its connection taken as poolConn takes it: the relay
+// reads the metrics' figures with batches in flight.
+func (s *Store) stats(ctx context.Context, holding bool) (Stats, error) {
 	var st Stats
 	oldest := sqldialect.NewTime(s.dialect.sql())
-	q := s.q.Stats(s.cfg.MaxAttempts)
 	s.sent.Add(1)
-	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, oldest); err != nil {
+	if err := s.queryRowHolding(ctx, holding, s.q.Stats(s.cfg.MaxAttempts), &st.Pending, &st.Stuck, oldest); err != nil {
+		if errors.Is(err, errNoConnection) {
+			return Stats{}, err
+		}
 		return Stats{}, fmt.Errorf("outbox: stats: %w", err)
 	}
 	st.OldestPending = oldest.T

@@ -54,15 +54,15 @@ BEGIN
     IF alters IS NULL THEN
         RETURN;
     END IF;
-    SELECT string_agg(DISTINCT r.ev_class::regclass::text, ', ')
+    SELECT string_agg(DISTINCT CASE WHEN r.rulename = '_RETURN' THEN r.ev_class::regclass::text
+                                    ELSE format('rule %I on %s', r.rulename, r.ev_class::regclass) END, ', ')
       INTO views
       FROM pg_catalog.pg_depend d
       JOIN pg_catalog.pg_rewrite r ON r.oid = d.objid
      WHERE d.classid = 'pg_catalog.pg_rewrite'::regclass
        AND d.refclassid = 'pg_catalog.pg_class'::regclass
        AND d.refobjid = to_regclass('acemq_outbox')
-       AND d.refobjsubid = ANY (columns)
-       AND r.ev_class <> to_regclass('acemq_outbox');
+       AND d.refobjsubid = ANY (columns);
     IF views IS NOT NULL THEN
         RAISE EXCEPTION 'acemq_outbox''s times are to become microseconds (timestamp(6)), and PostgreSQL changes no column that a view or rule reads: % read them; drop them, migrate, and create them again (or ALTER those columns TYPE timestamp(6) or timestamptz(6) yourself, views and all: this migration then does nothing)', views
             USING ERRCODE = '0A000';
