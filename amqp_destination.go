@@ -780,7 +780,9 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		d.dropLocked() // a nack came on it (see wait): a fresh connection
 	}
 	if err := d.ensure(ctx); err != nil {
-		fillNotSent(p.res, 0, connectionLost(err))
+		// Nothing of the window went out: an outage's, not its head
+		// record's, however often it comes there (see unprobedLost).
+		fillNotSent(p.res, 0, unprobedLost{connectionLost(err)})
 		return p
 	}
 	if d.behindAClosedChannel() {
@@ -802,7 +804,7 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		return nil
 	})
 	if d.conn == nil { // cut: the broker did not answer the checks in time
-		fillNotSent(p.res, 0, connectionLost(fmt.Errorf("check exchanges: %w", ctx.Err())))
+		fillNotSent(p.res, 0, unprobedLost{connectionLost(fmt.Errorf("check exchanges: %w", ctx.Err()))})
 		p.on = nil
 		return p
 	}

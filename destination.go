@@ -42,7 +42,9 @@ var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
 
 // unprobedLost is an ErrConnectionLost that no record caused, however often
 // it comes at the same one: AMQPDestination's confirms that stopped coming
-// (see silent), and PublisherDestination's outages. That destination
+// (see silent) and windows that sent nothing (no connection could be made,
+// the exchanges' check went unanswered), and PublisherDestination's
+// outages. That destination
 // has no Connect to tell an outage before the claim: the Forwarder claims
 // during one, and the connection is lost at the same head record on every
 // sweep. Counting an attempt for a loss that repeats there (as it does for

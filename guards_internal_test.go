@@ -4,9 +4,12 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"net"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -174,5 +177,39 @@ func TestSQLiteWriteTx_ContextEndedDuringFn_RolledBack(t *testing.T) {
 	}
 	if n != 0 {
 		t.Error("the transaction of a cancelled writeTx was committed")
+	}
+}
+
+// A window whose connection cannot be made (the broker refuses new ones:
+// a vhost's connection limit, a node going down) sent nothing of its
+// records: no attempt is theirs, however often it comes at the same head
+// record. Counted as a connection lost there, a sound record was charged
+// from the fourth time in a row, each renewal after a nack coming at it
+// (a reviewer's lead), and could so be taken to MaxAttempts.
+func TestSend_ConnectionNotMade_NoRecordCharged(t *testing.T) {
+	b, _ := brokerWithFullQueue(t)
+	var refuse atomic.Bool
+	d, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}, AMQP: amqp.Config{
+		Dial: func(network, addr string) (net.Conn, error) {
+			if refuse.Load() {
+				return nil, errors.New("connection refused by the test")
+			}
+			return amqp.DefaultDial(5*time.Second)(network, addr)
+		},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx := context.Background()
+	nacked := d.send(ctx, []Record{{ID: "full-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "full", Body: []byte("x")}})
+	if res := d.wait(ctx, nacked); res[0] == nil || !strings.Contains(res[0].Error(), "nacked") {
+		t.Fatalf("window to the full queue: %v, want nacked (the connection is then renewed)", res[0])
+	}
+	refuse.Store(true)
+	p := d.send(ctx, []Record{{ID: "head-" + testdb.RandomName(), Exchange: b.Exchange, RoutingKey: "ok", Body: []byte("y")}})
+	var outage unprobedLost
+	if !errors.Is(p.res[0], ErrConnectionLost) || !errors.As(p.res[0], &outage) {
+		t.Errorf("send without a connection: %v, want a lost connection that counts no attempt (unprobedLost)", p.res[0])
 	}
 }
