@@ -111,7 +111,9 @@ type swept struct {
 	// crowded).
 	crowded bool
 	// leaseDue: the sweep claimed nothing, to settle a batch in flight
-	// whose lease runs out (see leaseRunningOut); the next sweep claims.
+	// whose lease runs out (see leaseRunningOut), or whose rows a
+	// transaction holding the capped pool's last connection may wait for
+	// (errNoConnection); the next sweep claims.
 	leaseDue bool
 	// unblocked: a keyed record was published, so its key's next record,
 	// which another relay's claims (and on MySQL a claim that passed it
