@@ -482,20 +482,7 @@ func TestForwarder_Run_RowStuckAtOnce_BatchesBehindItNotSentAgain(t *testing.T) 
 func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
-		full := "test-q-full-" + testdb.RandomName()
-		b.With(func(ch *amqp.Channel) error {
-			if _, err := ch.QueueDeclare(full, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
-				return err
-			}
-			if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
-				return err
-			}
-			return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
-		})
-		t.Cleanup(func() {
-			b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
-		})
-		waitFor(t, 5*time.Second, "the filler in the queue", func() bool { return b.Count(full) == 1 })
+		full := b.FullQueue("full")
 
 		insertRaw(t, db, "nacked", b.Exchange, "full", "{}", "utf-8")
 		proxy := testamqp.NewProxy(t)
@@ -534,20 +521,7 @@ func TestForwarder_RecordTheBrokerNacks_NotMarkedRetriedLater(t *testing.T) {
 func TestForwarder_QueueFullForAWhile_NackedRecordsNotStuck_PublishedOnceItHasRoom(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
 		b := testamqp.New(t)
-		full := "test-q-full-" + testdb.RandomName()
-		b.With(func(ch *amqp.Channel) error {
-			if _, err := ch.QueueDeclare(full, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
-				return err
-			}
-			if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
-				return err
-			}
-			return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
-		})
-		t.Cleanup(func() {
-			b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
-		})
-		waitFor(t, 5*time.Second, "the filler in the queue", func() bool { return b.Count(full) == 1 })
+		full := b.FullQueue("full")
 
 		ids := publishN(t, db, b.Exchange, "full", 2)
 		keyed := message.NewMessage(watermill.NewUUID(), []byte("k"))

@@ -126,19 +126,7 @@ func TestNackStream_RenewsTheConnectionOnceNotPerWindow(t *testing.T) {
 func brokerWithFullQueue(t *testing.T) (*testamqp.Broker, string) {
 	t.Helper()
 	b := testamqp.New(t)
-	full := "test-q-full-" + testdb.RandomName()
-	b.With(func(ch *amqp.Channel) error {
-		if _, err := ch.QueueDeclare(full, false, true, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
-			return err
-		}
-		if err := ch.QueueBind(full, "full", b.Exchange, false, nil); err != nil {
-			return err
-		}
-		return ch.PublishWithContext(context.Background(), b.Exchange, "full", false, false, amqp.Publishing{Body: []byte("filler")})
-	})
-	t.Cleanup(func() {
-		b.With(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(full, false, false, false); return err })
-	})
+	b.FullQueue("full")
 	return b, b.Queue("ok")
 }
 

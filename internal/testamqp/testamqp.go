@@ -6,6 +6,7 @@
 package testamqp
 
 import (
+	"context"
 	"fmt"
 	"os/exec"
 	"strings"
@@ -78,6 +79,35 @@ func (b *Broker) Queue(routingKeys ...string) string {
 	b.t.Cleanup(func() {
 		_ = b.try(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
 	})
+	return name
+}
+
+// FullQueue declares a queue bound to the test's exchange for routingKey
+// that holds one message and has it: it refuses every publish (x-overflow
+// reject-publish, which the broker nacks) until it is purged. It returns
+// the queue's name.
+func (b *Broker) FullQueue(routingKey string) string {
+	b.t.Helper()
+	name := "test-q-full-" + testdb.RandomName()
+	b.With(func(ch *amqp.Channel) error {
+		if _, err := ch.QueueDeclare(name, true, false, false, false, amqp.Table{"x-max-length": int32(1), "x-overflow": "reject-publish"}); err != nil {
+			return err
+		}
+		if err := ch.QueueBind(name, routingKey, b.Exchange, false, nil); err != nil {
+			return err
+		}
+		return ch.PublishWithContext(context.Background(), b.Exchange, routingKey, false, false, amqp.Publishing{Body: []byte("filler")})
+	})
+	b.t.Cleanup(func() {
+		_ = b.try(func(ch *amqp.Channel) error { _, err := ch.QueueDelete(name, false, false, false); return err })
+	})
+	deadline := time.Now().Add(5 * time.Second)
+	for b.Count(name) != 1 {
+		if time.Now().After(deadline) {
+			b.t.Fatalf("queue %s: the filler is not in it after 5 s", name)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	return name
 }
 
