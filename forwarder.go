@@ -261,6 +261,12 @@ type Forwarder struct {
 	log   watermill.LoggerAdapter
 
 	sweepMu sync.Mutex // one batch at a time
+	// runHolding: Run's loop has batches in flight, their rows locked (see
+	// Store.poolConn). A Sweep's claim, under sweepMu, waits for a
+	// connection of a saturated capped pool only briefly too: a
+	// transaction holding the last one may wait for those rows, which the
+	// loop marks only once it has sweepMu again.
+	runHolding atomic.Bool
 	// counted is the store's statement count last reported to Metrics
 	// (see countStatements).
 	counted atomic.Int64
@@ -493,6 +499,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 			// are ended, so that a recovered panic leaves no transaction
 			// open and no row locked.
 			loop.abandon(context.Background(), loop.queue)
+			f.runHolding.Store(false)
 			loop.q.stop(f)
 			panic(p)
 		}
@@ -649,9 +656,9 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	default:
 	}
 	defer f.countStatements()
-	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil, false)
+	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil, f.runHolding.Load())
 	if err != nil || b == nil {
-		if err != nil && report {
+		if err != nil && report && !errors.Is(err, errNoConnection) {
 			f.reportError(err, ErrorContext{})
 		}
 		return 0, err

@@ -152,6 +152,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			// claims still open would hold their rows for as long as the
 			// process lives, and sweepMu every Close and Sweep.
 			l.abandon(work, append(append(append(done, l.settling...), l.queue...), next))
+			f.runHolding.Store(false)
 			f.sweepMu.Unlock()
 		}
 	}()
@@ -218,6 +219,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		next.holdBackBehindKeys() // what it waited for is settled
 		s.failed = l.publish(work, next, s.failed)
 	}
+	f.runHolding.Store(len(l.queue) > 0)
 	unlocked = true
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil

@@ -412,3 +412,45 @@ func TestStore_PoolStatementsWithBatchesInFlight_CappedPoolTaken_GiveUpSoon(t *t
 		t.Errorf("claim with nothing in flight: %v, want it to wait out its context", err)
 	}
 }
+
+// A Sweep (a request that wants its message out now) beside Run, whose
+// batches in flight hold their rows: on a capped pool whose last
+// connection a transaction waiting for those rows holds, the Sweep's
+// claim waited for it without a bound, under the lock the loop needs to
+// mark them. It gives up soon now, with errNoConnection, and reports
+// nothing.
+func TestSweep_BesideRunHoldingBatches_CappedPoolTaken_GivesUpSoon(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	if err := Migrate(context.Background(), db.DB.DB, Postgres); err != nil {
+		t.Fatal(err)
+	}
+	dest, err := NewAMQPDestination(AMQPConfig{URLs: []string{testdb.AMQPURL()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reported []error
+	f, err := NewForwarder(db.DB.DB, dest, ForwarderConfig{Dialect: Postgres, OnError: func(err error, _ ErrorContext) { reported = append(reported, err) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	db.SetMaxOpenConns(1)
+	held, err := db.DB.DB.Conn(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	f.runHolding.Store(true) // Run's loop has batches in flight
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	if _, err := f.Sweep(ctx); !errors.Is(err, errNoConnection) {
+		t.Errorf("Sweep beside Run's batches on a pool taken: %v, want errNoConnection", err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("Sweep took %v to give up", took)
+	}
+	if len(reported) > 0 {
+		t.Errorf("reported to OnError: %v", reported)
+	}
+}
