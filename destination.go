@@ -44,13 +44,13 @@ var ErrBrokerBlocked = errors.New("outbox: the broker blocked the connection")
 // it comes at the same one: AMQPDestination's confirms that stopped coming
 // (see silent) and windows that sent nothing (no connection could be made,
 // the exchanges' check went unanswered), and PublisherDestination's
-// outages. That destination
-// has no Connect to tell an outage before the claim: the Forwarder claims
-// during one, and the connection is lost at the same head record on every
-// sweep. Counting an attempt for a loss that repeats there (as it does for
-// AMQPDestination, whose Connect keeps it from claiming through an outage)
-// would make that record stuck, and let the records behind it out first,
-// after a few minutes of outage. So it counts none: a record that makes the
+// outages. That destination has no Connect to tell an outage before the
+// claim: the Forwarder claims during one, and the connection is lost at the
+// same head record on every sweep. Counting an attempt for a loss that
+// repeats there (as it does for AMQPDestination's lost connections, whose
+// Connect keeps it from claiming through an outage) would make that record
+// stuck, and let the records behind it out first, after a few minutes of
+// outage. So it counts none: a record that makes the
 // publisher fail so, every time, holds the records behind it, visibly, in
 // last_error and OnError, rather than being stepped over. The exception, a
 // timeout at a record whose previous publish the publisher has answered

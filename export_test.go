@@ -77,7 +77,7 @@ func Claim(s *Store, n int, relayID string) ([]string, *HeldClaim, error) {
 // ClaimInFlight is Claim by a relay that has the keyed records inFlight in
 // flight: their keys' next records are claimable too.
 func ClaimInFlight(s *Store, n int, relayID string, inFlight []string) ([]string, *HeldClaim, error) {
-	c, err := s.claimBatch(context.Background(), n, relayID, time.Minute, nil, inFlight, false)
+	c, err := s.claimBatch(context.Background(), n, relayID, time.Minute, nil, inFlight)
 	if err != nil {
 		return nil, nil, err
 	}

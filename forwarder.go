@@ -261,12 +261,6 @@ type Forwarder struct {
 	log   watermill.LoggerAdapter
 
 	sweepMu sync.Mutex // one batch at a time
-	// runHolding: Run's loop has batches in flight, their rows locked (see
-	// Store.poolConn). A Sweep's claim, under sweepMu, waits for a
-	// connection of a saturated capped pool only briefly too: a
-	// transaction holding the last one may wait for those rows, which the
-	// loop marks only once it has sweepMu again.
-	runHolding atomic.Bool
 	// counted is the store's statement count last reported to Metrics
 	// (see countStatements).
 	counted atomic.Int64
@@ -462,6 +456,7 @@ func (f *Forwarder) run(ctx context.Context) error {
 	}
 
 	loop := f.newRelayLoop(limit, listen)
+	defer f.store.holding.Store(false) // however Run ends, nothing of it is in flight after
 	cut, cutNow := context.WithCancel(context.WithoutCancel(ctx))
 	defer cutNow()
 	defer context.AfterFunc(ctx, func() { time.AfterFunc(stopGrace, cutNow) })()
@@ -499,7 +494,6 @@ func (f *Forwarder) run(ctx context.Context) error {
 			// are ended, so that a recovered panic leaves no transaction
 			// open and no row locked.
 			loop.abandon(context.Background(), loop.queue)
-			f.runHolding.Store(false)
 			loop.q.stop(f)
 			panic(p)
 		}
@@ -539,12 +533,10 @@ func (f *Forwarder) run(ctx context.Context) error {
 const stopGrace = 250 * time.Millisecond
 
 // refreshStats sets the metrics' gauges from one Stats reading.
-//
-// holding: the relay has batches in flight (see Store.poolConn); on a
-// capped pool whose connections are taken the figures wait for the next
-// interval.
-func (f *Forwarder) refreshStats(ctx context.Context, holding bool) {
-	st, err := f.store.stats(ctx, holding)
+// With batches in flight, on a capped pool whose connections are taken,
+// the figures wait for the next interval (see Store.poolConn).
+func (f *Forwarder) refreshStats(ctx context.Context) {
+	st, err := f.store.stats(ctx, true)
 	if errors.Is(err, errNoConnection) {
 		return
 	}
@@ -656,7 +648,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	default:
 	}
 	defer f.countStatements()
-	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil, f.runHolding.Load())
+	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil)
 	if err != nil || b == nil {
 		if err != nil && report && !errors.Is(err, errNoConnection) {
 			f.reportError(err, ErrorContext{})
@@ -915,7 +907,7 @@ func (b *batch) last() *sqldialect.Cursor {
 // returns nil when there is nothing to claim, and claims nothing while the
 // broker is down: an outage must not count attempts against records, nor
 // hold their locks.
-func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string, holding bool) (*batch, error) {
+func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string) (*batch, error) {
 	if c, ok := f.dest.(Connector); ok {
 		// Bounded like a batch: a broker that answers nothing must not
 		// hold the relay.
@@ -927,7 +919,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		}
 	}
 	started := time.Now()
-	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight, holding)
+	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight)
 	if err != nil {
 		return nil, err
 	}

@@ -10,12 +10,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // slowCapture is a Watermill publisher that takes delay per Publish and
@@ -391,7 +391,7 @@ func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			logged := &errorLog{LoggerAdapter: watermill.NopLogger{}}
+			logged := &testutil.ErrorLog{}
 			c.cfg.Logger = logged
 			f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(&slowCapture{}, nil), c.cfg)
 			if err != nil {
@@ -404,7 +404,7 @@ func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.
 					t.Fatalf("sweep: %d, %v; want 1, nil", n, err)
 				}
 			}
-			reported := logged.errors()
+			reported := logged.Errs()
 			var leaseErrs []error
 			for _, err := range reported {
 				var cerr *outbox.ConfigError
@@ -423,25 +423,4 @@ func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.
 			}
 		})
 	}
-}
-
-// errorLog records what is logged as an error, safe across goroutines.
-type errorLog struct {
-	watermill.LoggerAdapter
-	mu   sync.Mutex
-	errs []error
-}
-
-func (l *errorLog) Error(msg string, err error, fields watermill.LogFields) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.errs = append(l.errs, err)
-}
-
-func (l *errorLog) With(watermill.LogFields) watermill.LoggerAdapter { return l }
-
-func (l *errorLog) errors() []error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]error(nil), l.errs...)
 }

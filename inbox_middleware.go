@@ -767,16 +767,8 @@ func canonicalUUID(s string) string {
 	if !pgUUID(s) {
 		return ""
 	}
-	hex := make([]byte, 0, 32)
-	for i := 0; i < len(s); i++ {
-		switch c := s[i]; {
-		case 'A' <= c && c <= 'F':
-			hex = append(hex, c+'a'-'A')
-		case '0' <= c && c <= '9', 'a' <= c && c <= 'f':
-			hex = append(hex, c)
-		}
-	}
-	return string(hex[:8]) + "-" + string(hex[8:12]) + "-" + string(hex[12:16]) + "-" + string(hex[16:20]) + "-" + string(hex[20:])
+	hex := strings.ToLower(strings.Trim(strings.ReplaceAll(s, "-", ""), "{}"))
+	return hex[:8] + "-" + hex[8:12] + "-" + hex[12:16] + "-" + hex[16:20] + "-" + hex[20:]
 }
 
 // execQuerier is what markProcessed runs on: the message's transaction,

@@ -63,13 +63,8 @@ type quietFlow struct {
 	// the relay's clock; zero once it is cleared.
 	until time.Time
 	renew time.Time // when to set the time again, while on
-	// holding: the relay had batches in flight at the last sweep, whose
-	// rows a service's transaction on a capped pool may wait for: the
-	// statements here wait for a connection of that pool only briefly
-	// (see Store.poolConn).
-	holding bool
-	since   time.Time // the start of the window being measured
-	rows    int       // the rows claimed in it
+	since time.Time // the start of the window being measured
+	rows  int       // the rows claimed in it
 	// enterSince and enterRows are since and rows of quietEnterWindow.
 	enterSince time.Time
 	enterRows  int
@@ -109,7 +104,6 @@ func (f *Forwarder) quietSequenceAny() string {
 // when the flow falls below half of it over 100 ms.
 func (l *relayLoop) quiet(ctx context.Context, s swept) {
 	q, f := &l.q, l.f
-	q.holding = len(l.queue) > 0
 	now := time.Now()
 	if s.claimed != nil {
 		q.rows += len(s.claimed.claim.rows)
@@ -169,7 +163,7 @@ func (l *relayLoop) quiet(ctx context.Context, s swept) {
 // the NOTIFYs the trigger kept quiet, and a commit of that second for the
 // poll.
 func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.Time) bool {
-	err := f.store.quietFor(ctx, q.holding, seq, quietLease)
+	err := f.store.quietFor(ctx, seq, quietLease)
 	// The time was set on the database's clock while the statement ran:
 	// after it returned (or failed), quietLease on this clock is past it,
 	// and a margin covers the clocks' rates, and a statement the server
@@ -196,7 +190,7 @@ func (q *quietFlow) set(ctx context.Context, f *Forwarder, seq string, now time.
 func (q *quietFlow) leave(ctx context.Context, f *Forwarder, now time.Time) {
 	q.on, q.leaving, q.left, q.long = false, true, now, false
 	if seq := f.quietSequenceAny(); seq != "" && !q.until.IsZero() {
-		if err := f.store.quietOff(ctx, q.holding, seq); !f.quietFailed(&q.setFailed, "let the NOTIFY trigger notify again; it polls until the time has lapsed", err) {
+		if err := f.store.quietOff(ctx, seq); !f.quietFailed(&q.setFailed, "let the NOTIFY trigger notify again; it polls until the time has lapsed", err) {
 			q.until = time.Time{}
 		}
 		// Otherwise the time lapses by itself, at until.
@@ -217,7 +211,7 @@ func (q *quietFlow) over(ctx context.Context, f *Forwarder, now time.Time) bool 
 			q.until = time.Time{} // lapsed
 		}
 	}
-	over, err := f.store.quietOver(ctx, q.holding)
+	over, err := f.store.quietOver(ctx)
 	if f.quietFailed(&q.lookFailed, "see whether the transactions the NOTIFY trigger kept quiet have ended; it polls meanwhile", err) || !over {
 		if !q.long && now.Sub(q.left) > quietLongLeave {
 			q.long = true
@@ -236,7 +230,6 @@ func (q *quietFlow) stop(f *Forwarder) {
 	if !q.polls() {
 		return
 	}
-	q.holding = false // every batch is settled
 	ctx, cancel := context.WithTimeout(context.Background(), stopGrace)
 	defer cancel()
 	if q.on {

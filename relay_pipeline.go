@@ -125,7 +125,7 @@ type swept struct {
 func (l *relayLoop) refreshStats(ctx context.Context) {
 	f := l.f
 	if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(l.lastStats) >= f.cfg.StatsInterval {
-		f.refreshStats(ctx, len(l.queue) > 0)
+		f.refreshStats(ctx)
 		l.lastStats = time.Now()
 	}
 }
@@ -152,7 +152,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			// claims still open would hold their rows for as long as the
 			// process lives, and sweepMu every Close and Sweep.
 			l.abandon(work, append(append(append(done, l.settling...), l.queue...), next))
-			f.runHolding.Store(false)
+			f.store.holding.Store(false)
 			f.sweepMu.Unlock()
 		}
 	}()
@@ -168,7 +168,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	s.leaseDue = !s.stopping && l.leaseRunningOut()
 	if !s.stopping && !s.leaseDue && l.claimNow() && !l.nothingToClaim(cut) {
 		var err error
-		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight(), len(l.queue) > 0)
+		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
 		switch {
 		case errors.Is(err, errNoConnection):
 			// The pool's other connections are taken, perhaps by
@@ -219,7 +219,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		next.holdBackBehindKeys() // what it waited for is settled
 		s.failed = l.publish(work, next, s.failed)
 	}
-	f.runHolding.Store(len(l.queue) > 0)
+	f.store.holding.Store(len(l.queue) > 0) // for the statements before the next sweep, and a Sweep's
 	unlocked = true
 	f.sweepMu.Unlock()
 	s.progressed = len(done) > 0 || next != nil
@@ -353,7 +353,7 @@ func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Curs
 	if len(recs) == 0 || len(recs) > maxNextOfKeys {
 		return after
 	}
-	next, err := l.f.store.firstNext(ctx, len(l.queue) > 0, recs)
+	next, err := l.f.store.firstNext(ctx, recs)
 	if err != nil {
 		if !errors.Is(err, errNoConnection) { // the claim goes back to the head
 			l.f.reportError(err, ErrorContext{})

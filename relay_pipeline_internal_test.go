@@ -182,7 +182,7 @@ func TestStoreFinish_SQLiteLeaseTakenOver_FailureMarkLeavesTheOtherLease(t *test
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil, nil, false)
+	c, err := store.claimBatch(ctx, 10, "relay-a", time.Minute, nil, nil)
 	if err != nil || len(c.rows) != 2 {
 		t.Fatalf("claim: %v rows, %v", c, err)
 	}
@@ -291,7 +291,7 @@ func TestCrowded_MySQL_OwnRowsInFlightDoNotCount(t *testing.T) {
 	f := &Forwarder{store: store, log: watermill.NopLogger{}}
 	claim := func(inFlight []string) *batch {
 		t.Helper()
-		c, err := store.claimBatch(ctx, 50, "r", time.Minute, nil, inFlight, false)
+		c, err := store.claimBatch(ctx, 50, "r", time.Minute, nil, inFlight)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -387,28 +387,30 @@ func TestStore_PoolStatementsWithBatchesInFlight_CappedPoolTaken_GiveUpSoon(t *t
 	defer held.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	statements := map[string]func(holding bool) error{
-		"claim":      func(h bool) error { _, err := store.claimBatch(ctx, 10, "r", time.Minute, nil, nil, h); return err },
-		"quiet for":  func(h bool) error { return store.quietFor(ctx, h, "acemq_outbox_quiet", time.Second) },
-		"quiet off":  func(h bool) error { return store.quietOff(ctx, h, "acemq_outbox_quiet") },
-		"quiet over": func(h bool) error { _, err := store.quietOver(ctx, h); return err },
-		"first next": func(h bool) error {
-			_, err := store.firstNext(ctx, h, []sqldialect.KeySeq{{Key: "k", Seq: 1}})
+	statements := map[string]func() error{
+		"claim":      func() error { _, err := store.claimBatch(ctx, 10, "r", time.Minute, nil, nil); return err },
+		"quiet for":  func() error { return store.quietFor(ctx, "acemq_outbox_quiet", time.Second) },
+		"quiet off":  func() error { return store.quietOff(ctx, "acemq_outbox_quiet") },
+		"quiet over": func() error { _, err := store.quietOver(ctx); return err },
+		"first next": func() error {
+			_, err := store.firstNext(ctx, []sqldialect.KeySeq{{Key: "k", Seq: 1}})
 			return err
 		},
 	}
+	store.holding.Store(true) // Run's batches in flight
 	for name, run := range statements {
 		start := time.Now()
-		if err := run(true); !errors.Is(err, errNoConnection) {
+		if err := run(); !errors.Is(err, errNoConnection) {
 			t.Errorf("%s with batches in flight on a pool taken: %v, want errNoConnection", name, err)
 		}
 		if took := time.Since(start); took > time.Second {
 			t.Errorf("%s took %v to give up", name, took)
 		}
 	}
+	store.holding.Store(false)
 	short, stop := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer stop()
-	if _, err := store.claimBatch(short, 10, "r", time.Minute, nil, nil, false); errors.Is(err, errNoConnection) || !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := store.claimBatch(short, 10, "r", time.Minute, nil, nil); errors.Is(err, errNoConnection) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("claim with nothing in flight: %v, want it to wait out its context", err)
 	}
 }
@@ -440,7 +442,7 @@ func TestSweep_BesideRunHoldingBatches_CappedPoolTaken_GivesUpSoon(t *testing.T)
 		t.Fatal(err)
 	}
 	defer held.Close()
-	f.runHolding.Store(true) // Run's loop has batches in flight
+	f.store.holding.Store(true) // Run's loop has batches in flight
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	start := time.Now()

@@ -79,6 +79,10 @@ type Store struct {
 	// sent counts the statements the relay's calls sent, BEGIN and COMMIT
 	// included (outbox_forwarder_statements_total).
 	sent atomic.Int64
+	// holding: the Forwarder's Run has locking claims in flight, their rows
+	// locked (see poolConn). Its loop sets it at the end of each sweep,
+	// under the sweep lock, where alone its batches change.
+	holding atomic.Bool
 
 	// busyWait is the pool's busy_timeout on SQLite, once busyKnown (see
 	// writeTx).
@@ -196,28 +200,27 @@ func (s *Store) hasClaimable(ctx context.Context) (bool, error) { return s.probe
 
 // quietFor keeps the table's NOTIFY trigger quiet for d, through its quiet
 // sequence (see quietFlow).
-// holding: the relay has batches in flight (see poolConn).
-func (s *Store) quietFor(ctx context.Context, holding bool, sequence string, d time.Duration) error {
-	return s.execQuiet(ctx, holding, sqldialect.QuietFor(sequence, d.Milliseconds()))
+func (s *Store) quietFor(ctx context.Context, sequence string, d time.Duration) error {
+	return s.execQuiet(ctx, sqldialect.QuietFor(sequence, d.Milliseconds()))
 }
 
 // quietOff lets the table's NOTIFY trigger notify again.
-func (s *Store) quietOff(ctx context.Context, holding bool, sequence string) error {
-	return s.execQuiet(ctx, holding, sqldialect.QuietOff(sequence))
+func (s *Store) quietOff(ctx context.Context, sequence string) error {
+	return s.execQuiet(ctx, sqldialect.QuietOff(sequence))
 }
 
-func (s *Store) execQuiet(ctx context.Context, holding bool, q sqldialect.Query) error {
+func (s *Store) execQuiet(ctx context.Context, q sqldialect.Query) error {
 	s.sent.Add(1)
 	var v int64
-	return s.queryRowHolding(ctx, holding, q, &v)
+	return s.queryRowRelay(ctx, q, &v)
 }
 
 // quietOver reports whether every transaction the table's NOTIFY trigger
 // kept quiet has ended (see quietFlow).
-func (s *Store) quietOver(ctx context.Context, holding bool) (bool, error) {
+func (s *Store) quietOver(ctx context.Context) (bool, error) {
 	s.sent.Add(1)
 	var over bool
-	err := s.queryRowHolding(ctx, holding, s.q.QuietOver(), &over)
+	err := s.queryRowRelay(ctx, s.q.QuietOver(), &over)
 	return over, err
 }
 
@@ -238,12 +241,12 @@ func (s *Store) probe(ctx context.Context, db interface {
 // firstNext is where a drain must resume to find the next records of the
 // keyed records recs: a cursor just before the first of them, nil when
 // none is unpublished (see sqldialect.Outbox.FirstNext).
-func (s *Store) firstNext(ctx context.Context, holding bool, recs []sqldialect.KeySeq) (*sqldialect.Cursor, error) {
+func (s *Store) firstNext(ctx context.Context, recs []sqldialect.KeySeq) (*sqldialect.Cursor, error) {
 	q := s.inline(s.q.FirstNext(recs))
 	s.sent.Add(1)
 	var id string
 	at := sqldialect.NewTime(s.dialect.sql())
-	err := s.queryRowHolding(ctx, holding, q, at, &id)
+	err := s.queryRowRelay(ctx, q, at, &id)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return nil, nil
@@ -349,27 +352,30 @@ const (
 )
 
 // poolConn takes a connection of the pool for a statement of the relay's.
-// holding: the relay holds locking claims in flight, whose rows a service's
-// transaction on the same pool may wait for (an inbox marking the
-// processed_at of a message the broker delivered before the relay marked
-// it published). On a capped pool that transaction may hold the last free
-// connection, and the relay, waiting for it before it marks the rows, waited
-// for ever: it then waits claimConnWait at most, and the error is
-// errNoConnection (settle what is in flight, and try again).
+// While Run holds locking claims in flight (holding), a service's
+// transaction on the same pool may wait for their rows (an inbox marking
+// the processed_at of a message the broker delivered before the relay
+// marked it published), holding a connection: on a capped pool perhaps the
+// last one, and the relay, waiting for it before it marks the rows, waited
+// for ever. A saturated pool's connection is then waited for claimConnWait
+// at most, and the error is errNoConnection (settle what is in flight, and
+// try again).
 //
 // Only the wait for a connection others hold is that short: a pool with
 // room dials a new one, which to a remote server (TLS, SCRAM) may take
 // longer, and cut short it wasted the dial and stopped the pipeline on an
 // idle pool. That wait is bounded too (claimDialWait), should the room be
 // taken meanwhile.
-func (s *Store) poolConn(ctx context.Context, holding bool) (*sql.Conn, error) {
+func (s *Store) poolConn(ctx context.Context) (*sql.Conn, error) {
 	acquire, cancel := ctx, context.CancelFunc(func() {})
-	if st := s.db.Stats(); holding && st.MaxOpenConnections > 0 {
-		wait := claimDialWait
-		if st.OpenConnections >= st.MaxOpenConnections && st.Idle == 0 {
-			wait = claimConnWait
+	if s.holding.Load() {
+		if st := s.db.Stats(); st.MaxOpenConnections > 0 {
+			wait := claimDialWait
+			if st.OpenConnections >= st.MaxOpenConnections && st.Idle == 0 {
+				wait = claimConnWait
+			}
+			acquire, cancel = context.WithTimeout(ctx, wait)
 		}
-		acquire, cancel = context.WithTimeout(ctx, wait)
 	}
 	defer cancel()
 	conn, err := s.db.Conn(acquire)
@@ -379,10 +385,10 @@ func (s *Store) poolConn(ctx context.Context, holding bool) (*sql.Conn, error) {
 	return conn, err
 }
 
-// queryRowHolding runs q on a connection of the pool, taken as poolConn
-// takes it, and scans its row into dest.
-func (s *Store) queryRowHolding(ctx context.Context, holding bool, q sqldialect.Query, dest ...any) error {
-	conn, err := s.poolConn(ctx, holding)
+// queryRowRelay runs a statement of the relay's, q, on a connection of the
+// pool, taken as poolConn takes it, and scans its row into dest.
+func (s *Store) queryRowRelay(ctx context.Context, q sqldialect.Query, dest ...any) error {
+	conn, err := s.poolConn(ctx)
 	if err != nil {
 		return err
 	}
@@ -408,12 +414,10 @@ type failure struct {
 // cursor if there is one. inFlight are the ids of the keyed records the
 // relay has in flight (see sqldialect.ClaimParams.InFlight).
 //
-// holding: the relay holds locking claims in flight. On a capped pool the
-// claim then waits for a connection only claimConnWait, and fails with
-// errNoConnection: a service's transaction on that pool (an inbox marking
-// processed_at) may wait for the rows those claims lock, and the relay,
-// waiting for its connection before it marks them, waited for ever.
-func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string, holding bool) (*claim, error) {
+// While Run holds locking claims in flight, a claim on a saturated capped
+// pool fails with errNoConnection rather than wait (see poolConn), a Sweep's
+// too.
+func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
 		return s.claimLease(ctx, func() sqldialect.Query {
@@ -455,7 +459,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}
 		return nil, fmt.Errorf("outbox: claim: %w", err)
 	}
-	conn, err := s.poolConn(ctx, holding)
+	conn, err := s.poolConn(ctx)
 	if err != nil {
 		return fail(err)
 	}
@@ -924,13 +928,20 @@ type Stats struct {
 // Stats counts pending and stuck rows.
 func (s *Store) Stats(ctx context.Context) (Stats, error) { return s.stats(ctx, false) }
 
-// stats is Stats, its connection taken as poolConn takes it: the relay
-// reads the metrics' figures with batches in flight.
-func (s *Store) stats(ctx context.Context, holding bool) (Stats, error) {
+// stats is Stats; for the relay's metrics (relay) its connection is taken
+// as poolConn takes it, as they are read with batches in flight.
+func (s *Store) stats(ctx context.Context, relay bool) (Stats, error) {
 	var st Stats
 	oldest := sqldialect.NewTime(s.dialect.sql())
+	q := s.q.Stats(s.cfg.MaxAttempts)
 	s.sent.Add(1)
-	if err := s.queryRowHolding(ctx, holding, s.q.Stats(s.cfg.MaxAttempts), &st.Pending, &st.Stuck, oldest); err != nil {
+	var err error
+	if relay {
+		err = s.queryRowRelay(ctx, q, &st.Pending, &st.Stuck, oldest)
+	} else {
+		err = s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&st.Pending, &st.Stuck, oldest)
+	}
+	if err != nil {
 		if errors.Is(err, errNoConnection) {
 			return Stats{}, err
 		}

@@ -37,20 +37,8 @@ func TestPostgres_FixedWidthColumns_IDsAndNamesAsWritten(t *testing.T) {
 	keyed.Metadata.Set(outbox.MetadataExchange, b.Exchange)
 	keyed.Metadata.Set(outbox.MetadataAggregateID, "order-1")
 	for try := range 2 { // the second a retry of the first: one row each
-		tx, err := c.lib.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		pub, err := outbox.NewTxPublisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := pub.Publish("ok", ours.Copy(), keyed.Copy()); err != nil {
-			_ = tx.Rollback()
+		if err := c.publish(t, func(pub *outbox.TxPublisher) error { return pub.Publish("ok", ours.Copy(), keyed.Copy()) }); err != nil {
 			t.Fatalf("publish, try %d: %v, want nil (a retry is one row)", try+1, err)
-		}
-		if err := tx.Commit(); err != nil {
-			t.Fatal(err)
 		}
 	}
 

@@ -75,19 +75,8 @@ func TestForwarder_ForeignLease_RespectedUntilItRunsOut(t *testing.T) {
 func TestForwarder_SQLiteLease_WrittenInUTC_SecondRelayWaits(t *testing.T) {
 	c := open(t, "sqlite-loc-auto", testdb.SQLite, true)
 	c.migrate(t)
-	tx, err := c.lib.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := outbox.NewTxPublisher(tx)
-	if err != nil {
-		t.Fatal(err)
-	}
 	msgs := []*message.Message{message.NewMessage(watermill.NewUUID(), nil), message.NewMessage(watermill.NewUUID(), nil)}
-	if err := pub.Publish("ok", msgs...); err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Commit(); err != nil {
+	if err := c.publish(t, func(pub *outbox.TxPublisher) error { return pub.Publish("ok", msgs...) }); err != nil {
 		t.Fatal(err)
 	}
 

@@ -153,6 +153,28 @@ func (c *conn) migrate(t *testing.T) {
 	}
 }
 
+// publish runs fn with a TxPublisher in a transaction of the library's
+// connection, which it commits, or rolls back and returns fn's error.
+func (c *conn) publish(t *testing.T, fn func(pub *outbox.TxPublisher) error) error {
+	t.Helper()
+	tx, err := c.lib.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := fn(pub); err != nil {
+		_ = tx.Rollback()
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	return nil
+}
+
 // q rebinds a query written with ? placeholders for c's database.
 func (c *conn) q(query string) string { return c.db.Rebind(query) }
 

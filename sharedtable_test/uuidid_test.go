@@ -34,23 +34,17 @@ func TestPostgres_UUIDIDColumn_KeyedDrainAndInboxMark(t *testing.T) {
 
 	const keys, perKey = 20, 10
 	for s := 1; s <= perKey; s++ {
-		tx, err := c.lib.Beginx()
-		if err != nil {
-			t.Fatal(err)
-		}
-		pub, err := outbox.NewTxPublisher(tx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for k := range keys {
-			m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(s)))
-			m.Metadata.Set(outbox.MetadataExchange, b.Exchange)
-			m.Metadata.Set(outbox.MetadataAggregateID, fmt.Sprintf("key-%02d", k))
-			if err := pub.Publish("ok", m); err != nil {
-				t.Fatal(err)
+		if err := c.publish(t, func(pub *outbox.TxPublisher) error {
+			for k := range keys {
+				m := message.NewMessage(watermill.NewUUID(), []byte(strconv.Itoa(s)))
+				m.Metadata.Set(outbox.MetadataExchange, b.Exchange)
+				m.Metadata.Set(outbox.MetadataAggregateID, fmt.Sprintf("key-%02d", k))
+				if err := pub.Publish("ok", m); err != nil {
+					return err
+				}
 			}
-		}
-		if err := tx.Commit(); err != nil {
+			return nil
+		}); err != nil {
 			t.Fatal(err)
 		}
 	}

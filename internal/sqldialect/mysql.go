@@ -469,10 +469,6 @@ const migrationLockTimeout = 60
 // and ".acemq_migrate", as earlier versions do, where that fits the 64
 // characters MySQL 8 allows a lock name, else a hash of it (a database
 // name over 50 characters failed Migrate there).
-// errNoDatabase is Migrate's error on a connection that has no database
-// selected.
-var errNoDatabase = errors.New("the connection has no database selected: name one in the DSN (user@tcp(host:3306)/database), where the tables are to be")
-
 const migrationLockName = "IF(CHAR_LENGTH(DATABASE()) <= 50, CONCAT(DATABASE(), '.acemq_migrate'), CONCAT('acemq_migrate.', MD5(DATABASE())))"
 
 func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Execer) error) (err error) {
@@ -488,20 +484,21 @@ func (mysql) WithMigrationLock(ctx context.Context, conn *sql.Conn, fn func(Exec
 	}()
 	// DDL commits implicitly on MySQL, so a transaction cannot hold the
 	// lock: a named lock on this connection does, scoped to the database.
-	var got sql.NullInt64
-	if err := conn.QueryRowContext(ctx, "SELECT GET_LOCK("+migrationLockName+", ?)", migrationLockTimeout).Scan(&got); err != nil {
+	// The lock is named after the database: without one (a DSN that names
+	// none) GET_LOCK(NULL) is NULL on MariaDB, an error on MySQL, and the
+	// wait was reported as another process's.
+	var (
+		noDatabase bool
+		got        sql.NullInt64
+	)
+	if err := conn.QueryRowContext(ctx, "SELECT DATABASE() IS NULL, IF(DATABASE() IS NULL, NULL, GET_LOCK("+migrationLockName+", ?))",
+		migrationLockTimeout).Scan(&noDatabase, &got); err != nil {
 		return err
 	}
-	if !got.Valid {
-		// The lock is named after the database: GET_LOCK(NULL) is NULL
-		// on MariaDB (an error on MySQL) where the connection has none.
-		var db sql.NullString
-		if err := conn.QueryRowContext(ctx, "SELECT DATABASE()").Scan(&db); err == nil && !db.Valid {
-			return errNoDatabase
-		}
-		return errors.New("the migration lock could not be taken (GET_LOCK returned NULL)")
+	if noDatabase {
+		return errors.New("the connection has no database selected: name one in the DSN (user@tcp(host:3306)/database), where the tables are to be")
 	}
-	if got.Int64 != 1 {
+	if !got.Valid || got.Int64 != 1 {
 		return fmt.Errorf("another process held the migration lock for %ds", migrationLockTimeout)
 	}
 	defer func() {

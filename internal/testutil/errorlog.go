@@ -8,11 +8,13 @@ import (
 )
 
 // ErrorLog is a Watermill logger that keeps what is logged at Error level,
-// each as its message, ": " and its error, and drops the rest.
+// each as its message, ": " and its error, and the error itself, and drops
+// the rest.
 type ErrorLog struct {
 	watermill.NopLogger
 	mu   sync.Mutex
 	msgs []string
+	errs []error
 }
 
 // Error keeps msg and err.
@@ -20,6 +22,7 @@ func (l *ErrorLog) Error(msg string, err error, _ watermill.LogFields) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.msgs = append(l.msgs, msg+": "+fmt.Sprint(err))
+	l.errs = append(l.errs, err)
 }
 
 // With returns l: the fields are not kept.
@@ -30,4 +33,11 @@ func (l *ErrorLog) Msgs() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]string(nil), l.msgs...)
+}
+
+// Errs is the errors logged at Error level so far.
+func (l *ErrorLog) Errs() []error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]error(nil), l.errs...)
 }
