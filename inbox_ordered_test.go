@@ -1219,3 +1219,47 @@ func TestOrderedInbox_Postgres_RepeatableRead_SerializationFailureRunAgain(t *te
 	}
 	assertEffectsOnce(t, db, "acct-1", 2)
 }
+
+// ApplyHeld's pages continue after a key that is not UTF-8 (MySQL's
+// varbinary and SQLite hold one; PostgreSQL refuses it, see
+// TestOrderedInbox_KeyTheDatabaseCannotHold_…): the first page ends at
+// "bad-\xff", and the next page's bound is that key's bytes, as they are.
+func TestOrderedInbox_ApplyHeld_PageEndingAtAKeyThatIsNotUTF8_NextPageReached(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		if d == outbox.Postgres {
+			t.Skip("PostgreSQL's text columns refuse a key that is not UTF-8 (ErrInvalidKey)")
+		}
+		createEffects(t, db)
+		down := true
+		l := applyLog{}
+		l.fail = func(msg *message.Message) error {
+			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && (down || msg.Metadata.Get(outbox.HeaderAggregateID) != "good") {
+				return errors.New("poison")
+			}
+			return nil
+		}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		for i := 0; i < 99; i++ {
+			deliver(t, h, fmt.Sprintf("bad-%03d", i), 2, 1)
+		}
+		for _, seq := range []int{2, 1} { // the 100th key, the page's last
+			msg := keyedMsg("bad-\xff\xfe", seq)
+			msg.UUID = fmt.Sprintf("bytes-%d", seq)
+			if _, err := h(msg); err != nil {
+				t.Fatalf("delivery of seq %d: %v", seq, err)
+			}
+		}
+		deliver(t, h, "good", 2, 1)
+		down = false
+
+		n, err := in.ApplyHeld(context.Background())
+		if n != 1 || err == nil || !strings.Contains(err.Error(), "poison") {
+			t.Fatalf("ApplyHeld applied %d (%v), want 1, the key on the second page, and the failures", n, err)
+		}
+		if got := l.of("good"); !reflect.DeepEqual(got, upTo(2)) {
+			t.Fatalf("applied %v, want [1 2]", got)
+		}
+	})
+}
