@@ -5,11 +5,11 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"maps"
 	"math"
 	"runtime"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 	"weak"
@@ -99,7 +99,52 @@ type routeKey struct{ consumer, handler string }
 // name of the handler it was delivered to, in acemq_inbox_held.metadata;
 // it is taken out before the handler sees the message. A row held by an
 // earlier version has none, and goes to the consumer's first handler seen.
+// A message that arrives with a key of that name (or of that name and
+// tildes) keeps it: see heldMetadata.
 const heldHandlerKey = "x-acemq-inbox-handler"
+
+// heldMetadata is md as a held row keeps it: heldHandlerKey set to handler,
+// and the message's own keys of that name followed by none or more tildes
+// given one tilde more, which heldRelease takes off again. Before, a
+// message that arrived with the key lost its value to the handler's name.
+func heldMetadata(md message.Metadata, handler string) message.Metadata {
+	kept := make(message.Metadata, len(md)+1)
+	for k, v := range md {
+		if isHandlerKey(k) {
+			k += "~"
+		}
+		kept[k] = v
+	}
+	kept[heldHandlerKey] = handler
+	return kept
+}
+
+// heldRelease is the metadata a held row kept (see heldMetadata) as the
+// message came, and the name of the handler it was held for (byName:
+// whether the row names one; an earlier version's may not).
+func heldRelease(kept message.Metadata) (md message.Metadata, handler string, byName bool) {
+	if kept == nil {
+		return nil, "", false
+	}
+	md = make(message.Metadata, len(kept))
+	for k, v := range kept {
+		switch {
+		case k == heldHandlerKey:
+			handler, byName = v, true
+		case isHandlerKey(k):
+			md[k[:len(k)-1]] = v
+		default:
+			md[k] = v
+		}
+	}
+	return md, handler, byName
+}
+
+// isHandlerKey: k is heldHandlerKey followed by none or more tildes.
+func isHandlerKey(k string) bool {
+	rest, ok := strings.CutPrefix(k, heldHandlerKey)
+	return ok && strings.Trim(rest, "~") == ""
+}
 
 // orderedState is the ordered inbox's part of an Inbox.
 type orderedState struct {
@@ -552,10 +597,7 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 // hold writes msg into acemq_inbox_held, with the name of the handler it
 // was delivered to (heldHandlerKey); false if it is there already.
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
-	kept := make(message.Metadata, len(msg.Metadata)+1)
-	maps.Copy(kept, msg.Metadata)
-	kept[heldHandlerKey] = message.HandlerNameFromCtx(msg.Context())
-	md, err := rowcodec.EncodeMetadata(kept)
+	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context())))
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
 	}
@@ -643,8 +685,9 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 		// back what it holds).
 		return false, false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
 	}
-	heldBy, byName := msg.Metadata[heldHandlerKey]
-	delete(msg.Metadata, heldHandlerKey)
+	var heldBy string
+	var byName bool
+	msg.Metadata, heldBy, byName = heldRelease(msg.Metadata)
 	rt, ok := in.route(consumer, heldBy, byName)
 	if !ok {
 		// Its handler has not run behind this inbox in this process: it
@@ -1081,7 +1124,7 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64) 
 	if skipped.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
 		skipped.Metadata, skipped.MetadataErr, skipped.StoredMetadata = nil, err, metadata
 	}
-	delete(skipped.Metadata, heldHandlerKey)
+	skipped.Metadata, _, _ = heldRelease(skipped.Metadata)
 	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
 	}

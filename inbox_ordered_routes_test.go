@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"sync"
 	"sync/atomic"
@@ -332,6 +333,35 @@ func TestOrderedInbox_Skip_MessageBehindItFails_SkipDoneMessageStaysHeld(t *test
 		}
 		if g, s := l.of("g"), l.of("s"); !reflect.DeepEqual(g, []int{1, 3}) || !reflect.DeepEqual(s, []int{1, 3}) {
 			t.Errorf("applied g %v, s %v; want [1 3] each", g, s)
+		}
+	})
+}
+
+// A message that arrives with the metadata key the held row keeps its
+// handler's name under is handed back by SkipHeld with its own value;
+// before, the handler's name had taken its place.
+func TestOrderedInbox_SkipHeld_MessageWithTheHeldRowsHandlerKey_HandedBackAsItCame(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		poison := true
+		l := applyLog{fail: failSeq2(&poison)}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(l.handler(t, db))
+		msg := keyedMsg("a", 2)
+		msg.Metadata.Set("x-acemq-inbox-handler", "the sender's")
+		msg.Metadata.Set("x-acemq-inbox-handler~", "")
+		want := maps.Clone(msg.Metadata)
+		if _, err := h(msg); err != nil { // held
+			t.Fatal(err)
+		}
+		deliver(t, h, "a", 1) // 1 applied, then 2 fails and stays held
+		skipped, err := in.SkipHeld(context.Background(), "fulfilment", "a", 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !maps.Equal(skipped.Metadata, map[string]string(want)) {
+			t.Errorf("skipped with metadata %q, want %q", skipped.Metadata, want)
 		}
 	})
 }

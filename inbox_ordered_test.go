@@ -209,6 +209,11 @@ func TestOrderedInbox_HeldMessage_AppliedWithItsPayloadAndMetadataByteForByte(t 
 		held.Metadata.Set("raw", "\xff\xfe\x00")
 		held.Metadata.Set("\xc3(", "key not UTF-8")
 		held.Metadata.Set("text", "<é & \u00a0>")
+		// The name the held row keeps its handler's under, and the names
+		// it escapes a message's own keys of that name to.
+		held.Metadata.Set("x-acemq-inbox-handler", "the sender's")
+		held.Metadata.Set("x-acemq-inbox-handler~", "the sender's too")
+		held.Metadata.Set("x-acemq-inbox-handler~~", "")
 		want := maps.Clone(held.Metadata)
 		if _, err := h(held); err != nil {
 			t.Fatal(err)
