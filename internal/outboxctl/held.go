@@ -109,7 +109,7 @@ func (c *cli) held(args []string) error {
 		} else if k.Missing <= 0 {
 			waiting = "nothing (next is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?); the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", printable(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", keyText(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
 	}
 	if err := tw.Flush(); err != nil {
@@ -125,7 +125,7 @@ func (c *cli) held(args []string) error {
 func (c *cli) skipGap(args []string) error {
 	const synopsis = "outboxctl skip-gap --consumer C --key K --from A --through B"
 	fs := c.flagSet("skip-gap")
-	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
+	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name), as outboxctl held shows it")
 	key := fs.String("key", "", "the ordering key (aggregateId), as outboxctl held shows it")
 	from := fs.Int64("from", 0, "the first sequence number to give up on: the start of WAITING FOR in outboxctl held")
 	through := fs.Int64("through", 0, "the last sequence number to give up on: the end of WAITING FOR in outboxctl held")
@@ -148,7 +148,10 @@ func (c *cli) skipGap(args []string) error {
 	if *consumer == "" || *key == "" {
 		return usagef("skip-gap: --consumer and --key must not be empty")
 	}
-	if *key, err = keyFlag(*key); err != nil {
+	if *consumer, err = keyFlag("--consumer", *consumer); err != nil {
+		return err
+	}
+	if *key, err = keyFlag("--key", *key); err != nil {
 		return err
 	}
 	if *from < 1 {
@@ -169,7 +172,7 @@ func (c *cli) skipGap(args []string) error {
 	err = in.SkipGap(c.ctx, *consumer, *key, *from, *through)
 	switch {
 	case errors.Is(err, outbox.ErrNoHeld):
-		return fmt.Errorf("skip-gap: %s holds nothing for key %q: no gap to skip", *consumer, *key)
+		return fmt.Errorf("skip-gap: %s holds nothing for key %s: no gap to skip", keyText(*consumer), keyText(*key))
 	case errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-gap: nothing skipped: %w (see outboxctl held)", err)
 	case err != nil:
@@ -179,21 +182,21 @@ func (c *cli) skipGap(args []string) error {
 	if *from < *through {
 		skipped = fmt.Sprintf("%d..%d", *from, *through)
 	}
-	fmt.Fprintf(c.stdout, "%s, key %q: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
-		*consumer, *key, skipped, *through)
+	fmt.Fprintf(c.stdout, "%s, key %s: skipped %s; last applied is now %d; the service applies the held messages at its next ApplyHeld or delivery of the key\n",
+		keyText(*consumer), keyText(*key), skipped, *through)
 	return nil
 }
 
-// keyFlag is the key a --key names. A key held shows quoted (see keyText),
-// which it does for every key that starts with a quote: pasted as shown,
-// it is unquoted.
-func keyFlag(key string) (string, error) {
+// keyFlag is the key or consumer a --key or --consumer (flag) names. One
+// held shows quoted (see keyText), which it does for every one that starts
+// with a quote: pasted as shown, it is unquoted.
+func keyFlag(flag, key string) (string, error) {
 	if !strings.HasPrefix(key, `"`) {
 		return key, nil
 	}
 	k, err := strconv.Unquote(key)
 	if err != nil {
-		return "", usagef("--key %s: starts with a quote but is not a quoted key as outboxctl held shows one: %v", key, err)
+		return "", usagef("%s %s: starts with a quote but is not quoted as outboxctl held shows it: %v", flag, key, err)
 	}
 	return k, nil
 }
@@ -249,7 +252,7 @@ func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) 
 func (c *cli) skipHeld(args []string) error {
 	const synopsis = "outboxctl skip-held --consumer C --key K --seq N [--json]"
 	fs := c.flagSet("skip-held")
-	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name)")
+	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name), as outboxctl held shows it")
 	key := fs.String("key", "", "the ordering key (aggregateId), as outboxctl held shows it")
 	seq := fs.Int64("seq", 0, "the held message to give up on: the key's next, LAST APPLIED+1 in outboxctl held")
 	asJSON := fs.Bool("json", false, "print the skipped message, payload (base64) and metadata, for scripts and to resend it by hand")
@@ -263,7 +266,10 @@ func (c *cli) skipHeld(args []string) error {
 	if *consumer == "" || *key == "" || *seq == 0 {
 		return usagef("skip-held: give --consumer, --key and --seq (%s; see outboxctl held)", synopsis)
 	}
-	if *key, err = keyFlag(*key); err != nil {
+	if *consumer, err = keyFlag("--consumer", *consumer); err != nil {
+		return err
+	}
+	if *key, err = keyFlag("--key", *key); err != nil {
 		return err
 	}
 	if *seq < 1 {
@@ -305,14 +311,15 @@ func (c *cli) skipHeld(args []string) error {
 	}
 	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
 		"The message, its only copy now (%s), to resend it by hand:\n",
-		*consumer, keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq, encoded)
+		keyText(*consumer), keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq, encoded)
 	return writeJSON(c.stdout, r)
 }
 
-// keyText is a key as the table shows it: as it is when that says which
-// key it is, else quoted as Go quotes it ("k ", "k\xff"). Keys that differ
-// in trailing spaces or in bytes a terminal does not show are different
-// keys, and --key must name the right one.
+// keyText is a key (or a consumer) as the table shows it: as it is when
+// that says which key it is, else quoted as Go quotes it ("k ", "k\xff").
+// Keys that differ in trailing spaces or in bytes a terminal does not show
+// are different keys, and --key must name the right one; so are consumers,
+// for --consumer.
 func keyText(k string) string {
 	plain := k != "" && utf8.ValidString(k) && strings.TrimSpace(k) == k && !strings.HasPrefix(k, `"`)
 	for _, r := range k {

@@ -298,3 +298,28 @@ func TestHeldAndSkips_OrderedInboxTablesMissing_SayMigrateCreatesThem(t *testing
 		}
 	})
 }
+
+// Consumers whose names differ in trailing spaces are two consumers: held
+// shows one that is not plain quoted, as it shows keys, and skip-gap and
+// skip-held take it as shown. Before, "billing " printed as billing, and
+// skip-gap --consumer billing found no gap to skip.
+func TestHeld_ConsumerEndingInASpace_ShownQuotedAndSkippedAsShown(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing ", "order-7", 1, 1)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing ", "order-7", 3, "m3", "event", "utf-8", `{"aggregateId":"order-7","seq":"3"}`, ts(kind, time.Now().Add(-time.Hour)))
+		out := mustCtl(t, "held", "--db", db.DSN)
+		if !regexp.MustCompile(`(?m)^"billing "\s+order-7\s+1\s+1\s+2\s`).MatchString(out) {
+			t.Fatalf("held does not show the consumer quoted:\n%s", out)
+		}
+		out = mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", `"billing "`, "--key", "order-7", "--from", "2", "--through", "2")
+		if !strings.Contains(out, `"billing ", key order-7: skipped 2;`) {
+			t.Errorf("skip-gap:\n%s", out)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2"); n != 1 {
+			t.Errorf("last_seq not moved to 2")
+		}
+		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", `"billing`, "--key", "order-7", "--seq", "3").wantFailure(t, 2, `--consumer "billing: starts with a quote but is not quoted as outboxctl held shows it`)
+	})
+}
