@@ -759,6 +759,8 @@ func (p *sent) Records() []Record { return p.recs }
 // send publishes recs without waiting for their confirms. It stops at the
 // first record it cannot publish; the records after it are not sent.
 func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
+	ctx, cancel := writeContext(ctx)
+	defer cancel()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	p := &sent{recs: recs, res: make([]error, len(recs)), at: time.Now()}
@@ -976,8 +978,13 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		case err != nil:
 			// The broker is up but does not confirm (a memory or disk alarm,
 			// a quorum queue without its majority) or the network went
-			// quiet: nothing this record did (see silent below).
-			res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
+			// quiet: nothing this record did (see silent below). Or the
+			// caller stopped waiting (see brokerSilent).
+			if brokerSilent(ctx) {
+				res[i] = connectionLost(fmt.Errorf("no confirm from the broker: %w", err))
+			} else {
+				res[i] = connectionLost(fmt.Errorf("the caller stopped waiting for the broker's confirm: %w", context.Cause(ctx)))
+			}
 			unanswered = append(unanswered, i)
 			timedOut = true
 		case p.on.dropped || p.on.conn.IsClosed():
@@ -1041,11 +1048,14 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		d.renew = true
 	}
 	switch {
-	case timedOut && p.on == d.cc:
+	case timedOut && p.on == d.cc && (brokerSilent(ctx) || !d.othersOut(p)):
 		// Late confirms of a timed-out window must not be read as confirms
 		// of the next: a fresh connection starts afresh. Without waiting for
 		// the broker's answer to the close, which a broker that confirms
-		// nothing does not send either; unless the relay is stopping.
+		// nothing does not send either; unless the relay is stopping. Not
+		// when the caller stopped waiting (a Sweep bounded by a request)
+		// while other windows are out on the connection (Run's batches):
+		// dropped, it took their confirms with it, and they went out again.
 		wait := time.Duration(0)
 		if errors.Is(ctx.Err(), context.Canceled) {
 			wait = closeTimeout
@@ -1055,6 +1065,47 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		d.dropLocked()
 	}
 	return res
+}
+
+// errNoConfirmInTime is the cause the relay gives the contexts of its
+// waits for confirms when their PublishTimeout ends (see brokerSilent).
+var errNoConfirmInTime = errors.New("no confirm within PublishTimeout")
+
+// brokerSilent reports whether ctx, a wait's that ended, ended because the
+// broker kept the wait's confirms past the relay's PublishTimeout, rather
+// than because its caller gave up on it (a Sweep bounded by a request).
+// Only then is the connection known to be at fault, and dropped with the
+// windows of others out on it.
+func brokerSilent(ctx context.Context) bool {
+	return errors.Is(context.Cause(ctx), errNoConfirmInTime)
+}
+
+// writeBoundKey is the key of a context's value set by withWriteBound.
+type writeBoundKey struct{}
+
+// withWriteBound marks ctx, a Publish's, as a Sweep's (whose caller may
+// give up on it at any moment): its writes to the broker are bounded by
+// the relay's PublishTimeout, d from now, and not cut short by ctx (see
+// writeContext).
+func withWriteBound(ctx context.Context, d time.Duration) context.Context {
+	return context.WithValue(ctx, writeBoundKey{}, time.Now().Add(d))
+}
+
+// writeContext is the context a send connects, checks exchanges and writes
+// under: ctx, or for a ctx withWriteBound marked, ctx without its end,
+// bounded by the relay's PublishTimeout. A write cut short leaves the
+// channel's count of deliveries out of step with the broker's (the client
+// numbered publishes that never went out), and so the connection is
+// dropped, and Run's batches out on it lose their confirms with it: they
+// went out again, and counted towards their head record's losses. A
+// caller that gives up on a Sweep stops waiting for its confirms instead
+// (see brokerSilent); a healthy broker takes a batch in milliseconds.
+func writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	until, ok := ctx.Value(writeBoundKey{}).(time.Time)
+	if !ok {
+		return ctx, func() {}
+	}
+	return context.WithDeadlineCause(context.WithoutCancel(ctx), until, errNoConfirmInTime)
 }
 
 // errNacked is the result of a record the broker nacked. RabbitMQ nacks

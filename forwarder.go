@@ -526,6 +526,29 @@ func (f *Forwarder) run(ctx context.Context) error {
 	}
 }
 
+// cutOnClose is ctx, ended stopGrace after Close is called: a Sweep's
+// claim that waits on the database (a lock, a pool's last connection) held
+// Close, which waits for the Sweep, for as long, and then published. stop
+// ends the watch.
+func (f *Forwarder) cutOnClose(ctx context.Context) (_ context.Context, stop func()) {
+	cut, cancel := context.WithCancelCause(ctx)
+	go func() {
+		select {
+		case <-f.closing:
+		case <-cut.Done():
+			return
+		}
+		grace := time.NewTimer(stopGrace)
+		defer grace.Stop()
+		select {
+		case <-grace.C:
+			cancel(ErrForwarderClosed)
+		case <-cut.Done():
+		}
+	}()
+	return cut, func() { cancel(nil) }
+}
+
 // stopGrace is how long a stopping relay lets a probe, a connect or a claim
 // it has in flight finish before it cuts it: a database or broker that
 // answers takes milliseconds, and one that does not would hold the stop
@@ -648,7 +671,19 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	default:
 	}
 	defer f.countStatements()
-	b, err := f.claimNext(ctx, nil, f.cfg.BatchSize, nil)
+	claimCtx, claimed := f.cutOnClose(ctx)
+	b, err := f.claimNext(claimCtx, nil, f.cfg.BatchSize, nil)
+	claimed()
+	select {
+	case <-f.closing:
+		// Close was called during the claim: Close waits for this Sweep,
+		// and what it claimed goes out with the next relay, not now.
+		if b != nil {
+			_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
+		}
+		return 0, ErrForwarderClosed
+	default:
+	}
 	if err != nil || b == nil {
 		if err != nil && report && !errors.Is(err, errNoConnection) {
 			f.reportError(err, ErrorContext{})
@@ -675,7 +710,9 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 // the publish timeout.
 func (f *Forwarder) publish(ctx context.Context, b *batch) {
 	if out := b.outgoing(); len(out) > 0 {
-		pubCtx, cancel := context.WithTimeout(ctx, f.cfg.PublishTimeout)
+		// A Sweep's caller may give up on it: its writes go on (see
+		// withWriteBound), and it stops waiting for the confirms.
+		pubCtx, cancel := context.WithTimeoutCause(withWriteBound(ctx, f.cfg.PublishTimeout), f.cfg.PublishTimeout, errNoConfirmInTime)
 		b.setResults(f.dest.Publish(pubCtx, out))
 		cancel()
 	} else {

@@ -527,7 +527,7 @@ func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held boo
 		b.holdBackBehindKeys()
 		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)
 		if out := b.outgoing(); len(out) > 0 {
-			sendCtx, cancel := context.WithDeadline(ctx, b.deadline)
+			sendCtx, cancel := context.WithDeadlineCause(ctx, b.deadline, errNoConfirmInTime)
 			b.pending = l.pipe.Send(sendCtx, out)
 			cancel()
 		} else {
@@ -543,7 +543,7 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 	if b.pending == nil {
 		return
 	}
-	waitCtx, cancel := context.WithDeadline(ctx, b.deadline)
+	waitCtx, cancel := context.WithDeadlineCause(ctx, b.deadline, errNoConfirmInTime)
 	defer cancel()
 	b.setResults(l.pipe.Wait(waitCtx, b.pending))
 	b.pending = nil
