@@ -723,7 +723,7 @@ func assertClaimsReleased(t *testing.T, db *testdb.DB, pool *sqlx.DB, what strin
 // Error level, which alerts on every quick restart or shutdown. Run closes
 // Running all the same, as its doc says.
 func TestLifecycle_RunStoppedAtStart_LogsNoError(t *testing.T) {
-	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL, testdb.SQLite} {
 		t.Run(kind, func(t *testing.T) {
 			db := migrated(t, kind)
 			log := &testutil.ErrorLog{}

@@ -30,6 +30,9 @@ import (
 // the relay says so once and polls.
 func (f *Forwarder) watch(ctx context.Context) {
 	path, err := f.store.databaseFile(ctx)
+	if ctx.Err() != nil {
+		return // the relay stopped, at its start maybe: nothing to say
+	}
 	if err != nil {
 		f.log.Error("Outbox forwarder: cannot tell the SQLite database's file; the relay polls", err, watermill.LogFields{"poll_interval": f.cfg.PollInterval})
 		return
