@@ -100,7 +100,7 @@ type ForwarderConfig struct {
 	// write lock after its publish (logged as an error at the first claim
 	// otherwise, once that timeout is known: a lock held past the lease's
 	// end lets a second relay claim and publish the batch too).
-	// Default 60 s.
+	// Default 4 × PublishTimeout, 60 s at least (60 s with the defaults).
 	Lease time.Duration
 	// RetryMin and RetryMax bound the backoff after a failed sweep (the
 	// broker or the database unreachable, or a record refused): the delay
@@ -139,7 +139,7 @@ type ForwarderConfig struct {
 
 	// OnError is called for every failed record, with where it was going,
 	// and for every failed sweep (with an empty MessageID). By default the
-	// error is logged. It runs on the relay's goroutine, in the middle of
+	// error is logged by Logger (which logs nothing unless it is set). It runs on the relay's goroutine, in the middle of
 	// a sweep: it must not call Close or Sweep, which wait for that sweep
 	// (a deadlock); to stop the relay from it, cancel Run's context.
 	OnError func(err error, dest ErrorContext)
@@ -185,7 +185,9 @@ func (c *ForwarderConfig) setDefaults() {
 		c.PublishTimeout = 15 * time.Second
 	}
 	if c.Lease == 0 {
-		c.Lease = 60 * time.Second
+		// Grows with PublishTimeout: a longer PublishTimeout alone, on any
+		// database, was refused as longer than half the lease.
+		c.Lease = max(60*time.Second, doubled(doubled(c.PublishTimeout)))
 	}
 	if c.RetryMin == 0 {
 		c.RetryMin = 100 * time.Millisecond

@@ -220,6 +220,9 @@ func TestNewForwarder_PublishTimeoutPastHalfTheDurationRange_LeaseRefused(t *tes
 	for _, c := range []outbox.ForwarderConfig{
 		{PublishTimeout: math.MaxInt64 / 2, Lease: math.MaxInt64 - 1},
 		{PublishTimeout: time.Second, Lease: 2 * time.Second},
+		// The default Lease grows with PublishTimeout: a PublishTimeout of
+		// 45 s alone was refused as longer than half of 60 s.
+		{PublishTimeout: 45 * time.Second},
 	} {
 		f, err := outbox.NewForwarder(db.DB, dest, c)
 		if err != nil {
