@@ -297,6 +297,15 @@ type Inbox struct {
 	// outboxUUIDs is whether the outbox's id column is a uuid (see
 	// markable): 0 not looked up yet, 1 no, 2 yes.
 	outboxUUIDs atomic.Int32
+
+	// clock is the server's, on which the at-most-once stamps are written
+	// and compared.
+	clock *dbClock
+}
+
+// serverNow is the database server's time now (see dbClock).
+func (in *Inbox) serverNow(ctx context.Context) (time.Time, error) {
+	return in.clock.now(ctx, in.db, in.dialect.sql())
 }
 
 // NewInbox returns the inbox over db, a *sql.DB or *sqlx.DB.
@@ -338,7 +347,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger}
+	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger, clock: newDBClock(cfg.Dialect)}
 	if cfg.Ordered {
 		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.Table)
 	}
@@ -859,8 +868,16 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		}
 		return inboxFailed, err
 	}
-	done := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, time.Now()))
-	if _, doneErr := in.db.ExecContext(after, done.SQL, done.Args...); doneErr != nil {
+	doneErr := func() error {
+		now, err := in.serverNow(after)
+		if err != nil {
+			return err
+		}
+		done := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, now))
+		_, err = in.db.ExecContext(after, done.SQL, done.Args...)
+		return err
+	}()
+	if doneErr != nil {
 		// The effect happened: copies elsewhere wait out the lease, then
 		// take the message for a duplicate, as they should.
 		in.log.Error("At-most-once handler ran, but its key could not be stamped done: copies delivered elsewhere wait until its lease ends", doneErr, fields)
@@ -911,8 +928,17 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 			case <-quit:
 				return
 			case <-tick.C:
-				q := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, time.Now().Add(in.cfg.AtMostOnceLease)))
-				if _, err := in.db.ExecContext(context.WithoutCancel(ctx), q.SQL, q.Args...); err != nil {
+				after := context.WithoutCancel(ctx)
+				err := func() error {
+					now, err := in.serverNow(after)
+					if err != nil {
+						return err
+					}
+					q := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, now.Add(in.cfg.AtMostOnceLease)))
+					_, err = in.db.ExecContext(after, q.SQL, q.Args...)
+					return err
+				}()
+				if err != nil {
 					in.log.Error("At-most-once handler runs, but its key's lease could not be renewed: a copy delivered elsewhere may be taken for a duplicate", err,
 						watermill.LogFields{"message_uuid": key, "consumer": consumer})
 				}
@@ -928,7 +954,9 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 	}
 }
 
-// recordRunning commits the key as running until now + AtMostOnceLease,
+// recordRunning commits the key as running until now + AtMostOnceLease
+// (now on the database server's clock, as every stamp it compares: see
+// dbClock),
 // and says whether this delivery is to run. A key there already whose
 // handler runs in another process (its stamp still ahead) is waited for:
 // stamped done, or past its lease, this delivery is a duplicate; taken
@@ -936,7 +964,11 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool, error) {
 	wait := 20 * time.Millisecond
 	for {
-		fresh, err := in.recordAlone(ctx, consumer, key, time.Now().Add(in.cfg.AtMostOnceLease))
+		now, err := in.serverNow(ctx)
+		if err != nil {
+			return false, err
+		}
+		fresh, err := in.recordAlone(ctx, consumer, key, now.Add(in.cfg.AtMostOnceLease))
 		if err != nil || fresh {
 			return fresh, err
 		}
@@ -948,8 +980,13 @@ func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool,
 			// key's insert keep skipping a row that reads as absent.
 		case err != nil:
 			return false, fmt.Errorf("outbox: inbox: read key %s for %s: %w", key, consumer, err)
-		case !until.T.After(time.Now()):
-			return false, nil
+		default:
+			if now, err = in.serverNow(ctx); err != nil {
+				return false, err
+			}
+			if !until.T.After(now) {
+				return false, nil
+			}
 		}
 		select {
 		case <-ctx.Done():
