@@ -206,3 +206,50 @@ func TestStore_RetryMoreIDsThanAStatementTakes_EveryStuckRowPending(t *testing.T
 		}
 	})
 }
+
+// On SQLite, a pending row whose created_at another writer stored in
+// another text form counts for the oldest pending age as the instant it
+// is: mattn/go-sqlite3's own form of a time.Time read as none pending (the
+// gauge 0, outboxctl status "-" beside pending 1), and RFC 3339 with an
+// offset, two hours old, sorted above a row written now (age 0 s).
+func TestStore_SQLiteStats_CreatedAtInOtherTextForms_OldestPendingAsTheInstant(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	t.Run("mattn time.Time text", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		insertRaw(t, db, "go-mattn", "ex", "k", "{}", "utf-8")
+		hourAgo := time.Now().Add(-time.Hour).UTC()
+		// what mattn/go-sqlite3 stores for a time.Time argument
+		if _, err := db.Exec("UPDATE acemq_outbox SET created_at = ? WHERE id = 'go-mattn'", hourAgo); err != nil {
+			t.Fatal(err)
+		}
+		var raw string
+		_ = db.Get(&raw, "SELECT created_at || '' FROM acemq_outbox")
+		s, _ := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite})
+		st, err := s.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if age := time.Since(st.OldestPending); st.Pending != 1 || age < 59*time.Minute || age > 61*time.Minute {
+			t.Errorf("stored %q: pending %d, oldest pending %v (age %s); want 1 row pending for an hour", raw, st.Pending, st.OldestPending, time.Since(st.OldestPending).Round(time.Second))
+		}
+	})
+	t.Run("RFC 3339 with offset beside a fresh row", func(t *testing.T) {
+		db := migrated(t, testdb.SQLite)
+		insertRaw(t, db, "fresh", "ex", "k", "{}", "utf-8") // this library's text, now
+		insertRaw(t, db, "rust", "ex", "k", "{}", "utf-8")
+		// two hours ago, written at +02:00: the same date and wall clock as now in UTC
+		twoHoursAgo := time.Now().Add(-2 * time.Hour).In(time.FixedZone("", 2*3600)).Format("2006-01-02T15:04:05.000000-07:00")
+		if _, err := db.Exec("UPDATE acemq_outbox SET created_at = ? WHERE id = 'rust'", twoHoursAgo); err != nil {
+			t.Fatal(err)
+		}
+		s, _ := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.SQLite})
+		st, err := s.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if age := time.Since(st.OldestPending); age < 119*time.Minute || age > 121*time.Minute {
+			t.Errorf("oldest pending age %s; want 2h (row 'rust' created_at %q)", age.Round(time.Second), twoHoursAgo)
+		}
+	})
+}

@@ -237,10 +237,20 @@ func (sqlite) currentRead() string { return "" }
 // form ("…+00:00"), which compares with the stored text as something else.
 func (sqlite) stored(col string) string { return "+" + col }
 
-// timeOf: a numeric value as the text a time is stored as, so that MIN
-// orders the two kinds together (a number is otherwise below every text).
+// timeOf: a time as the text this library stores one in, so that MIN
+// orders every kind together: a number (a number is otherwise below every
+// text), and text of another form that julianday() reads, converted to
+// UTC: ISO 8601 with a "T" or an offset, mattn/go-sqlite3's own form of a
+// time.Time ("2026-12-03 20:51:35.82+00:00"). As text, a row of two hours
+// ago with a +02:00 offset sorted above one written now, and the oldest
+// pending age read 0; and MIN of mattn's form alone could not be read
+// back, so that a pending row read as none. Text of this library's form is
+// taken as it is (the GLOB), and other text that is no time stays as it
+// is. strftime keeps milliseconds.
 func (sqlite) timeOf(col string) string {
-	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN strftime('%Y-%m-%d %H:%M:%f', " + unixSeconds(col) + ", 'unixepoch') ELSE " + col + " END)"
+	return "(CASE WHEN typeof(" + col + ") IN ('integer', 'real') THEN strftime('%Y-%m-%d %H:%M:%f', " + unixSeconds(col) + ", 'unixepoch')" +
+		" WHEN " + col + " GLOB '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9].[0-9][0-9][0-9][0-9][0-9][0-9]' THEN " + col +
+		" ELSE COALESCE(strftime('%Y-%m-%d %H:%M:%f', " + col + "), " + col + ") END)"
 }
 
 // unixSeconds is a numeric timestamp column in Unix seconds, as
