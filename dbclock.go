@@ -40,7 +40,7 @@ func newDBClock(d Dialect) *dbClock {
 	case Postgres:
 		c.query = "SELECT clock_timestamp()"
 	case MySQL:
-		c.query = "SELECT UTC_TIMESTAMP(6)"
+		c.query = "SELECT CAST(UTC_TIMESTAMP(6) AS CHAR)" // text: see sqldialect's mysql timeText
 	}
 	return c
 }

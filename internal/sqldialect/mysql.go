@@ -383,6 +383,17 @@ func (d mysql) instantCmp(col, op string, t time.Time) (string, []any) {
 
 func (mysql) timeOf(col string) string { return col }
 
+// timeText: a DATETIME read as its text. With parseTime in the DSN,
+// go-sql-driver/mysql builds a time.Time of the stored wall clock in the
+// DSN's loc, and with loc=Local (or any zone with daylight saving) a wall
+// clock in the hour the clocks skip does not exist there: Go moves it an
+// hour on, and no reading of the result can tell it from the hour after
+// (fromDriver's wall clock was then an hour late). A keyed publish retried
+// in that hour took its own row for another's, gave its numbers back under
+// it, and every later publish of the key failed. Text is what the column
+// holds, whatever the DSN.
+func (mysql) timeText(expr string) string { return "CAST(" + expr + " AS CHAR)" }
+
 func (mysql) stored(col string) string { return col }
 
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …

@@ -320,6 +320,9 @@ func (d postgres) instantCmp(col, op string, t time.Time) (string, []any) {
 
 func (postgres) timeOf(col string) string { return col }
 
+// timeText: pgx reads a timestamptz as the instant it is.
+func (postgres) timeText(expr string) string { return expr }
+
 // bytes: the collations a table gets by default (and Rails') are
 // deterministic, equal only where the bytes are.
 func (postgres) bytes(col string) string { return col }

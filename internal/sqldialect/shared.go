@@ -47,7 +47,19 @@ func textColumns(d Dialect, cols string, names ...string) string {
 // strings without a fixed-width column's padding. Each locking dialect
 // keeps its own, made once (postgresClaimed, mysqlClaimed).
 func claimed(d Dialect) string {
-	return textColumns(d, claimColumns, "id", "exchange_name", "routing_key", "body_encoding", "content_type", "aggregate_id")
+	return timeColumns(d, textColumns(d, claimColumns, "id", "exchange_name", "routing_key", "body_encoding", "content_type", "aggregate_id"), "created_at")
+}
+
+// timeColumns is cols (comma-separated names) with each of names read by
+// d's timeText.
+func timeColumns(d Dialect, cols string, names ...string) string {
+	parts := strings.Split(cols, ", ")
+	for i, c := range parts {
+		if slices.Contains(names, c) {
+			parts[i] = d.timeText(c)
+		}
+	}
+	return strings.Join(parts, ", ")
 }
 
 // SequencesTable is the table of each key's last sequence number, in the
@@ -320,7 +332,7 @@ func (o *Outbox) Destinations(ids []string, keys bool) Query {
 	if keys {
 		cols += ", aggregate_id"
 	}
-	cols = textColumns(o.d, cols, "id", "exchange_name", "routing_key", "aggregate_id")
+	cols = timeColumns(o.d, textColumns(o.d, cols, "id", "exchange_name", "routing_key", "aggregate_id"), "created_at")
 	return o.query("SELECT "+cols+" FROM "+o.table+" WHERE id IN ("+placeholders(len(ids))+")"+o.d.currentRead(), stringArgs(nil, ids)...)
 }
 
@@ -376,7 +388,7 @@ func (o *Outbox) FirstNext(recs []KeySeq) Query {
 		b.WriteString("(aggregate_id = ? AND seq = ?)")
 		args = append(args, r.Key, r.Seq+1)
 	}
-	return o.query("SELECT created_at, id FROM "+o.table+" WHERE published_at IS NULL AND ("+b.String()+
+	return o.query("SELECT "+o.d.timeText("created_at")+", id FROM "+o.table+" WHERE published_at IS NULL AND ("+b.String()+
 		") ORDER BY created_at, id LIMIT 1", args...)
 }
 
@@ -777,7 +789,7 @@ func (o *Outbox) ReleaseLease(relayID string, ids []any) Query {
 func (o *Outbox) Stats(maxAttempts int) Query {
 	return o.query("SELECT COALESCE(SUM(CASE WHEN COALESCE(attempts, 0) < ? THEN 1 ELSE 0 END), 0), "+
 		"COALESCE(SUM(CASE WHEN attempts >= ? THEN 1 ELSE 0 END), 0), "+
-		"MIN(CASE WHEN COALESCE(attempts, 0) < ? THEN "+o.d.timeOf("created_at")+" END) FROM "+o.table+" WHERE published_at IS NULL",
+		o.d.timeText("MIN(CASE WHEN COALESCE(attempts, 0) < ? THEN "+o.d.timeOf("created_at")+" END)")+" FROM "+o.table+" WHERE published_at IS NULL",
 		maxAttempts, maxAttempts, maxAttempts)
 }
 
@@ -787,7 +799,7 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 // now, which Retry leaves alone (the negation of notClaimed), else 0.
 func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
 	free, args := o.notClaimed(now)
-	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, created_at, locked_by, locked_until, "+
+	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, "+o.d.timeText("created_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
 		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+
 		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", append(args, maxAttempts, limit)...)
 }
@@ -995,7 +1007,7 @@ func (in *Inbox) Delete(consumer, id string) Query {
 // Stamp reads the processed_at of consumer's key id. Under AtMostOnce a
 // stamp ahead of now is the end of the lease of a handler still running.
 func (in *Inbox) Stamp(consumer, id string) Query {
-	return Query{SQL: in.d.rebind("SELECT processed_at FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+	return Query{SQL: in.d.rebind("SELECT " + in.d.timeText("processed_at") + " FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
 }
 
 // Done stamps consumer's key id processed at now: its at-most-once
@@ -1238,7 +1250,7 @@ func (o *OrderedInbox) Ready(consumer string, after *string, limit int) Query {
 // the limit, counted in the same statement, so that it agrees with the
 // rows.
 func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
-	q := "SELECT h.consumer_name, h.aggregate_id, COALESCE(MAX(s.last_seq), 0), COUNT(*), MIN(h.seq), MIN(h.held_at), COUNT(*) OVER ()" +
+	q := "SELECT h.consumer_name, h.aggregate_id, COALESCE(MAX(s.last_seq), 0), COUNT(*), MIN(h.seq), " + o.d.timeText("MIN(h.held_at)") + ", COUNT(*) OVER ()" +
 		" FROM " + InboxHeldTable + " h LEFT JOIN " + InboxSequencesTable +
 		" s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id" +
 		" GROUP BY h.consumer_name, h.aggregate_id HAVING MIN(h.held_at) < ? ORDER BY MIN(h.held_at), h.consumer_name, h.aggregate_id"
@@ -1257,7 +1269,7 @@ func (o *OrderedInbox) Gaps(cutoff time.Time, limit int) Query {
 func (o *OrderedInbox) HeldStats(cutoff time.Time) Query {
 	return o.query("SELECT (SELECT COUNT(*) FROM "+InboxHeldTable+"),"+
 		" (SELECT COUNT(*) FROM (SELECT 1 AS k FROM "+InboxHeldTable+" GROUP BY consumer_name, aggregate_id HAVING MIN(held_at) < ?) g),"+
-		" (SELECT MIN(held_at) FROM "+InboxHeldTable+")",
+		" (SELECT "+o.d.timeText("MIN(held_at)")+" FROM "+InboxHeldTable+")",
 		o.d.TimeArg(cutoff))
 }
 

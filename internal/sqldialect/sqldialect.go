@@ -198,6 +198,9 @@ type Dialect interface {
 	currentRead() string
 	// timeOf is col as a value that orders as time does (for MIN).
 	timeOf(col string) string
+	// timeText is expr, a time a select list reads, as the driver should
+	// read it: as text on MySQL (see mysql's).
+	timeText(expr string) string
 	// stored is col as a select list reads it back as stored, to be
 	// passed back as an argument that compares as the column orders.
 	stored(col string) string

@@ -253,6 +253,9 @@ func (sqlite) timeOf(col string) string {
 		" ELSE COALESCE(strftime('%Y-%m-%d %H:%M:%f', " + col + "), " + col + ") END)"
 }
 
+// timeText: the column is read as it is stored (text or a number).
+func (sqlite) timeText(expr string) string { return expr }
+
 // unixSeconds is a numeric timestamp column in Unix seconds, as
 // mattn/go-sqlite3 reads one: milliseconds when it has 13 digits or more.
 func unixSeconds(col string) string {
