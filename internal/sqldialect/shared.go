@@ -894,8 +894,13 @@ func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string
 		args = stringArgs(args, exchanges)
 	}
 	if after != nil {
-		where += " AND (published_at > ? OR published_at = ? AND id > ?)"
-		args = append(args, after.PublishedAt, after.PublishedAt, after.ID)
+		// The range first, which an index bounds: PostgreSQL took the OR
+		// alone for a filter and walked every published row before the
+		// cursor at each batch (569 ms a batch at row 900,000 of 950,000;
+		// a Republish of 190,000 records overran the plugin's 30 s), and
+		// SQLite read every row after it.
+		where += " AND published_at >= ? AND (published_at > ? OR published_at = ? AND id > ?)"
+		args = append(args, after.PublishedAt, after.PublishedAt, after.PublishedAt, after.ID)
 	}
 	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
 }
