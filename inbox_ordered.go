@@ -531,13 +531,18 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 	}
 	// After the handler: a transaction it ended fails these statements
 	// with sql.ErrTxDone, named as the handler's doing (endedUnderHandler).
+	var removed int64
 	if clearHeld {
 		del := in.ordered.q.DeleteHeldUpTo(consumer, key, seq)
-		if _, err := in.exec(ctx, tx, del); err != nil {
+		res, err := in.exec(ctx, tx, del)
+		if err == nil {
+			removed, err = res.RowsAffected()
+		}
+		if err != nil {
 			return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err))
 		}
 	}
-	set := in.ordered.q.SetSequence(consumer, key, seq)
+	set := in.ordered.q.Advance(consumer, key, seq, removed)
 	if _, err := in.exec(ctx, tx, set); err != nil {
 		return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err))
 	}

@@ -1179,6 +1179,19 @@ func (o *OrderedInbox) SetSequence(consumer, key string, seq int64) Query {
 		" WHERE consumer_name = ? AND aggregate_id = ?) WHERE consumer_name = ? AND aggregate_id = ?", seq, consumer, key, consumer, key)
 }
 
+// Advance records seq as the key's last applied after removed of its held
+// messages were deleted by a drain, counting them off the key's held count
+// rather than counting what is left: a drain of a key's n held messages
+// recounted the rest at each one, n²/2 index entries (21 ms a message with
+// 100,000 held on PostgreSQL). A message applied as it came (removed 0:
+// once before each drain), or a count that would reach 0 or below (one an
+// operator's hand made wrong), counts what is left, as SetSequence does:
+// the count tells Apply, on the key's row alone, that nothing is held.
+func (o *OrderedInbox) Advance(consumer, key string, seq, removed int64) Query {
+	return o.query("UPDATE "+InboxSequencesTable+" SET last_seq = ?, held = CASE WHEN ? > 0 AND held > ? THEN held - ? ELSE (SELECT COUNT(*) FROM "+InboxHeldTable+
+		" WHERE consumer_name = ? AND aggregate_id = ?) END WHERE consumer_name = ? AND aggregate_id = ?", seq, removed, removed, removed, consumer, key, consumer, key)
+}
+
 // CountHold adds a message just held to the key's count, which lets Apply
 // tell, on the key's row alone, that nothing is held.
 func (o *OrderedInbox) CountHold(consumer, key string) Query {
