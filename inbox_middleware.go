@@ -1141,7 +1141,7 @@ func runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.
 // possibly redeliver (and than republish's grace): a key purged too early
 // lets a late duplicate through.
 func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (int64, error) {
-	return inBatches(ctx, in.db, in.dialect.sql(), "purge processed", olderThan, in.cfg.PurgeBatch, in.q.Purge)
+	return inBatches(ctx, in.db, in.dialect.sql(), "purge processed", olderThan, in.cfg.PurgeBatch, in.q.PurgeBound, in.q.PurgeRange)
 }
 
 // Check asks the database whether the inbox table is there and readable,

@@ -1050,7 +1050,7 @@ func (s *Store) wake(ctx context.Context, n int64) {
 // never touched. Nothing else removes published rows, and a table that only
 // grows costs disk and slows everything that scans it.
 func (s *Store) PurgePublished(ctx context.Context, olderThan time.Duration) (int64, error) {
-	return inBatches(ctx, s.db, s.dialect.sql(), "purge", olderThan, s.cfg.PurgeBatch, s.q.PurgePublished)
+	return inBatches(ctx, s.db, s.dialect.sql(), "purge", olderThan, s.cfg.PurgeBatch, s.q.PurgePublishedBound, s.q.PurgePublishedRange)
 }
 
 // Check asks the database whether the outbox table is there and readable,

@@ -253,3 +253,56 @@ func TestStore_SQLiteStats_CreatedAtInOtherTextForms_OldestPendingAsTheInstant(t
 		}
 	})
 }
+
+// A purge's batches go on from where the last one ended (each read the
+// index from its head before, past the entries of the rows deleted before
+// it, which stay while an older transaction is open): with times all
+// apart, ties at a batch's end, and on SQLite times another library wrote
+// as numbers and as ISO 8601 text, it deletes exactly the rows published
+// before the cutoff, whatever the batch.
+func TestStore_PurgePublished_BatchesGoOnFromTheLastOnesEnd_ExactlyTheOldRows(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		ids := publishN(t, db, "", "t", 40)
+		mark := db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE id = ?")
+		base := time.Now().Add(-72 * time.Hour).UTC()
+		at := func(i int) time.Time {
+			if i%7 == 3 {
+				i-- // a tie with the row before
+			}
+			return base.Add(time.Duration(i) * time.Hour)
+		}
+		var old []string
+		for i, id := range ids {
+			t0 := at(i)
+			var arg any = t0
+			switch {
+			case db.Kind == testdb.Postgres:
+			case db.Kind == testdb.SQLite && i%5 == 1:
+				arg = t0.UnixMilli() // sqlite-jdbc's Unix milliseconds
+			case db.Kind == testdb.SQLite && i%5 == 2:
+				arg = t0.Format("2006-01-02T15:04:05.000Z") // JavaScript's toISOString
+			default:
+				arg = t0.Format("2006-01-02 15:04:05.000000")
+			}
+			if _, err := db.Exec(mark, arg, id); err != nil {
+				t.Fatal(err)
+			}
+			if t0.Before(time.Now().Add(-24 * time.Hour)) {
+				old = append(old, id)
+			}
+		}
+		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d, PurgeBatch: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := store.PurgePublished(context.Background(), 24*time.Hour)
+		if err != nil || n != int64(len(old)) {
+			t.Fatalf("purged %d (%v), want the %d published over a day ago", n, err, len(old))
+		}
+		var left int
+		if err := db.Get(&left, "SELECT COUNT(*) FROM acemq_outbox"); err != nil || left != len(ids)-len(old) {
+			t.Fatalf("%d rows left (%v), want %d", left, err, len(ids)-len(old))
+		}
+	})
+}

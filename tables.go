@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"time"
 
@@ -19,27 +20,47 @@ type dbConn interface {
 	BeginTx(ctx context.Context, opts *sql.TxOptions) (*sql.Tx, error)
 }
 
-// inBatches runs the range writes write gives (a purge), of at most batch
-// rows each, of the rows older than olderThan, until one writes
-// fewer than batch, and returns how many rows were written, also on an
-// error: the batches before it are committed. Bounded batches keep a write
-// over millions of rows from holding long locks. what names the write in
-// its errors.
-func inBatches(ctx context.Context, db dbConn, d sqldialect.Dialect, what string, olderThan time.Duration, batch int, write func(cutoff time.Time, limit int) sqldialect.Query) (int64, error) {
+// inBatches deletes the rows older than olderThan in batches of at most
+// batch rows (del), until one deletes fewer, and returns how many it
+// deleted, also on an error: the batches before it are committed. Bounded
+// batches keep a purge over millions of rows from holding long locks.
+// Each batch starts where the last ended (from: the batch-th row's time,
+// which bound reads first, as stored), not at the head of the index, whose
+// entries of the rows deleted before stay while any transaction older than
+// them is open (see sqldialect's PurgePublishedBound). what names the
+// purge in its errors.
+func inBatches(ctx context.Context, db dbConn, d sqldialect.Dialect, what string, olderThan time.Duration, batch int,
+	bound func(cutoff time.Time, from any, n int) sqldialect.Query,
+	del func(cutoff time.Time, limit int, from, upTo any) sqldialect.Query) (int64, error) {
 	if olderThan < 0 {
 		return 0, &ConfigError{Field: "olderThan", Reason: "negative duration"}
 	}
-	q := write(time.Now().Add(-olderThan), batch)
-	var total int64
+	cutoff := time.Now().Add(-olderThan)
+	var (
+		total int64
+		from  any
+	)
 	for {
-		n, err := execRange(ctx, db, d, q)
+		var upTo any
+		b := bound(cutoff, from, batch-1)
+		switch err := db.QueryRowContext(ctx, b.SQL, b.Args...).Scan(&upTo); {
+		case errors.Is(err, sql.ErrNoRows):
+			upTo = nil // fewer than batch left: the last batch
+		case err != nil:
+			return total, fmt.Errorf("outbox: %s: %w", what, err)
+		}
+		n, err := execRange(ctx, db, d, del(cutoff, batch, from, upTo))
 		if err != nil {
 			return total, fmt.Errorf("outbox: %s: %w", what, err)
 		}
 		total += n
-		if n < int64(batch) {
+		if upTo == nil || n < int64(batch) {
+			// The last, or a batch short of rows another transaction took
+			// or changed meanwhile (locked, made pending again): those left
+			// wait for the next purge, as before.
 			return total, nil
 		}
+		from = upTo
 	}
 }
 

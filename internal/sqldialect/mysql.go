@@ -394,7 +394,9 @@ func (mysql) timeOf(col string) string { return col }
 // holds, whatever the DSN.
 func (mysql) timeText(expr string) string { return "CAST(" + expr + " AS CHAR)" }
 
-func (mysql) stored(col string) string { return col }
+// stored: as its text (see timeText), passed back as text that MySQL reads
+// as the column's type.
+func (d mysql) stored(col string) string { return d.timeText(col) }
 
 // purgePublished: MySQL refuses LIMIT in an IN subquery, and has DELETE …
 // LIMIT instead.

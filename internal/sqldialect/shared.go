@@ -840,8 +840,48 @@ func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
 
 // PurgePublished deletes at most limit rows published before cutoff.
 func (o *Outbox) PurgePublished(cutoff time.Time, limit int) Query {
-	before, args := o.d.timeCmp("published_at", "<", cutoff)
+	return o.PurgePublishedRange(cutoff, limit, nil, nil)
+}
+
+// PurgePublishedBound reads the published_at (as stored: see stored) of
+// the n-th row, from 0, that PurgePublishedRange would delete from from on
+// (nil: from the first); no row when there are fewer. A purge's batches go
+// on from where the last ended: each started at the head of the index,
+// and walked the entries of the rows the batches before it deleted, which
+// stay while any transaction older than them is open (pg_dump, a report,
+// a replica's feedback): 950,000 rows took 97 s on PostgreSQL with a
+// snapshot held (4.7 s so), and MariaDB slowed from 55 to 564 ms a batch.
+func (o *Outbox) PurgePublishedBound(cutoff time.Time, from any, n int) Query {
+	before, args := o.purgeRange("published_at", cutoff, from, nil)
+	return o.query("SELECT "+o.d.stored("published_at")+" FROM "+o.table+" WHERE published_at IS NOT NULL AND "+before+
+		" ORDER BY published_at LIMIT 1 OFFSET ?", append(args, n)...)
+}
+
+// PurgePublishedRange deletes at most limit rows published before cutoff,
+// from from to upTo (either nil: unbounded), both as PurgePublishedBound
+// read them.
+func (o *Outbox) PurgePublishedRange(cutoff time.Time, limit int, from, upTo any) Query {
+	before, args := o.purgeRange("published_at", cutoff, from, upTo)
 	return o.query(o.d.purgePublished(o.table, before), append(args, limit)...)
+}
+
+// purgeRange is the condition of col's rows before cutoff, from from to
+// upTo (nil: unbounded), and its arguments.
+func (o *Outbox) purgeRange(col string, cutoff time.Time, from, upTo any) (string, []any) {
+	return timeRange(o.d, col, cutoff, from, upTo)
+}
+
+func timeRange(d Dialect, col string, cutoff time.Time, from, upTo any) (string, []any) {
+	before, args := d.timeCmp(col, "<", cutoff)
+	if from != nil {
+		before += " AND " + col + " >= ?"
+		args = append(args, from)
+	}
+	if upTo != nil {
+		before += " AND " + col + " <= ?"
+		args = append(args, upTo)
+	}
+	return before, args
 }
 
 // Probe reads no row of the table: it fails if the table is not there.
@@ -1023,11 +1063,24 @@ func (in *Inbox) Done(consumer, id string, now time.Time) Query {
 
 // Purge deletes at most limit rows processed before cutoff.
 func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
+	return in.PurgeRange(cutoff, limit, nil, nil)
+}
+
+// PurgeBound is Outbox.PurgePublishedBound's for processed_messages.
+func (in *Inbox) PurgeBound(cutoff time.Time, from any, n int) Query {
+	before, args := timeRange(in.d, "processed_at", cutoff, from, nil)
+	return Query{SQL: in.d.rebind("SELECT " + in.d.stored("processed_at") + " FROM " + in.table + " WHERE " + before +
+		" ORDER BY processed_at LIMIT 1 OFFSET ?"), Args: append(args, n)}
+}
+
+// PurgeRange deletes at most limit rows processed before cutoff, from from
+// to upTo (either nil: unbounded), as PurgeBound read them.
+func (in *Inbox) PurgeRange(cutoff time.Time, limit int, from, upTo any) Query {
 	// By timeCmp: on SQLite a key another library stamped as a number
 	// (sqlite-jdbc's Unix milliseconds) sorts below every text, and a key
 	// processed a minute ago was deleted as older than any cutoff: its
 	// message, delivered again, ran again.
-	before, args := in.d.timeCmp("processed_at", "<", cutoff)
+	before, args := timeRange(in.d, "processed_at", cutoff, from, upTo)
 	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table, before)), Args: append(args, limit)}
 }
 
