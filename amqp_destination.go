@@ -182,6 +182,7 @@ type AMQPDestination struct {
 	exchanges map[string]bool // known to exist on this connection
 	suspects  map[string]bool // records that each go alone (see blame)
 	renew     bool            // a nack came: a fresh connection once no window is out on this one
+	retire    bool            // a window on cc was given up on: cc takes no window more, and goes once the windows out on it are collected
 	nacks     nackRenewal     // spaces the renewals of a stream of nacks
 	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
 	short     []*sent         // windows not collected yet whose send stopped short (see behindAShortWindow)
@@ -599,6 +600,10 @@ func (d *AMQPDestination) dropChannelLocked() {
 func (d *AMQPDestination) forgetChannelLocked() *amqp.Channel {
 	cc := d.cc
 	d.cc = nil
+	d.retire = false
+	if cc != nil {
+		d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w.abandoned && w.on == cc })
+	}
 	if cc == nil || cc.ch.IsClosed() {
 		return nil
 	}
@@ -752,6 +757,11 @@ type sent struct {
 	confirms []*amqp.DeferredConfirmation
 	on       *confirmChannel // the channel they went out on
 	at       time.Time       // when they went out
+	// abandoned: its caller stopped waiting for its confirms (a Sweep
+	// whose request ended) while other windows were out on its channel.
+	// It stays in inflight, as a record of what is out on the channel
+	// (blame), until the channel goes (see retire).
+	abandoned bool
 }
 
 func (p *sent) Records() []Record { return p.recs }
@@ -778,8 +788,15 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		fillNotSent(p.res, 0, errBehindShortWindow)
 		return p
 	}
-	if d.renew && d.cc != nil && !slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc }) {
+	if d.renew && d.cc != nil && !slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc && !w.abandoned }) {
 		d.dropLocked() // a nack came on it (see wait): a fresh connection
+	}
+	if d.retire && d.cc != nil {
+		if slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc && !w.abandoned }) {
+			fillNotSent(p.res, 0, errBehindRetired)
+			return p
+		}
+		d.dropChannelLocked() // see retire
 	}
 	if err := d.ensure(ctx); err != nil {
 		// Nothing of the window went out: an outage's, not its head
@@ -911,10 +928,16 @@ func (d *AMQPDestination) behindAClosedChannel() bool {
 	return false
 }
 
-// othersOut reports whether windows other than p are out on p's channel.
+// othersOut reports whether windows other than p, not abandoned, are out
+// on p's channel.
 func (d *AMQPDestination) othersOut(p *sent) bool {
-	return slices.ContainsFunc(d.inflight, func(w *sent) bool { return w != p && w.on == p.on })
+	return slices.ContainsFunc(d.inflight, func(w *sent) bool { return w != p && w.on == p.on && !w.abandoned })
 }
+
+// errBehindRetired is the result of the records of a window not sent
+// because the channel is retired (see AMQPDestination.retire) and windows
+// are still out on it.
+var errBehindRetired = fmt.Errorf("%w: a publish on the channel was given up on by its caller; a fresh channel is opened once the windows out on it are collected", ErrNotSent)
 
 // nackRenewal spaces the connection renewals that nacks ask for. The first
 // nack of a stream renews at once, as a channel left nacking by a lost
@@ -965,7 +988,11 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	if p.on == nil {
 		return res // not connected: nothing went out
 	}
-	defer func() { d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p }) }()
+	defer func() {
+		if !p.abandoned {
+			d.inflight = slices.DeleteFunc(d.inflight, func(w *sent) bool { return w == p })
+		}
+	}()
 	timedOut, nacked := false, false
 	lastAcked := -1      // the window's last record the broker confirmed
 	var unanswered []int // the records whose confirms did not come in time
@@ -1047,15 +1074,24 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		// are spaced (see nackRenewal).
 		d.renew = true
 	}
+	if timedOut && p.on == d.cc && !brokerSilent(ctx) && d.othersOut(p) {
+		// The caller stopped waiting (a Sweep bounded by a request) while
+		// other windows (Run's batches) are out on the channel: dropped
+		// now, it took their confirms with it, and they went out again.
+		// The channel is retired instead: no window more goes out on it,
+		// and it is closed once those are collected, with what the
+		// broker may still say of this window: a return of one of its
+		// records, filed by id, would otherwise be taken by the record's
+		// next send on the channel, and a record of it that closes the
+		// channel is blamed among the windows out (it stays one of them).
+		p.abandoned, d.retire = true, true
+	}
 	switch {
-	case timedOut && p.on == d.cc && (brokerSilent(ctx) || !d.othersOut(p)):
+	case timedOut && p.on == d.cc && !p.abandoned:
 		// Late confirms of a timed-out window must not be read as confirms
 		// of the next: a fresh connection starts afresh. Without waiting for
 		// the broker's answer to the close, which a broker that confirms
-		// nothing does not send either; unless the relay is stopping. Not
-		// when the caller stopped waiting (a Sweep bounded by a request)
-		// while other windows are out on the connection (Run's batches):
-		// dropped, it took their confirms with it, and they went out again.
+		// nothing does not send either; unless the relay is stopping.
 		wait := time.Duration(0)
 		if errors.Is(ctx.Err(), context.Canceled) {
 			wait = closeTimeout
@@ -1063,6 +1099,8 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		d.dropWithin(wait)
 	case d.renew && p.on == d.cc && !d.othersOut(p):
 		d.dropLocked()
+	case d.retire && p.on == d.cc && !d.othersOut(p):
+		d.dropChannelLocked()
 	}
 	return res
 }

@@ -46,25 +46,31 @@ func newDBClock(d Dialect) *dbClock {
 }
 
 // now is the server's time now. Should a measure fail after an earlier
-// one, the earlier offset stands.
+// one, the earlier offset stands. The measure runs outside the lock: on a
+// pool whose connections are all taken it waits for one, and the other
+// deliveries, each under its own context, take the last offset meanwhile.
 func (c *dbClock) now(ctx context.Context, db *sqlx.DB, d sqldialect.Dialect) (time.Time, error) {
 	if c.query == "" {
 		return c.local(), nil
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if at := c.local(); c.read.IsZero() || at.Sub(c.read) > dbClockEvery || at.Before(c.read) {
-		server := sqldialect.NewTime(d)
-		sent := c.local()
-		if err := db.QueryRowContext(ctx, c.query).Scan(server); err != nil {
-			if c.read.IsZero() {
-				return time.Time{}, fmt.Errorf("outbox: inbox: read the database server's clock: %w", err)
-			}
-		} else {
-			back := c.local()
-			c.offset = server.T.Sub(sent.Add(back.Sub(sent) / 2))
-			c.read = back
-		}
+	at, offset, read := c.local(), c.offset, c.read
+	c.mu.Unlock()
+	if !read.IsZero() && at.Sub(read) <= dbClockEvery && !at.Before(read) {
+		return c.local().Add(offset), nil
 	}
-	return c.local().Add(c.offset), nil
+	server := sqldialect.NewTime(d)
+	sent := c.local()
+	if err := db.QueryRowContext(ctx, c.query).Scan(server); err != nil {
+		if read.IsZero() {
+			return time.Time{}, fmt.Errorf("outbox: inbox: read the database server's clock: %w", err)
+		}
+		return c.local().Add(offset), nil
+	}
+	back := c.local()
+	offset = server.T.Sub(sent.Add(back.Sub(sent) / 2))
+	c.mu.Lock()
+	c.offset, c.read = offset, back
+	c.mu.Unlock()
+	return c.local().Add(offset), nil
 }

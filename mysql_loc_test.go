@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"encoding/binary"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -149,5 +151,39 @@ func TestTxPublisher_MySQLLocWithDaylightSaving_KeyedRetryInTheSkippedHour_KeyNu
 		if r.Seq != int64(i+1) {
 			t.Errorf("%s has seq %d, want %d (published in the order m1..m4)", r.ID, r.Seq, i+1)
 		}
+	}
+}
+
+// Republish's cursor through the same DSN: a batch ending at a published_at
+// in the skipped hour carried its cursor an hour on (read through the
+// driver, passed back in loc), and the rows published in that hour after
+// it were never made pending.
+func TestRepublisher_MySQLLocWithDaylightSaving_CursorInTheSkippedHour_EveryRowMadePending(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.MySQL)
+	berlin, err := time.LoadLocation("Europe/Berlin")
+	if err != nil {
+		t.Skip(err)
+	}
+	var b strings.Builder
+	b.WriteString("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, published_at, processed_at) VALUES ")
+	for i := 0; i < 1005; i++ {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		at := "2026-03-29 02:10:00.000000"
+		if i >= 1000 {
+			at = "2026-03-29 02:40:00.000000"
+		}
+		fmt.Fprintf(&b, "('r-%06d', '', 'orders', 'x', '{}', '%s', '%s', NULL)", i, at, at)
+	}
+	db.MustExec(b.String())
+	rp, err := outbox.NewRepublisher(openWithLoc(t, db, berlin), outbox.RepublisherConfig{Dialect: outbox.MySQL, TrackedTopics: outbox.NewTrackedTopics("orders"), Grace: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := rp.Republish(context.Background())
+	if err != nil || n != 1005 {
+		t.Errorf("Republish: %d, %v; want all 1005 made pending", n, err)
 	}
 }

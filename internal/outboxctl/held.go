@@ -145,14 +145,14 @@ func (c *cli) skipGap(args []string) error {
 			return usagef("skip-gap: give --%s (%s; see outboxctl held)", name, synopsis)
 		}
 	}
-	if *consumer == "" || *key == "" {
-		return usagef("skip-gap: --consumer and --key must not be empty")
-	}
 	if *consumer, err = keyFlag("--consumer", *consumer); err != nil {
 		return err
 	}
 	if *key, err = keyFlag("--key", *key); err != nil {
 		return err
+	}
+	if *consumer == "" || *key == "" {
+		return usagef("skip-gap: --consumer and --key must not be empty")
 	}
 	if *from < 1 {
 		return usagef("--from: %d; want a sequence number, 1 or more", *from)
@@ -263,14 +263,14 @@ func (c *cli) skipHeld(args []string) error {
 	if err := noArgs(fs, rest); err != nil {
 		return err
 	}
-	if *consumer == "" || *key == "" || *seq == 0 {
-		return usagef("skip-held: give --consumer, --key and --seq (%s; see outboxctl held)", synopsis)
-	}
 	if *consumer, err = keyFlag("--consumer", *consumer); err != nil {
 		return err
 	}
 	if *key, err = keyFlag("--key", *key); err != nil {
 		return err
+	}
+	if *consumer == "" || *key == "" || *seq == 0 {
+		return usagef("skip-held: give --consumer, --key and --seq (%s; see outboxctl held)", synopsis)
 	}
 	if *seq < 1 {
 		return usagef("--seq: %d; want a sequence number, 1 or more", *seq)
