@@ -390,6 +390,17 @@ func failSeq2(on *bool) func(msg *message.Message) error {
 	}
 }
 
+// poisonSeq2 fails every key's seq 2 with "poison" while down is true, and
+// after that every key's but good's.
+func poisonSeq2(down *bool, good string) func(msg *message.Message) error {
+	return func(msg *message.Message) error {
+		if msg.Metadata.Get(outbox.HeaderSeq) == "2" && (*down || msg.Metadata.Get(outbox.HeaderAggregateID) != good) {
+			return errors.New("poison")
+		}
+		return nil
+	}
+}
+
 // Another service sharing the tables, whose consumer has 100 ready keys
 // held longer than this one's: ApplyHeld reads this process's consumers
 // only, and applies its key.
@@ -435,13 +446,7 @@ func TestOrderedInbox_ApplyHeld_ManyFailingKeysAhead_KeyBehindThemApplied(t *tes
 		createEffects(t, db)
 		const poison = 101 // a page is 100
 		down := true
-		l := applyLog{}
-		l.fail = func(msg *message.Message) error {
-			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && (down || msg.Metadata.Get(outbox.HeaderAggregateID) != "good") {
-				return errors.New("poison")
-			}
-			return nil
-		}
+		l := applyLog{fail: poisonSeq2(&down, "good")}
 		in := orderedInbox(t, db, outbox.InboxConfig{})
 		h := in.Middleware(l.handler(t, db))
 		for i := 0; i < poison; i++ {
@@ -1237,13 +1242,7 @@ func TestOrderedInbox_ApplyHeld_PageEndingAtAKeyThatIsNotUTF8_NextPageReached(t 
 		}
 		createEffects(t, db)
 		down := true
-		l := applyLog{}
-		l.fail = func(msg *message.Message) error {
-			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && (down || msg.Metadata.Get(outbox.HeaderAggregateID) != "good") {
-				return errors.New("poison")
-			}
-			return nil
-		}
+		l := applyLog{fail: poisonSeq2(&down, "good")}
 		in := orderedInbox(t, db, outbox.InboxConfig{})
 		h := in.Middleware(l.handler(t, db))
 		for i := 0; i < 99; i++ {
