@@ -183,6 +183,7 @@ type AMQPDestination struct {
 	suspects  map[string]bool // records that each go alone (see blame)
 	renew     bool            // a nack came: a fresh connection once no window is out on this one
 	retire    bool            // a window on cc was given up on: cc takes no window more, and goes once the windows out on it are collected
+	retiredAt time.Time       // when retire was set
 	nacks     nackRenewal     // spaces the renewals of a stream of nacks
 	inflight  []*sent         // windows whose confirms are not collected yet, oldest first
 	short     []*sent         // windows not collected yet whose send stopped short (see behindAShortWindow)
@@ -588,6 +589,22 @@ func (d *AMQPDestination) uncountWhenClosed(conn *amqp.Connection, closed <-chan
 // closeTimeout bounds the wait for the broker's answer to connection.close.
 const closeTimeout = 5 * time.Second
 
+// retireChannelLocked lets a retired channel go, and closes it without
+// waiting under d.mu for the broker's answer (close-ok), which a broker
+// that stops reading (a memory alarm) does not send: the relay's waits,
+// sends and Close queued behind it for as long as the alarm lasted. The
+// close ends when the broker answers or the connection goes.
+func (d *AMQPDestination) retireChannelLocked() {
+	if ch := d.forgetChannelLocked(); ch != nil {
+		go func() { _ = ch.Close() }()
+	}
+}
+
+// retireWait bounds how long a retired channel waits for the windows out on
+// it to be collected: the relay collects each within its PublishTimeout
+// (15 s by default).
+const retireWait = time.Minute
+
 func (d *AMQPDestination) dropChannelLocked() {
 	if ch := d.forgetChannelLocked(); ch != nil {
 		_ = ch.Close()
@@ -792,11 +809,14 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		d.dropLocked() // a nack came on it (see wait): a fresh connection
 	}
 	if d.retire && d.cc != nil {
-		if slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc && !w.abandoned }) {
+		// Windows nobody collects (a caller that panicked) hold it no
+		// longer than retireWait: then they lose their confirms, as they
+		// did before channels were retired.
+		if time.Since(d.retiredAt) < retireWait && slices.ContainsFunc(d.inflight, func(w *sent) bool { return w.on == d.cc && !w.abandoned }) {
 			fillNotSent(p.res, 0, errBehindRetired)
 			return p
 		}
-		d.dropChannelLocked() // see retire
+		d.retireChannelLocked()
 	}
 	if err := d.ensure(ctx); err != nil {
 		// Nothing of the window went out: an outage's, not its head
@@ -1084,7 +1104,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 		// records, filed by id, would otherwise be taken by the record's
 		// next send on the channel, and a record of it that closes the
 		// channel is blamed among the windows out (it stays one of them).
-		p.abandoned, d.retire = true, true
+		p.abandoned, d.retire, d.retiredAt = true, true, time.Now()
 	}
 	switch {
 	case timedOut && p.on == d.cc && !p.abandoned:
@@ -1100,7 +1120,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	case d.renew && p.on == d.cc && !d.othersOut(p):
 		d.dropLocked()
 	case d.retire && p.on == d.cc && !d.othersOut(p):
-		d.dropChannelLocked()
+		d.retireChannelLocked()
 	}
 	return res
 }
