@@ -589,25 +589,20 @@ func (d *AMQPDestination) uncountWhenClosed(conn *amqp.Connection, closed <-chan
 // closeTimeout bounds the wait for the broker's answer to connection.close.
 const closeTimeout = 5 * time.Second
 
-// retireChannelLocked lets a retired channel go, and closes it without
-// waiting under d.mu for the broker's answer (close-ok), which a broker
-// that stops reading (a memory alarm) does not send: the relay's waits,
-// sends and Close queued behind it for as long as the alarm lasted. The
-// close ends when the broker answers or the connection goes.
-func (d *AMQPDestination) retireChannelLocked() {
-	if ch := d.forgetChannelLocked(); ch != nil {
-		go func() { _ = ch.Close() }()
-	}
-}
-
 // retireWait bounds how long a retired channel waits for the windows out on
 // it to be collected: the relay collects each within its PublishTimeout
 // (15 s by default).
 const retireWait = time.Minute
 
+// dropChannelLocked lets the confirm channel go (a retired one, or one the
+// broker closed), and closes it without waiting under d.mu for the
+// broker's answer (close-ok), which a broker that stops reading (a memory
+// alarm) does not send: the relay's waits, sends and Close queued behind
+// it for as long as the alarm lasted. The close ends when the broker
+// answers or the connection goes.
 func (d *AMQPDestination) dropChannelLocked() {
 	if ch := d.forgetChannelLocked(); ch != nil {
-		_ = ch.Close()
+		go func() { _ = ch.Close() }()
 	}
 }
 
@@ -816,7 +811,7 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 			fillNotSent(p.res, 0, errBehindRetired)
 			return p
 		}
-		d.retireChannelLocked()
+		d.dropChannelLocked()
 	}
 	if err := d.ensure(ctx); err != nil {
 		// Nothing of the window went out: an outage's, not its head
@@ -1120,7 +1115,7 @@ func (d *AMQPDestination) wait(ctx context.Context, p *sent) []error {
 	case d.renew && p.on == d.cc && !d.othersOut(p):
 		d.dropLocked()
 	case d.retire && p.on == d.cc && !d.othersOut(p):
-		d.retireChannelLocked()
+		d.dropChannelLocked()
 	}
 	return res
 }

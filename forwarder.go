@@ -139,9 +139,10 @@ type ForwarderConfig struct {
 
 	// OnError is called for every failed record, with where it was going,
 	// and for every failed sweep (with an empty MessageID). By default the
-	// error is logged by Logger (which logs nothing unless it is set). It runs on the relay's goroutine, in the middle of
-	// a sweep: it must not call Close or Sweep, which wait for that sweep
-	// (a deadlock); to stop the relay from it, cancel Run's context.
+	// error is logged by Logger (which logs nothing unless it is set). It
+	// runs on the relay's goroutine, in the middle of a sweep: it must not
+	// call Close or Sweep, which wait for that sweep (a deadlock); to stop
+	// the relay from it, cancel Run's context.
 	OnError func(err error, dest ErrorContext)
 	Logger  watermill.LoggerAdapter
 

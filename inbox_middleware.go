@@ -868,16 +868,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 		}
 		return inboxFailed, err
 	}
-	doneErr := func() error {
-		now, err := in.serverNow(after)
-		if err != nil {
-			return err
-		}
-		done := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, now))
-		_, err = in.db.ExecContext(after, done.SQL, done.Args...)
-		return err
-	}()
-	if doneErr != nil {
+	if doneErr := in.stamp(after, consumer, key, 0); doneErr != nil {
 		// The effect happened: copies elsewhere wait out the lease, then
 		// take the message for a duplicate, as they should.
 		in.log.Error("At-most-once handler ran, but its key could not be stamped done: copies delivered elsewhere wait until its lease ends", doneErr, fields)
@@ -913,6 +904,18 @@ func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 	}
 }
 
+// stamp sets consumer's at-most-once key id to the database server's now
+// plus ahead: done (0), or running until its lease ends.
+func (in *Inbox) stamp(ctx context.Context, consumer, key string, ahead time.Duration) error {
+	now, err := in.serverNow(ctx)
+	if err != nil {
+		return err
+	}
+	q := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, now.Add(ahead)))
+	_, err = in.db.ExecContext(ctx, q.SQL, q.Args...)
+	return err
+}
+
 // renewWhileRunning moves the running key's stamp to now +
 // AtMostOnceLease every third of the lease, until stop is called; stop
 // returns once no renewal is under way, so that none lands after the stamp
@@ -928,17 +931,7 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 			case <-quit:
 				return
 			case <-tick.C:
-				after := context.WithoutCancel(ctx)
-				err := func() error {
-					now, err := in.serverNow(after)
-					if err != nil {
-						return err
-					}
-					q := sqldialect.Inline(in.dialect.sql(), in.q.Done(consumer, key, now.Add(in.cfg.AtMostOnceLease)))
-					_, err = in.db.ExecContext(after, q.SQL, q.Args...)
-					return err
-				}()
-				if err != nil {
+				if err := in.stamp(context.WithoutCancel(ctx), consumer, key, in.cfg.AtMostOnceLease); err != nil {
 					in.log.Error("At-most-once handler runs, but its key's lease could not be renewed: a copy delivered elsewhere may be taken for a duplicate", err,
 						watermill.LogFields{"message_uuid": key, "consumer": consumer})
 				}

@@ -838,11 +838,6 @@ func (o *Outbox) RetryStuck(maxAttempts int, now time.Time) Query {
 		" WHERE published_at IS NULL AND "+free+" AND attempts >= ?", append(args, maxAttempts)...)
 }
 
-// PurgePublished deletes at most limit rows published before cutoff.
-func (o *Outbox) PurgePublished(cutoff time.Time, limit int) Query {
-	return o.PurgePublishedRange(cutoff, limit, nil, nil)
-}
-
 // PurgePublishedBound reads the published_at (as stored: see stored) of
 // the n-th row, from 0, that PurgePublishedRange would delete from from on
 // (nil: from the first); no row when there are fewer. A purge's batches go
@@ -852,7 +847,7 @@ func (o *Outbox) PurgePublished(cutoff time.Time, limit int) Query {
 // a replica's feedback): 950,000 rows took 97 s on PostgreSQL with a
 // snapshot held (4.7 s so), and MariaDB slowed from 55 to 564 ms a batch.
 func (o *Outbox) PurgePublishedBound(cutoff time.Time, from any, n int) Query {
-	before, args := o.purgeRange("published_at", cutoff, from, nil)
+	before, args := timeRange(o.d, "published_at", cutoff, from, nil)
 	return o.query("SELECT "+o.d.stored("published_at")+" FROM "+o.table+" WHERE published_at IS NOT NULL AND "+before+
 		" ORDER BY published_at LIMIT 1 OFFSET ?", append(args, n)...)
 }
@@ -861,16 +856,12 @@ func (o *Outbox) PurgePublishedBound(cutoff time.Time, from any, n int) Query {
 // from from to upTo (either nil: unbounded), both as PurgePublishedBound
 // read them.
 func (o *Outbox) PurgePublishedRange(cutoff time.Time, limit int, from, upTo any) Query {
-	before, args := o.purgeRange("published_at", cutoff, from, upTo)
+	before, args := timeRange(o.d, "published_at", cutoff, from, upTo)
 	return o.query(o.d.purgePublished(o.table, before), append(args, limit)...)
 }
 
-// purgeRange is the condition of col's rows before cutoff, from from to
+// timeRange is the condition of col's rows before cutoff, from from to
 // upTo (nil: unbounded), and its arguments.
-func (o *Outbox) purgeRange(col string, cutoff time.Time, from, upTo any) (string, []any) {
-	return timeRange(o.d, col, cutoff, from, upTo)
-}
-
 func timeRange(d Dialect, col string, cutoff time.Time, from, upTo any) (string, []any) {
 	before, args := d.timeCmp(col, "<", cutoff)
 	if from != nil {
@@ -1059,11 +1050,6 @@ func (in *Inbox) Stamp(consumer, id string) Query {
 // handler returned (or, with a time ahead, renews its running lease).
 func (in *Inbox) Done(consumer, id string, now time.Time) Query {
 	return Query{SQL: in.d.rebind("UPDATE " + in.table + " SET processed_at = ? WHERE consumer_name = ? AND message_id = ?"), Args: []any{in.d.TimeArg(now), consumer, id}}
-}
-
-// Purge deletes at most limit rows processed before cutoff.
-func (in *Inbox) Purge(cutoff time.Time, limit int) Query {
-	return in.PurgeRange(cutoff, limit, nil, nil)
 }
 
 // PurgeBound is Outbox.PurgePublishedBound's for processed_messages.
