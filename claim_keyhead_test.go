@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -29,9 +30,19 @@ func TestClaim_TakesOnlyEachKeysFirstPendingRecord(t *testing.T) {
 					t.Errorf("the claim's key-head probe names index %q, want acemq_outbox_pending_key", got)
 				}
 			}
-			claimKeyHeads(t, db, d, "m")
+			claimKeyHeads(t, db, d, "m", 0)
 		})
 		if db.Kind != testdb.MySQL {
+			// Every claim windowed, and so narrowly that each takes its
+			// rows beyond the window: the same rows, in the same order.
+			for _, window := range []int{1, 3} {
+				t.Run(fmt.Sprintf("window of %d", window), func(t *testing.T) {
+					if _, err := db.Exec("DELETE FROM acemq_outbox"); err != nil {
+						t.Fatal(err)
+					}
+					claimKeyHeads(t, db, d, fmt.Sprintf("w%d", window), window)
+				})
+			}
 			return
 		}
 		t.Run("without the key index", func(t *testing.T) {
@@ -43,7 +54,7 @@ func TestClaim_TakesOnlyEachKeysFirstPendingRecord(t *testing.T) {
 			if got := keyIndexOf(t, db, d); got != "" {
 				t.Errorf("the claim's key-head probe names index %q, which is gone", got)
 			}
-			claimKeyHeads(t, db, d, "x")
+			claimKeyHeads(t, db, d, "x", 0)
 		})
 	})
 }
@@ -68,8 +79,9 @@ func keyIndexOf(t *testing.T, db *testdb.DB, d outbox.Dialect) string {
 }
 
 // claimKeyHeads writes rows whose keys start with prefix and checks what
-// claims take of them, one claim after the other as a drain does.
-func claimKeyHeads(t *testing.T, db *testdb.DB, d outbox.Dialect, prefix string) {
+// claims take of them, one claim after the other as a drain does. A window
+// other than 0 is the claims' (see outbox.SetClaimWindow).
+func claimKeyHeads(t *testing.T, db *testdb.DB, d outbox.Dialect, prefix string, window int) {
 	t.Helper()
 	id := func(key string, seq int64) string { return keyedID(prefix+key, seq) }
 	var rows []keyedRow
@@ -118,6 +130,9 @@ func claimKeyHeads(t *testing.T, db *testdb.DB, d outbox.Dialect, prefix string)
 	s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if window > 0 {
+		outbox.SetClaimWindow(s, func(int) int { return window })
 	}
 	claimWith := func(relay string, inFlight []string, want ...string) *outbox.HeldClaim {
 		t.Helper()
@@ -196,6 +211,26 @@ const odd = `o'"\ü`
 func TestClaim_KeysNextRecord_ClaimableWhileItsPredecessorsAreInFlightHere(t *testing.T) {
 	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		claimKeysNext(t, db, d, 0)
+		if db.Kind == testdb.MySQL {
+			return
+		}
+		for _, window := range []int{1, 4} {
+			t.Run(fmt.Sprintf("window of %d", window), func(t *testing.T) {
+				if _, err := db.Exec("DELETE FROM acemq_outbox"); err != nil {
+					t.Fatal(err)
+				}
+				claimKeysNext(t, db, d, window)
+			})
+		}
+	})
+}
+
+// claimKeysNext is TestClaim_KeysNextRecord_ClaimableWhileItsPredecessorsAreInFlightHere
+// on db, with claims of window (0: as the store chooses).
+func claimKeysNext(t *testing.T, db *testdb.DB, d outbox.Dialect, window int) {
+	t.Helper()
+	{
 		keys := []string{"a", "b", odd}
 		var rows []keyedRow
 		base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
@@ -208,6 +243,9 @@ func TestClaim_KeysNextRecord_ClaimableWhileItsPredecessorsAreInFlightHere(t *te
 		s, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d})
 		if err != nil {
 			t.Fatal(err)
+		}
+		if window > 0 {
+			outbox.SetClaimWindow(s, func(int) int { return window })
 		}
 		ids := func(seq int64) []string {
 			var out []string
@@ -246,5 +284,5 @@ func TestClaim_KeysNextRecord_ClaimableWhileItsPredecessorsAreInFlightHere(t *te
 			t.Fatal(err)
 		}
 		abandon(claim("relay-2", 10, nil, ids(2)...))
-	})
+	}
 }

@@ -146,3 +146,14 @@ func PrepareClaims(s *Store, sizes ...int) (int, error) {
 // SetInboxClock makes in read this process's clock from local (see dbClock):
 // a host whose clock is off.
 func SetInboxClock(in *Inbox, local func() time.Time) { in.clock.local = local }
+
+// SetClaimWindow sets how many pending entries s's claims of n rows walk
+// before they look for the rest key by key. Set before s is used.
+func SetClaimWindow(s *Store, f func(n int) int) { s.window = f }
+
+// SetEveryClaimWindow sets every store's window; call it before any test
+// runs.
+func SetEveryClaimWindow(n int) { everyClaimWindow = n }
+
+// SetForwarderClaimWindow is SetClaimWindow on f's store.
+func SetForwarderClaimWindow(f *Forwarder, fn func(n int) int) { f.store.window = fn }

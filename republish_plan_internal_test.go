@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -60,26 +59,8 @@ func TestRepublishPick_AfterACursor_TheIndexStartsAtTheCursor(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			rows, err := tx.QueryContext(ctx, c.explain+q.SQL, q.Args...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer rows.Close()
-			var plan strings.Builder
-			cols, _ := rows.Columns()
-			for rows.Next() {
-				vals := make([]any, len(cols))
-				ptrs := make([]any, len(cols))
-				for i := range vals {
-					ptrs[i] = &vals[i]
-				}
-				if err := rows.Scan(ptrs...); err != nil {
-					t.Fatal(err)
-				}
-				fmt.Fprintln(&plan, vals...)
-			}
-			if !c.want(plan.String()) {
-				t.Errorf("the walk after a cursor is not bounded by it in the index:\n%s", plan.String())
+			if plan := queryLines(t, tx, c.explain+q.SQL, q.Args...); !c.want(plan) {
+				t.Errorf("the walk after a cursor is not bounded by it in the index:\n%s", plan)
 			}
 		})
 	}

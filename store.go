@@ -95,6 +95,14 @@ type Store struct {
 	// (see sqldialect's mysql pendingIndex and keyIndex): index and
 	// keyIndex are their names, "" until found. One not found, both are
 	// looked up again after indexRecheck.
+	// window, if set, is claimWindow for a test. narrowed, if set, is the
+	// window of the next claims (see claimedInWindow).
+	window   func(n int) int
+	narrowed atomic.Int64
+	// walksShort: the last claim was unwindowed and quick, so the next one
+	// claims without asking for a window (see claimedInWindow).
+	walksShort atomic.Bool
+
 	claimMu      sync.Mutex
 	index        string
 	keyIndex     string
@@ -228,7 +236,17 @@ func (s *Store) quietOver(ctx context.Context) (bool, error) {
 func (s *Store) probe(ctx context.Context, db interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }) (bool, error) {
-	q := s.inline(s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()}))
+	p := sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()}
+	if s.q.Windows() {
+		p.Window = probeWindow
+		switch {
+		case s.window != nil:
+			p.Window = s.window(1) // a test's
+		case everyClaimWindow > 0:
+			p.Window = everyClaimWindow
+		}
+	}
+	q := s.inline(s.q.Claimable(p))
 	s.sent.Add(1)
 	var one int
 	err := db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
@@ -420,14 +438,16 @@ type failure struct {
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
-		return s.claimLease(ctx, func() sqldialect.Query {
+		return s.claimLease(ctx, func(tx *sql.Tx) (sqldialect.Query, error) {
 			// Timed once the write lock is this transaction's: a lease timed
 			// before a wait for it (up to busy_timeout) was that much
 			// shorter, and a second relay took over rows still in flight.
 			now := time.Now()
 			p.Now, p.RelayID, p.LeaseUntil = now, relayID, now.Add(lease)
-			return s.q.Claim(p)
-		}, relayID)
+			var err error
+			p.Window, err = s.claimWindow(ctx, tx, p)
+			return s.q.Claim(p), err
+		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
@@ -477,6 +497,10 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if p.Index, p.KeyIndex, err = s.claimIndexes(ctx, tx); err != nil {
 		return fail(err)
 	}
+	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
+		return fail(err)
+	}
+	started := time.Now()
 	rows, err := s.queryTx(ctx, tx, s.q.Claim(p))
 	if err != nil {
 		s.forgetIndex() // dropped or renamed, maybe: look again
@@ -486,12 +510,97 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if err != nil {
 		return fail(err)
 	}
+	s.claimedInWindow(p, len(claimed), time.Since(started))
 	if !stop() {
 		// ctx ended as the claim was made: its transaction is being
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
 	return &claim{rows: claimed, tx: tx, conn: conn, end: end}, nil
+}
+
+// claimWindow is how many entries of the pending index a claim of n rows
+// walks before it looks for the rest key by key (see sqldialect's
+// window.go): enough that a claim over records of many keys, or of keys
+// whose heads are in flight, finds its rows in the walk; the walk costs a
+// probe per entry it passes over.
+func claimWindow(n int) int { return 2*n + 256 }
+
+// claimShortWalk is the time under which an unwindowed claim is taken to
+// have walked little of the pending index (see claimedInWindow): a probe
+// an entry costs about 10 µs on PostgreSQL, 1 µs on SQLite, so a walk of a
+// window's worth (456 entries at claims of 100) takes longer.
+const claimShortWalk = 2 * time.Millisecond
+
+// probeWindow is how many entries of the pending index the probe of an
+// idle relay reads before it looks key by key (see sqldialect's
+// Claimable).
+const probeWindow = 256
+
+// everyClaimWindow, if set, is every store's window: set by a test run
+// that makes every claim windowed (OUTBOX_TEST_CLAIM_WINDOW), before its
+// tests start.
+var everyClaimWindow int
+
+// claimWindow is the window of the claim p, in tx: 0 (none) unless the
+// dialect windows its claims and the pending index holds a window's worth
+// of entries from where the claim starts.
+func (s *Store) claimWindow(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams) (int, error) {
+	if !s.q.Windows() {
+		return 0, nil
+	}
+	w := claimWindow(p.Limit)
+	switch {
+	case s.window != nil:
+		w = s.window(p.Limit) // a test's
+	case everyClaimWindow > 0:
+		w = everyClaimWindow
+	case s.walksShort.Load():
+		return 0, nil
+	default:
+		if narrow := int(s.narrowed.Load()); narrow > 0 && narrow < w {
+			w = narrow
+		}
+	}
+	q := s.q.WindowFull(p, w)
+	s.sent.Add(1)
+	var one int
+	switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one); {
+	case errors.Is(err, sql.ErrNoRows):
+		s.narrowed.Store(0) // too few entries to cost a walk much
+		return 0, nil
+	case err != nil:
+		return 0, err
+	}
+	return w, nil
+}
+
+// claimedInWindow narrows the window of the next claims after a windowed
+// claim p that took n rows, or widens it again: a claim that came back
+// short found its window blocked (a key's backlog, behind its next record
+// in flight or its stuck head), and the next walk of it would cost a probe
+// an entry again for nothing. The next claims walk a quarter as far, 16
+// entries at least, and take the rest key by key, until one comes back
+// full. A key with a backlog then drains at its confirms' pace, not at one
+// record a walk of the window.
+//
+// took is how long the claim's statement took. An unwindowed one that took
+// under claimShortWalk walked little: the next claim does not ask whether
+// the index holds a window (one round trip less for every claim of a relay
+// that keeps up, which claims a few rows at a time); one that took longer
+// may have walked a backlog, and the next one asks.
+func (s *Store) claimedInWindow(p sqldialect.ClaimParams, n int, took time.Duration) {
+	if p.Window == 0 {
+		s.walksShort.Store(took < claimShortWalk)
+	}
+	if p.Window == 0 || s.window != nil || everyClaimWindow > 0 {
+		return
+	}
+	if n < p.Limit {
+		s.narrowed.Store(int64(max(p.Window/4, 16)))
+		return
+	}
+	s.narrowed.Store(0)
 }
 
 // claimIndexes are the indexes a locking claim names, "" for none: on
@@ -683,19 +792,27 @@ func (s *Store) claimsOverlap() bool {
 	return s.index != ""
 }
 
-func (s *Store) claimLease(ctx context.Context, claimQuery func() sqldialect.Query, relayID string) (*claim, error) {
-	var claimed []sqldialect.ClaimedRow
+func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sqldialect.Query, error), relayID string, took func(n int, d time.Duration)) (*claim, error) {
+	var (
+		claimed []sqldialect.ClaimedRow
+		elapsed time.Duration // the claim's statement's
+	)
 	// Committed before anything is published: SQLite has one writer, and the
 	// services' own transactions must not wait for the broker.
 	err := s.writeTx(ctx, "claim", func(tx *sql.Tx) error {
 		s.sent.Add(1)
-		q := claimQuery()
+		q, err := claimQuery(tx)
+		if err != nil {
+			return fmt.Errorf("outbox: claim: %w", err)
+		}
 		// The update is conditional on the rows still being free, so of two
 		// relays the second claims other rows, or none.
+		started := time.Now()
 		rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
 		if err == nil {
 			claimed, err = s.q.ScanClaimed(rows)
 		}
+		elapsed = time.Since(started)
 		if err != nil {
 			return fmt.Errorf("outbox: claim: %w", err)
 		}
@@ -704,6 +821,7 @@ func (s *Store) claimLease(ctx context.Context, claimQuery func() sqldialect.Que
 	if err != nil {
 		return nil, err
 	}
+	took(len(claimed), elapsed)
 	sortClaimed(claimed) // RETURNING promises no order
 	return &claim{rows: claimed, lease: relayID}, nil
 }

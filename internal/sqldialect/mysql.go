@@ -298,13 +298,30 @@ func (d mysql) keyHead(table, alias string, p ClaimParams) string {
 		// UTF-8 ids, which a utf8mb4 column holds as the same bytes. An id
 		// that does not match (another charset, longer than the column,
 		// NULL on an error) only makes its key wait for its mark.
-		notOurs = " AND CAST(p.id AS BINARY) NOT IN (SELECT j.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id VARBINARY(512) PATH '$')) j WHERE j.id IS NOT NULL)"
+		notOurs = d.notOurs("p")
 	}
 	return "((SELECT COUNT(*) FROM " + table + " v WHERE v.id = " + alias + ".id) = 1 AND (" +
 		alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR " +
 		"COALESCE((SELECT p.seq FROM " + from +
 		" WHERE p.aggregate_id = " + alias + ".aggregate_id AND p.published_at IS NULL AND p.seq IS NOT NULL" + notOurs + " ORDER BY p.seq LIMIT 1), " +
 		alias + ".seq) >= " + alias + ".seq))"
+}
+
+func (mysql) notOurs(alias string) string {
+	return " AND CAST(" + alias + ".id AS BINARY) NOT IN (SELECT j.id FROM JSON_TABLE(?, '$[*]' COLUMNS (id VARBINARY(512) PATH '$')) j WHERE j.id IS NOT NULL)"
+}
+
+// windows: MySQL's claims are not windowed. Its key-head probe reads a
+// key's lowest pending seq, one index entry, but its walk still passes
+// every record of a key's backlog; its claim's snapshot rules (see claim
+// and keyHead) would need their own proof for a claim of several parts.
+func (mysql) windows() bool { return false }
+
+func (mysql) latest() string { return "NULL" } // never asked for (windows)
+
+// windowClaim: never asked for (windows).
+func (d mysql) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
+	return d.claim(o.table, p, where, args)
 }
 
 func (mysql) claimSetup() string { return "" }

@@ -253,12 +253,52 @@ func (postgres) claim(table string, p ClaimParams, where string, args []any) Que
 // another type (uuid, which another library's table may have) has no
 // operator with text, and its claims failed while keyed records were in
 // flight.
-func (postgres) keyHead(table, alias string, p ClaimParams) string {
+func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		notOurs = " AND p.id::text NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
+		notOurs = d.notOurs("p")
 	}
 	return keyHeadNotExists(table, alias, notOurs)
+}
+
+func (postgres) windows() bool { return true }
+
+// latest sorts after every time a timestamp column holds.
+func (postgres) latest() string { return "'infinity'" }
+
+func (postgres) notOurs(alias string) string {
+	return " AND " + alias + ".id::text NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
+}
+
+// windowClaim locks near's rows in its walk, as the claim does, and the
+// rows beyond the window in two more walks that skip locked rows: the
+// heads, oldest first, each locked once chosen (a lock taken in the choice
+// of a key's head would skip a head another relay holds and take the
+// record after it), and the unkeyed rows through 0013's index. Of the rows
+// they lock, up to those near left each, the oldest are claimed; the
+// others stay locked, unsent, until the claim ends (its batch marked), and
+// are then anyone's again. Heads are read and locked one by one through
+// LATERAL: a join left to the planner hashed the whole table.
+func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
+	const lock = " FOR UPDATE SKIP LOCKED"
+	var b sqlBuilder
+	b.add("WITH RECURSIVE ")
+	o.windowNear(&b, p, where, args, postgresClaimed, lock)
+	b.add(", ")
+	o.windowKeys(&b)
+	b.add(", heads AS MATERIALIZED (SELECT hh.id, hh.created_at FROM keys CROSS JOIN LATERAL (")
+	o.keyHeadOf(&b, p, "h.id, h.created_at", "keys.k")
+	b.add(") hh WHERE keys.k IS NOT NULL)")
+	limit, largs := farLimit(p)
+	b.add(", far_h AS (SELECT x.* FROM (SELECT id, created_at FROM heads ORDER BY created_at, id) hs CROSS JOIN LATERAL (SELECT " + postgresClaimed + " FROM " + o.table + " " + claimAlias +
+		" WHERE " + claimAlias + ".id = hs.id AND ")
+	o.farWhere(&b, p, "id")
+	b.add(lock+") x LIMIT "+limit+")", largs...)
+	b.add(", far_u AS (SELECT " + postgresClaimed + " FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
+	o.farWhere(&b, p, "id")
+	b.add(" ORDER BY created_at, id LIMIT "+limit+lock+")", largs...)
+	b.add(" SELECT * FROM (SELECT * FROM near UNION ALL SELECT * FROM far_h UNION ALL SELECT * FROM far_u) z ORDER BY created_at, id LIMIT ?", p.Limit)
+	return Query{SQL: rebindDollar(b.sql), Args: b.args}
 }
 
 // claimSetup makes the planner walk the pending index in order, which is the
@@ -277,7 +317,7 @@ func (postgres) keyHead(table, alias string, p ClaimParams) string {
 // (PostgreSQL 17's transaction_timeout would do the same; a claim cannot
 // name it on the servers before 17, which refuse an unknown setting.)
 func (postgres) claimSetup() string {
-	return "SELECT set_config('enable_sort', 'off', true), set_config('idle_in_transaction_session_timeout', '0', true)"
+	return "SELECT set_config('enable_sort', 'off', true), set_config('idle_in_transaction_session_timeout', '0', true), set_config('jit', 'off', true)"
 }
 
 // busyTimeout: the server queues writers.

@@ -413,6 +413,10 @@ type ClaimParams struct {
 	// claim (SQLite).
 	RelayID    string
 	LeaseUntil time.Time
+	// Window, if set, makes the claim windowed: it walks that many entries
+	// of the pending index (see window.go). Set it only where Windows says
+	// so and WindowFull found that many.
+	Window int
 }
 
 // Claim claims up to p.Limit claimable rows in created_at, id order.
@@ -424,8 +428,14 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 		where += " AND " + cond
 		args = append(args, cargs...)
 	}
+	if p.Window > 0 {
+		return o.d.windowClaim(o, p, where, args)
+	}
 	return o.d.claim(o.table, p, where, args)
 }
+
+// Windows reports whether the dialect's claims can be windowed.
+func (o *Outbox) Windows() bool { return o.d.windows() }
 
 // PendingBetween counts the unpublished rows under maxAttempts after after
 // (from the head when it is nil) and up to last, in claim order, through
@@ -450,8 +460,15 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // row, in one statement that locks and leases nothing: what an idle relay
 // asks instead of claiming, a claim being a transaction of three or four
 // statements (on SQLite a write). Column: 1; no row when there is none.
+//
+// With p.Window set (where Windows says so), it reads at most that many
+// entries of the pending index and the keys with pending records, as a
+// windowed claim does, whether or not the index holds a window's worth.
 func (o *Outbox) Claimable(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
+	if p.Window > 0 && o.d.windows() {
+		return o.claimableWindowed(p, where, args)
+	}
 	return o.query("SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+where+" LIMIT 1", args...)
 }
 

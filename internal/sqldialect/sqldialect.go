@@ -149,6 +149,15 @@ type Dialect interface {
 	// keyHead is the claim's condition that a keyed row of table (alias
 	// in the claim) is at the head of its key: see keyHeadNotExists.
 	keyHead(table, alias string, p ClaimParams) string
+	// notOurs is the condition that the row of alias is not one of
+	// ClaimParams.InFlight, given as one argument (inFlightArg).
+	notOurs(alias string) string
+	// windowClaim is claim, windowed (see window.go).
+	windowClaim(o *Outbox, p ClaimParams, where string, whereArgs []any) Query
+	// windows reports whether the dialect's claims are windowed.
+	windows() bool
+	// latest is a value that sorts after every created_at.
+	latest() string
 	claimSetup() string
 	// busyTimeout is the setting that says how long a connection waits
 	// for another connection's write lock, "" where the server queues

@@ -115,12 +115,44 @@ func (sqlite) claim(table string, p ClaimParams, where string, args []any) Query
 
 // keyHead: InFlight's ids are a json array, read by json_each (without
 // NULLs: see postgres's).
-func (sqlite) keyHead(table, alias string, p ClaimParams) string {
+func (d sqlite) keyHead(table, alias string, p ClaimParams) string {
 	notOurs := ""
 	if len(p.InFlight) > 0 {
-		notOurs = " AND p.id NOT IN (SELECT value FROM json_each(?) WHERE value IS NOT NULL)"
+		notOurs = d.notOurs("p")
 	}
 	return keyHeadNotExists(table, alias, notOurs)
+}
+
+func (sqlite) windows() bool { return true }
+
+// latest: a blob sorts after every number and text, whichever way a
+// library wrote its times.
+func (sqlite) latest() string { return "x'ff'" }
+
+func (sqlite) notOurs(alias string) string {
+	return " AND " + alias + ".id NOT IN (SELECT value FROM json_each(?) WHERE value IS NOT NULL)"
+}
+
+// windowClaim leases what near and far choose in one UPDATE, as claim
+// does: SQLite's one writer has nothing to skip. far: the oldest of the
+// claimable heads and unkeyed rows (through 0013's index), up to what near
+// left.
+func (sqlite) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
+	var b sqlBuilder
+	b.add("UPDATE "+o.table+" SET locked_by = ?, locked_until = ? WHERE id IN (WITH RECURSIVE ", p.RelayID, sqlite{}.TimeArg(p.LeaseUntil))
+	o.windowNear(&b, p, where, args, "id, created_at", "")
+	b.add(", ")
+	o.windowKeys(&b)
+	b.add(", ")
+	o.windowHeadIDs(&b, p)
+	b.add(", cand AS (SELECT " + claimAlias + ".id, " + claimAlias + ".created_at FROM " + o.table + " " + claimAlias + " WHERE " + claimAlias + ".id IN (SELECT id FROM heads) AND ")
+	o.farWhere(&b, p, "id")
+	b.add(" UNION ALL SELECT * FROM (SELECT " + claimAlias + ".id, " + claimAlias + ".created_at FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
+	o.farWhere(&b, p, "id")
+	limit, largs := farLimit(p)
+	b.add(" ORDER BY created_at, id LIMIT "+limit+"))", largs...)
+	b.add(" SELECT id FROM near UNION ALL SELECT id FROM (SELECT id, created_at FROM cand ORDER BY created_at, id LIMIT "+limit+")) RETURNING "+claimColumns, largs...)
+	return Query{SQL: b.sql, Args: b.args}
 }
 
 func (sqlite) claimSetup() string { return "" }

@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS acemq_outbox_pending_unkeyed;
