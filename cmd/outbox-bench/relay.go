@@ -51,6 +51,21 @@ import (
 //	                          within its pair, and their mean: the drains of
 //	                          a pair are seconds apart, and what else runs
 //	                          on the machine then weighs on both.
+//	relay_behind_stuck_key_vs_keyed_<db>: the keyed drain with
+//	                          -stuck-backlog records of one key in front
+//	                          of it, the key's head stuck at MaxAttempts,
+//	                          over the keyed drain just before: what one
+//	                          failed key's backlog costs the other keys
+//	                          (each claim used to walk all of it).
+//	relay_one_key_vs_raw_sequential_<db>: a drain of -one-key records
+//	                          of one key, alone, over the raw client
+//	                          publishing as many keyed messages one at a
+//	                          time, each once the last one is confirmed:
+//	                          a key's records go out in sequence, each
+//	                          after its predecessor's confirm, so that is
+//	                          their bound. (Each claim used to walk the
+//	                          key's whole backlog: the key drained at one
+//	                          record per walk.)
 //	raw_amqp_keyed_vs_plain:  the raw client with the headers the relay
 //	                          adds to a keyed record (aggregateId, seq) over
 //	                          the raw client without: the broker's own price
@@ -107,6 +122,8 @@ var (
 	relayCount   = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
 	relayExtras  = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
 	relayCluster = flag.Bool("cluster", true, "relay: also start a three-node RabbitMQ cluster (scripts/rabbitmq-cluster) and measure a quorum queue on it")
+	relayStuckN  = flag.Int("stuck-backlog", 5000, "relay: records of one stuck key in front of a keyed drain (relay_behind_stuck_key_vs_keyed); 0 skips it")
+	relayOneKey  = flag.Int("one-key", 2000, "relay: records of one key drained alone (relay_one_key_vs_raw_sequential); 0 skips it")
 	relayPairs   = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
 )
 
@@ -181,7 +198,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	}
 	drain := func(kind string, mode relayMode) (res relayResult, err error) {
 		err = q.undisturbed(fmt.Sprintf("relay %s (%s)", kind, mode), func() error {
-			res, err = relayDrain(ctx, cfg, kind, q, n, payload, mode, false)
+			res, err = relayDrain(ctx, cfg, kind, q, n, payload, mode, 0, 0)
 			return err
 		})
 		return res, err
@@ -199,7 +216,7 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 	}
 	keyedDrain := func(kind string) (res relayResult, err error) {
 		err = q.undisturbed(fmt.Sprintf("relay %s (keyed)", kind), func() error {
-			res, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, true)
+			res, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, relayKeys, 0)
 			return err
 		})
 		return res, err
@@ -250,6 +267,54 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 		}
 		out.metric("relay_keyed_throughput_"+kind, mean(keyedRates...), "msg/s")
 		out.metric("relay_keyed_vs_unkeyed_"+kind, mean(ratios...), "ratio")
+		if *relayStuckN > 0 {
+			// The keyed drain again, a stuck key's backlog in front of it,
+			// over the keyed drain just before: what one failed key costs
+			// the others.
+			var behind relayResult
+			err := q.undisturbed(fmt.Sprintf("relay %s (keyed, behind a stuck key)", kind), func() error {
+				behind, err = relayDrain(ctx, cfg, kind, q, n, payload, relayRun, relayKeys, *relayStuckN)
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			out.metric("relay_behind_stuck_key_vs_keyed_"+kind, rate(n, behind.took)/keyedRates[len(keyedRates)-1], "ratio")
+		}
+		if *relayOneKey > 0 {
+			// One key's records alone: each goes out once the one before
+			// is confirmed, so the raw client publishing them one at a
+			// time, each after the last one's confirm, is the bound.
+			var one relayResult
+			err := q.undisturbed(fmt.Sprintf("relay %s (one key)", kind), func() error {
+				one, err = relayDrain(ctx, cfg, kind, q, *relayOneKey, payload, relayRun, 1, 0)
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			ids := make([]string, *relayOneKey)
+			for i := range ids {
+				ids[i] = watermill.NewUUID()
+			}
+			var sequential float64
+			err = q.undisturbed("relay: raw one at a time", func() error {
+				if err := q.purge(); err != nil {
+					return err
+				}
+				took, err := rawPublish(ctx, q, ids, payload, 1, 1, true)
+				if err != nil {
+					return err
+				}
+				sequential = rate(len(ids), took)
+				return q.purge()
+			})
+			if err != nil {
+				return err
+			}
+			out.metric("relay_one_key_throughput_"+kind, rate(*relayOneKey, one.took), "msg/s")
+			out.metric("relay_one_key_vs_raw_sequential_"+kind, rate(*relayOneKey, one.took)/sequential, "ratio")
+		}
 		before = after
 	}
 	out.metric("raw_amqp_pipelined", mean(raws...), "msg/s")
@@ -336,15 +401,23 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 
 // relayDrain fills a fresh database with n pending rows, then times
 // -relays Forwarders draining them in the given mode, and checks the queue.
-func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n int, payload []byte, mode relayMode, keyed bool) (res relayResult, err error) {
+// The rows are spread over keys ordering keys (0: unkeyed); with stuck > 0,
+// a key's stuck records are in front of them (relayStuck).
+func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n int, payload []byte, mode relayMode, keys, stuck int) (res relayResult, err error) {
 	if err := q.purge(); err != nil {
 		return res, err
 	}
 	err = withDatabase(ctx, kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
 		fillStart := time.Now()
-		if err := relayFill(ctx, db, q.name, n, payload, keyed); err != nil {
+		if err := relayFill(ctx, db, q.name, n, payload, keys); err != nil {
 			return err
 		}
+		if err := relayStuck(ctx, db, q.name, stuck); err != nil {
+			return err
+		}
+		// The stuck key's records: its head at MaxAttempts, the others
+		// pending behind it, never published.
+		left := int64(max(stuck-1, 0))
 		fillTook := time.Since(fillStart)
 
 		marked, err := newMarkedCounter()
@@ -413,8 +486,8 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		if err != nil {
 			return err
 		}
-		if st.Pending != int64(n) {
-			return fmt.Errorf("VERIFY FAILED: %d rows pending after the fill, want %d", st.Pending, n)
+		if st.Pending != int64(n)+left {
+			return fmt.Errorf("VERIFY FAILED: %d rows pending after the fill, want %d", st.Pending, int64(n)+left)
 		}
 		note("relay %s (%s): %d rows committed in %s; draining", kind, mode, n, fillTook.Round(time.Millisecond))
 
@@ -427,9 +500,9 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		case relaySweep:
 			err = drainBySweep(ctx, fs)
 		case relayRun:
-			err = drainByRun(ctx, fs, marked.reached(watchCtx, n))
+			err = drainByRun(ctx, fs, marked.reached(watchCtx, n), left)
 		default:
-			err = drainByRun(ctx, fs, sent.all)
+			err = drainByRun(ctx, fs, sent.all, left)
 		}
 		res.took = time.Since(start)
 		busy := cpu.busySince()
@@ -451,8 +524,8 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		if err != nil {
 			return err
 		}
-		if st.Pending != 0 || st.Stuck != 0 {
-			return fmt.Errorf("VERIFY FAILED: %d rows pending and %d stuck after the drain", st.Pending, st.Stuck)
+		if wantStuck := int64(min(stuck, 1)); st.Pending != left || st.Stuck != wantStuck {
+			return fmt.Errorf("VERIFY FAILED: %d rows pending and %d stuck after the drain, want %d and %d", st.Pending, st.Stuck, left, wantStuck)
 		}
 		if mode != relayDBOnly {
 			if got, err := q.waitCount(ctx, n, 5*time.Second); err != nil || got != n {
@@ -468,11 +541,11 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 }
 
 // relayFill commits n pending rows routed to queue, relayFillPerTx per
-// transaction, all of one transaction in one Publish call. Keyed, the i-th
-// row gets key i % relayKeys and the next sequence number of its key, set
-// by SQL in the same transaction: the keys interleave in created_at order,
-// as the events of many aggregates do.
-func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte, keyed bool) error {
+// transaction, all of one transaction in one Publish call. With keys > 0,
+// the i-th row gets key i % keys and the next sequence number of its key,
+// set by SQL in the same transaction: the keys interleave in created_at
+// order, as the events of many aggregates do.
+func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte, keys int) error {
 	setKey := db.Rebind("UPDATE acemq_outbox SET aggregate_id = ?, seq = ? WHERE id = ?")
 	for done := 0; done < n; {
 		m := min(relayFillPerTx, n-done)
@@ -489,9 +562,9 @@ func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload 
 		if err == nil {
 			err = pub.Publish(queue, msgs...)
 		}
-		for i := 0; keyed && err == nil && i < m; i++ {
+		for i := 0; keys > 0 && err == nil && i < m; i++ {
 			g := done + i
-			_, err = tx.ExecContext(ctx, setKey, fmt.Sprintf("aggregate-%04d", g%relayKeys), g/relayKeys+1, msgs[i].UUID)
+			_, err = tx.ExecContext(ctx, setKey, fmt.Sprintf("aggregate-%04d", g%keys), g/keys+1, msgs[i].UUID)
 		}
 		if err != nil {
 			_ = tx.Rollback()
@@ -505,10 +578,41 @@ func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload 
 	return nil
 }
 
+// relayStuck commits n records of one key routed to queue, created an
+// hour before the fill's: its head at MaxAttempts (10, the default), the
+// others pending behind it, the first of the pending index. Records of
+// other keys and unkeyed ones must pass them by.
+func relayStuck(ctx context.Context, db *testdb.DB, queue string, n int) error {
+	if n == 0 {
+		return nil
+	}
+	tx, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("stuck: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	insert := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, created_at, aggregate_id, seq, attempts) VALUES (?, '', ?, 'stuck', ?, 'stuck-key', ?, ?)")
+	base := time.Now().Add(-time.Hour).UTC()
+	for i := 1; i <= n; i++ {
+		var at any = base.Add(time.Duration(i) * time.Microsecond)
+		if db.Kind != testdb.Postgres {
+			at = at.(time.Time).Format("2006-01-02 15:04:05.000000")
+		}
+		attempts := 0
+		if i == 1 {
+			attempts = 10
+		}
+		if _, err := tx.ExecContext(ctx, insert, fmt.Sprintf("stuck-%06d", i), queue, at, i, attempts); err != nil {
+			return fmt.Errorf("stuck: %w", err)
+		}
+	}
+	return tx.Commit()
+}
+
 // drainByRun runs the relays as a service does until every record is
-// confirmed or marked (sent), then polls Stats until nothing is pending: the last
-// batch is then published and marked.
-func drainByRun(ctx context.Context, fs []*outbox.Forwarder, sent <-chan struct{}) error {
+// confirmed or marked (sent), then polls Stats until no more than left are
+// pending: the last batch is then published and marked.
+func drainByRun(ctx context.Context, fs []*outbox.Forwarder, sent <-chan struct{}, left int64) error {
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	runErr := make(chan error, len(fs))
@@ -540,7 +644,7 @@ func drainByRun(ctx context.Context, fs []*outbox.Forwarder, sent <-chan struct{
 		if err != nil {
 			return err
 		}
-		if st.Pending == 0 {
+		if st.Pending <= left {
 			return nil
 		}
 		if time.Now().After(deadline) {
@@ -824,7 +928,7 @@ func relayOnCluster(ctx context.Context, cfg config, n int, payload []byte, out 
 			kind := cfg.kinds[0]
 			var res relayResult
 			err := quorum.undisturbed("relay "+kind+" (quorum)", func() (err error) {
-				res, err = relayDrain(ctx, cfg, kind, quorum, n, payload, relayRun, false)
+				res, err = relayDrain(ctx, cfg, kind, quorum, n, payload, relayRun, 0, 0)
 				return err
 			})
 			if err != nil {
@@ -856,7 +960,7 @@ func rawBesideRelayDB(ctx context.Context, cfg config, q *benchQueue, n int, pay
 	err := withDatabase(ctx, cfg.kinds[0], cfg.dir, func(db *testdb.DB, d outbox.Dialect) error {
 		// Twice the rows: the relay does not run dry before the raw
 		// client is done, though the broker be faster for it.
-		if err := relayFill(ctx, db, q.name, 2*n, payload, false); err != nil {
+		if err := relayFill(ctx, db, q.name, 2*n, payload, 0); err != nil {
 			return err
 		}
 		f, err := outbox.NewForwarder(db.DB, &pacedDest{rate: rate}, outbox.ForwarderConfig{Dialect: d, BatchSize: *relayBatch, MaxBatchSize: *relayMax, StatsInterval: time.Hour})
