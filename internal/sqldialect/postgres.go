@@ -270,34 +270,35 @@ func (postgres) notOurs(alias string) string {
 	return " AND " + alias + ".id::text NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
 }
 
-// windowClaim locks near's rows in its walk, as the claim does, and the
-// rows beyond the window in two more walks that skip locked rows: the
-// heads, oldest first, each locked once chosen (a lock taken in the choice
-// of a key's head would skip a head another relay holds and take the
-// record after it), and the unkeyed rows through 0013's index. Of the rows
-// they lock, up to those near left each, the oldest are claimed; the
-// others stay locked, unsent, until the claim ends (its batch marked), and
-// are then anyone's again. Heads are read and locked one by one through
-// LATERAL: a join left to the planner hashed the whole table.
+// windowClaim locks near's rows in its walk, as the claim does. Beyond
+// the window it chooses first and locks after, each row as it comes, and
+// only as many as it returns: the heads and the first unkeyed rows (up to
+// twice the claim's size, through 0013's index), oldest first, each locked
+// by its id, skipped if another claim holds it, until near's shortfall is
+// made up. A lock taken in the choice would skip a head another relay
+// holds and take the record after it; a walk of the unkeyed rows that
+// locked as it went would lock rows the claim then left unsent (a review
+// found them skipped by every claim until this one's batch was marked).
+// Heads are read and locked one by one through LATERAL: a join left to
+// the planner hashed the whole table.
 func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
-	const lock = " FOR UPDATE SKIP LOCKED"
 	var b sqlBuilder
 	b.add("WITH RECURSIVE ")
-	o.windowNear(&b, p, where, args, postgresClaimed, lock)
+	o.windowNear(&b, p, where, args, postgresClaimed, " FOR UPDATE SKIP LOCKED")
 	b.add(", ")
 	o.windowKeys(&b)
 	b.add(", heads AS MATERIALIZED (SELECT hh.id, hh.created_at FROM keys CROSS JOIN LATERAL (")
 	o.keyHeadOf(&b, p, "h.id, h.created_at", "keys.k")
 	b.add(") hh WHERE keys.k IS NOT NULL)")
+	b.add(", far AS (SELECT x.* FROM (SELECT id, created_at FROM (SELECT id, created_at FROM heads UNION ALL SELECT * FROM (SELECT " +
+		claimAlias + ".id, " + claimAlias + ".created_at FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
+	o.farWhere(&b, p, "id")
+	b.add(" ORDER BY created_at, id LIMIT ?) u) cand ORDER BY created_at, id) hs CROSS JOIN LATERAL (SELECT "+postgresClaimed+" FROM "+o.table+" "+claimAlias+
+		" WHERE "+claimAlias+".id = hs.id AND ", 2*p.Limit)
+	o.farWhere(&b, p, "id")
 	limit, largs := farLimit(p)
-	b.add(", far_h AS (SELECT x.* FROM (SELECT id, created_at FROM heads ORDER BY created_at, id) hs CROSS JOIN LATERAL (SELECT " + postgresClaimed + " FROM " + o.table + " " + claimAlias +
-		" WHERE " + claimAlias + ".id = hs.id AND ")
-	o.farWhere(&b, p, "id")
-	b.add(lock+") x LIMIT "+limit+")", largs...)
-	b.add(", far_u AS (SELECT " + postgresClaimed + " FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
-	o.farWhere(&b, p, "id")
-	b.add(" ORDER BY created_at, id LIMIT "+limit+lock+")", largs...)
-	b.add(" SELECT * FROM (SELECT * FROM near UNION ALL SELECT * FROM far_h UNION ALL SELECT * FROM far_u) z ORDER BY created_at, id LIMIT ?", p.Limit)
+	b.add(" FOR UPDATE SKIP LOCKED) x LIMIT "+limit+")", largs...)
+	b.add(" SELECT * FROM near UNION ALL SELECT * FROM far ORDER BY created_at, id")
 	return Query{SQL: rebindDollar(b.sql), Args: b.args}
 }
 
