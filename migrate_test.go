@@ -370,9 +370,9 @@ func TestMigrate_RailsTable_AddsWhatIsMissingInPlaceKeepsEveryRow(t *testing.T) 
 			t.Errorf("processed_at: %d set, %v; want the column, null in every row", processed, err)
 		}
 		want := map[string][]string{
-			testdb.Postgres: {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pending_key", "acemq_outbox_pkey", "acemq_outbox_published"},
+			testdb.Postgres: {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_claim", "acemq_outbox_pending_key", "acemq_outbox_pending_unkeyed", "acemq_outbox_pkey", "acemq_outbox_published"},
 			testdb.MySQL:    {"PRIMARY", "acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key", "acemq_outbox_unprocessed"},
-			testdb.SQLite:   {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
+			testdb.SQLite:   {"acemq_outbox_aggregate_seq", "acemq_outbox_pending", "acemq_outbox_pending_key", "acemq_outbox_pending_unkeyed", "acemq_outbox_published", "sqlite_autoindex_acemq_outbox_1"},
 		}[db.Kind]
 		if got := indexes(t, db); !reflect.DeepEqual(got, want) {
 			t.Errorf("indexes %v, want %v: Rails' kept, and the one the relay's claim walks", got, want)
