@@ -46,7 +46,7 @@ func TestClaim_BehindOneKeysBacklog_ReadsAWindowNotTheBacklog(t *testing.T) {
 		if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 			t.Fatal(err)
 		}
-		window := claimWindow(p.Limit)
+		window := defaultClaimWindow(p.Limit)
 		if everyClaimWindow > 0 {
 			window = everyClaimWindow // OUTBOX_TEST_CLAIM_WINDOW
 		}

@@ -90,19 +90,19 @@ type Store struct {
 	busyWait  time.Duration
 	busyKnown bool
 
-	// On MySQL the locking claim names the pending index, and its key-head
-	// probe the index of a key's pending rows, looked up at the first claim
-	// (see sqldialect's mysql pendingIndex and keyIndex): index and
-	// keyIndex are their names, "" until found. One not found, both are
-	// looked up again after indexRecheck.
-	// window, if set, is claimWindow for a test. narrowed, if set, is the
-	// window of the next claims (see claimedInWindow).
+	// window, if set, is defaultClaimWindow for a test. narrowed, if set,
+	// is the window of the next claims (see claimedInWindow).
 	window   func(n int) int
 	narrowed atomic.Int64
 	// walksShort: the last claim was unwindowed and quick, so the next one
 	// claims without asking for a window (see claimedInWindow).
 	walksShort atomic.Bool
 
+	// On MySQL the locking claim names the pending index, and its key-head
+	// probe the index of a key's pending rows, looked up at the first claim
+	// (see sqldialect's mysql pendingIndex and keyIndex): index and
+	// keyIndex are their names, "" until found. One not found, both are
+	// looked up again after indexRecheck.
 	claimMu      sync.Mutex
 	index        string
 	keyIndex     string
@@ -519,12 +519,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	return &claim{rows: claimed, tx: tx, conn: conn, end: end}, nil
 }
 
-// claimWindow is how many entries of the pending index a claim of n rows
-// walks before it looks for the rest key by key (see sqldialect's
+// defaultClaimWindow is how many entries of the pending index a claim of n
+// rows walks before it looks for the rest key by key (see sqldialect's
 // window.go): enough that a claim over records of many keys, or of keys
 // whose heads are in flight, finds its rows in the walk; the walk costs a
 // probe per entry it passes over.
-func claimWindow(n int) int { return 2*n + 256 }
+func defaultClaimWindow(n int) int { return 2*n + 256 }
 
 // claimShortWalk is the time under which an unwindowed claim is taken to
 // have walked little of the pending index (see claimedInWindow): a probe
@@ -549,7 +549,7 @@ func (s *Store) claimWindow(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimP
 	if !s.q.Windows() {
 		return 0, nil
 	}
-	w := claimWindow(p.Limit)
+	w := defaultClaimWindow(p.Limit)
 	switch {
 	case s.window != nil:
 		w = s.window(p.Limit) // a test's

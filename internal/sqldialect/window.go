@@ -6,9 +6,9 @@ import "slices"
 // rows that pass keyHead. Every pending record of a key but its head fails
 // keyHead, so a key with a backlog (an aggregate that published 20,000
 // events while the broker was away, a head stuck at MaxAttempts) made
-// every claim walk its backlog and probe each entry: 200 ms a claim on
-// PostgreSQL at 20,000 pending records of one key, and that key drained at
-// one record a claim. A windowed claim walks only the first ClaimParams.Window
+// every claim walk its backlog and probe each entry: 300 ms a claim of 100
+// on PostgreSQL at 20,000 pending records of one key, and that key drained
+// at one record a claim. A windowed claim walks only the first ClaimParams.Window
 // pending entries (near), and when those give fewer rows than it asks for,
 // finds the rest without walking a key's backlog (far): each key's head
 // through a loose scan of 0007's acemq_outbox_pending_key (one probe per
@@ -19,7 +19,8 @@ import "slices"
 //
 // The relay asks for a window only when the pending index holds that many
 // entries from where the claim starts (WindowFull): a claim over fewer is
-// today's claim, as it is on MySQL, whose claims are not windowed.
+// the claim as it was, as every claim is on MySQL, whose claims are not
+// windowed.
 
 // WindowFull tells whether the pending index holds at least window entries
 // from where a claim with p starts, which makes the claim windowed. Column:
