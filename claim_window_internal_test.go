@@ -173,9 +173,21 @@ func queryLines(t *testing.T, tx *sql.Tx, query string, args ...any) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rows.Close()
-	cols, _ := rows.Columns()
 	var out strings.Builder
+	if err := eachRow(rows, func(vals []any) { fmt.Fprintln(&out, vals...) }); err != nil {
+		t.Fatal(err)
+	}
+	return out.String()
+}
+
+// eachRow hands each of rows' rows to fn, its columns as scanned into
+// []any, and closes rows.
+func eachRow(rows *sql.Rows, fn func(vals []any)) error {
+	defer rows.Close()
+	cols, err := rows.Columns()
+	if err != nil {
+		return err
+	}
 	for rows.Next() {
 		vals := make([]any, len(cols))
 		ptrs := make([]any, len(cols))
@@ -183,14 +195,11 @@ func queryLines(t *testing.T, tx *sql.Tx, query string, args ...any) string {
 			ptrs[i] = &vals[i]
 		}
 		if err := rows.Scan(ptrs...); err != nil {
-			t.Fatal(err)
+			return err
 		}
-		fmt.Fprintln(&out, vals...)
+		fn(vals)
 	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out.String()
+	return rows.Err()
 }
 
 // An idle relay probes before it claims: behind a stuck key's backlog, the

@@ -85,18 +85,8 @@ func rvClaim(t *testing.T, db *testdb.DB, s *Store, p sqldialect.ClaimParams) ([
 	if err != nil {
 		return nil, err
 	}
-	defer rows.Close()
-	cols, _ := rows.Columns()
 	var ids []string
-	for rows.Next() {
-		vals := make([]any, len(cols))
-		ptrs := make([]any, len(cols))
-		for i := range vals {
-			ptrs[i] = &vals[i]
-		}
-		if err := rows.Scan(ptrs...); err != nil {
-			return nil, err
-		}
+	err = eachRow(rows, func(vals []any) {
 		switch v := vals[0].(type) {
 		case string:
 			ids = append(ids, v)
@@ -105,8 +95,8 @@ func rvClaim(t *testing.T, db *testdb.DB, s *Store, p sqldialect.ClaimParams) ([
 		default:
 			ids = append(ids, fmt.Sprint(v))
 		}
-	}
-	return ids, rows.Err()
+	})
+	return ids, err
 }
 
 // On random tables (keys with quotes and letters outside ASCII, records
