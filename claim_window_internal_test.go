@@ -253,3 +253,82 @@ func TestProbe_BehindAStuckKeysBacklog_ReadsAWindowNotTheBacklog(t *testing.T) {
 		probe(true, "the key's head retried")
 	})
 }
+
+// A narrowed claim looks at a slice of the keys beyond its window, after
+// where the last one stopped, and from the first again once past the last:
+// behind a key whose stuck backlog fills the window, and keys first in the
+// keys' order that their stuck heads hold, every other key's records are
+// claimed within keys ÷ slice claims, each claim only heads, none twice.
+func TestClaim_NarrowedClaimsReadTheKeysInTurn_EveryHeadClaimed(t *testing.T) {
+	t.Parallel()
+	eachWindowing(t, func(t *testing.T, db *testdb.DB, c windowing) {
+		base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+		at := func(i int) any {
+			v := base.Add(time.Duration(i) * time.Millisecond)
+			if c.kind == testdb.SQLite {
+				return v.Format("2006-01-02 15:04:05.000000")
+			}
+			return v
+		}
+		insert := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, created_at, aggregate_id, seq, attempts) VALUES (?, 'x', 'k', 'b', ?, ?, ?, ?)")
+		for seq := 1; seq <= 30; seq++ {
+			attempts := 0
+			if seq == 1 {
+				attempts = 10 // stuck: its key holds
+			}
+			db.MustExec(insert, fmt.Sprintf("hot#%02d", seq), at(seq), "m-hot", seq, attempts)
+		}
+		// Ten keys first in the keys' order, each held by its stuck head:
+		// a claim that looked at the same first keys each time would never
+		// get past them.
+		for k := range 10 {
+			db.MustExec(insert, fmt.Sprintf("a%02d#1", k), at(50+k), fmt.Sprintf("a%02d", k), 1, 10)
+		}
+		const keys = 40
+		for k := range keys {
+			for seq := 1; seq <= 2; seq++ {
+				db.MustExec(insert, fmt.Sprintf("k%02d#%d", k, seq), at(100+2*k+seq), fmt.Sprintf("k%02d", k), seq, 0)
+			}
+		}
+		s, err := NewStore(db.DB, StoreConfig{Dialect: c.d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.window = func(int) int { return 4 }
+		s.keysPer = func(int) int { return 7 }
+		ctx := context.Background()
+		seen := map[string]int{}
+		for i := 0; i < 3*(keys+10)/7+6 && len(seen) < 2*keys; i++ {
+			cl, err := s.claimBatch(ctx, 5, "r", time.Minute, nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range cl.rows {
+				if strings.HasPrefix(r.ID, "hot") || strings.HasPrefix(r.ID, "a") {
+					t.Fatalf("claim %d took %s, behind its key's stuck head", i, r.ID)
+				}
+				var k, seq int
+				if _, err := fmt.Sscanf(r.ID, "k%02d#%d", &k, &seq); err != nil {
+					t.Fatal(err)
+				}
+				if seq == 2 && seen[fmt.Sprintf("k%02d#1", k)] == 0 {
+					t.Fatalf("claim %d took %s before its key's first record was published", i, r.ID)
+				}
+				seen[r.ID]++
+				if seen[r.ID] > 1 {
+					t.Fatalf("claim %d took %s again", i, r.ID)
+				}
+			}
+			ids := make([]string, len(cl.rows))
+			for j, r := range cl.rows {
+				ids[j] = r.ID
+			}
+			if err := s.finish(ctx, cl, ids, nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if len(seen) != 2*keys {
+			t.Errorf("%d of the %d records behind the stuck key were claimed", len(seen), 2*keys)
+		}
+	})
+}

@@ -255,6 +255,27 @@ func TestClaim_Windowed_TakesWhatAnUnwindowedClaimTakes_Random(t *testing.T) {
 								bad = true
 							}
 						}
+						// Beyond the window, some keys only (a narrowed
+						// claim's): only rows an unwindowed claim takes,
+						// none twice.
+						pk := pw
+						pk.Keys = []string{}
+						for _, k := range keys[2:] {
+							if rng.Intn(2) == 0 {
+								pk.Keys = append(pk.Keys, k)
+							}
+						}
+						some, err := rvClaim(t, db, s, pk)
+						if err != nil {
+							t.Fatalf("windowed n=%d w=%d keys %q: %v", lim, w, pk.Keys, err)
+						}
+						for i, id := range some {
+							if !slices.Contains(ref, id) || slices.Contains(some[:i], id) {
+								fails++
+								t.Errorf("iter %d n=%d w=%d keys %q: took %v, all claimable %v", iter, lim, w, pk.Keys, some, ref)
+								break
+							}
+						}
 						gs, ws := slices.Clone(got), slices.Clone(want)
 						slices.Sort(gs)
 						slices.Sort(ws)

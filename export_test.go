@@ -157,3 +157,8 @@ func SetEveryClaimWindow(n int) { everyClaimWindow = n }
 
 // SetForwarderClaimWindow is SetClaimWindow on f's store.
 func SetForwarderClaimWindow(f *Forwarder, fn func(n int) int) { f.store.window = fn }
+
+// SetKeysPerClaim sets how many keys s's windowed claims of n rows look at
+// beyond their window, each after where the last stopped. Set before s is
+// used.
+func SetKeysPerClaim(s *Store, f func(n int) int) { s.keysPer = f }

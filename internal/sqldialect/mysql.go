@@ -319,6 +319,8 @@ func (mysql) windows() bool { return false }
 
 func (mysql) latest() string { return "NULL" } // never asked for (windows)
 
+func (mysql) jsonTexts() string { return "SELECT NULL" } // never asked for (windows)
+
 // windowClaim: never asked for (windows).
 func (d mysql) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
 	return d.claim(o.table, p, where, args)

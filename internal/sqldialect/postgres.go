@@ -263,6 +263,9 @@ func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 
 func (postgres) windows() bool { return true }
 
+// jsonTexts reads the texts of a JSON array argument, one row each.
+func (postgres) jsonTexts() string { return "SELECT j FROM json_array_elements_text(?::json) j" }
+
 // latest sorts after every time a timestamp column holds.
 func (postgres) latest() string { return "'infinity'" }
 
@@ -272,8 +275,9 @@ func (postgres) notOurs(alias string) string {
 
 // windowClaim locks near's rows in its walk, as the claim does. Beyond
 // the window it chooses first and locks after, each row as it comes, and
-// only as many as it returns: the heads and the first unkeyed rows (up to
-// twice the claim's size, through 0013's index), oldest first, each locked
+// only as many as it returns: the heads and the first unkeyed rows (2n +
+// 256 of them, through 0013's index: past as many held by other claims, it
+// takes younger rows, or fewer), oldest first, each locked
 // by its id, skipped if another claim holds it, until near's shortfall is
 // made up. A lock taken in the choice would skip a head another relay
 // holds and take the record after it; a walk of the unkeyed rows that
@@ -286,7 +290,7 @@ func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) 
 	b.add("WITH RECURSIVE ")
 	o.windowNear(&b, p, where, args, postgresClaimed, " FOR UPDATE SKIP LOCKED")
 	b.add(", ")
-	o.windowKeys(&b)
+	o.windowKeys(&b, p)
 	b.add(", heads AS MATERIALIZED (SELECT hh.id, hh.created_at FROM keys CROSS JOIN LATERAL (")
 	o.keyHeadOf(&b, p, "h.id, h.created_at", "keys.k")
 	b.add(") hh WHERE keys.k IS NOT NULL)")
@@ -294,7 +298,7 @@ func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) 
 		claimAlias + ".id, " + claimAlias + ".created_at FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
 	o.farWhere(&b, p, "id")
 	b.add(" ORDER BY created_at, id LIMIT ?) u) cand ORDER BY created_at, id) hs CROSS JOIN LATERAL (SELECT "+postgresClaimed+" FROM "+o.table+" "+claimAlias+
-		" WHERE "+claimAlias+".id = hs.id AND ", 2*p.Limit)
+		" WHERE "+claimAlias+".id = hs.id AND ", 2*p.Limit+256)
 	o.farWhere(&b, p, "id")
 	limit, largs := farLimit(p)
 	b.add(" FOR UPDATE SKIP LOCKED) x LIMIT "+limit+")", largs...)

@@ -417,6 +417,9 @@ type ClaimParams struct {
 	// of the pending index (see window.go). Set it only where Windows says
 	// so and WindowFull found that many.
 	Window int
+	// Keys, if not nil, are the keys a windowed claim looks at beyond its
+	// window (WindowKeys), rather than every key with a pending record.
+	Keys []string
 }
 
 // Claim claims up to p.Limit claimable rows in created_at, id order.

@@ -158,6 +158,8 @@ type Dialect interface {
 	windows() bool
 	// latest is a value that sorts after every created_at.
 	latest() string
+	// jsonTexts selects the texts of a JSON array, its one argument.
+	jsonTexts() string
 	claimSetup() string
 	// busyTimeout is the setting that says how long a connection waits
 	// for another connection's write lock, "" where the server queues

@@ -125,6 +125,9 @@ func (d sqlite) keyHead(table, alias string, p ClaimParams) string {
 
 func (sqlite) windows() bool { return true }
 
+// jsonTexts reads the texts of a JSON array argument, one row each.
+func (sqlite) jsonTexts() string { return "SELECT value FROM json_each(?)" }
+
 // latest: a blob sorts after every number and text, whichever way a
 // library wrote its times.
 func (sqlite) latest() string { return "x'ff'" }
@@ -142,7 +145,7 @@ func (sqlite) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Qu
 	b.add("UPDATE "+o.table+" SET locked_by = ?, locked_until = ? WHERE id IN (WITH RECURSIVE ", p.RelayID, sqlite{}.TimeArg(p.LeaseUntil))
 	o.windowNear(&b, p, where, args, "id, created_at", "")
 	b.add(", ")
-	o.windowKeys(&b)
+	o.windowKeys(&b, p)
 	b.add(", ")
 	o.windowHeadIDs(&b, p)
 	b.add(", cand AS (SELECT " + claimAlias + ".id, " + claimAlias + ".created_at FROM " + o.table + " " + claimAlias + " WHERE " + claimAlias + ".id IN (SELECT id FROM heads) AND ")

@@ -61,7 +61,11 @@ func (o *Outbox) windowNear(b *sqlBuilder, p ClaimParams, where string, whereArg
 // windowKeys is the CTE keys, each key with a pending record: a loose
 // scan of the index of keys' pending records, one probe per key (neither
 // database does one by itself).
-func (o *Outbox) windowKeys(b *sqlBuilder) {
+func (o *Outbox) windowKeys(b *sqlBuilder, p ClaimParams) {
+	if p.Keys != nil {
+		b.add("keys(k) AS ("+o.d.jsonTexts()+")", jsonArg(p.Keys))
+		return
+	}
 	b.add("keys(k) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL ORDER BY aggregate_id LIMIT 1)" +
 		" UNION ALL SELECT (SELECT o.aggregate_id FROM " + o.table + " o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1)" +
 		" FROM keys WHERE keys.k IS NOT NULL)")
@@ -99,7 +103,7 @@ func (o *Outbox) windowHeadIDs(b *sqlBuilder, p ClaimParams) {
 func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Query {
 	var b sqlBuilder
 	b.add("WITH RECURSIVE ")
-	o.windowKeys(&b)
+	o.windowKeys(&b, p)
 	b.add(", ")
 	o.windowHeadIDs(&b, p)
 	from, fa := o.pendingFrom(p)
@@ -119,6 +123,23 @@ func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Quer
 	b.add(" UNION ALL SELECT * FROM (SELECT 1 AS one FROM heads hd WHERE (SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+claimAlias+".id = hd.id AND "+cond+") = 1 LIMIT 1) h LIMIT 1", cargs...)
 	return Query{SQL: o.d.rebind(b.sql), Args: b.args}
 }
+
+// WindowKeys lists up to n keys with pending records, in order, after the
+// key after ("" for the first), one probe per key: the keys a windowed
+// claim looks at beyond its window (ClaimParams.Keys). Column: the key.
+func (o *Outbox) WindowKeys(after string, n int) Query {
+	var b sqlBuilder
+	b.add("WITH RECURSIVE keys(k, i) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL")
+	if after != "" {
+		b.add(" AND aggregate_id > ?", after)
+	}
+	b.add(" ORDER BY aggregate_id LIMIT 1), 1 UNION ALL SELECT (SELECT o.aggregate_id FROM "+o.table+" o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1), keys.i + 1"+
+		" FROM keys WHERE keys.k IS NOT NULL AND keys.i < ?) SELECT k FROM keys WHERE k IS NOT NULL", n)
+	return Query{SQL: o.d.rebind(b.sql), Args: b.args}
+}
+
+// jsonArg is ss as the one argument of a dialect's jsonTexts: a JSON array.
+func jsonArg(ss []string) any { return inFlightArg(ss) }
 
 // farWhere is the condition of a row a windowed claim takes beyond its
 // window, on the claim's alias: claimable, after the cursor, and not taken
