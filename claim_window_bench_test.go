@@ -114,3 +114,85 @@ func BenchmarkProbe_BehindAStuckKey(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkClaim_BehindAStuckKey_ManyKeys times the first claim of 100 rows
+// from the head of the pending index when a stuck key's 2,000 records fill
+// the window and one pending record of each of many other keys comes after
+// them: the claim's far part finds those keys' heads. Windowed as a relay's
+// first claim is (not narrowed), reading a slice of the keys, and every
+// key as before (windowed_every_key); and as claims were before windows. Each reports ms/claim; compare the rows of one run.
+//
+//	go test -run '^$' -bench BenchmarkClaim_BehindAStuckKey_ManyKeys -benchtime 10x .
+func BenchmarkClaim_BehindAStuckKey_ManyKeys(b *testing.B) {
+	for _, c := range []struct {
+		kind string
+		d    Dialect
+	}{{testdb.Postgres, Postgres}, {testdb.SQLite, SQLite}} {
+		for _, keys := range []int{10000, 50000} {
+			b.Run(fmt.Sprintf("%s/keys=%d", c.kind, keys), func(b *testing.B) {
+				db := testdb.New(b, c.kind)
+				ctx := context.Background()
+				if err := Migrate(ctx, db.DB, c.d); err != nil {
+					b.Fatal(err)
+				}
+				writeManyKeysBehindStuck(b, db, 2000, keys)
+				every := func(int) int { return 1 << 30 }
+				for _, mode := range []struct {
+					name   string
+					window func(int) int
+					slice  func(int) int
+				}{{"windowed", nil, nil}, {"windowed_every_key", nil, every}, {"unwindowed", every, nil}} {
+					b.Run(mode.name, func(b *testing.B) {
+						s, err := NewStore(db.DB, StoreConfig{Dialect: c.d})
+						if err != nil {
+							b.Fatal(err)
+						}
+						s.window, s.slice = mode.window, mode.slice
+						start := time.Now()
+						for b.Loop() {
+							s.narrowed.Store(0) // each claim the relay's first from the head
+							cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+							if err != nil {
+								b.Fatal(err)
+							}
+							if len(cl.rows) != 100 {
+								b.Fatalf("claimed %d rows, want 100", len(cl.rows))
+							}
+							if err := s.abandon(ctx, cl); err != nil {
+								b.Fatal(err)
+							}
+						}
+						b.ReportMetric(float64(time.Since(start).Microseconds())/1000/float64(b.N), "ms/claim")
+					})
+				}
+			})
+		}
+	}
+}
+
+// writeManyKeysBehindStuck writes a stuck key's backlog records (its head
+// at MaxAttempts) and, after them, one pending record for each of keys
+// other keys.
+func writeManyKeysBehindStuck(t testing.TB, db *testdb.DB, backlog, keys int) {
+	t.Helper()
+	// at is the created_at of the gth row written, a millisecond apart.
+	at := func(g string) string {
+		if db.Kind == testdb.SQLite {
+			return "strftime('%Y-%m-%d %H:%M:%f000', 'now', '-1 hour', '+' || ((" + g + ") / 1000.0) || ' seconds')"
+		}
+		return "now() - interval '1 hour' + (" + g + ") * interval '1 millisecond'"
+	}
+	series := func(n int) string {
+		if db.Kind == testdb.SQLite {
+			return fmt.Sprintf("(WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < %d) SELECT g FROM s)", n)
+		}
+		return fmt.Sprintf("generate_series(1, %d) g", n)
+	}
+	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, created_at, aggregate_id, seq, attempts)" +
+		" SELECT 'hot#' || g, 'x', 'k', 'b', " + at("g") + ", 'hot', g, CASE WHEN g = 1 THEN 10 ELSE 0 END FROM " + series(backlog))
+	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, created_at, aggregate_id, seq)" +
+		" SELECT 'k' || g || '#1', 'x', 'k', 'b', " + at(fmt.Sprintf("g + %d", backlog)) + ", 'k' || g, 1 FROM " + series(keys))
+	if db.Kind == testdb.Postgres {
+		db.MustExec("ANALYZE acemq_outbox")
+	}
+}

@@ -254,11 +254,13 @@ func TestProbe_BehindAStuckKeysBacklog_ReadsAWindowNotTheBacklog(t *testing.T) {
 	})
 }
 
-// A narrowed claim looks at a slice of the keys beyond its window, after
+// A windowed claim looks at a slice of the keys beyond its window, after
 // where the last one stopped, and from the first again once past the last:
 // behind a key whose stuck backlog fills the window, and keys first in the
-// keys' order that their stuck heads hold, every other key's records are
-// claimed within keys ÷ slice claims, each claim only heads, none twice.
+// keys' order that their stuck heads hold (a slice of them yields no row,
+// and the cursor moves on all the same), every other key's records are
+// claimed within a few rounds of keys ÷ slice claims (the last slice of a
+// round holds the keys left, fewer), each claim only heads, none twice.
 func TestClaim_NarrowedClaimsReadTheKeysInTurn_EveryHeadClaimed(t *testing.T) {
 	t.Parallel()
 	eachWindowing(t, func(t *testing.T, db *testdb.DB, c windowing) {
@@ -295,10 +297,10 @@ func TestClaim_NarrowedClaimsReadTheKeysInTurn_EveryHeadClaimed(t *testing.T) {
 			t.Fatal(err)
 		}
 		s.window = func(int) int { return 4 }
-		s.keysPer = func(int) int { return 7 }
+		s.slice = func(int) int { return 7 }
 		ctx := context.Background()
 		seen := map[string]int{}
-		for i := 0; i < 3*(keys+10)/7+6 && len(seen) < 2*keys; i++ {
+		for i := 0; i < 4*(keys+10)/7+6 && len(seen) < 2*keys; i++ {
 			cl, err := s.claimBatch(ctx, 5, "r", time.Minute, nil, nil)
 			if err != nil {
 				t.Fatal(err)

@@ -255,25 +255,39 @@ func TestClaim_Windowed_TakesWhatAnUnwindowedClaimTakes_Random(t *testing.T) {
 								bad = true
 							}
 						}
-						// Beyond the window, some keys only (a narrowed
-						// claim's): only rows an unwindowed claim takes,
-						// none twice.
-						pk := pw
-						pk.Keys = []string{}
-						for _, k := range keys[2:] {
-							if rng.Intn(2) == 0 {
-								pk.Keys = append(pk.Keys, k)
+						if s.q.SlicesKeys() {
+							// A slice of the keys read in the claim: a
+							// short one from anywhere takes only rows an
+							// unwindowed claim takes, none twice; one that
+							// reaches the last key takes what it takes.
+							ps := pw
+							ps.KeysRead = 1 + rng.Intn(3)
+							if i := rng.Intn(len(keys) + 1); i < len(keys) {
+								ps.KeysFrom = keys[i]
 							}
-						}
-						some, err := rvClaim(t, db, s, pk)
-						if err != nil {
-							t.Fatalf("windowed n=%d w=%d keys %q: %v", lim, w, pk.Keys, err)
-						}
-						for i, id := range some {
-							if !slices.Contains(ref, id) || slices.Contains(some[:i], id) {
+							from := ps.KeysFrom
+							some, err := rvClaim(t, db, s, ps)
+							if err != nil {
+								t.Fatalf("windowed n=%d w=%d slice %d after %v: %v", lim, w, ps.KeysRead, from, err)
+							}
+							for i, id := range some {
+								if !slices.Contains(ref, id) || slices.Contains(some[:i], id) {
+									fails++
+									t.Errorf("iter %d n=%d w=%d slice %d after %v: took %v, all claimable %v", iter, lim, w, ps.KeysRead, from, some, ref)
+									break
+								}
+							}
+							ps.KeysRead, ps.KeysFrom = len(keys)+1, nil
+							all, err := rvClaim(t, db, s, ps)
+							if err != nil {
+								t.Fatal(err)
+							}
+							as, ws := slices.Clone(all), slices.Clone(want)
+							slices.Sort(as)
+							slices.Sort(ws)
+							if !slices.Equal(as, ws) {
 								fails++
-								t.Errorf("iter %d n=%d w=%d keys %q: took %v, all claimable %v", iter, lim, w, pk.Keys, some, ref)
-								break
+								t.Errorf("iter %d n=%d w=%d every key in a slice: took %v, unwindowed %v", iter, lim, w, all, want)
 							}
 						}
 						gs, ws := slices.Clone(got), slices.Clone(want)

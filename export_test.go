@@ -161,4 +161,4 @@ func SetForwarderClaimWindow(f *Forwarder, fn func(n int) int) { f.store.window 
 // SetKeysPerClaim sets how many keys s's windowed claims of n rows look at
 // beyond their window, each after where the last stopped. Set before s is
 // used.
-func SetKeysPerClaim(s *Store, f func(n int) int) { s.keysPer = f }
+func SetKeysPerClaim(s *Store, f func(n int) int) { s.slice = f }

@@ -97,11 +97,12 @@ type Store struct {
 	// walksShort: the last claim was unwindowed and quick, so the next one
 	// claims without asking for a window (see claimedInWindow).
 	walksShort atomic.Bool
-	// keysAfter is where the next narrowed claim's keys start (see
-	// claimKeys); keysPer, if set, is keysPerClaim for a test.
+	// keysAfter is where the next windowed claim's keys start, nil for
+	// the first (see sliceKeys); slice, if set, is keysPerClaim for a
+	// test.
 	keysMu    sync.Mutex
-	keysAfter string
-	keysPer   func(n int) int
+	keysAfter any
+	slice     func(n int) int
 
 	// On MySQL the locking claim names the pending index, and its key-head
 	// probe the index of a key's pending rows, looked up at the first claim
@@ -453,10 +454,13 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 			if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 				return sqldialect.Query{}, err
 			}
-			if p.Keys, err = s.claimKeys(ctx, tx, p); err != nil {
-				return sqldialect.Query{}, err
-			}
+			s.sliceKeys(&p)
 			return s.q.Claim(p), nil
+		}, func(tx *sql.Tx, claimed []sqldialect.ClaimedRow) error {
+			if p.KeysRead == 0 {
+				return nil
+			}
+			return s.slicedKeys(ctx, tx, p, sqldialect.KeysSlice{}, claimed)
 		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
@@ -510,16 +514,22 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 		return fail(err)
 	}
-	if p.Keys, err = s.claimKeys(ctx, tx, p); err != nil {
-		return fail(err)
-	}
+	s.sliceKeys(&p)
 	started := time.Now()
 	rows, err := s.queryTx(ctx, tx, s.q.Claim(p))
 	if err != nil {
 		s.forgetIndex() // dropped or renamed, maybe: look again
 		return fail(err)
 	}
-	claimed, err := s.q.ScanClaimed(rows)
+	var claimed []sqldialect.ClaimedRow
+	if p.KeysRead > 0 {
+		var ks sqldialect.KeysSlice
+		if claimed, ks, err = s.q.ScanClaimedSlice(rows); err == nil {
+			err = s.slicedKeys(ctx, tx, p, ks, claimed)
+		}
+	} else {
+		claimed, err = s.q.ScanClaimed(rows)
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -588,85 +598,75 @@ func (s *Store) claimWindow(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimP
 	return w, nil
 }
 
-// keysPerClaim is how many keys a narrowed claim of n rows looks at beyond
-// its window (see claimKeys).
+// keysPerClaim is how many keys a windowed claim of n rows reads beyond
+// its window (see sliceKeys).
 func keysPerClaim(n int) int { return 4*n + 256 }
 
-// claimKeys are the keys the windowed claim p looks at beyond its window:
-// nil (every key with a pending record, read only if the window falls
-// short) unless the window is narrowed, for then the window was short
-// before and every claim reads the keys. A narrowed claim reads
-// keysPerClaim of them, after where the last one stopped, from the first
-// again once past the last: the claim costs a probe per key it reads,
-// and behind a window that one key's backlog blocks, 50,000 keys with a
-// pending record each cost a claim 331 ms where the walk it replaces cost
-// 28 ms. Every key is read again within keys ÷ keysPerClaim claims.
-func (s *Store) claimKeys(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams) ([]string, error) {
-	if p.Window == 0 {
-		return nil, nil
+// sliceKeys has the windowed claim p read a slice of the keys beyond its
+// window, read in the claim and only if its window falls short:
+// keysPerClaim of them after where the last claim's read stopped, from the
+// first again once past the last. Every key is read again within keys ÷
+// keysPerClaim claims that read them. A claim costs a probe per key it
+// reads: reading every key cost the first windowed claim from the head
+// 330 ms on PostgreSQL (80 ms on SQLite) behind a stuck key's window with
+// 50,000 keys after it, and a list of keys read before the claim (as
+// narrowed claims did) costs the claims that their window fills. The keys
+// stay in the database, and the cursor as it was read: a list sent back as
+// JSON lost a key that is not UTF-8, or a blob on SQLite (a review).
+func (s *Store) sliceKeys(p *sqldialect.ClaimParams) {
+	if p.Window == 0 || !s.q.SlicesKeys() {
+		return
 	}
-	per := keysPerClaim(p.Limit)
-	switch {
-	case s.keysPer != nil:
-		per = s.keysPer(p.Limit) // a test's
-	case s.narrowed.Load() == 0:
-		return nil, nil
+	p.KeysRead = keysPerClaim(p.Limit)
+	if s.slice != nil {
+		p.KeysRead = s.slice(p.Limit) // a test's
 	}
 	s.keysMu.Lock()
-	after := s.keysAfter
+	p.KeysFrom = s.keysAfter
 	s.keysMu.Unlock()
-	keys, err := s.readKeys(ctx, tx, after, per)
-	if err != nil {
-		return nil, err
-	}
-	next := ""
-	if len(keys) == per {
-		next = keys[per-1]
-	} else if after != "" {
-		// Past the last key: on from the first. Keys read twice (fewer
-		// keys than per) are read once: a head named twice would be
-		// locked and claimed twice.
-		want := per - len(keys)
-		more, err := s.readKeys(ctx, tx, "", want)
-		if err != nil {
-			return nil, err
-		}
-		for _, k := range more {
-			if !slices.Contains(keys, k) {
-				keys = append(keys, k)
+}
+
+// slicedKeys moves the keys' cursor past the slice that the claim p, which
+// took claimed, read: on from its last key, or from the first once it read
+// fewer than it could. ks is what the claim said of it (PostgreSQL's, on a
+// row it took beyond its window). Unsaid, it is asked in tx, the claim's
+// transaction (KeysSliceEnd): of a claim that came back short, whose
+// window fell short, so that a slice whose keys' heads are all held or
+// stuck does not hold the reading in place; on SQLite, whose claim says
+// nothing, also of a full one that took a row beyond its window. A full
+// claim that took none read no key.
+func (s *Store) slicedKeys(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams, ks sqldialect.KeysSlice, claimed []sqldialect.ClaimedRow) error {
+	if !ks.Known {
+		var ids []any // nil: ask of a short claim
+		if len(claimed) >= p.Limit {
+			if !s.leases() {
+				return nil
+			}
+			// The youngest rows: one beyond the window is among them. A
+			// few, in case Go orders two times as the database does not
+			// (their texts in two formats, another library's).
+			sortClaimed(claimed)
+			for _, r := range claimed[max(len(claimed)-4, 0):] {
+				ids = append(ids, r.IDArg())
 			}
 		}
-		if len(more) == want {
-			next = more[want-1]
+		q := s.q.KeysSliceEnd(p, ids)
+		s.sent.Add(1)
+		switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&ks.Read, &ks.Last); {
+		case errors.Is(err, sql.ErrNoRows):
+			return nil
+		case err != nil:
+			return err
 		}
+	}
+	next := ks.Last
+	if ks.Read < p.KeysRead {
+		next = nil
 	}
 	s.keysMu.Lock()
 	s.keysAfter = next
 	s.keysMu.Unlock()
-	if keys == nil {
-		keys = []string{} // none: no head beyond the window
-	}
-	return keys, nil
-}
-
-// readKeys reads up to n keys with pending records after after.
-func (s *Store) readKeys(ctx context.Context, tx *sql.Tx, after string, n int) ([]string, error) {
-	q := s.q.WindowKeys(after, n)
-	s.sent.Add(1)
-	rows, err := tx.QueryContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var keys []string
-	for rows.Next() {
-		var k string
-		if err := rows.Scan(&k); err != nil {
-			return nil, err
-		}
-		keys = append(keys, k)
-	}
-	return keys, rows.Err()
+	return nil
 }
 
 // claimedInWindow narrows the window of the next claims after a windowed
@@ -886,7 +886,9 @@ func (s *Store) claimsOverlap() bool {
 	return s.index != ""
 }
 
-func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sqldialect.Query, error), relayID string, took func(n int, d time.Duration)) (*claim, error) {
+// claimLease claims, in a write transaction of its own, with the statement
+// claimQuery makes, and calls then, if set, in the same transaction.
+func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sqldialect.Query, error), then func(tx *sql.Tx, claimed []sqldialect.ClaimedRow) error, relayID string, took func(n int, d time.Duration)) (*claim, error) {
 	var (
 		claimed []sqldialect.ClaimedRow
 		elapsed time.Duration // the claim's statement's
@@ -907,6 +909,9 @@ func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sql
 			claimed, err = s.q.ScanClaimed(rows)
 		}
 		elapsed = time.Since(started)
+		if err == nil && then != nil {
+			err = then(tx, claimed)
+		}
 		if err != nil {
 			return fmt.Errorf("outbox: claim: %w", err)
 		}

@@ -317,9 +317,9 @@ func (mysql) notOurs(alias string) string {
 // and keyHead) would need their own proof for a claim of several parts.
 func (mysql) windows() bool { return false }
 
-func (mysql) latest() string { return "NULL" } // never asked for (windows)
+func (mysql) slicesKeys() bool { return false } // never asked for (windows)
 
-func (mysql) jsonTexts() string { return "SELECT NULL" } // never asked for (windows)
+func (mysql) latest() string { return "NULL" } // never asked for (windows)
 
 // windowClaim: never asked for (windows).
 func (d mysql) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {

@@ -263,8 +263,7 @@ func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 
 func (postgres) windows() bool { return true }
 
-// jsonTexts reads the texts of a JSON array argument, one row each.
-func (postgres) jsonTexts() string { return "SELECT j FROM json_array_elements_text(?::json) j" }
+func (postgres) slicesKeys() bool { return true }
 
 // latest sorts after every time a timestamp column holds.
 func (postgres) latest() string { return "'infinity'" }
@@ -302,7 +301,14 @@ func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) 
 	o.farWhere(&b, p, "id")
 	limit, largs := farLimit(p)
 	b.add(" FOR UPDATE SKIP LOCKED) x LIMIT "+limit+")", largs...)
-	b.add(" SELECT * FROM near UNION ALL SELECT * FROM far ORDER BY created_at, id")
+	if p.KeysRead > 0 {
+		// Each row taken beyond the window says where the read of the keys
+		// stopped: how many it read, and the last (see ScanClaimedSlice).
+		b.add(" SELECT *, NULL::bigint AS keys_read, NULL AS keys_last FROM near" +
+			" UNION ALL SELECT *, (SELECT count(k) FROM keys), (SELECT k FROM keys WHERE k IS NOT NULL ORDER BY i DESC LIMIT 1) FROM far ORDER BY created_at, id")
+	} else {
+		b.add(" SELECT * FROM near UNION ALL SELECT * FROM far ORDER BY created_at, id")
+	}
 	return Query{SQL: rebindDollar(b.sql), Args: b.args}
 }
 

@@ -417,9 +417,15 @@ type ClaimParams struct {
 	// of the pending index (see window.go). Set it only where Windows says
 	// so and WindowFull found that many.
 	Window int
-	// Keys, if not nil, are the keys a windowed claim looks at beyond its
-	// window (WindowKeys), rather than every key with a pending record.
-	Keys []string
+	// KeysRead, if set where SlicesKeys says so, bounds the keys a
+	// windowed claim looks at beyond its window to that many after
+	// KeysFrom (nil for the first; a key as a slice's end was read, a
+	// string or, on SQLite, a []byte for a blob), read inside the claim
+	// and only if the window falls short. Where that read stopped,
+	// PostgreSQL's claim says on the rows it took beyond the window
+	// (ScanClaimedSlice); KeysSliceEnd asks after.
+	KeysRead int
+	KeysFrom any
 }
 
 // Claim claims up to p.Limit claimable rows in created_at, id order.
@@ -439,6 +445,10 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 
 // Windows reports whether the dialect's claims can be windowed.
 func (o *Outbox) Windows() bool { return o.d.windows() }
+
+// SlicesKeys reports whether the dialect's windowed claims read a slice of
+// the keys themselves (ClaimParams.KeysRead).
+func (o *Outbox) SlicesKeys() bool { return o.d.slicesKeys() }
 
 // PendingBetween counts the unpublished rows under maxAttempts after after
 // (from the head when it is nil) and up to last, in claim order, through
@@ -630,6 +640,38 @@ func (col idColumn) Scan(v any) error {
 // as a BLOB makes its row Unreadable too (see idColumn); an id that cannot
 // be read at all (no primary key is NULL) fails the claim.
 func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
+	return o.scanClaimed(rows, nil, nil)
+}
+
+// KeysSlice is where the read of a windowed claim with ClaimParams.KeysRead
+// stopped: Read keys, the last of them Last. Known is false when the claim
+// did not say: it took no row beyond its window, which it may not have
+// read the keys for.
+type KeysSlice struct {
+	Known bool
+	Read  int
+	Last  any
+}
+
+// ScanClaimedSlice reads the rows of a windowed claim with
+// ClaimParams.KeysRead, and where its read of the keys stopped.
+func (o *Outbox) ScanClaimedSlice(rows *sql.Rows) ([]ClaimedRow, KeysSlice, error) {
+	var (
+		ks   KeysSlice
+		read sql.NullInt64
+		last any
+	)
+	claimed, err := o.scanClaimed(rows, []any{&read, &last}, func() {
+		if read.Valid && !ks.Known {
+			ks = KeysSlice{Known: true, Read: int(read.Int64), Last: last}
+		}
+	})
+	return claimed, ks, err
+}
+
+// scanClaimed reads the claimed rows; extra, if any, are the scanners of
+// the columns after the row's, and after, if set, is called after each row.
+func (o *Outbox) scanClaimed(rows *sql.Rows, extra []any, after func()) ([]ClaimedRow, error) {
 	defer rows.Close()
 	var (
 		out []ClaimedRow
@@ -641,10 +683,14 @@ func (o *Outbox) ScanClaimed(rows *sql.Rows) ([]ClaimedRow, error) {
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
 		c.timestamp("created_at", &r.CreatedAt), nullable(c.integer("attempts", &r.Attempts)),
 		nullable(c.text("aggregate_id", &r.AggregateID)), nullable(c.int64("seq", &r.Seq))}
+	dest = append(dest, extra...)
 	for rows.Next() {
 		r, c.failed = ClaimedRow{}, c.failed[:0]
 		if err := rows.Scan(dest...); err != nil {
 			return nil, err
+		}
+		if after != nil {
+			after()
 		}
 		if len(c.failed) > 0 {
 			r.Unreadable = errors.New(strings.Join(c.failed, "; "))

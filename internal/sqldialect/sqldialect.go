@@ -156,10 +156,12 @@ type Dialect interface {
 	windowClaim(o *Outbox, p ClaimParams, where string, whereArgs []any) Query
 	// windows reports whether the dialect's claims are windowed.
 	windows() bool
+	// slicesKeys reports whether its windowed claims can read a slice of
+	// the keys themselves (ClaimParams.KeysRead): PostgreSQL's say where
+	// it stopped, SQLite's are asked after (KeysSliceEnd).
+	slicesKeys() bool
 	// latest is a value that sorts after every created_at.
 	latest() string
-	// jsonTexts selects the texts of a JSON array, its one argument.
-	jsonTexts() string
 	claimSetup() string
 	// busyTimeout is the setting that says how long a connection waits
 	// for another connection's write lock, "" where the server queues

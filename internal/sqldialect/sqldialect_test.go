@@ -37,7 +37,8 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"claim on indexes, in flight": {Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key", InFlight: ids},
 			"windowed claim":              {Limit: 10, MaxAttempts: 5, Now: now, RelayID: "r", LeaseUntil: now, Window: 20},
 			"windowed, after, in flight":  {Limit: 10, MaxAttempts: 5, Now: now, After: &Cursor{CreatedAt: now, ID: "x"}, InFlight: ids, RelayID: "r", LeaseUntil: now, Window: 20},
-			"windowed, some keys":         {Limit: 10, MaxAttempts: 5, Now: now, InFlight: ids, RelayID: "r", LeaseUntil: now, Window: 20, Keys: []string{"k1", "k2"}},
+			"windowed, a slice of keys":   {Limit: 10, MaxAttempts: 5, Now: now, InFlight: ids, RelayID: "r", LeaseUntil: now, Window: 20, KeysRead: 30, KeysFrom: "k1"},
+			"windowed, the first keys":    {Limit: 10, MaxAttempts: 5, Now: now, InFlight: ids, RelayID: "r", LeaseUntil: now, Window: 20, KeysRead: 30},
 		}
 		queries := map[string]Query{
 			"insert":            o.Insert([]Row{{ID: "a", CreatedAt: now}, {ID: "b", CreatedAt: now}}),
@@ -78,8 +79,8 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		}
 		queries["lock keys"] = o.LockKeys(keys)
 		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
-		queries["window keys"] = o.WindowKeys("k1", 30)
-		queries["window keys, first"] = o.WindowKeys("", 30)
+		queries["keys slice end"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, KeysFrom: "k1"}, nil)
+		queries["keys slice end, beyond the window"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, After: &Cursor{CreatedAt: now, ID: "x"}}, []any{"a", "b"})
 		queries["window full"] = o.WindowFull(ClaimParams{After: &Cursor{CreatedAt: now, ID: "x"}}, 20)
 		queries["pending between"] = o.PendingBetween("", 10, &Cursor{CreatedAt: now, ID: "x"}, Cursor{CreatedAt: now, ID: "y"})
 		queries["pending up to"] = o.PendingBetween("acemq_outbox_pending", 10, nil, Cursor{CreatedAt: now, ID: "y"})

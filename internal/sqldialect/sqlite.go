@@ -125,8 +125,7 @@ func (d sqlite) keyHead(table, alias string, p ClaimParams) string {
 
 func (sqlite) windows() bool { return true }
 
-// jsonTexts reads the texts of a JSON array argument, one row each.
-func (sqlite) jsonTexts() string { return "SELECT value FROM json_each(?)" }
+func (sqlite) slicesKeys() bool { return true }
 
 // latest: a blob sorts after every number and text, whichever way a
 // library wrote its times.

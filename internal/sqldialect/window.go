@@ -60,15 +60,31 @@ func (o *Outbox) windowNear(b *sqlBuilder, p ClaimParams, where string, whereArg
 
 // windowKeys is the CTE keys, each key with a pending record: a loose
 // scan of the index of keys' pending records, one probe per key (neither
-// database does one by itself).
+// database does one by itself). With p.KeysRead, that many after
+// p.KeysFrom (keysSlice).
 func (o *Outbox) windowKeys(b *sqlBuilder, p ClaimParams) {
-	if p.Keys != nil {
-		b.add("keys(k) AS ("+o.d.jsonTexts()+")", jsonArg(p.Keys))
-		return
+	switch {
+	case p.KeysRead > 0:
+		o.keysSlice(b, p.KeysFrom, p.KeysRead)
+	default:
+		b.add("keys(k) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL ORDER BY aggregate_id LIMIT 1)" +
+			" UNION ALL SELECT (SELECT o.aggregate_id FROM " + o.table + " o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1)" +
+			" FROM keys WHERE keys.k IS NOT NULL)")
 	}
-	b.add("keys(k) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL ORDER BY aggregate_id LIMIT 1)" +
-		" UNION ALL SELECT (SELECT o.aggregate_id FROM " + o.table + " o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1)" +
-		" FROM keys WHERE keys.k IS NOT NULL)")
+}
+
+// keysSlice is the CTE keys(k, i): up to n keys with pending records, in
+// order, after the key after (nil for the first), the loose scan of
+// windowKeys stopped at the nth; i numbers them, and a last row whose k is
+// NULL says the keys ran out. The keys stay in the database: a key that
+// is not UTF-8, or a blob on SQLite, is read as it is.
+func (o *Outbox) keysSlice(b *sqlBuilder, after any, n int) {
+	b.add("keys(k, i) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL")
+	if after != nil {
+		b.add(" AND aggregate_id > ?", after)
+	}
+	b.add(" ORDER BY aggregate_id LIMIT 1), 1 UNION ALL SELECT (SELECT o.aggregate_id FROM "+o.table+" o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1), keys.i + 1"+
+		" FROM keys WHERE keys.k IS NOT NULL AND keys.i < ?)", n)
 }
 
 // keyHeadOf is the query of the columns cols of the head of key k (an
@@ -124,22 +140,35 @@ func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Quer
 	return Query{SQL: o.d.rebind(b.sql), Args: b.args}
 }
 
-// WindowKeys lists up to n keys with pending records, in order, after the
-// key after ("" for the first), one probe per key: the keys a windowed
-// claim looks at beyond its window (ClaimParams.Keys). Column: the key.
-func (o *Outbox) WindowKeys(after string, n int) Query {
+// KeysSliceEnd says where the read of the keys of the windowed claim p
+// (with p.KeysRead) stopped, where the claim did not say (see
+// ScanClaimedSlice): how many keys it read and the last. With ids, the
+// rows the claim took, it asks only if one of them lies beyond the window,
+// for only then did the claim read the keys: SQLite's claim, an UPDATE,
+// says nothing. Without, it asks of a claim that came back short, whose
+// window fell short. Asked in the claim's own transaction, whose writes
+// changed no entry of the pending index. Columns: the count, the key; no
+// row when no row of ids lies beyond the window.
+func (o *Outbox) KeysSliceEnd(p ClaimParams, ids []any) Query {
 	var b sqlBuilder
-	b.add("WITH RECURSIVE keys(k, i) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL")
-	if after != "" {
-		b.add(" AND aggregate_id > ?", after)
+	b.add("WITH RECURSIVE ")
+	o.keysSlice(&b, p.KeysFrom, p.KeysRead)
+	b.add(" SELECT (SELECT COUNT(k) FROM keys), (SELECT k FROM keys WHERE k IS NOT NULL ORDER BY i DESC LIMIT 1)")
+	if ids != nil {
+		from, fa := o.pendingFrom(p)
+		end := func(col string) {
+			b.add("(SELECT "+col+" "+from+" ORDER BY created_at, id LIMIT 1 OFFSET ?)", slices.Concat(fa, []any{p.Window - 1})...)
+		}
+		b.add(" WHERE EXISTS (SELECT 1 FROM " + o.table + " " + claimAlias + " WHERE " + claimAlias + ".id IN (" + placeholders(len(ids)) + ")")
+		b.args = append(b.args, ids...)
+		b.add(" AND (" + claimAlias + ".created_at, " + claimAlias + ".id) > (")
+		end("created_at")
+		b.add(", ")
+		end("id")
+		b.add("))")
 	}
-	b.add(" ORDER BY aggregate_id LIMIT 1), 1 UNION ALL SELECT (SELECT o.aggregate_id FROM "+o.table+" o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1), keys.i + 1"+
-		" FROM keys WHERE keys.k IS NOT NULL AND keys.i < ?) SELECT k FROM keys WHERE k IS NOT NULL", n)
 	return Query{SQL: o.d.rebind(b.sql), Args: b.args}
 }
-
-// jsonArg is ss as the one argument of a dialect's jsonTexts: a JSON array.
-func jsonArg(ss []string) any { return inFlightArg(ss) }
 
 // farWhere is the condition of a row a windowed claim takes beyond its
 // window, on the claim's alias: claimable, after the cursor, and not taken
