@@ -13,7 +13,7 @@ import (
 // A windowed claim whose window falls short reads a slice of
 // the keys beyond it, not every key: the first windowed claim from the
 // head, behind a stuck key's backlog with 50,000 keys after it, read all
-// of them (391 ms). Its read of the key index is counted in the claim's
+// of them (330 ms). Its read of the key index is counted in the claim's
 // own transaction (pg_stat_get_xact_numscans): two probes a key read, the
 // next key and its head, and one an entry of the window (its key-head
 // probe).

@@ -102,6 +102,7 @@ type Store struct {
 	// test.
 	keysMu    sync.Mutex
 	keysAfter any
+	keysMoves uint64 // how many times the cursor moved
 	slice     func(n int) int
 
 	// On MySQL the locking claim names the pending index, and its key-head
@@ -335,6 +336,9 @@ type claim struct {
 	// end releases the context tx began with, once tx is over (locking
 	// claims; see claimBatch).
 	end context.CancelFunc
+	// keys is the keys' cursor as it was before the claim moved it (see
+	// moveKeys), which abandon puts back.
+	keys keysBefore
 }
 
 // idArgs are the ids of the claim's rows a mark must not bind as text,
@@ -444,7 +448,8 @@ type failure struct {
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
-		return s.claimLease(ctx, func(tx *sql.Tx) (sqldialect.Query, error) {
+		var sliced keysCursor
+		cl, err := s.claimLease(ctx, func(tx *sql.Tx) (sqldialect.Query, error) {
 			// Timed once the write lock is this transaction's: a lease timed
 			// before a wait for it (up to busy_timeout) was that much
 			// shorter, and a second relay took over rows still in flight.
@@ -456,12 +461,14 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 			}
 			s.sliceKeys(&p)
 			return s.q.Claim(p), nil
-		}, func(tx *sql.Tx, claimed []sqldialect.ClaimedRow) error {
-			if p.KeysRead == 0 {
-				return nil
-			}
-			return s.slicedKeys(ctx, tx, p, sqldialect.KeysSlice{}, claimed)
+		}, func(tx *sql.Tx, claimed []sqldialect.ClaimedRow) (err error) {
+			sliced, err = s.slicedKeys(ctx, tx, p, sqldialect.KeysSlice{}, claimed)
+			return err
 		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
+		if err == nil {
+			cl.keys = s.moveKeys(sliced) // committed
+		}
+		return cl, err
 	}
 	// READ COMMITTED: on MySQL, REPEATABLE READ's gap locks would make every
 	// business transaction that inserts an outbox row wait for the relay's
@@ -521,11 +528,14 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		s.forgetIndex() // dropped or renamed, maybe: look again
 		return fail(err)
 	}
-	var claimed []sqldialect.ClaimedRow
+	var (
+		claimed []sqldialect.ClaimedRow
+		sliced  keysCursor
+	)
 	if p.KeysRead > 0 {
 		var ks sqldialect.KeysSlice
 		if claimed, ks, err = s.q.ScanClaimedSlice(rows); err == nil {
-			err = s.slicedKeys(ctx, tx, p, ks, claimed)
+			sliced, err = s.slicedKeys(ctx, tx, p, ks, claimed)
 		}
 	} else {
 		claimed, err = s.q.ScanClaimed(rows)
@@ -539,7 +549,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
-	return &claim{rows: claimed, tx: tx, conn: conn, end: end}, nil
+	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced)}, nil
 }
 
 // defaultClaimWindow is how many entries of the pending index a claim of n
@@ -619,54 +629,100 @@ func (s *Store) sliceKeys(p *sqldialect.ClaimParams) {
 	}
 	p.KeysRead = keysPerClaim(p.Limit)
 	if s.slice != nil {
-		p.KeysRead = s.slice(p.Limit) // a test's
+		p.KeysRead = s.slice(p.Limit) // a test's; 0 reads every key
+	}
+	if p.KeysRead == 0 {
+		return
 	}
 	s.keysMu.Lock()
 	p.KeysFrom = s.keysAfter
 	s.keysMu.Unlock()
 }
 
-// slicedKeys moves the keys' cursor past the slice that the claim p, which
-// took claimed, read: on from its last key, or from the first once it read
-// fewer than it could. ks is what the claim said of it (PostgreSQL's, on a
-// row it took beyond its window). Unsaid, it is asked in tx, the claim's
-// transaction (KeysSliceEnd): of a claim that came back short, whose
-// window fell short, so that a slice whose keys' heads are all held or
-// stuck does not hold the reading in place; on SQLite, whose claim says
-// nothing, also of a full one that took a row beyond its window. A full
-// claim that took none read no key.
-func (s *Store) slicedKeys(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams, ks sqldialect.KeysSlice, claimed []sqldialect.ClaimedRow) error {
+// keysCursor is where the keys' cursor goes after a claim (see
+// slicedKeys): to next, if move.
+type keysCursor struct {
+	next any
+	move bool
+}
+
+// slicedKeys is where the keys' cursor goes past the slice that the claim
+// p, which took claimed, read: on from its last key, or from the first
+// once it read fewer than it could. ks is what the claim said of it
+// (PostgreSQL's, on a row it took beyond its window). Unsaid, it is asked
+// in tx, the claim's transaction (KeysSliceEnd): on PostgreSQL of a claim
+// that came back short, whose window fell short, so that a slice whose
+// keys' heads are all held or stuck does not hold the reading in place; on
+// SQLite, whose claim says nothing, of every claim that took rows (it
+// reads the keys again only if one of them lies beyond the window, in the
+// database's order: Go's order of two time formats is not SQLite's). The
+// cursor moves once the claim is made (moveKeys): one undone leaves the
+// keys it read for the next.
+func (s *Store) slicedKeys(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams, ks sqldialect.KeysSlice, claimed []sqldialect.ClaimedRow) (keysCursor, error) {
+	if p.KeysRead == 0 {
+		return keysCursor{}, nil
+	}
 	if !ks.Known {
 		var ids []any // nil: ask of a short claim
 		if len(claimed) >= p.Limit {
 			if !s.leases() {
-				return nil
+				return keysCursor{}, nil // a full claim that says nothing read no key
 			}
-			// The youngest rows: one beyond the window is among them. A
-			// few, in case Go orders two times as the database does not
-			// (their texts in two formats, another library's).
-			sortClaimed(claimed)
-			for _, r := range claimed[max(len(claimed)-4, 0):] {
-				ids = append(ids, r.IDArg())
+			ids = make([]any, len(claimed))
+			for i := range claimed {
+				ids[i] = claimed[i].IDArg()
 			}
 		}
 		q := s.q.KeysSliceEnd(p, ids)
 		s.sent.Add(1)
 		switch err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&ks.Read, &ks.Last); {
 		case errors.Is(err, sql.ErrNoRows):
-			return nil
+			return keysCursor{}, nil
 		case err != nil:
-			return err
+			return keysCursor{}, err
 		}
 	}
-	next := ks.Last
 	if ks.Read < p.KeysRead {
-		next = nil
+		return keysCursor{move: true}, nil
+	}
+	return keysCursor{next: ks.Last, move: true}, nil
+}
+
+// keysBefore is the keys' cursor before a claim moved it: after, once
+// the cursor had moved moves times; moved is false when the claim left it.
+type keysBefore struct {
+	after any
+	moves uint64
+	moved bool
+}
+
+// moveKeys moves the keys' cursor as c says, and returns where it was.
+func (s *Store) moveKeys(c keysCursor) keysBefore {
+	if !c.move {
+		return keysBefore{}
 	}
 	s.keysMu.Lock()
-	s.keysAfter = next
-	s.keysMu.Unlock()
-	return nil
+	defer s.keysMu.Unlock()
+	before := keysBefore{after: s.keysAfter, moved: true}
+	s.keysAfter = c.next
+	s.keysMoves++
+	before.moves = s.keysMoves
+	return before
+}
+
+// unmoveKeys puts the keys' cursor back where the claim of b found it,
+// unless another claim moved it since: the heads an abandoned claim took
+// are claimable again, and the next claim's slice holds them.
+func (s *Store) unmoveKeys(b keysBefore) {
+	if !b.moved {
+		return
+	}
+	s.keysMu.Lock()
+	defer s.keysMu.Unlock()
+	if s.keysMoves == b.moves {
+		s.keysAfter = b.after
+		s.keysMoves++
+	}
 }
 
 // claimedInWindow narrows the window of the next claims after a windowed
@@ -968,6 +1024,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 // abandon gives a claim up without marking anything: the rows are claimable
 // again at once.
 func (s *Store) abandon(ctx context.Context, c *claim) error {
+	s.unmoveKeys(c.keys)
 	if c.tx != nil {
 		s.sent.Add(1)
 		defer c.ended()
