@@ -162,3 +162,7 @@ func SetForwarderClaimWindow(f *Forwarder, fn func(n int) int) { f.store.window 
 // beyond their window, each after where the last stopped. Set before s is
 // used.
 func SetKeysPerClaim(s *Store, f func(n int) int) { s.slice = f }
+
+// SetBeforeStats has f run fn before each reading of its metrics' figures.
+// Set before Run.
+func SetBeforeStats(f *Forwarder, fn func()) { f.beforeStats = fn }

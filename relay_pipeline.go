@@ -21,14 +21,13 @@ type relayLoop struct {
 
 	// cut ends stopGrace after Run's context: the probes, connects and
 	// claims of a stopping relay run under it (see sweep).
-	cut       context.Context
-	queue     []*batch           // sent, their confirms not yet collected, oldest first
-	settling  []*batch           // being settled by settle (see abandon)
-	after     *sqldialect.Cursor // where the next claim of a drain starts
-	size      int                // rows the next claim takes (see grow)
-	maxSize   int                // the most it grows to
-	delay     time.Duration      // the backoff after a failed sweep; 0 after a good one
-	lastStats time.Time
+	cut      context.Context
+	queue    []*batch           // sent, their confirms not yet collected, oldest first
+	settling []*batch           // being settled by settle (see abandon)
+	after    *sqldialect.Cursor // where the next claim of a drain starts
+	size     int                // rows the next claim takes (see grow)
+	maxSize  int                // the most it grows to
+	delay    time.Duration      // the backoff after a failed sweep; 0 after a good one
 	// poll is the adaptive poll's next wait (see idleWait); idle: the last
 	// sweep found nothing, so the next one probes before it claims.
 	poll time.Duration
@@ -119,15 +118,6 @@ type swept struct {
 	// which another relay's claims (and on MySQL a claim that passed it
 	// over) could not take while it was in flight, may be waiting.
 	unblocked bool
-}
-
-// refreshStats sets the metrics' gauges, every StatsInterval.
-func (l *relayLoop) refreshStats(ctx context.Context) {
-	f := l.f
-	if f.cfg.Metrics != nil && ctx.Err() == nil && time.Since(l.lastStats) >= f.cfg.StatsInterval {
-		f.refreshStats(ctx)
-		l.lastStats = time.Now()
-	}
 }
 
 // sweep claims the next batch and sends it down the pipeline, or publishes
