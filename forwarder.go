@@ -611,8 +611,8 @@ const minStatsGap = 5 * time.Millisecond
 // the figures wait for the next interval (see Store.poolConn).
 func (f *Forwarder) refreshStats(ctx context.Context) {
 	st, err := f.store.stats(ctx, true)
-	if errors.Is(err, errNoConnection) {
-		return
+	if errors.Is(err, errNoConnection) || err != nil && ctx.Err() != nil {
+		return // the relay stops: a reading cut short says nothing
 	}
 	if err != nil {
 		f.log.Error("Outbox stats for metrics failed", err, nil)
