@@ -535,6 +535,13 @@ func (f *Forwarder) run(ctx context.Context) error {
 		f.countStatements()
 		if s.stopping {
 			loop.q.stop(f)
+			// The stats' goroutine ends with ctx: a panic of its last
+			// reading comes out of Run too.
+			cancel()
+			listener.Wait()
+			if p := f.statsPanic.Load(); p != nil {
+				panic(*p)
+			}
 			f.log.Info("Outbox forwarder stopped", nil)
 			return nil
 		}
