@@ -466,7 +466,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 			return err
 		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
 		if err == nil {
-			cl.keys = s.moveKeys(sliced) // committed
+			cl.keys = s.moveKeys(sliced, len(cl.rows)) // committed
 		}
 		return cl, err
 	}
@@ -549,7 +549,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
-	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced)}, nil
+	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced, len(claimed))}, nil
 }
 
 // defaultClaimWindow is how many entries of the pending index a claim of n
@@ -624,6 +624,7 @@ func keysPerClaim(n int) int { return 4*n + 256 }
 // stay in the database, and the cursor as it was read: a list sent back as
 // JSON lost a key that is not UTF-8, or a blob on SQLite (a review).
 func (s *Store) sliceKeys(p *sqldialect.ClaimParams) {
+	p.KeysRead, p.KeysFrom = 0, nil // a retried claim's p read none yet
 	if p.Window == 0 || !s.q.SlicesKeys() {
 		return
 	}
@@ -696,14 +697,19 @@ type keysBefore struct {
 	moved bool
 }
 
-// moveKeys moves the keys' cursor as c says, and returns where it was.
-func (s *Store) moveKeys(c keysCursor) keysBefore {
+// moveKeys moves the keys' cursor as c says after a claim of n rows, and
+// returns where it was, for abandon to put it back. A claim that took no
+// row has no head to give back, and the relay abandons every such claim: put
+// back, the cursor of a slice whose heads are all held or stuck stayed
+// there for good, and every key after it waited (a review found the
+// relay claiming nothing, over and over, with keys claimable beyond it).
+func (s *Store) moveKeys(c keysCursor, n int) keysBefore {
 	if !c.move {
 		return keysBefore{}
 	}
 	s.keysMu.Lock()
 	defer s.keysMu.Unlock()
-	before := keysBefore{after: s.keysAfter, moved: true}
+	before := keysBefore{after: s.keysAfter, moved: n > 0}
 	s.keysAfter = c.next
 	s.keysMoves++
 	before.moves = s.keysMoves
@@ -998,6 +1004,7 @@ func sortClaimed(rows []sqldialect.ClaimedRow) {
 // finish marks the published rows (one statement), records the failures,
 // releases whatever else the claim held, and ends the claim.
 func (s *Store) finish(ctx context.Context, c *claim, published []string, failures []failure) error {
+	c.keys = keysBefore{} // settled: an abandon after (a panic's) gives nothing back
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
 		defer c.ended()
