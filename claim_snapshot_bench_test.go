@@ -49,20 +49,7 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 			}
 			run := func(b *testing.B) {
 				b.Run("claim", func(b *testing.B) {
-					start := time.Now()
-					for b.Loop() {
-						cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
-						if err != nil {
-							b.Fatal(err)
-						}
-						if len(cl.rows) != 100 {
-							b.Fatalf("claimed %d rows, want 100", len(cl.rows))
-						}
-						if err := s.abandon(ctx, cl); err != nil {
-							b.Fatal(err)
-						}
-					}
-					b.ReportMetric(float64(time.Since(start).Microseconds())/1000/float64(b.N), "ms/claim")
+					timeClaims(b, s, 100, nil)
 				})
 				b.Run("probe", func(b *testing.B) {
 					start := time.Now()
