@@ -21,14 +21,8 @@ func TestClaim_Abandoned_NextClaimTakesTheSameHeads(t *testing.T) {
 		t.Fatal(err)
 	}
 	base := time.Now().Add(-time.Hour).UTC()
+	writeStuckBacklog(t, db, testdb.Postgres, base, 30)
 	q := db.Rebind(keyedRowInsert)
-	for seq := 1; seq <= 30; seq++ {
-		attempts := 0
-		if seq == 1 {
-			attempts = 10
-		}
-		db.MustExec(q, fmt.Sprintf("hot#%02d", seq), base.Add(time.Duration(seq)*time.Millisecond), "hot", seq, attempts)
-	}
 	for k := 1; k <= 40; k++ {
 		db.MustExec(q, fmt.Sprintf("k%02d#1", k), base.Add(time.Second+time.Duration(k)*time.Millisecond), fmt.Sprintf("k%02d", k), 1, 0)
 	}

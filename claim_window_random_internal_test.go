@@ -255,7 +255,7 @@ func TestClaim_Windowed_TakesWhatAnUnwindowedClaimTakes_Random(t *testing.T) {
 								bad = true
 							}
 						}
-						if s.q.SlicesKeys() {
+						{
 							// A slice of the keys read in the claim: a
 							// short one from anywhere takes only rows an
 							// unwindowed claim takes, none twice; one that

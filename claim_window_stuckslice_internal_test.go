@@ -46,58 +46,49 @@ func (d *confirmingDest) got(prefix string) int {
 // after it were never claimed, with the defaults (BatchSize 100: window
 // 456, 656 keys a slice).
 func TestRelay_EmptyClaimAbandoned_CursorPassesAStuckSlice(t *testing.T) {
-	for _, kind := range []string{testdb.Postgres, testdb.SQLite} {
-		t.Run(kind, func(t *testing.T) {
-			db := testdb.New(t, kind)
-			ctx := context.Background()
-			d := Postgres
-			if kind == testdb.SQLite {
-				d = SQLite
-			}
-			if err := Migrate(ctx, db.DB, d); err != nil {
+	eachWindowing(t, func(t *testing.T, db *testdb.DB, c windowing) {
+		kind, d := c.kind, c.d
+		ctx := context.Background()
+		base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+		writeStuckBacklog(t, db, kind, base, 500) // key "hot": head stuck, 500 records
+		q := db.Rebind(keyedRowInsert)
+		tx := db.MustBegin()
+		for k := 0; k < 700; k++ { // an outage left these keys' heads stuck
+			tx.MustExec(tx.Rebind(keyedRowInsert), fmt.Sprintf("stuck%03d#1", k), keyedAt(kind, base, 1000+k), fmt.Sprintf("s%03d", k), 1, DefaultMaxAttempts)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		for k := 0; k < 5; k++ { // fresh keys, after the outage
+			db.MustExec(q, fmt.Sprintf("fresh%d#1", k), keyedAt(kind, base, 5000+k), fmt.Sprintf("z%d", k), 1, 0)
+		}
+		dest := &confirmingDest{}
+		f, err := NewForwarder(db.DB, dest, ForwarderConfig{Dialect: d, DisableListen: true, PollInterval: 20 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < 20; i++ {
+			if _, err := f.Sweep(ctx); err != nil {
 				t.Fatal(err)
 			}
-			base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
-			writeStuckBacklog(t, db, kind, base, 500) // key "hot": head stuck, 500 records
-			q := db.Rebind(keyedRowInsert)
-			tx := db.MustBegin()
-			for k := 0; k < 700; k++ { // an outage left these keys' heads stuck
-				tx.MustExec(tx.Rebind(keyedRowInsert), fmt.Sprintf("stuck%03d#1", k), keyedAt(kind, base, 1000+k), fmt.Sprintf("s%03d", k), 1, DefaultMaxAttempts)
-			}
-			if err := tx.Commit(); err != nil {
-				t.Fatal(err)
-			}
-			for k := 0; k < 5; k++ { // fresh keys, after the outage
-				db.MustExec(q, fmt.Sprintf("fresh%d#1", k), keyedAt(kind, base, 5000+k), fmt.Sprintf("z%d", k), 1, 0)
-			}
-			dest := &confirmingDest{}
-			f, err := NewForwarder(db.DB, dest, ForwarderConfig{Dialect: d, DisableListen: true, PollInterval: 20 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i := 0; i < 20; i++ {
-				if _, err := f.Sweep(ctx); err != nil {
-					t.Fatal(err)
-				}
-			}
-			sweeps := dest.got("fresh")
-			// Run too: its probe reads every key, finds the fresh heads, and
-			// claims, for ever.
-			runCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
-			defer cancel()
-			before := f.store.sent.Load()
-			done := make(chan error, 1)
-			go func() { done <- f.Run(runCtx) }()
-			<-runCtx.Done()
-			_ = f.Close()
-			<-done
-			stmts := f.store.sent.Load() - before
-			if got := dest.got("fresh"); got < 5 {
-				t.Errorf("%s: fresh keys' records published: %d of 5 after 20 Sweeps (%d), then 3 s of Run, which sent %d statements meanwhile; keys cursor %v",
-					kind, got, sweeps, stmts, f.store.keysAfter)
-			}
-		})
-	}
+		}
+		sweeps := dest.got("fresh")
+		// Run too: its probe reads every key, finds the fresh heads, and
+		// claims, for ever.
+		runCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
+		defer cancel()
+		before := f.store.sent.Load()
+		done := make(chan error, 1)
+		go func() { done <- f.Run(runCtx) }()
+		<-runCtx.Done()
+		_ = f.Close()
+		<-done
+		stmts := f.store.sent.Load() - before
+		if got := dest.got("fresh"); got < 5 {
+			t.Errorf("%s: fresh keys' records published: %d of 5 after 20 Sweeps (%d), then 3 s of Run, which sent %d statements meanwhile; keys cursor %v",
+				kind, got, sweeps, stmts, f.store.keysAfter)
+		}
+	})
 }
 
 var _ = atomic.Int64{}

@@ -149,8 +149,9 @@ type ForwarderConfig struct {
 	// Metrics, if set, counts what the relay publishes and fails, times its
 	// batches, and sets the pending, oldest-pending and stuck gauges every
 	// StatsInterval (default 15 s; each reading is one COUNT over the
-	// pending index, on a goroutine of its own beside the relay's loop). An AMQPDestination given to NewForwarder as it is
-	// reports its broker nodes in them too (AMQPConfig.Metrics).
+	// pending index, on a goroutine of its own beside the relay's loop).
+	// An AMQPDestination given to NewForwarder as it is reports its broker
+	// nodes in them too (AMQPConfig.Metrics).
 	Metrics       *Metrics
 	StatsInterval time.Duration
 }

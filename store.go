@@ -625,7 +625,7 @@ func keysPerClaim(n int) int { return 4*n + 256 }
 // JSON lost a key that is not UTF-8, or a blob on SQLite (a review).
 func (s *Store) sliceKeys(p *sqldialect.ClaimParams) {
 	p.KeysRead, p.KeysFrom = 0, nil // a retried claim's p read none yet
-	if p.Window == 0 || !s.q.SlicesKeys() {
+	if p.Window == 0 {
 		return
 	}
 	p.KeysRead = keysPerClaim(p.Limit)

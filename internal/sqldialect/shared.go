@@ -417,8 +417,7 @@ type ClaimParams struct {
 	// of the pending index (see window.go). Set it only where Windows says
 	// so and WindowFull found that many.
 	Window int
-	// KeysRead, if set where SlicesKeys says so, bounds the keys a
-	// windowed claim looks at beyond its window to that many after
+	// KeysRead, if set, bounds the keys a windowed claim looks at beyond its window to that many after
 	// KeysFrom (nil for the first; a key as a slice's end was read, a
 	// string or, on SQLite, a []byte for a blob), read inside the claim
 	// and only if the window falls short. Where that read stopped,
@@ -445,10 +444,6 @@ func (o *Outbox) Claim(p ClaimParams) Query {
 
 // Windows reports whether the dialect's claims can be windowed.
 func (o *Outbox) Windows() bool { return o.d.windows() }
-
-// SlicesKeys reports whether the dialect's windowed claims read a slice of
-// the keys themselves (ClaimParams.KeysRead).
-func (o *Outbox) SlicesKeys() bool { return o.d.slicesKeys() }
 
 // PendingBetween counts the unpublished rows under maxAttempts after after
 // (from the head when it is nil) and up to last, in claim order, through

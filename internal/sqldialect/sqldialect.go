@@ -156,10 +156,6 @@ type Dialect interface {
 	windowClaim(o *Outbox, p ClaimParams, where string, whereArgs []any) Query
 	// windows reports whether the dialect's claims are windowed.
 	windows() bool
-	// slicesKeys reports whether its windowed claims can read a slice of
-	// the keys themselves (ClaimParams.KeysRead): PostgreSQL's say where
-	// it stopped, SQLite's are asked after (KeysSliceEnd).
-	slicesKeys() bool
 	// latest is a value that sorts after every created_at.
 	latest() string
 	claimSetup() string

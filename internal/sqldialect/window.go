@@ -46,45 +46,50 @@ func (o *Outbox) pendingFrom(p ClaimParams) (string, []any) {
 // the pending index, so that its walk stops there. cols is its select
 // list, lock what ends it.
 func (o *Outbox) windowNear(b *sqlBuilder, p ClaimParams, where string, whereArgs []any, cols, lock string) {
+	b.add("near AS MATERIALIZED (SELECT "+cols+" FROM "+o.table+" "+claimAlias+" WHERE "+where, whereArgs...)
+	b.add(" AND ")
+	o.windowEndCmp(b, p, "<=")
+	b.add(" ORDER BY created_at, id LIMIT ?"+lock+")", p.Limit)
+}
+
+// windowEndCmp is the condition that the row of the claim's alias compares
+// by op with the window's last entry, in claim order.
+func (o *Outbox) windowEndCmp(b *sqlBuilder, p ClaimParams, op string) {
 	from, fa := o.pendingFrom(p)
 	end := func(col string) {
 		b.add("(SELECT "+col+" "+from+" ORDER BY created_at, id LIMIT 1 OFFSET ?)", slices.Concat(fa, []any{p.Window - 1})...)
 	}
-	b.add("near AS MATERIALIZED (SELECT "+cols+" FROM "+o.table+" "+claimAlias+" WHERE "+where, whereArgs...)
-	b.add(" AND (" + claimAlias + ".created_at, " + claimAlias + ".id) <= (")
+	b.add("(" + claimAlias + ".created_at, " + claimAlias + ".id) " + op + " (")
 	end("created_at")
 	b.add(", ")
 	end("id")
-	b.add(") ORDER BY created_at, id LIMIT ?"+lock+")", p.Limit)
+	b.add(")")
 }
 
-// windowKeys is the CTE keys, each key with a pending record: a loose
-// scan of the index of keys' pending records, one probe per key (neither
-// database does one by itself). With p.KeysRead, that many after
-// p.KeysFrom (keysSlice).
+// windowKeys is the CTE keys, the keys with pending records: a loose scan
+// of the index of keys' pending records, one probe per key (neither
+// database does one by itself), of p.KeysRead of them after p.KeysFrom, or
+// every one (keysSlice).
 func (o *Outbox) windowKeys(b *sqlBuilder, p ClaimParams) {
-	switch {
-	case p.KeysRead > 0:
-		o.keysSlice(b, p.KeysFrom, p.KeysRead)
-	default:
-		b.add("keys(k) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL ORDER BY aggregate_id LIMIT 1)" +
-			" UNION ALL SELECT (SELECT o.aggregate_id FROM " + o.table + " o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1)" +
-			" FROM keys WHERE keys.k IS NOT NULL)")
-	}
+	o.keysSlice(b, p.KeysFrom, p.KeysRead)
 }
 
-// keysSlice is the CTE keys(k, i): up to n keys with pending records, in
-// order, after the key after (nil for the first), the loose scan of
-// windowKeys stopped at the nth; i numbers them, and a last row whose k is
-// NULL says the keys ran out. The keys stay in the database: a key that
-// is not UTF-8, or a blob on SQLite, is read as it is.
+// keysSlice is the CTE keys(k, i): up to n keys with pending records (every
+// one when n is 0), in order, after the key after (nil for the first); i
+// numbers them, and a last row whose k is NULL says the keys ran out. The
+// keys stay in the database: a key that is not UTF-8, or a blob on SQLite,
+// is read as it is.
 func (o *Outbox) keysSlice(b *sqlBuilder, after any, n int) {
 	b.add("keys(k, i) AS (SELECT (SELECT aggregate_id FROM " + o.table + " WHERE published_at IS NULL AND aggregate_id IS NOT NULL")
 	if after != nil {
 		b.add(" AND aggregate_id > ?", after)
 	}
-	b.add(" ORDER BY aggregate_id LIMIT 1), 1 UNION ALL SELECT (SELECT o.aggregate_id FROM "+o.table+" o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1), keys.i + 1"+
-		" FROM keys WHERE keys.k IS NOT NULL AND keys.i < ?)", n)
+	b.add(" ORDER BY aggregate_id LIMIT 1), 1 UNION ALL SELECT (SELECT o.aggregate_id FROM " + o.table + " o WHERE o.published_at IS NULL AND o.aggregate_id IS NOT NULL AND o.aggregate_id > keys.k ORDER BY o.aggregate_id LIMIT 1), keys.i + 1" +
+		" FROM keys WHERE keys.k IS NOT NULL")
+	if n > 0 {
+		b.add(" AND keys.i < ?", n)
+	}
+	b.add(")")
 }
 
 // keyHeadOf is the query of the columns cols of the head of key k (an
@@ -155,17 +160,9 @@ func (o *Outbox) KeysSliceEnd(p ClaimParams, ids []any) Query {
 	o.keysSlice(&b, p.KeysFrom, p.KeysRead)
 	b.add(" SELECT (SELECT COUNT(k) FROM keys), (SELECT k FROM keys WHERE k IS NOT NULL ORDER BY i DESC LIMIT 1)")
 	if ids != nil {
-		from, fa := o.pendingFrom(p)
-		end := func(col string) {
-			b.add("(SELECT "+col+" "+from+" ORDER BY created_at, id LIMIT 1 OFFSET ?)", slices.Concat(fa, []any{p.Window - 1})...)
-		}
-		b.add(" WHERE EXISTS (SELECT 1 FROM " + o.table + " " + claimAlias + " WHERE " + claimAlias + ".id IN (" + placeholders(len(ids)) + ")")
-		b.args = append(b.args, ids...)
-		b.add(" AND (" + claimAlias + ".created_at, " + claimAlias + ".id) > (")
-		end("created_at")
-		b.add(", ")
-		end("id")
-		b.add("))")
+		b.add(" WHERE EXISTS (SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+claimAlias+".id IN ("+placeholders(len(ids))+") AND ", ids...)
+		o.windowEndCmp(&b, p, ">")
+		b.add(")")
 	}
 	return Query{SQL: o.d.rebind(b.sql), Args: b.args}
 }
