@@ -103,6 +103,14 @@ func runBatchLog(t *testing.T, db *testdb.DB, d outbox.Dialect, cfg outbox.Forwa
 	return dest
 }
 
+// steadyPublishTimeout is the PublishTimeout of the tests that expect a
+// drain's claims to grow as they come back full: batches in flight over an
+// eighth of it keep their size, over a quarter halve it, and a loaded
+// machine (CI's packages building and testing beside each other) kept one
+// of 15 s's 200-row batches in flight for that long ("[… 200 200 100 50
+// 50 100 …]").
+const steadyPublishTimeout = 10 * time.Minute
+
 // waitDelivered waits until dest got n distinct records, and fails the test
 // if one came twice.
 func waitDelivered(t *testing.T, dest *batchLog, n int) []int {
@@ -141,7 +149,7 @@ func TestForwarder_Run_DrainClaimsGrowFromBatchSizeToMaxBatchSize(t *testing.T) 
 		} {
 			t.Run(c.name, func(t *testing.T) {
 				publishBatch(t, db, "amq.topic", "grow", 1500)
-				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: c.capacity}, 0)
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400, PublishTimeout: steadyPublishTimeout}, &batchLog{capacity: c.capacity}, 0)
 				sizes := waitDelivered(t, dest, 1500)
 				if !slices.Equal(sizes, c.first) {
 					t.Errorf("first drain: batches %v, want %v", sizes, c.first)
@@ -189,7 +197,7 @@ func TestForwarder_Run_KeyedDrain_ClaimsGrow_EachKeyInOrder(t *testing.T) {
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
 		rows := interleavedKeys(200, 3)
 		insertKeyed(t, db, rows)
-		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: 3000}, 0)
+		dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400, PublishTimeout: steadyPublishTimeout}, &batchLog{capacity: 3000}, 0)
 		sizes := waitDelivered(t, dest, len(rows))
 		if slices.Max(sizes) <= 50 {
 			t.Errorf("batches %v: no keyed claim grew past BatchSize 50", sizes)
@@ -234,7 +242,7 @@ func TestForwarder_Run_ClaimsFitGrowBytes(t *testing.T) {
 		} {
 			t.Run(c.name, func(t *testing.T) {
 				c.commit()
-				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: c.batch, MaxBatchSize: 400}, &batchLog{capacity: 3000}, c.limit)
+				dest := runBatchLog(t, db, d, outbox.ForwarderConfig{BatchSize: c.batch, MaxBatchSize: 400, PublishTimeout: steadyPublishTimeout}, &batchLog{capacity: 3000}, c.limit)
 				if sizes := waitDelivered(t, dest, c.n); !slices.Equal(sizes, c.want) {
 					t.Errorf("batches %v, want %v", sizes, c.want)
 				}
@@ -292,7 +300,7 @@ func TestForwarder_Run_MySQL_KeyedClaimPassingOverManyRows_DoesNotGrow(t *testin
 	if _, err := other.Exec("SELECT id FROM acemq_outbox WHERE id IN (" + strings.Join(odd, ", ") + ") FOR UPDATE"); err != nil {
 		t.Fatal(err)
 	}
-	dest := runBatchLog(t, db, dialectOf(t, db), outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400}, &batchLog{capacity: 3000}, 0)
+	dest := runBatchLog(t, db, dialectOf(t, db), outbox.ForwarderConfig{BatchSize: 50, MaxBatchSize: 400, PublishTimeout: steadyPublishTimeout}, &batchLog{capacity: 3000}, 0)
 	sizes := waitDelivered(t, dest, len(rows)/2)
 	if slices.Max(sizes) > 50 {
 		t.Errorf("batches %v: a claim that passed over as many rows as it took grew past BatchSize 50", sizes)
