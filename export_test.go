@@ -166,3 +166,22 @@ func SetKeysPerClaim(s *Store, f func(n int) int) { s.slice = f }
 // SetBeforeStats has f run fn before each reading of its metrics' figures.
 // Set before Run.
 func SetBeforeStats(f *Forwarder, fn func()) { f.beforeStats = fn }
+
+// SetFloorOn makes the relay of f keep its floor (see headFloor), read
+// from the head by its next claim or probe, and start at the head again
+// only every every.
+func SetFloorOn(f *Forwarder, every time.Duration) {
+	fl := &f.store.floor
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	fl.checkAbove, fl.everyMin, fl.everyMax = 0, every, every
+	fl.on, fl.next = true, time.Time{}
+}
+
+// FloorOn reports whether the relay of f keeps its floor.
+func FloorOn(f *Forwarder) bool {
+	fl := &f.store.floor
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	return fl.on
+}

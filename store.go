@@ -105,6 +105,10 @@ type Store struct {
 	keysMoves uint64 // how many times the cursor moved
 	slice     func(n int) int
 
+	// floor is where claims and probes start while a walk from the head
+	// of the pending index is slow (see headFloor).
+	floor headFloor
+
 	// On MySQL the locking claim names the pending index, and its key-head
 	// probe the index of a key's pending rows, looked up at the first claim
 	// (see sqldialect's mysql pendingIndex and keyIndex): index and
@@ -159,7 +163,7 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}}, nil
+	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}, floor: newHeadFloor()}, nil
 }
 
 // listens reports whether the database can wake the relay at commit
@@ -253,10 +257,21 @@ func (s *Store) probe(ctx context.Context, db interface {
 			p.Window = everyClaimWindow
 		}
 	}
+	s.claimMu.Lock()
+	index := s.index
+	s.claimMu.Unlock()
+	walk := time.Now() // a probe from the head: see headWalked
+	var err error
+	if p.After, err = s.headBound(ctx, db, index); err != nil {
+		return false, err
+	}
 	q := s.inline(s.q.Claimable(p))
 	s.sent.Add(1)
 	var one int
-	err := db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
+	err = db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
+	if p.After == nil && (err == nil || errors.Is(err, sql.ErrNoRows)) {
+		s.headWalked(time.Since(walk))
+	}
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
 	}
@@ -518,6 +533,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if p.Index, p.KeyIndex, err = s.claimIndexes(ctx, tx); err != nil {
 		return fail(err)
 	}
+	walk := time.Now() // a claim from the head: see headWalked
+	if after == nil {
+		if p.After, err = s.headBound(ctx, tx, p.Index); err != nil {
+			return fail(err)
+		}
+	}
 	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 		return fail(err)
 	}
@@ -544,6 +565,9 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		return fail(err)
 	}
 	s.claimedInWindow(p, len(claimed), time.Since(started))
+	if p.After == nil {
+		s.headWalked(time.Since(walk))
+	}
 	if !stop() {
 		// ctx ended as the claim was made: its transaction is being
 		// rolled back; nothing is claimed.
@@ -1320,6 +1344,9 @@ func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
 // rows are pending whether or not it is heard: its error is dropped, and
 // the poll still finds them.
 func (s *Store) wake(ctx context.Context, n int64) {
+	if n > 0 {
+		s.lowerFloor()
+	}
 	if n > 0 && s.listens() {
 		q := s.q.Wake()
 		_, _ = s.db.ExecContext(ctx, q.SQL, q.Args...)

@@ -450,22 +450,41 @@ func (o *Outbox) Windows() bool { return o.d.windows() }
 // index when it is set (MySQL's pending index): those a claim from after
 // took, and those it passed over but for stuck ones. Column: the count.
 func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, last Cursor) Query {
-	from := o.table
+	from, where, args := o.pendingUnder(index, maxAttempts, after)
+	l := o.d.TimeArg(last.CreatedAt)
+	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
+}
+
+// PendingFirst reads the first unpublished row under maxAttempts, in claim
+// order, after after (from the head when it is nil), through index when it
+// is set (MySQL's pending index): where the rows a claim could take start.
+// A row whose created_at is NULL (another library's table may allow it) is
+// not read: MySQL orders it first. Columns: created_at, id; no row when
+// there is none.
+func (o *Outbox) PendingFirst(index string, maxAttempts int, after *Cursor) Query {
+	from, where, args := o.pendingUnder(index, maxAttempts, after)
+	return o.query("SELECT "+o.d.timeText("created_at")+", id FROM "+from+" WHERE "+where+" AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1", args...)
+}
+
+// pendingUnder is the FROM (through index, when it is set) and the WHERE
+// of the unpublished rows under maxAttempts after after, and the WHERE's
+// arguments.
+func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (from, where string, args []any) {
+	from = o.table
 	if index != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
 	}
-	where, args := "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts}
+	where, args = "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts}
 	if after != nil {
 		cond, cargs := o.after(after)
 		where += " AND " + cond
 		args = append(args, cargs...)
 	}
-	l := o.d.TimeArg(last.CreatedAt)
-	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
+	return from, where, args
 }
 
-// Claimable tells whether a Claim with p (its MaxAttempts and Now) would find a
-// row, in one statement that locks and leases nothing: what an idle relay
+// Claimable tells whether a Claim with p (its MaxAttempts, Now and After)
+// would find a row, in one statement that locks and leases nothing: what an idle relay
 // asks instead of claiming, a claim being a transaction of three or four
 // statements (on SQLite a write). Column: 1; no row when there is none.
 //
@@ -474,6 +493,11 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // windowed claim does, whether or not the index holds a window's worth.
 func (o *Outbox) Claimable(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
+	if p.After != nil {
+		cond, cargs := o.after(p.After)
+		where += " AND " + cond
+		args = append(args, cargs...)
+	}
 	if p.Window > 0 && o.d.windows() {
 		return o.claimableWindowed(p, where, args)
 	}

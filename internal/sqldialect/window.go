@@ -137,6 +137,10 @@ func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Quer
 	b.add(", ")
 	end("id", "NULL")
 	cond, cargs := o.claimable(p.MaxAttempts, p.Now)
+	if p.After != nil {
+		acond, aargs := o.after(p.After)
+		cond, cargs = cond+" AND "+acond, append(cargs, aargs...)
+	}
 	b.add(") LIMIT 1) w UNION ALL SELECT * FROM (SELECT 1 AS one FROM "+o.table+" "+claimAlias+" WHERE "+unkeyedRows+" AND "+cond+" LIMIT 1) u", cargs...)
 	cond, cargs = o.claimable(p.MaxAttempts, p.Now)
 	// Each head read by its id, in a scalar subquery: a join (IN, EXISTS)
