@@ -171,7 +171,7 @@ func SetBeforeStats(f *Forwarder, fn func()) { f.beforeStats = fn }
 // from the head by its next claim or probe, and start at the head again
 // only every every.
 func SetFloorOn(f *Forwarder, every time.Duration) {
-	fl := &f.store.floor
+	fl := f.store.floor
 	fl.mu.Lock()
 	defer fl.mu.Unlock()
 	fl.checkAbove, fl.everyMin, fl.everyMax = 0, every, every
@@ -180,7 +180,7 @@ func SetFloorOn(f *Forwarder, every time.Duration) {
 
 // FloorOn reports whether the relay of f keeps its floor.
 func FloorOn(f *Forwarder) bool {
-	fl := &f.store.floor
+	fl := f.store.floor
 	fl.mu.Lock()
 	defer fl.mu.Unlock()
 	return fl.on

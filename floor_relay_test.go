@@ -58,3 +58,34 @@ func TestForwarder_FloorOn_RecordsBelowItPublishedToo(t *testing.T) {
 		})
 	}
 }
+
+// A Sweep, which a request calls to have what it committed on the broker
+// before it answers, starts at the head whatever the floor says: its
+// record committed more than the floor's lag after its Publish goes out
+// with it, not with the relay's next walk from the head.
+func TestForwarder_FloorOn_SweepStartsAtTheHead(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			db := migrated(t, kind)
+			b := testamqp.New(t)
+			b.Queue("t")
+			f := newForwarder(t, db, outbox.ForwarderConfig{})
+			outbox.SetFloorOn(f, time.Hour)
+			publishN(t, db, b.Exchange, "t", 1)
+			if n := sweepAll(t, f); n != 1 { // the floor is read, at most its lag before now
+				t.Fatalf("published %d, want 1", n)
+			}
+			if !outbox.FloorOn(f) {
+				t.Fatal("the relay keeps no floor")
+			}
+			if _, err := db.Exec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES (?, ?, 't', 'x', '{}', ?)"),
+				"late", b.Exchange, time.Now().Add(-time.Minute).UTC()); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := f.Sweep(context.Background()); err != nil || n != 1 {
+				t.Fatalf("the Sweep published %d (%v), want the record below the floor", n, err)
+			}
+		})
+	}
+}

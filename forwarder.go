@@ -694,7 +694,9 @@ func (f *Forwarder) Close() error {
 // Sweep publishes one batch now and returns how many records went out. It
 // returns the errors of the sweep and of every failed record (joined),
 // rather than reporting them: for tests, and for a request that wants its
-// message on the broker before it answers.
+// message on the broker before it answers. Its claim starts at the head of
+// the pending index, also while Run's claims start at a floor (see the
+// README's Operating it).
 func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
 	select {
 	case <-f.closing:
@@ -731,7 +733,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	}
 	defer f.countStatements()
 	claimCtx, claimed := f.cutOnClose(ctx)
-	b, err := f.claimNext(claimCtx, nil, f.cfg.BatchSize, nil)
+	b, err := f.claimNext(claimCtx, atHead, f.cfg.BatchSize, nil)
 	claimed()
 	select {
 	case <-f.closing:

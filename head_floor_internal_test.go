@@ -309,3 +309,34 @@ func TestClaim_FloorTurnsOffOnceTheHeadIsQuick(t *testing.T) {
 		}
 	})
 }
+
+// With the floor on, the idle probe asks what the claim would take: a
+// key's head below the floor, which the claim leaves to the next walk from
+// the head, is not a reason to claim (each poll of the period claimed, and
+// took nothing).
+func TestProbe_FloorOn_AgreesWithTheClaim(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, testdb.Postgres)
+	ctx := context.Background()
+	if err := Migrate(ctx, db.DB, Postgres); err != nil {
+		t.Fatal(err)
+	}
+	s := floorStore(t, db, Postgres, time.Hour)
+	if found, err := s.probe(ctx, db.DB); err != nil || found { // reads the floor from the head
+		t.Fatalf("the probe of an empty outbox found %v (%v)", found, err)
+	}
+	db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq) VALUES ('k#1', 'x', 'k', 'b', '{}', ?, 'k', 1)"),
+		time.Now().Add(-time.Minute).UTC())
+	found, err := s.probe(ctx, db.DB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.abandon(ctx, cl) }()
+	if found != (len(cl.rows) > 0) {
+		t.Fatalf("the probe found a row to claim: %v; the claim after it took %d", found, len(cl.rows))
+	}
+}

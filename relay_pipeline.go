@@ -429,14 +429,14 @@ func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 	if last == nil {
 		return true
 	}
-	n, err := l.f.store.passedOver(ctx, b.claim, l.after, last)
+	n, err := l.f.store.passedOver(ctx, b.claim, b.claim.from, last)
 	if err != nil {
 		l.f.reportError(err, ErrorContext{})
 	}
 	// The relay's own rows in flight that the claim passed over.
 	for _, q := range l.queue {
 		for _, r := range q.claim.rows {
-			if inRange(r, l.after, last) {
+			if inRange(r, b.claim.from, last) {
 				n--
 			}
 		}
@@ -603,7 +603,10 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 		return 0, false // more are waiting, or a batch is in flight
 	default:
 		l.delay = 0
-		return l.idleWait(s), true
+		// A relay that keeps a floor looks from the head once its period
+		// is over, woken or not: what became pending below the floor (a
+		// NOTIFY woke it for, say) waits for that, not for PollInterval.
+		return min(l.idleWait(s), max(l.f.store.floorDue(), l.f.cfg.MinPollInterval)), true
 	}
 }
 

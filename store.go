@@ -107,7 +107,7 @@ type Store struct {
 
 	// floor is where claims and probes start while a walk from the head
 	// of the pending index is slow (see headFloor).
-	floor headFloor
+	floor *headFloor
 
 	// On MySQL the locking claim names the pending index, and its key-head
 	// probe the index of a key's pending rows, looked up at the first claim
@@ -163,7 +163,9 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	return &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}, floor: newHeadFloor()}, nil
+	s := &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}, floor: newHeadFloor()}
+	s.joinFloors()
+	return s, nil
 }
 
 // listens reports whether the database can wake the relay at commit
@@ -354,6 +356,9 @@ type claim struct {
 	// keys is the keys' cursor as it was before the claim moved it (see
 	// moveKeys), which abandon puts back.
 	keys keysBefore
+	// from is where the claim started: the cursor it was given, or the
+	// floor (see headFloor); nil for the head (locking claims).
+	from *sqldialect.Cursor
 }
 
 // idArgs are the ids of the claim's rows a mark must not bind as text,
@@ -454,13 +459,18 @@ type failure struct {
 
 // claimBatch claims up to n claimable rows in created_at, id order:
 // unpublished, under MaxAttempts, not under a live lease, and after the
-// cursor if there is one. inFlight are the ids of the keyed records the
+// cursor if there is one; without, from the floor while one is kept (see
+// headFloor), and with atHead from the head whatever the floor says. inFlight are the ids of the keyed records the
 // relay has in flight (see sqldialect.ClaimParams.InFlight).
 //
 // While Run holds locking claims in flight, a claim on a saturated capped
 // pool fails with errNoConnection rather than wait (see poolConn), a Sweep's
 // too.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
+	floor := after == nil
+	if after == atHead {
+		after = nil
+	}
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
 		var sliced keysCursor
@@ -534,8 +544,9 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		return fail(err)
 	}
 	walk := time.Now() // a claim from the head: see headWalked
-	if after == nil {
+	if floor {
 		if p.After, err = s.headBound(ctx, tx, p.Index); err != nil {
+			s.forgetIndex() // MySQL's, which the read names: dropped or renamed, maybe
 			return fail(err)
 		}
 	}
@@ -573,7 +584,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
-	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced, len(claimed))}, nil
+	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced, len(claimed)), from: p.After}, nil
 }
 
 // defaultClaimWindow is how many entries of the pending index a claim of n
@@ -1345,7 +1356,7 @@ func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {
 // the poll still finds them.
 func (s *Store) wake(ctx context.Context, n int64) {
 	if n > 0 {
-		s.lowerFloor()
+		s.lowerFloors()
 	}
 	if n > 0 && s.listens() {
 		q := s.q.Wake()

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -40,6 +41,11 @@ import (
 //	commit_to_broker_p50/p99_broker_only_<rate>: their floor: the bench publishes
 //	                                          straight to the broker at the same rate,
 //	                                          no database, no relay (latencyRawRun)
+//	commit_to_broker_p50/p99_<db>_process_500_held: with -held-snapshot N alone,
+//	                                          postgres and mysql: the relay process at
+//	                                          500 msg/s after N rows were published
+//	                                          while a snapshot was held, which it is
+//	                                          still (a pg_dump's), beside _process_500
 //
 // -n is the number of measured messages of the main (postgres LISTEN) run;
 // the other runs send half as many. A few warm-up messages precede each run
@@ -47,6 +53,7 @@ import (
 var (
 	latencyRate = flag.Int("rate", 500, "latency: messages committed per second")
 	latencyCSV  = flag.String("latency-csv", "", "latency: write every measured message (variant, commit offset, latency) to this CSV file")
+	latencyHeld = flag.Int("held-snapshot", 0, "latency: run only the relay process at 500 msg/s on postgres and mysql, beside a snapshot held over N rows published (the _held variants), and without")
 )
 
 const (
@@ -76,6 +83,10 @@ type latencyVariant struct {
 	// raw: no database and no relay: the bench publishes to the broker
 	// itself, on a confirm channel, at rate (latencyRawRun).
 	raw bool
+	// held: that many rows are published while a snapshot is held, as a
+	// pg_dump holds one, before the run, and it is held to its end
+	// (holdSnapshot).
+	held int
 }
 
 func runLatency(ctx context.Context, cfg config, out *reporter) error {
@@ -87,6 +98,20 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		return errors.New("-rate must be at least 1")
 	}
 	var variants []latencyVariant
+	if *latencyHeld > 0 {
+		for _, kind := range cfg.kinds {
+			if kind != testdb.SQLite {
+				for _, held := range []int{0, *latencyHeld} {
+					v := latencyVariant{kind: kind, suffix: "_process_500", process: true, rate: 500, n: max(n/2, 1), held: held}
+					if held > 0 {
+						v.suffix += "_held"
+					}
+					variants = append(variants, v)
+				}
+			}
+		}
+		cfg.kinds = nil
+	}
 	for _, kind := range cfg.kinds {
 		switch kind {
 		case testdb.Postgres:
@@ -101,7 +126,9 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 	// bench publishing straight to the broker at the same rates, so that
 	// each rate's figures have the broker's own share beside them.
 	for _, r := range processRates {
-		variants = append(variants, latencyVariant{suffix: fmt.Sprintf("broker_only_%d", r), raw: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+		if *latencyHeld == 0 {
+			variants = append(variants, latencyVariant{suffix: fmt.Sprintf("broker_only_%d", r), raw: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+		}
 	}
 	for _, kind := range cfg.kinds {
 		for i, r := range processRates {
@@ -270,6 +297,13 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 			if _, err := db.ExecContext(ctx, "ALTER TABLE acemq_outbox DISABLE TRIGGER acemq_outbox_notify"); err != nil {
 				return err
 			}
+		}
+		if v.held > 0 {
+			release, err := holdSnapshot(ctx, db, v.held)
+			if err != nil {
+				return err
+			}
+			defer release()
 		}
 		var extra []string
 		if v.loud {
@@ -648,3 +682,51 @@ func consumeQueue(q *benchQueue, rec *latencyRecorder) (stop func(), err error) 
 }
 
 func millis(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// holdSnapshot opens a transaction that holds a snapshot, as a pg_dump or a
+// mysqldump --single-transaction does, on a connection of its own, then
+// writes n rows an hour old and marks them published, as a relay would
+// have: their entries stay in the pending index while the snapshot is
+// held. release ends it.
+func holdSnapshot(ctx context.Context, db *testdb.DB, n int) (release func(), err error) {
+	conn, err := db.DB.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	release = func() {
+		_, _ = conn.ExecContext(context.WithoutCancel(ctx), "ROLLBACK")
+		_ = conn.Close()
+	}
+	begin := "BEGIN ISOLATION LEVEL REPEATABLE READ"
+	if db.Kind == testdb.MySQL {
+		begin = "START TRANSACTION WITH CONSISTENT SNAPSHOT"
+	}
+	var count int
+	if _, err = conn.ExecContext(ctx, begin); err == nil {
+		err = conn.QueryRowContext(ctx, "SELECT COUNT(*) FROM acemq_outbox").Scan(&count)
+	}
+	base := time.Now().Add(-time.Hour).UTC()
+	for start := 0; err == nil && start < n; start += 1000 {
+		var (
+			values strings.Builder
+			args   []any
+		)
+		for i := start; i < min(start+1000, n); i++ {
+			if i > start {
+				values.WriteString(", ")
+			}
+			values.WriteString("(?, 'x', 'k', 'b', '{}', ?)")
+			args = append(args, fmt.Sprintf("held%07d", i), base.Add(time.Duration(i)*time.Millisecond))
+		}
+		_, err = db.ExecContext(ctx, db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES "+values.String()), args...)
+	}
+	if err == nil {
+		_, err = db.ExecContext(ctx, db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL"), time.Now().UTC())
+	}
+	if err != nil {
+		release()
+		return nil, fmt.Errorf("held snapshot: %w", err)
+	}
+	note("latency: %d rows published beside a held snapshot", n)
+	return release, nil
+}

@@ -117,7 +117,8 @@ func (o *Outbox) windowHeadIDs(b *sqlBuilder, p ClaimParams) {
 // claimableWindowed is Claimable where claims are windowed: a row of the
 // first p.Window entries of the pending index that a claim would take
 // (all of them when there are fewer), else a claimable row no key orders,
-// else a claimable key head; each part read only when those before it
+// else a claimable key head, each after p.After when it is set, as the
+// claim's far takes them; each part read only when those before it
 // found nothing. Behind a blocked window the probe reads the window and
 // the keys, not the backlog: an idle relay behind a stuck key's 20,000
 // records used to read all of them at every poll.
@@ -142,7 +143,6 @@ func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Quer
 		cond, cargs = cond+" AND "+acond, append(cargs, aargs...)
 	}
 	b.add(") LIMIT 1) w UNION ALL SELECT * FROM (SELECT 1 AS one FROM "+o.table+" "+claimAlias+" WHERE "+unkeyedRows+" AND "+cond+" LIMIT 1) u", cargs...)
-	cond, cargs = o.claimable(p.MaxAttempts, p.Now)
 	// Each head read by its id, in a scalar subquery: a join (IN, EXISTS)
 	// was hashed against the whole table.
 	b.add(" UNION ALL SELECT * FROM (SELECT 1 AS one FROM heads hd WHERE (SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+claimAlias+".id = hd.id AND "+cond+") = 1 LIMIT 1) h LIMIT 1", cargs...)
