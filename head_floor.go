@@ -52,6 +52,9 @@ type headFloor struct {
 	on   bool
 	at   time.Time
 	next time.Time
+	// lowered is when lowerFloors last made next due: a walk from the head
+	// under way then did not see what it made pending.
+	lowered time.Time
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, lag, everyMin, everyMax time.Duration
@@ -156,6 +159,8 @@ func (s *Store) headWalked(took time.Duration) {
 		f.on = false
 	case !f.on:
 		f.on, f.next = true, time.Time{}
+	case f.lowered.After(time.Now().Add(-took)):
+		f.next = time.Time{} // lowered during this walk: the next starts at the head too
 	default:
 		f.next = time.Now().Add(min(max(floorEvery*took, f.everyMin), f.everyMax))
 	}
@@ -222,7 +227,7 @@ func (s *Store) lowerFloors() {
 	floors.mu.Unlock()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next = time.Time{}
+		f.next, f.lowered = time.Time{}, time.Now()
 		f.mu.Unlock()
 	}
 }

@@ -271,7 +271,11 @@ func (s *Store) probe(ctx context.Context, db interface {
 	s.sent.Add(1)
 	var one int
 	err = db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
-	if p.After == nil && (err == nil || errors.Is(err, sql.ErrNoRows)) {
+	// One that found a row leaves a period that is over as it is: the
+	// claim after it starts at the head too, and takes what lies below
+	// the floor (a row whose created_at is NULL, which no floor's read
+	// finds, waited for good behind an idle relay's probes).
+	if p.After == nil && errors.Is(err, sql.ErrNoRows) {
 		s.headWalked(time.Since(walk))
 	}
 	if errors.Is(err, sql.ErrNoRows) {
@@ -576,7 +580,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		return fail(err)
 	}
 	s.claimedInWindow(p, len(claimed), time.Since(started))
-	if p.After == nil {
+	if floor && p.After == nil { // not a Sweep's (atHead): the relay's period is its own
 		s.headWalked(time.Since(walk))
 	}
 	if !stop() {

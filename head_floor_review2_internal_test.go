@@ -1,0 +1,141 @@
+package outbox
+
+import (
+	"context"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// Store.Retry (and Republish) through a Store over the relay's pool are
+// said to make the relay's next claim start at the head (lowerFloors sets
+// next to zero). When the relay's own claim from the head is under way as
+// the Retry commits, that claim's statement did not see the retried row,
+// and its headWalked, after lowerFloors, sets next a whole period ahead
+// again: the next claim starts at the floor, and the row waits a period
+// (up to floorEveryMax, 10 s) instead.
+//
+// The interleaving is made by calling the steps of claimBatch in order:
+// headBound (the claim starts at the head), the Retry, headWalked (the
+// claim ends).
+func TestClaim_RetryDuringAWalkFromTheHead_NextClaimStartsAtTheHead(t *testing.T) {
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		s := floorStore(t, db, d, time.Hour)
+		op, err := NewStore(db.DB, StoreConfig{Dialect: d}) // the operator's, over the same pool
+		if err != nil {
+			t.Fatal(err)
+		}
+		writeAt(t, db, "fresh", time.Now())
+		old := time.Now().Add(-time.Hour).UTC()
+		var at any = old
+		if db.Kind == testdb.MySQL {
+			at = old.Format("2006-01-02 15:04:05.000000")
+		}
+		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
+
+		// The relay's claim: its period is over, it starts at the head...
+		from, err := s.headBound(ctx, db.DB, "")
+		if err != nil || from != nil {
+			t.Fatalf("headBound: %v, %v; want the head", from, err)
+		}
+		// ...its statement runs (and does not see 'stuck', not pending yet)...
+		// ...the operator's Retry commits, and lowers the relay's floor...
+		if n, err := op.Retry(ctx, "stuck"); err != nil || n != 1 {
+			t.Fatalf("Retry: %d, %v", n, err)
+		}
+		// ...and the claim ends, 10 ms from the head.
+		s.headWalked(10 * time.Millisecond)
+
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = s.abandon(ctx, cl) }()
+		for _, r := range cl.rows {
+			if r.ID == "stuck" {
+				return
+			}
+		}
+		t.Fatalf("the claim after the Retry took %d rows, not the retried one: it started at the floor, and the row waits %v (floorDue)", len(cl.rows), s.floorDue().Round(time.Second))
+	})
+}
+
+// An idle relay that keeps its floor (period floorEveryMin, 250 ms) stays
+// within 10 statements a second.
+func TestForwarder_FloorOn_IdleUnderTenStatementsASecond(t *testing.T) {
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		dest := &confirmingDest{}
+		f, err := NewForwarder(db.DB, dest, ForwarderConfig{Dialect: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		floorAlwaysOn(f.store, floorEveryMin)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- f.Run(ctx) }()
+		<-f.Running()
+		time.Sleep(time.Second)
+		before := f.store.sent.Load()
+		const d2 = 3 * time.Second
+		time.Sleep(d2)
+		n := f.store.sent.Load() - before
+		cancel()
+		<-done
+		t.Logf("%s: %d statements in %v idle, floor on: %v", db.Kind, n, d2, f.store.floor.on)
+		if rate := float64(n) / d2.Seconds(); rate > 10 {
+			t.Errorf("idle with the floor on: %.1f statements/s", rate)
+		}
+	})
+}
+
+// The registry of floors: Stores made and dropped concurrently with
+// lowerFloors, under -race; every entry gone once they are collected.
+func TestStore_Floors_RegistryRaceAndCleanup(t *testing.T) {
+	db := testdb.New(t, testdb.Postgres)
+	table := "floors_" + testdb.RandomName()
+	count := func() int {
+		floors.mu.Lock()
+		defer floors.mu.Unlock()
+		n := 0
+		for k, g := range floors.m {
+			if k.table == `"`+table+`"` || k.table == table {
+				n += len(g)
+			}
+		}
+		return n
+	}
+	var wg sync.WaitGroup
+	for g := 0; g < 8; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 200; i++ {
+				s, err := NewStore(db.DB, StoreConfig{Dialect: Postgres, Table: table})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				s.lowerFloors()
+				s.headWalked(time.Hour)
+				_ = s.floorDue()
+				if i%50 == 0 {
+					runtime.GC()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("registered after the loops: %d", count())
+	deadline := time.Now().Add(5 * time.Second)
+	for count() > 0 && time.Now().Before(deadline) {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := count(); n > 0 {
+		t.Fatalf("%d floors of collected Stores still registered", n)
+	}
+}
