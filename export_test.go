@@ -174,7 +174,7 @@ func SetFloorOn(f *Forwarder, every time.Duration) {
 	fl := f.store.floor
 	fl.mu.Lock()
 	defer fl.mu.Unlock()
-	fl.checkAbove, fl.everyMin, fl.everyMax = 0, every, every
+	fl.checkAbove, fl.checkEvery, fl.gainAbove, fl.everyMin, fl.everyMax = 0, 0, -time.Hour, every, every
 	fl.on, fl.next = true, time.Time{}
 }
 

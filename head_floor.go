@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 	"weak"
@@ -22,33 +23,41 @@ import (
 // purge may remove it while that snapshot could still read the row as
 // pending, and a walk from the head visits each such row to learn that it
 // is not (BenchmarkClaim_BesideAHeldSnapshot: behind 100,000 of them a
-// claim took 12 ms on PostgreSQL and 73 ms on MariaDB, against 1.7 ms
-// once PostgreSQL's snapshot ended; MariaDB's stayed slow until its purge
-// caught up). That is the database's CPU, at every claim and every idle
+// claim took 13 ms on PostgreSQL and 65–86 ms on MariaDB, against 1.1–1.4
+// ms once PostgreSQL's snapshot ended; MariaDB's stayed slow until its
+// purge caught up). That is the database's CPU, at every claim and every idle
 // poll, and as much added to every record's way to the broker.
 //
-// A claim or a probe from the head that takes checkAbove or longer turns
-// the floor on. From then on, claims and probes that would start at the
-// head start at the floor: the created_at of the first pending row under
-// MaxAttempts, or lag before now when that is earlier. Each reads the
-// floor again from where it stood, which walks only the entries of rows
-// published since (one statement more). Every period, floorEvery times
-// the last walk from the head's time (everyMin to everyMax), one claim or
-// probe reads the floor from the head and starts at the head itself,
-// timed: under checkAbove, the floor is off again. Rows that became
-// pending below the floor wait for it: a transaction that committed more
-// than lag after its Publish, a publisher whose clock is more than lag
-// behind the relay's, a Retry or Republish of old records from another
-// process or over another pool (those through a Store over the relay's
-// pool make its next claim start at the head), a row whose created_at is
-// NULL. None waits longer. A Sweep starts at the head.
+// A claim or a probe from the head that takes checkAbove or longer makes
+// the next one measure (at most every checkEvery): it reads where the
+// pending rows start (the first pending row under MaxAttempts) from the
+// head, and again from the floor that gives, the created_at of that row or
+// lag before now when that is earlier. When the second read is gainAbove
+// quicker, the floor is on. From then on, claims and probes that would
+// start at the head start at the floor; each claim reads the floor again
+// from where it stood, which walks only the entries of rows published
+// since (one statement more; a probe takes it as it stands). Every period,
+// floorEvery times the last walk from the head's time (everyMin to
+// everyMax), one claim or probe measures again and starts at the head
+// itself; a measure that finds too little gain turns the floor off. Rows
+// that became pending below the floor wait for it: a transaction that
+// committed more than lag after its Publish, a publisher whose clock is
+// more than lag behind the relay's, a Retry or Republish of old records
+// from another process or over another pool (those through a Store over
+// the relay's pool make its next claim start at the head), a row whose
+// created_at is NULL. None waits longer, but for an idle relay's next
+// poll where PollInterval is under everyMin. A Sweep starts at the head.
 //
 // SQLite removes an entry from its indexes as its row is published: a walk
 // from the head there reads only pending rows, and no floor is kept.
 type headFloor struct {
 	mu sync.Mutex
-	// on: claims and probes start at at, until next; then one starts at
-	// the head, and next is set again.
+	// check: a claim or probe from the head took checkAbove or longer;
+	// the next one measures (see headBound). checked: the last measure.
+	check   bool
+	checked time.Time
+	// on: claims and probes start at at, until next; then one measures
+	// again and starts at the head, and next is set again.
 	on   bool
 	at   time.Time
 	next time.Time
@@ -57,17 +66,28 @@ type headFloor struct {
 	lowered time.Time
 
 	// Defaults from NewStore (the floor… constants); a test's.
-	checkAbove, lag, everyMin, everyMax time.Duration
+	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
 }
 
 const (
-	// floorCheckAbove is the time of a claim (its statements from BEGIN
-	// to its rows) or a probe from the head over which the relay keeps a
-	// floor: a walk of 10,000 to 25,000 entries of published rows on
-	// PostgreSQL, a fifth of that in a MariaDB claim. Where a busy
-	// machine makes a claim that slow, the floor costs a statement per
-	// claim until the next walk from the head, which turns it off.
+	// floorCheckAbove is the time of a claim (its statements after BEGIN
+	// and the claim's setup, to its rows) or a probe (from taking a
+	// connection) from the head over which the relay measures
+	// whether a floor would save it (see headBound): a walk of 10,000 to
+	// 25,000 entries of published rows on PostgreSQL, a fifth of that in a
+	// MariaDB claim. A busy machine makes claims that slow too: at most
+	// one measure, two statements, every floorCheckEvery. (Turned on by
+	// such a claim alone, the floor cost an idle relay in CI's test of its
+	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
+	floorCheckEvery = 2 * time.Second
+	// floorGainAbove is how much quicker the read of where the pending
+	// rows start must be from the floor than from the head for the floor
+	// to be kept: 10,000 entries on PostgreSQL. On MariaDB, whose plain
+	// read passes a published row's entry about 30 times quicker than its
+	// claim's locking read does, about 60,000: a claim there pays up to
+	// 50 ms before the floor is kept.
+	floorGainAbove = 2 * time.Millisecond
 	// floorLag is how far before now the floor stays at the most: rows
 	// committed within it of their Publish (created_at), on a clock at
 	// most it behind the relay's, are never below the floor. Each claim
@@ -77,17 +97,19 @@ const (
 	// floorEvery times the last walk from the head's time is the time to
 	// the next, floorEveryMin to floorEveryMax: walks from the head then
 	// take about a fiftieth of the relay's time, and a row below the
-	// floor waits at most floorEveryMax. At a twentieth, the records that
+	// floor waits at most floorEveryMax. An idle relay measures once a
+	// period, two statements more, so at least floorEveryMin apart. At a
+	// twentieth, the records that
 	// came during those walks made a p99 of their own: 14–15 ms on
 	// PostgreSQL and 72–147 ms on MariaDB at 500 msg/s beside 100,000
 	// entries (outbox-bench -scenario latency -held-snapshot 100000).
 	floorEvery    = 50
-	floorEveryMin = 250 * time.Millisecond
+	floorEveryMin = 2 * time.Second
 	floorEveryMax = 10 * time.Second
 )
 
 func newHeadFloor() *headFloor {
-	return &headFloor{checkAbove: floorCheckAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
+	return &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
 }
 
 // atHead, as a claim's cursor, starts it at the head of the pending index
@@ -102,51 +124,75 @@ type rowQuerier interface {
 
 // headBound is where a claim or probe that would start at the head of the
 // pending index starts (see headFloor): nil for the head. The floor's
-// read runs on q, through index when it is set (MySQL's pending index).
+// reads run on q, through index when it is set (MySQL's pending index).
 // A claim or probe that starts at the head tells headWalked how long it
-// took, from before this call.
-func (s *Store) headBound(ctx context.Context, q rowQuerier, index string) (*sqldialect.Cursor, error) {
+// took, from before this call. A probe (probing) starts at the floor as it
+// stands: an idle relay, which probes every PollInterval, would pay a
+// statement more a poll, and publishes nothing to move the floor past.
+func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probing bool) (*sqldialect.Cursor, error) {
 	if s.leases() {
 		return nil, nil // SQLite
 	}
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if !f.on {
-		return nil, nil
-	}
 	now := time.Now()
-	var from *sqldialect.Cursor
-	if now.Before(f.next) {
-		from = &sqldialect.Cursor{CreatedAt: f.at}
-	}
-	first, err := s.pendingFirst(ctx, q, index, from)
-	if err != nil {
-		// The next claim or probe starts at the head, as one without a
-		// floor does: a read that keeps failing (MySQL's pending index
-		// renamed, which it names) would fail every claim.
-		f.on = false
-		return nil, err
-	}
-	if first != nil && first.CreatedAt.IsZero() {
-		return nil, nil // from the head, this once
-	}
-	f.at = now.Add(-f.lag)
-	if first != nil && first.CreatedAt.Before(f.at) {
-		f.at = first.CreatedAt
-	}
-	if from == nil {
-		// The period is over: this one starts at the head and takes what
-		// waited below the floor (headWalked sets the next period).
+	switch {
+	case f.on && now.Before(f.next) && probing:
+		return &sqldialect.Cursor{CreatedAt: f.at}, nil
+	case f.on && now.Before(f.next):
+		first, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: f.at})
+		if err != nil {
+			// The next claim or probe starts at the head, as one without
+			// a floor does: a read that keeps failing (MySQL's pending
+			// index renamed, which it names) would fail every claim.
+			f.on = false
+			return nil, err
+		}
+		if first != nil && first.CreatedAt.IsZero() {
+			return nil, nil // from the head, this once
+		}
+		f.at = f.below(first, now)
+		return &sqldialect.Cursor{CreatedAt: f.at}, nil
+	case !f.on && !f.check:
 		return nil, nil
 	}
-	return &sqldialect.Cursor{CreatedAt: f.at}, nil
+	// A walk from the head was slow, or the period is over: read where the
+	// pending rows start from the head, and again from the floor that
+	// gives, and keep the floor only if it saves gainAbove. Timed side by
+	// side, as the two reads are, a busy machine slows both. This claim or
+	// probe starts at the head, and takes what waited below the floor.
+	f.check, f.checked = false, now
+	started := time.Now()
+	first, err := s.pendingFirst(ctx, q, index, nil)
+	head := time.Since(started)
+	if err == nil && (first == nil || !first.CreatedAt.IsZero()) {
+		at := f.below(first, now)
+		started = time.Now()
+		if _, err = s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: at}); err == nil {
+			f.on, f.at = head-time.Since(started) >= f.gainAbove, at
+			return nil, nil
+		}
+	}
+	f.on = false
+	return nil, err
+}
+
+// below is the floor under the first pending row first (nil: none) at now:
+// that row's created_at, or lag before now if that is earlier.
+func (f *headFloor) below(first *sqldialect.Cursor, now time.Time) time.Time {
+	at := now.Add(-f.lag)
+	if first != nil && first.CreatedAt.Before(at) {
+		at = first.CreatedAt
+	}
+	return at
 }
 
 // headWalked records the time took of a claim or probe that started at the
-// head of the pending index: one of checkAbove or longer turns the floor on
-// (the next claim or probe reads it from the head) or keeps it on for the
-// next period; a quicker one turns it off.
+// head of the pending index. While the floor is on, it sets the next walk
+// from the head a period on. While it is off, one of checkAbove or longer
+// makes the next claim or probe measure whether the walk is worth skipping,
+// at most every checkEvery.
 func (s *Store) headWalked(took time.Duration) {
 	if s.leases() {
 		return // SQLite
@@ -154,15 +200,14 @@ func (s *Store) headWalked(took time.Duration) {
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	now := time.Now()
 	switch {
-	case took < f.checkAbove:
-		f.on = false
-	case !f.on:
-		f.on, f.next = true, time.Time{}
-	case f.lowered.After(time.Now().Add(-took)):
+	case f.on && f.lowered.After(now.Add(-took)):
 		f.next = time.Time{} // lowered during this walk: the next starts at the head too
-	default:
-		f.next = time.Now().Add(min(max(floorEvery*took, f.everyMin), f.everyMax))
+	case f.on:
+		f.next = now.Add(min(max(floorEvery*took, f.everyMin), f.everyMax))
+	case took >= f.checkAbove && now.Sub(f.checked) >= f.checkEvery:
+		f.check = true
 	}
 }
 
@@ -178,10 +223,19 @@ func (s *Store) floorDue() time.Duration {
 	return max(time.Until(f.next), 0)
 }
 
-// floorKey names the Stores of one table over one pool.
+// floorKey names the Stores of one table over one pool: by the table's
+// name without its schema, in lower case, so that "acemq_outbox" and
+// "public.acemq_outbox" (and MySQL's names that differ in case only) are
+// one. Two tables of one name in two schemas share a key: a Retry through
+// one costs the other's relay a walk from the head, no more.
 type floorKey struct {
 	db    weak.Pointer[sql.DB]
 	table string
+}
+
+// floorKeyOf is the floorKey of s.
+func (s *Store) floorKeyOf() floorKey {
+	return floorKey{weak.Make(s.db), strings.ToLower(s.q.Name())}
 }
 
 // floors are the floors of this process's Stores, by pool and table: a
@@ -194,7 +248,7 @@ var floors struct {
 
 // joinFloors enters the floor of s among floors, until s is collected.
 func (s *Store) joinFloors() {
-	k := floorKey{weak.Make(s.db), s.q.Table()}
+	k := s.floorKeyOf()
 	floors.mu.Lock()
 	defer floors.mu.Unlock()
 	if floors.m == nil {
@@ -219,7 +273,7 @@ func (s *Store) joinFloors() {
 // Republish) may lie below their floors.
 func (s *Store) lowerFloors() {
 	floors.mu.Lock()
-	group := floors.m[floorKey{weak.Make(s.db), s.q.Table()}]
+	group := floors.m[s.floorKeyOf()]
 	fs := make([]*headFloor, 0, len(group))
 	for f := range group {
 		fs = append(fs, f)

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -127,7 +128,8 @@ func floorStore(t testing.TB, db *testdb.DB, d Dialect, every time.Duration) *St
 // floorAlwaysOn makes s keep its floor, read from the head by its next
 // claim or probe, and walk from the head again only every every.
 func floorAlwaysOn(s *Store, every time.Duration) {
-	s.floor.checkAbove, s.floor.everyMin, s.floor.everyMax = 0, every, every
+	s.floor.checkAbove, s.floor.checkEvery, s.floor.gainAbove = 0, 0, -time.Hour
+	s.floor.everyMin, s.floor.everyMax = every, every
 	s.floor.on, s.floor.next = true, time.Time{}
 }
 
@@ -290,8 +292,8 @@ func TestClaim_FloorTurnsOffOnceTheHeadIsQuick(t *testing.T) {
 		if !s.floor.on {
 			t.Fatal("the floor is not on")
 		}
-		s.floor.checkAbove = time.Hour // every walk is quick now
-		s.floor.next = time.Time{}     // the period is over
+		s.floor.gainAbove = time.Hour // the floor saves too little now
+		s.floor.next = time.Time{}    // the period is over
 		if cl, err = s.claimBatch(ctx, 100, "r", time.Minute, nil, nil); err != nil {
 			t.Fatal(err)
 		}
@@ -339,4 +341,44 @@ func TestProbe_FloorOn_AgreesWithTheClaim(t *testing.T) {
 	if found != (len(cl.rows) > 0) {
 		t.Fatalf("the probe found a row to claim: %v; the claim after it took %d", found, len(cl.rows))
 	}
+}
+
+// A drain goes on from its cursor, and would pass over what waits below
+// the floor until it ends: once the floor's period is over, its claim
+// starts at the head.
+func TestClaim_FloorOn_DrainsClaimFromTheHeadOncePerPeriod(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		s := floorStore(t, db, d, time.Hour)
+		writeAt(t, db, "first", time.Now())
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil) // measures: the floor is on
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = s.abandon(ctx, cl)
+		writeAt(t, db, "late", time.Now().Add(-time.Minute))
+		drain := &sqldialect.Cursor{CreatedAt: time.Now().Add(-time.Second), ID: "x"}
+		claim := func() []string {
+			cl, err := s.claimBatch(ctx, 100, "r", time.Minute, drain, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = s.abandon(ctx, cl) }()
+			var ids []string
+			for _, r := range cl.rows {
+				ids = append(ids, r.ID)
+			}
+			return ids
+		}
+		if ids := claim(); slices.Contains(ids, "late") {
+			t.Fatalf("a drain's claim within the period took %v, behind its cursor", ids)
+		}
+		s.floor.mu.Lock()
+		s.floor.next = time.Time{} // the period is over
+		s.floor.mu.Unlock()
+		if ids := claim(); !slices.Contains(ids, "late") {
+			t.Fatalf("the drain's claim after the period took %v, not the row below the floor", ids)
+		}
+	})
 }

@@ -38,7 +38,7 @@ func TestClaim_RetryDuringAWalkFromTheHead_NextClaimStartsAtTheHead(t *testing.T
 		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
 
 		// The relay's claim: its period is over, it starts at the head...
-		from, err := s.headBound(ctx, db.DB, "")
+		from, err := s.headBound(ctx, db.DB, "", false)
 		if err != nil || from != nil {
 			t.Fatalf("headBound: %v, %v; want the head", from, err)
 		}

@@ -216,8 +216,18 @@ func (s *Store) hasClaimableNow(ctx context.Context) (bool, error) {
 // hasClaimable reports whether a claim would find a row now (Probe).
 // Unprepared: an idle relay probes a few times a second, and a statement
 // prepared on the pool would run on whatever connection database/sql
-// picks, where the claims' run in their transaction.
-func (s *Store) hasClaimable(ctx context.Context) (bool, error) { return s.probe(ctx, s.db) }
+// picks, where the claims' run in their transaction. On one connection,
+// taken first: the floor's measure (see headBound) times two reads side by
+// side, and the first paying for a dial (a connection the pool had
+// closed as idle, a TLS login) looked like a walk worth a floor.
+func (s *Store) hasClaimable(ctx context.Context) (bool, error) {
+	conn, err := s.db.Conn(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer func() { _ = conn.Close() }()
+	return s.probe(ctx, conn)
+}
 
 // quietFor keeps the table's NOTIFY trigger quiet for d, through its quiet
 // sequence (see quietFlow).
@@ -264,7 +274,7 @@ func (s *Store) probe(ctx context.Context, db interface {
 	s.claimMu.Unlock()
 	walk := time.Now() // a probe from the head: see headWalked
 	var err error
-	if p.After, err = s.headBound(ctx, db, index); err != nil {
+	if p.After, err = s.headBound(ctx, db, index, true); err != nil {
 		return false, err
 	}
 	q := s.inline(s.q.Claimable(p))
@@ -472,8 +482,14 @@ type failure struct {
 // too.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	floor := after == nil
-	if after == atHead {
+	switch {
+	case after == atHead:
 		after = nil
+	case after != nil && s.floorDue() == 0:
+		// A drain, when the floor's period is over: a claim from the head
+		// takes what waited below the floor, where the drain's cursor
+		// would pass it over until the drain ends.
+		after, floor = nil, true
 	}
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
@@ -549,7 +565,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	}
 	walk := time.Now() // a claim from the head: see headWalked
 	if floor {
-		if p.After, err = s.headBound(ctx, tx, p.Index); err != nil {
+		if p.After, err = s.headBound(ctx, tx, p.Index, false); err != nil {
 			s.forgetIndex() // MySQL's, which the read names: dropped or renamed, maybe
 			return fail(err)
 		}

@@ -188,6 +188,9 @@ func (o *Outbox) Table() string { return o.table }
 // unqualified name.
 func (o *Outbox) Schema() string { return o.schema }
 
+// Name is the table's name without its schema, as configured.
+func (o *Outbox) Name() string { return o.name }
+
 func (o *Outbox) query(sql string, args ...any) Query {
 	return Query{SQL: o.d.rebind(sql), Args: args}
 }
