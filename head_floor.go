@@ -25,8 +25,8 @@ import (
 // is not (BenchmarkClaim_BesideAHeldSnapshot: behind 100,000 of them a
 // claim took 13 ms on PostgreSQL and 65–86 ms on MariaDB, against 1.1–1.4
 // ms once PostgreSQL's snapshot ended; MariaDB's stayed slow until its
-// purge caught up). That is the database's CPU, at every claim and every idle
-// poll, and as much added to every record's way to the broker.
+// purge caught up). That is the database's CPU, at every claim and every
+// idle poll, and as much added to every record's way to the broker.
 //
 // A claim or a probe from the head that takes checkAbove or longer makes
 // the next one measure (at most every checkEvery): it reads where the
@@ -38,8 +38,9 @@ import (
 // from where it stood, which walks only the entries of rows published
 // since (one statement more; a probe takes it as it stands). Every period,
 // floorEvery times the last walk from the head's time (everyMin to
-// everyMax), one claim or probe measures again and starts at the head
-// itself; a measure that finds too little gain turns the floor off. Rows
+// everyMax), one claim or probe (a drain's claim too, which would go on
+// from its cursor) measures again and starts at the head itself; a
+// measure that finds too little gain turns the floor off. Rows
 // that became pending below the floor wait for it: a transaction that
 // committed more than lag after its Publish, a publisher whose clock is
 // more than lag behind the relay's, a Retry or Republish of old records

@@ -102,6 +102,20 @@ func writeAt(t testing.TB, db *testdb.DB, id string, at time.Time) {
 	db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES (?, 'x', 'k', 'b', '{}', ?)"), id, at.UTC())
 }
 
+// writeFreshAndStuck writes a pending row "fresh", created now, and a row
+// "stuck" an hour old at 1,000 attempts, which a Retry makes pending
+// below any floor.
+func writeFreshAndStuck(t testing.TB, db *testdb.DB) {
+	t.Helper()
+	writeAt(t, db, "fresh", time.Now())
+	old := time.Now().Add(-time.Hour).UTC()
+	var at any = old
+	if db.Kind == testdb.MySQL {
+		at = old.Format("2006-01-02 15:04:05.000000")
+	}
+	db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
+}
+
 // pendingEntriesRead is how many entries of the pending index the
 // statements of tx returned to it so far (PostgreSQL), dead ones with the
 // live: the walk a claim from the head makes behind a held snapshot.

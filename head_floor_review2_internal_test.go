@@ -29,13 +29,7 @@ func TestClaim_RetryDuringAWalkFromTheHead_NextClaimStartsAtTheHead(t *testing.T
 		if err != nil {
 			t.Fatal(err)
 		}
-		writeAt(t, db, "fresh", time.Now())
-		old := time.Now().Add(-time.Hour).UTC()
-		var at any = old
-		if db.Kind == testdb.MySQL {
-			at = old.Format("2006-01-02 15:04:05.000000")
-		}
-		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
+		writeFreshAndStuck(t, db)
 
 		// The relay's claim: its period is over, it starts at the head...
 		from, err := s.headBound(ctx, db.DB, "", false)

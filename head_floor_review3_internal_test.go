@@ -24,13 +24,7 @@ func TestStore_Floors_SchemaQualifiedTable_RetryLowersTheRelaysFloor(t *testing.
 		if err != nil {
 			t.Fatal(err)
 		}
-		writeAt(t, db, "fresh", time.Now())
-		old := time.Now().Add(-time.Hour).UTC()
-		var at any = old
-		if db.Kind == testdb.MySQL {
-			at = old.Format("2006-01-02 15:04:05.000000")
-		}
-		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
+		writeFreshAndStuck(t, db)
 
 		// The relay's period claim from the head, then one at the floor.
 		for range 2 {
