@@ -1,7 +1,6 @@
 package outbox_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -31,16 +30,7 @@ func TestForwarder_FloorOn_IdleRelay_NullCreatedAtClaimedWithinAPeriod(t *testin
 			const period = 300 * time.Millisecond
 			f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
 			outbox.SetFloorOn(f, period)
-			ctx, cancel := context.WithCancel(context.Background())
-			ran := make(chan error, 1)
-			go func() { ran <- f.Run(ctx) }()
-			defer func() {
-				cancel()
-				if err := <-ran; err != nil {
-					t.Error(err)
-				}
-			}()
-			<-f.Running()
+			runInBackground(t, f)
 			publishN(t, db, b.Exchange, "t", 1)
 			if got := b.Drain(queue, 1, 5*time.Second); len(got) != 1 {
 				t.Fatalf("the first record was not published (%d)", len(got))

@@ -28,16 +28,7 @@ func TestForwarder_FloorOn_WokenForARowBelowIt_PublishesWithinThePeriod(t *testi
 	)
 	f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: poll})
 	outbox.SetFloorOn(f, period)
-	ctx, cancel := context.WithCancel(context.Background())
-	ran := make(chan error, 1)
-	go func() { ran <- f.Run(ctx) }()
-	defer func() {
-		cancel()
-		if err := <-ran; err != nil {
-			t.Error(err)
-		}
-	}()
-	<-f.Running()
+	runInBackground(t, f)
 	// A record as usual: the relay is listening, and goes out at its NOTIFY.
 	publishN(t, db, b.Exchange, "t", 1)
 	if got := b.Drain(queue, 1, 5*time.Second); len(got) != 1 {

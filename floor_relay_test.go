@@ -25,10 +25,7 @@ func TestForwarder_FloorOn_RecordsBelowItPublishedToo(t *testing.T) {
 			queue := b.Queue("t")
 			f := newForwarder(t, db, outbox.ForwarderConfig{PollInterval: 50 * time.Millisecond})
 			outbox.SetFloorOn(f, 300*time.Millisecond)
-			ctx, cancel := context.WithCancel(context.Background())
-			ran := make(chan error, 1)
-			go func() { ran <- f.Run(ctx) }()
-			<-f.Running()
+			runInBackground(t, f)
 			want := map[string]bool{}
 			q := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES (?, ?, 't', 'x', '{}', ?)")
 			for i := range 30 {
@@ -43,10 +40,6 @@ func TestForwarder_FloorOn_RecordsBelowItPublishedToo(t *testing.T) {
 				time.Sleep(10 * time.Millisecond) // a flow, not a batch
 			}
 			got := countIDs(b.Drain(queue, len(want), 30*time.Second))
-			cancel()
-			if err := <-ran; err != nil {
-				t.Fatal(err)
-			}
 			if !outbox.FloorOn(f) {
 				t.Error("the relay kept no floor")
 			}

@@ -100,10 +100,10 @@ const (
 	// take about a fiftieth of the relay's time, and a row below the
 	// floor waits at most floorEveryMax. An idle relay measures once a
 	// period, two statements more, so at least floorEveryMin apart. At a
-	// twentieth, the records that
-	// came during those walks made a p99 of their own: 14–15 ms on
-	// PostgreSQL and 72–147 ms on MariaDB at 500 msg/s beside 100,000
-	// entries (outbox-bench -scenario latency -held-snapshot 100000).
+	// twentieth, the records that came during those walks made a p99 of
+	// their own: 14–15 ms on PostgreSQL and 72–147 ms on MariaDB at 500
+	// msg/s beside 100,000 entries (outbox-bench -scenario latency
+	// -held-snapshot 100000).
 	floorEvery    = 50
 	floorEveryMin = 2 * time.Second
 	floorEveryMax = 10 * time.Second
@@ -118,7 +118,8 @@ func newHeadFloor() *headFloor {
 // committed on the broker before it answers.
 var atHead = new(sqldialect.Cursor)
 
-// rowQuerier runs a one-row statement: the pool, or a claim's transaction.
+// rowQuerier runs a one-row statement: a connection of the pool, or a
+// claim's or probe's transaction.
 type rowQuerier interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }

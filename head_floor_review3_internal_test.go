@@ -9,13 +9,12 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// head_floor.go: Retry and Republish "through a Store over the relay's
-// pool make its next claim start at the head". The registry keys floors by
-// pool and s.q.Table(), the quoted name as configured: an operator's Store
-// (or a Republisher) that names the same table schema-qualified
-// ("myschema.acemq_outbox", as a multi-schema deployment or outboxctl's
-// flag would) is another key, lowers no floor of the relay, and the
-// retried row waits a whole period (up to floorEveryMax).
+// Retry and Republish through a Store over the relay's pool make its next
+// claim start at the head, also where that Store names the table
+// schema-qualified ("myschema.acemq_outbox", as a multi-schema deployment
+// or outboxctl's flag would) and the relay's does not. Keyed by the name as
+// configured, the floors' registry left the relay's floor alone, and the
+// retried row waited a whole period (up to floorEveryMax).
 func TestStore_Floors_SchemaQualifiedTable_RetryLowersTheRelaysFloor(t *testing.T) {
 	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
 		ctx := context.Background()

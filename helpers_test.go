@@ -311,6 +311,22 @@ func newInbox(t testing.TB, db *testdb.DB, cfg outbox.InboxConfig) *outbox.Inbox
 	return in
 }
 
+// runInBackground runs f until the test ends, then stops it and fails t
+// if Run failed.
+func runInBackground(t *testing.T, f *outbox.Forwarder) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-ran; err != nil {
+			t.Error(err)
+		}
+	})
+	<-f.Running()
+}
+
 // runUntil runs f until cond holds (within timeout), then stops it and
 // fails t if Run failed.
 func runUntil(t *testing.T, f *outbox.Forwarder, timeout time.Duration, what string, cond func() bool) {

@@ -256,9 +256,7 @@ func (s *Store) quietOver(ctx context.Context) (bool, error) {
 }
 
 // probe runs the query of hasClaimable on db.
-func (s *Store) probe(ctx context.Context, db interface {
-	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
-}) (bool, error) {
+func (s *Store) probe(ctx context.Context, db rowQuerier) (bool, error) {
 	p := sqldialect.ClaimParams{MaxAttempts: s.cfg.MaxAttempts, Now: time.Now()}
 	if s.q.Windows() {
 		p.Window = probeWindow
@@ -269,12 +267,9 @@ func (s *Store) probe(ctx context.Context, db interface {
 			p.Window = everyClaimWindow
 		}
 	}
-	s.claimMu.Lock()
-	index := s.index
-	s.claimMu.Unlock()
 	walk := time.Now() // a probe from the head: see headWalked
 	var err error
-	if p.After, err = s.headBound(ctx, db, index, true); err != nil {
+	if p.After, err = s.headBound(ctx, db, s.pendingIndexName(), true); err != nil {
 		return false, err
 	}
 	q := s.inline(s.q.Claimable(p))
@@ -339,16 +334,21 @@ func (s *Store) busyBound() time.Duration {
 // dialect LocksPassedOver. Stuck rows do not count. One read in c's
 // transaction, which locks nothing.
 func (s *Store) passedOver(ctx context.Context, c *claim, after, last *sqldialect.Cursor) (int, error) {
-	s.claimMu.Lock()
-	index := s.index
-	s.claimMu.Unlock()
-	q := s.inline(s.q.PendingBetween(index, s.cfg.MaxAttempts, after, *last))
+	q := s.inline(s.q.PendingBetween(s.pendingIndexName(), s.cfg.MaxAttempts, after, *last))
 	s.sent.Add(1)
 	var n int
 	if err := c.tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
 		return 0, fmt.Errorf("outbox: rows the claim passed over: %w", err)
 	}
 	return max(n-len(c.rows), 0), nil
+}
+
+// pendingIndexName is the pending index a claim names (MySQL's, once
+// found; see claimIndexes), "" for none.
+func (s *Store) pendingIndexName() string {
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	return s.index
 }
 
 // locksPassedOver: see sqldialect.Dialect.LocksPassedOver.
@@ -474,8 +474,9 @@ type failure struct {
 // claimBatch claims up to n claimable rows in created_at, id order:
 // unpublished, under MaxAttempts, not under a live lease, and after the
 // cursor if there is one; without, from the floor while one is kept (see
-// headFloor), and with atHead from the head whatever the floor says. inFlight are the ids of the keyed records the
-// relay has in flight (see sqldialect.ClaimParams.InFlight).
+// headFloor), and with atHead from the head whatever the floor says.
+// inFlight are the ids of the keyed records the relay has in flight (see
+// sqldialect.ClaimParams.InFlight).
 //
 // While Run holds locking claims in flight, a claim on a saturated capped
 // pool fails with errNoConnection rather than wait (see poolConn), a Sweep's

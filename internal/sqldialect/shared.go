@@ -151,6 +151,16 @@ func (o *Outbox) after(c *Cursor) (string, []any) {
 	return afterCursor, []any{at, at, c.ID}
 }
 
+// andAfter is the condition where (with its arguments args) and, when c is
+// not nil, after c (see after).
+func (o *Outbox) andAfter(c *Cursor, where string, args []any) (string, []any) {
+	if c == nil {
+		return where, args
+	}
+	cond, cargs := o.after(c)
+	return where + " AND " + cond, append(args, cargs...)
+}
+
 // savepoint is the savepoint of a Publish that takes several statements.
 const savepoint = "acemq_outbox_publish"
 
@@ -434,11 +444,7 @@ type ClaimParams struct {
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
-	if p.After != nil {
-		cond, cargs := o.after(p.After)
-		where += " AND " + cond
-		args = append(args, cargs...)
-	}
+	where, args = o.andAfter(p.After, where, args)
 	if p.Window > 0 {
 		return o.d.windowClaim(o, p, where, args)
 	}
@@ -477,12 +483,7 @@ func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (fro
 	if index != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
 	}
-	where, args = "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts}
-	if after != nil {
-		cond, cargs := o.after(after)
-		where += " AND " + cond
-		args = append(args, cargs...)
-	}
+	where, args = o.andAfter(after, "published_at IS NULL AND COALESCE(attempts, 0) < ?", []any{maxAttempts})
 	return from, where, args
 }
 
@@ -496,11 +497,7 @@ func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (fro
 // windowed claim does, whether or not the index holds a window's worth.
 func (o *Outbox) Claimable(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
-	if p.After != nil {
-		cond, cargs := o.after(p.After)
-		where += " AND " + cond
-		args = append(args, cargs...)
-	}
+	where, args = o.andAfter(p.After, where, args)
 	if p.Window > 0 && o.d.windows() {
 		return o.claimableWindowed(p, where, args)
 	}

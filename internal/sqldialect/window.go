@@ -33,12 +33,8 @@ func (o *Outbox) WindowFull(p ClaimParams, window int) Query {
 // pendingFrom is the FROM and WHERE of the pending index's entries from
 // where a claim with p starts, and its arguments.
 func (o *Outbox) pendingFrom(p ClaimParams) (string, []any) {
-	from := "FROM " + o.table + " WHERE published_at IS NULL"
-	if p.After == nil {
-		return from, nil
-	}
-	cond, args := o.after(p.After)
-	return from + " AND " + cond, args
+	where, args := o.andAfter(p.After, "published_at IS NULL", nil)
+	return "FROM " + o.table + " WHERE " + where, args
 }
 
 // windowNear is the CTE near: the claim as it is (where and whereArgs:
@@ -138,10 +134,7 @@ func (o *Outbox) claimableWindowed(p ClaimParams, where string, args []any) Quer
 	b.add(", ")
 	end("id", "NULL")
 	cond, cargs := o.claimable(p.MaxAttempts, p.Now)
-	if p.After != nil {
-		acond, aargs := o.after(p.After)
-		cond, cargs = cond+" AND "+acond, append(cargs, aargs...)
-	}
+	cond, cargs = o.andAfter(p.After, cond, cargs)
 	b.add(") LIMIT 1) w UNION ALL SELECT * FROM (SELECT 1 AS one FROM "+o.table+" "+claimAlias+" WHERE "+unkeyedRows+" AND "+cond+" LIMIT 1) u", cargs...)
 	// Each head read by its id, in a scalar subquery: a join (IN, EXISTS)
 	// was hashed against the whole table.
