@@ -823,13 +823,14 @@ func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
 // batchSizes: what it prepares.
 func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []string {
 	head := ClaimParams{Index: index, KeyIndex: keyIndex}
-	// A cursor with an id: one without (Store.firstNext's, rare) is a
-	// statement of its own, run unprepared.
+	// A drain's cursor has an id; a floor's has none (the Store's
+	// headFloor, and firstNext's), a statement of its own.
 	after := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{ID: "-"}}
+	floor := ClaimParams{Index: index, KeyIndex: keyIndex, After: &Cursor{}}
 	var stmts []string
 	for _, inFlight := range [][]string{nil, {""}} { // with keyed records in flight and without
-		head.InFlight, after.InFlight = inFlight, inFlight
-		stmts = append(stmts, o.Claim(head).SQL, o.Claim(after).SQL)
+		head.InFlight, after.InFlight, floor.InFlight = inFlight, inFlight, inFlight
+		stmts = append(stmts, o.Claim(head).SQL, o.Claim(after).SQL, o.Claim(floor).SQL)
 	}
 	for _, n := range batchSizes {
 		stmts = append(stmts, o.MarkPublished(time.Time{}, make([]string, n)).SQL)

@@ -118,9 +118,11 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	p := ClaimParams{Limit: 100, MaxAttempts: 10, Now: now, Index: "acemq_outbox_pending", KeyIndex: "acemq_outbox_pending_key"}
 	after := p
 	after.After = &Cursor{CreatedAt: now, ID: "x"}
-	inFlight, inFlightAfter := p, after
-	inFlight.InFlight, inFlightAfter.InFlight = []string{"a", "b"}, []string{"c"}
-	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.Claim(inFlight).SQL, o.Claim(inFlightAfter).SQL,
+	floor := p
+	floor.After = &Cursor{CreatedAt: now}
+	inFlight, inFlightAfter, inFlightFloor := p, after, floor
+	inFlight.InFlight, inFlightAfter.InFlight, inFlightFloor.InFlight = []string{"a", "b"}, []string{"c"}, []string{"d"}
+	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.Claim(floor).SQL, o.Claim(inFlight).SQL, o.Claim(inFlightAfter).SQL, o.Claim(inFlightFloor).SQL,
 		o.MarkPublished(now, make([]string, 100)).SQL, o.MarkPublished(now, make([]string, 200)).SQL}
 	if len(got) != len(want) {
 		t.Fatalf("%d statements, want %d", len(got), len(want))
@@ -135,8 +137,8 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 			t.Errorf("the claim does not name %s: %s", index, got[0])
 		}
 	}
-	if strings.Contains(got[0], "JSON_TABLE") || !strings.Contains(got[2], "JSON_TABLE") {
-		t.Errorf("only the claims with records in flight read their ids:\n%s\n%s", got[0], got[2])
+	if strings.Contains(got[0], "JSON_TABLE") || !strings.Contains(got[3], "JSON_TABLE") {
+		t.Errorf("only the claims with records in flight read their ids:\n%s\n%s", got[0], got[3])
 	}
 }
 
