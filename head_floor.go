@@ -33,7 +33,7 @@ import (
 // pending rows start (the first pending row under MaxAttempts) from the
 // head, and again from the floor that gives, the created_at of that row or
 // lag before now when that is earlier. When the second read is gainAbove
-// quicker, the floor is on. From then on, claims and probes that would
+// quicker, three rounds in a row (measureFloor), the floor is on. From then on, claims and probes that would
 // start at the head start at the floor; each claim reads the floor again
 // from where it stood, which walks only the entries of rows published
 // since (one statement more; a probe takes it as it stands). Every period,
@@ -55,8 +55,11 @@ type headFloor struct {
 	mu sync.Mutex
 	// check: a claim or probe from the head took checkAbove or longer;
 	// the next one measures (see headBound). checked: the last measure.
+	// missed: the measures in a row that found a floor off and left it
+	// off; each doubles the wait for the next (see headWalked).
 	check   bool
 	checked time.Time
+	missed  int
 	// on: claims and probes start at at, until next; then one measures
 	// again and starts at the head, and next is set again.
 	on   bool
@@ -77,7 +80,8 @@ const (
 	// whether a floor would save it (see headBound): a walk of 10,000 to
 	// 25,000 entries of published rows on PostgreSQL, a fifth of that in a
 	// MariaDB claim. A busy machine makes claims that slow too: at most
-	// one measure, two statements, every floorCheckEvery. (Turned on by
+	// one measure, two statements where it finds no gain (six where it
+	// turns the floor on), every floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -89,6 +93,14 @@ const (
 	// claim's locking read does, about 60,000: a claim there pays up to
 	// 50 ms before the floor is kept.
 	floorGainAbove = 2 * time.Millisecond
+	// floorRounds is how many rounds of the two reads must each show
+	// floorGainAbove for the floor to be turned on (see measureFloor): six
+	// statements a measure where it is, two where the first round shows
+	// no gain, and two for a floor already on.
+	floorRounds = 3
+	// floorMissedMax: the wait for the next measure after measures that
+	// found no gain is floorCheckEvery doubled this many times at most.
+	floorMissedMax = 5
 	// floorLag is how far before now the floor stays at the most: rows
 	// committed within it of their Publish (created_at), on a clock at
 	// most it behind the relay's, are never below the floor. Each claim
@@ -159,25 +171,79 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 	case !f.on && !f.check:
 		return nil, nil
 	}
-	// A walk from the head was slow, or the period is over: read where the
-	// pending rows start from the head, and again from the floor that
-	// gives, and keep the floor only if it saves gainAbove. Timed side by
-	// side, as the two reads are, a busy machine slows both. This claim or
-	// probe starts at the head, and takes what waited below the floor.
+	// A walk from the head was slow, or the period is over: measure. This
+	// claim or probe starts at the head, and takes what waited below the
+	// floor.
 	f.check, f.checked = false, now
+	on, at, err := s.measureFloor(ctx, q, index, now)
+	switch {
+	case on || f.on:
+		f.missed = 0
+	case err == nil:
+		f.missed++
+	}
+	f.on, f.at = on, at
+	return nil, err
+}
+
+// measureFloor reads where the pending rows start from the head, and
+// again from the floor that gives, on q, floorRounds times, each round's
+// two reads side by side and in the other order than the round before, so
+// a busy machine slows both and neither warms the cache for the other
+// alone. The floor is kept (on) only if every round's read from the floor
+// was gainAbove quicker; the first round that was not ends the measure.
+// One read that a busy machine delays (CI's load delayed a read from the
+// head of a table with no dead entry by 2 ms) then does not turn the
+// floor on: every claim would pay a statement more, for nothing. A floor
+// already on is measured again in one round: a delayed read keeps it a
+// period longer at most, and each read from the head of a long walk is
+// one more wait for the records that come meanwhile.
+func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, now time.Time) (bool, time.Time, error) {
+	f := s.floor
 	started := time.Now()
 	first, err := s.pendingFirst(ctx, q, index, nil)
 	head := time.Since(started)
-	if err == nil && (first == nil || !first.CreatedAt.IsZero()) {
-		at := f.below(first, now)
-		started = time.Now()
-		if _, err = s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: at}); err == nil {
-			f.on, f.at = head-time.Since(started) >= f.gainAbove, at
-			return nil, nil
+	if err != nil || (first != nil && first.CreatedAt.IsZero()) {
+		return false, time.Time{}, err
+	}
+	at := f.below(first, now)
+	fromFloor := func() (time.Duration, error) {
+		started := time.Now()
+		_, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: at})
+		return time.Since(started), err
+	}
+	fromHead := func() (time.Duration, error) {
+		started := time.Now()
+		_, err := s.pendingFirst(ctx, q, index, nil)
+		return time.Since(started), err
+	}
+	rounds := floorRounds
+	if f.on {
+		rounds = 1
+	}
+	for round := 0; ; round++ {
+		var floor time.Duration
+		if round%2 == 0 {
+			if round > 0 {
+				if head, err = fromHead(); err != nil {
+					return false, at, err
+				}
+			}
+			floor, err = fromFloor()
+		} else {
+			if floor, err = fromFloor(); err == nil {
+				head, err = fromHead()
+			}
+		}
+		switch {
+		case err != nil:
+			return false, at, err
+		case head-floor < f.gainAbove:
+			return false, at, nil
+		case round+1 == rounds:
+			return true, at, nil
 		}
 	}
-	f.on = false
-	return nil, err
 }
 
 // below is the floor under the first pending row first (nil: none) at now:
@@ -194,7 +260,11 @@ func (f *headFloor) below(first *sqldialect.Cursor, now time.Time) time.Time {
 // head of the pending index. While the floor is on, it sets the next walk
 // from the head a period on. While it is off, one of checkAbove or longer
 // makes the next claim or probe measure whether the walk is worth skipping,
-// at most every checkEvery.
+// at most every checkEvery, doubled for each measure in a row that found
+// no gain, up to 32 times (a minute by default): a database 5 ms away,
+// whose every probe takes checkAbove, or records large enough that every
+// claim does, measured every 2 s for good, two statements each time. A
+// snapshot taken after such a spell is found that much later.
 func (s *Store) headWalked(took time.Duration) {
 	if s.leases() {
 		return // SQLite
@@ -208,7 +278,7 @@ func (s *Store) headWalked(took time.Duration) {
 		f.next = time.Time{} // lowered during this walk: the next starts at the head too
 	case f.on:
 		f.next = now.Add(min(max(floorEvery*took, f.everyMin), f.everyMax))
-	case took >= f.checkAbove && now.Sub(f.checked) >= f.checkEvery:
+	case took >= f.checkAbove && now.Sub(f.checked) >= f.checkEvery<<min(f.missed, floorMissedMax):
 		f.check = true
 	}
 }
