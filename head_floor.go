@@ -37,15 +37,17 @@ import (
 // start at the head start at the floor; each claim reads the floor again
 // from where it stood, which walks only the entries of rows published
 // since (one statement more; a probe takes it as it stands). Every period,
-// floorEvery times the last walk from the head's time (everyMin to
+// floorEvery times the last read from the head's time (everyMin to
 // everyMax), one claim or probe (a drain's claim too, which would go on
-// from its cursor) measures again and starts at the head itself; a
-// measure that finds too little gain turns the floor off. Rows
-// that became pending below the floor wait for it: a transaction that
-// committed more than lag after its Publish, a publisher whose clock is
-// more than lag behind the relay's, a Retry or Republish of old records
-// from another process or over another pool (those through a Store over
-// the relay's pool make its next claim start at the head), a row whose
+// from its cursor) measures again, and starts at the floor its read from
+// the head gives, below every pending row, those below the last floor
+// too; at the head when the measure turns the floor off, or finds first a
+// row whose created_at is NULL (which no floor is below). Rows that
+// became pending below the floor wait for that measure: a transaction
+// that committed more than lag after its Publish, a publisher whose clock
+// is more than lag behind the relay's, a Retry or Republish of old
+// records from another process or over another pool (those through a
+// Store over the relay's pool make its next claim measure), a row whose
 // created_at is NULL. None waits longer, but for an idle relay's next
 // poll where PollInterval is under everyMin. A Sweep starts at the head.
 //
@@ -61,7 +63,7 @@ type headFloor struct {
 	checked time.Time
 	missed  int
 	// on: claims and probes start at at, until next; then one measures
-	// again and starts at the head, and next is set again.
+	// again, and next is set again.
 	on   bool
 	at   time.Time
 	next time.Time
@@ -107,15 +109,16 @@ const (
 	// walks the entries of the rows published within it: 1,000 at 500
 	// msg/s.
 	floorLag = 2 * time.Second
-	// floorEvery times the last walk from the head's time is the time to
-	// the next, floorEveryMin to floorEveryMax: walks from the head then
-	// take about a fiftieth of the relay's time, and a row below the
-	// floor waits at most floorEveryMax. An idle relay measures once a
-	// period, two statements more, so at least floorEveryMin apart. At a
-	// twentieth, the records that came during those walks made a p99 of
-	// their own: 14–15 ms on PostgreSQL and 72–147 ms on MariaDB at 500
-	// msg/s beside 100,000 entries (outbox-bench -scenario latency
-	// -held-snapshot 100000).
+	// floorEvery times the last read from the head's time is the time to
+	// the next measure, floorEveryMin to floorEveryMax: reads from the
+	// head then take about a fiftieth of the relay's time, and a row below
+	// the floor waits at most floorEveryMax. An idle relay measures once a
+	// period, two statements more, so at least floorEveryMin apart. When
+	// each period's claim still started at the head, at a twentieth the
+	// records that came during those walks made a p99 of their own: 14–15
+	// ms on PostgreSQL and 72–147 ms on MariaDB at 500 msg/s beside
+	// 100,000 entries (outbox-bench -scenario latency -held-snapshot
+	// 100000), and 7–13 and 37–47 ms at a fiftieth.
 	floorEvery    = 50
 	floorEveryMin = 2 * time.Second
 	floorEveryMax = 10 * time.Second
@@ -171,19 +174,49 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 	case !f.on && !f.check:
 		return nil, nil
 	}
-	// A walk from the head was slow, or the period is over: measure. This
-	// claim or probe starts at the head, and takes what waited below the
-	// floor.
+	// A walk from the head was slow, or the period is over: measure, which
+	// reads where the pending rows start from the head. Once on, this
+	// claim or probe starts at the floor that read gives, below every
+	// pending row it saw, those below the last floor too: a claim from the
+	// head (MariaDB's locking read passes an entry some 30 times slower
+	// than its plain read) held up, once a period, what came meanwhile.
 	f.check, f.checked = false, now
-	on, at, err := s.measureFloor(ctx, q, index, now)
+	m, err := s.measureFloor(ctx, q, index, now)
 	switch {
-	case on || f.on:
+	case err != nil:
+		f.on = false
+		return nil, err
+	case m.headOnly:
+		return nil, nil // from the head, this once: headWalked sets the period
+	case m.on || f.on:
 		f.missed = 0
-	case err == nil:
+	default:
 		f.missed++
 	}
-	f.on, f.at = on, at
-	return nil, err
+	f.on, f.at = m.on, m.at
+	if !f.on {
+		return nil, nil
+	}
+	f.next = now.Add(f.period(m.head))
+	return &sqldialect.Cursor{CreatedAt: f.at}, nil
+}
+
+// period is the time to the next measure of a floor that is on, after a
+// walk from the head that took took.
+func (f *headFloor) period(took time.Duration) time.Duration {
+	return min(max(floorEvery*took, f.everyMin), f.everyMax)
+}
+
+// floorMeasure is what measureFloor found.
+type floorMeasure struct {
+	// on: the floor saves gainAbove; at: where it stands, below the first
+	// pending row; head: the first read from the head took that long.
+	on   bool
+	at   time.Time
+	head time.Duration
+	// headOnly: the first pending row's created_at is NULL or not a time
+	// this relay can compare; no floor is below it.
+	headOnly bool
 }
 
 // measureFloor reads where the pending rows start from the head, and
@@ -198,18 +231,22 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 // already on is measured again in one round: a delayed read keeps it a
 // period longer at most, and each read from the head of a long walk is
 // one more wait for the records that come meanwhile.
-func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, now time.Time) (bool, time.Time, error) {
+func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, now time.Time) (floorMeasure, error) {
 	f := s.floor
 	started := time.Now()
 	first, err := s.pendingFirst(ctx, q, index, nil)
-	head := time.Since(started)
-	if err != nil || (first != nil && first.CreatedAt.IsZero()) {
-		return false, time.Time{}, err
+	m := floorMeasure{head: time.Since(started)}
+	switch {
+	case err != nil:
+		return m, err
+	case first != nil && first.CreatedAt.IsZero():
+		m.headOnly = true
+		return m, nil
 	}
-	at := f.below(first, now)
+	m.at = f.below(first, now)
 	fromFloor := func() (time.Duration, error) {
 		started := time.Now()
-		_, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: at})
+		_, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: m.at})
 		return time.Since(started), err
 	}
 	fromHead := func() (time.Duration, error) {
@@ -221,12 +258,13 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, no
 	if f.on {
 		rounds = 1
 	}
+	head := m.head
 	for round := 0; ; round++ {
 		var floor time.Duration
 		if round%2 == 0 {
 			if round > 0 {
 				if head, err = fromHead(); err != nil {
-					return false, at, err
+					return m, err
 				}
 			}
 			floor, err = fromFloor()
@@ -237,11 +275,12 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, no
 		}
 		switch {
 		case err != nil:
-			return false, at, err
+			return m, err
 		case head-floor < f.gainAbove:
-			return false, at, nil
+			return m, nil
 		case round+1 == rounds:
-			return true, at, nil
+			m.on = true
+			return m, nil
 		}
 	}
 }
@@ -277,7 +316,7 @@ func (s *Store) headWalked(took time.Duration) {
 	case f.on && f.lowered.After(now.Add(-took)):
 		f.next = time.Time{} // lowered during this walk: the next starts at the head too
 	case f.on:
-		f.next = now.Add(min(max(floorEvery*took, f.everyMin), f.everyMax))
+		f.next = now.Add(f.period(took))
 	case took >= f.checkAbove && now.Sub(f.checked) >= f.checkEvery<<min(f.missed, floorMissedMax):
 		f.check = true
 	}

@@ -276,10 +276,10 @@ func (s *Store) probe(ctx context.Context, db rowQuerier) (bool, error) {
 	s.sent.Add(1)
 	var one int
 	err = db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one)
-	// One that found a row leaves a period that is over as it is: the
-	// claim after it starts at the head too, and takes what lies below
-	// the floor (a row whose created_at is NULL, which no floor's read
-	// finds, waited for good behind an idle relay's probes).
+	// One from the head that found a row leaves a period that is over as
+	// it is: the claim after it measures too, and takes what lies below
+	// the floor (a row whose created_at is NULL, which no floor is below,
+	// waited for good behind an idle relay's probes).
 	if p.After == nil && errors.Is(err, sql.ErrNoRows) {
 		s.headWalked(time.Since(walk))
 	}
@@ -487,7 +487,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	case after == atHead:
 		after = nil
 	case after != nil && s.floorDue() == 0:
-		// A drain, when the floor's period is over: a claim from the head
+		// A drain, when the floor's period is over: a claim that measures
 		// takes what waited below the floor, where the drain's cursor
 		// would pass it over until the drain ends.
 		after, floor = nil, true

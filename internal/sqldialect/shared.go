@@ -467,12 +467,21 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // PendingFirst reads the first unpublished row under maxAttempts, in claim
 // order, after after (from the head when it is nil), through index when it
 // is set (MySQL's pending index): where the rows a claim could take start.
-// A row whose created_at is NULL (another library's table may allow it) is
-// not read: MySQL orders it first. Columns: created_at, id; no row when
-// there is none.
+// Columns: created_at, id; no row when there is none.
+//
+// From the head, a row whose created_at is NULL (another library's table
+// may allow it) comes first, its created_at NULL: no floor is below it, so
+// the claim that asks starts at the head (PostgreSQL orders it last, where
+// a claim at a floor never reaches it). After a cursor it is not read.
 func (o *Outbox) PendingFirst(index string, maxAttempts int, after *Cursor) Query {
 	from, where, args := o.pendingUnder(index, maxAttempts, after)
-	return o.query("SELECT "+o.d.timeText("created_at")+", id FROM "+from+" WHERE "+where+" AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1", args...)
+	cols := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where
+	first := cols + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	if after != nil {
+		return o.query("SELECT "+first, args...)
+	}
+	null := "SELECT 0 AS nulls_last, " + cols + " AND created_at IS NULL LIMIT 1"
+	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(slices.Clone(args), args...)...)
 }
 
 // pendingUnder is the FROM (through index, when it is set) and the WHERE
