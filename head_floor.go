@@ -90,11 +90,15 @@ const (
 	floorCheckEvery = 2 * time.Second
 	// floorGainAbove is how much quicker the read of where the pending
 	// rows start must be from the floor than from the head for the floor
-	// to be kept: 10,000 entries on PostgreSQL. On MariaDB, whose plain
-	// read passes a published row's entry about 30 times quicker than its
-	// claim's locking read does, about 60,000: a claim there pays up to
-	// 50 ms before the floor is kept.
-	floorGainAbove = 2 * time.Millisecond
+	// to be kept, in every round of a measure: 10,000 entries on
+	// PostgreSQL. MariaDB's plain read passes a published row's entry about
+	// 30 times quicker than its claim's locking read does: at 2 ms there
+	// the floor was kept from about 60,000 entries (claims paying up to 50
+	// ms first), and at 100,000, where its read gains 2.1–2.4 ms, three
+	// rounds in a row missed it as often as not. floorGainAboveMySQL, half
+	// that, keeps it from about 45,000.
+	floorGainAbove      = 2 * time.Millisecond
+	floorGainAboveMySQL = time.Millisecond
 	// floorRounds is how many rounds of the two reads must each show
 	// floorGainAbove for the floor to be turned on (see measureFloor): six
 	// statements a measure where it is, two where the first round shows
@@ -124,8 +128,13 @@ const (
 	floorEveryMax = 10 * time.Second
 )
 
-func newHeadFloor() *headFloor {
-	return &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
+// newHeadFloor is the floor of a Store, on MySQL where mysql is set.
+func newHeadFloor(mysql bool) *headFloor {
+	f := &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
+	if mysql {
+		f.gainAbove = floorGainAboveMySQL
+	}
+	return f
 }
 
 // atHead, as a claim's cursor, starts it at the head of the pending index

@@ -163,7 +163,7 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
-	s := &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}, floor: newHeadFloor()}
+	s := &Store{db: std, dialect: cfg.Dialect, cfg: cfg, q: q, log: watermill.NopLogger{}, floor: newHeadFloor(cfg.Dialect == MySQL)}
 	s.joinFloors()
 	return s, nil
 }
