@@ -15,8 +15,9 @@ import (
 // --single-transaction's, a report's): their entries stay in the pending
 // index until the snapshot ends. Side by side: from the head, as before the
 // floor (head); with the floor as a relay keeps it, found by its own
-// timing (floor); and from the head once the snapshot ended (ended). Each
-// reports ms/claim or ms/probe.
+// timing (floor); the claim at the end of each of the floor's periods,
+// which measures again (period); and from the head once the snapshot ended
+// (ended). Each reports ms/claim or ms/probe.
 //
 //	go test -run '^$' -bench BenchmarkClaim_BesideAHeldSnapshot -benchtime 20x .
 func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
@@ -78,6 +79,24 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 				}
 				b.Run("head", func(b *testing.B) { run(b, store(false)) })
 				b.Run("floor", func(b *testing.B) { run(b, store(true)) })
+				// The claim that measures again, once each floor's period:
+				// from the head until 2026-12-04's twenty-eighth session.
+				b.Run("period/claim", func(b *testing.B) {
+					s := store(true)
+					var took time.Duration
+					for b.Loop() {
+						s.floor.mu.Lock()
+						s.floor.next = time.Time{}
+						s.floor.mu.Unlock()
+						start := time.Now()
+						cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+						took += time.Since(start)
+						if err != nil || len(cl.rows) != 100 || s.abandon(ctx, cl) != nil {
+							b.Fatalf("the period's claim: %v", err)
+						}
+					}
+					b.ReportMetric(float64(took.Microseconds())/1000/float64(b.N), "ms/claim")
+				})
 				ended()
 				s := store(false)
 				// A first claim's walk marks the dead entries, as a relay's would.
