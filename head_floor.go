@@ -195,6 +195,13 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 	case err != nil:
 		f.on = false
 		return nil, err
+	case m.headOnly && !f.on:
+		// A row whose created_at is NULL, claimable: this claim starts at
+		// the head, as without a measure. Counted as a measure without
+		// gain, so that one this claim leaves (its lease running, say)
+		// does not bring a measure every checkEvery.
+		f.missed++
+		return nil, nil
 	case m.headOnly:
 		return nil, nil // from the head, this once: headWalked sets the period
 	case m.on || f.on:
@@ -410,7 +417,7 @@ func (s *Store) lowerFloors() {
 // (from the head when nil) on q: nil when there is none, and one without a
 // CreatedAt when its created_at cannot be read as a time.
 func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor) (*sqldialect.Cursor, error) {
-	query := s.inline(s.q.PendingFirst(index, s.cfg.MaxAttempts, after))
+	query := s.inline(s.q.PendingFirst(index, s.cfg.MaxAttempts, time.Now(), after))
 	s.sent.Add(1)
 	var id string
 	at := sqldialect.NewTime(s.dialect.sql())

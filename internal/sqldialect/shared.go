@@ -470,18 +470,21 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // Columns: created_at, id; no row when there is none.
 //
 // From the head, a row whose created_at is NULL (another library's table
-// may allow it) comes first, its created_at NULL: no floor is below it, so
+// may allow it) that a claim could take at now (under no live lease, its
+// key's head) comes first, its created_at NULL: no floor is below it, so
 // the claim that asks starts at the head (PostgreSQL orders it last, where
-// a claim at a floor never reaches it). After a cursor it is not read.
-func (o *Outbox) PendingFirst(index string, maxAttempts int, after *Cursor) Query {
+// a claim at a floor never reaches it). One no claim could take (its key
+// held by a stuck record) is not read: it would send every claim to the
+// head for as long as it waits. After a cursor no such row is read.
+func (o *Outbox) PendingFirst(index string, maxAttempts int, now time.Time, after *Cursor) Query {
 	from, where, args := o.pendingUnder(index, maxAttempts, after)
-	cols := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where
-	first := cols + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	first := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
 	if after != nil {
 		return o.query("SELECT "+first, args...)
 	}
-	null := "SELECT 0 AS nulls_last, " + cols + " AND created_at IS NULL LIMIT 1"
-	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(slices.Clone(args), args...)...)
+	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: maxAttempts, Now: now})
+	null := "SELECT 0 AS nulls_last, " + o.d.timeText("created_at") + " AS created_text, id FROM " + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
+	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
 // pendingUnder is the FROM (through index, when it is set) and the WHERE
