@@ -30,13 +30,15 @@ import (
 //
 // A claim or a probe from the head that takes checkAbove or longer makes
 // the next one measure (at most every checkEvery): it reads where the
-// pending rows start (the first pending row under MaxAttempts) from the
-// head, and again from the floor that gives, the created_at of that row or
-// lag before now when that is earlier. When the second read is gainAbove
-// quicker, three rounds in a row (measureFloor), the floor is on. From then on, claims and probes that would
-// start at the head start at the floor; each claim reads the floor again
-// from where it stood, which walks only the entries of rows published
-// since (one statement more; a probe takes it as it stands). Every period,
+// pending rows start (the first pending row under MaxAttempts that no
+// stuck record of its key holds; sqldialect's PendingFirst) from the head,
+// and again from the floor that gives, the created_at of that row or lag
+// before now when that is earlier. When the second read is gainAbove
+// quicker, three rounds in a row (measureFloor), the floor is on. From
+// then on, claims and probes that would start at the head start at the
+// floor; each claim reads the floor again from where it stood, which walks
+// only the entries of rows published since (one statement more; a probe
+// takes it as it stands). Every period,
 // floorEvery times the last read from the head's time (everyMin to
 // everyMax), one claim or probe (a drain's claim too, which would go on
 // from its cursor) measures again, and starts at the floor its read from
@@ -414,8 +416,9 @@ func (s *Store) lowerFloors() {
 }
 
 // pendingFirst reads the first pending row under MaxAttempts after after
-// (from the head when nil) on q: nil when there is none, and one without a
-// CreatedAt when its created_at cannot be read as a time.
+// (from the head when nil) on q, as sqldialect's PendingFirst does: nil
+// when there is none, and one without a CreatedAt when its created_at is
+// NULL or cannot be read as a time.
 func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor) (*sqldialect.Cursor, error) {
 	query := s.inline(s.q.PendingFirst(index, s.cfg.MaxAttempts, time.Now(), after))
 	s.sent.Add(1)

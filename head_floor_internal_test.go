@@ -139,6 +139,24 @@ func floorStore(t testing.TB, db *testdb.DB, d Dialect, every time.Duration) *St
 	return s
 }
 
+// claimAll claims up to 100 rows through s, from where its floor says,
+// marks them published, and returns their ids and where the claim started.
+func claimAll(t testing.TB, s *Store) (ids []string, from *sqldialect.Cursor) {
+	t.Helper()
+	ctx := context.Background()
+	cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range cl.rows {
+		ids = append(ids, r.ID)
+	}
+	if err := s.finish(ctx, cl, ids, nil); err != nil {
+		t.Fatal(err)
+	}
+	return ids, cl.from
+}
+
 // floorAlwaysOn makes s keep its floor, read from the head by its next
 // claim or probe, and walk from the head again only every every.
 func floorAlwaysOn(s *Store, every time.Duration) {
@@ -236,20 +254,7 @@ func TestClaim_FloorOn_RowsBelowTheFloorClaimedWithinItsPeriod(t *testing.T) {
 			s.floor.everyMin, s.floor.everyMax, s.floor.next = every, every, time.Now().Add(every)
 		}
 		writeAt(t, db, "first", time.Now())
-		claim := func() []string {
-			cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var ids []string
-			for _, r := range cl.rows {
-				ids = append(ids, r.ID)
-			}
-			if err := s.finish(ctx, cl, ids, nil); err != nil {
-				t.Fatal(err)
-			}
-			return ids
-		}
+		claim := func() []string { ids, _ := claimAll(t, s); return ids }
 		if ids := claim(); !slices.Equal(ids, []string{"first"}) { // from the head: the floor is read
 			t.Fatalf("claimed %v, want [first]", ids)
 		}

@@ -32,20 +32,7 @@ func TestClaim_FloorOn_TableOfAnotherName_PeriodsClaimAndProbe(t *testing.T) {
 		floorAlwaysOn(s, time.Hour)
 		ins := db.Rebind("INSERT INTO other_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES (?, 'x', 'k', 'b', '{}', ?)")
 		db.MustExec(ins, "first", time.Now().UTC())
-		claim := func() []string {
-			cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var ids []string
-			for _, r := range cl.rows {
-				ids = append(ids, r.ID)
-			}
-			if err := s.finish(ctx, cl, ids, nil); err != nil {
-				t.Fatal(err)
-			}
-			return ids
-		}
+		claim := func() []string { ids, _ := claimAll(t, s); return ids }
 		if ids := claim(); len(ids) != 1 {
 			t.Fatalf("claimed %v", ids)
 		}
