@@ -30,10 +30,10 @@ import (
 //
 // A claim or a probe from the head that takes checkAbove or longer makes
 // the next one measure (at most every checkEvery): it reads where the
-// pending rows start (the first pending row under MaxAttempts that no
-// stuck record of its key holds; sqldialect's PendingFirst) from the head,
-// and again from the floor that gives, the created_at of that row or lag
-// before now when that is earlier. When the second read is gainAbove
+// pending rows start (the first pending row under MaxAttempts;
+// sqldialect's PendingFirst) from the head, and again from the floor that
+// gives, the created_at of that row or lag before now when that is
+// earlier. When the second read is gainAbove
 // quicker, three rounds in a row (measureFloor), the floor is on. From
 // then on, claims and probes that would start at the head start at the
 // floor; each claim reads the floor again from where it stood, which walks

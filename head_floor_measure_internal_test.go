@@ -3,7 +3,6 @@ package outbox
 import (
 	"context"
 	"database/sql"
-	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -215,49 +214,6 @@ func TestClaim_FloorOn_PeriodsClaimStartsAtTheFloorItReads(t *testing.T) {
 		ids, from = claim()
 		if !slices.Contains(ids, "nullcreated") || from != nil {
 			t.Fatalf("the period's claim beside a row whose created_at is NULL took %v from %v, want it among them, from the head", ids, from)
-		}
-	})
-}
-
-// A keyed record stuck at MaxAttempts holds the records after it in its
-// key for good, until it is retried: pending, under MaxAttempts, and no
-// claim takes them. Read as where the pending rows start, the first of
-// them kept the floor an hour back beside a held snapshot, every claim
-// walked the dead entries since, and the measure found no gain: one stuck
-// key, an ordinary state, turned the floor off. The floor passes them; a
-// Retry of the stuck record makes the next claim measure, and it is
-// claimed, then the one it held.
-func TestClaim_StuckKeyBesideAHeldSnapshot_FloorPassesWhatItHolds(t *testing.T) {
-	t.Parallel()
-	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
-		ctx := context.Background()
-		holdSnapshot(t, db)
-		publishOld(t, db, 100_000)
-		hourAgo := time.Now().Add(-time.Hour).UTC()
-		ins := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, attempts) VALUES (?, 'x', 'k', 'b', '{}', ?, 'k', ?, ?)")
-		db.MustExec(ins, "k#1", hourAgo, 1, 1000)
-		db.MustExec(ins, "k#2", hourAgo.Add(time.Millisecond), 2, 0)
-		s, err := NewStore(db.DB, StoreConfig{Dialect: d})
-		if err != nil {
-			t.Fatal(err)
-		}
-		claim := func() []string { ids, _ := claimAll(t, s); return ids }
-		for i := 0; i < 5 && !s.floor.on; i++ {
-			writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
-			s.floor.check, s.floor.missed = true, 0 // measure now
-			claim()
-		}
-		if !s.floor.on || !s.floor.at.After(hourAgo.Add(time.Minute)) {
-			t.Fatalf("beside 100,000 dead entries and a stuck key: floor on %v at %v; want on, past the records the stuck one holds (%v)", s.floor.on, s.floor.at, hourAgo)
-		}
-		if n, err := s.Retry(ctx, "k#1"); err != nil || n != 1 {
-			t.Fatalf("Retry: %d, %v", n, err)
-		}
-		if ids := claim(); !slices.Equal(ids, []string{"k#1"}) {
-			t.Fatalf("the claim after the Retry took %v, want [k#1]", ids)
-		}
-		if ids := claim(); !slices.Equal(ids, []string{"k#2"}) {
-			t.Fatalf("the claim after k#1 was published took %v, want [k#2]", ids)
 		}
 	})
 }

@@ -459,7 +459,7 @@ func (o *Outbox) Windows() bool { return o.d.windows() }
 // index when it is set (MySQL's pending index): those a claim from after
 // took, and those it passed over but for stuck ones. Column: the count.
 func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, last Cursor) Query {
-	from, where, args := o.pendingUnder(index, "", maxAttempts, after)
+	from, where, args := o.pendingUnder(index, maxAttempts, after)
 	l := o.d.TimeArg(last.CreatedAt)
 	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
 }
@@ -469,11 +469,6 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // is set (MySQL's pending index): where the rows a claim could take start.
 // Columns: created_at, id; no row when there is none.
 //
-// A keyed row held for good, behind a record of its key at maxAttempts, is
-// not read: no claim takes it until that record is retried, and a floor
-// kept at it would have every claim walk the dead entries of all that was
-// published since.
-//
 // From the head, a row whose created_at is NULL (another library's table
 // may allow it) that a claim could take at now (under no live lease, its
 // key's head) comes first, its created_at NULL: no floor is below it, so
@@ -482,10 +477,8 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // held by a stuck record) is not read: it would send every claim to the
 // head for as long as it waits. After a cursor no such row is read.
 func (o *Outbox) PendingFirst(index string, maxAttempts int, now time.Time, after *Cursor) Query {
-	const alias = "f"
-	from, where, args := o.pendingUnder(index, alias, maxAttempts, after)
-	first := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND created_at IS NOT NULL AND " + o.notHeldForGood(alias) + " ORDER BY created_at, id LIMIT 1"
-	args = append(args, maxAttempts)
+	from, where, args := o.pendingUnder(index, maxAttempts, after)
+	first := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
 	if after != nil {
 		return o.query("SELECT "+first, args...)
 	}
@@ -494,22 +487,11 @@ func (o *Outbox) PendingFirst(index string, maxAttempts int, now time.Time, afte
 	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
-// notHeldForGood is the condition of a row on alias that no record of its
-// key at maxAttempts (its one argument) comes before: unkeyed, without a
-// seq, or none such unpublished.
-func (o *Outbox) notHeldForGood(alias string) string {
-	return "(" + alias + ".aggregate_id IS NULL OR " + alias + ".seq IS NULL OR NOT EXISTS (SELECT 1 FROM " + o.table + " h WHERE h.aggregate_id = " + alias + ".aggregate_id" +
-		" AND h.published_at IS NULL AND h.seq < " + alias + ".seq AND COALESCE(h.attempts, 0) >= ?))"
-}
-
-// pendingUnder is the FROM (as alias, when it is set; through index, when
-// it is set) and the WHERE of the unpublished rows under maxAttempts after
-// after, and the WHERE's arguments.
-func (o *Outbox) pendingUnder(index, alias string, maxAttempts int, after *Cursor) (from, where string, args []any) {
+// pendingUnder is the FROM (through index, when it is set) and the WHERE
+// of the unpublished rows under maxAttempts after after, and the WHERE's
+// arguments.
+func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (from, where string, args []any) {
 	from = o.table
-	if alias != "" {
-		from += " " + alias
-	}
 	if index != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
 	}
