@@ -139,6 +139,16 @@ func floorStore(t testing.TB, db *testdb.DB, d Dialect, every time.Duration) *St
 	return s
 }
 
+// allowNullCreatedAt lets the outbox of db hold a NULL created_at, as
+// another library's table may.
+func allowNullCreatedAt(db *testdb.DB) {
+	alter := "ALTER TABLE acemq_outbox ALTER created_at DROP NOT NULL"
+	if db.Kind == testdb.MySQL {
+		alter = "ALTER TABLE acemq_outbox MODIFY created_at DATETIME(6) NULL"
+	}
+	db.MustExec(alter)
+}
+
 // claimAll claims up to 100 rows through s, from where its floor says,
 // marks them published, and returns their ids and where the claim started.
 func claimAll(t testing.TB, s *Store) (ids []string, from *sqldialect.Cursor) {

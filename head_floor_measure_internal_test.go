@@ -203,11 +203,7 @@ func TestClaim_FloorOn_PeriodsClaimStartsAtTheFloorItReads(t *testing.T) {
 			t.Fatalf("after the period's measure: floor on %v, next measure %v", s.floor.on, s.floor.next)
 		}
 
-		alter := "ALTER TABLE acemq_outbox ALTER created_at DROP NOT NULL"
-		if d == MySQL {
-			alter = "ALTER TABLE acemq_outbox MODIFY created_at DATETIME(6) NULL"
-		}
-		db.MustExec(alter)
+		allowNullCreatedAt(db)
 		writeAt(t, db, "fresh2", time.Now())
 		db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES ('nullcreated', 'x', 'k', 'b', '{}', NULL)")
 		s.floor.next = time.Time{}

@@ -145,88 +145,32 @@ func (d *firstPublishedAt) get(id string) (time.Time, bool) {
 // snapshot: every claim walked from the head for as long as the key stayed
 // stuck. It reads only such a row a claim could take.
 func TestClaim_NullCreatedAtBehindAStuckKey_FloorStillTurnsOn(t *testing.T) {
-	db := testdb.New(t, testdb.Postgres)
-	ctx := context.Background()
-	if err := Migrate(ctx, db.DB, Postgres); err != nil {
-		t.Fatal(err)
-	}
-	db.MustExec("ALTER TABLE acemq_outbox ALTER created_at DROP NOT NULL")
-	holdSnapshot(t, db)
-	publishOld(t, db, 100_000)
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, attempts) VALUES ('k#1', 'x', 'k', 'b', '{}', now() - interval '1 hour', 'k', 1, 1000)")
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq) VALUES ('k#2', 'x', 'k', 'b', '{}', NULL, 'k', 2)")
-	s, err := NewStore(db.DB, StoreConfig{Dialect: Postgres})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var tooks []time.Duration
-	for i := 0; i < 5; i++ {
-		writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
-		s.floor.mu.Lock()
-		s.floor.check, s.floor.missed = true, 0
-		s.floor.mu.Unlock()
-		start := time.Now()
-		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
-		tooks = append(tooks, time.Since(start))
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		allowNullCreatedAt(db)
+		holdSnapshot(t, db)
+		publishOld(t, db, 100_000)
+		ins := db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, attempts) VALUES (?, 'x', 'k', 'b', '{}', ?, 'k', ?, ?)")
+		db.MustExec(ins, "k#1", time.Now().Add(-time.Hour).UTC(), 1, 1000)
+		db.MustExec(ins, "k#2", nil, 2, 0)
+		s, err := NewStore(db.DB, StoreConfig{Dialect: d})
 		if err != nil {
 			t.Fatal(err)
 		}
-		var ids []string
-		for _, r := range cl.rows {
-			ids = append(ids, r.ID)
+		var tooks []time.Duration
+		for i := 0; i < 5; i++ {
+			writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
+			s.floor.mu.Lock()
+			s.floor.check, s.floor.missed = true, 0
+			s.floor.mu.Unlock()
+			start := time.Now()
+			claimAll(t, s)
+			tooks = append(tooks, time.Since(start))
 		}
-		if err := s.finish(ctx, cl, ids, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	s.floor.mu.Lock()
-	on := s.floor.on
-	s.floor.mu.Unlock()
-	if !on {
-		t.Fatalf("beside 100,000 dead entries, 5 measures: floor off (claims took %v): the blocked NULL-created row keeps every claim at the head", tooks)
-	}
-}
-
-// TestClaim_NullCreatedAtBehindAStuckKey_FloorStillTurnsOn on MariaDB.
-func TestClaim_NullCreatedAtBehindAStuckKey_FloorStillTurnsOn_MySQL(t *testing.T) {
-	db := testdb.New(t, testdb.MySQL)
-	ctx := context.Background()
-	if err := Migrate(ctx, db.DB, MySQL); err != nil {
-		t.Fatal(err)
-	}
-	db.MustExec("ALTER TABLE acemq_outbox MODIFY created_at DATETIME(6) NULL")
-	holdSnapshot(t, db)
-	publishOld(t, db, 100_000)
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, attempts) VALUES ('k#1', 'x', 'k', 'b', '{}', NOW(6) - INTERVAL 1 HOUR, 'k', 1, 1000)")
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq) VALUES ('k#2', 'x', 'k', 'b', '{}', NULL, 'k', 2)")
-	s, err := NewStore(db.DB, StoreConfig{Dialect: MySQL})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var tooks []time.Duration
-	for i := 0; i < 5; i++ {
-		writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
 		s.floor.mu.Lock()
-		s.floor.check, s.floor.missed = true, 0
+		on := s.floor.on
 		s.floor.mu.Unlock()
-		start := time.Now()
-		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
-		tooks = append(tooks, time.Since(start))
-		if err != nil {
-			t.Fatal(err)
+		if !on {
+			t.Fatalf("beside 100,000 dead entries, 5 measures: floor off (claims took %v): the blocked NULL-created row keeps every claim at the head", tooks)
 		}
-		var ids []string
-		for _, r := range cl.rows {
-			ids = append(ids, r.ID)
-		}
-		if err := s.finish(ctx, cl, ids, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	s.floor.mu.Lock()
-	on := s.floor.on
-	s.floor.mu.Unlock()
-	if !on {
-		t.Fatalf("beside 100,000 dead entries, 5 measures: floor off (claims took %v): the blocked NULL-created row keeps every claim at the head", tooks)
-	}
+	})
 }

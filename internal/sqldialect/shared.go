@@ -478,12 +478,13 @@ func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, la
 // head for as long as it waits. After a cursor no such row is read.
 func (o *Outbox) PendingFirst(index string, maxAttempts int, now time.Time, after *Cursor) Query {
 	from, where, args := o.pendingUnder(index, maxAttempts, after)
-	first := o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	cols := o.d.timeText("created_at") + " AS created_text, id FROM "
+	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
 	if after != nil {
 		return o.query("SELECT "+first, args...)
 	}
 	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: maxAttempts, Now: now})
-	null := "SELECT 0 AS nulls_last, " + o.d.timeText("created_at") + " AS created_text, id FROM " + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
+	null := "SELECT 0 AS nulls_last, " + cols + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
 	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
