@@ -16,8 +16,10 @@ import (
 // index until the snapshot ends. Side by side: from the head, as before the
 // floor (head); with the floor as a relay keeps it, found by its own
 // timing (floor); the claim at the end of each of the floor's periods,
-// which measures again (period); and from the head once the snapshot ended
-// (ended). Each reports ms/claim or ms/probe.
+// which measures again (period); with the floor beside a keyed record
+// stuck at MaxAttempts an hour before the dead entries, which holds ten
+// records of its key (stuck-key); and from the head once the snapshot
+// ended (ended). Each reports ms/claim or ms/probe.
 //
 //	go test -run '^$' -bench BenchmarkClaim_BesideAHeldSnapshot -benchtime 20x .
 func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
@@ -97,6 +99,19 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 					}
 					b.ReportMetric(float64(took.Microseconds())/1000/float64(b.N), "ms/claim")
 				})
+				// A keyed record stuck at MaxAttempts, an hour back, and ten
+				// records of its key it holds: until 2026-12-04's
+				// twenty-ninth session the floor stayed at the first of
+				// them, below every dead entry.
+				hourAgo := time.Now().Add(-2 * time.Hour)
+				for i := range 11 {
+					attempts := 0
+					if i == 0 {
+						attempts = 1000
+					}
+					writeKeyed(b, db, fmt.Sprintf("stuck%02d", i), "stuck", int64(i+1), hourAgo.Add(time.Duration(i)*time.Millisecond), attempts)
+				}
+				b.Run("stuck-key/floor", func(b *testing.B) { run(b, store(true)) })
 				ended()
 				s := store(false)
 				// A first claim's walk marks the dead entries, as a relay's would.

@@ -30,15 +30,15 @@ import (
 //
 // A claim or a probe from the head that takes checkAbove or longer makes
 // the next one measure (at most every checkEvery): it reads where the
-// pending rows start (the first pending row under MaxAttempts;
-// sqldialect's PendingFirst) from the head, and again from the floor that
-// gives, the created_at of that row or lag before now when that is
-// earlier. When the second read is gainAbove
-// quicker, three rounds in a row (measureFloor), the floor is on. From
-// then on, claims and probes that would start at the head start at the
-// floor; each claim reads the floor again from where it stood, which walks
-// only the entries of rows published since (one statement more; a probe
-// takes it as it stands). Every period,
+// pending rows start (the first pending row under MaxAttempts that no
+// stuck record of its key holds; sqldialect's PendingFirst) from the
+// head, and again from the floor that gives, the created_at of that row
+// or lag before now when that is earlier. When the second read is
+// gainAbove quicker, three rounds in a row (measureFloor), the floor is
+// on. From then on, claims and probes that would start at the head start
+// at the floor; each claim reads the floor again from where it stood,
+// which walks only the entries of rows published since (one statement
+// more; a probe takes it as it stands). Every period,
 // floorEvery times the last read from the head's time (everyMin to
 // everyMax), one claim or probe (a drain's claim too, which would go on
 // from its cursor) measures again, and starts at the floor its read from
@@ -152,12 +152,13 @@ type rowQuerier interface {
 
 // headBound is where a claim or probe that would start at the head of the
 // pending index starts (see headFloor): nil for the head. The floor's
-// reads run on q, through index when it is set (MySQL's pending index).
+// reads run on q, through index and keyIndex when they are set (MySQL's
+// pending index and its index of a key's pending rows).
 // A claim or probe that starts at the head tells headWalked how long it
 // took, from before this call. A probe (probing) starts at the floor as it
 // stands: an idle relay, which probes every PollInterval, would pay a
 // statement more a poll, and publishes nothing to move the floor past.
-func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probing bool) (*sqldialect.Cursor, error) {
+func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex string, probing bool) (*sqldialect.Cursor, error) {
 	if s.leases() {
 		return nil, nil // SQLite
 	}
@@ -169,7 +170,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 	case f.on && now.Before(f.next) && probing:
 		return &sqldialect.Cursor{CreatedAt: f.at}, nil
 	case f.on && now.Before(f.next):
-		first, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: f.at})
+		first, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: f.at})
 		if err != nil {
 			// The next claim or probe starts at the head, as one without
 			// a floor does: a read that keeps failing (MySQL's pending
@@ -192,7 +193,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index string, probi
 	// head (MariaDB's locking read passes an entry some 30 times slower
 	// than its plain read) held up, once a period, what came meanwhile.
 	f.check, f.checked = false, now
-	m, err := s.measureFloor(ctx, q, index, now)
+	m, err := s.measureFloor(ctx, q, index, keyIndex, now)
 	switch {
 	case err != nil:
 		f.on = false
@@ -249,10 +250,10 @@ type floorMeasure struct {
 // already on is measured again in one round: a delayed read keeps it a
 // period longer at most, and each read from the head of a long walk is
 // one more wait for the records that come meanwhile.
-func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, now time.Time) (floorMeasure, error) {
+func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time) (floorMeasure, error) {
 	f := s.floor
 	started := time.Now()
-	first, err := s.pendingFirst(ctx, q, index, nil)
+	first, err := s.pendingFirst(ctx, q, index, keyIndex, nil)
 	m := floorMeasure{head: time.Since(started)}
 	switch {
 	case err != nil:
@@ -264,12 +265,12 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index string, no
 	m.at = f.below(first, now)
 	fromFloor := func() (time.Duration, error) {
 		started := time.Now()
-		_, err := s.pendingFirst(ctx, q, index, &sqldialect.Cursor{CreatedAt: m.at})
+		_, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: m.at})
 		return time.Since(started), err
 	}
 	fromHead := func() (time.Duration, error) {
 		started := time.Now()
-		_, err := s.pendingFirst(ctx, q, index, nil)
+		_, err := s.pendingFirst(ctx, q, index, keyIndex, nil)
 		return time.Since(started), err
 	}
 	rounds := floorRounds
@@ -419,8 +420,8 @@ func (s *Store) lowerFloors() {
 // (from the head when nil) on q, as sqldialect's PendingFirst does: nil
 // when there is none, and one without a CreatedAt when its created_at is
 // NULL or cannot be read as a time.
-func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor) (*sqldialect.Cursor, error) {
-	query := s.inline(s.q.PendingFirst(index, s.cfg.MaxAttempts, time.Now(), after))
+func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor) (*sqldialect.Cursor, error) {
+	query := s.inline(s.q.PendingFirst(index, keyIndex, s.cfg.MaxAttempts, time.Now(), after))
 	s.sent.Add(1)
 	var id string
 	at := sqldialect.NewTime(s.dialect.sql())

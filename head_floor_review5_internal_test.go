@@ -39,7 +39,7 @@ func TestClaim_FloorOn_TableOfAnotherName_PeriodsClaimAndProbe(t *testing.T) {
 		if !s.floor.on {
 			t.Fatal("floor off")
 		}
-		t.Logf("index %q", s.pendingIndexName())
+		t.Logf("index %q", s.pendingIndex())
 		db.MustExec(ins, "late", time.Now().Add(-time.Minute).UTC())
 		s.floor.next = time.Time{}
 		if ids := claim(); len(ids) != 1 || ids[0] != "late" {

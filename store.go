@@ -269,7 +269,8 @@ func (s *Store) probe(ctx context.Context, db rowQuerier) (bool, error) {
 	}
 	walk := time.Now() // a probe from the head: see headWalked
 	var err error
-	if p.After, err = s.headBound(ctx, db, s.pendingIndexName(), true); err != nil {
+	index, keyIndex := s.indexNames()
+	if p.After, err = s.headBound(ctx, db, index, keyIndex, true); err != nil {
 		return false, err
 	}
 	q := s.inline(s.q.Claimable(p))
@@ -334,7 +335,7 @@ func (s *Store) busyBound() time.Duration {
 // dialect LocksPassedOver. Stuck rows do not count. One read in c's
 // transaction, which locks nothing.
 func (s *Store) passedOver(ctx context.Context, c *claim, after, last *sqldialect.Cursor) (int, error) {
-	q := s.inline(s.q.PendingBetween(s.pendingIndexName(), s.cfg.MaxAttempts, after, *last))
+	q := s.inline(s.q.PendingBetween(s.pendingIndex(), s.cfg.MaxAttempts, after, *last))
 	s.sent.Add(1)
 	var n int
 	if err := c.tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
@@ -343,12 +344,18 @@ func (s *Store) passedOver(ctx context.Context, c *claim, after, last *sqldialec
 	return max(n-len(c.rows), 0), nil
 }
 
-// pendingIndexName is the pending index a claim names (MySQL's, once
-// found; see claimIndexes), "" for none.
-func (s *Store) pendingIndexName() string {
+// pendingIndex is the first of indexNames.
+func (s *Store) pendingIndex() string {
+	index, _ := s.indexNames()
+	return index
+}
+
+// indexNames are the pending index and the index of a key's pending rows
+// a claim names (MySQL's, once found; see claimIndexes), "" for none.
+func (s *Store) indexNames() (index, keyIndex string) {
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	return s.index
+	return s.index, s.keyIndex
 }
 
 // locksPassedOver: see sqldialect.Dialect.LocksPassedOver.
@@ -566,7 +573,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	}
 	walk := time.Now() // a claim from the head: see headWalked
 	if floor {
-		if p.After, err = s.headBound(ctx, tx, p.Index, false); err != nil {
+		if p.After, err = s.headBound(ctx, tx, p.Index, p.KeyIndex, false); err != nil {
 			s.forgetIndex() // MySQL's, which the read names: dropped or renamed, maybe
 			return fail(err)
 		}
