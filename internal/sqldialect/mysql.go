@@ -317,8 +317,6 @@ func (mysql) notOurs(alias string) string {
 // and keyHead) would need their own proof for a claim of several parts.
 func (mysql) windows() bool { return false }
 
-func (mysql) lateral() bool { return false }
-
 func (mysql) latest() string { return "NULL" } // never asked for (windows)
 
 // windowClaim: never asked for (windows).

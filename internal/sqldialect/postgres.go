@@ -263,8 +263,6 @@ func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 
 func (postgres) windows() bool { return true }
 
-func (postgres) lateral() bool { return true }
-
 // latest sorts after every time a timestamp column holds.
 func (postgres) latest() string { return "'infinity'" }
 

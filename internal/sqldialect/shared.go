@@ -459,79 +459,74 @@ func (o *Outbox) Windows() bool { return o.d.windows() }
 // index when it is set (MySQL's pending index): those a claim from after
 // took, and those it passed over but for stuck ones. Column: the count.
 func (o *Outbox) PendingBetween(index string, maxAttempts int, after *Cursor, last Cursor) Query {
-	from, where, args := o.pendingUnder(index, "", maxAttempts, after)
+	from, where, args := o.pendingUnder(index, maxAttempts, after)
 	l := o.d.TimeArg(last.CreatedAt)
 	return o.query("SELECT COUNT(*) FROM "+from+" WHERE "+where+" AND created_at <= ? AND (created_at < ? OR id <= ?)", append(args, l, l, last.ID)...)
 }
 
-// PendingFirst reads the first unpublished row under maxAttempts, in claim
-// order, after after (from the head when it is nil), through index when it
-// is set (MySQL's pending index): where the rows a claim could take start.
-// Columns: created_at, id; no row when there is none.
-//
-// A keyed row whose key's head (its first unpublished record) is an
-// earlier record at maxAttempts is not read: no claim takes it until that
-// record is retried, and a floor kept at it would have every claim walk
-// the dead entries of all that was published since. Only the key's head
-// is looked at, through keyIndex when it is set (MySQL's index of a key's
-// pending rows; without it MariaDB looked up each earlier record of the
-// key, published ones too: 107 ms a read for a key with 100,000 kept).
+// PendingParams says where PendingFirst reads.
+type PendingParams struct {
+	// Index, if set, is the pending index the read walks; KeyIndex, if
+	// set, the index of a key's pending rows (MySQL's).
+	Index, KeyIndex string
+	MaxAttempts     int
+	Now             time.Time
+	// After, if set, reads after that row (see afterCursor); from the
+	// head when it is nil.
+	After *Cursor
+	// Skip holds the heads of keys stuck at MaxAttempts (see KeyHead): the
+	// records after each in its key (a greater seq) are not read. No claim
+	// takes them until the head is retried.
+	Skip []KeySeq
+}
+
+// PendingFirst reads the first unpublished row under p.MaxAttempts, in
+// claim order, but for those p.Skip holds: where the rows a claim could
+// take start. Columns: created_at, id, aggregate_id, seq; no row when
+// there is none.
 //
 // From the head, a row whose created_at is NULL (another library's table
-// may allow it) that a claim could take at now (under no live lease, its
+// may allow it) that a claim could take at p.Now (under no live lease, its
 // key's head) comes first, its created_at NULL: no floor is below it, so
 // the claim that asks starts at the head (PostgreSQL orders it last, where
 // a claim at a floor never reaches it). One no claim could take (its key
 // held by a stuck record) is not read: it would send every claim to the
 // head for as long as it waits. After a cursor no such row is read.
-func (o *Outbox) PendingFirst(index, keyIndex string, maxAttempts int, now time.Time, after *Cursor) Query {
-	const alias = "f"
-	from, where, args := o.pendingUnder(index, alias, maxAttempts, after)
-	stuck := o.stuckHead(keyIndex, alias)
-	held := "NOT COALESCE((" + stuck + ") < " + alias + ".seq, FALSE)"
-	if o.d.lateral() {
-		// Joined, the head's read is memoized by key: 30 ms, not 375,
-		// past 50,000 records a stuck one holds.
-		from += " LEFT JOIN LATERAL (" + stuck + ") held ON TRUE"
-		held = "NOT COALESCE(held.stuck < " + alias + ".seq, FALSE)"
-		args = append([]any{maxAttempts}, args...)
-	} else {
-		args = append(args, maxAttempts)
+func (o *Outbox) PendingFirst(p PendingParams) Query {
+	from, where, args := o.pendingUnder(p.Index, p.MaxAttempts, p.After)
+	for _, k := range p.Skip {
+		// COALESCE: an unkeyed row, or one without a seq, compares NULL.
+		where += " AND NOT COALESCE(aggregate_id = ? AND seq > ?, FALSE)"
+		args = append(args, k.Key, k.Seq)
 	}
-	cols := o.d.timeText("created_at") + " AS created_text, id FROM "
-	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL AND " + held + " ORDER BY created_at, id LIMIT 1"
-	if after != nil {
+	cols := o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq FROM "
+	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	if p.After != nil {
 		return o.query("SELECT "+first, args...)
 	}
-	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: maxAttempts, Now: now, KeyIndex: keyIndex})
+	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: p.MaxAttempts, Now: p.Now, KeyIndex: p.KeyIndex})
 	null := "SELECT 0 AS nulls_last, " + cols + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
-	return o.query("SELECT created_text, id FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
+	return o.query("SELECT created_text, id, aggregate_id, seq FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
-// stuckHead reads, for the row of alias, its key's head (its first
-// unpublished record with a seq, through keyIndex when it is set) as
-// stuck: the head's seq if it is at maxAttempts, the read's one argument,
-// NULL if it is not or there is none. A row is held for good when that is
-// below its seq. What it reads depends on the key alone, so that a walk
-// past many records of a stuck key reads the head once (MariaDB's subquery
-// cache; PostgreSQL's Memoize, where it is joined).
-func (o *Outbox) stuckHead(keyIndex, alias string) string {
-	from := o.table + " h"
+// KeyHead reads key's head, its first unpublished record with a seq,
+// through keyIndex when it is set (MySQL's index of a key's pending rows,
+// without which MariaDB looked up each earlier record of a key, published
+// ones too). Columns: seq, attempts (0 for NULL); no row when there is
+// none.
+func (o *Outbox) KeyHead(keyIndex, key string) Query {
+	from := o.table
 	if keyIndex != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(keyIndex) + ")"
 	}
-	return "SELECT CASE WHEN COALESCE(h.attempts, 0) >= ? THEN h.seq END AS stuck FROM " + from +
-		" WHERE h.aggregate_id = " + alias + ".aggregate_id AND h.published_at IS NULL AND h.seq IS NOT NULL ORDER BY h.seq LIMIT 1"
+	return o.query("SELECT seq, COALESCE(attempts, 0) FROM "+from+" WHERE aggregate_id = ? AND published_at IS NULL AND seq IS NOT NULL ORDER BY seq LIMIT 1", key)
 }
 
-// pendingUnder is the FROM (as alias, when it is set; through index, when
-// it is set) and the WHERE of the unpublished rows under maxAttempts after
-// after, and the WHERE's arguments.
-func (o *Outbox) pendingUnder(index, alias string, maxAttempts int, after *Cursor) (from, where string, args []any) {
+// pendingUnder is the FROM (through index, when it is set) and the WHERE
+// of the unpublished rows under maxAttempts after after, and the WHERE's
+// arguments.
+func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (from, where string, args []any) {
 	from = o.table
-	if alias != "" {
-		from += " " + alias
-	}
 	if index != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(index) + ")"
 	}

@@ -156,9 +156,6 @@ type Dialect interface {
 	windowClaim(o *Outbox, p ClaimParams, where string, whereArgs []any) Query
 	// windows reports whether the dialect's claims are windowed.
 	windows() bool
-	// lateral reports whether the dialect joins a LATERAL subquery, which
-	// its planner can memoize (PostgreSQL; MariaDB has no LATERAL).
-	lateral() bool
 	// latest is a value that sorts after every created_at.
 	latest() string
 	claimSetup() string

@@ -125,8 +125,6 @@ func (d sqlite) keyHead(table, alias string, p ClaimParams) string {
 
 func (sqlite) windows() bool { return true }
 
-func (sqlite) lateral() bool { return false }
-
 // latest: a blob sorts after every number and text, whichever way a
 // library wrote its times.
 func (sqlite) latest() string { return "x'ff'" }
