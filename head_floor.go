@@ -90,7 +90,8 @@ const (
 	// 25,000 entries of published rows on PostgreSQL, a fifth of that in a
 	// MariaDB claim. A busy machine makes claims that slow too: at most
 	// one measure, two statements where it finds no gain (six where it
-	// turns the floor on), every floorCheckEvery. (Turned on by
+	// turns the floor on; one more where the first pending row is keyed,
+	// three more a stuck key it passes), every floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -109,7 +110,8 @@ const (
 	// floorRounds is how many rounds of the two reads must each show
 	// floorGainAbove for the floor to be turned on (see measureFloor): six
 	// statements a measure where it is, two where the first round shows
-	// no gain, and two for a floor already on.
+	// no gain, and two for a floor already on (and those pendingStart
+	// adds).
 	floorRounds = 3
 	// floorMissedMax: the wait for the next measure after measures that
 	// found no gain is floorCheckEvery doubled this many times at most.
@@ -260,7 +262,7 @@ type floorMeasure struct {
 func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time) (floorMeasure, error) {
 	f := s.floor
 	started := time.Now()
-	first, skip, err := s.pendingStart(ctx, q, index, keyIndex)
+	first, skip, sent, err := s.pendingStart(ctx, q, index, keyIndex)
 	m := floorMeasure{head: time.Since(started), skip: skip}
 	switch {
 	case err != nil:
@@ -279,6 +281,14 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		started := time.Now()
 		_, _, err := s.pendingFirst(ctx, q, index, keyIndex, nil, m.skip)
 		return time.Since(started), err
+	}
+	if sent > 1 {
+		// The read from the head is timed alone, as the one from the floor
+		// is: each statement more, a round trip, would count as a gain,
+		// and keep a floor on for good where a key is stuck.
+		if m.head, err = fromHead(); err != nil {
+			return m, err
+		}
 	}
 	rounds := floorRounds
 	if f.on {
@@ -428,45 +438,53 @@ func (s *Store) lowerFloors() {
 // MaxAttempts hold in their keys: no claim takes them until the stuck one
 // is retried, and a floor kept at the first of them (an hour back, say)
 // would have every claim walk the dead entries of all that was published
-// since. Where the first row is keyed, its key's head is read (KeyHead,
-// one entry through the key's index); if that is stuck and before it, the
-// read goes on past the key's later records, up to maxStuckKeys keys, and
-// stops at the next held record after that. It returns the stuck heads it
-// passed, for the reads that follow.
+// since. Where the first row is keyed and not its key's first (seq 1), the
+// record before it in its key is read (KeyRecord: seqs are gapless, a
+// point read); if that is unpublished and stuck, the read goes on after
+// the row past the key's later records, up to maxStuckKeys keys, and stops
+// at the next held record after that. A row whose predecessor is missing
+// (another library's gap) is taken as it is: the floor stays lower. It
+// returns the stuck records it passed, for the reads that follow, and the
+// statements it sent.
 //
-// One read a key, in Go: a first form asked the database, for each row it
-// walked, whether its key's head was stuck. That read each held record's
-// key again where PostgreSQL's planner did not memoize it (1.6 s past
-// 5,000 held records beside a snapshot), and the read of the floor before
-// every claim walked a hot key's dead entries to its head, stuck or not.
-func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex string) (*sqldialect.Cursor, []sqldialect.KeySeq, error) {
+// One point read a key, in Go: a first form asked the database, for each
+// row it walked, whether its key's first pending record was stuck. That
+// read the key again for each held record where PostgreSQL's planner did
+// not memoize it (1.6 s past 5,000 held records beside a snapshot), and
+// each read walked the entries a held snapshot keeps of the key's
+// published records, at every claim.
+func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex string) (*sqldialect.Cursor, []sqldialect.KeySeq, int, error) {
 	var (
 		skip  []sqldialect.KeySeq
 		after *sqldialect.Cursor
+		sent  int
 	)
 	for {
 		first, key, err := s.pendingFirst(ctx, q, index, keyIndex, after, skip)
-		if err != nil || first == nil || first.CreatedAt.IsZero() || key == nil || len(skip) == maxStuckKeys {
-			return first, skip, err
+		sent++
+		if err != nil || first == nil || first.CreatedAt.IsZero() || key == nil || key.Seq <= 1 || len(skip) == maxStuckKeys {
+			return first, skip, sent, err
 		}
-		head := s.inline(s.q.KeyHead(keyIndex, key.Key))
+		before := sqldialect.KeySeq{Key: key.Key, Seq: key.Seq - 1}
+		read := s.inline(s.q.KeyRecord(keyIndex, before.Key, before.Seq))
 		s.sent.Add(1)
-		var seq, attempts int64
-		switch err := q.QueryRowContext(ctx, head.SQL, head.Args...).Scan(&seq, &attempts); {
+		sent++
+		var attempts int64
+		switch err := q.QueryRowContext(ctx, read.SQL, read.Args...).Scan(&attempts); {
 		case errors.Is(err, sql.ErrNoRows):
-			return first, skip, nil // published meanwhile
+			return first, skip, sent, nil // published, or a gap
 		case err != nil:
-			return nil, nil, fmt.Errorf("outbox: the head of a key: %w", err)
-		case attempts < int64(s.cfg.MaxAttempts) || seq >= key.Seq:
-			return first, skip, nil
+			return nil, nil, sent, fmt.Errorf("outbox: the record before a keyed one: %w", err)
+		case attempts < int64(s.cfg.MaxAttempts):
+			return first, skip, sent, nil // waiting, not held for good
 		}
-		skip = append(skip, sqldialect.KeySeq{Key: key.Key, Seq: seq})
+		skip = append(skip, before)
 		after = first // every row before it is passed or held
 	}
 }
 
 // maxStuckKeys is how many stuck keys pendingStart passes at most: two
-// statements each.
+// statements each, in a measure.
 const maxStuckKeys = 16
 
 // pendingFirst reads the first pending row under MaxAttempts after after

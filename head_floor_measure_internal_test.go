@@ -13,16 +13,18 @@ import (
 
 // delayedQuerier runs statements on a connection and delays the one at
 // index delayed (counting from 0) by delay before it is sent, as a busy
-// machine delays a read now and then.
+// machine delays a read now and then; every one where all is set, as a
+// database that far away does.
 type delayedQuerier struct {
 	conn    *sql.Conn
 	delayed int
+	all     bool
 	delay   time.Duration
 	sent    int
 }
 
 func (q *delayedQuerier) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
-	if q.sent == q.delayed {
+	if q.all || q.sent == q.delayed {
 		time.Sleep(q.delay)
 	}
 	q.sent++

@@ -127,7 +127,7 @@ func TestPendingStart_NeverAboveAClaimableRow(t *testing.T) {
 				}
 				var first *sqldialect.Cursor
 				if after == nil {
-					first, skip, err = s.pendingStart(ctx, tx, index, keyIndex)
+					first, skip, _, err = s.pendingStart(ctx, tx, index, keyIndex)
 				} else {
 					first, _, err = s.pendingFirst(ctx, tx, index, keyIndex, after, skip)
 				}

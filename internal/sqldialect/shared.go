@@ -474,9 +474,9 @@ type PendingParams struct {
 	// After, if set, reads after that row (see afterCursor); from the
 	// head when it is nil.
 	After *Cursor
-	// Skip holds the heads of keys stuck at MaxAttempts (see KeyHead): the
-	// records after each in its key (a greater seq) are not read. No claim
-	// takes them until the head is retried.
+	// Skip holds records of keys stuck at MaxAttempts: the records after
+	// each in its key (a greater seq) are not read. No claim takes them
+	// until the stuck one is retried.
 	Skip []KeySeq
 }
 
@@ -509,17 +509,18 @@ func (o *Outbox) PendingFirst(p PendingParams) Query {
 	return o.query("SELECT created_text, id, aggregate_id, seq FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
-// KeyHead reads key's head, its first unpublished record with a seq,
-// through keyIndex when it is set (MySQL's index of a key's pending rows,
-// without which MariaDB looked up each earlier record of a key, published
-// ones too). Columns: seq, attempts (0 for NULL); no row when there is
-// none.
-func (o *Outbox) KeyHead(keyIndex, key string) Query {
+// KeyRecord reads the unpublished record of key at seq, through keyIndex
+// when it is set (MySQL's index of a key's pending rows). Column: its
+// attempts (0 for NULL); no row when there is none or it is published. A
+// point read: one entry (two for a record published under a snapshot),
+// where a read of the key's first pending record walks every entry a held
+// snapshot keeps of the key's published ones.
+func (o *Outbox) KeyRecord(keyIndex, key string, seq int64) Query {
 	from := o.table
 	if keyIndex != "" {
 		from += " FORCE INDEX (" + o.d.quoteIdent(keyIndex) + ")"
 	}
-	return o.query("SELECT seq, COALESCE(attempts, 0) FROM "+from+" WHERE aggregate_id = ? AND published_at IS NULL AND seq IS NOT NULL ORDER BY seq LIMIT 1", key)
+	return o.query("SELECT COALESCE(attempts, 0) FROM "+from+" WHERE aggregate_id = ? AND published_at IS NULL AND seq = ?", key, seq)
 }
 
 // pendingUnder is the FROM (through index, when it is set) and the WHERE
