@@ -70,9 +70,9 @@ type headFloor struct {
 	on   bool
 	at   time.Time
 	next time.Time
-	// skip holds the heads of keys stuck at MaxAttempts that the last
-	// measure passed (see pendingStart): each claim's read of the floor
-	// passes the records they hold too.
+	// skip holds the records stuck at MaxAttempts that the last measure
+	// passed (see pendingStart): each claim's read of the floor passes the
+	// records they hold in their keys too.
 	skip []sqldialect.KeySeq
 	// lowered is when lowerFloors last made next due: a walk from the head
 	// under way then did not see what it made pending.
@@ -91,7 +91,8 @@ const (
 	// MariaDB claim. A busy machine makes claims that slow too: at most
 	// one measure, two statements where it finds no gain (six where it
 	// turns the floor on; one more where the first pending row is keyed,
-	// three more a stuck key it passes), every floorCheckEvery. (Turned on by
+	// and past stuck keys two more each and one more read from the head),
+	// every floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -243,7 +244,7 @@ type floorMeasure struct {
 	// headOnly: the first pending row's created_at is NULL or not a time
 	// this relay can compare; no floor is below it.
 	headOnly bool
-	// skip: the heads of the stuck keys the read from the head passed.
+	// skip: the stuck records the read from the head passed.
 	skip []sqldialect.KeySeq
 }
 
@@ -261,9 +262,9 @@ type floorMeasure struct {
 // one more wait for the records that come meanwhile.
 func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time) (floorMeasure, error) {
 	f := s.floor
-	started := time.Now()
-	first, skip, sent, err := s.pendingStart(ctx, q, index, keyIndex)
-	m := floorMeasure{head: time.Since(started), skip: skip}
+	start, err := s.pendingStart(ctx, q, index, keyIndex)
+	first := start.first
+	m := floorMeasure{head: start.head, skip: start.skip}
 	switch {
 	case err != nil:
 		return m, err
@@ -282,10 +283,11 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		_, _, err := s.pendingFirst(ctx, q, index, keyIndex, nil, m.skip)
 		return time.Since(started), err
 	}
-	if sent > 1 {
-		// The read from the head is timed alone, as the one from the floor
-		// is: each statement more, a round trip, would count as a gain,
-		// and keep a floor on for good where a key is stuck.
+	if len(m.skip) > 0 {
+		// The read from the head is timed as one statement, as the one
+		// from the floor is, and past the stuck keys' records: each
+		// statement more, a round trip, would count as a gain, and keep a
+		// floor on for good where a key is stuck.
 		if m.head, err = fromHead(); err != nil {
 			return m, err
 		}
@@ -444,8 +446,7 @@ func (s *Store) lowerFloors() {
 // the row past the key's later records, up to maxStuckKeys keys, and stops
 // at the next held record after that. A row whose predecessor is missing
 // (another library's gap) is taken as it is: the floor stays lower. It
-// returns the stuck records it passed, for the reads that follow, and the
-// statements it sent.
+// returns the stuck records it passed, for the reads that follow.
 //
 // One point read a key, in Go: a first form asked the database, for each
 // row it walked, whether its key's first pending record was stuck. That
@@ -453,34 +454,46 @@ func (s *Store) lowerFloors() {
 // not memoize it (1.6 s past 5,000 held records beside a snapshot), and
 // each read walked the entries a held snapshot keeps of the key's
 // published records, at every claim.
-func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex string) (*sqldialect.Cursor, []sqldialect.KeySeq, int, error) {
-	var (
-		skip  []sqldialect.KeySeq
-		after *sqldialect.Cursor
-		sent  int
-	)
+func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex string) (start pendingStartRead, err error) {
+	var after *sqldialect.Cursor
 	for {
-		first, key, err := s.pendingFirst(ctx, q, index, keyIndex, after, skip)
-		sent++
-		if err != nil || first == nil || first.CreatedAt.IsZero() || key == nil || key.Seq <= 1 || len(skip) == maxStuckKeys {
-			return first, skip, sent, err
+		started := time.Now()
+		first, key, err := s.pendingFirst(ctx, q, index, keyIndex, after, start.skip)
+		if start.sent++; start.sent == 1 {
+			start.head = time.Since(started)
+		}
+		start.first = first
+		if err != nil || first == nil || first.CreatedAt.IsZero() || key == nil || key.Seq <= 1 || len(start.skip) == maxStuckKeys {
+			return start, err
 		}
 		before := sqldialect.KeySeq{Key: key.Key, Seq: key.Seq - 1}
 		read := s.inline(s.q.KeyRecord(keyIndex, before.Key, before.Seq))
 		s.sent.Add(1)
-		sent++
+		start.sent++
 		var attempts int64
 		switch err := q.QueryRowContext(ctx, read.SQL, read.Args...).Scan(&attempts); {
 		case errors.Is(err, sql.ErrNoRows):
-			return first, skip, sent, nil // published, or a gap
+			return start, nil // published, or a gap
 		case err != nil:
-			return nil, nil, sent, fmt.Errorf("outbox: the record before a keyed one: %w", err)
+			return pendingStartRead{sent: start.sent}, fmt.Errorf("outbox: the record before a keyed one: %w", err)
 		case attempts < int64(s.cfg.MaxAttempts):
-			return first, skip, sent, nil // waiting, not held for good
+			return start, nil // waiting, not held for good
 		}
-		skip = append(skip, before)
+		start.skip = append(start.skip, before)
 		after = first // every row before it is passed or held
 	}
+}
+
+// pendingStartRead is what Store.pendingStart read.
+type pendingStartRead struct {
+	// first: where the pending rows start (see pendingFirst); skip: the
+	// stuck records passed (key, seq), each holding its key's later ones.
+	first *sqldialect.Cursor
+	skip  []sqldialect.KeySeq
+	// head: the first read's time, from the head with nothing skipped;
+	// sent: the statements sent.
+	head time.Duration
+	sent int
 }
 
 // maxStuckKeys is how many stuck keys pendingStart passes at most: two

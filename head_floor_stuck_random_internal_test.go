@@ -127,7 +127,9 @@ func TestPendingStart_NeverAboveAClaimableRow(t *testing.T) {
 				}
 				var first *sqldialect.Cursor
 				if after == nil {
-					first, skip, _, err = s.pendingStart(ctx, tx, index, keyIndex)
+					var start pendingStartRead
+					start, err = s.pendingStart(ctx, tx, index, keyIndex)
+					first, skip = start.first, start.skip
 				} else {
 					first, _, err = s.pendingFirst(ctx, tx, index, keyIndex, after, skip)
 				}
