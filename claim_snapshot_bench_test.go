@@ -99,17 +99,17 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 					}
 					b.ReportMetric(float64(took.Microseconds())/1000/float64(b.N), "ms/claim")
 				})
-				// A keyed record stuck at MaxAttempts, an hour back, and ten
+				// A keyed record stuck at MaxAttempts, two hours back, and ten
 				// records of its key it holds: until 2026-12-04's
 				// twenty-ninth session the floor stayed at the first of
 				// them, below every dead entry.
-				hourAgo := time.Now().Add(-2 * time.Hour)
+				twoHoursAgo := time.Now().Add(-2 * time.Hour)
 				for i := range 11 {
 					attempts := 0
 					if i == 0 {
 						attempts = 1000
 					}
-					writeKeyed(b, db, fmt.Sprintf("stuck%02d", i), "stuck", int64(i+1), hourAgo.Add(time.Duration(i)*time.Millisecond), attempts)
+					writeKeyed(b, db, fmt.Sprintf("stuck%02d", i), "stuck", int64(i+1), twoHoursAgo.Add(time.Duration(i)*time.Millisecond), attempts)
 				}
 				b.Run("stuck-key/floor", func(b *testing.B) { run(b, store(true)) })
 				ended()

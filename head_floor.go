@@ -32,9 +32,8 @@ import (
 // the next one measure (at most every checkEvery): it reads where the
 // pending rows start (the first pending row under MaxAttempts that no
 // stuck record of its key holds; pendingStart) from the head, and again
-// from the floor that gives, the created_at of that row
-// or lag before now when that is earlier. When the second read is
-// gainAbove quicker, three rounds in a row (measureFloor), the floor is
+// from the floor that gives, the created_at of that row or lag before now
+// when that is earlier. When the second read is gainAbove quicker, three rounds in a row (measureFloor), the floor is
 // on. From then on, claims and probes that would start at the head start
 // at the floor; each claim reads the floor again from where it stood,
 // which walks only the entries of rows published since (one statement
@@ -50,8 +49,9 @@ import (
 // is more than lag behind the relay's, a Retry or Republish of old
 // records from another process or over another pool (those through a
 // Store over the relay's pool make its next claim measure), the records
-// a stuck record held, retried from another process, a row whose
-// created_at is NULL. None waits longer, but for an idle relay's next
+// a stuck record held once it is retried, published or deleted that way
+// or claimed by a relay with a higher MaxAttempts, a row whose created_at
+// is NULL. None waits longer, but for an idle relay's next
 // poll where PollInterval is under everyMin. A Sweep starts at the head.
 //
 // SQLite removes an entry from its indexes as its row is published: a walk
