@@ -82,18 +82,29 @@ func holdSnapshotUntil(t testing.TB, db *testdb.DB) (end func()) {
 func publishOld(t testing.TB, db *testdb.DB, n int) {
 	t.Helper()
 	base := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
+	insertRows(t, db, n, func(i int) (id string, created time.Time, key, seq, published any) {
+		return fmt.Sprintf("old%06d", i), base.Add(time.Duration(i) * time.Millisecond), nil, nil, nil
+	})
+	db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL"), time.Now().UTC())
+}
+
+// insertRows writes n rows of the outbox, 500 a statement, row i as row
+// gives it: its id, created_at, aggregate_id, seq and published_at (nil
+// for NULL).
+func insertRows(t testing.TB, db *testdb.DB, n int, row func(i int) (id string, created time.Time, key, seq, published any)) {
+	t.Helper()
 	for start := 0; start < n; start += 500 {
 		var (
 			values []string
 			args   []any
 		)
 		for i := start; i < min(start+500, n); i++ {
-			values = append(values, "(?, 'x', 'k', 'b', '{}', ?)")
-			args = append(args, fmt.Sprintf("old%06d", i), base.Add(time.Duration(i)*time.Millisecond))
+			id, created, key, seq, published := row(i)
+			values = append(values, "(?, 'x', 'k', 'b', '{}', ?, ?, ?, ?)")
+			args = append(args, id, created, key, seq, published)
 		}
-		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES "+strings.Join(values, ", ")), args...)
+		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, published_at) VALUES "+strings.Join(values, ", ")), args...)
 	}
-	db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE published_at IS NULL"), time.Now().UTC())
 }
 
 // writeAt writes a pending unkeyed row created at at.

@@ -134,17 +134,10 @@ func TestPendingStart_StuckKeyHoldingManyBesideASnapshot_ReadsTheStuckRecordOnce
 	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
 		ctx := context.Background()
 		threeHoursAgo := time.Now().Add(-3 * time.Hour).UTC().Truncate(time.Second)
-		for start := 0; start < 50_000; start += 500 { // many keys, published long ago
-			var (
-				values []string
-				args   []any
-			)
-			for i := start; i < start+500; i++ {
-				values = append(values, "(?, 'x', 'k', 'b', '{}', ?, ?, 1, ?)")
-				args = append(args, fmt.Sprintf("p%06d", i), threeHoursAgo.Add(time.Duration(i)*time.Millisecond), fmt.Sprintf("key%06d", i), time.Now().UTC())
-			}
-			db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, published_at) VALUES "+strings.Join(values, ", ")), args...)
-		}
+		published := time.Now().UTC()
+		insertRows(t, db, 50_000, func(i int) (string, time.Time, any, any, any) { // many keys, published long ago
+			return fmt.Sprintf("p%06d", i), threeHoursAgo.Add(time.Duration(i) * time.Millisecond), fmt.Sprintf("key%06d", i), 1, published
+		})
 		vacuum(t, db)
 		if db.Kind == testdb.MySQL {
 			db.MustExec("ANALYZE TABLE acemq_outbox")
@@ -154,17 +147,9 @@ func TestPendingStart_StuckKeyHoldingManyBesideASnapshot_ReadsTheStuckRecordOnce
 		publishKeyHistory(t, db, "k", n, threeHoursAgo.Add(time.Hour), true)
 		heldFrom := threeHoursAgo.Add(2 * time.Hour)
 		writeKeyed(t, db, "k#stuck", "k", n+1, heldFrom, 1000)
-		for start := 0; start < n; start += 500 {
-			var (
-				values []string
-				args   []any
-			)
-			for i := start; i < start+500; i++ {
-				values = append(values, "(?, 'x', 'k', 'b', '{}', ?, 'k', ?)")
-				args = append(args, fmt.Sprintf("k#held%05d", i), heldFrom.Add(time.Duration(i+1)*time.Millisecond), n+2+i)
-			}
-			db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq) VALUES "+strings.Join(values, ", ")), args...)
-		}
+		insertRows(t, db, n, func(i int) (string, time.Time, any, any, any) {
+			return fmt.Sprintf("k#held%05d", i), heldFrom.Add(time.Duration(i+1) * time.Millisecond), "k", n + 2 + i, nil
+		})
 		writeAt(t, db, "u", heldFrom.Add(time.Minute))
 		s, err := NewStore(db.DB, StoreConfig{Dialect: d})
 		if err != nil {
@@ -425,17 +410,9 @@ func publishKeyHistory(t testing.TB, db *testdb.DB, key string, n int, from time
 	if !byUpdate {
 		published = now
 	}
-	for start := 0; start < n; start += 500 {
-		var (
-			values []string
-			args   []any
-		)
-		for i := start; i < min(start+500, n); i++ {
-			values = append(values, "(?, 'x', 'k', 'b', '{}', ?, ?, ?, ?)")
-			args = append(args, fmt.Sprintf("%s#%06d", key, i+1), from.Add(time.Duration(i)*time.Millisecond), key, i+1, published)
-		}
-		db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, aggregate_id, seq, published_at) VALUES "+strings.Join(values, ", ")), args...)
-	}
+	insertRows(t, db, n, func(i int) (string, time.Time, any, any, any) {
+		return fmt.Sprintf("%s#%06d", key, i+1), from.Add(time.Duration(i) * time.Millisecond), key, i + 1, published
+	})
 	if byUpdate {
 		db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE aggregate_id = ? AND published_at IS NULL"), now, key)
 	}
