@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -71,7 +72,8 @@ type headFloor struct {
 	at   time.Time
 	next time.Time
 	// skip holds the records stuck at MaxAttempts that the last measure
-	// passed (see pendingStart): each claim's read of the floor passes the
+	// passed (see pendingStart), and those this Store's marks took there
+	// since (see passStuck): each claim's read of the floor passes the
 	// records they hold in their keys too.
 	skip []sqldialect.KeySeq
 	// lowered is when lowerFloors last made next due: a walk from the head
@@ -481,6 +483,40 @@ func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex 
 		}
 		start.skip = append(start.skip, before)
 		after = first // every row before it is passed or held
+	}
+}
+
+// passStuck adds to the floor's skip list the keyed records stuck that a
+// mark of this Store took to MaxAttempts and committed (marked: before
+// it was sent), up to maxStuckKeys in all. Without it, the floor stopped
+// at the first record such a key holds until the next measure (up to
+// everyMax): each claim's read of the floor found it pending, under
+// MaxAttempts, and the floor stood there. A record stuck after a relay
+// retried it for minutes holds records as old, and every claim walked the
+// dead entries a held snapshot keeps of all that was published since.
+//
+// Nothing is added where the floors were lowered since marked (a Retry
+// through a Store over this pool, which may have made the record pending
+// again) or the floor is off: the next measure reads the stuck keys
+// itself. A mark that changed no row (a record deleted meanwhile, a lease
+// another relay took) passes nothing.
+func (s *Store) passStuck(stuck []sqldialect.KeySeq, marked time.Time) {
+	if len(stuck) == 0 || s.leases() {
+		return
+	}
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.on || f.lowered.After(marked) {
+		return
+	}
+	for _, k := range stuck {
+		if len(f.skip) == maxStuckKeys {
+			return
+		}
+		if !slices.Contains(f.skip, k) {
+			f.skip = append(slices.Clip(f.skip), k)
+		}
 	}
 }
 

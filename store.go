@@ -1071,7 +1071,8 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 	if c.tx != nil {
 		s.sent.Add(1) // COMMIT
 		defer c.ended()
-		err := s.mark(ctx, c, c.tx, time.Now(), published, failures)
+		marked := time.Now()
+		stuck, err := s.mark(ctx, c, c.tx, marked, published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
 			return err
@@ -1079,16 +1080,24 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		if err := c.tx.Commit(); err != nil {
 			return fmt.Errorf("outbox: commit marks: %w", err)
 		}
+		s.passStuck(stuck, marked)
 		return nil
 	}
-	return s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
-		if err := s.mark(ctx, c, tx, time.Now(), published, failures); err != nil {
+	var stuck []sqldialect.KeySeq
+	marked := time.Now()
+	err := s.writeTx(ctx, "mark", func(tx *sql.Tx) error {
+		var err error
+		if stuck, err = s.mark(ctx, c, tx, time.Now(), published, failures); err != nil {
 			return err
 		}
 		// Rows claimed but neither published nor failed (not sent, behind a
 		// failure) are free for the next sweep at once, not at lease expiry.
 		return s.release(ctx, tx, c, published, failures)
 	})
+	if err == nil {
+		s.passStuck(stuck, marked)
+	}
+	return err
 }
 
 // abandon gives a claim up without marking anything: the rows are claimable
@@ -1129,38 +1138,57 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 	return nil
 }
 
-// mark marks the published and the failed rows of the claim c in tx.
+// mark marks the published and the failed rows of the claim c in tx. It
+// returns the keyed records it took to MaxAttempts (key, seq), for the
+// floor to pass what they hold once the marks commit (see passStuck).
 //
 // A published mark that changes fewer rows than it names leaves a record
 // the broker took unmarked, to go out again at its lease's end: it is
 // logged. Marks run on rows the claim holds, so none should be missing:
 // one an operator deleted meanwhile, or an id the mark does not find as
 // the claim read it.
-func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) error {
+func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) ([]sqldialect.KeySeq, error) {
 	if len(published) > 0 {
 		s.sent.Add(1)
 		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published))
 		if err != nil {
-			return fmt.Errorf("outbox: mark published: %w", err)
+			return nil, fmt.Errorf("outbox: mark published: %w", err)
 		}
 		if n, err := res.RowsAffected(); err == nil && n < int64(len(published)) {
 			s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": len(published), "table": s.q.Table()})
 		}
 	}
 	if len(failures) == 0 {
-		return nil
+		return nil, nil
 	}
 	ids := c.idArgs()
+	var stuck []sqldialect.KeySeq
 	for _, f := range failures {
 		id := any(f.id)
 		if arg, ok := ids[f.id]; ok {
 			id = arg
 		}
-		if err := s.markFailed(ctx, tx, c.lease, id, f); err != nil {
-			return fmt.Errorf("outbox: mark failed: %w", err)
+		changed, err := s.markFailed(ctx, tx, c.lease, id, f)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: mark failed: %w", err)
+		}
+		if changed && f.attempts >= s.cfg.MaxAttempts {
+			if k, ok := c.keySeq(f.id); ok {
+				stuck = append(stuck, k)
+			}
 		}
 	}
-	return nil
+	return stuck, nil
+}
+
+// keySeq is the key and seq of the claimed row id, if it has both.
+func (c *claim) keySeq(id string) (sqldialect.KeySeq, bool) {
+	for _, r := range c.rows {
+		if r.ID == id {
+			return sqldialect.KeySeq{Key: r.AggregateID, Seq: r.Seq}, r.AggregateID != "" && r.Seq >= 1
+		}
+	}
+	return sqldialect.KeySeq{}, false
 }
 
 // markFailed records the failure f in tx, its reason made storable
@@ -1173,32 +1201,36 @@ func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, p
 // written again as its ASCII escape, which any text column takes. The
 // savepoint is the publisher's (sqldialect's savepoint): the relay's
 // transactions run no publish.
-func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) error {
+func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) (changed bool, err error) {
 	reason := storableError(f.reason)
 	write := func(reason string) error {
 		q := s.inline(s.q.MarkFailed(id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
 		s.sent.Add(1)
-		_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+		res, err := tx.ExecContext(ctx, q.SQL, q.Args...)
+		if err == nil {
+			n, nerr := res.RowsAffected()
+			changed = nerr == nil && n == 1
+		}
 		return err
 	}
 	ascii := asciiError(reason)
 	if ascii == reason {
-		return write(reason)
+		return changed, write(reason)
 	}
 	if err := s.execSavepoint(ctx, tx, s.q.Savepoint()); err != nil {
-		return err
+		return false, err
 	}
-	err := write(reason)
+	err = write(reason)
 	if err == nil {
-		return nil
+		return changed, nil
 	}
 	if rbErr := s.execSavepoint(ctx, tx, s.q.RollbackToSavepoint()); rbErr != nil {
-		return errors.Join(err, rbErr)
+		return false, errors.Join(err, rbErr)
 	}
 	if err2 := write(ascii); err2 != nil {
-		return errors.Join(err, err2)
+		return false, errors.Join(err, err2)
 	}
-	return nil
+	return changed, nil
 }
 
 func (s *Store) execSavepoint(ctx context.Context, tx *sql.Tx, q sqldialect.Query) error {
