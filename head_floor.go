@@ -421,7 +421,10 @@ func (s *Store) joinFloors() {
 
 // lowerFloors makes the next claim or probe of every Store of the table
 // over the same pool start at the head: rows made pending again (Retry,
-// Republish) may lie below their floors.
+// Republish) may lie below their floors. Their skip lists are emptied: a
+// stuck record in one may be pending again, and a measure that leaves the
+// floor as it was (a row whose created_at is NULL found first) would keep
+// passing the records it held, claimable once it is published.
 func (s *Store) lowerFloors() {
 	floors.mu.Lock()
 	group := floors.m[s.floorKeyOf()]
@@ -432,7 +435,7 @@ func (s *Store) lowerFloors() {
 	floors.mu.Unlock()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next, f.lowered = time.Time{}, time.Now()
+		f.next, f.lowered, f.skip = time.Time{}, time.Now(), nil
 		f.mu.Unlock()
 	}
 }

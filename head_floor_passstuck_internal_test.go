@@ -117,3 +117,56 @@ func TestPassStuck_LoweredSinceOrFloorOff_PassesNothing(t *testing.T) {
 		t.Fatalf("skip holds %d, want at most %d", len(s.floor.skip), maxStuckKeys)
 	}
 }
+
+// A Retry through the relay's pool of a record passStuck passed empties
+// the floor's skip list. The measure that Retry brings may find first a
+// claimable row whose created_at is NULL, and leave the floor as it was:
+// its claim from the head takes the retried record, and once that is
+// published its key's next record is claimable. A stale skip list passed
+// it, and it waited for the next measure (10 s at most; an hour here).
+func TestClaim_RetryThenMeasureFromTheHeadOnly_PassesNoStaleStuckKey(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		hourAgo := time.Now().Add(-time.Hour).UTC()
+		s := floorStore(t, db, d, time.Hour)
+		writeKeyed(t, db, "k#1", "k", 1, hourAgo, 0)
+		writeKeyed(t, db, "k#2", "k", 2, hourAgo.Add(time.Millisecond), 0)
+
+		// The first claim measures (floor on, at k#1), takes k#1, and the
+		// relay fails it for good: stuck, passStuck passes key k.
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(cl.rows) != 1 || cl.rows[0].ID != "k#1" {
+			t.Fatalf("first claim: %v", cl.rows)
+		}
+		if err := s.finish(ctx, cl, nil, []failure{{id: "k#1", exchange: "x", attempts: s.cfg.MaxAttempts, reason: "refused"}}); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("after the stuck mark: skip %v", s.floor.skip)
+
+		// Another library's row without a created_at, then the operator's
+		// Retry of k#1 through a Store over the relay's pool.
+		allowNullCreatedAt(db)
+		db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at) VALUES ('nullcreated', 'x', 'k', 'b', '{}', NULL)")
+		if n, err := s.Retry(ctx, "k#1"); err != nil || n != 1 {
+			t.Fatalf("Retry: %d, %v", n, err)
+		}
+
+		// The measure the Retry brings finds the NULL row: this claim
+		// starts at the head and takes k#1 (and the NULL row).
+		ids, from := claimAll(t, s)
+		if !slices.Contains(ids, "k#1") || from != nil {
+			t.Fatalf("the claim after the Retry took %v from %v, want k#1 among them, from the head", ids, from)
+		}
+		t.Logf("after the head-only measure: skip %v, floor on %v", s.floor.skip, s.floor.on)
+
+		// k#1 is published: k#2 is claimable now.
+		ids, from = claimAll(t, s)
+		if !slices.Equal(ids, []string{"k#2"}) {
+			t.Fatalf("k#1 published, the next claim took %v from %v (floor skip %v); want [k#2], claimable since k#1 was published", ids, from, s.floor.skip)
+		}
+	})
+}

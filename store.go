@@ -1215,7 +1215,8 @@ func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any
 	}
 	ascii := asciiError(reason)
 	if ascii == reason {
-		return changed, write(reason)
+		err := write(reason)
+		return changed, err
 	}
 	if err := s.execSavepoint(ctx, tx, s.q.Savepoint()); err != nil {
 		return false, err
