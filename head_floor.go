@@ -34,8 +34,11 @@ import (
 // pending rows start (the first pending row under MaxAttempts that no
 // stuck record of its key holds; pendingStart) from the head, and again
 // from the floor that gives, the created_at of that row or lag before now
-// when that is earlier. When the second read is gainAbove quicker, three rounds in a row (measureFloor), the floor is
-// on. From then on, claims and probes that would start at the head start
+// when that is earlier. When the second read is gainAbove quicker, three
+// rounds in a row (measureFloor), the floor is on. (On MySQL a claim's
+// measure times locking reads too, as its claim's, where the plain ones
+// show no gain; a probe there does not measure, and starts at the head
+// instead: see locking.) From then on, claims and probes that would start at the head start
 // at the floor; each claim reads the floor again from where it stood,
 // which walks only the entries of rows published since (one statement
 // more; a probe takes it as it stands). Every period,
@@ -79,6 +82,14 @@ type headFloor struct {
 	// lowered is when lowerFloors last made next due: a walk from the head
 	// under way then did not see what it made pending.
 	lowered time.Time
+	// locking: MySQL, whose claim's locking read walks the entries of
+	// published rows some 20 times slower than a plain read (see
+	// measureFloor). A claim's measure times locking reads too, where the
+	// plain ones show no gain; a probe, on a connection of the pool, does
+	// not measure: its plain reads, under no transaction, found no gain
+	// where the claims paid 15 ms, and each such measure doubled the wait
+	// for the next (see headWalked).
+	locking bool
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -93,8 +104,9 @@ const (
 	// MariaDB claim. A busy machine makes claims that slow too: at most
 	// one measure, two statements where it finds no gain (six where it
 	// turns the floor on; one more where the first pending row is keyed,
-	// and past stuck keys two more each and one more read from the head),
-	// every floorCheckEvery. (Turned on by
+	// and past stuck keys two more each and one more read from the head;
+	// in a MySQL claim, two locking reads more where it finds no gain, up
+	// to six where they turn it on), every floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -102,12 +114,14 @@ const (
 	// floorGainAbove is how much quicker the read of where the pending
 	// rows start must be from the floor than from the head for the floor
 	// to be kept, in every round of a measure: 10,000 entries on
-	// PostgreSQL. MariaDB's plain read passes a published row's entry about
-	// 30 times quicker than its claim's locking read does: at 2 ms there
-	// the floor was kept from about 60,000 entries (claims paying up to 50
-	// ms first), and at 100,000, where its read gains 2.1–2.4 ms, three
-	// rounds in a row missed it as often as not. floorGainAboveMySQL, half
-	// that, keeps it from about 45,000.
+	// PostgreSQL, 3,000 in MariaDB's locking read. MariaDB's plain read
+	// passes a published row's entry about 20 times quicker than its
+	// claim's locking read does: at 2 ms the plain read kept the floor
+	// from about 60,000 entries, at floorGainAboveMySQL, half that, from
+	// about 45,000, and only by chance at 20,000 (a claim from the head
+	// 16 ms, its plain read 0.75). Where the plain reads show no gain, a
+	// MySQL claim's measure times locking reads against floorGainAbove
+	// (see measureFloor).
 	floorGainAbove      = 2 * time.Millisecond
 	floorGainAboveMySQL = time.Millisecond
 	// floorRounds is how many rounds of the two reads must each show
@@ -144,7 +158,7 @@ const (
 func newHeadFloor(mysql bool) *headFloor {
 	f := &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
 	if mysql {
-		f.gainAbove = floorGainAboveMySQL
+		f.gainAbove, f.locking = floorGainAboveMySQL, true
 	}
 	return f
 }
@@ -167,7 +181,9 @@ type rowQuerier interface {
 // A claim or probe that starts at the head tells headWalked how long it
 // took, from before this call. A probe (probing) starts at the floor as it
 // stands: an idle relay, which probes every PollInterval, would pay a
-// statement more a poll, and publishes nothing to move the floor past.
+// statement more a poll, and publishes nothing to move the floor past. On
+// MySQL a probe that would measure starts at the head (see
+// headFloor.locking).
 func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex string, probing bool) (*sqldialect.Cursor, error) {
 	if s.leases() {
 		return nil, nil // SQLite
@@ -195,15 +211,20 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		return &sqldialect.Cursor{CreatedAt: f.at}, nil
 	case !f.on && !f.check:
 		return nil, nil
+	case probing && f.locking:
+		// MySQL: a probe does not measure (see headFloor.locking). It
+		// starts at the head, as a claim would; one that finds nothing
+		// there sets the next period (see headWalked).
+		return nil, nil
 	}
 	// A walk from the head was slow, or the period is over: measure, which
 	// reads where the pending rows start from the head. Once on, this
 	// claim or probe starts at the floor that read gives, below every
 	// pending row it saw, those below the last floor too: a claim from the
-	// head (MariaDB's locking read passes an entry some 30 times slower
+	// head (MariaDB's locking read passes an entry some 20 times slower
 	// than its plain read) held up, once a period, what came meanwhile.
 	f.check, f.checked = false, now
-	m, err := s.measureFloor(ctx, q, index, keyIndex, now)
+	m, err := s.measureFloor(ctx, q, index, keyIndex, now, f.locking)
 	switch {
 	case err != nil:
 		f.on = false
@@ -262,7 +283,7 @@ type floorMeasure struct {
 // already on is measured again in one round: a delayed read keeps it a
 // period longer at most, and each read from the head of a long walk is
 // one more wait for the records that come meanwhile.
-func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time) (floorMeasure, error) {
+func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time, lock bool) (floorMeasure, error) {
 	f := s.floor
 	start, err := s.pendingStart(ctx, q, index, keyIndex)
 	first := start.first
@@ -275,36 +296,63 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		return m, nil
 	}
 	m.at = f.below(first, now)
-	fromFloor := func() (time.Duration, error) {
-		started := time.Now()
-		_, _, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: m.at}, m.skip)
-		return time.Since(started), err
-	}
-	fromHead := func() (time.Duration, error) {
-		started := time.Now()
-		_, _, err := s.pendingFirst(ctx, q, index, keyIndex, nil, m.skip)
-		return time.Since(started), err
+	read := func(after *sqldialect.Cursor, lock bool) func() (time.Duration, error) {
+		return func() (time.Duration, error) {
+			started := time.Now()
+			var err error
+			if lock {
+				err = s.lockedFirst(ctx, q, index, after, m.skip)
+			} else {
+				_, _, err = s.pendingFirst(ctx, q, index, keyIndex, after, m.skip)
+			}
+			return time.Since(started), err
+		}
 	}
 	if len(m.skip) > 0 {
 		// The read from the head is timed as one statement, as the one
 		// from the floor is, and past the stuck keys' records: each
 		// statement more, a round trip, would count as a gain, and keep a
 		// floor on for good where a key is stuck.
-		if m.head, err = fromHead(); err != nil {
+		if m.head, err = read(nil, false)(); err != nil {
 			return m, err
 		}
 	}
+	floor := &sqldialect.Cursor{CreatedAt: m.at}
+	if m.on, err = f.rounds(read(nil, false), read(floor, false), m.head, f.gainAbove); m.on || err != nil || !lock {
+		return m, err
+	}
+	// MySQL's claim: its locking read passes a published row's entry some
+	// 20 times slower than the plain read (lock and unlock, under READ
+	// COMMITTED): 15 ms behind 20,000 entries on MariaDB where the plain
+	// read took 0.75, a gain under gainAbove, and the floor stayed off.
+	// The reads are timed again as the claim's is; the period is then
+	// that walk's time. Only where the plain reads show no gain: behind
+	// 100,000 entries such a read from the head takes 60 ms or more, a
+	// wait, once a period, for what comes meanwhile.
+	head := read(nil, true)
+	if m.head, err = head(); err != nil {
+		return m, err
+	}
+	m.on, err = f.rounds(head, read(floor, true), m.head, max(f.gainAbove, floorGainAbove))
+	return m, err
+}
+
+// rounds times the reads fromHead and fromFloor, floorRounds times (once
+// for a floor already on), each round's two side by side and in the other
+// order than the round before (see measureFloor), the first round's read
+// from the head taken as head: on where every round's read from the
+// floor was gain quicker; the first round that was not ends them.
+func (f *headFloor) rounds(fromHead, fromFloor func() (time.Duration, error), head, gain time.Duration) (on bool, err error) {
 	rounds := floorRounds
 	if f.on {
 		rounds = 1
 	}
-	head := m.head
 	for round := 0; ; round++ {
 		var floor time.Duration
 		if round%2 == 0 {
 			if round > 0 {
 				if head, err = fromHead(); err != nil {
-					return m, err
+					return false, err
 				}
 			}
 			floor, err = fromFloor()
@@ -315,12 +363,11 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		}
 		switch {
 		case err != nil:
-			return m, err
-		case head-floor < f.gainAbove:
-			return m, nil
+			return false, err
+		case head-floor < gain:
+			return false, nil
 		case round+1 == rounds:
-			m.on = true
-			return m, nil
+			return true, nil
 		}
 	}
 }
@@ -521,6 +568,24 @@ func (s *Store) passStuck(stuck []sqldialect.KeySeq, marked time.Time) {
 			f.skip = append(slices.Clip(f.skip), k)
 		}
 	}
+}
+
+// lockedFirst reads the first pending row after after (from the head when
+// nil) on q as pendingFirst does, but for a row of another transaction's
+// claim, with a locking read (see sqldialect.PendingParams.Lock): its
+// time is what the measure wants, not its row, which stays locked until
+// q's transaction ends (the claim that measures takes it, most likely).
+func (s *Store) lockedFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) error {
+	query := s.inline(s.q.PendingFirst(sqldialect.PendingParams{
+		Index: index, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, Skip: skip, Lock: true,
+	}))
+	s.sent.Add(1)
+	var at, id, key, seq sql.NullString
+	err := q.QueryRowContext(ctx, query.SQL, query.Args...).Scan(&at, &id, &key, &seq)
+	if err != nil && !errors.Is(err, sql.ErrNoRows) {
+		return fmt.Errorf("outbox: where the pending rows start, locking: %w", err)
+	}
+	return nil
 }
 
 // pendingStartRead is what Store.pendingStart read.

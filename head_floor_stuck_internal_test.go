@@ -267,7 +267,7 @@ func TestMeasureFloor_FloorOnWithoutDeadEntries_KeyedOrStuck_TurnsItOff(t *testi
 			for range 2 {
 				s.floor.on = true
 				q = &delayedQuerier{conn: conn, all: true, delay: 25 * time.Millisecond}
-				if m, err = s.measureFloor(ctx, q, index, keyIndex, time.Now()); err != nil {
+				if m, err = s.measureFloor(ctx, q, index, keyIndex, time.Now(), false); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -358,7 +358,7 @@ func TestMeasureFloor_KeyedFlow_ReadsFromTheHeadOnce(t *testing.T) {
 			}
 			defer tx.Rollback()
 			q := &recordingQuerier{q: tx}
-			if _, err := s.measureFloor(ctx, q, index, keyIndex, time.Now()); err != nil {
+			if _, err := s.measureFloor(ctx, q, index, keyIndex, time.Now(), false); err != nil {
 				t.Fatal(err)
 			}
 			if q.fromHead() != 1 || len(q.sent) != want {

@@ -478,6 +478,11 @@ type PendingParams struct {
 	// each in its key (a greater seq) are not read. No claim takes them
 	// until the stuck one is retried.
 	Skip []KeySeq
+	// Lock makes the read a locking one, as a claim's is (FOR UPDATE SKIP
+	// LOCKED), for its time, not its row: it passes rows other
+	// transactions hold, and locks the row it reads until the
+	// transaction ends. A row whose created_at is NULL is not read first.
+	Lock bool
 }
 
 // PendingFirst reads the first unpublished row under p.MaxAttempts, in
@@ -501,6 +506,9 @@ func (o *Outbox) PendingFirst(p PendingParams) Query {
 	}
 	cols := o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq FROM "
 	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	if p.Lock {
+		return o.query("SELECT "+first+" FOR UPDATE SKIP LOCKED", args...)
+	}
 	if p.After != nil {
 		return o.query("SELECT "+first, args...)
 	}
