@@ -35,11 +35,10 @@ import (
 // stuck record of its key holds; pendingStart) from the head, and again
 // from the floor that gives, the created_at of that row or lag before now
 // when that is earlier. When the second read is gainAbove quicker, three
-// rounds in a row (measureFloor), the floor is on. (On MySQL a claim's
-// measure times locking reads too, as its claim's, where the plain ones
-// show no gain; a probe there does not measure, and starts at the head
-// instead: see locking.) From then on, claims and probes that would start at the head start
-// at the floor; each claim reads the floor again from where it stood,
+// rounds in a row (measureFloor), the floor is on. (On MySQL, where they
+// show no gain, the next claim times locking reads, as its own walk is,
+// and decides: see lockMeasure.) From then on, claims and probes that
+// would start at the head start at the floor; each claim reads the floor again from where it stood,
 // which walks only the entries of rows published since (one statement
 // more; a probe takes it as it stands). Every period,
 // floorEvery times the last read from the head's time (everyMin to
@@ -83,13 +82,14 @@ type headFloor struct {
 	// under way then did not see what it made pending.
 	lowered time.Time
 	// locking: MySQL, whose claim's locking read walks the entries of
-	// published rows some 20 times slower than a plain read (see
-	// measureFloor). A claim's measure times locking reads too, where the
-	// plain ones show no gain; a probe, on a connection of the pool, does
-	// not measure: its plain reads, under no transaction, found no gain
-	// where the claims paid 15 ms, and each such measure doubled the wait
-	// for the next (see headWalked).
-	locking bool
+	// published rows some 20 times slower than a plain read: where a
+	// measure's plain reads show no gain, lockDue makes the next claim
+	// time locking reads from the head and from lockAt, passing lockSkip,
+	// as the measure found them (see lockMeasure).
+	locking  bool
+	lockDue  bool
+	lockAt   time.Time
+	lockSkip []sqldialect.KeySeq
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -105,8 +105,9 @@ const (
 	// one measure, two statements where it finds no gain (six where it
 	// turns the floor on; one more where the first pending row is keyed,
 	// and past stuck keys two more each and one more read from the head;
-	// in a MySQL claim, two locking reads more where it finds no gain, up
-	// to six where they turn it on), every floorCheckEvery. (Turned on by
+	// on MySQL, where it finds no gain, the next claim's locking measure:
+	// BEGIN, two reads, ROLLBACK, four reads more where it turns the
+	// floor on), every floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -119,9 +120,9 @@ const (
 	// claim's locking read does: at 2 ms the plain read kept the floor
 	// from about 60,000 entries, at floorGainAboveMySQL, half that, from
 	// about 45,000, and only by chance at 20,000 (a claim from the head
-	// 16 ms, its plain read 0.75). Where the plain reads show no gain, a
-	// MySQL claim's measure times locking reads against floorGainAbove
-	// (see measureFloor).
+	// 16 ms, its plain read 0.75). Where the plain reads show no gain on
+	// MySQL, the next claim times locking reads against floorGainAbove
+	// (see lockMeasure).
 	floorGainAbove      = 2 * time.Millisecond
 	floorGainAboveMySQL = time.Millisecond
 	// floorRounds is how many rounds of the two reads must each show
@@ -181,9 +182,7 @@ type rowQuerier interface {
 // A claim or probe that starts at the head tells headWalked how long it
 // took, from before this call. A probe (probing) starts at the floor as it
 // stands: an idle relay, which probes every PollInterval, would pay a
-// statement more a poll, and publishes nothing to move the floor past. On
-// MySQL a probe that would measure starts at the head (see
-// headFloor.locking).
+// statement more a poll, and publishes nothing to move the floor past.
 func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex string, probing bool) (*sqldialect.Cursor, error) {
 	if s.leases() {
 		return nil, nil // SQLite
@@ -211,11 +210,6 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		return &sqldialect.Cursor{CreatedAt: f.at}, nil
 	case !f.on && !f.check:
 		return nil, nil
-	case probing && f.locking:
-		// MySQL: a probe does not measure (see headFloor.locking). It
-		// starts at the head, as a claim would; one that finds nothing
-		// there sets the next period (see headWalked).
-		return nil, nil
 	}
 	// A walk from the head was slow, or the period is over: measure, which
 	// reads where the pending rows start from the head. Once on, this
@@ -224,7 +218,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	// head (MariaDB's locking read passes an entry some 20 times slower
 	// than its plain read) held up, once a period, what came meanwhile.
 	f.check, f.checked = false, now
-	m, err := s.measureFloor(ctx, q, index, keyIndex, now, f.locking)
+	m, err := s.measureFloor(ctx, q, index, keyIndex, now)
 	switch {
 	case err != nil:
 		f.on = false
@@ -238,6 +232,18 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		return nil, nil
 	case m.headOnly:
 		return nil, nil // from the head, this once: headWalked sets the period
+	case !m.on && f.locking:
+		// MySQL: the plain reads may gain little where the claim's
+		// locking walk pays much; the next claim measures with locking
+		// reads before its transaction (lockMeasure), and decides. A
+		// floor on stays on until then; one off, this claim or probe
+		// starts at the head, and no measure is counted as missed yet.
+		f.lockDue, f.lockAt, f.lockSkip = true, m.at, m.skip
+		if !f.on {
+			return nil, nil
+		}
+		m.on = true
+		f.missed = 0
 	case m.on || f.on:
 		f.missed = 0
 	default:
@@ -283,7 +289,7 @@ type floorMeasure struct {
 // already on is measured again in one round: a delayed read keeps it a
 // period longer at most, and each read from the head of a long walk is
 // one more wait for the records that come meanwhile.
-func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time, lock bool) (floorMeasure, error) {
+func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex string, now time.Time) (floorMeasure, error) {
 	f := s.floor
 	start, err := s.pendingStart(ctx, q, index, keyIndex)
 	first := start.first
@@ -296,15 +302,10 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		return m, nil
 	}
 	m.at = f.below(first, now)
-	read := func(after *sqldialect.Cursor, lock bool) func() (time.Duration, error) {
+	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
 		return func() (time.Duration, error) {
 			started := time.Now()
-			var err error
-			if lock {
-				err = s.lockedFirst(ctx, q, index, after, m.skip)
-			} else {
-				_, _, err = s.pendingFirst(ctx, q, index, keyIndex, after, m.skip)
-			}
+			_, _, err := s.pendingFirst(ctx, q, index, keyIndex, after, m.skip)
 			return time.Since(started), err
 		}
 	}
@@ -313,36 +314,30 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		// from the floor is, and past the stuck keys' records: each
 		// statement more, a round trip, would count as a gain, and keep a
 		// floor on for good where a key is stuck.
-		if m.head, err = read(nil, false)(); err != nil {
+		if m.head, err = read(nil)(); err != nil {
 			return m, err
 		}
 	}
-	floor := &sqldialect.Cursor{CreatedAt: m.at}
-	if m.on, err = f.rounds(read(nil, false), read(floor, false), m.head, f.gainAbove); m.on || err != nil || !lock {
-		return m, err
+	fromHead, fromFloor := read(nil), read(&sqldialect.Cursor{CreatedAt: m.at})
+	m.on, _, err = f.rounds(fromHead, fromFloor, m.head, f.gainAbove)
+	if !m.on && err == nil && f.on && f.locking {
+		// A floor kept on MySQL: a round that missed sends the next
+		// claim to a locking measure (see lockMeasure), which walks from
+		// the head as the claim does, 60 ms or more behind 100,000
+		// entries. Behind that many, where the plain reads gain 2 ms, a
+		// round a busy machine delayed missed; one more round first.
+		m.on, _, err = f.rounds(fromHead, fromFloor, -1, f.gainAbove)
 	}
-	// MySQL's claim: its locking read passes a published row's entry some
-	// 20 times slower than the plain read (lock and unlock, under READ
-	// COMMITTED): 15 ms behind 20,000 entries on MariaDB where the plain
-	// read took 0.75, a gain under gainAbove, and the floor stayed off.
-	// The reads are timed again as the claim's is; the period is then
-	// that walk's time. Only where the plain reads show no gain: behind
-	// 100,000 entries such a read from the head takes 60 ms or more, a
-	// wait, once a period, for what comes meanwhile.
-	head := read(nil, true)
-	if m.head, err = head(); err != nil {
-		return m, err
-	}
-	m.on, err = f.rounds(head, read(floor, true), m.head, max(f.gainAbove, floorGainAbove))
 	return m, err
 }
 
 // rounds times the reads fromHead and fromFloor, floorRounds times (once
 // for a floor already on), each round's two side by side and in the other
 // order than the round before (see measureFloor), the first round's read
-// from the head taken as head: on where every round's read from the
-// floor was gain quicker; the first round that was not ends them.
-func (f *headFloor) rounds(fromHead, fromFloor func() (time.Duration, error), head, gain time.Duration) (on bool, err error) {
+// from the head taken as head (read first where it is negative): on where
+// every round's read from the floor was gain quicker; the first round that
+// was not ends them. first is the first round's read from the head.
+func (f *headFloor) rounds(fromHead, fromFloor func() (time.Duration, error), head, gain time.Duration) (on bool, first time.Duration, err error) {
 	rounds := floorRounds
 	if f.on {
 		rounds = 1
@@ -350,9 +345,9 @@ func (f *headFloor) rounds(fromHead, fromFloor func() (time.Duration, error), he
 	for round := 0; ; round++ {
 		var floor time.Duration
 		if round%2 == 0 {
-			if round > 0 {
+			if round > 0 || head < 0 {
 				if head, err = fromHead(); err != nil {
-					return false, err
+					return false, first, err
 				}
 			}
 			floor, err = fromFloor()
@@ -361,13 +356,16 @@ func (f *headFloor) rounds(fromHead, fromFloor func() (time.Duration, error), he
 				head, err = fromHead()
 			}
 		}
+		if round == 0 {
+			first = head
+		}
 		switch {
 		case err != nil:
-			return false, err
+			return false, first, err
 		case head-floor < gain:
-			return false, nil
+			return false, first, nil
 		case round+1 == rounds:
-			return true, nil
+			return true, first, nil
 		}
 	}
 }
@@ -482,7 +480,7 @@ func (s *Store) lowerFloors() {
 	floors.mu.Unlock()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next, f.lowered, f.skip = time.Time{}, time.Now(), nil
+		f.next, f.lowered, f.skip, f.lockDue = time.Time{}, time.Now(), nil, false
 		f.mu.Unlock()
 	}
 }
@@ -570,11 +568,68 @@ func (s *Store) passStuck(stuck []sqldialect.KeySeq, marked time.Time) {
 	}
 }
 
+// lockMeasure, where a measure's plain reads found no gain on MySQL
+// (headFloor.lockDue), times locking reads from the head and from the
+// floor that measure found, as the claim's walk is (FOR UPDATE SKIP
+// LOCKED, under READ COMMITTED), on conn, in a transaction of their own
+// that it rolls back at once: InnoDB keeps the lock of every row a
+// locking read passes through the pending index until its transaction
+// ends, records stuck below the floor among them, and in the claim's
+// transaction an operator's Retry of one waited for the batch. The claim
+// that calls it, before its own transaction, then starts where it says.
+// MariaDB's plain read passes a published row's entry some 20 times
+// quicker than its locking read: behind 20,000, 0.75 ms from the head
+// against 15, a gain under gainAbove, and the floor stayed off (or on by
+// chance) while every claim paid the walk. The locking reads must gain
+// floorGainAbove (gainAbove where a test asks more).
+func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.lockDue {
+		return nil
+	}
+	f.lockDue = false
+	index, _ := s.indexNames()
+	s.sent.Add(2) // BEGIN, ROLLBACK
+	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	if err != nil {
+		return fmt.Errorf("outbox: the floor's locking measure: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
+		return func() (time.Duration, error) {
+			started := time.Now()
+			err := s.lockedFirst(ctx, tx, index, after, f.lockSkip)
+			return time.Since(started), err
+		}
+	}
+	on, head, err := f.rounds(read(nil), read(&sqldialect.Cursor{CreatedAt: f.lockAt}), -1, max(f.gainAbove, floorGainAbove))
+	if rbErr := tx.Rollback(); err == nil && rbErr != nil {
+		err = fmt.Errorf("outbox: the floor's locking measure: %w", rbErr)
+	}
+	switch {
+	case err != nil:
+		f.on = false
+		return err
+	case on && !f.on:
+		f.on, f.at, f.skip, f.missed = true, f.lockAt, f.lockSkip, 0
+	case !on && f.on:
+		f.on, f.missed = false, 0
+	case !on:
+		f.missed++
+	}
+	if f.on {
+		f.next = time.Now().Add(f.period(head))
+	}
+	return nil
+}
+
 // lockedFirst reads the first pending row after after (from the head when
 // nil) on q as pendingFirst does, but for a row of another transaction's
 // claim, with a locking read (see sqldialect.PendingParams.Lock): its
-// time is what the measure wants, not its row, which stays locked until
-// q's transaction ends (the claim that measures takes it, most likely).
+// time is what lockMeasure wants, not its row, which stays locked until
+// q's transaction ends, with every row it passed.
 func (s *Store) lockedFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) error {
 	query := s.inline(s.q.PendingFirst(sqldialect.PendingParams{
 		Index: index, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, Skip: skip, Lock: true,

@@ -2,10 +2,8 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -47,11 +45,10 @@ func TestClaim_MySQL_BehindTenThousandDeadEntries_LockingMeasureKeepsTheFloor(t 
 	}
 }
 
-// The locking reads pass rows another relay's claim holds, and wait for
-// none: a measure beside a claim in flight returns, its floor below the
-// rows the other holds (they are pending: its batch may fail, or be given
-// up), and the claim after it takes what is free.
-func TestMeasureFloor_MySQL_LockingReadsBesideAClaimInFlight_WaitForNothing(t *testing.T) {
+// The locking measure passes rows another relay's claim holds, waits for
+// none, and runs in a transaction of its own, rolled back at once: the
+// rows its reads passed are free when the claim begins.
+func TestLockMeasure_MySQL_BesideAClaimInFlight_WaitsForNothingHoldsNothing(t *testing.T) {
 	t.Parallel()
 	db, s := mysqlFloorStore(t)
 	ctx := context.Background()
@@ -69,69 +66,117 @@ func TestMeasureFloor_MySQL_LockingReadsBesideAClaimInFlight_WaitForNothing(t *t
 		t.Fatalf("the other relay's claim: %v", err)
 	}
 	defer other.abandon(ctx, inFlight)
-	index, keyIndex := indexesOf(t, s)
-	s.floor.gainAbove = time.Hour // no gain: one round of each, plain then locking
+	s.index, s.keyIndex = indexesOf(t, s)
+	s.floor.lockDue, s.floor.lockAt = true, old
 	measureCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	tx, err := db.DB.BeginTx(measureCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	conn, err := db.DB.Conn(measureCtx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback()
-	q := &recordingQuerier{q: tx}
-	m, err := s.measureFloor(measureCtx, q, index, keyIndex, time.Now(), true)
-	if err != nil {
-		t.Fatalf("the measure beside a claim in flight: %v", err)
+	defer conn.Close()
+	sent := s.sent.Load()
+	if err := s.lockMeasure(measureCtx, conn); err != nil {
+		t.Fatalf("the locking measure beside a claim in flight: %v", err)
 	}
-	locking := 0
-	for _, query := range q.sent {
-		if strings.Contains(query, "FOR UPDATE SKIP LOCKED") {
-			locking++
-		}
+	if n := s.sent.Load() - sent; n < 4 || s.floor.lockDue {
+		t.Fatalf("the locking measure sent %d statements, due after %v; want BEGIN, two reads or more, ROLLBACK, and done", n, s.floor.lockDue)
 	}
-	if locking != 2 || m.on || m.at.After(old) {
-		t.Fatalf("the measure sent %d locking reads of %d statements, floor on %v at %v; want 2, off, at or below %v", locking, len(q.sent), m.on, m.at, old)
-	}
-	// The locking reads locked the first row they could, "free": the claim
-	// that measures takes it in the same transaction.
-	if err := tx.Rollback(); err != nil {
-		t.Fatal(err)
-	}
+	// The reads passed "free", the first row no other claim holds, locked
+	// it, and let it go.
 	ids, _ := claimAll(t, s)
 	if !slices.Equal(ids, []string{"free"}) {
 		t.Fatalf("the claim after took %v, want [free]", ids)
 	}
 }
 
-// On MySQL a probe does not measure: its plain read, on a connection of the
-// pool, found no gain where the claims paid 15 ms behind 20,000 dead
-// entries, and each such measure doubled the wait for the next. It starts
-// at the head, and leaves the measure to the next claim; one that finds
-// nothing there while the floor is on sets the next period.
-func TestProbe_MySQL_LeavesTheMeasureToAClaim(t *testing.T) {
+// A record stuck below the floor can be retried while a claim's batch is
+// in flight, each period: the locking reads, which pass it, lock it only
+// for their own transaction. In the claim's, as first written, an
+// operator's Retry waited for the batch's marks (up to PublishTimeout, or
+// innodb_lock_wait_timeout and an error).
+func TestClaim_MySQL_BesideASnapshot_RetryOfAStuckRecordBelowTheFloorBesideABatchInFlight(t *testing.T) {
+	t.Parallel()
+	db, s := mysqlFloorStore(t)
+	ctx := context.Background()
+	holdSnapshot(t, db)
+	publishOld(t, db, 10_000)
+	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)", time.Now().Add(-2*time.Hour).UTC().Format("2006-01-02 15:04:05.000000"))
+	for i := 0; i < 5 && !s.floor.on; i++ {
+		writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
+		s.floor.check, s.floor.missed = true, 0
+		claimAll(t, s)
+	}
+	if !s.floor.on {
+		t.Fatalf("behind 10,000 dead entries, five measures left the floor off")
+	}
+	op, err := NewStore(db.DB, StoreConfig{Dialect: MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		writeAt(t, db, fmt.Sprintf("period%d", i), time.Now())
+		s.floor.next = time.Time{} // the period is over
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		start := time.Now()
+		n, err := op.Retry(rctx, "stuck")
+		took := time.Since(start)
+		cancel()
+		_ = s.abandon(ctx, cl)
+		if err != nil || n != 1 {
+			t.Fatalf("period %d: the period's claim started at the floor (%v) and took %d rows; while its batch is in flight, an operator's Retry of a record stuck below the floor: %d rows after %v, %v; want 1 at once", i, cl.from != nil, len(cl.rows), n, took.Round(time.Millisecond), err)
+		}
+		db.MustExec("UPDATE acemq_outbox SET attempts = 1000 WHERE id = 'stuck'")
+	}
+}
+
+// An idle relay's probes measure, and keep the floor beside a held
+// snapshot where their plain reads gain (100,000 dead entries on
+// MariaDB). A form that left every measure on MySQL to a claim, which an
+// idle relay never makes, had each probe walk from the head.
+func TestProbe_MySQL_IdleBesideAHeldSnapshot_KeepsTheFloor(t *testing.T) {
+	t.Parallel()
+	db, s := mysqlFloorStore(t)
+	ctx := context.Background()
+	holdSnapshot(t, db)
+	publishOld(t, db, 100_000)
+	indexesOf(t, s)
+	for i := 0; i < 5 && !s.floor.on; i++ {
+		s.floor.check, s.floor.missed = true, 0 // what a slow probe from the head does
+		if found, err := s.hasClaimable(ctx); err != nil || found {
+			t.Fatalf("the probe of an outbox with nothing pending: %v, %v", found, err)
+		}
+	}
+	if !s.floor.on {
+		t.Fatalf("five idle probes beside 100,000 dead entries, each measuring, left the floor off")
+	}
+}
+
+// Where a measure's plain reads show no gain on MySQL, the next claim
+// measures with locking reads, before its transaction; no measure counts
+// as missed until that one has.
+func TestMeasure_MySQL_NoPlainGain_TheNextClaimMeasuresLocking(t *testing.T) {
 	t.Parallel()
 	db, s := mysqlFloorStore(t)
 	ctx := context.Background()
 	writeAt(t, db, "first", time.Now().Add(-time.Minute))
 	f := s.floor
-	f.check = true
-	sent := s.sent.Load()
+	f.check, f.gainAbove = true, time.Hour // no gain, plain or locking
 	if found, err := s.hasClaimable(ctx); err != nil || !found {
 		t.Fatalf("the probe: %v, %v", found, err)
 	}
-	if n := s.sent.Load() - sent; n != 1 || !f.check || !f.checked.IsZero() || f.missed != 0 {
-		t.Fatalf("the probe sent %d statements, check %v, measured at %v, missed %d; want 1, the measure left to a claim", n, f.check, f.checked, f.missed)
+	if f.on || !f.lockDue || f.missed != 0 {
+		t.Fatalf("after a probe's measure without gain: floor on %v, locking measure due %v, missed %d; want off, due, 0", f.on, f.lockDue, f.missed)
 	}
-	if ids, _ := claimAll(t, s); !slices.Equal(ids, []string{"first"}) || f.checked.IsZero() {
-		t.Fatalf("the claim after took %v, measured at %v; want [first], measured", ids, f.checked)
+	if ids, _ := claimAll(t, s); !slices.Equal(ids, []string{"first"}) {
+		t.Fatalf("the claim after took %v, want [first]", ids)
 	}
-
-	f.on, f.at, f.next = true, time.Now(), time.Time{} // the period is over
-	if found, err := s.hasClaimable(ctx); err != nil || found {
-		t.Fatalf("the probe of an empty outbox: %v, %v", found, err)
-	}
-	if !f.next.After(time.Now()) {
-		t.Fatalf("a probe from the head that found nothing left the next measure at %v", f.next)
+	if f.on || f.lockDue || f.missed != 1 {
+		t.Fatalf("after the claim's locking measure without gain: floor on %v, due %v, missed %d; want off, done, 1", f.on, f.lockDue, f.missed)
 	}
 }
 

@@ -59,7 +59,7 @@ func TestMeasureFloor_OneDelayedRead_FloorStaysOff(t *testing.T) {
 		}
 		for delayed := -1; delayed < 2*floorRounds; delayed++ {
 			q := &delayedQuerier{conn: conn, delayed: delayed, delay: 20 * time.Millisecond}
-			m, err := s.measureFloor(ctx, q, index, keyIndex, time.Now(), false)
+			m, err := s.measureFloor(ctx, q, index, keyIndex, time.Now())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -97,7 +97,7 @@ func TestMeasureFloor_BesideAHeldSnapshot_FloorOn(t *testing.T) {
 	on := 0
 	for i := 0; i < 3; i++ {
 		q := &delayedQuerier{conn: conn, delayed: -1}
-		m, err := s.measureFloor(ctx, q, "", "", time.Now(), false)
+		m, err := s.measureFloor(ctx, q, "", "", time.Now())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,7 +114,7 @@ func TestMeasureFloor_BesideAHeldSnapshot_FloorOn(t *testing.T) {
 	// A floor already on is measured again in one round, two reads.
 	s.floor.on = true
 	q := &delayedQuerier{conn: conn, delayed: -1}
-	if _, err := s.measureFloor(ctx, q, "", "", time.Now(), false); err != nil {
+	if _, err := s.measureFloor(ctx, q, "", "", time.Now()); err != nil {
 		t.Fatal(err)
 	}
 	if q.sent != 2 {

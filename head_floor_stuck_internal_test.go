@@ -267,7 +267,7 @@ func TestMeasureFloor_FloorOnWithoutDeadEntries_KeyedOrStuck_TurnsItOff(t *testi
 			for range 2 {
 				s.floor.on = true
 				q = &delayedQuerier{conn: conn, all: true, delay: 25 * time.Millisecond}
-				if m, err = s.measureFloor(ctx, q, index, keyIndex, time.Now(), false); err != nil {
+				if m, err = s.measureFloor(ctx, q, index, keyIndex, time.Now()); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -358,11 +358,17 @@ func TestMeasureFloor_KeyedFlow_ReadsFromTheHeadOnce(t *testing.T) {
 			}
 			defer tx.Rollback()
 			q := &recordingQuerier{q: tx}
-			if _, err := s.measureFloor(ctx, q, index, keyIndex, time.Now(), false); err != nil {
+			if _, err := s.measureFloor(ctx, q, index, keyIndex, time.Now()); err != nil {
 				t.Fatal(err)
 			}
-			if q.fromHead() != 1 || len(q.sent) != want {
-				t.Errorf("%s, the floor on %v: %d reads from the head of %d statements; want 1 of %d", what, on, q.fromHead(), len(q.sent), want)
+			heads := 1
+			if on && d == MySQL {
+				// A floor kept on MySQL gets one more round, of two
+				// statements, before a miss (see measureFloor).
+				heads, want = 2, want+2
+			}
+			if q.fromHead() != heads || len(q.sent) != want {
+				t.Errorf("%s, the floor on %v: %d reads from the head of %d statements; want %d of %d", what, on, q.fromHead(), len(q.sent), heads, want)
 			}
 		}
 		writeAt(t, db, "u", time.Now().Add(-time.Minute))

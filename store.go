@@ -557,6 +557,11 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	if err != nil {
 		return fail(err)
 	}
+	if floor {
+		if err := s.lockMeasure(ctx, conn); err != nil {
+			return fail(err)
+		}
+	}
 	tx, err = conn.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	s.sent.Add(2) // BEGIN, the claim
 	if err != nil {
