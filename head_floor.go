@@ -84,12 +84,9 @@ type headFloor struct {
 	// locking: MySQL, whose claim's locking read walks the entries of
 	// published rows some 20 times slower than a plain read: where a
 	// measure's plain reads show no gain, lockDue makes the next claim
-	// time locking reads from the head and from lockAt, passing lockSkip,
-	// as the measure found them (see lockMeasure).
-	locking  bool
-	lockDue  bool
-	lockAt   time.Time
-	lockSkip []sqldialect.KeySeq
+	// measure with locking reads (see lockMeasure).
+	locking bool
+	lockDue bool
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -232,13 +229,15 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		return nil, nil
 	case m.headOnly:
 		return nil, nil // from the head, this once: headWalked sets the period
-	case !m.on && f.locking:
+	case !m.on && f.locking && !f.lockDue:
 		// MySQL: the plain reads may gain little where the claim's
 		// locking walk pays much; the next claim measures with locking
 		// reads before its transaction (lockMeasure), and decides. A
 		// floor on stays on until then; one off, this claim or probe
-		// starts at the head, and no measure is counted as missed yet.
-		f.lockDue, f.lockAt, f.lockSkip = true, m.at, m.skip
+		// starts at the head, and the measure is not counted as missed.
+		// Once: a second miss before a claim has measured (an idle
+		// relay's probes, which never claim) is a miss, as elsewhere.
+		f.lockDue = true
 		if !f.on {
 			return nil, nil
 		}
@@ -569,19 +568,21 @@ func (s *Store) passStuck(stuck []sqldialect.KeySeq, marked time.Time) {
 }
 
 // lockMeasure, where a measure's plain reads found no gain on MySQL
-// (headFloor.lockDue), times locking reads from the head and from the
-// floor that measure found, as the claim's walk is (FOR UPDATE SKIP
-// LOCKED, under READ COMMITTED), on conn, in a transaction of their own
-// that it rolls back at once: InnoDB keeps the lock of every row a
-// locking read passes through the pending index until its transaction
-// ends, records stuck below the floor among them, and in the claim's
-// transaction an operator's Retry of one waited for the batch. The claim
-// that calls it, before its own transaction, then starts where it says.
-// MariaDB's plain read passes a published row's entry some 20 times
-// quicker than its locking read: behind 20,000, 0.75 ms from the head
-// against 15, a gain under gainAbove, and the floor stayed off (or on by
-// chance) while every claim paid the walk. The locking reads must gain
-// floorGainAbove (gainAbove where a test asks more).
+// (headFloor.lockDue), measures again on conn, in a transaction of its
+// own that it rolls back at once: where the pending rows start, read
+// from the head as a measure does (a row made pending since, below the
+// floor that measure found, is below this one), then locking reads from
+// the head and from the floor that gives, timed as the claim's walk is
+// (FOR UPDATE SKIP LOCKED, under READ COMMITTED). InnoDB keeps the lock
+// of every row a locking read passes through the pending index until its
+// transaction ends, records stuck below the floor among them: in the
+// claim's transaction, an operator's Retry of one waited for the batch.
+// The claim that calls it, before its own transaction, then starts where
+// it says. MariaDB's plain read passes a published row's entry some 20
+// times quicker than its locking read: behind 20,000, 0.75 ms from the
+// head against 15, a gain under gainAbove, and the floor stayed off (or
+// on by chance) while every claim paid the walk. The locking reads must
+// gain floorGainAbove (gainAbove where a test asks more).
 func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	f := s.floor
 	f.mu.Lock()
@@ -590,21 +591,34 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		return nil
 	}
 	f.lockDue = false
-	index, _ := s.indexNames()
+	index, keyIndex := s.indexNames()
 	s.sent.Add(2) // BEGIN, ROLLBACK
 	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return fmt.Errorf("outbox: the floor's locking measure: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	start, err := s.pendingStart(ctx, tx, index, keyIndex)
+	if err != nil {
+		f.on = false
+		return err
+	}
+	now := time.Now()
+	if start.first != nil && start.first.CreatedAt.IsZero() {
+		// A row whose created_at is NULL, which no floor is below: the
+		// claim's own measure sends it to the head.
+		f.next = time.Time{}
+		return nil
+	}
+	at := f.below(start.first, now)
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
 		return func() (time.Duration, error) {
 			started := time.Now()
-			err := s.lockedFirst(ctx, tx, index, after, f.lockSkip)
+			err := s.lockedFirst(ctx, tx, index, after, start.skip)
 			return time.Since(started), err
 		}
 	}
-	on, head, err := f.rounds(read(nil), read(&sqldialect.Cursor{CreatedAt: f.lockAt}), -1, max(f.gainAbove, floorGainAbove))
+	on, head, err := f.rounds(read(nil), read(&sqldialect.Cursor{CreatedAt: at}), -1, max(f.gainAbove, floorGainAbove))
 	if rbErr := tx.Rollback(); err == nil && rbErr != nil {
 		err = fmt.Errorf("outbox: the floor's locking measure: %w", rbErr)
 	}
@@ -612,15 +626,13 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	case err != nil:
 		f.on = false
 		return err
-	case on && !f.on:
-		f.on, f.at, f.skip, f.missed = true, f.lockAt, f.lockSkip, 0
-	case !on && f.on:
+	case on:
+		f.on, f.at, f.skip, f.missed = true, at, start.skip, 0
+		f.next = now.Add(f.period(head))
+	case f.on:
 		f.on, f.missed = false, 0
-	case !on:
+	default:
 		f.missed++
-	}
-	if f.on {
-		f.next = time.Now().Add(f.period(head))
 	}
 	return nil
 }

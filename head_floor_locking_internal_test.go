@@ -67,7 +67,7 @@ func TestLockMeasure_MySQL_BesideAClaimInFlight_WaitsForNothingHoldsNothing(t *t
 	}
 	defer other.abandon(ctx, inFlight)
 	s.index, s.keyIndex = indexesOf(t, s)
-	s.floor.lockDue, s.floor.lockAt = true, old
+	s.floor.lockDue = true
 	measureCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	conn, err := db.DB.Conn(measureCtx)

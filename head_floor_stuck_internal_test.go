@@ -348,10 +348,10 @@ func TestMeasureFloor_KeyedFlow_ReadsFromTheHeadOnce(t *testing.T) {
 		index, keyIndex := indexesOf(t, s)
 		measure := func(what string, on bool, want int) {
 			t.Helper()
-			s.floor.on, s.floor.gainAbove = on, floorGainAbove
-			if !on {
-				s.floor.gainAbove = time.Hour // no gain: the first round ends it
-			}
+			// No gain: the first round ends it (a floor kept on MySQL gets
+			// a second). Whether 20,000 dead entries show a gain depends
+			// on the server's other transactions on MySQL (see lockMeasure).
+			s.floor.on, s.floor.gainAbove = on, time.Hour
 			tx, err := db.DB.BeginTx(ctx, nil)
 			if err != nil {
 				t.Fatal(err)
