@@ -38,12 +38,12 @@ import (
 // rounds in a row (measureFloor), the floor is on. (On MySQL, where they
 // show no gain, the next claim times locking reads, as its own walk is,
 // and decides: see lockMeasure.) From then on, claims and probes that
-// would start at the head start at the floor; each claim reads the floor again from where it stood,
-// which walks only the entries of rows published since (one statement
-// more; a probe takes it as it stands). Every period,
-// floorEvery times the last read from the head's time (everyMin to
-// everyMax), one claim or probe (a drain's claim too, which would go on
-// from its cursor) measures again, and starts at the floor its read from
+// would start at the head start at the floor; each claim reads the floor
+// again from where it stood, which walks only the entries of rows
+// published since (one statement more; a probe takes it as it stands).
+// Every period, floorEvery times the last read from the head's time
+// (everyMin to everyMax), one claim or probe (a drain's claim too, which
+// would go on from its cursor) measures again, and starts at the floor its read from
 // the head gives, below every pending row, those below the last floor
 // too; at the head when the measure turns the floor off, or finds first a
 // row whose created_at is NULL (which no floor is below). Rows that
@@ -103,8 +103,9 @@ const (
 	// turns the floor on; one more where the first pending row is keyed,
 	// and past stuck keys two more each and one more read from the head;
 	// on MySQL, where it finds no gain, the next claim's locking measure:
-	// BEGIN, two reads, ROLLBACK, four reads more where it turns the
-	// floor on), every floorCheckEvery. (Turned on by
+	// BEGIN, where the pending rows start as above, two locking reads,
+	// four more where they turn the floor on, ROLLBACK), every
+	// floorCheckEvery. (Turned on by
 	// such a claim alone, the floor cost an idle relay in CI's test of its
 	// statements a statement per probe: 30 and 35 where it counts 20.)
 	floorCheckAbove = 5 * time.Millisecond
@@ -125,8 +126,8 @@ const (
 	// floorRounds is how many rounds of the two reads must each show
 	// floorGainAbove for the floor to be turned on (see measureFloor): six
 	// statements a measure where it is, two where the first round shows
-	// no gain, and two for a floor already on (and those pendingStart
-	// adds).
+	// no gain, and two for a floor already on (four on MySQL where the
+	// first round shows no gain), and those pendingStart adds.
 	floorRounds = 3
 	// floorMissedMax: the wait for the next measure after measures that
 	// found no gain is floorCheckEvery doubled this many times at most.
@@ -590,11 +591,15 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	if !f.lockDue {
 		return nil
 	}
-	f.lockDue = false
 	index, keyIndex := s.indexNames()
+	if index == "" {
+		return nil // not looked up yet: the claim does, and the next measures
+	}
+	f.lockDue = false
 	s.sent.Add(2) // BEGIN, ROLLBACK
 	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
+		f.on = false
 		return fmt.Errorf("outbox: the floor's locking measure: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()

@@ -163,6 +163,7 @@ func TestMeasure_MySQL_NoPlainGain_TheNextClaimMeasuresLocking(t *testing.T) {
 	t.Parallel()
 	db, s := mysqlFloorStore(t)
 	ctx := context.Background()
+	s.index, s.keyIndex = indexesOf(t, s) // as a relay looks them up when it starts
 	writeAt(t, db, "first", time.Now().Add(-time.Minute))
 	f := s.floor
 	f.check, f.gainAbove = true, time.Hour // no gain, plain or locking

@@ -172,3 +172,75 @@ func TestClaim_MySQL_LockMeasure_RowMadePendingSinceThePlainMeasureIsClaimed(t *
 		t.Errorf("claim %d after r was made pending with the floor off took %v from %v (floor on %v at %v); want r", i, ids, from, on, at.Format(time.RFC3339Nano))
 	}
 }
+
+// A MySQL relay whose pending index was renamed (or dropped and made
+// again under another name) fails one claim at most: that claim's error
+// makes it forget the name (forgetIndex), and the next looks the index up
+// again. A locking measure due, whose reads name the index, fails no
+// claim: the claim goes on from the head. As first written, it failed the
+// claim without forgetting the name, and the claim after failed too.
+func TestClaim_MySQL_PendingIndexRenamed_LockMeasureDue_NoClaimFails(t *testing.T) {
+	t.Parallel()
+	for _, due := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lockDue=%v", due), func(t *testing.T) {
+			db, s := mysqlFloorStore(t)
+			ctx := context.Background()
+			s.index, s.keyIndex = indexesOf(t, s)
+			writeAt(t, db, "a", time.Now().Add(-time.Minute))
+			db.MustExec("ALTER TABLE acemq_outbox RENAME INDEX `" + s.index + "` TO acemq_outbox_pending_renamed")
+			s.floor.mu.Lock()
+			s.floor.lockDue = due // a measure whose plain reads found no gain
+			s.floor.mu.Unlock()
+			var errs []error
+			var got []string
+			for range 3 {
+				cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+				if err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				for _, r := range cl.rows {
+					got = append(got, r.ID)
+				}
+				if err := s.finish(ctx, cl, got, nil); err != nil {
+					t.Fatal(err)
+				}
+				break
+			}
+			wantErrs := 1
+			if due {
+				wantErrs = 0 // the measure's failure is the claim's first statement's
+			}
+			if !slices.Equal(got, []string{"a"}) || len(errs) > wantErrs {
+				t.Fatalf("after the pending index was renamed, the claims took %v after %d failed: %v; want [a] after one failure at most", got, len(errs), errs)
+			}
+		})
+	}
+}
+
+// A locking measure that finds no gain sends what floorCheckAbove's
+// comment counts: BEGIN, where the pending rows start (one read where no
+// key is stuck), two locking reads, ROLLBACK.
+func TestLockMeasure_MySQL_NoGain_SendsTheStatementsDocumented(t *testing.T) {
+	t.Parallel()
+	db, s := mysqlFloorStore(t)
+	ctx := context.Background()
+	s.index, s.keyIndex = indexesOf(t, s)
+	writeAt(t, db, "a", time.Now().Add(-time.Minute))
+	f := s.floor
+	f.mu.Lock()
+	f.lockDue, f.gainAbove = true, time.Hour // no gain
+	f.mu.Unlock()
+	conn, err := db.DB.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	sent := s.sent.Load()
+	if err := s.lockMeasure(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.sent.Load() - sent; n != 5 {
+		t.Fatalf("a locking measure without gain sent %d statements; want 5 (BEGIN, one read, two locking reads, ROLLBACK)", n)
+	}
+}

@@ -559,7 +559,14 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	}
 	if floor {
 		if err := s.lockMeasure(ctx, conn); err != nil {
-			return fail(err)
+			if ctx.Err() != nil {
+				return fail(err)
+			}
+			// A measure, not the claim: the claim goes on from the head,
+			// and looks its indexes up again (the measure's reads name
+			// MySQL's pending index: dropped or renamed, maybe).
+			s.forgetIndex()
+			s.log.Info("Outbox: the floor's locking measure failed; claims start at the head", watermill.LogFields{"table": s.q.Table(), "error": err.Error()})
 		}
 	}
 	tx, err = conn.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})

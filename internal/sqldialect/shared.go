@@ -479,9 +479,10 @@ type PendingParams struct {
 	// until the stuck one is retried.
 	Skip []KeySeq
 	// Lock makes the read a locking one, as a claim's is (FOR UPDATE SKIP
-	// LOCKED), for its time, not its row: it passes rows other
-	// transactions hold, and locks the row it reads until the
-	// transaction ends. A row whose created_at is NULL is not read first.
+	// LOCKED, bounded as MySQL's claim is), for its time, not its row: it
+	// passes rows other transactions hold, and locks the row it reads,
+	// and on MySQL those it passes, until the transaction ends. A row
+	// whose created_at is NULL is not read.
 	Lock bool
 }
 
@@ -507,7 +508,11 @@ func (o *Outbox) PendingFirst(p PendingParams) Query {
 	cols := o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq FROM "
 	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
 	if p.Lock {
-		return o.query("SELECT "+first+" FOR UPDATE SKIP LOCKED", args...)
+		// The claim's bound (see mysql's claim): the walk stops at the
+		// newest pending row of the subquery's snapshot, before rows
+		// committed since, whose writers' locks it would otherwise meet.
+		return o.query("SELECT "+cols+from+" WHERE "+where+" AND created_at <= (SELECT MAX(created_at) FROM "+from+
+			" WHERE published_at IS NULL) ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED", args...)
 	}
 	if p.After != nil {
 		return o.query("SELECT "+first, args...)
