@@ -1212,7 +1212,8 @@ func (c *claim) keySeq(id string) (sqldialect.KeySeq, bool) {
 // it is written after a savepoint, and, refused, taken back to it and
 // written again as its ASCII escape, which any text column takes. The
 // savepoint is the publisher's (sqldialect's savepoint): the relay's
-// transactions run no publish.
+// transactions run no publish. changed: the write changed the row (one an
+// operator deleted, or whose lease another relay took, it does not).
 func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) (changed bool, err error) {
 	reason := storableError(f.reason)
 	write := func(reason string) error {
