@@ -303,11 +303,7 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 	}
 	m.at = f.below(first, now)
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
-		return func() (time.Duration, error) {
-			started := time.Now()
-			_, _, err := s.pendingFirst(ctx, q, index, keyIndex, after, m.skip)
-			return time.Since(started), err
-		}
+		return s.timedFirst(ctx, q, s.pendingParams(index, keyIndex, after, m.skip, false))
 	}
 	if len(m.skip) > 0 {
 		// The read from the head is timed as one statement, as the one
@@ -616,12 +612,11 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		return nil
 	}
 	at := f.below(start.first, now)
+	// Locking reads (see sqldialect.PendingParams.Lock): their time is what
+	// is wanted, not their row, which stays locked, with every row they
+	// passed, until tx is rolled back.
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
-		return func() (time.Duration, error) {
-			started := time.Now()
-			err := s.lockedFirst(ctx, tx, index, after, start.skip)
-			return time.Since(started), err
-		}
+		return s.timedFirst(ctx, tx, s.pendingParams(index, keyIndex, after, start.skip, true))
 	}
 	on, head, err := f.rounds(read(nil), read(&sqldialect.Cursor{CreatedAt: at}), -1, max(f.gainAbove, floorGainAbove))
 	if rbErr := tx.Rollback(); err == nil && rbErr != nil {
@@ -638,24 +633,6 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		f.on, f.missed = false, 0
 	default:
 		f.missed++
-	}
-	return nil
-}
-
-// lockedFirst reads the first pending row after after (from the head when
-// nil) on q as pendingFirst does, but for a row of another transaction's
-// claim, with a locking read (see sqldialect.PendingParams.Lock): its
-// time is what lockMeasure wants, not its row, which stays locked until
-// q's transaction ends, with every row it passed.
-func (s *Store) lockedFirst(ctx context.Context, q rowQuerier, index string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) error {
-	query := s.inline(s.q.PendingFirst(sqldialect.PendingParams{
-		Index: index, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, Skip: skip, Lock: true,
-	}))
-	s.sent.Add(1)
-	var at, id, key, seq sql.NullString
-	err := q.QueryRowContext(ctx, query.SQL, query.Args...).Scan(&at, &id, &key, &seq)
-	if err != nil && !errors.Is(err, sql.ErrNoRows) {
-		return fmt.Errorf("outbox: where the pending rows start, locking: %w", err)
 	}
 	return nil
 }
@@ -682,9 +659,29 @@ const maxStuckKeys = 16
 // none, and one without a CreatedAt when its created_at is NULL or cannot
 // be read as a time; with its key and seq where it has both.
 func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) (*sqldialect.Cursor, *sqldialect.KeySeq, error) {
-	query := s.inline(s.q.PendingFirst(sqldialect.PendingParams{
-		Index: index, KeyIndex: keyIndex, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, Skip: skip,
-	}))
+	return s.readFirst(ctx, q, s.pendingParams(index, keyIndex, after, skip, false))
+}
+
+// pendingParams are the PendingParams of a read of where the pending rows
+// start (see pendingFirst), a locking one where lock is set.
+func (s *Store) pendingParams(index, keyIndex string, after *sqldialect.Cursor, skip []sqldialect.KeySeq, lock bool) sqldialect.PendingParams {
+	return sqldialect.PendingParams{Index: index, KeyIndex: keyIndex, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, Skip: skip, Lock: lock}
+}
+
+// timedFirst is a read of where the pending rows start on q, as p says,
+// that returns how long it took: a measure's.
+func (s *Store) timedFirst(ctx context.Context, q rowQuerier, p sqldialect.PendingParams) func() (time.Duration, error) {
+	return func() (time.Duration, error) {
+		started := time.Now()
+		p.Now = started
+		_, _, err := s.readFirst(ctx, q, p)
+		return time.Since(started), err
+	}
+}
+
+// readFirst runs sqldialect's PendingFirst of p on q: see pendingFirst.
+func (s *Store) readFirst(ctx context.Context, q rowQuerier, p sqldialect.PendingParams) (*sqldialect.Cursor, *sqldialect.KeySeq, error) {
+	query := s.inline(s.q.PendingFirst(p))
 	s.sent.Add(1)
 	var (
 		id  string

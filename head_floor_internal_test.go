@@ -119,12 +119,18 @@ func writeAt(t testing.TB, db *testdb.DB, id string, at time.Time) {
 func writeFreshAndStuck(t testing.TB, db *testdb.DB) {
 	t.Helper()
 	writeAt(t, db, "fresh", time.Now())
-	old := time.Now().Add(-time.Hour).UTC()
-	var at any = old
+	writeStuckAt(t, db, "stuck", time.Now().Add(-time.Hour))
+}
+
+// writeStuckAt writes an unkeyed row id created at at, stuck at 1,000
+// attempts: a Retry makes it pending.
+func writeStuckAt(t testing.TB, db *testdb.DB, id string, at time.Time) {
+	t.Helper()
+	var arg any = at.UTC()
 	if db.Kind == testdb.MySQL {
-		at = old.Format("2006-01-02 15:04:05.000000")
+		arg = at.UTC().Format("2006-01-02 15:04:05.000000")
 	}
-	db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)"), at)
+	db.MustExec(db.Rebind("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES (?, 'x', 'k', 'b', '{}', ?, 1000)"), id, arg)
 }
 
 // pendingEntriesRead is how many entries of the pending index the

@@ -22,18 +22,7 @@ func TestClaim_MySQL_BehindTenThousandDeadEntries_LockingMeasureKeepsTheFloor(t 
 	db, s := mysqlFloorStore(t)
 	holdSnapshot(t, db)
 	publishOld(t, db, 10_000)
-	var want, got []string
-	for i := 0; i < 5 && !s.floor.on; i++ {
-		id := fmt.Sprintf("new%d", i)
-		writeAt(t, db, id, time.Now())
-		want = append(want, id)
-		s.floor.check, s.floor.missed = true, 0 // measure now
-		ids, _ := claimAll(t, s)
-		got = append(got, ids...)
-	}
-	if !s.floor.on {
-		t.Fatalf("behind 10,000 dead entries, five measures left the floor off")
-	}
+	want, got := turnFloorOn(t, db, s)
 	writeAt(t, db, "last", time.Now())
 	ids, from := claimAll(t, s)
 	got = append(got, ids...)
@@ -101,15 +90,8 @@ func TestClaim_MySQL_BesideASnapshot_RetryOfAStuckRecordBelowTheFloorBesideABatc
 	ctx := context.Background()
 	holdSnapshot(t, db)
 	publishOld(t, db, 10_000)
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('stuck', 'x', 'k', 'b', '{}', ?, 1000)", time.Now().Add(-2*time.Hour).UTC().Format("2006-01-02 15:04:05.000000"))
-	for i := 0; i < 5 && !s.floor.on; i++ {
-		writeAt(t, db, fmt.Sprintf("new%d", i), time.Now())
-		s.floor.check, s.floor.missed = true, 0
-		claimAll(t, s)
-	}
-	if !s.floor.on {
-		t.Fatalf("behind 10,000 dead entries, five measures left the floor off")
-	}
+	writeStuckAt(t, db, "stuck", time.Now().Add(-2*time.Hour))
+	turnFloorOn(t, db, s)
 	op, err := NewStore(db.DB, StoreConfig{Dialect: MySQL})
 	if err != nil {
 		t.Fatal(err)
@@ -179,6 +161,24 @@ func TestMeasure_MySQL_NoPlainGain_TheNextClaimMeasuresLocking(t *testing.T) {
 	if f.on || f.lockDue || f.missed != 1 {
 		t.Fatalf("after the claim's locking measure without gain: floor on %v, due %v, missed %d; want off, done, 1", f.on, f.lockDue, f.missed)
 	}
+}
+
+// turnFloorOn writes a row and claims, measuring each time, until s keeps
+// its floor, five times at most: the ids it wrote and those it claimed.
+func turnFloorOn(t *testing.T, db *testdb.DB, s *Store) (written, claimed []string) {
+	t.Helper()
+	for i := 0; i < 5 && !s.floor.on; i++ {
+		id := fmt.Sprintf("new%d", i)
+		writeAt(t, db, id, time.Now())
+		written = append(written, id)
+		s.floor.check, s.floor.missed = true, 0 // measure now
+		ids, _ := claimAll(t, s)
+		claimed = append(claimed, ids...)
+	}
+	if !s.floor.on {
+		t.Fatalf("behind the dead entries, five measures left the floor off")
+	}
+	return written, claimed
 }
 
 // mysqlFloorStore is a Store over a migrated MySQL database of its own.

@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
 // An idle MySQL relay whose every probe from the head takes checkAbove (a
@@ -80,12 +82,8 @@ func TestProbe_MySQL_IdleFloorOnNoGain_TurnsOff(t *testing.T) {
 // its plain measure found left the row above it for up to two periods.
 func TestClaim_MySQL_LockMeasure_RowRetriedBelowTheFloorWaitsAPeriodAtMost(t *testing.T) {
 	t.Parallel()
-	db, s := mysqlFloorStore(t)
+	db, s := stuckBehindDeadEntries(t)
 	ctx := context.Background()
-	holdSnapshot(t, db)
-	publishOld(t, db, 20_000)
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('r', 'x', 'k', 'b', '{}', ?, 1000)", time.Now().Add(-10*time.Minute).UTC().Format("2006-01-02 15:04:05.000000")) // after the dead entries (an hour old), below any floor
-	s.index, s.keyIndex = indexesOf(t, s)
 	f := s.floor
 	const period = 3 * time.Second
 	f.mu.Lock()
@@ -139,12 +137,8 @@ func TestClaim_MySQL_LockMeasure_RowRetriedBelowTheFloorWaitsAPeriodAtMost(t *te
 // period.
 func TestClaim_MySQL_LockMeasure_RowMadePendingSinceThePlainMeasureIsClaimed(t *testing.T) {
 	t.Parallel()
-	db, s := mysqlFloorStore(t)
+	db, s := stuckBehindDeadEntries(t)
 	ctx := context.Background()
-	holdSnapshot(t, db)
-	publishOld(t, db, 20_000)
-	db.MustExec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts) VALUES ('r', 'x', 'k', 'b', '{}', ?, 1000)", time.Now().Add(-10*time.Minute).UTC().Format("2006-01-02 15:04:05.000000")) // after the dead entries (an hour old), below any floor
-	s.index, s.keyIndex = indexesOf(t, s)
 	f := s.floor
 	f.mu.Lock()
 	f.everyMin, f.everyMax, f.check, f.gainAbove = 10*time.Second, 10*time.Second, true, 2500*time.Microsecond // the plain reads miss it, the locking ones (about 15 ms) not
@@ -243,4 +237,18 @@ func TestLockMeasure_MySQL_NoGain_SendsTheStatementsDocumented(t *testing.T) {
 	if n := s.sent.Load() - sent; n != 5 {
 		t.Fatalf("a locking measure without gain sent %d statements; want 5 (BEGIN, one read, two locking reads, ROLLBACK)", n)
 	}
+}
+
+// stuckBehindDeadEntries is a MySQL Store beside a held snapshot of 20,000
+// published rows (an hour old) and a row "r" stuck at 1,000 attempts, ten
+// minutes old: after the dead entries, below any floor once retried. Its
+// indexes are looked up, as a relay's are when it starts.
+func stuckBehindDeadEntries(t *testing.T) (*testdb.DB, *Store) {
+	t.Helper()
+	db, s := mysqlFloorStore(t)
+	holdSnapshot(t, db)
+	publishOld(t, db, 20_000)
+	writeStuckAt(t, db, "r", time.Now().Add(-10*time.Minute))
+	s.index, s.keyIndex = indexesOf(t, s)
+	return db, s
 }
