@@ -37,7 +37,8 @@ import (
 // when that is earlier. When the second read is gainAbove quicker, three
 // rounds in a row (measureFloor), the floor is on. (On MySQL, where they
 // show no gain, the next claim times locking reads, as its own walk is,
-// and decides: see lockMeasure.) From then on, claims and probes that
+// and decides: see lockMeasure; a floor it keeps is timed so less and
+// less often, up to floorLockMax apart.) From then on, claims and probes that
 // would start at the head start at the floor; each claim reads the floor
 // again from where it stood, which walks only the entries of rows
 // published since (one statement more; a probe takes it as it stands).
@@ -87,6 +88,11 @@ type headFloor struct {
 	// measure with locking reads (see lockMeasure).
 	locking bool
 	lockDue bool
+	// lockNext: a floor on that a locking measure kept is kept until then
+	// whatever the plain reads show (see measureFloor); lockKept is how
+	// many locking measures in a row kept it, each doubling the wait.
+	lockNext time.Time
+	lockKept int
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -127,7 +133,8 @@ const (
 	// floorGainAbove for the floor to be turned on (see measureFloor): six
 	// statements a measure where it is, two where the first round shows
 	// no gain, and two for a floor already on (four on MySQL where the
-	// first round shows no gain), and those pendingStart adds.
+	// first round shows no gain, none where a locking measure kept it
+	// lately), and those pendingStart adds.
 	floorRounds = 3
 	// floorMissedMax: the wait for the next measure after measures that
 	// found no gain is floorCheckEvery doubled this many times at most.
@@ -151,6 +158,15 @@ const (
 	floorEvery    = 50
 	floorEveryMin = 2 * time.Second
 	floorEveryMax = 10 * time.Second
+	// floorLockMax is the longest a floor that a locking measure kept on
+	// MySQL goes without another (see lockMeasure): its periods' plain
+	// reads still find where the pending rows start. Behind 20,000 dead
+	// entries, where a locking read from the head takes 15 ms and the
+	// plain reads show no gain, a locking measure every period (2 s) held
+	// up a claim and the records that came meanwhile each time. A floor
+	// kept a minute after its snapshot ended costs each claim one
+	// statement, a quick one.
+	floorLockMax = time.Minute
 )
 
 // newHeadFloor is the floor of a Store, on MySQL where mysql is set.
@@ -198,7 +214,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 			// The next claim or probe starts at the head, as one without
 			// a floor does: a read that keeps failing (MySQL's pending
 			// index renamed, which it names) would fail every claim.
-			f.on = false
+			f.off()
 			return nil, err
 		}
 		if first != nil && first.CreatedAt.IsZero() {
@@ -219,7 +235,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	m, err := s.measureFloor(ctx, q, index, keyIndex, now)
 	switch {
 	case err != nil:
-		f.on = false
+		f.off()
 		return nil, err
 	case m.headOnly && !f.on:
 		// A row whose created_at is NULL, claimable: this claim starts at
@@ -249,12 +265,19 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	default:
 		f.missed++
 	}
-	f.on, f.at, f.skip = m.on, m.at, m.skip
-	if !f.on {
+	if !m.on {
+		f.off()
 		return nil, nil
 	}
+	f.on, f.at, f.skip = true, m.at, m.skip
 	f.next = now.Add(f.period(m.head))
 	return &sqldialect.Cursor{CreatedAt: f.at}, nil
+}
+
+// off turns the floor off: claims and probes start at the head, and a
+// locking measure that turns it on again starts its waits anew.
+func (f *headFloor) off() {
+	f.on, f.lockNext, f.lockKept = false, time.Time{}, 0
 }
 
 // period is the time to the next measure of a floor that is on, after a
@@ -302,6 +325,15 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		return m, nil
 	}
 	m.at = f.below(first, now)
+	if f.on && now.Before(f.lockNext) {
+		// A floor a locking measure kept (see lockMeasure): where the
+		// plain reads show a gain, it stays on; where they show none, it
+		// stays on too, until lockNext, when a locking measure decides
+		// again. The read from the head is all this measure needs: where
+		// the floor now stands.
+		m.on = true
+		return m, nil
+	}
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
 		return s.timedFirst(ctx, q, s.pendingParams(index, keyIndex, after, m.skip, false))
 	}
@@ -579,7 +611,10 @@ func (s *Store) passStuck(stuck []sqldialect.KeySeq, marked time.Time) {
 // times quicker than its locking read: behind 20,000, 0.75 ms from the
 // head against 15, a gain under gainAbove, and the floor stayed off (or
 // on by chance) while every claim paid the walk. The locking reads must
-// gain floorGainAbove (gainAbove where a test asks more).
+// gain floorGainAbove (gainAbove where a test asks more). A floor they
+// keep stays on whatever the plain reads show until lockNext: two periods
+// after the measure that turned it on, each measure that keeps it
+// doubling the wait, up to floorLockMax.
 func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	f := s.floor
 	f.mu.Lock()
@@ -595,13 +630,13 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	s.sent.Add(2) // BEGIN, ROLLBACK
 	tx, err := conn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
-		f.on = false
+		f.off()
 		return fmt.Errorf("outbox: the floor's locking measure: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	start, err := s.pendingStart(ctx, tx, index, keyIndex)
 	if err != nil {
-		f.on = false
+		f.off()
 		return err
 	}
 	now := time.Now()
@@ -624,17 +659,30 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	}
 	switch {
 	case err != nil:
-		f.on = false
+		f.off()
 		return err
 	case on:
+		f.lockedOn(now, head)
 		f.on, f.at, f.skip, f.missed = true, at, start.skip, 0
 		f.next = now.Add(f.period(head))
 	case f.on:
-		f.on, f.missed = false, 0
+		f.off()
+		f.missed = 0
 	default:
 		f.missed++
 	}
 	return nil
+}
+
+// lockedOn sets when the next locking measure is due after one at now
+// that turned the floor on or kept it, its read from the head having
+// taken head: two periods after one that turned it on, and twice as long
+// as the last wait after each that kept it, floorLockMax at most.
+func (f *headFloor) lockedOn(now time.Time, head time.Duration) {
+	if f.on {
+		f.lockKept = min(f.lockKept+1, floorMissedMax)
+	}
+	f.lockNext = now.Add(min(f.period(head)<<(f.lockKept+1), floorLockMax))
 }
 
 // pendingStartRead is what Store.pendingStart read.
