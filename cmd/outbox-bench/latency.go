@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
@@ -309,7 +310,12 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		if v.loud {
 			extra = append(extra, "--quiet-above=-1")
 		}
-		relay, err := startRelayProcess(ctx, db.DSN, extra...)
+		var profile string
+		if *relayCPUProfile != "" {
+			profile = filepath.Join(*relayCPUProfile, "relay_"+v.kind+v.suffix+".prof")
+			note("latency %s: the relay's CPU profile goes to %s", v.kind+v.suffix, profile)
+		}
+		relay, err := startRelayProcess(ctx, db.DSN, profile, extra...)
 		if err != nil {
 			return err
 		}

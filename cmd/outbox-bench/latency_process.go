@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -48,6 +49,15 @@ import (
 // relayProcs is the relay process's GOMAXPROCS, when set.
 var relayProcs = flag.Int("relay-gomaxprocs", 0, "latency: GOMAXPROCS of the relay process (0 = the Go runtime's default, the machine's cores)")
 
+// relayCPUProfile is a directory where each relay process writes a CPU
+// profile of its life, relay_<db><suffix>.prof (go tool pprof the bench's
+// binary and it): the bench's own -cpuprofile does not see the relay.
+var relayCPUProfile = flag.String("relay-cpuprofile", "", "latency: write a CPU profile of each relay process to relay_<variant>.prof in this directory")
+
+// cpuProfileEnv names, in a relay process's environment, the file its CPU
+// profile goes to.
+const cpuProfileEnv = "OUTBOX_BENCH_RELAY_CPUPROFILE"
+
 // outboxctlArg, as the first argument, makes the bench outboxctl.
 const outboxctlArg = "outboxctl"
 
@@ -61,7 +71,24 @@ const idleWindow = 30 * time.Second
 // as outboxctl.
 func maybeOutboxctl() {
 	if len(os.Args) > 1 && os.Args[1] == outboxctlArg {
-		os.Exit(outboxctl.Main(os.Args[2:], os.Getenv, os.Stdout, os.Stderr))
+		path := os.Getenv(cpuProfileEnv)
+		if path == "" {
+			os.Exit(outboxctl.Main(os.Args[2:], os.Getenv, os.Stdout, os.Stderr))
+		}
+		f, err := os.Create(path)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "outbox-bench: relay CPU profile: %v\n", err)
+			os.Exit(2)
+		}
+		code := outboxctl.Main(os.Args[2:], os.Getenv, os.Stdout, os.Stderr)
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			fmt.Fprintf(os.Stderr, "outbox-bench: relay CPU profile: %v\n", err)
+		}
+		os.Exit(code)
 	}
 }
 
@@ -77,7 +104,7 @@ var servingRE = regexp.MustCompile(`Serving /metrics and /healthz.* addr=(\S+)`)
 
 // startRelayProcess starts outboxctl relay on dsn and waits until it
 // serves /healthz.
-func startRelayProcess(ctx context.Context, dsn string, extra ...string) (*relayProcess, error) {
+func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string) (*relayProcess, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -90,8 +117,12 @@ func startRelayProcess(ctx context.Context, dsn string, extra ...string) (*relay
 		args = append(args, "--max-batch-size", strconv.Itoa(*relayMax))
 	}
 	cmd := exec.Command(self, append(args, extra...)...)
+	cmd.Env = os.Environ()
 	if *relayProcs > 0 {
-		cmd.Env = append(os.Environ(), "GOMAXPROCS="+strconv.Itoa(*relayProcs))
+		cmd.Env = append(cmd.Env, "GOMAXPROCS="+strconv.Itoa(*relayProcs))
+	}
+	if profile != "" {
+		cmd.Env = append(cmd.Env, cpuProfileEnv+"="+profile)
 	}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
