@@ -42,6 +42,8 @@ import (
 // would start at the head start at the floor; each claim reads the floor
 // again from where it stood, which walks only the entries of rows
 // published since (one statement more; a probe takes it as it stands).
+// A keyed record waiting out its retry backoff is passed, as a stuck
+// key's are, until its backoff ends (see endBackoffs).
 // Every period, floorEvery times the last read from the head's time
 // (everyMin to everyMax), one claim or probe (a drain's claim too, which
 // would go on from its cursor) measures again, and starts at the floor its read from
@@ -77,8 +79,14 @@ type headFloor struct {
 	// skip holds the records stuck at MaxAttempts that the last measure
 	// passed (see pendingStart), and those this Store's marks took there
 	// since (see passStuck): each claim's read of the floor passes the
-	// records they hold in their keys too.
-	skip []sqldialect.KeySeq
+	// records they hold in their keys too. backoffs: the keyed records
+	// waiting out a retry backoff that the last measure or a claim's read
+	// of the floor passed, with their key's later records (each one's skip
+	// entry is the record before it, seq − 1): once a backoff ends, the
+	// next claim's read drops its entry and starts no higher than the
+	// record (see endBackoffs).
+	skip     []sqldialect.KeySeq
+	backoffs []backoff
 	// lowered is when lowerFloors last made next due: a walk from the head
 	// under way then did not see what it made pending.
 	lowered time.Time
@@ -207,9 +215,20 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	now := time.Now()
 	switch {
 	case f.on && now.Before(f.next) && probing:
+		f.endBackoffs(now)
 		return &sqldialect.Cursor{CreatedAt: f.at}, nil
 	case f.on && now.Before(f.next):
-		first, _, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: f.at}, f.skip)
+		f.endBackoffs(now)
+		r, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: f.at}, f.skip)
+		for err == nil && r.inBackoff() && len(f.skip) < maxStuckKeys {
+			// A keyed record waiting out its retry backoff, failed since
+			// the last measure (by this relay's batch, most often): passed
+			// until its backoff ends.
+			b := r.backoff()
+			f.skip, f.backoffs = append(slices.Clip(f.skip), b.skip), append(slices.Clip(f.backoffs), b)
+			r, err = s.pendingFirst(ctx, q, index, keyIndex, r.first, f.skip)
+		}
+		first := r.first
 		if err != nil {
 			// The next claim or probe starts at the head, as one without
 			// a floor does: a read that keeps failing (MySQL's pending
@@ -269,7 +288,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		f.off()
 		return nil, nil
 	}
-	f.on, f.at, f.skip = true, m.at, m.skip
+	f.on, f.at, f.skip, f.backoffs = true, m.at, m.skip, m.backoffs
 	f.next = now.Add(f.period(m.head))
 	return &sqldialect.Cursor{CreatedAt: f.at}, nil
 }
@@ -277,7 +296,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 // off turns the floor off: claims and probes start at the head, and a
 // locking measure that turns it on again starts its waits anew.
 func (f *headFloor) off() {
-	f.on, f.lockNext, f.lockKept = false, time.Time{}, 0
+	f.on, f.lockNext, f.lockKept, f.backoffs = false, time.Time{}, 0, nil
 }
 
 // period is the time to the next measure of a floor that is on, after a
@@ -296,8 +315,11 @@ type floorMeasure struct {
 	// headOnly: the first pending row's created_at is NULL or not a time
 	// this relay can compare; no floor is below it.
 	headOnly bool
-	// skip: the stuck records the read from the head passed.
-	skip []sqldialect.KeySeq
+	// skip: the stuck records the read from the head passed, and the
+	// records before those waiting out a retry backoff that it passed,
+	// backoffs.
+	skip     []sqldialect.KeySeq
+	backoffs []backoff
 }
 
 // measureFloor reads where the pending rows start from the head, and
@@ -316,7 +338,7 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 	f := s.floor
 	start, err := s.pendingStart(ctx, q, index, keyIndex)
 	first := start.first
-	m := floorMeasure{head: start.head, skip: start.skip}
+	m := floorMeasure{head: start.head, skip: start.skip, backoffs: start.backoffs}
 	switch {
 	case err != nil:
 		return m, err
@@ -508,7 +530,7 @@ func (s *Store) lowerFloors() {
 	floors.mu.Unlock()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next, f.lowered, f.skip, f.lockDue = time.Time{}, time.Now(), nil, false
+		f.next, f.lowered, f.skip, f.backoffs, f.lockDue = time.Time{}, time.Now(), nil, nil, false
 		f.mu.Unlock()
 	}
 }
@@ -523,7 +545,10 @@ func (s *Store) lowerFloors() {
 // point read); if that is unpublished and stuck, the read goes on after
 // the row past the key's later records, up to maxStuckKeys keys, and stops
 // at the next held record after that. A row whose predecessor is missing
-// (another library's gap) is taken as it is: the floor stays lower. It
+// (another library's gap) is taken as it is: the floor stays lower. A
+// keyed row waiting out its retry backoff (a lease RetryHold, live) is
+// passed too, with its key's later records, until its backoff ends (see
+// endBackoffs). It
 // returns the stuck records it passed, for the reads that follow.
 //
 // One point read a key, in Go: a first form asked the database, for each
@@ -536,13 +561,25 @@ func (s *Store) pendingStart(ctx context.Context, q rowQuerier, index, keyIndex 
 	var after *sqldialect.Cursor
 	for {
 		started := time.Now()
-		first, key, err := s.pendingFirst(ctx, q, index, keyIndex, after, start.skip)
+		r, err := s.pendingFirst(ctx, q, index, keyIndex, after, start.skip)
 		if start.sent++; start.sent == 1 {
 			start.head = time.Since(started)
 		}
+		first, key := r.first, r.key
 		start.first = first
-		if err != nil || first == nil || first.CreatedAt.IsZero() || key == nil || key.Seq <= 1 || len(start.skip) == maxStuckKeys {
+		if err != nil || len(start.skip) == maxStuckKeys {
 			return start, err
+		}
+		if r.inBackoff() {
+			// Waiting out its retry backoff: passed, with its key's later
+			// records, until the backoff ends (see endBackoffs).
+			b := r.backoff()
+			start.skip, start.backoffs = append(start.skip, b.skip), append(start.backoffs, b)
+			after = first
+			continue
+		}
+		if first == nil || first.CreatedAt.IsZero() || key == nil || key.Seq <= 1 {
+			return start, nil
 		}
 		before := sqldialect.KeySeq{Key: key.Key, Seq: key.Seq - 1}
 		read := s.inline(s.q.KeyRecord(keyIndex, before.Key, before.Seq))
@@ -634,12 +671,14 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		return fmt.Errorf("outbox: the floor's locking measure: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	// now before the read, as in headBound: a row committed after it
+	// within lag of its created_at is above the floor below.
+	now := time.Now()
 	start, err := s.pendingStart(ctx, tx, index, keyIndex)
 	if err != nil {
 		f.off()
 		return err
 	}
-	now := time.Now()
 	if start.first != nil && start.first.CreatedAt.IsZero() {
 		// A row whose created_at is NULL, which no floor is below: the
 		// claim's own measure sends it to the head.
@@ -663,7 +702,7 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		return err
 	case on:
 		f.lockedOn(now, head)
-		f.on, f.at, f.skip, f.missed = true, at, start.skip, 0
+		f.on, f.at, f.skip, f.backoffs, f.missed = true, at, start.skip, start.backoffs, 0
 		f.next = now.Add(f.period(head))
 	case f.on:
 		f.off()
@@ -688,9 +727,11 @@ func (f *headFloor) lockedOn(now time.Time, head time.Duration) {
 // pendingStartRead is what Store.pendingStart read.
 type pendingStartRead struct {
 	// first: where the pending rows start (see pendingFirst); skip: the
-	// stuck records passed (key, seq), each holding its key's later ones.
-	first *sqldialect.Cursor
-	skip  []sqldialect.KeySeq
+	// stuck records passed (key, seq), each holding its key's later ones,
+	// and the records before those waiting out a retry backoff, backoffs.
+	first    *sqldialect.Cursor
+	skip     []sqldialect.KeySeq
+	backoffs []backoff
 	// head: the first read's time, from the head with nothing skipped;
 	// sent: the statements sent.
 	head time.Duration
@@ -706,7 +747,7 @@ const maxStuckKeys = 16
 // pendingStart), as sqldialect's PendingFirst does: nil when there is
 // none, and one without a CreatedAt when its created_at is NULL or cannot
 // be read as a time; with its key and seq where it has both.
-func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) (*sqldialect.Cursor, *sqldialect.KeySeq, error) {
+func (s *Store) pendingFirst(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, skip []sqldialect.KeySeq) (pendingRow, error) {
 	return s.readFirst(ctx, q, s.pendingParams(index, keyIndex, after, skip, false))
 }
 
@@ -722,13 +763,13 @@ func (s *Store) timedFirst(ctx context.Context, q rowQuerier, p sqldialect.Pendi
 	return func() (time.Duration, error) {
 		started := time.Now()
 		p.Now = started
-		_, _, err := s.readFirst(ctx, q, p)
+		_, err := s.readFirst(ctx, q, p)
 		return time.Since(started), err
 	}
 }
 
 // readFirst runs sqldialect's PendingFirst of p on q: see pendingFirst.
-func (s *Store) readFirst(ctx context.Context, q rowQuerier, p sqldialect.PendingParams) (*sqldialect.Cursor, *sqldialect.KeySeq, error) {
+func (s *Store) readFirst(ctx context.Context, q rowQuerier, p sqldialect.PendingParams) (pendingRow, error) {
 	query := s.inline(s.q.PendingFirst(p))
 	s.sent.Add(1)
 	var (
@@ -736,20 +777,82 @@ func (s *Store) readFirst(ctx context.Context, q rowQuerier, p sqldialect.Pendin
 		key sql.NullString
 		seq sql.NullInt64
 	)
-	at := sqldialect.NewTime(s.dialect.sql())
-	err := q.QueryRowContext(ctx, query.SQL, query.Args...).Scan(at, &id, &key, &seq)
+	at, hold := sqldialect.NewTime(s.dialect.sql()), sqldialect.NewTime(s.dialect.sql())
+	err := q.QueryRowContext(ctx, query.SQL, query.Args...).Scan(at, &id, &key, &seq, hold)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
-		return nil, nil, nil
+		return pendingRow{}, nil
 	case err != nil:
-		return nil, nil, fmt.Errorf("outbox: where the pending rows start: %w", err)
+		return pendingRow{}, fmt.Errorf("outbox: where the pending rows start: %w", err)
 	case at.Err != nil || at.T.IsZero():
 		// Not a time this relay can compare: no floor below it is safe.
-		return &sqldialect.Cursor{ID: id}, nil, nil
+		return pendingRow{first: &sqldialect.Cursor{ID: id}}, nil
 	}
-	var ks *sqldialect.KeySeq
+	r := pendingRow{first: &sqldialect.Cursor{CreatedAt: at.T, ID: id}}
 	if key.Valid && seq.Valid {
-		ks = &sqldialect.KeySeq{Key: key.String, Seq: seq.Int64}
+		r.key = &sqldialect.KeySeq{Key: key.String, Seq: seq.Int64}
+		if hold.Err == nil {
+			r.hold = hold.T
+		}
 	}
-	return &sqldialect.Cursor{CreatedAt: at.T, ID: id}, ks, nil
+	return r, nil
+}
+
+// pendingRow is a read of where the pending rows start (see pendingFirst).
+type pendingRow struct {
+	// first: the row, nil for none, without a CreatedAt where its
+	// created_at is NULL or not a time; key: its key and seq where it has
+	// both.
+	first *sqldialect.Cursor
+	key   *sqldialect.KeySeq
+	// hold: for a keyed row waiting out its retry backoff (a lease
+	// RetryHold, live at the read), the backoff's end; zero otherwise.
+	hold time.Time
+}
+
+// backoff is a keyed record waiting out its retry backoff that the floor
+// passes: its skip entry (the record before it, seq − 1, so that it and
+// its key's later records are passed), its created_at, and when its
+// backoff ends.
+type backoff struct {
+	skip  sqldialect.KeySeq
+	at    time.Time
+	until time.Time
+}
+
+// backoff is r's row as a backoff the floor passes (see inBackoff).
+func (r pendingRow) backoff() backoff {
+	return backoff{skip: sqldialect.KeySeq{Key: r.key.Key, Seq: r.key.Seq - 1}, at: r.first.CreatedAt, until: r.hold}
+}
+
+// endBackoffs, for each record the floor passes whose retry backoff has
+// ended at now, drops its skip entry and lowers the floor to its
+// created_at: the claim then starts no higher than the record, which is
+// claimable again, and takes it. No read from the head: the floor stood
+// below every pending row it did not pass, as it does now.
+func (f *headFloor) endBackoffs(now time.Time) {
+	if len(f.backoffs) == 0 {
+		return
+	}
+	var left []backoff
+	for _, b := range f.backoffs {
+		if now.Before(b.until) {
+			left = append(left, b)
+			continue
+		}
+		if i := slices.Index(f.skip, b.skip); i >= 0 {
+			f.skip = slices.Delete(slices.Clone(f.skip), i, i+1)
+		}
+		if b.at.Before(f.at) {
+			f.at = b.at
+		}
+	}
+	f.backoffs = left
+}
+
+// inBackoff tells whether the floor may pass r's row and its key's later
+// records until r.hold: a keyed record waiting out its retry backoff
+// (see pendingStart).
+func (r pendingRow) inBackoff() bool {
+	return r.first != nil && !r.first.CreatedAt.IsZero() && r.key != nil && !r.hold.IsZero()
 }

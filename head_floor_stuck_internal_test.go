@@ -210,12 +210,14 @@ func TestFloorReads_HotKeyBesideASnapshot_NoKeyStuck_ReadAFewEntries(t *testing.
 		}
 		defer tx.Rollback()
 		b0 := entriesRead(t, db, tx)
-		first, _, err := s.pendingFirst(ctx, tx, index, keyIndex, &sqldialect.Cursor{CreatedAt: time.Now().Add(-2 * time.Minute)}, nil)
+		r, err := s.pendingFirst(ctx, tx, index, keyIndex, &sqldialect.Cursor{CreatedAt: time.Now().Add(-2 * time.Minute)}, nil)
+		first := r.first
 		b1 := entriesRead(t, db, tx)
 		if err != nil || first == nil || first.ID != "k#next" || b1-b0 > 100 {
 			t.Fatalf("the floor's read before a claim: %+v (%v), %d rows and index entries read; want k#next, a few", first, err, b1-b0)
 		}
-		first, _, err = s.pendingFirst(ctx, tx, index, keyIndex, nil, nil)
+		r, err = s.pendingFirst(ctx, tx, index, keyIndex, nil, nil)
+		first = r.first
 		b2 := entriesRead(t, db, tx)
 		if err != nil || first == nil || first.ID != "k#next" {
 			t.Fatalf("from the head: %+v, %v; want k#next", first, err)

@@ -131,7 +131,9 @@ func TestPendingStart_NeverAboveAClaimableRow(t *testing.T) {
 					start, err = s.pendingStart(ctx, tx, index, keyIndex)
 					first, skip = start.first, start.skip
 				} else {
-					first, _, err = s.pendingFirst(ctx, tx, index, keyIndex, after, skip)
+					var r pendingRow
+					r, err = s.pendingFirst(ctx, tx, index, keyIndex, after, skip)
+					first = r.first
 				}
 				if err != nil {
 					t.Fatal(err)

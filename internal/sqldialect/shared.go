@@ -488,8 +488,10 @@ type PendingParams struct {
 
 // PendingFirst reads the first unpublished row under p.MaxAttempts, in
 // claim order, but for those p.Skip holds: where the rows a claim could
-// take start. Columns: created_at, id, aggregate_id, seq; no row when
-// there is none.
+// take start. Columns: created_at, id, aggregate_id, seq, and hold: the
+// end of the row's retry backoff (locked_until where locked_by is
+// RetryHold and the lease is live at p.Now), else NULL; no row when there
+// is none.
 //
 // From the head, a row whose created_at is NULL (another library's table
 // may allow it) that a claim could take at p.Now (under no live lease, its
@@ -505,21 +507,27 @@ func (o *Outbox) PendingFirst(p PendingParams) Query {
 		where += " AND NOT COALESCE(aggregate_id = ? AND seq > ?, FALSE)"
 		args = append(args, k.Key, k.Seq)
 	}
-	cols := o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq FROM "
-	first := cols + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
+	over, holdArgs := o.leaseOver(p.Now)
+	cols := func(hold string) string {
+		return o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq, " + hold + " AS hold_text FROM "
+	}
+	held := cols("CASE WHEN locked_by = '" + RetryHold + "' AND NOT " + over + " THEN " + o.d.timeText("locked_until") + " END")
+	args = append(holdArgs, args...)
+	first := held + from + " WHERE " + where + " AND created_at IS NOT NULL ORDER BY created_at, id LIMIT 1"
 	if p.Lock {
 		// The claim's bound (see mysql's claim): the walk stops at the
 		// newest pending row of the subquery's snapshot, before rows
 		// committed since, whose writers' locks it would otherwise meet.
-		return o.query("SELECT "+cols+from+" WHERE "+where+" AND created_at <= (SELECT MAX(created_at) FROM "+from+
+		return o.query("SELECT "+held+from+" WHERE "+where+" AND created_at <= (SELECT MAX(created_at) FROM "+from+
 			" WHERE published_at IS NULL) ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED", args...)
 	}
 	if p.After != nil {
 		return o.query("SELECT "+first, args...)
 	}
+	// A claimable row is under no live lease: no hold.
 	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: p.MaxAttempts, Now: p.Now, KeyIndex: p.KeyIndex})
-	null := "SELECT 0 AS nulls_last, " + cols + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
-	return o.query("SELECT created_text, id, aggregate_id, seq FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
+	null := "SELECT 0 AS nulls_last, " + cols("NULL") + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
+	return o.query("SELECT created_text, id, aggregate_id, seq, hold_text FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
 }
 
 // KeyRecord reads the unpublished record of key at seq, through keyIndex
