@@ -114,6 +114,12 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 					writeKeyed(b, db, fmt.Sprintf("stuck%02d", i), "stuck", int64(i+1), twoHoursAgo.Add(time.Duration(i)*time.Millisecond), attempts)
 				}
 				b.Run("stuck-key/floor", func(b *testing.B) { run(b, store(true)) })
+				// A keyed record waiting out its retry backoff, as long
+				// back: until 2026-12-04's thirty-first session the floor
+				// stood at it for as long as the backoff lasted.
+				writeKeyed(b, db, "backoff01", "backoff", 1, twoHoursAgo.Add(time.Second), 1)
+				holdBack(b, db, "backoff01", time.Now().Add(time.Hour))
+				b.Run("backoff/floor", func(b *testing.B) { run(b, store(true)) })
 				ended()
 				s := store(false)
 				// A first claim's walk marks the dead entries, as a relay's would.
