@@ -115,7 +115,8 @@ const (
 	// MariaDB claim. A busy machine makes claims that slow too: at most
 	// one measure, two statements where it finds no gain (six where it
 	// turns the floor on; one more where the first pending row is keyed,
-	// and past stuck keys two more each and one more read from the head;
+	// and past stuck keys two more each, past records in a retry backoff
+	// one more each, and one more read from the head;
 	// on MySQL, where it finds no gain, the next claim's locking measure:
 	// BEGIN, where the pending rows start as above, two locking reads,
 	// four more where they turn the floor on, ROLLBACK), every
@@ -738,8 +739,9 @@ type pendingStartRead struct {
 	sent int
 }
 
-// maxStuckKeys is how many stuck keys pendingStart passes at most: two
-// statements each, in a measure.
+// maxStuckKeys is how many stuck keys and records in a retry backoff the
+// floor passes at most: two statements each stuck key in a measure, one
+// each record in backoff, in a measure or a claim's read of the floor.
 const maxStuckKeys = 16
 
 // pendingFirst reads the first pending row under MaxAttempts after after
