@@ -64,9 +64,7 @@ func backoffRelays(t *testing.T, db *testdb.DB, d Dialect, relaysN int, period t
 		key := ""
 		if rng.IntN(2) == 0 {
 			key = keys[rng.IntN(len(keys))]
-			w.mu.Lock()
-			id = fmt.Sprintf("%s#%d", key, w.keySeq[key]+1)
-			w.mu.Unlock()
+			id = w.nextKeyedID(key)
 			kind += "-keyed"
 			if n := rng.IntN(maxFails + 1); n > 0 && rng.IntN(3) == 0 {
 				dest.mu.Lock()

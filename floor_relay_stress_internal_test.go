@@ -148,6 +148,14 @@ func (w *stressWriter) insert(id, kind string, created any, key string) {
 	w.mu.Unlock()
 }
 
+// nextKeyedID is the id of the next record of key that insert numbers:
+// key#seq.
+func (w *stressWriter) nextKeyedID(key string) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return fmt.Sprintf("%s#%d", key, w.keySeq[key]+1)
+}
+
 func (w *stressWriter) madePending(id string, at time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -378,9 +386,7 @@ func floorStress(t *testing.T, db *testdb.DB, d Dialect, o stressOpts) {
 		key := ""
 		if rng.IntN(2) == 0 {
 			key = keys[rng.IntN(len(keys))]
-			w.mu.Lock()
-			id = fmt.Sprintf("%s#%d", key, w.keySeq[key]+1)
-			w.mu.Unlock()
+			id = w.nextKeyedID(key)
 			kind += "-keyed"
 		}
 		switch rng.IntN(20) {
