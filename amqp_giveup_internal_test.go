@@ -34,7 +34,7 @@ func TestAMQPDestination_GivenUpWindowsLateReturn_NotTakenByItsRecordsNextSend(t
 	x := rec("later")                                     // no queue bound for it yet
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel() // the Sweep's caller is gone
-	t.Logf("given up: %v", d.Publish(withWriteBound(ctx, 15*time.Second), []Record{x})[0])
+	t.Logf("given up: %v", d.Publish(withWriteBound(ctx, time.Now().Add(15*time.Second)), []Record{x})[0])
 	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer wcancel()
 	time.Sleep(200 * time.Millisecond) // x's return is in
@@ -76,8 +76,8 @@ func TestAMQPDestination_GivenUpWindowsRefusedRecord_NotBlamedOnAnInnocentRecord
 	bad.Body = make([]byte, 8<<20) // the broker takes a moment to read it
 	bad.Headers = map[string]any{"CC": "ops"}
 	ctx, cancel := context.WithCancel(context.Background())
-	cancel()                                                             // a Sweep whose request is gone
-	cut := d.Publish(withWriteBound(ctx, 15*time.Second), []Record{bad}) // as Forwarder.publish marks a Sweep's
+	cancel()                                                                             // a Sweep whose request is gone
+	cut := d.Publish(withWriteBound(ctx, time.Now().Add(15*time.Second)), []Record{bad}) // as Forwarder.publish marks a Sweep's
 	t.Logf("refused record, given up on: %v", cut[0])
 	innocent := rec("innocent")
 	n := p.Send(context.Background(), []Record{innocent}) // Run's next window

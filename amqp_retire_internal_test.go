@@ -104,7 +104,7 @@ func TestAMQPDestination_ChannelRetiredWhileTheBrokerStopsReading_RunsWaitReturn
 	time.Sleep(200 * time.Millisecond)                                             // its confirm is in
 	deaf.Store(true)                                                               // a memory alarm: the broker reads nothing more from the connection
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond) // a Sweep bounded by its request
-	t.Logf("sweep: %v", d.Publish(withWriteBound(ctx, 2*time.Second), []Record{rec()})[0])
+	t.Logf("sweep: %v", d.Publish(withWriteBound(ctx, time.Now().Add(2*time.Second)), []Record{rec()})[0])
 	cancel()
 	done := make(chan []error, 1)
 	start := time.Now()

@@ -773,7 +773,7 @@ func (f *Forwarder) publish(ctx context.Context, b *batch) {
 	if out := b.outgoing(); len(out) > 0 {
 		// A Sweep's caller may give up on it: its writes go on (see
 		// withWriteBound), and it stops waiting for the confirms.
-		pubCtx, cancel := context.WithTimeoutCause(withWriteBound(ctx, f.cfg.PublishTimeout), f.cfg.PublishTimeout, errNoConfirmInTime)
+		pubCtx, cancel := context.WithTimeoutCause(withWriteBound(ctx, time.Now().Add(f.cfg.PublishTimeout)), f.cfg.PublishTimeout, errNoConfirmInTime)
 		b.setResults(f.dest.Publish(pubCtx, out))
 		cancel()
 	} else {
