@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
 	"testing"
@@ -16,21 +17,20 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// A Publish whose caller gives up before the confirms come (a Sweep bounded
-// by a request) stops waiting; it does not drop the connection, which took
-// with it the confirms of another window out on it (Run's batch in
-// flight): 914–1000 of its 1000 records failed before, the broker holding
-// most of them, and went out again.
-func TestAMQPDestination_CallerGivesUpOnAPublish_WindowInFlightKeepsItsConfirms(t *testing.T) {
-	t.Parallel()
+// windowInFlight connects a destination, sends a window of 1000 records on
+// its pipeline (Run's batch in flight) and returns what the test needs:
+// the destination, a maker of records, and the window's collection, which
+// fails the test if a record of it was not confirmed (blamed on why).
+func windowInFlight(t *testing.T) (d *outbox.AMQPDestination, recs func(n int) []outbox.Record, collect func(why string), queued func() int) {
+	t.Helper()
 	b := testamqp.New(t)
 	q := b.Queue("t")
 	d, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.Close()
-	recs := func(n int) []outbox.Record {
+	t.Cleanup(func() { _ = d.Close() })
+	recs = func(n int) []outbox.Record {
 		r := make([]outbox.Record, n)
 		for i := range r {
 			r[i] = outbox.Record{ID: watermill.NewUUID(), Exchange: b.Exchange, RoutingKey: "t", Body: make([]byte, 4096)}
@@ -42,23 +42,38 @@ func TestAMQPDestination_CallerGivesUpOnAPublish_WindowInFlightKeepsItsConfirms(
 	}
 	p := d.Pipeline()
 	sent := p.Send(context.Background(), recs(1000))
+	collect = func(why string) {
+		t.Helper()
+		wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
+		res := p.Wait(wctx, sent)
+		wcancel()
+		lost, first := 0, error(nil)
+		for _, err := range res {
+			if err != nil {
+				lost++
+				first = cmp.Or(first, err)
+			}
+		}
+		if lost > 0 {
+			t.Errorf("%d of 1000 records of the window in flight failed (%v), because %s", lost, first, why)
+		}
+	}
+	return d, recs, collect, func() int { return b.Count(q) }
+}
+
+// A Publish whose caller gives up before the confirms come (a Sweep bounded
+// by a request) stops waiting; it does not drop the connection, which took
+// with it the confirms of another window out on it (Run's batch in
+// flight): 914–1000 of its 1000 records failed before, the broker holding
+// most of them, and went out again.
+func TestAMQPDestination_CallerGivesUpOnAPublish_WindowInFlightKeepsItsConfirms(t *testing.T) {
+	t.Parallel()
+	d, recs, collect, queued := windowInFlight(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
 	cut := d.Publish(ctx, recs(1))
 	cancel()
-	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
-	res := p.Wait(wctx, sent)
-	wcancel()
-	lost, first := 0, error(nil)
-	for _, err := range res {
-		if err != nil {
-			lost++
-			first = cmp.Or(first, err)
-		}
-	}
-	if lost > 0 {
-		t.Errorf("%d of 1000 records of the window in flight failed (%v), because another caller gave up on its publish (%v)", lost, first, cut[0])
-	}
-	if n := b.Count(q); n < 1001 {
+	collect(fmt.Sprintf("another caller gave up on its publish (%v)", cut[0]))
+	if n := queued(); n < 1001 {
 		t.Errorf("%d in the queue, want the 1001 confirmed at least", n)
 	}
 }
@@ -71,25 +86,7 @@ func TestAMQPDestination_CallerGivesUpOnAPublish_WindowInFlightKeepsItsConfirms(
 // flight keeps every confirm.
 func TestAMQPDestination_CallerWhoseContextEndedBeforeItsPublish_WindowInFlightKeepsItsConfirms(t *testing.T) {
 	t.Parallel()
-	b := testamqp.New(t)
-	q := b.Queue("t")
-	d, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	recs := func(n int) []outbox.Record {
-		r := make([]outbox.Record, n)
-		for i := range r {
-			r[i] = outbox.Record{ID: watermill.NewUUID(), Exchange: b.Exchange, RoutingKey: "t", Body: make([]byte, 4096)}
-		}
-		return r
-	}
-	if res := d.Publish(context.Background(), recs(1)); res[0] != nil { // connected, the exchange checked
-		t.Fatal(res[0])
-	}
-	p := d.Pipeline()
-	sent := p.Send(context.Background(), recs(1000))
+	d, recs, collect, queued := windowInFlight(t)
 	for _, ended := range []func() (context.Context, context.CancelFunc){
 		func() (context.Context, context.CancelFunc) {
 			return lateTimer{context.Background(), time.Now().Add(-time.Millisecond)}, func() {}
@@ -107,31 +104,16 @@ func TestAMQPDestination_CallerWhoseContextEndedBeforeItsPublish_WindowInFlightK
 		cut := d.Publish(ctx, recs(3))
 		cancel()
 		for _, err := range cut {
-			if err == nil {
-				continue
-			}
-			if !errors.Is(err, outbox.ErrConnectionLost) && !errors.Is(err, outbox.ErrNotSent) {
+			if err != nil && !errors.Is(err, outbox.ErrConnectionLost) && !errors.Is(err, outbox.ErrNotSent) {
 				t.Errorf("a publish given up on failed with %v, want ErrConnectionLost or ErrNotSent (nothing of the record's doing)", err)
 			}
 		}
 	}
-	wctx, wcancel := context.WithTimeout(context.Background(), 10*time.Second)
-	res := p.Wait(wctx, sent)
-	wcancel()
-	lost, first := 0, error(nil)
-	for _, err := range res {
-		if err != nil {
-			lost++
-			first = cmp.Or(first, err)
-		}
-	}
-	if lost > 0 {
-		t.Errorf("%d of 1000 records of the window in flight failed (%v), because callers had given up on their publishes before they began", lost, first)
-	}
+	collect("callers had given up on their publishes before they began")
 	if res := d.Publish(context.Background(), recs(1)); res[0] != nil {
 		t.Errorf("a publish after them: %v", res[0])
 	}
-	if n := b.Count(q); n < 1002 {
+	if n := queued(); n < 1002 {
 		t.Errorf("%d in the queue, want the 1002 confirmed at least", n)
 	}
 }
