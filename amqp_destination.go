@@ -787,7 +787,7 @@ func (p *sent) Records() []Record { return p.recs }
 // send publishes recs without waiting for their confirms. It stops at the
 // first record it cannot publish; the records after it are not sent.
 func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
-	ctx, cancel := writeContext(ctx)
+	ctx, connectCtx, cancel := writeContext(ctx)
 	defer cancel()
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -819,7 +819,11 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 		}
 		d.dropChannelLocked()
 	}
-	if err := d.ensure(ctx); err != nil {
+	err := d.ensure(connectCtx)
+	if err == nil {
+		err = connectCtx.Err() // a caller's own ctx that ended while it connected
+	}
+	if err != nil {
 		// Nothing of the window went out: an outage's, not its head
 		// record's, however often it comes there (see unprobedLost).
 		fillNotSent(p.res, 0, unprobedLost{connectionLost(err)})
@@ -835,6 +839,14 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 	limit := len(recs)
 	_ = d.rpc(ctx, func() error {
 		for i, r := range recs {
+			if len(r.Exchange) > maxShortString {
+				// As encodable refuses it, before amqp091-go fails to
+				// write the check and shuts the connection down over it,
+				// with the windows of others out on it.
+				p.res[i] = Permanent(fmt.Errorf("publish: exchange of %d bytes: AMQP allows %d", len(r.Exchange), maxShortString))
+				limit = i
+				return nil
+			}
 			if err := d.checkExchange(r.Exchange); err != nil {
 				p.res[i] = err
 				limit = i
@@ -1153,28 +1165,34 @@ func withWriteBound(ctx context.Context, until time.Time) context.Context {
 // mark (a caller's own Publish): the Forwarder's default PublishTimeout.
 const writeTimeout = 15 * time.Second
 
-// writeContext is the context a send connects, checks exchanges and writes
-// under: ctx without its end, bounded by the write bound withWriteBound
-// gave it, or writeTimeout from now. A write cut short leaves the channel's
-// count of deliveries out of step with the broker's (the client numbered
-// publishes that never went out), and so the connection is dropped, and
-// the windows of others out on it lose their confirms with it: they go out
-// again, and count towards their head record's losses. A caller that gives
-// up on a Publish (a Sweep bounded by a request, a deadline of a few
-// milliseconds) stops waiting for its confirms instead (see brokerSilent);
-// a healthy broker takes a window in milliseconds. A deadline that passed
-// while its timer had not fired yet (a loaded machine) cut the write just
-// the same, and 255 of another window's 1000 records failed in one CI
-// run. An unmarked ctx that ended before the send sends nothing.
-func writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	until, ok := ctx.Value(writeBoundKey{}).(time.Time)
-	if !ok {
-		if ctx.Err() != nil {
-			return ctx, func() {} // ensure refuses it: nothing goes out
-		}
+// writeContext gives the contexts a send works under. It checks exchanges
+// and writes under ctx without its end, bounded by the write bound
+// withWriteBound gave it, or writeTimeout from now. A write cut short
+// leaves the channel's count of deliveries out of step with the broker's
+// (the client numbered publishes that never went out), and so the
+// connection is dropped, and the windows of others out on it lose their
+// confirms with it: they go out again, and count towards their head
+// record's losses. A caller that gives up on a Publish (a Sweep bounded by
+// a request, a deadline of a few milliseconds) stops waiting for its
+// confirms instead (see brokerSilent); a healthy broker takes a window in
+// milliseconds. A deadline that passed while its timer had not fired yet
+// (a loaded machine) cut the write just the same, and 255 of another
+// window's 1000 records failed in one CI run.
+//
+// It connects under the same context when ctx is marked, and under ctx
+// itself when not (a caller's own Publish): nobody's window is out on a
+// connection being dialled or a channel being opened, so a caller that
+// gives up cuts its connect, and sends nothing.
+func writeContext(ctx context.Context) (write, connect context.Context, cancel context.CancelFunc) {
+	until, marked := ctx.Value(writeBoundKey{}).(time.Time)
+	if !marked {
 		until = time.Now().Add(writeTimeout)
 	}
-	return context.WithDeadlineCause(context.WithoutCancel(ctx), until, errNoConfirmInTime)
+	write, cancel = context.WithDeadlineCause(context.WithoutCancel(ctx), until, errNoConfirmInTime)
+	if marked {
+		return write, write, cancel
+	}
+	return write, ctx, cancel
 }
 
 // errNacked is the result of a record the broker nacked. RabbitMQ nacks
