@@ -19,28 +19,10 @@ import (
 // Its delivery fails now, naming the cause, and the first message's
 // redelivery is still a duplicate.
 func TestInbox_KeyColumnComparesCaseInsensitively_DeliveryFailsNotAckedAsDuplicate(t *testing.T) {
-	alter := map[string][]string{
-		testdb.Postgres: {
-			"CREATE COLLATION case_blind (provider = icu, locale = 'und-u-ks-level2', deterministic = false)",
-			"ALTER TABLE processed_messages ALTER COLUMN message_id TYPE varchar(64) COLLATE case_blind",
-		},
-		testdb.MySQL: {"ALTER TABLE processed_messages MODIFY message_id varchar(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"},
-		testdb.SQLite: {
-			"DROP TABLE processed_messages",
-			"CREATE TABLE processed_messages (consumer_name TEXT NOT NULL, message_id TEXT NOT NULL COLLATE NOCASE," +
-				" processed_at DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now')), PRIMARY KEY (consumer_name, message_id))",
-		},
-	}
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL, testdb.SQLite} {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
-			db := migrated(t, kind)
-			createEffects(t, db)
-			for _, stmt := range alter[kind] {
-				if _, err := db.Exec(stmt); err != nil {
-					t.Fatal(err)
-				}
-			}
+			db := caseBlindKeys(t, kind)
 			var ran atomic.Int32
 			h := newInbox(t, db, outbox.InboxConfig{}).Middleware(writeEffect(t, db, &ran))
 			if _, err := h(message.NewMessage("order-1", []byte("1"))); err != nil {
@@ -93,5 +75,67 @@ func TestInbox_Postgres_UUIDKeyColumn_RedeliveryOfAnUpperCaseUUID_IsADuplicate(t
 	}
 	if ran.Load() != 2 {
 		t.Errorf("the handler ran %d times for two messages delivered twice each, want twice", ran.Load())
+	}
+}
+
+// caseBlindKeys is a migrated database with an effects table whose
+// processed_messages another library created with message_id under a
+// case-insensitive collation (MySQL's utf8mb4_general_ci, SQLite's NOCASE,
+// a nondeterministic ICU collation on PostgreSQL).
+func caseBlindKeys(t *testing.T, kind string) *testdb.DB {
+	t.Helper()
+	alter := map[string][]string{
+		testdb.Postgres: {
+			"CREATE COLLATION case_blind (provider = icu, locale = 'und-u-ks-level2', deterministic = false)",
+			"ALTER TABLE processed_messages ALTER COLUMN message_id TYPE varchar(64) COLLATE case_blind",
+		},
+		testdb.MySQL: {"ALTER TABLE processed_messages MODIFY message_id varchar(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL"},
+		testdb.SQLite: {
+			"DROP TABLE processed_messages",
+			"CREATE TABLE processed_messages (consumer_name TEXT NOT NULL, message_id TEXT NOT NULL COLLATE NOCASE," +
+				" processed_at DATETIME NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f000', 'now')), PRIMARY KEY (consumer_name, message_id))",
+		},
+	}
+	db := migrated(t, kind)
+	createEffects(t, db)
+	for _, stmt := range alter[kind] {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return db
+}
+
+// The unordered inbox refuses to take "ORDER-1" for a duplicate of
+// "order-1" when processed_messages (created by another library) compares
+// message_id without case (TestInbox_KeyColumnComparesCaseInsensitively_…).
+// The ordered inbox's in-order path must not lose the message either: a
+// keyed "ORDER-1" that is its key's next must run, or fail, never be acked
+// as a duplicate without running. It was acked unrun on all three
+// databases: the in-order statements moved the key, the dedupe key's
+// insert met "order-1", and the re-read of the key took the message for a
+// duplicate of its own seq.
+func TestOrderedInbox_KeyColumnComparesCaseInsensitively_InOrderMessageNotAckedUnrun(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL, testdb.SQLite} {
+		t.Run(kind, func(t *testing.T) {
+			db := caseBlindKeys(t, kind)
+			var l applyLog
+			h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(l.handler(t, db))
+			first := message.NewMessage("order-1", []byte("a1"))
+			first.Metadata.Set(outbox.HeaderAggregateID, "a")
+			first.Metadata.Set(outbox.HeaderSeq, "1")
+			if _, err := h(first); err != nil {
+				t.Fatalf("first: %v", err)
+			}
+			second := message.NewMessage("ORDER-1", []byte("b1"))
+			second.Metadata.Set(outbox.HeaderAggregateID, "b")
+			second.Metadata.Set(outbox.HeaderSeq, "1")
+			_, err := h(second)
+			ran := len(l.of("b")) == 1
+			if err == nil && !ran {
+				t.Fatalf(`key "b" seq 1, message "ORDER-1": acked (nil error) without running its handler, as a duplicate of "order-1" for key "a": the message is lost`)
+			}
+			t.Logf("second delivery: err=%v ran=%v", err, ran)
+		})
 	}
 }

@@ -386,6 +386,15 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		// Committed, not rolled back: the in-order statements move the key
 		// past a message that is its next but whose id was processed
 		// already (before the consumer was ordered, or under another seq).
+		// That id must be this message's byte for byte (see sameKey): a
+		// processed_messages comparing without case took "ORDER-1" for
+		// "order-1", and the in-order statements moved the key past a
+		// message that never ran.
+		if seq == last {
+			if err := in.sameKey(ctx, tx, consumer, id); err != nil {
+				return inboxFailed, err
+			}
+		}
 		ready, err := in.nextHeld(ctx, tx, consumer, key, last, heldBefore)
 		if err != nil {
 			return inboxFailed, err
@@ -523,6 +532,17 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 	if fresh {
 		if err := in.runInTx(ctx, tx, h, msg, consumer, id); err != nil {
 			return inboxFailed, err
+		}
+		// Statements follow the handler here (the held rows' delete, the
+		// key's advance). On SQLite a rollback under the handler (a write
+		// its context interrupted) leaves them each committed on its own:
+		// the key moved past a message whose effect was rolled back, and a
+		// held row, the message's only copy, deleted. MySQL's runInTx
+		// checked already.
+		if !in.dialect.sql().SilentRollbacks() {
+			if err := in.stillInTx(ctx, tx, consumer, id, true); err != nil {
+				return inboxFailed, endedUnderHandler(err)
+			}
 		}
 	} else {
 		// Its id was processed, before the consumer was ordered or under
