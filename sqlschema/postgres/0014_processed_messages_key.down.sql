@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS processed_messages_key;
