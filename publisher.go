@@ -396,9 +396,16 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 	seen := make(map[string]bool, len(rows))
 	want := make(map[string]*sqldialect.Row, len(rows))
 	keyed := false // the call's keyed rows need aggregate_id, and 0005
+	// A uuid id column (PostgreSQL, a table another library made) reads an
+	// id back as uuid's output writes it, not as it was sent: a retry of an
+	// id in upper case was taken for a collation's conflict, for ever.
+	canonical := map[string]*sqldialect.Row{}
 	for i := range rows {
 		want[rows[i].ID] = &rows[i]
 		keyed = keyed || rows[i].AggregateID != ""
+		if c := canonicalUUID(rows[i].ID); c != "" && c != rows[i].ID && p.cfg.Dialect.sql() == sqldialect.Postgres {
+			canonical[c] = &rows[i]
+		}
 	}
 	for start := 0; start < len(rows); start += maxRowsPerStmt {
 		end := min(start+maxRowsPerStmt, len(rows))
@@ -431,6 +438,9 @@ func (p *TxPublisher) readBack(ctx context.Context, rows []sqldialect.Row) (ours
 				return nil, nil, err
 			}
 			r, ok := want[id]
+			if c, uuid := canonical[id]; !ok && uuid {
+				r, ok, id = c, true, c.ID
+			}
 			if !ok {
 				// The id column takes the database's id for one of ours
 				// without their bytes being equal: a collation that ignores
@@ -610,8 +620,8 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 			// say so (see sqldialect's insertedAll on MySQL).
 			return nil
 		}
-		if len(ours) > 0 {
-			if _, err := p.exec(after, p.q.Delete(ours)); err != nil {
+		for start := 0; start < len(ours); start += maxRowsPerStmt { // SQLite takes 32,766 arguments
+			if _, err := p.exec(after, p.q.Delete(ours[start:min(start+maxRowsPerStmt, len(ours))])); err != nil {
 				return err
 			}
 		}
