@@ -57,17 +57,8 @@ func TestTxPublisher_SQLite_KeyedCallOverTheArgumentBound_MeetingAnExistingID_Is
 	for i := 0; i < n; i++ {
 		msgs = append(msgs, keyed("k"))
 	}
-	tx, err := db.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, _ := outbox.NewTxPublisher(tx)
-	if err := pub.Publish("orders", msgs...); err != nil {
+	if err := commitPublish(db, "orders", msgs); err != nil {
 		t.Fatalf("Publish of %d keyed messages, one of them a retry: %.400v", len(msgs), err)
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
 	}
 	seqs := seqsOf(t, db, "k")
 	if len(seqs) != n+1 || seqs[len(seqs)-1] != int64(n+1) {
