@@ -545,12 +545,12 @@ func checkCallDuplicates(rows []sqldialect.Row) (keyed bool, err error) {
 // several statements, whose rollback also gives the numbers back).
 func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) error {
 	if len(splitRows(rows)) == 1 {
-		return p.insertKeyed(ctx, rows)
+		return p.insertKeyed(ctx, rows, true)
 	}
 	if _, err := p.exec(ctx, p.q.Savepoint()); err != nil {
 		return err
 	}
-	if err := p.insertKeyed(ctx, rows); err != nil {
+	if err := p.insertKeyed(ctx, rows, false); err != nil {
 		_, rbErr := p.exec(context.WithoutCancel(ctx), p.q.RollbackToSavepoint())
 		return errors.Join(err, rbErr)
 	}
@@ -566,7 +566,10 @@ func (p *TxPublisher) publishKeyed(ctx context.Context, rows []sqldialect.Row) e
 // back (this transaction still holds the keys' rows, so nobody took one
 // since), and the call runs again without those ids. That costs the slow
 // path only: the common call numbers and inserts, and checks nothing.
-func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) error {
+//
+// alone says no savepoint is around the call: should the slow path fail,
+// the call's keyed rows and numbers are taken back here (takeBack).
+func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row, alone bool) error {
 	for len(rows) > 0 {
 		chunks := splitRows(rows)
 		taken := keyCounts(rows)
@@ -599,7 +602,7 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 					if tookOwn {
 						end = chunkEnd(chunks, i)
 					}
-					_ = p.giveBackSeqs(context.WithoutCancel(ctx), keyCounts(rows[:end]))
+					_, _ = p.giveBackSeqs(context.WithoutCancel(ctx), keyCounts(rows[:end]))
 				}
 				return p.seqErr(err)
 			}
@@ -611,9 +614,15 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		// After the writes, whatever ctx says: the call's rows and numbers
 		// are taken back, or it returns nil.
 		after := context.WithoutCancel(ctx)
+		undo := func(taken []sqldialect.KeyCount, err error) error {
+			if !alone {
+				return err // the savepoint's rollback takes everything back
+			}
+			return p.takeBack(after, rows, taken, err)
+		}
 		ours, conflict, err := p.readBack(after, rows)
 		if err != nil {
-			return err
+			return undo(taken, err)
 		}
 		if conflict == nil && len(ours) == len(rows) {
 			// Every row is this call's: a statement whose result could not
@@ -622,11 +631,13 @@ func (p *TxPublisher) insertKeyed(ctx context.Context, rows []sqldialect.Row) er
 		}
 		for start := 0; start < len(ours); start += maxRowsPerStmt { // SQLite takes 32,766 arguments
 			if _, err := p.exec(after, p.q.Delete(ours[start:min(start+maxRowsPerStmt, len(ours))])); err != nil {
-				return err
+				return undo(taken, err)
 			}
 		}
-		if err := p.giveBackSeqs(after, taken); err != nil {
-			return err
+		if n, err := p.giveBackSeqs(after, taken); err != nil {
+			// The call's rows are gone, and the first n keys have their
+			// numbers back.
+			return undo(taken[n:], err)
 		}
 		if conflict != nil {
 			return conflict
@@ -748,14 +759,61 @@ func keyCounts(rows []sqldialect.Row) []sqldialect.KeyCount {
 	return keys
 }
 
-// giveBackSeqs returns the numbers of taken to their keys.
-func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCount) error {
-	for _, kc := range taken {
+// giveBackSeqs returns the numbers of taken to their keys; on an error,
+// given is how many keys have theirs back.
+func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCount) (given int, err error) {
+	for i, kc := range taken {
 		if _, err := p.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
-			return fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.N, kc.Key, p.q.Sequences(), err)
+			return i, fmt.Errorf("give back %d numbers of aggregate %q in %s: %w", kc.N, kc.Key, p.q.Sequences(), err)
 		}
 	}
-	return nil
+	return len(taken), nil
+}
+
+// takeBack undoes a keyed call alone in its statement whose slow path
+// failed after the write, and returns cause. The error tells the caller
+// to roll back, but the transaction is still open after it (a refusal of
+// ours, or a failed statement on MySQL or SQLite), and a caller that
+// committed anyway (a handler that logs errors and goes on) kept the
+// call's new keyed rows and the numbers of its rows skipped as already
+// there: a key holding 1 and 3, its counter at 3, and an ordered inbox
+// waiting for 2 for ever. The call's rows are told by the numbers it took
+// (DeleteNumbered), as created_at may be what failed (checkPrecision).
+// Unkeyed rows of the call stay, as after the same error on the unkeyed
+// path: no number goes missing with them.
+//
+// Not after an error that ended the transaction on MySQL or SQLite: the
+// statements would commit on their own (see insertKeyed). On PostgreSQL a
+// statement's error aborted the transaction, which refuses these too.
+func (p *TxPublisher) takeBack(ctx context.Context, rows []sqldialect.Row, taken []sqldialect.KeyCount, cause error) error {
+	d := p.cfg.Dialect.sql()
+	if d != sqldialect.Postgres && p.endsTransaction(ctx, cause) {
+		return cause
+	}
+	ids := make(map[string][]string, len(taken))
+	for i := range rows {
+		if k := rows[i].AggregateID; k != "" {
+			ids[k] = append(ids[k], rows[i].ID)
+		}
+	}
+	failed := func(key string, err error) error {
+		if d == sqldialect.Postgres && sqldialect.TxAborted(err) {
+			return cause
+		}
+		return errors.Join(cause, fmt.Errorf("outbox: take the call's rows and numbers of aggregate %q back: %w; roll the transaction back", key, err))
+	}
+	for _, kc := range taken {
+		own := ids[kc.Key]
+		for start := 0; start < len(own); start += maxRowsPerStmt {
+			if _, err := p.exec(ctx, p.q.DeleteNumbered(kc.Key, kc.N, own[start:min(start+maxRowsPerStmt, len(own))])); err != nil {
+				return failed(kc.Key, err)
+			}
+		}
+		if _, err := p.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
+			return failed(kc.Key, err)
+		}
+	}
+	return cause
 }
 
 // dedupeIDs keeps the first of messages with the same id (checkCallDuplicates

@@ -202,6 +202,11 @@ func (postgres) Conflict(err error) bool {
 	return s == "40001" || s == "40P01"
 }
 
+// TxAborted reports whether err, a statement's on PostgreSQL, was refused
+// because an earlier error aborted the transaction (25P02): the
+// transaction will roll back whatever its caller does.
+func TxAborted(err error) bool { return sqlState(err) == "25P02" }
+
 // sqlState is err's SQLSTATE, read through SQLState(), which both pgx's and
 // lib/pq's errors have, where their texts differ ("… (SQLSTATE 55P03)",
 // "pq: canceling statement due to lock timeout"); "" for another error.

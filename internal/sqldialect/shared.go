@@ -333,6 +333,18 @@ func (o *Outbox) GiveBackSeq(key string, n int) Query {
 	return o.query("UPDATE "+o.sequences+" SET last_seq = last_seq - ? WHERE aggregate_id = ?", n, key)
 }
 
+// DeleteNumbered deletes the rows of ids that hold one of the n numbers key
+// took last: this transaction's rows, since it has held the key's row
+// locked from its raise on (see GiveBackSeq), so the numbers above
+// last_seq - n went to no other transaction. A row of ids already there
+// under the key was numbered before the raise, at last_seq - n or below,
+// and stays. It tells a call's rows where created_at cannot.
+func (o *Outbox) DeleteNumbered(key string, n int, ids []string) Query {
+	args := append(make([]any, 0, 3+len(ids)), key, key, n)
+	return o.query("DELETE FROM "+o.table+" WHERE aggregate_id = ? AND seq > (SELECT last_seq FROM "+o.sequences+" WHERE aggregate_id = ?) - ?"+
+		" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
+}
+
 // Destinations reads where the rows of ids go and, with keys, under which
 // ordering key. Columns: id, exchange_name, routing_key, created_at, and
 // with keys aggregate_id (NULL for an unkeyed row). Without keys it reads
