@@ -35,6 +35,9 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 // Republisher's plugin makes pending are in its first claim whatever the
 // order the two were added in.
 //
+// A router closed before its Run starts no relay, and leaves the Forwarder
+// alone.
+//
 // A Forwarder runs once: its plugin on a second router, or the same plugin
 // added twice, fails that router's Run with ErrForwarderInUse, and so does
 // a Forwarder already under Run; a Run once the plugin is on a router
@@ -59,6 +62,15 @@ var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 func (f *Forwarder) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
 		f.unrouteClosed()
+		// A router closed before its Run runs its plugins all the same,
+		// and its handlers, and then closes them: the relay would have
+		// published a batch and closed the Forwarder, the user's. Asked
+		// here, under no lock of the router's; asked at Subscribe, under
+		// RunHandlers' lock, it would wait for a Close that waits for it.
+		if r.IsClosed() {
+			f.log.Info("Outbox forwarder: the router closed before its Run; its plugin starts no relay", nil)
+			return nil
+		}
 		routerRelays.Lock()
 		defer routerRelays.Unlock()
 		name, err := relayHandlerName(r, f)

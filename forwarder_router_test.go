@@ -690,6 +690,43 @@ func TestForwarderPlugin_RouterClosedWithoutStartingTheRelay_ForwarderRunsAgain(
 	})
 }
 
+// A router closed before its Run (a service shutting down as it starts)
+// runs its plugins all the same: the relay's started, published a batch,
+// and then closed the Forwarder as its router closed, which was not the
+// user's Close. The plugin starts no relay on a closed router, and the
+// Forwarder stays the user's.
+func TestForwarderPlugin_RouterClosedBeforeItsRun_NoRelayForwarderRunsAgain(t *testing.T) {
+	db := migrated(t, testdb.SQLite) // the plugin's lifecycle, the same on every database
+	f, err := outbox.NewForwarder(db.DB, okDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Second}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.AddPlugin(f.Plugin())
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	insertRaw(t, db, "closed-router", "x", "t", "{}", "utf-8")
+	ran := make(chan error, 1)
+	go func() { ran <- r.Run(context.Background()) }()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Logf("Run of the closed router: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run of a closed router did not return")
+	}
+	if publishedIDs(t, db)["closed-router"] {
+		t.Error("a router closed before its Run relayed a row")
+	}
+	relaysByHand(t, db, f)
+}
+
 // relaysByHand runs f with its own Run, sees it publish a row, and stops
 // it.
 func relaysByHand(t *testing.T, db *testdb.DB, f *outbox.Forwarder) {
