@@ -777,10 +777,15 @@ func (p *TxPublisher) giveBackSeqs(ctx context.Context, taken []sqldialect.KeyCo
 // committed anyway (a handler that logs errors and goes on) kept the
 // call's new keyed rows and the numbers of its rows skipped as already
 // there: a key holding 1 and 3, its counter at 3, and an ordered inbox
-// waiting for 2 for ever. The call's rows are told by the numbers it took
-// (DeleteNumbered), as created_at may be what failed (checkPrecision).
-// Unkeyed rows of the call stay, as after the same error on the unkeyed
-// path: no number goes missing with them.
+// waiting for 2 for ever. The call's rows are those holding the number
+// each took (the key's row has stayed locked since) and the call's stamp
+// (DeleteNumbered): by the number alone, a row of the same id committed
+// under that number, its key's counter behind the table, was deleted, and
+// the message lost. The numbers go back but for those a row still holds
+// (GiveBackAbove). Left as they were: on a table whose created_at keeps
+// whole seconds (checkPrecision's refusal), the call's rows, whose stamps
+// the database rounded, and their numbers; and the unkeyed rows of the
+// call, as after the same error on the unkeyed path.
 //
 // Not after an error that ended the transaction on MySQL or SQLite: the
 // statements would commit on their own (see insertKeyed). On PostgreSQL a
@@ -790,30 +795,57 @@ func (p *TxPublisher) takeBack(ctx context.Context, rows []sqldialect.Row, taken
 	if d != sqldialect.Postgres && p.endsTransaction(ctx, cause) {
 		return cause
 	}
-	ids := make(map[string][]string, len(taken))
-	for i := range rows {
-		if k := rows[i].AggregateID; k != "" {
-			ids[k] = append(ids[k], rows[i].ID)
-		}
-	}
-	failed := func(key string, err error) error {
+	failed := func(err error) error {
 		if d == sqldialect.Postgres && sqldialect.TxAborted(err) {
 			return cause
 		}
-		return errors.Join(cause, fmt.Errorf("outbox: take the call's rows and numbers of aggregate %q back: %w; roll the transaction back", key, err))
+		return errors.Join(cause, fmt.Errorf("outbox: take the call's keyed rows and their numbers back: %w; roll the transaction back", err))
 	}
+	low := make(map[string]int64, len(taken)) // each key's last number before the call's
 	for _, kc := range taken {
-		own := ids[kc.Key]
-		for start := 0; start < len(own); start += maxRowsPerStmt {
-			if _, err := p.exec(ctx, p.q.DeleteNumbered(kc.Key, kc.N, own[start:min(start+maxRowsPerStmt, len(own))])); err != nil {
-				return failed(kc.Key, err)
+		last, err := p.lastSeq(ctx, kc.Key)
+		if err != nil {
+			return failed(err)
+		}
+		low[kc.Key] = last - int64(kc.N)
+	}
+	// The k-th keyed row of a key took the number low + k (InsertNumbered).
+	own := make([]sqldialect.Numbered, 0, len(rows))
+	for i := range rows {
+		if r := &rows[i]; r.AggregateID != "" {
+			if l, ok := low[r.AggregateID]; ok {
+				low[r.AggregateID] = l + 1
+				own = append(own, sqldialect.Numbered{ID: r.ID, Seq: l + 1, CreatedAt: r.CreatedAt})
 			}
 		}
-		if _, err := p.exec(ctx, p.q.GiveBackSeq(kc.Key, kc.N)); err != nil {
-			return failed(kc.Key, err)
+	}
+	for start := 0; start < len(own); start += maxRowsPerStmt {
+		if _, err := p.exec(ctx, p.q.DeleteNumbered(own[start:min(start+maxRowsPerStmt, len(own))])); err != nil {
+			return failed(err)
+		}
+	}
+	for _, kc := range taken {
+		high := low[kc.Key] // moved past the key's N rows above
+		if _, err := p.exec(ctx, p.q.GiveBackAbove(kc.Key, high-int64(kc.N), high)); err != nil {
+			return failed(err)
 		}
 	}
 	return cause
+}
+
+// lastSeq reads key's last sequence number, which this transaction holds.
+func (p *TxPublisher) lastSeq(ctx context.Context, key string) (int64, error) {
+	found, err := p.query(ctx, p.q.LastSeq(key))
+	if err != nil {
+		return 0, err
+	}
+	var last int64
+	if !found.Next() {
+		err = fmt.Errorf("no counter for aggregate %q in %s", key, p.q.Sequences())
+	} else {
+		err = found.Scan(&last)
+	}
+	return last, errors.Join(err, found.Err(), found.Close())
 }
 
 // dedupeIDs keeps the first of messages with the same id (checkCallDuplicates

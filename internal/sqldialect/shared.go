@@ -333,16 +333,44 @@ func (o *Outbox) GiveBackSeq(key string, n int) Query {
 	return o.query("UPDATE "+o.sequences+" SET last_seq = last_seq - ? WHERE aggregate_id = ?", n, key)
 }
 
-// DeleteNumbered deletes the rows of ids that hold one of the n numbers key
-// took last: this transaction's rows, since it has held the key's row
-// locked from its raise on (see GiveBackSeq), so the numbers above
-// last_seq - n went to no other transaction. A row of ids already there
-// under the key was numbered before the raise, at last_seq - n or below,
-// and stays. It tells a call's rows where created_at cannot.
-func (o *Outbox) DeleteNumbered(key string, n int, ids []string) Query {
-	args := append(make([]any, 0, 3+len(ids)), key, key, n)
-	return o.query("DELETE FROM "+o.table+" WHERE aggregate_id = ? AND seq > (SELECT last_seq FROM "+o.sequences+" WHERE aggregate_id = ?) - ?"+
-		" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
+// LastSeq reads key's last sequence number.
+func (o *Outbox) LastSeq(key string) Query {
+	return o.query("SELECT last_seq FROM "+o.sequences+" WHERE aggregate_id = ?", key)
+}
+
+// Numbered is a keyed row as a call wrote it: its id, the number it took,
+// and its created_at.
+type Numbered struct {
+	ID        string
+	Seq       int64
+	CreatedAt time.Time
+}
+
+// DeleteNumbered deletes the rows of rows that hold their id, their number
+// and their created_at to the microsecond: a call's own. A row of the same
+// id already there has another created_at, even under the same number (a
+// key's counter behind the table).
+func (o *Outbox) DeleteNumbered(rows []Numbered) Query {
+	var b strings.Builder
+	args := make([]any, 0, 3*len(rows))
+	b.WriteString("DELETE FROM " + o.table + " WHERE ")
+	for i, r := range rows {
+		if i > 0 {
+			b.WriteString(" OR ")
+		}
+		b.WriteString("(id = ? AND seq = ? AND created_at = ?)")
+		args = append(args, r.ID, r.Seq, o.d.TimeArg(r.CreatedAt))
+	}
+	return o.query(b.String(), args...)
+}
+
+// GiveBackAbove lowers key's counter to the highest number above low, and
+// at most high, that a row of the key still holds, or to low where none
+// does: the numbers this transaction took (low, high] and left unused go
+// back, and none that a row holds.
+func (o *Outbox) GiveBackAbove(key string, low, high int64) Query {
+	return o.query("UPDATE "+o.sequences+" SET last_seq = COALESCE((SELECT MAX(seq) FROM "+o.table+
+		" WHERE aggregate_id = ? AND seq > ? AND seq <= ?), ?) WHERE aggregate_id = ?", key, low, high, low, key)
 }
 
 // Destinations reads where the rows of ids go and, with keys, under which
