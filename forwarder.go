@@ -1210,6 +1210,9 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.fail(rec, n, err)
 			last := &b.failures[len(b.failures)-1]
 			last.holdBy, last.holdUntil = sqldialect.RetryHold, time.Now().Add(f.retryDelay(n))
+			if n < f.cfg.MaxAttempts {
+				f.store.retryAt(last.holdUntil) // the drain comes back for it
+			}
 			b.isolated++
 		case IsPermanent(err):
 			// No retry mends it: it is stuck at once, and holds nobody

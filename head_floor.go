@@ -101,6 +101,12 @@ type headFloor struct {
 	// many locking measures in a row kept it, each doubling the wait.
 	lockNext time.Time
 	lockKept int
+	// rewind: rows were made pending again (lowerFloors), perhaps behind
+	// a drain's cursor; retries: when the retry backoffs of the keyed
+	// records this Store's relay failed end. Either sends a drain's next
+	// claim back (see drainRewinds).
+	rewind  bool
+	retries []time.Time
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -531,9 +537,53 @@ func (s *Store) lowerFloors() {
 	floors.mu.Unlock()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next, f.lowered, f.skip, f.backoffs, f.lockDue = time.Time{}, time.Now(), nil, nil, false
+		f.next, f.lowered, f.skip, f.backoffs, f.lockDue, f.rewind = time.Time{}, time.Now(), nil, nil, false, true
 		f.mu.Unlock()
 	}
+}
+
+// retryAt notes that a keyed record this Store's relay failed waits out
+// its retry backoff until t. A failed keyed record does not send the drain
+// back to the head, as a failed unkeyed one does: it holds back only its
+// key, and the records behind it go on. By t the drain's cursor is past
+// it, and it waited for the end of the drain (a backlog of 3,000 rows,
+// 1.1 to 1.5 s for a backoff of 5 ms), and for as long as a flow the relay
+// could not keep up with lasted, its key with it. At most maxRetries
+// are kept; a record past them waits for the drain's end, as before.
+func (s *Store) retryAt(t time.Time) {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.retries) < maxRetries {
+		f.retries = append(f.retries, t)
+	}
+}
+
+// maxRetries bounds headFloor.retries: a drain goes back at most once per
+// claim however many backoffs ended, and each entry is a few bytes.
+const maxRetries = 1024
+
+// drainRewinds reports whether a claim at now, from a drain's cursor,
+// starts from the floor (or the head) instead: a backoff retryAt noted has
+// ended, or lowerFloors made rows pending again since the last claim. Any
+// claim but a Sweep's asks, so that one from the floor, which reaches
+// those rows, uses up what it would have said.
+func (s *Store) drainRewinds(now time.Time) bool {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	due := f.rewind
+	f.rewind = false
+	kept := f.retries[:0]
+	for _, t := range f.retries {
+		if t.After(now) {
+			kept = append(kept, t)
+		} else {
+			due = true
+		}
+	}
+	f.retries = kept
+	return due
 }
 
 // pendingStart reads where the pending rows start from the head on q, as

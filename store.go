@@ -490,13 +490,14 @@ type failure struct {
 // too.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	floor := after == nil
-	switch {
+	switch rewind := after != atHead && s.drainRewinds(time.Now()); {
 	case after == atHead:
 		after = nil
-	case after != nil && s.floorDue() == 0:
-		// A drain, when the floor's period is over: a claim that measures
-		// takes what waited below the floor, where the drain's cursor
-		// would pass it over until the drain ends.
+	case after != nil && (rewind || s.floorDue() == 0):
+		// A drain, when the floor's period is over (a claim that measures
+		// takes what waited below the floor), or when rows behind its
+		// cursor became claimable (a keyed record's retry backoff ended,
+		// a Retry): the cursor would pass them over until the drain ends.
 		after, floor = nil, true
 	}
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
