@@ -46,6 +46,9 @@ type Metrics struct {
 // by a label:
 // NewMetrics(prometheus.WrapRegistererWith(prometheus.Labels{"outbox": "billing"}, reg)).
 func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
+	if nilValue(reg) {
+		return nil, &ConfigError{Field: "reg", Reason: "nil registerer; pass prometheus.DefaultRegisterer or a registry of your own"}
+	}
 	m := &Metrics{
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "outbox_forwarder_published_total",

@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"reflect"
 	"sort"
@@ -364,5 +365,15 @@ func TestStore_SQLiteNumericLease_HeldUntilItExpires(t *testing.T) {
 	}
 	if len(stuck) != 1 || !stuck[0].Leased {
 		t.Errorf("stuck: %+v, want java-live, leased", stuck)
+	}
+}
+
+// A nil registerer is a configuration error, as a nil input is elsewhere;
+// it panicked.
+func TestNewMetrics_NilRegisterer_ConfigError(t *testing.T) {
+	m, err := outbox.NewMetrics(nil)
+	var cfgErr *outbox.ConfigError
+	if m != nil || !errors.As(err, &cfgErr) {
+		t.Errorf("NewMetrics(nil): %v, %v; want a *ConfigError", m, err)
 	}
 }

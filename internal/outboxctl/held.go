@@ -187,16 +187,17 @@ func (c *cli) skipGap(args []string) error {
 	return nil
 }
 
-// keyFlag is the key or consumer a --key or --consumer (flag) names. One
-// held shows quoted (see keyText), which it does for every one that starts
-// with a quote: pasted as shown, it is unquoted.
+// keyFlag is the key or consumer a --key or --consumer (flag) names, or an
+// id retry is given. One held or stuck shows quoted (see keyText), which
+// it does for every one that starts with a quote: pasted as shown, it is
+// unquoted.
 func keyFlag(flag, key string) (string, error) {
 	if !strings.HasPrefix(key, `"`) {
 		return key, nil
 	}
 	k, err := strconv.Unquote(key)
 	if err != nil {
-		return "", usagef("%s %s: starts with a quote but is not quoted as outboxctl held shows it: %v", flag, key, err)
+		return "", usagef("%s %s: starts with a quote but is not quoted as outboxctl shows it (held, stuck): %v", flag, key, err)
 	}
 	return k, nil
 }
@@ -315,11 +316,11 @@ func (c *cli) skipHeld(args []string) error {
 	return writeJSON(c.stdout, r)
 }
 
-// keyText is a key (or a consumer) as the table shows it: as it is when
-// that says which key it is, else quoted as Go quotes it ("k ", "k\xff").
-// Keys that differ in trailing spaces or in bytes a terminal does not show
-// are different keys, and --key must name the right one; so are consumers,
-// for --consumer.
+// keyText is a key (or a consumer, or a stuck row's id) as the table
+// shows it: as it is when that says which key it is, else quoted as Go
+// quotes it ("k ", "k\xff"). Keys that differ in trailing spaces or in
+// bytes a terminal does not show are different keys, and --key must name
+// the right one; so are consumers, for --consumer, and ids, for retry.
 func keyText(k string) string {
 	plain := k != "" && utf8.ValidString(k) && strings.TrimSpace(k) == k && !strings.HasPrefix(k, `"`)
 	for _, r := range k {

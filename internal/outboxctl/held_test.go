@@ -320,7 +320,7 @@ func TestHeld_ConsumerEndingInASpace_ShownQuotedAndSkippedAsShown(t *testing.T) 
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE last_seq = 2"); n != 1 {
 			t.Errorf("last_seq not moved to 2")
 		}
-		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", `"billing`, "--key", "order-7", "--seq", "3").wantFailure(t, 2, `--consumer "billing: starts with a quote but is not quoted as outboxctl held shows it`)
+		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", `"billing`, "--key", "order-7", "--seq", "3").wantFailure(t, 2, `--consumer "billing: starts with a quote but is not quoted as outboxctl shows it`)
 		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", `""`, "--key", "order-7", "--from", "3", "--through", "3").wantFailure(t, 2, "must not be empty")
 		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", "billing ", "--key", `""`, "--seq", "3").wantFailure(t, 2, "give --consumer, --key and --seq")
 	})

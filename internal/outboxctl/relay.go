@@ -130,6 +130,9 @@ func (c *cli) relay(args []string) error {
 	d, err := c.openOutbox()
 	if err != nil {
 		_ = dest.Close()
+		if c.ctx.Err() != nil {
+			return nil // stopped before it started, as below
+		}
 		return err
 	}
 	defer d.Close()
@@ -142,6 +145,9 @@ func (c *cli) relay(args []string) error {
 	cancel()
 	if err != nil {
 		_ = dest.Close()
+		if c.ctx.Err() != nil {
+			return nil // stopped (SIGINT, SIGTERM) before it started: nothing to finish
+		}
 		var amqpErr *amqp.Error
 		if errors.As(err, &amqpErr) {
 			return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, amqpErr)

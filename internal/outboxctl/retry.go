@@ -24,6 +24,10 @@ func (c *cli) retry(args []string) error {
 		if id == "" {
 			return usagef("retry: an empty id")
 		}
+		// An id stuck shows quoted (keyText), pasted as shown.
+		if id, err = keyFlag("retry: id", id); err != nil {
+			return err
+		}
 		if !seen[id] {
 			seen[id] = true
 			unique = append(unique, id)

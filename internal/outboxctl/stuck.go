@@ -16,7 +16,12 @@ type stuckReport struct {
 }
 
 type stuckRow struct {
-	ID         string    `json:"id"`
+	ID string `json:"id"`
+	// IDArg is the id as retry takes it where the id alone does not say
+	// it: quoted as Go quotes it (see keyText), for an id with spaces at
+	// its ends, characters a terminal does not show, or bytes that are not
+	// UTF-8 (which id, as JSON, carries as U+FFFD).
+	IDArg      string    `json:"id_arg,omitempty"`
 	Exchange   string    `json:"exchange"`
 	RoutingKey string    `json:"routing_key"`
 	Attempts   int       `json:"attempts"`
@@ -66,6 +71,9 @@ func (c *cli) stuck(args []string) error {
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: rec.ID, Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
+		if arg := keyText(rec.ID); arg != rec.ID {
+			r.Rows[i].IDArg = arg
+		}
 		if rec.Leased {
 			by := rec.LeasedBy
 			r.Rows[i].LeasedBy, leased = &by, true
@@ -109,7 +117,10 @@ func (c *cli) stuck(args []string) error {
 		if exchange == "" {
 			exchange = "(default)"
 		}
-		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", printable(row.ID), printable(exchange), printable(row.RoutingKey),
+		// The id as retry takes it: two ids that differ in a trailing
+		// space, or in a tab shown as a space, were shown alike, and
+		// retry of the id as shown found no row.
+		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", keyText(row.ID), printable(exchange), printable(row.RoutingKey),
 			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), lease(row), printable(row.LastError))
 	}
 	if err := tw.Flush(); err != nil {

@@ -1,0 +1,98 @@
+package outboxctl
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// stuckRowOf inserts a stuck row of id, as another library wrote it.
+func stuckRowOf(t *testing.T, db *testdb.DB, kind, id string, created time.Time) {
+	t.Helper()
+	execSQL(t, db, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts, last_error) VALUES (?, '', 'orders', '{}', '{}', ?, 10, 'boom')",
+		id, ts(kind, created))
+}
+
+// Ids that differ in a trailing space, or hold a tab: stuck showed them
+// through printable, "ord-1" and "ord-1 " alike and "ord\t2" as "ord 2",
+// and retry of an id as shown found no row. They show quoted now, as held
+// shows such keys, and retry takes them as shown.
+func TestStuck_IDsATerminalDoesNotShow_ShownQuotedRetryTakesThemAsShown(t *testing.T) {
+	for _, kind := range []string{testdb.Postgres, testdb.SQLite} { // MySQL's PAD SPACE key takes "ord-1 " for "ord-1"
+		t.Run(kind, func(t *testing.T) {
+			db := migrated(t, kind)
+			now := time.Now().Add(-time.Hour)
+			stored := []string{"ord-1", "ord-1 ", "ord\t2"}
+			for i, id := range stored {
+				stuckRowOf(t, db, kind, id, now.Add(time.Duration(i)*time.Second))
+			}
+			out := mustCtl(t, "stuck", "--db", db.DSN)
+			lines := strings.Split(out, "\n")
+			var shown []string
+			for _, line := range lines[1 : 1+len(stored)] {
+				shown = append(shown, strings.SplitN(line, "  ", 2)[0])
+			}
+			if want := []string{"ord-1", `"ord-1 "`, `"ord\t2"`}; strings.Join(shown, "|") != strings.Join(want, "|") {
+				t.Fatalf("stuck shows the ids %q, want %q:\n%s", shown, want, out)
+			}
+			for i, id := range shown {
+				if got := mustCtl(t, "retry", "--db", db.DSN, id); !strings.HasPrefix(got, "1 row made pending again") {
+					t.Errorf("retry %s (stored %q): %s", id, stored[i], got)
+				}
+			}
+		})
+	}
+}
+
+// On SQLite a TEXT id may hold bytes that are not UTF-8 (another
+// library's). stuck --json carries such an id as JSON does, with U+FFFD,
+// which retry could not find; id_arg is the id as retry takes it.
+func TestStuckJSON_SQLiteIDNotUTF8_IDArgRetries(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts, last_error) VALUES (CAST(X'6f72642dff' AS TEXT), '', 'orders', '{}', '{}', ?, 10, 'boom')",
+		ts(testdb.SQLite, time.Now().Add(-time.Hour)))
+	var got stuckReport
+	if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", db.DSN, "--json")), &got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Rows) != 1 || got.Rows[0].IDArg != `"ord-\xff"` {
+		t.Fatalf("stuck --json: %+v, want one row whose id_arg is \"ord-\\xff\", quoted", got.Rows)
+	}
+	if out := mustCtl(t, "retry", "--db", db.DSN, got.Rows[0].IDArg); !strings.HasPrefix(out, "1 row made pending again") {
+		t.Errorf("retry %s: %s", got.Rows[0].IDArg, out)
+	}
+}
+
+// Told to stop (SIGTERM, the context's end) while its first connect to the
+// broker waits: the relay exits 0, as a stop does, rather than 1 with a
+// connect error that says the broker timed out.
+func TestRelay_StoppedDuringItsFirstConnect_ExitsZero(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() { // accepts, never answers: a broker that stalls
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(300*time.Millisecond, cancel)
+	var stdout, stderr bytes.Buffer
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + ln.Addr().String() + "/"}, func(string) string { return "" }, &stdout, &stderr)
+	if code != 0 {
+		t.Errorf("relay stopped while it connected: exit %d, want 0; stderr: %s", code, stderr.String())
+	}
+}
