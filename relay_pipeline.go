@@ -319,6 +319,12 @@ const maxNextOfKeys = 16
 // 3,000 rows behind them, say). One statement, on the key index; a lookup that fails
 // sends the claim back to the head.
 func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Cursor, bs []*batch) *sqldialect.Cursor {
+	if after == nil {
+		// The claim's last row has no created_at (another library's,
+		// sorted last): the drain goes on from the head, before them all.
+		// Compared with it, the relay panicked.
+		return nil
+	}
 	// A key with a record still in flight here: that record is the next
 	// one of the record published (or, after a Retry or a Republish, one
 	// further on), claimed already, and the look-up would only send the
