@@ -79,6 +79,7 @@ func runUntilCleanup(t *testing.T, f *outbox.Forwarder) {
 func TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt(t *testing.T) {
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
 			db := migrated(t, kind)
 			const n = 3000
 			keyBeforeBacklog(t, db, n)
@@ -113,6 +114,7 @@ func TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt(t *testing.T) {
 func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *testing.T) {
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
 			db := migrated(t, kind)
 			const n = 3000
 			keyBeforeBacklog(t, db, n)
@@ -152,6 +154,7 @@ func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *te
 // comes back full, the drain never ends, and the key whose record failed
 // once (backoff 5 ms) is held for as long as the flow lasts.
 func TestForwarder_KeyedRecordsBackoffEndsUnderAFlow_RetriedDuringIt(t *testing.T) {
+	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	keyBeforeBacklog(t, db, 200)
 	dest := &refuseOnceDest{refuse: map[string]int{keyedID("K", 1): 1}, failedAt: map[string]time.Time{}, pubAt: map[string]time.Time{}, delay: 5 * time.Millisecond}
