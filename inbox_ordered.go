@@ -1100,13 +1100,26 @@ type SkippedMessage struct {
 // next any more (applied since, or the key waits for a number before it),
 // and ErrNoHeld when seq is not held. Once the skip is committed it returns
 // the message and nil, whatever the messages behind it do (see SkipGap).
+// Should the commit fail, it returns the message with the error: whether
+// the skip committed is then unknown, and the message may be its only
+// copy. SkipHeldKeeping hands the message over before the commit.
 func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
+	return in.SkipHeldKeeping(ctx, consumer, key, seq, nil)
+}
+
+// SkipHeldKeeping is SkipHeld that gives the message to keep before the
+// skip commits, the held row being its only copy: when keep returns an
+// error (a copy that could not be written), nothing is skipped, and that
+// error is returned. outboxctl skip-held prints the message so: a print
+// that failed (a closed pipe, a full disk) deleted the row, and the
+// message was lost. A nil keep is SkipHeld.
+func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq int64, keep func(SkippedMessage) error) (SkippedMessage, error) {
 	if seq < 1 {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: want a positive sequence number", key, seq, consumer)
 	}
-	skipped, err := in.skipHeld(ctx, consumer, key, seq)
+	skipped, err := in.skipHeld(ctx, consumer, key, seq, keep)
 	if err != nil {
-		return SkippedMessage{}, err
+		return skipped, err
 	}
 	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": skipped.ID})
 	defer in.refreshAfterSkip(ctx)
@@ -1116,7 +1129,7 @@ func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) 
 
 // skipHeld decides on the key's row, locked as every delivery of the key
 // locks it. in need not be Ordered (outboxctl's is not).
-func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
+func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, keep func(SkippedMessage) error) (SkippedMessage, error) {
 	q := sqldialect.NewOrderedInbox(in.dialect.sql())
 	in = &Inbox{dialect: in.dialect, db: in.db, cfg: in.cfg, ordered: &orderedState{q: q}}
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
@@ -1156,8 +1169,13 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64) 
 	if _, err := in.exec(ctx, tx, q.SetSequence(consumer, key, seq)); err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
 	}
+	if keep != nil {
+		if err := keep(skipped); err != nil {
+			return SkippedMessage{}, err // rolled back: still held
+		}
+	}
 	if err := tx.Commit(); err != nil {
-		return SkippedMessage{}, fmt.Errorf("outbox: inbox: commit skip held %q seq %d for %s: %w", key, seq, consumer, err)
+		return skipped, fmt.Errorf("outbox: inbox: commit skip held %q seq %d for %s: %w", key, seq, consumer, err)
 	}
 	return skipped, nil
 }

@@ -31,6 +31,10 @@ type heldReport struct {
 const heldLimit = 1000
 
 type heldKey struct {
+	// Consumer is the consumer as --consumer takes it: quoted where its
+	// name would not say which consumer it is (see keyText), as Key is. A
+	// consumer named with a leading quote, given raw, was taken for the
+	// quoted name of another, whose gap a script then skipped.
 	Consumer    string `json:"consumer"`
 	AggregateID string `json:"aggregate_id"`
 	// Key is the key as skip-gap's --key takes it (see keyText):
@@ -85,7 +89,7 @@ func (c *cli) held(args []string) error {
 	}
 	r := heldReport{Keys: make([]heldKey, len(gaps)), Total: total, Truncated: total > len(gaps)}
 	for i, g := range gaps {
-		r.Keys[i] = heldKey{Consumer: g.Consumer, AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
+		r.Keys[i] = heldKey{Consumer: keyText(g.Consumer), AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
 		if g.Missing() > 0 {
 			from, through := g.LastApplied+1, g.LowestHeld-1
@@ -109,7 +113,7 @@ func (c *cli) held(args []string) error {
 		} else if k.Missing <= 0 {
 			waiting = "nothing (next is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?); the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", keyText(k.Consumer), keyText(k.AggregateID), k.LastApplied, k.Held,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", k.Consumer, k.Key, k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
 	}
 	if err := tw.Flush(); err != nil {
@@ -204,8 +208,8 @@ func keyFlag(flag, key string) (string, error) {
 
 // skippedReport is skip-held --json; its names do not change.
 type skippedReport struct {
-	Consumer  string `json:"consumer"`
-	Key       string `json:"key"` // as outboxctl held shows it
+	Consumer  string `json:"consumer"` // as outboxctl held shows it
+	Key       string `json:"key"`      // as outboxctl held shows it
 	Seq       int64  `json:"seq"`
 	MessageID string `json:"message_id"`
 	Payload   []byte `json:"payload"` // base64
@@ -227,7 +231,7 @@ type skippedReport struct {
 }
 
 func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
-	r := skippedReport{Consumer: consumer, Key: keyText(key), Seq: seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata}
+	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata}
 	text := true
 	for k, v := range m.Metadata {
 		text = text && utf8.ValidString(k) && utf8.ValidString(v)
@@ -285,21 +289,47 @@ func (c *cli) skipHeld(args []string) error {
 	if err != nil {
 		return err
 	}
-	m, err := in.SkipHeld(c.ctx, *consumer, *key, *seq)
+	// The message is printed before the skip commits: the held row is its
+	// only copy, and a print that failed once the row was deleted (a closed
+	// pipe, a full disk) lost it. A print that fails skips nothing.
+	printed := false
+	_, err = in.SkipHeldKeeping(c.ctx, *consumer, *key, *seq, func(m outbox.SkippedMessage) error {
+		if err := c.printSkipped(newSkippedReport(*consumer, *key, *seq, m), *asJSON); err != nil {
+			return &keepError{err}
+		}
+		printed = true
+		return nil
+	})
+	var kerr *keepError
 	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &kerr):
+		return fmt.Errorf("skip-held: nothing skipped: the message could not be printed: %w", kerr.err)
 	case errors.Is(err, outbox.ErrNoHeld):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
 	case errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
-	case err != nil:
+	case printed:
+		// The commit's outcome is unknown: the message printed above is
+		// kept, skipped or not.
+		return fmt.Errorf("skip-held: the message above was printed, and its skip may not have committed (see outboxctl held): %w", err)
+	default:
 		return d.explain(err, sqldialect.InboxSequencesTable)
 	}
-	r := newSkippedReport(*consumer, *key, *seq, m)
-	if *asJSON {
+}
+
+// keepError is a print of the skipped message that failed.
+type keepError struct{ err error }
+
+func (e *keepError) Error() string { return e.err.Error() }
+
+// printSkipped prints the message skip-held skips, which the broker was
+// told was handled when it was held: its only copy.
+func (c *cli) printSkipped(r skippedReport, asJSON bool) error {
+	if asJSON {
 		return writeJSON(c.stdout, r)
 	}
-	// The message itself too: the broker was told it was handled when it
-	// was held, and its row is gone now, so this is its only copy.
 	encoded := "payload in base64"
 	if r.MetadataBase64 != nil {
 		encoded = "payload in base64; metadata too, in metadata_base64 as [key, value] pairs: a key or value of it is not UTF-8"
@@ -310,9 +340,11 @@ func (c *cli) skipHeld(args []string) error {
 	if r.MetadataError != "" {
 		encoded += "; the metadata could not be decoded (metadata_error): stored_metadata is the row's, in base64"
 	}
-	fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
+	if _, err := fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
 		"The message, its only copy now (%s), to resend it by hand:\n",
-		keyText(*consumer), keyText(*key), printable(m.ID), *seq, len(m.Payload), *seq, encoded)
+		r.Consumer, r.Key, printable(r.MessageID), r.Seq, len(r.Payload), r.Seq, encoded); err != nil {
+		return err
+	}
 	return writeJSON(c.stdout, r)
 }
 
