@@ -104,9 +104,12 @@ type headFloor struct {
 	// rewind: rows were made pending again (lowerFloors), perhaps behind
 	// a drain's cursor; retries: when the retry backoffs of the keyed
 	// records this Store's relay failed end. Either sends a drain's next
-	// claim back (see drainRewinds).
-	rewind  bool
-	retries []time.Time
+	// claim back (see drainRewinds), once rewindGap has passed since
+	// rewound, the last claim that went back.
+	rewind    bool
+	retries   []time.Time
+	rewound   time.Time
+	rewindGap time.Duration
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -563,15 +566,28 @@ func (s *Store) retryAt(t time.Time) {
 // claim however many backoffs ended, and each entry is a few bytes.
 const maxRetries = 1024
 
-// drainRewinds reports whether a claim at now, from a drain's cursor,
+// drainRewinds reports whether a claim at now from a drain's cursor (drain)
 // starts from the floor (or the head) instead: a backoff retryAt noted has
-// ended, or lowerFloors made rows pending again since the last claim. Any
-// claim but a Sweep's asks, so that one from the floor, which reaches
-// those rows, uses up what it would have said.
-func (s *Store) drainRewinds(now time.Time) bool {
+// ended, or lowerFloors made rows pending again since. Any claim but a
+// Sweep's asks, so that one from the floor, which reaches those rows, uses
+// up what it would have said.
+//
+// A drain goes back once rewindGap has passed since it last did: keys
+// whose records a broker refuses for ever, at backoffs of a few
+// milliseconds (a queue that nacks, which counts no attempt to
+// MaxAttempts), sent every claim back to those records, each refused
+// again, and the drain published nothing else (0 of 20,000 rows in 60 s
+// beside 200 such keys, a review found). The gap is ten times what the
+// last claim that went back took, from rewindGapMin to rewindGapMax: the
+// walk from the head costs at most a tenth of the relay's time, where
+// dead index entries make it slow.
+func (s *Store) drainRewinds(now time.Time, drain bool) bool {
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if drain && now.Sub(f.rewound) < f.rewindGap {
+		return false // kept for the claim that may go back
+	}
 	due := f.rewind
 	f.rewind = false
 	kept := f.retries[:0]
@@ -583,8 +599,29 @@ func (s *Store) drainRewinds(now time.Time) bool {
 		}
 	}
 	f.retries = kept
-	return due
+	if drain && due {
+		f.rewound = now
+	}
+	return drain && due
 }
+
+// rewindTook notes how long a claim that went back (drainRewinds) took.
+func (s *Store) rewindTook(took time.Duration) {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rewindGap = min(max(10*took, rewindGapMin), rewindGapMax)
+}
+
+// rewindGapMin and rewindGapMax bound the time between two claims of a
+// drain that go back (see drainRewinds): at the least, a drain of a few
+// thousand rows a second gains some hundreds between them; at the most, a
+// keyed record whose backoff ended waits that long past it, beside a walk
+// from the head of half a second.
+const (
+	rewindGapMin = 100 * time.Millisecond
+	rewindGapMax = 5 * time.Second
+)
 
 // pendingStart reads where the pending rows start from the head on q, as
 // pendingFirst does, passing the records that keyed records stuck at

@@ -490,7 +490,11 @@ type failure struct {
 // too.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	floor := after == nil
-	switch rewind := after != atHead && s.drainRewinds(time.Now()); {
+	rewind := after != atHead && s.drainRewinds(time.Now(), after != nil)
+	if rewind {
+		defer func(start time.Time) { s.rewindTook(time.Since(start)) }(time.Now())
+	}
+	switch {
 	case after == atHead:
 		after = nil
 	case after != nil && (rewind || s.floorDue() == 0):
