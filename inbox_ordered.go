@@ -1108,9 +1108,11 @@ func (in *Inbox) SkipHeld(ctx context.Context, consumer, key string, seq int64) 
 }
 
 // SkipHeldKeeping is SkipHeld that gives the message to keep before the
-// skip commits, the held row being its only copy: when keep returns an
-// error (a copy that could not be written), nothing is skipped, and that
-// error is returned. outboxctl skip-held prints the message so: a print
+// skip, the held row being its only copy: when keep returns an error (a
+// copy that could not be written), nothing is skipped, and that error is
+// returned. keep runs with no transaction open, and the skip then skips
+// nothing (ErrGapChanged, ErrNoHeld) unless the same message is still
+// held and still the key's next. outboxctl skip-held prints the message so: a print
 // that failed (a closed pipe, a full disk) deleted the row, and the
 // message was lost. A nil keep is SkipHeld.
 func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq int64, keep func(SkippedMessage) error) (SkippedMessage, error) {
@@ -1129,14 +1131,61 @@ func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq 
 
 // skipHeld decides on the key's row, locked as every delivery of the key
 // locks it. in need not be Ordered (outboxctl's is not).
+//
+// keep runs with no transaction open: a look at the message in one rolled
+// back at once, then keep, then the skip in another, which skips nothing
+// (ErrGapChanged) unless the same message is still held there and still
+// the key's next. Run inside the skip's transaction, keep held the key's
+// row locked for as long as it took: outboxctl's print into a pipe whose
+// reader paused held the service's deliveries of the key (on MySQL of its
+// neighbours, on SQLite every write to the database) for as long.
 func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, keep func(SkippedMessage) error) (SkippedMessage, error) {
 	q := sqldialect.NewOrderedInbox(in.dialect.sql())
 	in = &Inbox{dialect: in.dialect, db: in.db, cfg: in.cfg, ordered: &orderedState{q: q}}
+	kept := ""
+	if keep != nil {
+		tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+		if err != nil {
+			return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
+		}
+		m, err := in.heldNext(ctx, tx, consumer, key, seq)
+		_ = tx.Rollback()
+		if err != nil {
+			return SkippedMessage{}, err
+		}
+		if err := keep(m); err != nil {
+			return SkippedMessage{}, err // nothing skipped: still held
+		}
+		kept = m.ID
+	}
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }()
+	skipped, err := in.heldNext(ctx, tx, consumer, key, seq)
+	if err != nil {
+		return SkippedMessage{}, err
+	}
+	if keep != nil && skipped.ID != kept {
+		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s is held as message %s now, not %s as kept", ErrGapChanged, key, seq, consumer, skipped.ID, kept)
+	}
+	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	if _, err := in.exec(ctx, tx, q.SetSequence(consumer, key, seq)); err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return skipped, fmt.Errorf("outbox: inbox: commit skip held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	return skipped, nil
+}
+
+// heldNext locks the key's row in tx and reads its held message seq,
+// which must be the key's next (ErrGapChanged) and held (ErrNoHeld).
+func (in *Inbox) heldNext(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64) (SkippedMessage, error) {
+	q := in.ordered.q
 	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
 		return SkippedMessage{}, err
@@ -1154,28 +1203,14 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 	// A row that cannot be decoded (the likely poison) is skipped all the
 	// same: each part goes back to the operator decoded if it can be, else
 	// as it is stored.
-	skipped := SkippedMessage{ID: id}
-	if skipped.Payload, err = rowcodec.DecodeBody(payload, encoding); err != nil {
-		skipped.Payload, skipped.PayloadErr = nil, err
-		skipped.StoredPayload, skipped.StoredEncoding = payload, encoding
+	m := SkippedMessage{ID: id}
+	if m.Payload, err = rowcodec.DecodeBody(payload, encoding); err != nil {
+		m.Payload, m.PayloadErr = nil, err
+		m.StoredPayload, m.StoredEncoding = payload, encoding
 	}
-	if skipped.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
-		skipped.Metadata, skipped.MetadataErr, skipped.StoredMetadata = nil, err, metadata
+	if m.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
+		m.Metadata, m.MetadataErr, m.StoredMetadata = nil, err, metadata
 	}
-	skipped.Metadata, _, _ = heldRelease(skipped.Metadata)
-	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
-		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
-	}
-	if _, err := in.exec(ctx, tx, q.SetSequence(consumer, key, seq)); err != nil {
-		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
-	}
-	if keep != nil {
-		if err := keep(skipped); err != nil {
-			return SkippedMessage{}, err // rolled back: still held
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		return skipped, fmt.Errorf("outbox: inbox: commit skip held %q seq %d for %s: %w", key, seq, consumer, err)
-	}
-	return skipped, nil
+	m.Metadata, _, _ = heldRelease(m.Metadata)
+	return m, nil
 }

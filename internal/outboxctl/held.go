@@ -289,9 +289,10 @@ func (c *cli) skipHeld(args []string) error {
 	if err != nil {
 		return err
 	}
-	// The message is printed before the skip commits: the held row is its
-	// only copy, and a print that failed once the row was deleted (a closed
-	// pipe, a full disk) lost it. A print that fails skips nothing.
+	// The message is printed before the skip: the held row is its only
+	// copy, and a print that failed once the row was deleted (a closed
+	// pipe, a full disk) lost it. A print that fails skips nothing; nor
+	// does a skip that finds the key moved on meanwhile.
 	printed := false
 	_, err = in.SkipHeldKeeping(c.ctx, *consumer, *key, *seq, func(m outbox.SkippedMessage) error {
 		if err := c.printSkipped(newSkippedReport(*consumer, *key, *seq, m), *asJSON); err != nil {
@@ -306,9 +307,7 @@ func (c *cli) skipHeld(args []string) error {
 		return nil
 	case errors.As(err, &kerr):
 		return fmt.Errorf("skip-held: nothing skipped: the message could not be printed: %w", kerr.err)
-	case errors.Is(err, outbox.ErrNoHeld):
-		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
-	case errors.Is(err, outbox.ErrGapChanged):
+	case errors.Is(err, outbox.ErrNoHeld), errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
 	case printed:
 		// The commit's outcome is unknown: the message printed above is
@@ -340,8 +339,8 @@ func (c *cli) printSkipped(r skippedReport, asJSON bool) error {
 	if r.MetadataError != "" {
 		encoded += "; the metadata could not be decoded (metadata_error): stored_metadata is the row's, in base64"
 	}
-	if _, err := fmt.Fprintf(c.stdout, "%s, key %s: skipped held message %s (seq %d, %d bytes); last applied is now %d; the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
-		"The message, its only copy now (%s), to resend it by hand:\n",
+	if _, err := fmt.Fprintf(c.stdout, "%s, key %s: skipping held message %s (seq %d, %d bytes); once skipped (a failure says so, and exits 1), last applied is %d, and the service applies the messages held behind it at its next ApplyHeld or delivery of the key\n"+
+		"The message, its only copy once skipped (%s), to resend it by hand:\n",
 		r.Consumer, r.Key, printable(r.MessageID), r.Seq, len(r.Payload), r.Seq, encoded); err != nil {
 		return err
 	}

@@ -267,7 +267,7 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 			"billing", "order-7 ", 3, "m3", "event three", "utf-8", `{"aggregateId":"order-7 ","seq":"3","tenant":"t-1"}`, ts(kind, time.Now()))
 		execSQL(t, db, "UPDATE acemq_inbox_sequences SET held = 2 WHERE consumer_name = ? AND aggregate_id = ?", "billing", "order-7 ")
 		out := mustCtl(t, skip("3")...)
-		for _, want := range []string{"skipped held message m3", `"message_id": "m3"`, base64.StdEncoding.EncodeToString([]byte("event three")), `"tenant": "t-1"`} {
+		for _, want := range []string{"skipping held message m3", `"message_id": "m3"`, base64.StdEncoding.EncodeToString([]byte("event three")), `"tenant": "t-1"`} {
 			if !strings.Contains(out, want) {
 				t.Errorf("skip-held without --json does not print %s:\n%s", want, out)
 			}

@@ -130,10 +130,7 @@ func (c *cli) relay(args []string) error {
 	d, err := c.openOutbox()
 	if err != nil {
 		_ = dest.Close()
-		if c.ctx.Err() != nil {
-			return nil // stopped before it started, as below
-		}
-		return err
+		return c.stoppedAtStart(err)
 	}
 	defer d.Close()
 
@@ -145,18 +142,17 @@ func (c *cli) relay(args []string) error {
 	cancel()
 	if err != nil {
 		_ = dest.Close()
-		if c.ctx.Err() != nil {
-			return nil // stopped (SIGINT, SIGTERM) before it started: nothing to finish
-		}
 		var amqpErr *amqp.Error
-		if errors.As(err, &amqpErr) {
-			return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, amqpErr)
-		}
-		if len(amqpURLs) > 1 {
+		switch {
+		case errors.As(err, &amqpErr):
+			err = fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, amqpErr)
+		case len(amqpURLs) > 1:
 			// Each node's failure, named by its host:port.
-			return fmt.Errorf("cannot connect to RabbitMQ at any of %s: %s", amqpShown, nodeFailures(err))
+			err = fmt.Errorf("cannot connect to RabbitMQ at any of %s: %s", amqpShown, nodeFailures(err))
+		default:
+			err = fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, connectError(err))
 		}
-		return fmt.Errorf("cannot connect to RabbitMQ at %s: %v", amqpShown, connectError(err))
+		return c.stoppedAtStart(err)
 	}
 
 	reg.MustRegister(collectors.NewDBStatsCollector(d.db, "outbox"))
@@ -277,5 +273,19 @@ func (c *cli) relay(args []string) error {
 		return errors.New("relay stopped on its own")
 	}
 	log.Info("Relay stopped")
+	return nil
+}
+
+// stoppedAtStart is the relay's answer to err, a failure to open the
+// database or to connect to the broker as it starts: a relay told to stop
+// meanwhile (SIGINT, SIGTERM) exits 0, as a stop does, having said on
+// stderr what it was doing (a node that refused it, say); not a usage
+// error, which exits 2 whatever.
+func (c *cli) stoppedAtStart(err error) error {
+	var usage *usageError
+	if c.ctx.Err() == nil || errors.As(err, &usage) {
+		return err
+	}
+	fmt.Fprintf(c.stderr, "outboxctl: relay stopped as it started: %s\n", oneLine(err.Error()))
 	return nil
 }

@@ -16,12 +16,12 @@ type stuckReport struct {
 }
 
 type stuckRow struct {
-	ID string `json:"id"`
-	// IDArg is the id as retry takes it where the id alone does not say
-	// it: quoted as Go quotes it (see keyText), for an id with spaces at
-	// its ends, characters a terminal does not show, or bytes that are not
-	// UTF-8 (which id, as JSON, carries as U+FFFD).
-	IDArg      string    `json:"id_arg,omitempty"`
+	// ID is the id as retry takes it: as it is, or quoted as Go quotes it
+	// where that would not say which id it is (see keyText): spaces at its
+	// ends, characters a terminal does not show, bytes that are not UTF-8
+	// (which JSON would carry as U+FFFD), a leading quote (which retry
+	// would take for a quoted id: another row's).
+	ID         string    `json:"id"`
 	Exchange   string    `json:"exchange"`
 	RoutingKey string    `json:"routing_key"`
 	Attempts   int       `json:"attempts"`
@@ -69,11 +69,8 @@ func (c *cli) stuck(args []string) error {
 	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(st.Stuck, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
 	leased := false
 	for i, rec := range recs {
-		r.Rows[i] = stuckRow{ID: rec.ID, Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
+		r.Rows[i] = stuckRow{ID: keyText(rec.ID), Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
-		if arg := keyText(rec.ID); arg != rec.ID {
-			r.Rows[i].IDArg = arg
-		}
 		if rec.Leased {
 			by := rec.LeasedBy
 			r.Rows[i].LeasedBy, leased = &by, true
@@ -120,7 +117,7 @@ func (c *cli) stuck(args []string) error {
 		// The id as retry takes it: two ids that differ in a trailing
 		// space, or in a tab shown as a space, were shown alike, and
 		// retry of the id as shown found no row.
-		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", keyText(row.ID), printable(exchange), printable(row.RoutingKey),
+		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", row.ID, printable(exchange), printable(row.RoutingKey),
 			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), lease(row), printable(row.LastError))
 	}
 	if err := tw.Flush(); err != nil {
@@ -129,7 +126,7 @@ func (c *cli) stuck(args []string) error {
 	if r.Total > int64(len(r.Rows)) {
 		fmt.Fprintf(c.stdout, "%d of %d stuck rows shown (--limit %d)\n", len(r.Rows), r.Total, *limit)
 	}
-	fmt.Fprintln(c.stdout, "outboxctl retry ID... or outboxctl retry --all-stuck makes them pending again")
+	fmt.Fprintln(c.stdout, "outboxctl retry ID... or outboxctl retry --all-stuck makes them pending again (in a shell, an id shown quoted goes in single quotes: retry '\"ord-1 \"')")
 	return nil
 }
 

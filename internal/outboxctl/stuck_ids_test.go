@@ -51,21 +51,32 @@ func TestStuck_IDsATerminalDoesNotShow_ShownQuotedRetryTakesThemAsShown(t *testi
 }
 
 // On SQLite a TEXT id may hold bytes that are not UTF-8 (another
-// library's). stuck --json carries such an id as JSON does, with U+FFFD,
-// which retry could not find; id_arg is the id as retry takes it.
-func TestStuckJSON_SQLiteIDNotUTF8_IDArgRetries(t *testing.T) {
+// library's), which JSON carries as U+FFFD; and an id may start with a
+// quote, which retry takes for a quoted id: given to retry as stuck --json
+// gave them, `"abc"` retried the row abc, and the other found nothing.
+// stuck --json gives each id as retry takes it.
+func TestStuckJSON_IDsAsRetryTakesThem(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	execSQL(t, db, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts, last_error) VALUES (CAST(X'6f72642dff' AS TEXT), '', 'orders', '{}', '{}', ?, 10, 'boom')",
 		ts(testdb.SQLite, time.Now().Add(-time.Hour)))
+	for i, id := range []string{"abc", `"abc"`} {
+		stuckRowOf(t, db, testdb.SQLite, id, time.Now().Add(time.Duration(i)*time.Second-time.Hour))
+	}
 	var got stuckReport
 	if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", db.DSN, "--json")), &got); err != nil {
 		t.Fatal(err)
 	}
-	if len(got.Rows) != 1 || got.Rows[0].IDArg != `"ord-\xff"` {
-		t.Fatalf("stuck --json: %+v, want one row whose id_arg is \"ord-\\xff\", quoted", got.Rows)
+	var ids []string
+	for _, r := range got.Rows {
+		ids = append(ids, r.ID)
 	}
-	if out := mustCtl(t, "retry", "--db", db.DSN, got.Rows[0].IDArg); !strings.HasPrefix(out, "1 row made pending again") {
-		t.Errorf("retry %s: %s", got.Rows[0].IDArg, out)
+	if want := []string{`"ord-\xff"`, "abc", `"\"abc\""`}; strings.Join(ids, "|") != strings.Join(want, "|") {
+		t.Fatalf("stuck --json ids %q, want %q", ids, want)
+	}
+	for _, id := range ids {
+		if out := mustCtl(t, "retry", "--db", db.DSN, id); !strings.HasPrefix(out, "1 row made pending again") {
+			t.Errorf("retry %s: %s", id, out)
+		}
 	}
 }
 
@@ -94,5 +105,53 @@ func TestRelay_StoppedDuringItsFirstConnect_ExitsZero(t *testing.T) {
 	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + ln.Addr().String() + "/"}, func(string) string { return "" }, &stdout, &stderr)
 	if code != 0 {
 		t.Errorf("relay stopped while it connected: exit %d, want 0; stderr: %s", code, stderr.String())
+	}
+}
+
+// Stopped while it connects, with one node refusing it at once and the
+// other taking the connection and never answering: it exits 0, and says
+// on stderr which node refused it, which a bare exit 0 dropped.
+func TestRelay_StoppedDuringItsFirstConnect_SaysWhichNodeRefusedIt(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := closed.Addr().String()
+	_ = closed.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(500*time.Millisecond, cancel)
+	var stdout, stderr bytes.Buffer
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + refused + "/,amqp://guest:guest@" + ln.Addr().String() + "/"},
+		func(string) string { return "" }, &stdout, &stderr)
+	if code != 0 || !strings.Contains(stderr.String(), refused) {
+		t.Errorf("relay stopped while it connected: exit %d, stderr %q; want 0, naming the node %s that refused it", code, stderr.String(), refused)
+	}
+}
+
+// A command line that is wrong exits 2, stopped or not.
+func TestRelay_UsageErrorWhileStopped_ExitsTwo(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var stdout, stderr bytes.Buffer
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--table", "bad name;", "--listen", "", "--amqp", "amqp://guest:guest@127.0.0.1:1/"},
+		func(string) string { return "" }, &stdout, &stderr)
+	if code != 2 {
+		t.Errorf("relay --table 'bad name;' with its context ended: exit %d, want 2; stderr %q", code, stderr.String())
 	}
 }
