@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -80,29 +81,50 @@ func TestStuckJSON_IDsAsRetryTakesThem(t *testing.T) {
 	}
 }
 
-// Told to stop (SIGTERM, the context's end) while its first connect to the
-// broker waits: the relay exits 0, as a stop does, rather than 1 with a
-// connect error that says the broker timed out.
-func TestRelay_StoppedDuringItsFirstConnect_ExitsZero(t *testing.T) {
-	db := migrated(t, testdb.SQLite)
+// stallingBroker is the address of a broker that takes connections and
+// never answers, until the test ends.
+func stallingBroker(t *testing.T) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	go func() { // accepts, never answers: a broker that stalls
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	go func() {
 		for {
 			c, err := ln.Accept()
 			if err != nil {
 				return
 			}
-			defer c.Close()
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
 		}
 	}()
+	return ln.Addr().String()
+}
+
+// Told to stop (SIGTERM, the context's end) while its first connect to the
+// broker waits: the relay exits 0, as a stop does, rather than 1 with a
+// connect error that says the broker timed out.
+func TestRelay_StoppedDuringItsFirstConnect_ExitsZero(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	stalls := stallingBroker(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(300*time.Millisecond, cancel)
 	var stdout, stderr bytes.Buffer
-	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + ln.Addr().String() + "/"}, func(string) string { return "" }, &stdout, &stderr)
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + stalls + "/"}, func(string) string { return "" }, &stdout, &stderr)
 	if code != 0 {
 		t.Errorf("relay stopped while it connected: exit %d, want 0; stderr: %s", code, stderr.String())
 	}
@@ -119,24 +141,11 @@ func TestRelay_StoppedDuringItsFirstConnect_SaysWhichNodeRefusedIt(t *testing.T)
 	}
 	refused := closed.Addr().String()
 	_ = closed.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			defer c.Close()
-		}
-	}()
+	stalls := stallingBroker(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(500*time.Millisecond, cancel)
 	var stdout, stderr bytes.Buffer
-	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + refused + "/,amqp://guest:guest@" + ln.Addr().String() + "/"},
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + refused + "/,amqp://guest:guest@" + stalls + "/"},
 		func(string) string { return "" }, &stdout, &stderr)
 	if code != 0 || !strings.Contains(stderr.String(), refused) {
 		t.Errorf("relay stopped while it connected: exit %d, stderr %q; want 0, naming the node %s that refused it", code, stderr.String(), refused)
