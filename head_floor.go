@@ -619,7 +619,7 @@ func (s *Store) rewindTook(took time.Duration) {
 // keyed record whose backoff ended waits that long past it, beside a walk
 // from the head of half a second.
 const (
-	rewindGapMin = 100 * time.Millisecond
+	rewindGapMin = 250 * time.Millisecond
 	rewindGapMax = 5 * time.Second
 )
 
