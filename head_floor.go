@@ -562,8 +562,8 @@ func (s *Store) retryAt(t time.Time) {
 	}
 }
 
-// maxRetries bounds headFloor.retries: a drain goes back at most once per
-// claim however many backoffs ended, and each entry is a few bytes.
+// maxRetries bounds headFloor.retries: a drain goes back once however many
+// backoffs ended by then, and each entry is a few bytes.
 const maxRetries = 1024
 
 // drainRewinds reports whether a claim at now from a drain's cursor (drain)

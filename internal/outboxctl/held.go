@@ -310,8 +310,9 @@ func (c *cli) skipHeld(args []string) error {
 	case errors.Is(err, outbox.ErrNoHeld), errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
 	case printed:
-		// The commit's outcome is unknown: the message printed above is
-		// kept, skipped or not.
+		// Failed after the print (the skip's statements, or a commit
+		// whose outcome is unknown): the printed copy is the one to keep,
+		// skipped or not.
 		return fmt.Errorf("skip-held: the message above was printed, and its skip may not have committed (see outboxctl held): %w", err)
 	default:
 		return d.explain(err, sqldialect.InboxSequencesTable)
