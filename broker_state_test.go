@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"net/url"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,39 +20,9 @@ import (
 // The relay against a RabbitMQ cluster's bad days. (From an audit of the
 // relay against a three-node cluster.)
 
-// hungNode takes TCP connections and never answers AMQP: a stopped or
-// wedged broker, or a host whose kernel still accepts.
-func hungNode(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-	})
-	u, _ := url.Parse(testdb.AMQPURL())
-	u.Host = ln.Addr().String()
-	return u.String()
-}
+// hungNode takes TCP connections and never answers AMQP (see
+// testamqp.HungNode).
+func hungNode(t *testing.T) string { return testamqp.HungNode(t) }
 
 // A hung node next in line after a failover spent each connect's whole
 // time, and every round started at it again: the healthy node after it was

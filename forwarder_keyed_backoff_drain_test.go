@@ -13,8 +13,8 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// refuseOnceDest publishes everything, but refuses the records of refuse the
-// first `times` times each is sent; it logs the ids it published, in order.
+// refuseOnceDest publishes everything, but refuses each record of refuse
+// as many times as it says; it logs the ids it published, in order.
 type refuseOnceDest struct {
 	mu        sync.Mutex
 	refuse    map[string]int
@@ -63,19 +63,39 @@ func keyBeforeBacklog(t *testing.T, db *testdb.DB, n int) {
 	insertKeyed(t, db, rows)
 }
 
-// runUntilCleanup runs f until the test ends.
-func runUntilCleanup(t *testing.T, f *outbox.Forwarder) {
+// newRefuseOnceDest refuses each of refused once, and takes delay over
+// each send.
+func newRefuseOnceDest(delay time.Duration, refused ...string) *refuseOnceDest {
+	d := &refuseOnceDest{refuse: map[string]int{}, failedAt: map[string]time.Time{}, pubAt: map[string]time.Time{}, delay: delay}
+	for _, id := range refused {
+		d.refuse[id] = 1
+	}
+	return d
+}
+
+// relayInTens runs a relay over db into dest until the test ends: claims
+// of 10, backoffs of 5 ms.
+func relayInTens(t *testing.T, db *testdb.DB, dest outbox.Destination) *outbox.Forwarder {
+	t.Helper()
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
+		Dialect: dialectOf(t, db), BatchSize: 10, MaxBatchSize: 10, RetryMin: 5 * time.Millisecond, RetryMax: 5 * time.Millisecond,
+		PollInterval: 50 * time.Millisecond, OnError: func(error, outbox.ErrorContext) {},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done; _ = f.Close() })
+	return f
 }
 
 // A keyed record refused once waits out a backoff of 5 ms. Behind it, a
 // backlog of unkeyed rows is drained in full claims. Its retry (and so its
 // whole key) should come about one backoff later, not after the whole
-// backlog: an unkeyed failure sends the drain back to the head, a keyed
-// one's backoff end does nothing of the sort.
+// backlog: an unkeyed failure sends the drain back to the head, and a
+// keyed one's backoff end did nothing of the sort.
 func TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt(t *testing.T) {
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
@@ -83,16 +103,8 @@ func TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt(t *testing.T) {
 			db := migrated(t, kind)
 			const n = 3000
 			keyBeforeBacklog(t, db, n)
-			dest := &refuseOnceDest{refuse: map[string]int{keyedID("K", 1): 1}, failedAt: map[string]time.Time{}, pubAt: map[string]time.Time{}, delay: time.Millisecond}
-			d := dialectOf(t, db)
-			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
-				Dialect: d, BatchSize: 10, MaxBatchSize: 10, RetryMin: 5 * time.Millisecond, RetryMax: 5 * time.Millisecond,
-				PollInterval: 50 * time.Millisecond, OnError: func(error, outbox.ErrorContext) {},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			runUntilCleanup(t, f)
+			dest := newRefuseOnceDest(time.Millisecond, keyedID("K", 1))
+			relayInTens(t, db, dest)
 			waitFor(t, 120*time.Second, "everything published", func() bool { return len(dest.snapshot()) == n+2 })
 			pub := dest.snapshot()
 			at := slices.Index(pub, keyedID("K", 1))
@@ -109,8 +121,8 @@ func TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt(t *testing.T) {
 
 // A stuck keyed record retried by an operator (Store.Retry over the relay's
 // own pool) while the relay drains a backlog: the retry's wake and
-// lowerFloors do not bring the drain back to the head, so the retried
-// record (and its key) waits for the rest of the backlog.
+// lowerFloors did not bring the drain back to the head, and the retried
+// record (and its key) waited for the rest of the backlog.
 func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *testing.T) {
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
@@ -121,15 +133,8 @@ func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *te
 			if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET attempts = 10, last_error = 'stuck' WHERE id = ?"), keyedID("K", 1)); err != nil {
 				t.Fatal(err)
 			}
-			dest := &refuseOnceDest{refuse: map[string]int{}, failedAt: map[string]time.Time{}, pubAt: map[string]time.Time{}, delay: time.Millisecond}
-			d := dialectOf(t, db)
-			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
-				Dialect: d, BatchSize: 10, MaxBatchSize: 10, PollInterval: 50 * time.Millisecond, OnError: func(error, outbox.ErrorContext) {},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			runUntilCleanup(t, f)
+			dest := newRefuseOnceDest(time.Millisecond)
+			f := relayInTens(t, db, dest)
 			waitFor(t, 60*time.Second, "the drain under way", func() bool { return len(dest.snapshot()) >= 100 })
 			retried := time.Now()
 			if m, err := f.Store().Retry(context.Background(), keyedID("K", 1)); m != 1 || err != nil {
@@ -152,20 +157,13 @@ func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *te
 
 // The same under a flow the relay cannot quite keep up with: every claim
 // comes back full, the drain never ends, and the key whose record failed
-// once (backoff 5 ms) is held for as long as the flow lasts.
+// once (backoff 5 ms) was held for as long as the flow lasted.
 func TestForwarder_KeyedRecordsBackoffEndsUnderAFlow_RetriedDuringIt(t *testing.T) {
 	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	keyBeforeBacklog(t, db, 200)
-	dest := &refuseOnceDest{refuse: map[string]int{keyedID("K", 1): 1}, failedAt: map[string]time.Time{}, pubAt: map[string]time.Time{}, delay: 5 * time.Millisecond}
-	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
-		Dialect: outbox.SQLite, BatchSize: 10, MaxBatchSize: 10, RetryMin: 5 * time.Millisecond, RetryMax: 5 * time.Millisecond,
-		PollInterval: 50 * time.Millisecond, OnError: func(error, outbox.ErrorContext) {},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	runUntilCleanup(t, f)
+	dest := newRefuseOnceDest(5*time.Millisecond, keyedID("K", 1))
+	relayInTens(t, db, dest)
 	// The flow: 40 rows every 10 ms (4,000/s), the relay takes 10 per 5 ms at most.
 	stop := time.Now().Add(4 * time.Second)
 	for i := 0; time.Now().Before(stop); i++ {
@@ -177,8 +175,8 @@ func TestForwarder_KeyedRecordsBackoffEndsUnderAFlow_RetriedDuringIt(t *testing.
 		time.Sleep(10 * time.Millisecond)
 	}
 	dest.mu.Lock()
-	failed, pubAt, ok := dest.failedAt[keyedID("K", 1)], dest.pubAt[keyedID("K", 1)], false
-	_, ok = dest.pubAt[keyedID("K", 1)]
+	failed := dest.failedAt[keyedID("K", 1)]
+	pubAt, ok := dest.pubAt[keyedID("K", 1)]
 	out := len(dest.published)
 	dest.mu.Unlock()
 	t.Logf("after 4 s of flow: %d records out; K#1 failed at %v, published: %v %v", out, failed.Format("15:04:05.000"), ok, pubAt.Format("15:04:05.000"))

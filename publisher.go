@@ -811,11 +811,12 @@ func (p *TxPublisher) takeBack(ctx context.Context, rows []sqldialect.Row, taken
 	}
 	// The k-th keyed row of a key took the number low + k (InsertNumbered).
 	own := make([]sqldialect.Numbered, 0, len(rows))
+	k := make(map[string]int64, len(taken))
 	for i := range rows {
 		if r := &rows[i]; r.AggregateID != "" {
 			if l, ok := low[r.AggregateID]; ok {
-				low[r.AggregateID] = l + 1
-				own = append(own, sqldialect.Numbered{ID: r.ID, Seq: l + 1, CreatedAt: r.CreatedAt})
+				k[r.AggregateID]++
+				own = append(own, sqldialect.Numbered{ID: r.ID, Seq: l + k[r.AggregateID], CreatedAt: r.CreatedAt})
 			}
 		}
 	}
@@ -825,8 +826,7 @@ func (p *TxPublisher) takeBack(ctx context.Context, rows []sqldialect.Row, taken
 		}
 	}
 	for _, kc := range taken {
-		high := low[kc.Key] // moved past the key's N rows above
-		if _, err := p.exec(ctx, p.q.GiveBackAbove(kc.Key, high-int64(kc.N), high)); err != nil {
+		if _, err := p.exec(ctx, p.q.GiveBackAbove(kc.Key, low[kc.Key], low[kc.Key]+int64(kc.N))); err != nil {
 			return failed(err)
 		}
 	}

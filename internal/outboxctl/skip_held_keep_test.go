@@ -22,9 +22,7 @@ func (brokenPipe) Write([]byte) (int, error) { return 0, errors.New("write /dev/
 func TestSkipHeld_PrintFails_NothingSkippedMessageStillHeld(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind string) {
 		db := migrated(t, kind)
-		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-7", 1, 1)
-		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-			"billing", "order-7", 2, "m2", "the-only-copy", "utf-8", `{"aggregateId":"order-7","seq":"2"}`, ts(kind, time.Now().Add(-time.Hour)))
+		holdNext(t, db, kind, "order-7", 1, "the-only-copy", "utf-8", `{"aggregateId":"order-7","seq":"2"}`)
 		for _, asJSON := range []bool{true, false} {
 			args := []string{"skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", "2"}
 			if asJSON {
@@ -35,7 +33,7 @@ func TestSkipHeld_PrintFails_NothingSkippedMessageStillHeld(t *testing.T) {
 			if code != 1 || !strings.Contains(stderr.String(), "nothing skipped") {
 				t.Errorf("skip-held (json %v) onto a broken pipe: exit %d, stderr %q; want 1 and nothing skipped", asJSON, code, stderr.String())
 			}
-			if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held WHERE message_id = 'm2'"); n != 1 {
+			if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held WHERE message_id = 'order-7/2'"); n != 1 {
 				t.Fatalf("the held message's row after a print that failed: %d rows, want 1", n)
 			}
 			if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_sequences WHERE consumer_name = 'billing' AND last_seq = 1"); n != 1 {

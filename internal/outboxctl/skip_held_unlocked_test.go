@@ -42,9 +42,7 @@ func (p *pausedPipe) Write(b []byte) (int, error) {
 func TestSkipHeld_StdoutPaused_DeliveriesOfTheKeyGoOn(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind string) {
 		db := migrated(t, kind)
-		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-7", 1, 1)
-		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-			"billing", "order-7", 2, "m2", "poison", "utf-8", `{"aggregateId":"order-7","seq":"2"}`, ts(kind, time.Now().Add(-time.Hour)))
+		holdNext(t, db, kind, "order-7", 1, "poison", "utf-8", `{"aggregateId":"order-7","seq":"2"}`)
 
 		p := &pausedPipe{entered: make(chan struct{}), release: make(chan struct{})}
 		released := sync.OnceFunc(func() { close(p.release) })
@@ -63,7 +61,7 @@ func TestSkipHeld_StdoutPaused_DeliveriesOfTheKeyGoOn(t *testing.T) {
 		}
 		// 2 is a poison message: its handler fails, and 3 is held behind it.
 		h := in.Middleware(func(m *message.Message) ([]*message.Message, error) {
-			if m.UUID == "m2" {
+			if m.UUID == "order-7/2" {
 				return nil, errors.New("poison")
 			}
 			return nil, nil

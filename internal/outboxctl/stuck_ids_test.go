@@ -6,10 +6,10 @@ import (
 	"encoding/json"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -81,50 +81,16 @@ func TestStuckJSON_IDsAsRetryTakesThem(t *testing.T) {
 	}
 }
 
-// stallingBroker is the address of a broker that takes connections and
-// never answers, until the test ends.
-func stallingBroker(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu    sync.Mutex
-		conns []net.Conn
-	)
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-	})
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	return ln.Addr().String()
-}
-
 // Told to stop (SIGTERM, the context's end) while its first connect to the
 // broker waits: the relay exits 0, as a stop does, rather than 1 with a
 // connect error that says the broker timed out.
 func TestRelay_StoppedDuringItsFirstConnect_ExitsZero(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
-	stalls := stallingBroker(t)
+	stalls := testamqp.HungNode(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(300*time.Millisecond, cancel)
 	var stdout, stderr bytes.Buffer
-	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + stalls + "/"}, func(string) string { return "" }, &stdout, &stderr)
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", stalls}, func(string) string { return "" }, &stdout, &stderr)
 	if code != 0 {
 		t.Errorf("relay stopped while it connected: exit %d, want 0; stderr: %s", code, stderr.String())
 	}
@@ -141,11 +107,11 @@ func TestRelay_StoppedDuringItsFirstConnect_SaysWhichNodeRefusedIt(t *testing.T)
 	}
 	refused := closed.Addr().String()
 	_ = closed.Close()
-	stalls := stallingBroker(t)
+	stalls := testamqp.HungNode(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(500*time.Millisecond, cancel)
 	var stdout, stderr bytes.Buffer
-	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + refused + "/,amqp://guest:guest@" + stalls + "/"},
+	code := Run(ctx, []string{"relay", "--db", db.DSN, "--listen", "", "--amqp", "amqp://guest:guest@" + refused + "/," + stalls},
 		func(string) string { return "" }, &stdout, &stderr)
 	if code != 0 || !strings.Contains(stderr.String(), refused) {
 		t.Errorf("relay stopped while it connected: exit %d, stderr %q; want 0, naming the node %s that refused it", code, stderr.String(), refused)
