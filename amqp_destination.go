@@ -787,7 +787,7 @@ func (p *sent) Records() []Record { return p.recs }
 // send publishes recs without waiting for their confirms. It stops at the
 // first record it cannot publish; the records after it are not sent.
 func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
-	ctx, connectCtx, cancel := writeContext(ctx)
+	ctx, connectCtx, bound, cancel := writeContext(ctx)
 	defer cancel()
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -818,6 +818,10 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 			return p
 		}
 		d.dropChannelLocked()
+	}
+	if bound.spent() {
+		fillNotSent(p.res, 0, errWriteTimeSpent)
+		return p
 	}
 	err := d.ensure(connectCtx)
 	if err == nil {
@@ -1154,12 +1158,35 @@ func brokerSilent(ctx context.Context) bool {
 // writeBoundKey is the key of a context's value set by withWriteBound.
 type writeBoundKey struct{}
 
+// writeBound is the time a send's writes to the broker must end by, and
+// how long it had from when it was set.
+type writeBound struct {
+	until time.Time
+	span  time.Duration
+}
+
 // withWriteBound marks ctx, a Publish's or a Send's under a Forwarder, with
 // the time its writes to the broker must end by: the relay's
 // PublishTimeout from the batch's start (see writeContext).
 func withWriteBound(ctx context.Context, until time.Time) context.Context {
-	return context.WithValue(ctx, writeBoundKey{}, until)
+	return context.WithValue(ctx, writeBoundKey{}, writeBound{until, time.Until(until)})
 }
+
+// writeMargin is the least of its bound a send must have left, once it
+// holds the destination, to begin its writes: a quarter of the bound where
+// that is shorter. A send waits for d.mu behind the confirm waits of
+// others (Run's, up to PublishTimeout), and a bound that ran out during
+// its exchanges' check or its writes cut them and dropped the connection,
+// and with it the confirms of every window out on it.
+const writeMargin = 100 * time.Millisecond
+
+// spent reports whether too little of b is left to begin a send's writes.
+func (b writeBound) spent() bool { return time.Until(b.until) < min(writeMargin, b.span/4) }
+
+// errWriteTimeSpent is the result of the records of a window not sent
+// because its bound was spent (see writeBound.spent) by the time it held
+// the destination: the broker is not at fault, nor the records.
+var errWriteTimeSpent = fmt.Errorf("%w: the time for its writes was spent waiting for the confirms of earlier publishes", ErrNotSent)
 
 // writeTimeout bounds the writes of a send whose ctx withWriteBound did not
 // mark (a caller's own Publish): the Forwarder's default PublishTimeout.
@@ -1183,16 +1210,16 @@ const writeTimeout = 15 * time.Second
 // itself when not (a caller's own Publish): nobody's window is out on a
 // connection being dialled or a channel being opened, so a caller that
 // gives up cuts its connect, and sends nothing.
-func writeContext(ctx context.Context) (write, connect context.Context, cancel context.CancelFunc) {
-	until, marked := ctx.Value(writeBoundKey{}).(time.Time)
+func writeContext(ctx context.Context) (write, connect context.Context, bound writeBound, cancel context.CancelFunc) {
+	bound, marked := ctx.Value(writeBoundKey{}).(writeBound)
 	if !marked {
-		until = time.Now().Add(writeTimeout)
+		bound = writeBound{time.Now().Add(writeTimeout), writeTimeout}
 	}
-	write, cancel = context.WithDeadlineCause(context.WithoutCancel(ctx), until, errNoConfirmInTime)
+	write, cancel = context.WithDeadlineCause(context.WithoutCancel(ctx), bound.until, errNoConfirmInTime)
 	if marked {
-		return write, write, cancel
+		return write, write, bound, cancel
 	}
-	return write, ctx, cancel
+	return write, ctx, bound, cancel
 }
 
 // errNacked is the result of a record the broker nacked. RabbitMQ nacks
