@@ -106,9 +106,12 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		}
 		msg.Metadata[k] = metadataValue(v)
 	}
-	if copied {
+	if _, set := d.Headers[HeaderMessageID]; copied || set && !isID(d.Headers[HeaderMessageID]) {
 		// The inbox dedupes by this header first: a copy's stale one, set
-		// aside for the UUID, must not come back through it.
+		// aside for the UUID, must not come back through it; nor one that
+		// is no id (void: a service in another language that forwarded
+		// the header of a message that had none), set aside too, whose
+		// JSON text ("null") made every such message one.
 		msg.Metadata[HeaderMessageID] = msg.UUID
 	}
 	return msg, nil
@@ -129,6 +132,12 @@ var errClosedDelivery = errors.New("outbox: not a delivery: the zero amqp.Delive
 func closedDelivery(d amqp.Delivery) bool {
 	return d.Acknowledger == nil && d.DeliveryTag == 0 && d.Headers == nil && d.Body == nil &&
 		d.MessageId == "" && d.ConsumerTag == "" && d.Exchange == "" && d.RoutingKey == ""
+}
+
+// isID reports whether v, a header's value, is an id: a non-empty string.
+func isID(v any) bool {
+	s, ok := v.(string)
+	return ok && s != ""
 }
 
 // messageUUID is the first non-empty string of x-acemq-id, the UUID header
