@@ -387,7 +387,7 @@ type claim struct {
 func (c *claim) idArgs() map[string]any {
 	var m map[string]any
 	for _, r := range c.rows {
-		if r.BlobID {
+		if r.RawID != nil {
 			if m == nil {
 				m = map[string]any{}
 			}

@@ -717,27 +717,38 @@ type ClaimedRow struct {
 	// that is no time, an id stored as a BLOB. Their fields are zero. No
 	// retry mends such a row.
 	Unreadable error
-	// BlobID: the id is stored as a BLOB (see Dialect.BlobIDs), its bytes
-	// in ID. A mark binding it as text would match nothing: IDArg binds it
-	// as it is stored.
-	BlobID bool
+	// RawID, if not nil, is the id as the driver gave it, where that is
+	// not text (see idColumn): a BLOB's bytes, a number. ID holds its
+	// text. A mark binding the text may match nothing: IDArg binds it as
+	// it is stored.
+	RawID any
 }
 
 // IDArg is the row's id as a mark's argument must bind it to find the row.
 func (r ClaimedRow) IDArg() any {
-	if r.BlobID {
-		return []byte(r.ID)
+	if r.RawID != nil {
+		return r.RawID
 	}
 	return r.ID
 }
 
-// idColumn reads a claimed row's id, noting an id stored as a BLOB where
-// the dialect has them (BlobIDs): its row is Unreadable, to be failed
-// alone, and marked by its bytes. Read as text, its marks bound it as
-// TEXT, which SQLite never finds equal to a BLOB: it was published, never
-// marked, and claimed again at every lease's end, for ever, charged no
-// attempt. Its bytes are no message id another library's consumers would
-// know it by (a UUID's 16 raw bytes, say), so it is not published.
+// idColumn reads a claimed row's id. An id that is not text is kept as
+// the driver gave it (ClaimedRow.RawID), for the row's marks to find it:
+//
+//   - An integer, the text of its digits, is published under it.
+//     Another library's row holds one where SQLite stores a numeric id
+//     ("1700000000123", a snowflake) as an INTEGER, in a column of
+//     NUMERIC affinity (typed UUID or STRING, say), and in a MySQL table
+//     whose id is a BIGINT. Failing the claim over it (it did) held back
+//     every row behind it, for ever.
+//   - A BLOB, where the dialect has them (BlobIDs), and a REAL make their
+//     row Unreadable, to be failed alone. Read as text, a BLOB's marks
+//     bound it as TEXT, which SQLite never finds equal to a BLOB: it was
+//     published, never marked, and claimed again at every lease's end,
+//     for ever, charged no attempt. Its bytes are no message id another
+//     library's consumers would know it by (a UUID's 16 raw bytes, say),
+//     and a REAL's text need not be the id its writer wrote ("1e3"), so
+//     neither is published.
 type idColumn struct {
 	c   *columnReader
 	dst *ClaimedRow
@@ -750,9 +761,16 @@ func (col idColumn) Scan(v any) error {
 	case []byte:
 		col.dst.ID = string(x)
 		if col.c.d.BlobIDs() {
-			col.dst.BlobID = true
+			col.dst.RawID = []byte(col.dst.ID)
 			col.c.failed = append(col.c.failed, fmt.Sprintf("column id: a BLOB of %d bytes (hex %X), not text, which this library cannot read as a message id; rewrite it as text and retry the row", len(x), x))
 		}
+	case int64:
+		col.dst.ID = strconv.FormatInt(x, 10)
+		col.dst.RawID = x
+	case float64:
+		col.dst.ID = strconv.FormatFloat(x, 'g', -1, 64)
+		col.dst.RawID = x
+		col.c.failed = append(col.c.failed, fmt.Sprintf("column id: a REAL (%s), not text, which this library cannot read as the message id its writer gave; rewrite it as text and retry the row", col.dst.ID))
 	case nil:
 		return errors.New("column id: NULL")
 	default:
