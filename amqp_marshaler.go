@@ -106,12 +106,12 @@ func (m AMQPMarshaler) Unmarshal(d amqp.Delivery) (*message.Message, error) {
 		}
 		msg.Metadata[k] = metadataValue(v)
 	}
-	if _, set := d.Headers[HeaderMessageID]; copied || set && !isID(d.Headers[HeaderMessageID]) {
+	if v, set := d.Headers[HeaderMessageID]; copied || set && !idHeader(v) {
 		// The inbox dedupes by this header first: a copy's stale one, set
 		// aside for the UUID, must not come back through it; nor one that
 		// is no id (void: a service in another language that forwarded
-		// the header of a message that had none), set aside too, whose
-		// JSON text ("null") made every such message one.
+		// the header of a message that had none), whose JSON text
+		// ("null") made every such message one.
 		msg.Metadata[HeaderMessageID] = msg.UUID
 	}
 	return msg, nil
@@ -134,10 +134,15 @@ func closedDelivery(d amqp.Delivery) bool {
 		d.MessageId == "" && d.ConsumerTag == "" && d.Exchange == "" && d.RoutingKey == ""
 }
 
-// isID reports whether v, a header's value, is an id: a non-empty string.
-func isID(v any) bool {
-	s, ok := v.(string)
-	return ok && s != ""
+// idHeader reports whether v, an x-acemq-id header's value, can be an id:
+// a string, or an integer (another library's numeric id, which the
+// metadata holds as its digits), not void, a boolean, a fraction, a table.
+func idHeader(v any) bool {
+	switch v.(type) {
+	case string, int8, int16, int32, int64, int, uint8, uint16, uint32, uint64:
+		return true
+	}
+	return false
 }
 
 // messageUUID is the first non-empty string of x-acemq-id, the UUID header

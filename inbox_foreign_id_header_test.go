@@ -19,7 +19,7 @@ import (
 // Three different messages from a producer in another language, each with
 // its own message_id, and an x-acemq-id header that is not a string: void
 // (a Python service forwarding headers.get("x-acemq-id") of a message that
-// had none, pika sends None as void), a number. AMQPMarshaler took the
+// had none: pika sends None as void). AMQPMarshaler took the
 // UUID from message_id (it skips a non-string x-acemq-id), but kept the
 // header's JSON text ("null") in the metadata, and the inbox dedupes on
 // that text first: every such message shared the key "null", and only the
@@ -66,8 +66,7 @@ func TestInbox_ForeignXAcemqIDHeaderNotAString_EachMessageHandled(t *testing.T) 
 
 	msgs := []amqp.Publishing{
 		{MessageId: "py-1-" + testdb.RandomName(), Headers: amqp.Table{outbox.HeaderMessageID: nil}, Body: []byte("1")},
-		{MessageId: "py-2-" + testdb.RandomName(), Headers: amqp.Table{outbox.HeaderMessageID: int64(42)}, Body: []byte("2")},
-		{MessageId: "py-4-" + testdb.RandomName(), Headers: amqp.Table{outbox.HeaderMessageID: int64(42)}, Body: []byte("4")},
+		{MessageId: "py-2-" + testdb.RandomName(), Headers: amqp.Table{outbox.HeaderMessageID: nil}, Body: []byte("2")},
 		{MessageId: "py-3-" + testdb.RandomName(), Headers: amqp.Table{outbox.HeaderMessageID: nil}, Body: []byte("3")},
 	}
 	testamqp.New(t).With(func(ch *amqp.Channel) error {

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -294,9 +295,9 @@ type Inbox struct {
 	runningMu sync.Mutex
 	running   map[[2]string]chan struct{}
 
-	// outboxUUIDs is whether the outbox's id column is a uuid (see
-	// markable): 0 not looked up yet, 1 no, 2 yes.
-	outboxUUIDs atomic.Int32
+	// outboxIDs is what the outbox's id column holds (see markable), an
+	// idsAny…idsDecimal; 0 while not looked up.
+	outboxIDs atomic.Int32
 
 	// clock is the server's, on which the at-most-once stamps are written
 	// and compared.
@@ -712,38 +713,89 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 }
 
 // markable reports whether key can be an id of the outbox's rows. An
-// outbox another library made on PostgreSQL with a uuid id holds no row of
-// an id that does not read as one (a ULID, another service's id), and the
-// mark's statement, binding it, failed, aborting the message's transaction
-// at every delivery. The column's type is looked up once; a failed look-up
-// is tried again at the next mark, which then binds the id as before.
+// outbox another library made with ids of a type other than text holds no
+// row of an id that does not read as one: on PostgreSQL a uuid or bigint
+// id column and a ULID, another service's id, and the mark's statement,
+// binding it, failed, aborting the message's transaction at every
+// delivery; on MySQL a BIGINT id column, which reads "17abc" as 17, and
+// the mark took another record for the message's. The column's type is
+// looked up once; a failed look-up is tried again at the next mark, which
+// then binds the id as before.
 //
 // The look-up runs on on, the message's transaction (or the pool for a
 // duplicate's mark): on the pool it waited for a second connection while
 // the message's transaction held one, for ever on a pool capped at one,
 // or at as many deliveries at once as the pool has connections.
 func (in *Inbox) markable(ctx context.Context, on execQuerier, key string) bool {
-	switch in.outboxUUIDs.Load() {
-	case 1:
-		return true
-	case 2:
-		return pgUUID(key)
+	if ids := in.outboxIDs.Load(); ids != 0 {
+		return idOf(ids, key)
 	}
-	q, ok := in.outbox.IDIsUUID()
+	q, ok := in.outbox.IDType()
 	if !ok {
-		in.outboxUUIDs.Store(1)
+		in.outboxIDs.Store(idsAny)
 		return true
 	}
-	var isUUID bool
-	if err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&isUUID); err != nil {
+	var typ string
+	if err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&typ); err != nil {
 		return true
 	}
-	if !isUUID {
-		in.outboxUUIDs.Store(1)
-		return true
+	ids := idsOfType(typ)
+	in.outboxIDs.Store(ids)
+	return idOf(ids, key)
+}
+
+// What an outbox's id column holds, by its type (see idsOfType).
+const (
+	idsAny     int32 = iota + 1 // text, or a type no mark's id can fail
+	idsUUID                     // PostgreSQL's uuid
+	idsInt8                     // integers, of 8 to 64 bits
+	idsInt16                    //
+	idsInt32                    //
+	idsInt64                    //
+	idsDecimal                  // numeric, decimal
+)
+
+// idsOfType is what an id column of type typ (as IDType gives it) holds.
+func idsOfType(typ string) int32 {
+	switch typ {
+	case "uuid":
+		return idsUUID
+	case "tinyint":
+		return idsInt8
+	case "smallint":
+		return idsInt16
+	case "integer", "int", "mediumint":
+		return idsInt32
+	case "bigint":
+		return idsInt64
+	case "numeric", "decimal":
+		return idsDecimal
 	}
-	in.outboxUUIDs.Store(2)
-	return pgUUID(key)
+	return idsAny
+}
+
+// idOf reports whether key reads as an id of a column that holds ids:
+// one that binding key to would neither fail nor read as another.
+func idOf(ids int32, key string) bool {
+	switch ids {
+	case idsUUID:
+		return pgUUID(key)
+	case idsInt8, idsInt16, idsInt32, idsInt64:
+		if strings.HasPrefix(key, "+") {
+			return false // ParseInt reads it; it is no id's text
+		}
+		_, err := strconv.ParseInt(key, 10, 8<<(ids-idsInt8))
+		return err == nil
+	case idsDecimal:
+		whole, frac, _ := strings.Cut(strings.TrimPrefix(key, "-"), ".")
+		return digits(whole) && (frac == "" && !strings.Contains(key, ".") || digits(frac))
+	}
+	return true
+}
+
+// digits reports whether s is one or more decimal digits.
+func digits(s string) bool {
+	return s != "" && strings.Trim(s, "0123456789") == ""
 }
 
 // pgUUID reports whether PostgreSQL's uuid input reads s: 32 hex digits, in

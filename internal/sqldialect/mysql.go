@@ -371,7 +371,10 @@ func (mysql) zonedTimes() string {
 		" TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
 }
 
-func (mysql) idIsUUID() string { return "" }
+func (mysql) idType() string {
+	return "SELECT COALESCE((SELECT LOWER(DATA_TYPE) FROM information_schema.COLUMNS" +
+		" WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND COLUMN_NAME = 'id'), '')"
+}
 
 // mysqlClaimed is the claim's select list (see claimed).
 var mysqlClaimed = claimed(mysql{})

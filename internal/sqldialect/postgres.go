@@ -349,12 +349,13 @@ func (postgres) keyIndex() string { return "" }
 
 func (postgres) zonedTimes() string { return "" }
 
-// idIsUUID: an unqualified name is the table it resolves to on the
-// search_path, as in createdAtPrecision.
-func (postgres) idIsUUID() string {
-	return "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a" +
+// idType: an unqualified name is the table it resolves to on the
+// search_path, as in createdAtPrecision. A domain is its base type.
+func (postgres) idType() string {
+	return "SELECT COALESCE((SELECT format_type(COALESCE(NULLIF(t.typbasetype, 0), t.oid), NULL)" +
+		" FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid" +
 		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
-		" AND a.attname = 'id' AND NOT a.attisdropped AND a.atttypid = 'uuid'::regtype)"
+		" AND a.attname = 'id' AND NOT a.attisdropped), '')"
 }
 
 // postgresClaimed is the claim's select list (see claimed).

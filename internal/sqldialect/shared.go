@@ -674,11 +674,15 @@ func (o *Outbox) CreatedAtPrecision() (Query, bool) { return o.catalogLookup(o.d
 // none.
 func (o *Outbox) ZonedTimes() (Query, bool) { return o.catalogLookup(o.d.zonedTimes()) }
 
-// IDIsUUID is the lookup of whether the table's id column is PostgreSQL's
-// uuid (a table another library made): a message id that does not read as
-// a uuid cannot be one of its rows, and a statement that binds it fails.
-// Column: a boolean; false when the dialect has no such type.
-func (o *Outbox) IDIsUUID() (Query, bool) { return o.catalogLookup(o.d.idIsUUID()) }
+// IDType is the lookup of the type of the table's id column, as the
+// database names it, in lower case (uuid, bigint, integer, character
+// varying; MySQL's DATA_TYPE: bigint, int, varchar): another library's
+// table may hold its ids in a type that a message id of another form
+// cannot be, and where a statement binding such an id fails
+// (PostgreSQL), or finds a row it does not name (MySQL, which reads
+// "12abc" as 12). Column: the type, "" when the table has no id column;
+// false when the dialect has no types to tell (SQLite).
+func (o *Outbox) IDType() (Query, bool) { return o.catalogLookup(o.d.idType()) }
 
 // catalogLookup is indexLookup for a lookup written with "?" placeholders,
 // rebound for the dialect.

@@ -173,11 +173,11 @@ type Dialect interface {
 	keyIndex() string
 	// zonedTimes looks up which time columns the database converts to the
 	// session's time zone, and the session's offset (see
-	// Outbox.ZonedTimes); idIsUUID whether the id column is a uuid (see
-	// Outbox.IDIsUUID). "" where the dialect has neither. Arguments: the
+	// Outbox.ZonedTimes); idType the id column's type (see
+	// Outbox.IDType). "" where the dialect has neither. Arguments: the
 	// table's schema (or NULL for the current one), its name.
 	zonedTimes() string
-	idIsUUID() string
+	idType() string
 	// purgePublished deletes at most ? rows of table that meet before (a
 	// timeCmp of published_at) and are published, oldest first. Arguments:
 	// before's, then the limit.

@@ -180,7 +180,7 @@ func (sqlite) keyIndex() string { return "" }
 
 func (sqlite) zonedTimes() string { return "" }
 
-func (sqlite) idIsUUID() string { return "" }
+func (sqlite) idType() string { return "" }
 
 // createdAtPrecision: SQLite keeps the text it is sent, whatever the
 // column's declared type.
