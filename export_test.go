@@ -185,3 +185,12 @@ func FloorOn(f *Forwarder) bool {
 	defer fl.mu.Unlock()
 	return fl.on
 }
+
+// SetListenLived sets how long a LISTEN must last for the reconnect after
+// its loss to start from the shortest backoff, and returns a func that
+// sets it back.
+func SetListenLived(d time.Duration) (restore func()) {
+	old := listenLived
+	listenLived = d
+	return func() { listenLived = old }
+}

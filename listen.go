@@ -25,7 +25,7 @@ func (f *Forwarder) listen(ctx context.Context) {
 	delay := time.Duration(0)
 	var trigger triggerState // kept across reconnects: each change is logged once
 	for {
-		heard, err := f.listenOnce(ctx, &trigger)
+		listened, err := f.listenOnce(ctx, &trigger)
 		if ctx.Err() != nil {
 			return
 		}
@@ -36,7 +36,7 @@ func (f *Forwarder) listen(ctx context.Context) {
 		f.log.Error("Outbox LISTEN connection lost; the relay polls until it is back", err, nil)
 		// Rows committed while nobody listened would wait for the poll.
 		f.Notify()
-		if heard {
+		if listened >= listenLived {
 			delay = 0
 		}
 		delay = f.nextDelay(delay)
@@ -48,14 +48,31 @@ func (f *Forwarder) listen(ctx context.Context) {
 
 var errNotPgx = fmt.Errorf("outbox: not a pgx connection")
 
+// listenLived is how long a LISTEN must have lasted for the reconnect
+// after its loss to start again from the shortest backoff. The backoff
+// went back only once a notification had been heard: on a quiet outbox
+// whose LISTEN connections a server or pooler ends (idle_session_timeout),
+// each loss left the relay without LISTEN longer than the one before, up
+// to RetryMax. One that ends at once still backs off.
+var listenLived = 5 * time.Second // a variable for tests
+
+// listenQueryTimeout bounds LISTEN and each look at the trigger on the
+// listening connection. A connection whose packets are dropped without
+// either end being told (a NAT or firewall entry expired, a server host
+// gone without a reset) answers nothing: the look waited as long as the
+// kernel kept the connection (tcp_retries2, some 15 minutes), and the
+// relay, sure of its LISTEN, waited PollInterval for every row. A look
+// cut by it ends the connection, and the relay listens on a new one.
+const listenQueryTimeout = 5 * time.Second
+
 // listenOnce listens on one connection until it fails or ctx ends, and
-// reports whether it heard anything. It looks at the table's NOTIFY
-// trigger before LISTEN (which pg_stat_activity then shows) and every
-// triggerRecheck after.
-func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (heard bool, err error) {
+// reports for how long LISTEN was in effect. It looks at the table's
+// NOTIFY trigger before LISTEN (which pg_stat_activity then shows) and
+// every triggerRecheck after.
+func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (listened time.Duration, err error) {
 	conn, err := f.store.db.Conn(ctx)
 	if err != nil {
-		return false, err
+		return 0, err
 	}
 	defer conn.Close()
 	err = conn.Raw(func(driverConn any) error {
@@ -65,16 +82,25 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (hear
 		}
 		pc := sc.Conn()
 		defer f.woken.Store(false)
-		trigger.look(ctx, f, pc)
-		if _, err := pc.Exec(ctx, sqldialect.Listen().SQL); err != nil {
-			return err
+		if err := trigger.look(ctx, f, pc); err != nil {
+			return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 		}
+		lctx, cancel := context.WithTimeout(ctx, listenQueryTimeout)
+		_, err := pc.Exec(lctx, sqldialect.Listen().SQL)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
+		}
+		start := time.Now()
+		defer func() { listened = time.Since(start) }()
 		// Anything committed before LISTEN took effect is found by this
 		// first sweep.
 		f.Notify()
 		for {
 			if time.Now().After(trigger.next) {
-				trigger.look(ctx, f, pc)
+				if err := trigger.look(ctx, f, pc); err != nil {
+					return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
+				}
 			}
 			waitCtx, cancel := context.WithDeadline(ctx, trigger.next)
 			n, err := pc.WaitForNotification(waitCtx)
@@ -87,14 +113,13 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (hear
 				// Never hand a listening connection back to the pool.
 				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 			}
-			heard = true
 			if othersTable(n.Payload, trigger.payload) {
 				continue
 			}
 			f.Notify()
 		}
 	})
-	return heard, err
+	return listened, err
 }
 
 // triggerRecheck is how often a listening relay looks again at the
@@ -127,13 +152,20 @@ type triggerState struct {
 // relay polls adaptively, as on MySQL, rather than wait PollInterval for
 // every row. Each change is logged once. A reading that fails is logged
 // once and changes nothing; until one succeeds the relay counts on the
-// trigger.
-func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
+// trigger. A reading that the connection does not answer within
+// listenQueryTimeout, or that ends it, returns the error: the connection
+// is gone.
+func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) error {
 	q := f.store.q.NotifyTrigger()
 	s.next = time.Now().Add(triggerRecheck)
 	var payload, quiet *string
 	var fires bool
-	if err := pc.QueryRow(ctx, q.SQL, q.Args...).Scan(&payload, &fires, &quiet); err != nil {
+	qctx, cancel := context.WithTimeout(ctx, listenQueryTimeout)
+	defer cancel()
+	if err := pc.QueryRow(qctx, q.SQL, q.Args...).Scan(&payload, &fires, &quiet); err != nil {
+		if ctx.Err() == nil && (qctx.Err() != nil || pc.IsClosed()) {
+			return fmt.Errorf("look at the NOTIFY trigger: %w", err)
+		}
 		if !s.failed && ctx.Err() == nil {
 			f.log.Info("Cannot read the outbox table's NOTIFY trigger; the relay keeps to its last reading "+
 				"(before any, that it fires and that every notification is its table's)", watermill.LogFields{
@@ -141,7 +173,7 @@ func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 		}
 		s.failed = true
 		f.woken.Store(!s.looked || s.fires)
-		return
+		return nil
 	}
 	s.failed = false
 	table := payload != nil
@@ -167,6 +199,7 @@ func (s *triggerState) look(ctx context.Context, f *Forwarder, pc *pgx.Conn) {
 	}
 	f.quietSeq.Store(&seq)
 	f.woken.Store(fires)
+	return nil
 }
 
 // othersTable reports whether a notification's payload names another
