@@ -86,7 +86,10 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (list
 			return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 		}
 		lctx, cancel := context.WithTimeout(ctx, listenQueryTimeout)
-		_, err := pc.Exec(lctx, sqldialect.Listen().SQL)
+		_, err := pc.Exec(lctx, sqldialect.ListenRetries().SQL)
+		if err == nil {
+			_, err = pc.Exec(lctx, sqldialect.Listen().SQL)
+		}
 		cancel()
 		if err != nil {
 			return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
@@ -114,6 +117,14 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (list
 				return fmt.Errorf("%w: %w", driver.ErrBadConn, err)
 			}
 			if othersTable(n.Payload, trigger.payload) {
+				continue
+			}
+			if n.Channel == sqldialect.RetryChannel {
+				// Another process's Retry or Republish (one in this
+				// process lowered them already): a drain goes back for
+				// the rows, which its cursor is past. The wake follows,
+				// on NotifyChannel.
+				f.store.lowerFloors()
 				continue
 			}
 			f.Notify()

@@ -47,6 +47,15 @@ const NotifyChannel = "acemq_outbox"
 // Listen subscribes a connection to NotifyChannel.
 func Listen() Query { return Query{SQL: "LISTEN " + NotifyChannel} }
 
+// RetryChannel is the channel Wake notifies beside NotifyChannel: rows
+// were made pending again (retry, republish), which a relay draining a
+// backlog goes back for (its cursor is past them). This library's own:
+// the AceMQ libraries of other languages listen on NotifyChannel alone.
+const RetryChannel = "acemq_outbox_retry"
+
+// ListenRetries subscribes a connection to RetryChannel.
+func ListenRetries() Query { return Query{SQL: "LISTEN " + RetryChannel} }
+
 // NotifyTriggerName is the trigger of migration 0003 that notifies
 // NotifyChannel when a transaction that inserted outbox rows commits.
 const NotifyTriggerName = "acemq_outbox_notify"
@@ -122,11 +131,13 @@ func (o *Outbox) QuietOver() Query {
 // Wake (PostgreSQL) sends the notification the table's NOTIFY trigger
 // sends when rows are inserted, for rows an UPDATE made pending again
 // (retry, republish), which the trigger does not see: listening relays
-// claim them now rather than at their next poll. No row, and no
-// notification, when the table is not there.
+// claim them now rather than at their next poll. It sends the same on
+// RetryChannel first, for relays in a drain to go back for them. No row,
+// and no notification, when the table is not there.
 func (o *Outbox) Wake() Query {
-	return o.query(`SELECT pg_notify('`+NotifyChannel+`', n.nspname || '.' || c.relname) FROM pg_class c`+
-		` JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)`, o.table)
+	return o.query(`SELECT pg_notify('`+RetryChannel+`', t.name), pg_notify('`+NotifyChannel+`', t.name)`+
+		` FROM (SELECT n.nspname || '.' || c.relname AS name FROM pg_class c`+
+		` JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(?)) t`, o.table)
 }
 
 // AlsoOnSearchPath (PostgreSQL) lists, as schema.table in search-path
