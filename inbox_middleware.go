@@ -752,22 +752,30 @@ const (
 	idsInt16                    //
 	idsInt32                    //
 	idsInt64                    //
+	idsUint8                    // MySQL's unsigned integers
+	idsUint16                   //
+	idsUint32                   //
+	idsUint64                   //
 	idsDecimal                  // numeric, decimal
 )
 
 // idsOfType is what an id column of type typ (as IDType gives it) holds.
 func idsOfType(typ string) int32 {
+	unsigned := int32(0)
+	if t, ok := strings.CutSuffix(typ, " unsigned"); ok {
+		typ, unsigned = t, idsUint8-idsInt8
+	}
 	switch typ {
 	case "uuid":
 		return idsUUID
 	case "tinyint":
-		return idsInt8
+		return idsInt8 + unsigned
 	case "smallint":
-		return idsInt16
+		return idsInt16 + unsigned
 	case "integer", "int", "mediumint":
-		return idsInt32
+		return idsInt32 + unsigned
 	case "bigint":
-		return idsInt64
+		return idsInt64 + unsigned
 	case "numeric", "decimal":
 		return idsDecimal
 	}
@@ -775,20 +783,22 @@ func idsOfType(typ string) int32 {
 }
 
 // idOf reports whether key reads as an id of a column that holds ids:
-// one that binding key to would neither fail nor read as another.
+// one that binding key to would neither fail nor read as another row's.
+// An integer's is its digits as the relay publishes them: "042", "+42"
+// and "-0" read as another's ids (42, 0), and are none.
 func idOf(ids int32, key string) bool {
 	switch ids {
 	case idsUUID:
 		return pgUUID(key)
 	case idsInt8, idsInt16, idsInt32, idsInt64:
-		if strings.HasPrefix(key, "+") {
-			return false // ParseInt reads it; it is no id's text
-		}
-		_, err := strconv.ParseInt(key, 10, 8<<(ids-idsInt8))
-		return err == nil
+		v, err := strconv.ParseInt(key, 10, 8<<(ids-idsInt8))
+		return err == nil && strconv.FormatInt(v, 10) == key
+	case idsUint8, idsUint16, idsUint32, idsUint64:
+		v, err := strconv.ParseUint(key, 10, 8<<(ids-idsUint8))
+		return err == nil && strconv.FormatUint(v, 10) == key
 	case idsDecimal:
-		whole, frac, _ := strings.Cut(strings.TrimPrefix(key, "-"), ".")
-		return digits(whole) && (frac == "" && !strings.Contains(key, ".") || digits(frac))
+		whole, frac, dot := strings.Cut(strings.TrimPrefix(key, "-"), ".")
+		return digits(whole) && (whole == "0" || whole[0] != '0') && (!dot || digits(frac)) && key != "-0"
 	}
 	return true
 }

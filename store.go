@@ -1,6 +1,7 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -1077,8 +1078,44 @@ func sortClaimed(rows []sqldialect.ClaimedRow) {
 		if c := a.CreatedAt.Compare(b.CreatedAt); c != 0 {
 			return c
 		}
-		return strings.Compare(a.ID, b.ID)
+		return compareIDs(a, b)
 	})
+}
+
+// compareIDs orders two claimed rows' ids as SQLite's ORDER BY id does:
+// integers (by value) before text, and text before BLOBs; and MySQL's
+// integer id columns. By their text, another library's integer ids of one
+// created_at went out 10, 11, 9.
+func compareIDs(a, b sqldialect.ClaimedRow) int {
+	ka, kb := idClass(a.RawID), idClass(b.RawID)
+	if ka != kb {
+		return ka - kb
+	}
+	switch x := a.RawID.(type) {
+	case int64:
+		return cmp.Compare(x, b.RawID.(int64))
+	case uint64:
+		return cmp.Compare(x, b.RawID.(uint64))
+	case float64:
+		return cmp.Compare(x, b.RawID.(float64))
+	}
+	return strings.Compare(a.ID, b.ID)
+}
+
+// idClass ranks a raw id's storage class for compareIDs: each class its
+// own rank, as no two compare by value.
+func idClass(raw any) int {
+	switch raw.(type) {
+	case int64:
+		return 0
+	case uint64:
+		return 1
+	case float64:
+		return 2
+	case nil:
+		return 3 // text
+	}
+	return 4 // a BLOB
 }
 
 // finish marks the published rows (one statement), records the failures,
@@ -1165,9 +1202,17 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 // one an operator deleted meanwhile, or an id the mark does not find as
 // the claim read it.
 func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) ([]sqldialect.KeySeq, error) {
+	ids := c.idArgs()
 	if len(published) > 0 {
+		args := make([]any, len(published))
+		for i, id := range published {
+			args[i] = id
+			if arg, ok := ids[id]; ok {
+				args[i] = arg // an INTEGER a text never equals (SQLite, a column without affinity)
+			}
+		}
 		s.sent.Add(1)
-		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, published))
+		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, args))
 		if err != nil {
 			return nil, fmt.Errorf("outbox: mark published: %w", err)
 		}
@@ -1178,7 +1223,6 @@ func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, p
 	if len(failures) == 0 {
 		return nil, nil
 	}
-	ids := c.idArgs()
 	var stuck []sqldialect.KeySeq
 	for _, f := range failures {
 		id := any(f.id)

@@ -361,12 +361,15 @@ func (postgres) keyIndex() string { return "" }
 func (postgres) zonedTimes() string { return "" }
 
 // idType: an unqualified name is the table it resolves to on the
-// search_path, as in createdAtPrecision. A domain is its base type.
+// search_path, as in createdAtPrecision. A domain is its base type, also
+// through domains over domains.
 func (postgres) idType() string {
-	return "SELECT COALESCE((SELECT format_type(COALESCE(NULLIF(t.typbasetype, 0), t.oid), NULL)" +
-		" FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid" +
+	return "WITH RECURSIVE d(oid) AS (SELECT a.atttypid FROM pg_catalog.pg_attribute a" +
 		" WHERE a.attrelid = to_regclass(COALESCE(quote_ident(?) || '.', '') || quote_ident(?))" +
-		" AND a.attname = 'id' AND NOT a.attisdropped), '')"
+		" AND a.attname = 'id' AND NOT a.attisdropped" +
+		" UNION ALL SELECT t.typbasetype FROM pg_catalog.pg_type t JOIN d ON t.oid = d.oid WHERE t.typbasetype <> 0)" +
+		" SELECT COALESCE((SELECT format_type(d.oid, NULL) FROM d JOIN pg_catalog.pg_type t ON t.oid = d.oid" +
+		" WHERE t.typbasetype = 0), '')"
 }
 
 // postgresClaimed is the claim's select list (see claimed).

@@ -742,9 +742,9 @@ func (r ClaimedRow) IDArg() any {
 //   - An integer, the text of its digits, is published under it.
 //     Another library's row holds one where SQLite stores a numeric id
 //     ("1700000000123", a snowflake) as an INTEGER, in a column of
-//     NUMERIC affinity (typed UUID or STRING, say), and in a MySQL table
-//     whose id is a BIGINT. Failing the claim over it (it did) held back
-//     every row behind it, for ever.
+//     NUMERIC affinity (typed UUID or STRING, say) or of none, and in a
+//     MySQL table whose id is a BIGINT (UNSIGNED too: Laravel's). Failing
+//     the claim over it (it did) held back every row behind it, for ever.
 //   - A BLOB, where the dialect has them (BlobIDs), and a REAL make their
 //     row Unreadable, to be failed alone. Read as text, a BLOB's marks
 //     bound it as TEXT, which SQLite never finds equal to a BLOB: it was
@@ -770,6 +770,9 @@ func (col idColumn) Scan(v any) error {
 		}
 	case int64:
 		col.dst.ID = strconv.FormatInt(x, 10)
+		col.dst.RawID = x
+	case uint64: // MySQL's BIGINT UNSIGNED, read by the text protocol
+		col.dst.ID = strconv.FormatUint(x, 10)
 		col.dst.RawID = x
 	case float64:
 		col.dst.ID = strconv.FormatFloat(x, 'g', -1, 64)
@@ -941,12 +944,13 @@ func readInt64(v any) (int64, error) {
 	return 0, fmt.Errorf("a %T, not an integer", v)
 }
 
-// MarkPublished marks the rows of ids published at now.
-func (o *Outbox) MarkPublished(now time.Time, ids []string) Query {
+// MarkPublished marks the rows of ids published at now. An id binds as
+// ClaimedRow.IDArg gives it.
+func (o *Outbox) MarkPublished(now time.Time, ids []any) Query {
 	args := make([]any, 0, len(ids)+1)
 	args = append(args, o.d.TimeArg(now))
 	return o.query(o.update()+"published_at = ?, locked_by = NULL, locked_until = NULL WHERE id IN ("+
-		placeholders(len(ids))+")", stringArgs(args, ids)...)
+		placeholders(len(ids))+")", append(args, ids...)...)
 }
 
 // RelayStatements are the statements a relay runs for every batch, as the
@@ -964,7 +968,7 @@ func (o *Outbox) RelayStatements(index, keyIndex string, batchSizes []int) []str
 		stmts = append(stmts, o.Claim(head).SQL, o.Claim(after).SQL, o.Claim(floor).SQL)
 	}
 	for _, n := range batchSizes {
-		stmts = append(stmts, o.MarkPublished(time.Time{}, make([]string, n)).SQL)
+		stmts = append(stmts, o.MarkPublished(time.Time{}, make([]any, n)).SQL)
 	}
 	return stmts
 }

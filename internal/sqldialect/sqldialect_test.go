@@ -45,7 +45,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			"give back seq":     o.GiveBackSeq("k", 2),
 			"destinations":      o.Destinations(ids, true),
 			"delete":            o.Delete(ids),
-			"mark published":    o.MarkPublished(now, ids),
+			"mark published":    o.MarkPublished(now, anys(ids)),
 			"mark failed":       o.MarkFailed("a", 3, "nack", "", time.Time{}, ""),
 			"mark failed, held": o.MarkFailed("a", 3, "nack", "r", now, "relay"),
 			"release lease":     o.ReleaseLease("r", []any{"a", []byte("b"), "c"}),
@@ -123,7 +123,7 @@ func TestRelayStatements_AreTheTextTheRelayRuns(t *testing.T) {
 	inFlight, inFlightAfter, inFlightFloor := p, after, floor
 	inFlight.InFlight, inFlightAfter.InFlight, inFlightFloor.InFlight = []string{"a", "b"}, []string{"c"}, []string{"d"}
 	want := []string{o.Claim(p).SQL, o.Claim(after).SQL, o.Claim(floor).SQL, o.Claim(inFlight).SQL, o.Claim(inFlightAfter).SQL, o.Claim(inFlightFloor).SQL,
-		o.MarkPublished(now, make([]string, 100)).SQL, o.MarkPublished(now, make([]string, 200)).SQL}
+		o.MarkPublished(now, make([]any, 100)).SQL, o.MarkPublished(now, make([]any, 200)).SQL}
 	if len(got) != len(want) {
 		t.Fatalf("%d statements, want %d", len(got), len(want))
 	}
@@ -242,4 +242,13 @@ func TestConflict_SerializationFailuresAndDeadlocksOnly(t *testing.T) {
 			t.Errorf("%s Conflict(%v) = %v, want %v", c.d.Name(), c.err, got, c.want)
 		}
 	}
+}
+
+// anys is ids as the arguments MarkPublished takes.
+func anys(ids []string) []any {
+	out := make([]any, len(ids))
+	for i, id := range ids {
+		out[i] = id
+	}
+	return out
 }
