@@ -676,7 +676,8 @@ func (o *Outbox) ZonedTimes() (Query, bool) { return o.catalogLookup(o.d.zonedTi
 
 // IDType is the lookup of the type of the table's id column, as the
 // database names it, in lower case (uuid, bigint, integer, character
-// varying; MySQL's DATA_TYPE: bigint, int, varchar): another library's
+// varying; MySQL's DATA_TYPE, followed by " unsigned" for an unsigned
+// integer: bigint unsigned, int, varchar): another library's
 // table may hold its ids in a type that a message id of another form
 // cannot be, and where a statement binding such an id fails
 // (PostgreSQL), or finds a row it does not name (MySQL, which reads
