@@ -553,7 +553,18 @@ func (s *Store) lowerFloors() {
 // 1.1 to 1.5 s for a backoff of 5 ms), and for as long as a flow the relay
 // could not keep up with lasted, its key with it. At most maxRetries
 // are kept; a record past them waits for the drain's end, as before.
+//
+// On SQLite the backoff ends leaseRounding after t: a claim compares the
+// lease through julianday(), which rounds both times to the millisecond
+// (the lease's text is the microsecond's), so to a claim less than a
+// millisecond past t the lease could still be live. The claim that went
+// back then passed the record over and used the entry up, and the record
+// waited for the drain's end after all (20 runs in 120 of
+// TestForwarder_KeyedRecordsBackoffEnds_DrainGoesBackForIt under load).
 func (s *Store) retryAt(t time.Time) {
+	if s.leases() {
+		t = t.Add(leaseRounding)
+	}
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -561,6 +572,11 @@ func (s *Store) retryAt(t time.Time) {
 		f.retries = append(f.retries, t)
 	}
 }
+
+// leaseRounding is how long after its end a lease may still look live to
+// a claim on SQLite (see retryAt): now's text at least a millisecond and a
+// half past the lease's rounds to a later millisecond.
+const leaseRounding = 2 * time.Millisecond
 
 // maxRetries bounds headFloor.retries: a drain goes back once however many
 // backoffs ended by then, and each entry is a few bytes.
