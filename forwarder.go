@@ -998,7 +998,7 @@ func (b *batch) last() *sqldialect.Cursor {
 	if r.CreatedAt.IsZero() {
 		return nil
 	}
-	return &sqldialect.Cursor{CreatedAt: r.CreatedAt, ID: r.ID}
+	return &sqldialect.Cursor{CreatedAt: r.CreatedAt, ID: r.ID, IDArg: r.RawID}
 }
 
 // claimNext claims the next batch, of n rows at most, and decodes it. It

@@ -530,7 +530,22 @@ func (s *Store) joinFloors() {
 // stuck record in one may be pending again, and a measure that leaves the
 // floor as it was (a row whose created_at is NULL found first) would keep
 // passing the records it held, claimable once it is published.
-func (s *Store) lowerFloors() {
+func (s *Store) lowerFloors() { s.lowerFloorsBut(false) }
+
+// lowerFloorsHeard is lowerFloors for a retry that another process
+// announced (see Forwarder.listen): a floor lowered less than its
+// rewindGap (rewindGapMin at the least) ago has its drain go back
+// (drainRewinds, throttled) without being lowered again. Any session can send the notification, and a
+// stream of them (retries in a loop, relays that stop after a quiet flow
+// wake the table) had every claim of a drain measure its floor from the
+// head: 20 claims of 20 in half a second, where the walk from the head is
+// what the floor and the throttle keep rare.
+func (s *Store) lowerFloorsHeard() { s.lowerFloorsBut(true) }
+
+// lowerFloorsBut lowers the floors of the table over the pool, but, with
+// recent, those lowered less than their rewindGap ago, whose drains only
+// go back.
+func (s *Store) lowerFloorsBut(recent bool) {
 	floors.mu.Lock()
 	group := floors.m[s.floorKeyOf()]
 	fs := make([]*headFloor, 0, len(group))
@@ -538,9 +553,13 @@ func (s *Store) lowerFloors() {
 		fs = append(fs, f)
 	}
 	floors.mu.Unlock()
+	now := time.Now()
 	for _, f := range fs {
 		f.mu.Lock()
-		f.next, f.lowered, f.skip, f.backoffs, f.lockDue, f.rewind = time.Time{}, time.Now(), nil, nil, false, true
+		if !recent || now.Sub(f.lowered) >= max(f.rewindGap, rewindGapMin) {
+			f.next, f.lowered, f.skip, f.backoffs, f.lockDue = time.Time{}, now, nil, nil, false
+		}
+		f.rewind = true
 		f.mu.Unlock()
 	}
 }

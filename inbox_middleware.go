@@ -797,8 +797,10 @@ func idOf(ids int32, key string) bool {
 		v, err := strconv.ParseUint(key, 10, 8<<(ids-idsUint8))
 		return err == nil && strconv.FormatUint(v, 10) == key
 	case idsDecimal:
+		// Leading zeros are the relay's too: a MySQL DECIMAL ZEROFILL's
+		// text ("00000001.50").
 		whole, frac, dot := strings.Cut(strings.TrimPrefix(key, "-"), ".")
-		return digits(whole) && (whole == "0" || whole[0] != '0') && (!dot || digits(frac)) && key != "-0"
+		return key == "NaN" || digits(whole) && (!dot || digits(frac))
 	}
 	return true
 }

@@ -124,7 +124,7 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (list
 				// process lowered them already): a drain goes back for
 				// the rows, which its cursor is past. The wake follows,
 				// on NotifyChannel.
-				f.store.lowerFloors()
+				f.store.lowerFloorsHeard()
 				continue
 			}
 			f.Notify()

@@ -148,6 +148,9 @@ func (o *Outbox) after(c *Cursor) (string, []any) {
 	if c.ID == "" {
 		return "created_at >= ?", []any{at}
 	}
+	if c.IDArg != nil {
+		return afterCursor, []any{at, at, c.IDArg}
+	}
 	return afterCursor, []any{at, at, c.ID}
 }
 
@@ -420,6 +423,11 @@ func (o *Outbox) ReleaseSavepoint() Query { return Query{SQL: "RELEASE SAVEPOINT
 type Cursor struct {
 	CreatedAt time.Time
 	ID        string
+	// IDArg, if not nil, is the id as the row holds it, where that is not
+	// text (ClaimedRow.RawID): in an SQLite column without a type no
+	// INTEGER is greater than a TEXT, and a drain's next claim, comparing
+	// with the id's text, passed over the rest of its created_at.
+	IDArg any
 }
 
 // KeySeq is a keyed record's place in its key.
@@ -1047,9 +1055,28 @@ func (o *Outbox) notClaimed(now time.Time) (string, []any) {
 // on MySQL those it changed.
 func (o *Outbox) Retry(ids []string, now time.Time) Query {
 	free, args := o.notClaimed(now)
+	in, inArgs := o.idIn(ids)
 	return o.query(o.update()+"attempts = 0, locked_by = NULL, locked_until = NULL"+
 		" WHERE published_at IS NULL AND "+free+" AND (COALESCE(attempts, 0) <> 0 OR locked_by IS NOT NULL OR locked_until IS NOT NULL)"+
-		" AND id IN ("+placeholders(len(ids))+")", stringArgs(args, ids)...)
+		" AND "+in, append(args, inArgs...)...)
+}
+
+// idIn is the condition of the rows of ids, given as text (an operator's,
+// a message's). On SQLite, whose columns take any type, an id that is an
+// integer's digits is looked for as the INTEGER too: a column without a
+// declared type keeps another library's integer id as one, which no text
+// equals, and a Retry of a stuck row that Stuck lists, or the mark of its
+// message's record processed, found nothing.
+func (o *Outbox) idIn(ids []string) (string, []any) {
+	args := stringArgs(nil, ids)
+	if o.d.BlobIDs() { // SQLite's dynamic types
+		for _, id := range ids {
+			if n, err := strconv.ParseInt(id, 10, 64); err == nil && strconv.FormatInt(n, 10) == id {
+				args = append(args, n)
+			}
+		}
+	}
+	return "id IN (" + placeholders(len(args)) + ")", args
 }
 
 // RetryStuck makes every row at maxAttempts pending again, but for those a
@@ -1164,21 +1191,24 @@ func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string
 // one makes it pending.
 func (o *Outbox) RepublishIDs(ids []string, cutoff time.Time) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
+	in, inArgs := o.idIn(ids)
 	return o.query(o.update()+"published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE id IN ("+placeholders(len(ids))+") AND published_at IS NOT NULL AND "+before+" AND processed_at IS NULL",
-		append(stringArgs(nil, ids), args...)...)
+		" WHERE "+in+" AND published_at IS NOT NULL AND "+before+" AND processed_at IS NULL",
+		append(inArgs, args...)...)
 }
 
 // MarkProcessed sets the record id's processed_at, if still null.
 func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
-	return o.query(o.update()+"processed_at = ? WHERE id = ? AND processed_at IS NULL", o.d.TimeArg(now), id)
+	in, args := o.idIn([]string{id})
+	return o.query(o.update()+"processed_at = ? WHERE "+in+" AND processed_at IS NULL", append([]any{o.d.TimeArg(now)}, args...)...)
 }
 
 // Unprocessed reads 1 if the record id is there with processed_at still
 // null, and no row otherwise: a plain read, which locks nothing where
 // MarkProcessed would lock the gap of a missing id (see GapLocks).
 func (o *Outbox) Unprocessed(id string) Query {
-	return o.query("SELECT 1 FROM "+o.table+" WHERE id = ? AND processed_at IS NULL", id)
+	in, args := o.idIn([]string{id})
+	return o.query("SELECT 1 FROM "+o.table+" WHERE "+in+" AND processed_at IS NULL", args...)
 }
 
 // The statements below are those PostgreSQL and SQLite write alike and
