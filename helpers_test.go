@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -378,4 +380,53 @@ func newRole(t testing.TB, db *testdb.DB, searchPath string, grants ...string) (
 	}
 	t.Cleanup(func() { _ = x.Close() })
 	return role, &testdb.DB{DB: x, Kind: db.Kind, DSN: u.String(), Name: db.Name}
+}
+
+// tcpProxy listens on a port of its own, connects each connection it
+// accepts to server, and has pipe copy each direction (toServer: from the
+// client), the two sharing pair, a flag of the connection's; it returns
+// its address. Connections and listener close when the test ends.
+func tcpProxy(t *testing.T, server string, pipe func(dst, src net.Conn, pair *atomic.Bool, toServer bool)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+		wg    sync.WaitGroup
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", server)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, c, s)
+			mu.Unlock()
+			var pair atomic.Bool
+			wg.Add(2)
+			go func() { defer wg.Done(); pipe(s, c, &pair, true) }()
+			go func() { defer wg.Done(); pipe(c, s, &pair, false) }()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return ln.Addr().String()
 }

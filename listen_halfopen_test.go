@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"net"
 	"net/url"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,50 +23,12 @@ type listenFreezer struct {
 	addr   string
 	freeze atomic.Bool
 	seen   atomic.Bool // a LISTEN went through
-
-	mu    sync.Mutex
-	conns []net.Conn
 }
 
 func newListenFreezer(t *testing.T, server string) *listenFreezer {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &listenFreezer{addr: ln.Addr().String()}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", server)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, s)
-			p.mu.Unlock()
-			var isListen atomic.Bool
-			wg.Add(2)
-			go func() { defer wg.Done(); p.pipe(s, c, &isListen, true) }()
-			go func() { defer wg.Done(); p.pipe(c, s, &isListen, false) }()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		wg.Wait()
-	})
+	p := &listenFreezer{}
+	p.addr = tcpProxy(t, server, p.pipe)
 	return p
 }
 

@@ -700,49 +700,13 @@ type answerLost struct {
 	addr  string
 	armed atomic.Bool // the statement went through a connection
 	ran   atomic.Bool
-
-	mu    sync.Mutex
-	conns []net.Conn
 }
 
 func newAnswerLost(t *testing.T, server string) *answerLost {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &answerLost{addr: ln.Addr().String()}
-	var pairs sync.WaitGroup
-	pairs.Add(1)
-	go func() {
-		defer pairs.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", server)
-			if err != nil {
-				_ = c.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, c, s)
-			p.mu.Unlock()
-			pairs.Add(2)
-			var target atomic.Bool
-			go func() { defer pairs.Done(); p.pipe(s, c, &target, false) }()
-			go func() { defer pairs.Done(); p.pipe(c, s, &target, true) }()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.mu.Lock()
-		for _, c := range p.conns {
-			_ = c.Close()
-		}
-		p.mu.Unlock()
-		pairs.Wait()
+	p := &answerLost{}
+	p.addr = tcpProxy(t, server, func(dst, src net.Conn, target *atomic.Bool, toServer bool) {
+		p.pipe(dst, src, target, !toServer)
 	})
 	return p
 }
