@@ -127,31 +127,38 @@ func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *te
 	for _, kind := range testdb.Kinds {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
-			db := migrated(t, kind)
-			const n = 3000
-			keyBeforeBacklog(t, db, n)
-			if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET attempts = 10, last_error = 'stuck' WHERE id = ?"), keyedID("K", 1)); err != nil {
-				t.Fatal(err)
-			}
-			dest := newRefuseOnceDest(time.Millisecond)
-			f := relayInTens(t, db, dest)
-			waitFor(t, 60*time.Second, "the drain under way", func() bool { return len(dest.snapshot()) >= 100 })
-			retried := time.Now()
-			if m, err := f.Store().Retry(context.Background(), keyedID("K", 1)); m != 1 || err != nil {
-				t.Fatalf("retry: %d %v", m, err)
-			}
-			before := len(dest.snapshot())
-			waitFor(t, 120*time.Second, "everything published", func() bool { return len(dest.snapshot()) == n+2 })
-			pub := dest.snapshot()
-			at := slices.Index(pub, keyedID("K", 1))
-			dest.mu.Lock()
-			wait := dest.pubAt[keyedID("K", 1)].Sub(retried)
-			dest.mu.Unlock()
-			t.Logf("retried when %d were out; K#1 published as %d of %d, %s after the retry", before, at+1, len(pub), wait)
-			if at > before+n/10 {
-				t.Errorf("K#1 retried when %d records were out went out as %d of %d, %s after the retry: it waited for the drain", before, at+1, len(pub), wait)
-			}
+			retryDuringADrain(t, migrated(t, kind), func(f *outbox.Forwarder) *outbox.Store { return f.Store() })
 		})
+	}
+}
+
+// retryDuringADrain retries the stuck K#1, through the Store that ops
+// gives, while a relay drains 3,000 rows behind it, and checks that K#1
+// goes out within a tenth of the backlog of the retry.
+func retryDuringADrain(t *testing.T, db *testdb.DB, ops func(*outbox.Forwarder) *outbox.Store) {
+	const n = 3000
+	keyBeforeBacklog(t, db, n)
+	if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET attempts = 10, last_error = 'stuck' WHERE id = ?"), keyedID("K", 1)); err != nil {
+		t.Fatal(err)
+	}
+	dest := newRefuseOnceDest(time.Millisecond)
+	f := relayInTens(t, db, dest)
+	s := ops(f)
+	waitFor(t, 60*time.Second, "the drain under way", func() bool { return len(dest.snapshot()) >= 100 })
+	retried := time.Now()
+	if m, err := s.Retry(context.Background(), keyedID("K", 1)); m != 1 || err != nil {
+		t.Fatalf("retry: %d %v", m, err)
+	}
+	before := len(dest.snapshot())
+	waitFor(t, 120*time.Second, "everything published", func() bool { return len(dest.snapshot()) == n+2 })
+	pub := dest.snapshot()
+	at := slices.Index(pub, keyedID("K", 1))
+	dest.mu.Lock()
+	wait := dest.pubAt[keyedID("K", 1)].Sub(retried)
+	dest.mu.Unlock()
+	t.Logf("retried when %d were out; K#1 published as %d of %d, %s after the retry", before, at+1, len(pub), wait)
+	if at > before+n/10 {
+		t.Errorf("K#1 retried when %d records were out went out as %d of %d, %s after the retry: it waited for the drain", before, at+1, len(pub), wait)
 	}
 }
 
