@@ -90,6 +90,9 @@ type headFloor struct {
 	// lowered is when lowerFloors last made next due: a walk from the head
 	// under way then did not see what it made pending.
 	lowered time.Time
+	// heard is when lowerFloorsHeard last lowered it, or will: at most
+	// once per rewindGap for what other processes say.
+	heard time.Time
 	// locking: MySQL, whose claim's locking read walks the entries of
 	// published rows some 20 times slower than a plain read: where a
 	// measure's plain reads show no gain, lockDue makes the next claim
@@ -530,38 +533,59 @@ func (s *Store) joinFloors() {
 // stuck record in one may be pending again, and a measure that leaves the
 // floor as it was (a row whose created_at is NULL found first) would keep
 // passing the records it held, claimable once it is published.
-func (s *Store) lowerFloors() { s.lowerFloorsBut(false) }
+func (s *Store) lowerFloors() {
+	now := time.Now()
+	for _, f := range s.floorsOfTable() {
+		f.mu.Lock()
+		f.next, f.lowered, f.skip, f.backoffs, f.lockDue, f.rewind = time.Time{}, now, nil, nil, false, true
+		f.mu.Unlock()
+	}
+}
 
 // lowerFloorsHeard is lowerFloors for a retry that another process
-// announced (see Forwarder.listen): a floor lowered less than its
-// rewindGap (rewindGapMin at the least) ago has its drain go back
-// (drainRewinds, throttled) without being lowered again. Any session can send the notification, and a
-// stream of them (retries in a loop, relays that stop after a quiet flow
-// wake the table) had every claim of a drain measure its floor from the
-// head: 20 claims of 20 in half a second, where the walk from the head is
-// what the floor and the throttle keep rare.
-func (s *Store) lowerFloorsHeard() { s.lowerFloorsBut(true) }
+// announced (see Forwarder.listen), at most once per rewindGap
+// (rewindGapMin at the least) of each floor: any session can send the
+// notification, and a stream of them (retries in a loop, relays that stop
+// after a quiet flow wake the table) had every claim of a drain measure
+// its floor from the head (20 claims of 20 in half a second), the walk
+// that the floor and the throttle keep rare. One heard within the gap is
+// lowered for once the gap is over: not at the floor's next measure, a
+// period away, which a claim in between may have moved above its rows.
+func (s *Store) lowerFloorsHeard() {
+	now := time.Now()
+	for _, f := range s.floorsOfTable() {
+		f.mu.Lock()
+		gap, last := max(f.rewindGap, rewindGapMin), f.heard
+		if f.lowered.After(last) {
+			last = f.lowered // a Retry in this process, heard too
+		}
+		switch {
+		case now.Sub(last) >= gap:
+			f.next, f.lowered, f.heard, f.rewind = time.Time{}, now, now, true
+		case !last.After(now): // none coming yet
+			f.heard = last.Add(gap)
+			if !f.next.IsZero() && f.next.After(f.heard) {
+				f.next = f.heard // the drain goes back then, to measure
+			}
+		}
+		if !f.on {
+			f.rewind = true // to the head, throttled by drainRewinds
+		}
+		f.skip, f.backoffs, f.lockDue = nil, nil, false
+		f.mu.Unlock()
+	}
+}
 
-// lowerFloorsBut lowers the floors of the table over the pool, but, with
-// recent, those lowered less than their rewindGap ago, whose drains only
-// go back.
-func (s *Store) lowerFloorsBut(recent bool) {
+// floorsOfTable are the floors of every Store of s's table over its pool.
+func (s *Store) floorsOfTable() []*headFloor {
 	floors.mu.Lock()
+	defer floors.mu.Unlock()
 	group := floors.m[s.floorKeyOf()]
 	fs := make([]*headFloor, 0, len(group))
 	for f := range group {
 		fs = append(fs, f)
 	}
-	floors.mu.Unlock()
-	now := time.Now()
-	for _, f := range fs {
-		f.mu.Lock()
-		if !recent || now.Sub(f.lowered) >= max(f.rewindGap, rewindGapMin) {
-			f.next, f.lowered, f.skip, f.backoffs, f.lockDue = time.Time{}, now, nil, nil, false
-		}
-		f.rewind = true
-		f.mu.Unlock()
-	}
+	return fs
 }
 
 // retryAt notes that a keyed record this Store's relay failed waits out

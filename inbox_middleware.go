@@ -296,7 +296,7 @@ type Inbox struct {
 	running   map[[2]string]chan struct{}
 
 	// outboxIDs is what the outbox's id column holds (see markable), an
-	// idsAny…idsDecimal; 0 while not looked up.
+	// idsAny…idsNumeric; 0 while not looked up.
 	outboxIDs atomic.Int32
 
 	// clock is the server's, on which the at-most-once stamps are written
@@ -746,21 +746,24 @@ func (in *Inbox) markable(ctx context.Context, on execQuerier, key string) bool 
 
 // What an outbox's id column holds, by its type (see idsOfType).
 const (
-	idsAny     int32 = iota + 1 // text, or a type no mark's id can fail
-	idsUUID                     // PostgreSQL's uuid
-	idsInt8                     // integers, of 8 to 64 bits
-	idsInt16                    //
-	idsInt32                    //
-	idsInt64                    //
-	idsUint8                    // MySQL's unsigned integers
-	idsUint16                   //
-	idsUint32                   //
-	idsUint64                   //
-	idsDecimal                  // numeric, decimal
+	idsAny      int32 = iota + 1 // text, or a type no mark's id can fail
+	idsUUID                      // PostgreSQL's uuid
+	idsInt8                      // integers, of 8 to 64 bits
+	idsInt16                     //
+	idsInt32                     //
+	idsInt64                     //
+	idsUint8                     // MySQL's unsigned integers
+	idsUint16                    //
+	idsUint32                    //
+	idsUint64                    //
+	idsDecimal                   // MySQL's decimal
+	idsZerofill                  // MySQL's decimal zerofill
+	idsNumeric                   // PostgreSQL's numeric
 )
 
 // idsOfType is what an id column of type typ (as IDType gives it) holds.
 func idsOfType(typ string) int32 {
+	typ, zerofill := strings.CutSuffix(typ, " zerofill")
 	unsigned := int32(0)
 	if t, ok := strings.CutSuffix(typ, " unsigned"); ok {
 		typ, unsigned = t, idsUint8-idsInt8
@@ -776,8 +779,13 @@ func idsOfType(typ string) int32 {
 		return idsInt32 + unsigned
 	case "bigint":
 		return idsInt64 + unsigned
-	case "numeric", "decimal":
+	case "decimal":
+		if zerofill {
+			return idsZerofill
+		}
 		return idsDecimal
+	case "numeric":
+		return idsNumeric
 	}
 	return idsAny
 }
@@ -796,11 +804,16 @@ func idOf(ids int32, key string) bool {
 	case idsUint8, idsUint16, idsUint32, idsUint64:
 		v, err := strconv.ParseUint(key, 10, 8<<(ids-idsUint8))
 		return err == nil && strconv.FormatUint(v, 10) == key
-	case idsDecimal:
-		// Leading zeros are the relay's too: a MySQL DECIMAL ZEROFILL's
-		// text ("00000001.50").
+	case idsNumeric, idsDecimal, idsZerofill:
+		if ids == idsNumeric && key == "NaN" {
+			return true // PostgreSQL's numeric holds it, and the relay publishes it so
+		}
+		// Leading zeros only where the relay's text has them: a MySQL
+		// DECIMAL ZEROFILL's ("00000001.50"); elsewhere "042" reads as
+		// another record's 42.
 		whole, frac, dot := strings.Cut(strings.TrimPrefix(key, "-"), ".")
-		return key == "NaN" || digits(whole) && (!dot || digits(frac))
+		return digits(whole) && (ids == idsZerofill || whole == "0" || whole[0] != '0') &&
+			(!dot || digits(frac)) && key != "-0"
 	}
 	return true
 }

@@ -371,10 +371,11 @@ func (mysql) zonedTimes() string {
 		" TIMESTAMPDIFF(SECOND, UTC_TIMESTAMP(), NOW())"
 }
 
-// idType: DATA_TYPE, with " unsigned" for an unsigned integer type
-// (COLUMN_TYPE says so).
+// idType: DATA_TYPE, followed by " unsigned" and " zerofill" where
+// COLUMN_TYPE says so.
 func (mysql) idType() string {
-	return "SELECT COALESCE((SELECT CONCAT(LOWER(DATA_TYPE), IF(LOWER(COLUMN_TYPE) LIKE '% unsigned%', ' unsigned', ''))" +
+	return "SELECT COALESCE((SELECT CONCAT(LOWER(DATA_TYPE), IF(LOWER(COLUMN_TYPE) LIKE '% unsigned%', ' unsigned', '')," +
+		" IF(LOWER(COLUMN_TYPE) LIKE '% zerofill%', ' zerofill', ''))" +
 		" FROM information_schema.COLUMNS" +
 		" WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ? AND COLUMN_NAME = 'id'), '')"
 }
