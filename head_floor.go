@@ -562,8 +562,12 @@ func (s *Store) lowerFloorsHeard() {
 		switch {
 		case now.Sub(last) >= gap:
 			f.next, f.lowered, f.heard, f.rewind = time.Time{}, now, now, true
-		case !last.After(now): // none coming yet
-			f.heard = last.Add(gap)
+		default:
+			if !last.After(now) { // none coming yet
+				f.heard = last.Add(gap)
+			}
+			// Also where one is coming: a measure since may have put the
+			// next a period away.
 			if !f.next.IsZero() && f.next.After(f.heard) {
 				f.next = f.heard // the drain goes back then, to measure
 			}
