@@ -12,6 +12,24 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
+// outboxWithIDType is a database of kind whose acemq_outbox holds its ids
+// in a column of type typ: on PostgreSQL this library's table, altered (it
+// is empty: USING is never evaluated); elsewhere another library's
+// (foreignIDTable).
+func outboxWithIDType(t *testing.T, kind, typ string) *testdb.DB {
+	t.Helper()
+	if kind == testdb.Postgres {
+		db := migrated(t, kind)
+		if _, err := db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE " + typ + " USING 0"); err != nil {
+			t.Fatal(err)
+		}
+		return db
+	}
+	db := testdb.New(t, kind)
+	foreignIDTable(t, db, typ)
+	return db
+}
+
 // insertForeignID writes a foreign row of id (bound as given: an int or a string).
 func insertForeignID(t *testing.T, db *testdb.DB, id any, exchange string, at time.Time) {
 	t.Helper()
@@ -126,16 +144,7 @@ func TestInbox_MarkOutboxProcessed_IntegerIDs_KeyWithALeadingZeroMarksNothing(t 
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
-			var db *testdb.DB
-			if kind == testdb.Postgres {
-				db = migrated(t, kind)
-				if _, err := db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE bigint USING 0"); err != nil {
-					t.Fatal(err)
-				}
-			} else {
-				db = testdb.New(t, kind)
-				foreignIDTable(t, db, "BIGINT")
-			}
+			db := outboxWithIDType(t, kind, "BIGINT")
 			insertForeignID(t, db, "42", "ex", time.Now())
 			in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
 			h := in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })

@@ -20,16 +20,7 @@ func TestInbox_MarkOutboxProcessed_ForeignIntegerIDs_OtherIDsMarkNothing(t *test
 	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
 		t.Run(kind, func(t *testing.T) {
 			t.Parallel()
-			var db *testdb.DB
-			if kind == testdb.Postgres {
-				db = migrated(t, kind)
-				if _, err := db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE bigint USING 0"); err != nil { // empty: USING is never evaluated
-					t.Fatal(err)
-				}
-			} else {
-				db = testdb.New(t, kind)
-				foreignIDTable(t, db, "BIGINT")
-			}
+			db := outboxWithIDType(t, kind, "BIGINT")
 			insertForeign(t, db, "ex", "ok", foreignRow{id: "42", body: "x", bodyEncoding: "utf-8", contentType: "text/plain", headers: "{}"})
 			processed := func() bool {
 				var n int

@@ -23,16 +23,7 @@ func TestInbox_MarkOutboxProcessed_DecimalIDsTheRelayNeverPublishes_MarkNothing(
 	} {
 		t.Run(tc.kind+"_"+tc.typ+"_"+tc.key, func(t *testing.T) {
 			t.Parallel()
-			var db *testdb.DB
-			if tc.kind == testdb.Postgres {
-				db = migrated(t, tc.kind)
-				if _, err := db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE " + tc.typ + " USING 0"); err != nil {
-					t.Fatal(err)
-				}
-			} else {
-				db = testdb.New(t, tc.kind)
-				foreignIDTable(t, db, tc.typ)
-			}
+			db := outboxWithIDType(t, tc.kind, tc.typ)
 			insertForeignID(t, db, tc.rowID, "x", time.Now().Add(-time.Minute))
 			in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
 			h := in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })

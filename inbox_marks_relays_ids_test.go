@@ -27,16 +27,7 @@ func TestInbox_MarkOutboxProcessed_IDsTheRelayPublished_RecordMarked(t *testing.
 		{testdb.SQLite, "", "7"},
 	} {
 		t.Run(tc.kind+"_"+tc.typ+"_"+tc.id, func(t *testing.T) {
-			var db *testdb.DB
-			if tc.kind == testdb.Postgres {
-				db = migrated(t, tc.kind)
-				if _, err := db.Exec("ALTER TABLE acemq_outbox ALTER id TYPE " + tc.typ + " USING 0"); err != nil {
-					t.Fatal(err)
-				}
-			} else {
-				db = testdb.New(t, tc.kind)
-				foreignIDTable(t, db, tc.typ)
-			}
+			db := outboxWithIDType(t, tc.kind, tc.typ)
 			var id any = tc.id
 			if tc.kind == testdb.SQLite {
 				id = 7

@@ -17,31 +17,11 @@ import (
 // gap is over.
 func TestForwarder_RetryNotificationsInABurst_SecondRecordClaimedWithinTheGap(t *testing.T) {
 	db := testdb.New(t, testdb.Postgres)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	if err := Migrate(ctx, db.DB, Postgres); err != nil {
+	if err := Migrate(context.Background(), db.DB, Postgres); err != nil {
 		t.Fatal(err)
 	}
 	s := floorStore(t, db, Postgres, 10*time.Second) // floorEveryMax, the longest period
-	f, err := NewForwarder(db.DB, nopCountingDest{}, ForwarderConfig{Dialect: Postgres})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); f.listen(ctx) }()
-	defer func() { cancel(); <-done }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var n int
-		_ = db.QueryRow("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN acemq_outbox%' AND datname = current_database()").Scan(&n)
-		if n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no LISTEN")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	listenBeside(t, db)
 	base := time.Now().Add(-2 * time.Hour)
 	writeStuckAt(t, db, "stuckA", base)
 	writeStuckAt(t, db, "stuckB", base.Add(time.Second))

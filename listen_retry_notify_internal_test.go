@@ -33,26 +33,7 @@ func TestForwarder_RetryNotifications_DrainGoesBackNoMoreOftenThanRewindGap(t *t
 	s := floorStore(t, db, Postgres, time.Hour)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	// A relay's listener over the same pool and table (its Store shares the floors).
-	f, err := NewForwarder(db.DB, nopCountingDest{}, ForwarderConfig{Dialect: Postgres})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { defer close(done); f.listen(ctx) }()
-	defer func() { cancel(); <-done }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var n int
-		_ = db.QueryRow("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN acemq_outbox' AND datname = current_database()").Scan(&n)
-		if n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no LISTEN")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	f := listenBeside(t, db) // a relay's listener over the same pool and table (its Store shares the floors)
 	base := time.Now().Add(-time.Hour)
 	for i := 0; i < 400; i++ {
 		writeAt(t, db, fmt.Sprintf("r-%04d", i), base.Add(time.Duration(i)*time.Millisecond))
@@ -106,5 +87,31 @@ func TestForwarder_RetryNotifications_DrainGoesBackNoMoreOftenThanRewindGap(t *t
 	t.Logf("%d drain claims in %s, one notification before each: %d went back from their cursor (rewindGap allows %d)", claims, took.Round(time.Millisecond), back, allowed)
 	if back > allowed {
 		t.Errorf("%d of %d drain claims in %s went back to the floor/head after NOTIFY acemq_outbox_retry; rewindGap (%s at the least) allows %d", back, claims, took.Round(time.Millisecond), rewindGapMin, allowed)
+	}
+}
+
+// listenBeside runs a relay's listener (no Run) over db's pool and table
+// until the test ends, from once its LISTEN shows.
+func listenBeside(t *testing.T, db *testdb.DB) *Forwarder {
+	t.Helper()
+	f, err := NewForwarder(db.DB, nopCountingDest{}, ForwarderConfig{Dialect: Postgres})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); f.listen(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var n int
+		_ = db.QueryRow("SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN acemq_outbox' AND datname = current_database()").Scan(&n)
+		if n > 0 {
+			return f
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no LISTEN")
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
