@@ -18,8 +18,10 @@ import (
 // timing (floor); the claim at the end of each of the floor's periods,
 // which measures again (period); with the floor beside a keyed record
 // stuck at MaxAttempts an hour before the dead entries, which holds ten
-// records of its key (stuck-key); and from the head once the snapshot
-// ended (ended). Each reports ms/claim or ms/probe.
+// records of its key (stuck-key); beside a keyed record waiting out its
+// retry backoff as long before (backoff); beside an unkeyed pending row as
+// long before (old-row); and from the head once the snapshot ended
+// (ended). Each reports ms/claim or ms/probe.
 //
 //	go test -run '^$' -bench BenchmarkClaim_BesideAHeldSnapshot -benchtime 20x .
 func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
@@ -120,6 +122,13 @@ func BenchmarkClaim_BesideAHeldSnapshot(b *testing.B) {
 				writeKeyed(b, db, "backoff01", "backoff", 1, twoHoursAgo.Add(time.Second), 1)
 				holdBack(b, db, "backoff01", time.Now().Add(time.Hour))
 				b.Run("backoff/floor", func(b *testing.B) { run(b, store(true)) })
+				// An unkeyed row as old, pending (a record committed late,
+				// a publisher's clock behind, a Retry of an old record):
+				// until 2026-12-05's thirty-fifth session the floor stood
+				// at it, below every dead entry, until it was published.
+				// Each claim takes it, as a point, and is abandoned.
+				writeAt(b, db, "old-row", twoHoursAgo.Add(2*time.Second))
+				b.Run("old-row/floor", func(b *testing.B) { run(b, store(true)) })
 				ended()
 				s := store(false)
 				// A first claim's walk marks the dead entries, as a relay's would.

@@ -993,7 +993,14 @@ func (b *batch) keyed() bool {
 // last is the cursor after the batch's last row, or nil (the next claim
 // starts at the head) when that row's created_at could not be read: the
 // zero time is no place in the order to resume from.
+//
+// A batch of points alone (see headFloor.points) resumes at the floor it
+// was claimed from: after the last point, the drain would walk all that
+// lies between it and the floor.
 func (b *batch) last() *sqldialect.Cursor {
+	if b.claim.points == len(b.claim.rows) && b.claim.from != nil {
+		return b.claim.from
+	}
 	r := b.claim.rows[len(b.claim.rows)-1]
 	if r.CreatedAt.IsZero() {
 		return nil

@@ -43,7 +43,12 @@ import (
 // again from where it stood, which walks only the entries of rows
 // published since (one statement more; a probe takes it as it stands).
 // A keyed record waiting out its retry backoff is passed, as a stuck
-// key's are, until its backoff ends (see endBackoffs).
+// key's are, until its backoff ends (see endBackoffs). Where the first
+// pending rows are older than lag, few (maxStragglers), and the walk from
+// the first of them to lag before now slow, the floor stands at lag
+// before now, above them, and each claim from it takes them as points, by
+// their place in the index or their ids, until a mark of this Store
+// settles them (see stragglers); a probe asks after them.
 // Every period, floorEvery times the last read from the head's time
 // (everyMin to everyMax), one claim or probe (a drain's claim too, which
 // would go on from its cursor) measures again, and starts at the floor its read from
@@ -87,6 +92,12 @@ type headFloor struct {
 	// record (see endBackoffs).
 	skip     []sqldialect.KeySeq
 	backoffs []backoff
+	// points: the pending rows below the floor that the last measure
+	// found, where it set the floor at lag before now above them (see
+	// stragglers): each claim from the floor takes them as points, and a
+	// probe from it asks after them. A mark of this Store that publishes
+	// one, or takes it to MaxAttempts, drops it (see settled).
+	points []sqldialect.Cursor
 	// lowered is when lowerFloors last made next due: a walk from the head
 	// under way then did not see what it made pending.
 	lowered time.Time
@@ -116,6 +127,10 @@ type headFloor struct {
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
+	// pointsAbove: how slow the walk from the first pending row older
+	// than lag to lag before now must be for the floor to stand there,
+	// those rows taken as points (see stragglers); gainAbove's default.
+	pointsAbove time.Duration
 }
 
 const (
@@ -128,7 +143,8 @@ const (
 	// one measure, two statements where it finds no gain (six where it
 	// turns the floor on; one more where the first pending row is keyed,
 	// and past stuck keys two more each, past records in a retry backoff
-	// one more each, and one more read from the head;
+	// one more each, and one more read from the head; two more where the
+	// first pending row is older than floorLag, see stragglers;
 	// on MySQL, where it finds no gain, the next claim's locking measure:
 	// BEGIN, where the pending rows start as above, two locking reads,
 	// four more where they turn the floor on, ROLLBACK), every
@@ -196,6 +212,7 @@ func newHeadFloor(mysql bool) *headFloor {
 	if mysql {
 		f.gainAbove, f.locking = floorGainAboveMySQL, true
 	}
+	f.pointsAbove = f.gainAbove
 	return f
 }
 
@@ -204,10 +221,11 @@ func newHeadFloor(mysql bool) *headFloor {
 // committed on the broker before it answers.
 var atHead = new(sqldialect.Cursor)
 
-// rowQuerier runs a one-row statement: a connection of the pool, or a
-// claim's or probe's transaction.
+// rowQuerier runs a statement: a connection of the pool, or a claim's or
+// probe's transaction.
 type rowQuerier interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 }
 
 // headBound is where a claim or probe that would start at the head of the
@@ -218,9 +236,12 @@ type rowQuerier interface {
 // took, from before this call. A probe (probing) starts at the floor as it
 // stands: an idle relay, which probes every PollInterval, would pay a
 // statement more a poll, and publishes nothing to move the floor past.
-func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex string, probing bool) (*sqldialect.Cursor, error) {
+//
+// points are the rows below the floor that the claim takes as well, and the
+// probe asks after (see headFloor.points): none where it starts at the head.
+func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex string, probing bool) (after *sqldialect.Cursor, points []sqldialect.Cursor, err error) {
 	if s.leases() {
-		return nil, nil // SQLite
+		return nil, nil, nil // SQLite
 	}
 	f := s.floor
 	f.mu.Lock()
@@ -229,7 +250,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	switch {
 	case f.on && now.Before(f.next) && probing:
 		f.endBackoffs(now)
-		return &sqldialect.Cursor{CreatedAt: f.at}, nil
+		return &sqldialect.Cursor{CreatedAt: f.at}, f.pointsBelow(), nil
 	case f.on && now.Before(f.next):
 		f.endBackoffs(now)
 		r, err := s.pendingFirst(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: f.at}, f.skip)
@@ -247,15 +268,15 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 			// a floor does: a read that keeps failing (MySQL's pending
 			// index renamed, which it names) would fail every claim.
 			f.off()
-			return nil, err
+			return nil, nil, err
 		}
 		if first != nil && first.CreatedAt.IsZero() {
-			return nil, nil // from the head, this once
+			return nil, nil, nil // from the head, this once
 		}
 		f.at = f.below(first, now)
-		return &sqldialect.Cursor{CreatedAt: f.at}, nil
+		return &sqldialect.Cursor{CreatedAt: f.at}, f.pointsBelow(), nil
 	case !f.on && !f.check:
-		return nil, nil
+		return nil, nil, nil
 	}
 	// A walk from the head was slow, or the period is over: measure, which
 	// reads where the pending rows start from the head. Once on, this
@@ -268,16 +289,16 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	switch {
 	case err != nil:
 		f.off()
-		return nil, err
+		return nil, nil, err
 	case m.headOnly && !f.on:
 		// A row whose created_at is NULL, claimable: this claim starts at
 		// the head, as without a measure. Counted as a measure without
 		// gain, so that one this claim leaves (its lease running, say)
 		// does not bring a measure every checkEvery.
 		f.missed++
-		return nil, nil
+		return nil, nil, nil
 	case m.headOnly:
-		return nil, nil // from the head, this once: headWalked sets the period
+		return nil, nil, nil // from the head, this once: headWalked sets the period
 	case !m.on && f.locking && !f.lockDue:
 		// MySQL: the plain reads may gain little where the claim's
 		// locking walk pays much; the next claim measures with locking
@@ -288,7 +309,7 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 		// relay's probes, which never claim) is a miss, as elsewhere.
 		f.lockDue = true
 		if !f.on {
-			return nil, nil
+			return nil, nil, nil
 		}
 		m.on = true
 		f.missed = 0
@@ -299,17 +320,28 @@ func (s *Store) headBound(ctx context.Context, q rowQuerier, index, keyIndex str
 	}
 	if !m.on {
 		f.off()
-		return nil, nil
+		return nil, nil, nil
 	}
-	f.on, f.at, f.skip, f.backoffs = true, m.at, m.skip, m.backoffs
+	f.on, f.at, f.skip, f.backoffs, f.points = true, m.at, m.skip, m.backoffs, m.points
 	f.next = now.Add(f.period(m.head))
-	return &sqldialect.Cursor{CreatedAt: f.at}, nil
+	return &sqldialect.Cursor{CreatedAt: f.at}, f.pointsBelow(), nil
+}
+
+// pointsBelow are the floor's points below where it stands: one at or
+// above it (the floor lowered to a keyed record whose backoff ended, see
+// endBackoffs) the claim from the floor takes, and its points statement
+// would have taken it too, twice in one batch.
+func (f *headFloor) pointsBelow() []sqldialect.Cursor {
+	if !slices.ContainsFunc(f.points, func(c sqldialect.Cursor) bool { return !c.CreatedAt.Before(f.at) }) {
+		return f.points
+	}
+	return slices.DeleteFunc(slices.Clone(f.points), func(c sqldialect.Cursor) bool { return !c.CreatedAt.Before(f.at) })
 }
 
 // off turns the floor off: claims and probes start at the head, and a
 // locking measure that turns it on again starts its waits anew.
 func (f *headFloor) off() {
-	f.on, f.lockNext, f.lockKept, f.backoffs = false, time.Time{}, 0, nil
+	f.on, f.lockNext, f.lockKept, f.backoffs, f.points = false, time.Time{}, 0, nil, nil
 }
 
 // period is the time to the next measure of a floor that is on, after a
@@ -328,6 +360,9 @@ type floorMeasure struct {
 	// headOnly: the first pending row's created_at is NULL or not a time
 	// this relay can compare; no floor is below it.
 	headOnly bool
+	// points: the pending rows below at, where the floor stands lag
+	// before now above them (see stragglers).
+	points []sqldialect.Cursor
 	// skip: the stuck records the read from the head passed, and the
 	// records before those waiting out a retry backoff that it passed,
 	// backoffs.
@@ -360,6 +395,31 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		return m, nil
 	}
 	m.at = f.below(first, now)
+	var fromHead func() (time.Duration, error)
+	full := false
+	if low := now.Add(-f.lag); m.at.Before(low) {
+		// Rows older than lag: where the walk from the first of them to
+		// lag before now is slow, the floor stays there, above them, and
+		// the claims take them as points, where they are few. The read of
+		// them walks every entry below the floor, as a walk from the head
+		// past them would: it is the measure's read from the head.
+		below := s.stragglers(ctx, q, index, keyIndex, nil, low, m.skip, false, &m.points, &full)
+		took, err := below()
+		if err != nil {
+			return m, err
+		}
+		if !full {
+			between, err := s.stragglers(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: m.at}, low, m.skip, false, new([]sqldialect.Cursor), new(bool))()
+			switch {
+			case err != nil:
+				return m, err
+			case between >= f.pointsAbove:
+				m.at, m.head, fromHead = low, took, below
+			default:
+				m.points = nil
+			}
+		}
+	}
 	if f.on && now.Before(f.lockNext) {
 		// A floor a locking measure kept (see lockMeasure): where the
 		// plain reads show a gain, it stays on; where they show none, it
@@ -372,16 +432,19 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
 		return s.timedFirst(ctx, q, s.pendingParams(index, keyIndex, after, m.skip, false))
 	}
-	if len(m.skip) > 0 {
-		// The read from the head is timed as one statement, as the one
-		// from the floor is, and past the stuck keys' records: each
-		// statement more, a round trip, would count as a gain, and keep a
-		// floor on for good where a key is stuck.
-		if m.head, err = read(nil)(); err != nil {
-			return m, err
+	if fromHead == nil {
+		if len(m.skip) > 0 {
+			// The read from the head is timed as one statement, as the
+			// one from the floor is, and past the stuck keys' records:
+			// each statement more, a round trip, would count as a gain,
+			// and keep a floor on for good where a key is stuck.
+			if m.head, err = read(nil)(); err != nil {
+				return m, err
+			}
 		}
+		fromHead = read(nil)
 	}
-	fromHead, fromFloor := read(nil), read(&sqldialect.Cursor{CreatedAt: m.at})
+	fromFloor := read(&sqldialect.Cursor{CreatedAt: m.at})
 	m.on, _, err = f.rounds(fromHead, fromFloor, m.head, f.gainAbove)
 	if !m.on && err == nil && f.on && f.locking {
 		// A floor kept on MySQL: a round that missed sends the next
@@ -391,7 +454,110 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		// round a busy machine delayed missed; one more round first.
 		m.on, _, err = f.rounds(fromHead, fromFloor, -1, f.gainAbove)
 	}
+	if full {
+		// A later round found maxStragglers below the floor: it stands
+		// below them all, as without points.
+		m.at, m.points = f.below(first, now), nil
+	}
 	return m, err
+}
+
+// maxStragglers is how many pending rows below the floor a measure finds
+// at most and the claims take as points (see stragglers): two arguments
+// each on MySQL, one on PostgreSQL, in every claim until a mark of this
+// Store settles them.
+const maxStragglers = 128
+
+// stragglers is a read on q, through index, of the pending rows below at
+// but for those skip holds, maxStragglers at most, a locking one where
+// lock is set, that returns how long it took: a measure's read from the
+// head where the first pending row is older than lag. A floor kept at the
+// first pending row stands below all that was published since: a record
+// committed late, a publisher's clock behind, a Retry of old records. On
+// MySQL, behind 100,000 entries of rows published beside a held snapshot
+// and one such row, every claim of two relays walked them with locking
+// reads (4 s a claim on a loaded machine), and a locking measure, from a
+// head no lower than that floor, found no gain and turned the floor off.
+// Kept at lag before now, it passes the entries below it, and the claims
+// take those rows by their place in the index (ClaimParams.Points).
+//
+// A floor at the first of them is kept where the walk from it to lag
+// before now (the same read, after it) takes less than pointsAbove: there
+// a row made pending since between the two is claimed at once, not at
+// the next measure. From after, where it is set, to at.
+//
+// Each read sets *pts to the rows it found, and *full where it found
+// maxStragglers: there may be more, and the floor stands below them all.
+func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, at time.Time, skip []sqldialect.KeySeq, lock bool, pts *[]sqldialect.Cursor, full *bool) func() (time.Duration, error) {
+	p := s.pendingParams(index, keyIndex, after, skip, lock)
+	return func() (time.Duration, error) {
+		started := time.Now()
+		query := s.inline(s.q.PendingBelow(p, at, maxStragglers))
+		s.sent.Add(1)
+		rows, err := q.QueryContext(ctx, query.SQL, query.Args...)
+		if err != nil {
+			return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
+		}
+		defer func() { _ = rows.Close() }()
+		var found []sqldialect.Cursor
+		for rows.Next() {
+			var (
+				id   string
+				text any
+			)
+			if err := rows.Scan(&text, &id); err != nil {
+				return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
+			}
+			created := sqldialect.NewTime(s.dialect.sql())
+			_ = created.Scan(text) // its error is created.Err
+			if created.Err != nil || created.T.IsZero() {
+				// Not a time this relay can bind back: the floor stands
+				// below it, as without points.
+				*pts, *full = nil, true
+				return time.Since(started), rows.Err()
+			}
+			c := sqldialect.Cursor{CreatedAt: created.T, ID: id}
+			switch t := text.(type) {
+			case []byte:
+				c.CreatedText = string(t)
+			case string:
+				c.CreatedText = t
+			}
+			found = append(found, c)
+		}
+		if err := rows.Err(); err != nil {
+			return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
+		}
+		*pts, *full = found, len(found) >= maxStragglers
+		if *full {
+			*pts = nil
+		}
+		return time.Since(started), nil
+	}
+}
+
+// settled drops from the floor's points (see headFloor.points) the rows a
+// mark of this Store published or took to MaxAttempts: no claim takes
+// them again. Others' marks are not seen: their points stay, a read of an
+// index entry each in every claim, until the next measure.
+func (s *Store) settled(published []string, failures []failure) {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.points) == 0 {
+		return
+	}
+	done := make(map[string]bool, len(published)+len(failures))
+	for _, id := range published {
+		done[id] = true
+	}
+	for _, x := range failures {
+		if x.attempts >= s.cfg.MaxAttempts {
+			done[x.id] = true
+		}
+	}
+	// A copy: claims read the slice headBound gave them.
+	f.points = slices.DeleteFunc(slices.Clone(f.points), func(c sqldialect.Cursor) bool { return done[c.ID] })
 }
 
 // rounds times the reads fromHead and fromFloor, floorRounds times (once
@@ -843,7 +1009,30 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 	read := func(after *sqldialect.Cursor) func() (time.Duration, error) {
 		return s.timedFirst(ctx, tx, s.pendingParams(index, keyIndex, after, start.skip, true))
 	}
-	on, head, err := f.rounds(read(nil), read(&sqldialect.Cursor{CreatedAt: at}), -1, max(f.gainAbove, floorGainAbove))
+	fromHead := read(nil)
+	var points []sqldialect.Cursor
+	if low := now.Add(-f.lag); at.Before(low) {
+		// Rows older than lag, taken as points where they are few and the
+		// locking walk from the first of them to lag before now is slow
+		// (see stragglers): the floor is timed at lag before now, against
+		// a locking read of the rows below it.
+		full := false
+		var between time.Duration
+		_, err := s.stragglers(ctx, tx, index, keyIndex, nil, low, start.skip, false, &points, &full)()
+		if err == nil && !full {
+			between, err = s.stragglers(ctx, tx, index, keyIndex, &sqldialect.Cursor{CreatedAt: at}, low, start.skip, true, new([]sqldialect.Cursor), new(bool))()
+		}
+		switch {
+		case err != nil:
+			f.off()
+			return err
+		case !full && between >= f.pointsAbove:
+			at, fromHead = low, s.stragglers(ctx, tx, index, keyIndex, nil, low, start.skip, true, new([]sqldialect.Cursor), new(bool))
+		default:
+			points = nil
+		}
+	}
+	on, head, err := f.rounds(fromHead, read(&sqldialect.Cursor{CreatedAt: at}), -1, max(f.gainAbove, floorGainAbove))
 	if rbErr := tx.Rollback(); err == nil && rbErr != nil {
 		err = fmt.Errorf("outbox: the floor's locking measure: %w", rbErr)
 	}
@@ -853,7 +1042,7 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		return err
 	case on:
 		f.lockedOn(now, head)
-		f.on, f.at, f.skip, f.backoffs, f.missed = true, at, start.skip, start.backoffs, 0
+		f.on, f.at, f.skip, f.backoffs, f.points, f.missed = true, at, start.skip, start.backoffs, points, 0
 		f.next = now.Add(f.period(head))
 	case f.on:
 		f.off()

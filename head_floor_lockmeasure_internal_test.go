@@ -214,28 +214,36 @@ func TestClaim_MySQL_PendingIndexRenamed_LockMeasureDue_NoClaimFails(t *testing.
 
 // A locking measure that finds no gain sends what floorCheckAbove's
 // comment counts: BEGIN, where the pending rows start (one read where no
-// key is stuck), two locking reads, ROLLBACK.
+// key is stuck), two locking reads, ROLLBACK; two reads more where the
+// first pending row is older than lag (the rows below lag before now, and
+// the locking walk to them from the first, too quick for points here).
 func TestLockMeasure_MySQL_NoGain_SendsTheStatementsDocumented(t *testing.T) {
 	t.Parallel()
 	db, s := mysqlFloorStore(t)
 	ctx := context.Background()
 	s.index, s.keyIndex = indexesOf(t, s)
-	writeAt(t, db, "a", time.Now().Add(-time.Minute))
-	f := s.floor
-	f.mu.Lock()
-	f.lockDue, f.gainAbove = true, time.Hour // no gain
-	f.mu.Unlock()
 	conn, err := db.DB.Conn(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	sent := s.sent.Load()
-	if err := s.lockMeasure(ctx, conn); err != nil {
-		t.Fatal(err)
-	}
-	if n := s.sent.Load() - sent; n != 5 {
-		t.Fatalf("a locking measure without gain sent %d statements; want 5 (BEGIN, one read, two locking reads, ROLLBACK)", n)
+	for _, c := range []struct {
+		age  time.Duration
+		want int64
+	}{{0, 5}, {time.Minute, 7}} {
+		db.MustExec("DELETE FROM acemq_outbox")
+		writeAt(t, db, "a", time.Now().Add(-c.age))
+		f := s.floor
+		f.mu.Lock()
+		f.lockDue, f.gainAbove, f.pointsAbove = true, time.Hour, time.Hour // no gain
+		f.mu.Unlock()
+		sent := s.sent.Load()
+		if err := s.lockMeasure(ctx, conn); err != nil {
+			t.Fatal(err)
+		}
+		if n := s.sent.Load() - sent; n != c.want {
+			t.Errorf("a locking measure without gain, the first pending row %v old, sent %d statements; want %d", c.age, n, c.want)
+		}
 	}
 }
 

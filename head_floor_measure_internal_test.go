@@ -31,6 +31,14 @@ func (q *delayedQuerier) QueryRowContext(ctx context.Context, query string, args
 	return q.conn.QueryRowContext(ctx, query, args...)
 }
 
+func (q *delayedQuerier) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	if q.all || q.sent == q.delayed {
+		time.Sleep(q.delay)
+	}
+	q.sent++
+	return q.conn.QueryContext(ctx, query, args...)
+}
+
 // With no snapshot held, no dead entry in the pending index, one read of a
 // measure that the machine delays does not turn the floor on: CI's load
 // delayed a read from the head by 2 ms or more and turned it on beside
@@ -151,7 +159,7 @@ func TestHeadWalked_MeasuresThatFindNoGain_WaitLongerEachTime(t *testing.T) {
 		if !f.check {
 			t.Fatalf("after %d measures without gain, a slow walk long after the last did not make the next measure", missed)
 		}
-		if _, err := s.headBound(ctx, db.DB, "", "", true); err != nil {
+		if _, _, err := s.headBound(ctx, db.DB, "", "", true); err != nil {
 			t.Fatal(err)
 		}
 		if f.on || f.missed != missed+1 {

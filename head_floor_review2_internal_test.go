@@ -33,7 +33,7 @@ func TestClaim_RetryDuringAWalkFromTheHead_NextClaimStartsAtTheHead(t *testing.T
 		writeFreshAndStuck(t, db)
 
 		// The relay's claim: its period is over, it measures...
-		from, err := s.headBound(ctx, db.DB, "", "", false)
+		from, _, err := s.headBound(ctx, db.DB, "", "", false)
 		if err != nil {
 			t.Fatalf("headBound: %v", err)
 		}

@@ -322,6 +322,11 @@ func (r *recordingQuerier) QueryRowContext(ctx context.Context, query string, ar
 	return r.q.QueryRowContext(ctx, query, args...)
 }
 
+func (r *recordingQuerier) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	r.sent = append(r.sent, query)
+	return r.q.QueryContext(ctx, query, args...)
+}
+
 // fromHead counts the reads from the head of the pending index, the only
 // ones with the part that reads a NULL created_at.
 func (r *recordingQuerier) fromHead() int {
@@ -336,7 +341,9 @@ func (r *recordingQuerier) fromHead() int {
 
 // In a keyed flow (the first pending row's predecessor published, nothing
 // stuck), a measure sends one statement more than with an unkeyed first
-// row: three where it finds no gain. Timed alone where it had nothing to
+// row: three where it finds no gain, and two more where that row is older
+// than lag (the rows below lag before now, and the walk from the first of
+// them, which finds no entry worth points here). Timed alone where it had nothing to
 // pass, the first read from the head is the measure's only one; beside a
 // held snapshot, timing it again walked from the head twice in the claim
 // due at each period's end (40,005 entries beside 20,000, PostgreSQL).
@@ -356,7 +363,7 @@ func TestMeasureFloor_KeyedFlow_ReadsFromTheHeadOnce(t *testing.T) {
 			// No gain: the first round ends it (a floor kept on MySQL gets
 			// a second). Whether 20,000 dead entries show a gain depends
 			// on the server's other transactions on MySQL (see lockMeasure).
-			s.floor.on, s.floor.gainAbove = on, time.Hour
+			s.floor.on, s.floor.gainAbove, s.floor.pointsAbove = on, time.Hour, time.Hour
 			tx, err := db.DB.BeginTx(ctx, nil)
 			if err != nil {
 				t.Fatal(err)
@@ -377,12 +384,12 @@ func TestMeasureFloor_KeyedFlow_ReadsFromTheHeadOnce(t *testing.T) {
 			}
 		}
 		writeAt(t, db, "u", time.Now().Add(-time.Minute))
-		measure("an unkeyed first row", true, 2)
-		measure("an unkeyed first row", false, 2)
+		measure("an unkeyed first row", true, 4)
+		measure("an unkeyed first row", false, 4)
 		db.MustExec("DELETE FROM acemq_outbox WHERE id = 'u'")
 		writeKeyedFlow(t, db)
-		measure("a keyed first row, its predecessor published", true, 3)
-		measure("a keyed first row, its predecessor published", false, 3)
+		measure("a keyed first row, its predecessor published", true, 5)
+		measure("a keyed first row, its predecessor published", false, 5)
 	})
 }
 

@@ -271,8 +271,21 @@ func (s *Store) probe(ctx context.Context, db rowQuerier) (bool, error) {
 	walk := time.Now() // a probe from the head: see headWalked
 	var err error
 	index, keyIndex := s.indexNames()
-	if p.After, err = s.headBound(ctx, db, index, keyIndex, true); err != nil {
+	var points []sqldialect.Cursor
+	if p.After, points, err = s.headBound(ctx, db, index, keyIndex, true); err != nil {
 		return false, err
+	}
+	if len(points) > 0 {
+		// The rows below the floor that the claims take as points.
+		q := s.inline(s.q.Claimable(sqldialect.ClaimParams{MaxAttempts: p.MaxAttempts, Now: p.Now, Points: points}))
+		s.sent.Add(1)
+		var one int
+		switch err := db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&one); {
+		case err == nil:
+			return true, nil
+		case !errors.Is(err, sql.ErrNoRows):
+			return false, err
+		}
 	}
 	q := s.inline(s.q.Claimable(p))
 	s.sent.Add(1)
@@ -342,7 +355,7 @@ func (s *Store) passedOver(ctx context.Context, c *claim, after, last *sqldialec
 	if err := c.tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
 		return 0, fmt.Errorf("outbox: rows the claim passed over: %w", err)
 	}
-	return max(n-len(c.rows), 0), nil
+	return max(n-(len(c.rows)-c.points), 0), nil
 }
 
 // pendingIndex is the first of indexNames.
@@ -379,8 +392,11 @@ type claim struct {
 	// moveKeys), which abandon puts back.
 	keys keysBefore
 	// from is where the claim started: the cursor it was given, or the
-	// floor (see headFloor); nil for the head (locking claims).
-	from *sqldialect.Cursor
+	// floor (see headFloor); nil for the head (locking claims). points:
+	// how many of rows, the first, it took below the floor as points (see
+	// headFloor.points).
+	from   *sqldialect.Cursor
+	points int
 }
 
 // idArgs are the ids of the claim's rows a mark must not bind as text,
@@ -590,11 +606,35 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		return fail(err)
 	}
 	walk := time.Now() // a claim from the head: see headWalked
+	var points []sqldialect.ClaimedRow
 	if floor {
-		if p.After, err = s.headBound(ctx, tx, p.Index, p.KeyIndex, false); err != nil {
+		var at []sqldialect.Cursor
+		if p.After, at, err = s.headBound(ctx, tx, p.Index, p.KeyIndex, false); err != nil {
 			s.forgetIndex() // MySQL's, which the read names: dropped or renamed, maybe
 			return fail(err)
 		}
+		if len(at) > 0 {
+			// The rows below the floor its measure found (see
+			// stragglers), first: they come first in claim order.
+			pp := sqldialect.ClaimParams{Limit: n, MaxAttempts: p.MaxAttempts, Now: p.Now, Index: p.Index, KeyIndex: p.KeyIndex, InFlight: p.InFlight, Points: at}
+			s.sent.Add(1)
+			rows, err := s.queryTx(ctx, tx, s.q.Claim(pp))
+			if err == nil {
+				points, err = s.q.ScanClaimed(rows)
+			}
+			if err != nil {
+				s.forgetIndex()
+				return fail(err)
+			}
+			sortClaimed(points) // PostgreSQL's come in no order
+			p.Limit -= len(points)
+		}
+	}
+	if p.Limit == 0 {
+		if !stop() {
+			return fail(ctx.Err())
+		}
+		return &claim{rows: points, points: len(points), tx: tx, conn: conn, end: end, from: p.After}, nil
 	}
 	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 		return fail(err)
@@ -630,7 +670,17 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// rolled back; nothing is claimed.
 		return fail(ctx.Err())
 	}
-	return &claim{rows: claimed, tx: tx, conn: conn, end: end, keys: s.moveKeys(sliced, len(claimed)), from: p.After}, nil
+	if len(points) > 0 {
+		// headBound gives no point at or above the floor, which the claim
+		// from it would take again; should one come, it is taken once.
+		taken := make(map[string]bool, len(points))
+		for _, r := range points {
+			taken[r.ID] = true
+		}
+		claimed = slices.DeleteFunc(claimed, func(r sqldialect.ClaimedRow) bool { return taken[r.ID] })
+	}
+	keys := s.moveKeys(sliced, len(claimed))
+	return &claim{rows: append(points, claimed...), points: len(points), tx: tx, conn: conn, end: end, keys: keys, from: p.After}, nil
 }
 
 // defaultClaimWindow is how many entries of the pending index a claim of n
@@ -1135,6 +1185,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 			return fmt.Errorf("outbox: commit marks: %w", err)
 		}
 		s.passStuck(stuck, marked)
+		s.settled(published, failures)
 		return nil
 	}
 	var stuck []sqldialect.KeySeq

@@ -319,6 +319,10 @@ func (mysql) windows() bool { return false }
 
 func (mysql) latest() string { return "NULL" } // never asked for (windows)
 
+// pointsInIndex: a claim that reached a row through the primary key locks
+// its clustered record alone (see pendingIndex).
+func (mysql) pointsInIndex() bool { return true }
+
 // windowClaim: never asked for (windows).
 func (d mysql) windowClaim(o *Outbox, p ClaimParams, where string, args []any) Query {
 	return d.claim(o.table, p, where, args)

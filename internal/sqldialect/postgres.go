@@ -259,6 +259,13 @@ func (postgres) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 }
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
+	if len(p.Points) > 0 {
+		// Unordered, and sorted by the caller: ordered (the claim's
+		// transaction turns enable_sort off, see claimSetup) the planner
+		// walked the whole pending index, the id a filter, rather than
+		// look the points up by the primary key.
+		return Query{SQL: rebindDollar("SELECT " + postgresClaimed + " FROM " + table + " " + claimAlias + " WHERE " + where + " LIMIT ? FOR UPDATE SKIP LOCKED"), Args: append(args, p.Limit)}
+	}
 	return Query{SQL: rebindDollar(lockingClaim(postgresClaimed, table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }
 
@@ -278,6 +285,12 @@ func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 }
 
 func (postgres) windows() bool { return true }
+
+// pointsInIndex: by their ids, through the primary key (see claim). A
+// disjunction of ranges of the pending index is no index condition to
+// PostgreSQL: a claim ordered by created_at filtered every entry of the
+// index with it.
+func (postgres) pointsInIndex() bool { return false }
 
 // latest sorts after every time a timestamp column holds.
 func (postgres) latest() string { return "'infinity'" }

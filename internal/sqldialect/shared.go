@@ -428,6 +428,10 @@ type Cursor struct {
 	// INTEGER is greater than a TEXT, and a drain's next claim, comparing
 	// with the id's text, passed over the rest of its created_at.
 	IDArg any
+	// CreatedText, if set, is created_at as the database wrote it (the
+	// text PendingBelow read), which a point (ClaimParams.Points) binds as
+	// it is: equal to the column's value whatever its precision.
+	CreatedText string
 }
 
 // KeySeq is a keyed record's place in its key.
@@ -486,12 +490,22 @@ type ClaimParams struct {
 	// (ScanClaimedSlice); KeysSliceEnd asks after.
 	KeysRead int
 	KeysFrom any
+	// Points, if set, makes the claim one of these rows only, each found
+	// by its place in the pending index or its id (see atPoints): the
+	// rows below a floor that its measure found (the Store's headFloor).
+	// After and Window are not read. Its rows may come in any order
+	// (PostgreSQL's): the caller sorts them.
+	Points []Cursor
 }
 
 // Claim claims up to p.Limit claimable rows in created_at, id order.
 // Columns: those of ClaimedRow, read by ScanClaimed.
 func (o *Outbox) Claim(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
+	if len(p.Points) > 0 {
+		cond, pargs := o.atPoints(p.Points)
+		return o.d.claim(o.table, p, where+" AND "+cond, append(args, pargs...))
+	}
 	where, args = o.andAfter(p.After, where, args)
 	if p.Window > 0 {
 		return o.d.windowClaim(o, p, where, args)
@@ -550,11 +564,7 @@ type PendingParams struct {
 // head for as long as it waits. After a cursor no such row is read.
 func (o *Outbox) PendingFirst(p PendingParams) Query {
 	from, where, args := o.pendingUnder(p.Index, p.MaxAttempts, p.After)
-	for _, k := range p.Skip {
-		// COALESCE: an unkeyed row, or one without a seq, compares NULL.
-		where += " AND NOT COALESCE(aggregate_id = ? AND seq > ?, FALSE)"
-		args = append(args, k.Key, k.Seq)
-	}
+	where, args = andNotHeld(p.Skip, where, args)
 	over, holdArgs := o.leaseOver(p.Now)
 	cols := func(hold string) string {
 		return o.d.timeText("created_at") + " AS created_text, id, " + o.d.text("aggregate_id") + " AS aggregate_id, seq, " + hold + " AS hold_text FROM "
@@ -576,6 +586,83 @@ func (o *Outbox) PendingFirst(p PendingParams) Query {
 	claimable, cargs := o.claimWhere(ClaimParams{MaxAttempts: p.MaxAttempts, Now: p.Now, KeyIndex: p.KeyIndex})
 	null := "SELECT 0 AS nulls_last, " + cols("NULL") + o.table + " " + claimAlias + " WHERE " + claimable + " AND created_at IS NULL LIMIT 1"
 	return o.query("SELECT created_text, id, aggregate_id, seq, hold_text FROM (("+null+") UNION ALL (SELECT 1, "+first+")) pending_first ORDER BY nulls_last LIMIT 1", append(cargs, args...)...)
+}
+
+// andNotHeld is the condition where (with its arguments args) and not a
+// record that one of skip holds in its key (see PendingParams.Skip).
+func andNotHeld(skip []KeySeq, where string, args []any) (string, []any) {
+	for _, k := range skip {
+		// COALESCE: an unkeyed row, or one without a seq, compares NULL.
+		where += " AND NOT COALESCE(aggregate_id = ? AND seq > ?, FALSE)"
+		args = append(args, k.Key, k.Seq)
+	}
+	return where, args
+}
+
+// PendingBelow reads, from the head (after p.After, where it is set), up
+// to limit of the unpublished rows under p.MaxAttempts whose created_at is
+// before before, in claim order, but for those p.Skip holds: the rows a
+// floor at before passes over, to be claimed as points
+// (ClaimParams.Points). With p.Lock a locking read, as PendingFirst's,
+// for its time: it walks every entry it passes, as a claim would.
+// Columns: created_at, id.
+func (o *Outbox) PendingBelow(p PendingParams, before time.Time, limit int) Query {
+	from, where, args := o.pendingUnder(p.Index, p.MaxAttempts, p.After)
+	where, args = andNotHeld(p.Skip, where, args)
+	below, bargs := o.d.timeCmp("created_at", "<", before)
+	q := "SELECT " + o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND " + below +
+		" ORDER BY created_at, id LIMIT ?"
+	if p.Lock {
+		q += " FOR UPDATE SKIP LOCKED"
+	}
+	return o.query(q, append(append(args, bargs...), limit)...)
+}
+
+// atPoints is the condition of the rows at pts, and its arguments: each
+// row by its id, and where the dialect finds points in the pending index
+// (MySQL, whose claim names it: through the primary key a claim locks a
+// row's clustered record alone; see mysql's pendingIndex) by its
+// created_at too, equal to the text PendingBelow read (CreatedText). Each
+// point is then an exact key of the index, a lookup that stops at the
+// next entry. Within a range of created_at, however narrow, InnoDB's
+// locking read stepped over every entry a held snapshot kept after the
+// row (a point before 100,000 of them took 110 ms) to the first live
+// one, to find the range over.
+func (o *Outbox) atPoints(pts []Cursor) (string, []any) {
+	var b strings.Builder
+	args := make([]any, 0, 2*len(pts))
+	inIndex := o.d.pointsInIndex()
+	if !inIndex {
+		b.WriteString("id IN (")
+	} else {
+		b.WriteString("(")
+	}
+	for i, c := range pts {
+		var id any = c.ID
+		if c.IDArg != nil {
+			id = c.IDArg
+		}
+		switch {
+		case !inIndex && i > 0:
+			b.WriteString(", ?")
+		case !inIndex:
+			b.WriteString("?")
+		case i > 0:
+			b.WriteString(" OR (created_at = ? AND id = ?)")
+		default:
+			b.WriteString("(created_at = ? AND id = ?)")
+		}
+		if inIndex {
+			var at any = c.CreatedText
+			if c.CreatedText == "" {
+				at = o.d.TimeArg(c.CreatedAt)
+			}
+			args = append(args, at)
+		}
+		args = append(args, id)
+	}
+	b.WriteString(")")
+	return b.String(), args
 }
 
 // KeyRecord reads the unpublished record of key at seq, through keyIndex
@@ -614,6 +701,10 @@ func (o *Outbox) pendingUnder(index string, maxAttempts int, after *Cursor) (fro
 // windowed claim does, whether or not the index holds a window's worth.
 func (o *Outbox) Claimable(p ClaimParams) Query {
 	where, args := o.claimWhere(p)
+	if len(p.Points) > 0 {
+		cond, pargs := o.atPoints(p.Points)
+		return o.query("SELECT 1 FROM "+o.table+" "+claimAlias+" WHERE "+where+" AND "+cond+" LIMIT 1", append(args, pargs...)...)
+	}
 	where, args = o.andAfter(p.After, where, args)
 	if p.Window > 0 && o.d.windows() {
 		return o.claimableWindowed(p, where, args)

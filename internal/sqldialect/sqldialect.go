@@ -156,6 +156,10 @@ type Dialect interface {
 	windowClaim(o *Outbox, p ClaimParams, where string, whereArgs []any) Query
 	// windows reports whether the dialect's claims are windowed.
 	windows() bool
+	// pointsInIndex reports whether a claim of points (ClaimParams.Points)
+	// finds them in the pending index (see Outbox.atPoints), rather than
+	// by their ids.
+	pointsInIndex() bool
 	// latest is a value that sorts after every created_at.
 	latest() string
 	claimSetup() string

@@ -79,6 +79,11 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		}
 		queries["lock keys"] = o.LockKeys(keys)
 		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
+		pts := []Cursor{{CreatedAt: now, ID: "a", CreatedText: "2026-11-30 12:00:00.123456"}, {CreatedAt: now, ID: "b"}}
+		queries["claim of points"] = o.Claim(ClaimParams{Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", Points: pts})
+		queries["claimable points"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now, Points: pts})
+		queries["pending below"] = o.PendingBelow(PendingParams{MaxAttempts: 10, Skip: []KeySeq{{Key: "k", Seq: 2}}}, now, 128)
+		queries["pending below, after, locking"] = o.PendingBelow(PendingParams{Index: "acemq_outbox_pending", MaxAttempts: 10, After: &Cursor{CreatedAt: now}, Lock: true}, now, 128)
 		queries["keys slice end"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, KeysFrom: "k1"}, nil)
 		queries["keys slice end, beyond the window"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, After: &Cursor{CreatedAt: now, ID: "x"}}, []any{"a", "b"})
 		queries["window full"] = o.WindowFull(ClaimParams{After: &Cursor{CreatedAt: now, ID: "x"}}, 20)
@@ -251,4 +256,35 @@ func anys(ids []string) []any {
 		out[i] = id
 	}
 	return out
+}
+
+// On MySQL a claim's points are exact keys of the pending index, each
+// created_at bound as the text the database wrote: within a range of
+// created_at, however narrow, InnoDB's locking read stepped over every
+// entry a held snapshot kept after the point (110 ms a claim beside
+// 100,000). On PostgreSQL they are ids, in a claim without ORDER BY (see
+// postgres's claim).
+func TestClaimOfPoints_MySQLExactKeys_PostgresIDs(t *testing.T) {
+	now := time.Date(2026, 11, 30, 12, 0, 0, 123456000, time.UTC)
+	pts := []Cursor{{CreatedAt: now, ID: "a", CreatedText: "2026-11-30 12:00:00.123456"}, {CreatedAt: now, ID: "b"}}
+	o, err := NewOutbox(MySQL, "acemq_outbox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := o.Claim(ClaimParams{Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", Points: pts})
+	if !strings.Contains(q.SQL, "((created_at = ? AND id = ?) OR (created_at = ? AND id = ?))") || !strings.Contains(q.SQL, "FORCE INDEX") {
+		t.Errorf("MySQL's claim of points: %s", q.SQL)
+	}
+	want := []any{"2026-11-30 12:00:00.123456", "a", MySQL.TimeArg(now), "b", 10}
+	if got := q.Args[len(q.Args)-len(want):]; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("MySQL's claim of points binds %v, want %v at the end", got, want)
+	}
+	o, err = NewOutbox(Postgres, "acemq_outbox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	q = o.Claim(ClaimParams{Limit: 10, MaxAttempts: 5, Now: now, Points: pts})
+	if !strings.Contains(q.SQL, "id IN ($") || strings.Contains(q.SQL, "ORDER BY") {
+		t.Errorf("PostgreSQL's claim of points: %s", q.SQL)
+	}
 }

@@ -125,6 +125,9 @@ func (d sqlite) keyHead(table, alias string, p ClaimParams) string {
 
 func (sqlite) windows() bool { return true }
 
+// pointsInIndex: never asked for (no floor on SQLite).
+func (sqlite) pointsInIndex() bool { return false }
+
 // latest: a blob sorts after every number and text, whichever way a
 // library wrote its times.
 func (sqlite) latest() string { return "x'ff'" }

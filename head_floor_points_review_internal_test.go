@@ -1,0 +1,191 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// A keyed record in a retry backoff below the floor (passed by the
+// measure, headFloor.backoffs) and an old unkeyed row taken as a point:
+// once the backoff ends, endBackoffs lowers the floor to the keyed record,
+// below the point, and the claim from the lowered floor takes the point.
+// Its points statement took it too, and the row went to the broker twice
+// in one batch (a review's catch): a point at or above the floor is not
+// one.
+func TestClaim_KeyedBackoffEndsBelowAPoint_PointClaimedOnce(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		s := pointsBesideASnapshot(t, db, d, 5000) // period an hour: no measure but the first
+		writeKeyed(t, db, "k#1", "k", 1, time.Now().Add(-3*time.Hour), 1)
+		end := time.Now().Add(2 * time.Second)
+		holdBack(t, db, "k#1", end)
+		writeAt(t, db, "old", time.Now().Add(-2*time.Hour))
+		writeAt(t, db, "new", time.Now())
+
+		conn, err := db.DB.Conn(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = conn.Close() }()
+		if found, err := s.probe(ctx, conn); err != nil || !found { // measures
+			t.Fatalf("probe: %v %v", found, err)
+		}
+		on, _, points := floorState(s)
+		if !on || !slices.Equal(points, []string{"old"}) || len(s.floor.backoffs) != 1 {
+			t.Fatalf("after the measure: on %v, points %v, backoffs %v; want on, [old], k#1", on, points, s.floor.backoffs)
+		}
+		time.Sleep(time.Until(end.Add(20 * time.Millisecond)))
+
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = s.abandon(ctx, cl) }()
+		var ids []string
+		for _, r := range cl.rows {
+			ids = append(ids, r.ID)
+		}
+		seen := map[string]int{}
+		for _, id := range ids {
+			seen[id]++
+		}
+		for id, n := range seen {
+			if n > 1 {
+				t.Errorf("the claim after the backoff ended took %q %d times: %v (points %d, from %v)", id, n, ids, cl.points, cl.from)
+			}
+		}
+	})
+}
+
+// The measure's second read of the rows below lag before now times the
+// walk from the first of them: it reads after the cursor it is given. It
+// read from the head, as the first read did (a review's catch).
+func TestStragglers_AfterACursor_ReadFromIt(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		s := floorStore(t, db, d, time.Hour)
+		s.index, s.keyIndex = indexesOf(t, s)
+		a, b := time.Now().Add(-3*time.Hour), time.Now().Add(-2*time.Hour)
+		writeAt(t, db, "a", a)
+		writeAt(t, db, "b", b)
+		var pts []sqldialect.Cursor
+		full := false
+		after := &sqldialect.Cursor{CreatedAt: b.Add(-time.Second)}
+		if _, err := s.stragglers(ctx, db.DB, s.index, s.keyIndex, after, time.Now().Add(-time.Hour), nil, false, &pts, &full)(); err != nil {
+			t.Fatal(err)
+		}
+		var ids []string
+		for _, p := range pts {
+			ids = append(ids, p.ID)
+		}
+		if !slices.Equal(ids, []string{"b"}) {
+			t.Errorf("the read of the rows below lag after %v found %v, want [b]: it walked from the head", after.CreatedAt, ids)
+		}
+	})
+}
+
+// Dead entries older than the first pending row, which is older than lag,
+// and a quick walk from it to lag before now: the measure keeps the floor
+// at that row, without points, and a row made pending between it and lag
+// before now is claimed at once. With the walk timed from the head, the
+// floor went to lag before now with the row as a point, and such a row
+// waited for the next measure.
+func TestMeasureFloor_DeadEntriesBelowTheFirstOldRow_FloorKeptAtIt(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		holdSnapshot(t, db)
+		publishOld(t, db, 50000) // an hour ago
+		s := floorStore(t, db, d, time.Hour)
+		mid := time.Now().Add(-30 * time.Minute)
+		writeAt(t, db, "mid", mid)
+		writeAt(t, db, "new", time.Now())
+		conn, err := db.DB.Conn(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = conn.Close() }()
+		// A measure a busy machine slowed may take the row as a point (the
+		// walk timed against 2 ms, 1 ms on MariaDB): one of five keeps the
+		// floor at it. Timed from the head, past 50,000 dead entries, none
+		// did.
+		for i := 0; ; i++ {
+			s.floor.mu.Lock()
+			s.floor.next = time.Time{}
+			s.floor.mu.Unlock()
+			if found, err := s.probe(ctx, conn); err != nil || !found { // measures
+				t.Fatalf("probe: %v %v", found, err)
+			}
+			on, at, points := floorState(s)
+			if on && len(points) == 0 && !at.After(mid) {
+				break
+			}
+			if i == 4 {
+				t.Fatalf("floor on %v at %v (mid %v), points %v, in five measures: the row taken as a point", on, at, mid.UTC(), points)
+			}
+		}
+		writeAt(t, db, "late", time.Now().Add(-20*time.Minute)) // between mid and lag before now
+		ids, from := claimAll(t, s)
+		if !slices.Contains(ids, "late") {
+			t.Errorf("the claim after the measure took %v from %v: late (between the first row and lag before now) waits for the next measure", ids, from)
+		}
+	})
+}
+
+// On PostgreSQL the points statement looks the points up by their ids. In
+// the claim's transaction claimSetup turns enable_sort off, and, ordered
+// by created_at, the planner walked the pending index in order, the id a
+// filter, every entry the floor is there to skip (20,000 here; a
+// review's catch).
+func TestClaim_Postgres_PointsClaimReadsByTheirIDs(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, testdb.Postgres)
+	if err := Migrate(context.Background(), db.DB, Postgres); err != nil {
+		t.Fatal(err)
+	}
+	holdSnapshot(t, db)
+	publishOld(t, db, 20000)
+	s := pointsStore(t, db, Postgres)
+	writeAt(t, db, "old", time.Now().Add(-2*time.Hour))
+	writeAt(t, db, "new", time.Now())
+	var at time.Time
+	if err := db.QueryRow("SELECT created_at FROM acemq_outbox WHERE id = 'old'").Scan(&at); err != nil {
+		t.Fatal(err)
+	}
+	// The points statement of claimBatch, a claim of 100.
+	q := s.q.Claim(sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: []sqldialect.Cursor{{CreatedAt: at, ID: "old"}}})
+	tx, err := db.DB.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	db.MustExec("ANALYZE acemq_outbox")
+	// As in the claim's transaction (claimSetup: enable_sort off).
+	if _, err := tx.Exec(s.q.ClaimSetup().SQL); err != nil {
+		t.Fatal(err)
+	}
+	var plan string
+	if err := tx.QueryRow("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+q.SQL, q.Args...).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	var p []struct {
+		Plan struct {
+			Hit int `json:"Shared Hit Blocks"`
+			Rd  int `json:"Shared Read Blocks"`
+		}
+	}
+	if err := json.Unmarshal([]byte(plan), &p); err != nil {
+		t.Fatal(err)
+	}
+	if blocks := p[0].Plan.Hit + p[0].Plan.Rd; blocks > 20 {
+		t.Errorf("the points statement of a claim of one point read %d blocks: %s", blocks, plan)
+	}
+}
