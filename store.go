@@ -615,8 +615,11 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}
 		if len(at) > 0 {
 			// The rows below the floor its measure found (see
-			// stragglers), first: they come first in claim order.
-			pp := sqldialect.ClaimParams{Limit: n, MaxAttempts: p.MaxAttempts, Now: p.Now, Index: p.Index, KeyIndex: p.KeyIndex, InFlight: p.InFlight, Points: at}
+			// stragglers), first: they come first in claim order. The
+			// first n of them: PostgreSQL's claim of points is not
+			// ordered, and took the newest of them first where they
+			// were more.
+			pp := sqldialect.ClaimParams{Limit: n, MaxAttempts: p.MaxAttempts, Now: p.Now, Index: p.Index, KeyIndex: p.KeyIndex, InFlight: p.InFlight, Points: at[:min(len(at), n)]}
 			s.sent.Add(1)
 			rows, err := s.queryTx(ctx, tx, s.q.Claim(pp))
 			if err == nil {

@@ -610,7 +610,9 @@ func (o *Outbox) PendingBelow(p PendingParams, before time.Time, limit int) Quer
 	from, where, args := o.pendingUnder(p.Index, p.MaxAttempts, p.After)
 	where, args = andNotHeld(p.Skip, where, args)
 	below, bargs := o.d.timeCmp("created_at", "<", before)
-	q := "SELECT " + o.d.timeText("created_at") + " AS created_text, id FROM " + from + " WHERE " + where + " AND " + below +
+	// The id as the claim reads it (text): PostgreSQL's char(n) keeps its
+	// padding otherwise, and a mark of the claim's id never matched it.
+	q := "SELECT " + o.d.timeText("created_at") + " AS created_text, " + o.d.text("id") + " AS id FROM " + from + " WHERE " + where + " AND " + below +
 		" ORDER BY created_at, id LIMIT ?"
 	if p.Lock {
 		q += " FOR UPDATE SKIP LOCKED"
