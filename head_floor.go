@@ -648,6 +648,19 @@ func (s *Store) floorDue() time.Duration {
 	return max(time.Until(f.next), 0)
 }
 
+// belowPoints reports whether a drain's cursor c stands below the floor
+// while the floor has points (see headFloor.points): the drain went back
+// for a key's next record (behindNextOfKeys), an old one, and its claim
+// from c would walk every dead entry between it and the floor. Its claim
+// starts at the floor instead, which takes the points, that record among
+// them where the measure found it.
+func (s *Store) belowPoints(c *sqldialect.Cursor) bool {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.on && len(f.points) > 0 && c.CreatedAt.Before(f.at)
+}
+
 // floorKey names the Stores of one table over one pool: by the table's
 // name without its schema, in lower case, so that "acemq_outbox" and
 // "public.acemq_outbox" (and MySQL's names that differ in case only) are

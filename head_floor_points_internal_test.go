@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -183,4 +184,35 @@ func TestLockMeasure_MySQL_OldRowBelowDeadEntries_FloorOnAboveThem(t *testing.T)
 	if !on || from == nil || at.Before(deadRangeEnd(dead)) {
 		t.Fatalf("after the locking measure the floor is on %v at %v (the claim from %v), want on above the dead entries", on, at, from)
 	}
+}
+
+// A drain that goes back for a key's next record (behindNextOfKeys), an
+// old one below the dead entries, starts at the floor, which takes it as a
+// point: from a cursor just before it, the claim walked every dead entry
+// between it and the floor, once for each of the key's old records.
+func TestClaim_DrainBackForAKeysOldNextRecord_StartsAtTheFloor(t *testing.T) {
+	t.Parallel()
+	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
+		ctx := context.Background()
+		s := pointsBesideASnapshot(t, db, d, 5000)
+		old := time.Now().Add(-2 * time.Hour)
+		writeKeyed(t, db, "k#1", "k", 1, old, 0)
+		writeKeyed(t, db, "k#2", "k", 2, old.Add(time.Millisecond), 0)
+		writeAt(t, db, "new", time.Now())
+		if ids, _ := claimAll(t, s); !slices.Equal(ids, []string{"k#1", "new"}) {
+			t.Fatalf("claimed %v, want [k#1 new]", ids)
+		}
+		next, err := s.firstNext(ctx, []sqldialect.KeySeq{{Key: "k", Seq: 1}})
+		if err != nil || next == nil {
+			t.Fatalf("k#1's next: %v, %v", next, err)
+		}
+		cl, err := s.claimBatch(ctx, 100, "r", time.Minute, next, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = s.abandon(ctx, cl) }()
+		if len(cl.rows) != 1 || cl.rows[0].ID != "k#2" || cl.points != 1 || cl.from == nil || cl.from.CreatedAt.Before(deadRangeEnd(5000)) {
+			t.Fatalf("the drain's claim from before k#2 took %v (%d points) from %v, want k#2, a point, from the floor above the dead entries", cl.rows, cl.points, cl.from)
+		}
+	})
 }

@@ -514,11 +514,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	switch {
 	case after == atHead:
 		after = nil
-	case after != nil && (rewind || s.floorDue() == 0):
+	case after != nil && (rewind || s.floorDue() == 0 || s.belowPoints(after)):
 		// A drain, when the floor's period is over (a claim that measures
 		// takes what waited below the floor), or when rows behind its
 		// cursor became claimable (a keyed record's retry backoff ended,
 		// a Retry): the cursor would pass them over until the drain ends.
+		// Or where its cursor went back below a floor with points.
 		after, floor = nil, true
 	}
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
