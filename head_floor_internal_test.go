@@ -185,9 +185,11 @@ func claimAll(t testing.TB, s *Store) (ids []string, from *sqldialect.Cursor) {
 }
 
 // floorAlwaysOn makes s keep its floor, read from the head by its next
-// claim or probe, and walk from the head again only every every.
+// claim or probe, and walk from the head again only every every; at the
+// first pending row, however old, never above it with points (see
+// pointsStore).
 func floorAlwaysOn(s *Store, every time.Duration) {
-	s.floor.checkAbove, s.floor.checkEvery, s.floor.gainAbove = 0, 0, -time.Hour
+	s.floor.checkAbove, s.floor.checkEvery, s.floor.gainAbove, s.floor.pointsAbove = 0, 0, -time.Hour, time.Hour
 	s.floor.everyMin, s.floor.everyMax = every, every
 	s.floor.on, s.floor.next = true, time.Time{}
 }

@@ -105,6 +105,7 @@ func TestMeasureFloor_DeadEntriesBelowTheFirstOldRow_FloorKeptAtIt(t *testing.T)
 		holdSnapshot(t, db)
 		publishOld(t, db, 50000) // an hour ago
 		s := floorStore(t, db, d, time.Hour)
+		s.floor.pointsAbove = newHeadFloor(d == MySQL).pointsAbove // as a relay's
 		mid := time.Now().Add(-30 * time.Minute)
 		writeAt(t, db, "mid", mid)
 		writeAt(t, db, "new", time.Now())
