@@ -456,21 +456,21 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		m.on, _, err = f.rounds(fromHead, fromFloor, -1, f.gainAbove)
 	}
 	if full {
-		// A later round found maxStragglers below the floor: it stands
-		// below them all, as without points.
+		// A later round found more than maxStragglers below the floor:
+		// it stands below them all, as without points.
 		m.at, m.points = f.below(first, now), nil
 	}
 	return m, err
 }
 
-// maxStragglers is how many pending rows below the floor a measure finds
-// at most and the claims take as points (see stragglers): two arguments
-// each on MySQL, one on PostgreSQL, in every claim until a mark of this
-// Store settles them.
+// maxStragglers is how many pending rows below the floor a measure takes
+// as points at most (see stragglers): two arguments each on MySQL, one on
+// PostgreSQL, in every claim (which offers them all, and takes the first
+// it can) until a mark of this Store settles them.
 const maxStragglers = 128
 
 // stragglers is a read on q, through index, of the pending rows below at
-// but for those skip holds, maxStragglers at most, a locking one where
+// but for those skip holds, maxStragglers and one at most, a locking one where
 // lock is set, that returns how long it took: a measure's read from the
 // head where the first pending row is older than lag. A floor kept at the
 // first pending row stands below all that was published since: a record
@@ -487,13 +487,13 @@ const maxStragglers = 128
 // a row made pending since between the two is claimed at once, not at
 // the next measure. From after, where it is set, to at.
 //
-// Each read sets *pts to the rows it found, and *full where it found
-// maxStragglers: there may be more, and the floor stands below them all.
+// Each read sets *pts to the rows it found, and *full where it found more
+// than maxStragglers: the floor stands below them all.
 func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, at time.Time, skip []sqldialect.KeySeq, lock bool, pts *[]sqldialect.Cursor, full *bool) func() (time.Duration, error) {
 	p := s.pendingParams(index, keyIndex, after, skip, lock)
 	return func() (time.Duration, error) {
 		started := time.Now()
-		query := s.inline(s.q.PendingBelow(p, at, maxStragglers))
+		query := s.inline(s.q.PendingBelow(p, at, maxStragglers+1))
 		s.sent.Add(1)
 		rows, err := q.QueryContext(ctx, query.SQL, query.Args...)
 		if err != nil {
@@ -529,7 +529,7 @@ func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex st
 		if err := rows.Err(); err != nil {
 			return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
 		}
-		*pts, *full = found, len(found) >= maxStragglers
+		*pts, *full = found, len(found) > maxStragglers
 		if *full {
 			*pts = nil
 		}
@@ -664,17 +664,19 @@ func (s *Store) floorDue() time.Duration {
 	return max(time.Until(f.next), 0)
 }
 
-// belowPoints reports whether a drain's cursor c stands below the floor
-// while the floor has points (see headFloor.points): the drain went back
-// for a key's next record (behindNextOfKeys), an old one, and its claim
-// from c would walk every dead entry between it and the floor. Its claim
-// starts at the floor instead, which takes the points, that record among
-// them where the measure found it.
+// belowPoints reports whether a drain's cursor c stands at or below the
+// floor while the floor has points (see headFloor.points): the drain went
+// back for a key's next record (behindNextOfKeys), an old one, and its
+// claim from c would walk every dead entry between it and the floor; or
+// the claim before took points alone, more than one claim's worth, and
+// resumes at the floor (batch.last), where it would pass the others
+// over until the drain's end. Its claim starts at the floor instead,
+// whose points statement offers them all.
 func (s *Store) belowPoints(c *sqldialect.Cursor) bool {
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.on && len(f.points) > 0 && c.CreatedAt.Before(f.at)
+	return f.on && len(f.points) > 0 && !c.CreatedAt.After(f.at)
 }
 
 // floorKey names the Stores of one table over one pool: by the table's

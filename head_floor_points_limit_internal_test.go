@@ -12,10 +12,9 @@ import (
 
 // More points than a claim takes (a batch of 3, 6 old rows): the claim
 // takes the first of them in claim order (created_at, id), as every
-// claim does. On PostgreSQL the points statement has no ORDER BY: it is
-// given the first of them only; given them all, its LIMIT kept whichever
-// rows the plan gave first (by id, through the primary key), and the
-// newest old rows went out before the oldest (a review's catch).
+// claim does. On PostgreSQL the points statement, without ORDER BY, kept
+// whichever rows the plan gave first (by id, through the primary key),
+// and the newest old rows went out before the oldest (a review's catch).
 func TestClaim_MorePointsThanTheClaim_OldestFirst(t *testing.T) {
 	t.Parallel()
 	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {

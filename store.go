@@ -616,11 +616,11 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}
 		if len(at) > 0 {
 			// The rows below the floor its measure found (see
-			// stragglers), first: they come first in claim order. The
-			// first n of them: PostgreSQL's claim of points is not
-			// ordered, and took the newest of them first where they
-			// were more.
-			pp := sqldialect.ClaimParams{Limit: n, MaxAttempts: p.MaxAttempts, Now: p.Now, Index: p.Index, KeyIndex: p.KeyIndex, InFlight: p.InFlight, Points: at[:min(len(at), n)]}
+			// stragglers), first: they come first in claim order. All
+			// of them, the first n claimable taken: given the first n
+			// only, a key's later records, or rows in flight, used the
+			// places up, and a claimable one after them waited for good.
+			pp := sqldialect.ClaimParams{Limit: n, MaxAttempts: p.MaxAttempts, Now: p.Now, Index: p.Index, KeyIndex: p.KeyIndex, InFlight: p.InFlight, Points: at}
 			s.sent.Add(1)
 			rows, err := s.queryTx(ctx, tx, s.q.Claim(pp))
 			if err == nil {
@@ -630,7 +630,6 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 				s.forgetIndex()
 				return fail(err)
 			}
-			sortClaimed(points) // PostgreSQL's come in no order
 			p.Limit -= len(points)
 		}
 	}

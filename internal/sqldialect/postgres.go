@@ -260,11 +260,13 @@ func (postgres) insertNumbered(o *Outbox, rows []Row, keys []KeyCount) []Query {
 
 func (postgres) claim(table string, p ClaimParams, where string, args []any) Query {
 	if len(p.Points) > 0 {
-		// Unordered, and sorted by the caller: ordered (the claim's
-		// transaction turns enable_sort off, see claimSetup) the planner
-		// walked the whole pending index, the id a filter, rather than
-		// look the points up by the primary key.
-		return Query{SQL: rebindDollar("SELECT " + postgresClaimed + " FROM " + table + " " + claimAlias + " WHERE " + where + " LIMIT ? FOR UPDATE SKIP LOCKED"), Args: append(args, p.Limit)}
+		// Ordered by an expression no index holds: ordered by created_at,
+		// in the claim's transaction (enable_sort off, see claimSetup),
+		// the planner walked the whole pending index, the id a filter,
+		// rather than look the points up by the primary key and sort
+		// them; unordered, a LIMIT kept the newest of them.
+		return Query{SQL: rebindDollar("SELECT " + postgresClaimed + " FROM " + table + " " + claimAlias + " WHERE " + where +
+			" ORDER BY (created_at + interval '0 seconds'), id LIMIT ? FOR UPDATE SKIP LOCKED"), Args: append(args, p.Limit)}
 	}
 	return Query{SQL: rebindDollar(lockingClaim(postgresClaimed, table+" "+claimAlias, where)), Args: append(args, p.Limit)}
 }

@@ -493,8 +493,7 @@ type ClaimParams struct {
 	// Points, if set, makes the claim one of these rows only, each found
 	// by its place in the pending index or its id (see atPoints): the
 	// rows below a floor that its measure found (the Store's headFloor).
-	// After and Window are not read. Its rows may come in any order
-	// (PostgreSQL's): the caller sorts them.
+	// After and Window are not read.
 	Points []Cursor
 }
 
@@ -603,9 +602,9 @@ func andNotHeld(skip []KeySeq, where string, args []any) (string, []any) {
 // to limit of the unpublished rows under p.MaxAttempts whose created_at is
 // before before, in claim order, but for those p.Skip holds: the rows a
 // floor at before passes over, to be claimed as points
-// (ClaimParams.Points). With p.Lock a locking read, as PendingFirst's,
-// for its time: it walks every entry it passes, as a claim would.
-// Columns: created_at, id.
+// (ClaimParams.Points). With p.Lock a locking read (FOR UPDATE SKIP
+// LOCKED, bounded by before alone), for its time: it walks every entry it
+// passes, as a claim would. Columns: created_at, id.
 func (o *Outbox) PendingBelow(p PendingParams, before time.Time, limit int) Query {
 	from, where, args := o.pendingUnder(p.Index, p.MaxAttempts, p.After)
 	where, args = andNotHeld(p.Skip, where, args)
