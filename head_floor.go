@@ -46,9 +46,11 @@ import (
 // key's are, until its backoff ends (see endBackoffs). Where the first
 // pending rows are older than lag, few (maxStragglers), and the walk from
 // the first of them to lag before now slow, the floor stands at lag
-// before now, above them, and each claim from it takes them as points, by
-// their place in the index or their ids, until a mark of this Store
-// settles them (see stragglers); a probe asks after them.
+// before now, above them, and each claim from it offers them first, as
+// points, by their place in the index or their ids, and takes those it
+// can, until a mark of this Store settles them (see stragglers); a probe
+// asks after them, and a drain at or below the floor claims from it (see
+// belowPoints).
 // Every period, floorEvery times the last read from the head's time
 // (everyMin to everyMax), one claim or probe (a drain's claim too, which
 // would go on from its cursor) measures again, and starts at the floor its read from
