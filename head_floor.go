@@ -678,7 +678,13 @@ func (s *Store) belowPoints(c *sqldialect.Cursor) bool {
 	f := s.floor
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.on && len(f.points) > 0 && !c.CreatedAt.After(f.at)
+	if !f.on || len(f.points) == 0 {
+		return false
+	}
+	// At the floor: the cursor batch.last gives a batch of points alone
+	// (no id), not a row's of that created_at, which would send every
+	// claim of a drain whose rows share it back to the floor.
+	return c.CreatedAt.Before(f.at) || c.ID == "" && c.IDArg == nil && c.CreatedAt.Equal(f.at)
 }
 
 // floorKey names the Stores of one table over one pool: by the table's

@@ -288,8 +288,8 @@ func (d postgres) keyHead(table, alias string, p ClaimParams) string {
 
 func (postgres) windows() bool { return true }
 
-// pointsInIndex: by their ids, through the primary key (see claim). A
-// disjunction of ranges of the pending index is no index condition to
+// pointsInIndex: by a list of their created_at and one of their ids (see
+// atPoints and claim). A disjunction of pairs is no index condition to
 // PostgreSQL: a claim ordered by created_at filtered every entry of the
 // index with it.
 func (postgres) pointsInIndex() bool { return false }

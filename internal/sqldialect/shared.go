@@ -620,12 +620,12 @@ func (o *Outbox) PendingBelow(p PendingParams, before time.Time, limit int) Quer
 }
 
 // atPoints is the condition of the rows at pts, and its arguments: each
-// row by its id, and where the dialect finds points in the pending index
-// (MySQL, whose claim names it: through the primary key a claim locks a
-// row's clustered record alone; see mysql's pendingIndex) by its
-// created_at too, equal to the text PendingBelow read (CreatedText). Each
-// point is then an exact key of the index, a lookup that stops at the
-// next entry. Within a range of created_at, however narrow, InnoDB's
+// row by its id and its created_at. Where the dialect finds points in the
+// pending index (MySQL, whose claim names it: through the primary key a
+// claim locks a row's clustered record alone; see mysql's pendingIndex),
+// pairs of them, created_at equal to the text PendingBelow read
+// (CreatedText): each point an exact key of the index, a lookup that
+// stops at the next entry. Elsewhere (PostgreSQL) a list of each. Within a range of created_at, however narrow, InnoDB's
 // locking read stepped over every entry a held snapshot kept after the
 // row (a point before 100,000 of them took 110 ms) to the first live
 // one, to find the range over.
@@ -634,7 +634,19 @@ func (o *Outbox) atPoints(pts []Cursor) (string, []any) {
 	args := make([]any, 0, 2*len(pts))
 	inIndex := o.d.pointsInIndex()
 	if !inIndex {
-		b.WriteString("id IN (")
+		// Their created_at too, a condition on the pending index: by
+		// id alone, with statistics taken beside a held snapshot,
+		// PostgreSQL walked that index for 64 points or more (13,000
+		// blocks for 128 behind 20,000 dead entries, against some 600).
+		b.WriteString("created_at IN (")
+		for i, c := range pts {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			b.WriteString("?")
+			args = append(args, o.d.TimeArg(c.CreatedAt))
+		}
+		b.WriteString(") AND id IN (")
 	} else {
 		b.WriteString("(")
 	}
