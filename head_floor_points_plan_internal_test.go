@@ -2,12 +2,10 @@ package outbox
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
 
-	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -45,33 +43,8 @@ func TestClaim_Postgres_ManyPointsFreshStatistics_LookedUpNotWalked(t *testing.T
 	if len(pts) != npts {
 		t.Fatalf("points: %d, want %d", len(pts), npts)
 	}
-	// The points statement of claimBatch, a claim of 100, as in its
-	// transaction (claimSetup).
-	q := s.q.Claim(sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: pts})
-	tx, err := db.DB.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.Exec(s.q.ClaimSetup().SQL); err != nil {
-		t.Fatal(err)
-	}
-	var plan string
-	if err := tx.QueryRow("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+q.SQL, q.Args...).Scan(&plan); err != nil {
-		t.Fatal(err)
-	}
-	var p []struct {
-		Plan struct {
-			Hit int `json:"Shared Hit Blocks"`
-			Rd  int `json:"Shared Read Blocks"`
-		}
-		Time float64 `json:"Execution Time"`
-	}
-	if err := json.Unmarshal([]byte(plan), &p); err != nil {
-		t.Fatal(err)
-	}
 	// A lookup: some 5 blocks a point (615 for 128 on 2026-12-05).
-	if blocks := p[0].Plan.Hit + p[0].Plan.Rd; blocks > 8*npts {
-		t.Errorf("the points statement of %d points read %d blocks in %.1f ms (a lookup reads ~%d): it walked the pending index", npts, blocks, p[0].Time, 5*npts)
+	if blocks, ms, _ := pointsClaimBlocks(t, db, s, pts); blocks > 8*npts {
+		t.Errorf("the points statement of %d points read %d blocks in %.1f ms (a lookup reads ~%d): it walked the pending index", npts, blocks, ms, 5*npts)
 	}
 }

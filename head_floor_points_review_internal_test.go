@@ -161,19 +161,27 @@ func TestClaim_Postgres_PointsClaimReadsByTheirIDs(t *testing.T) {
 	if err := db.QueryRow("SELECT created_at FROM acemq_outbox WHERE id = 'old'").Scan(&at); err != nil {
 		t.Fatal(err)
 	}
-	// The points statement of claimBatch, a claim of 100.
-	q := s.q.Claim(sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: []sqldialect.Cursor{{CreatedAt: at, ID: "old"}}})
+	db.MustExec("ANALYZE acemq_outbox")
+	if blocks, _, plan := pointsClaimBlocks(t, db, s, []sqldialect.Cursor{{CreatedAt: at, ID: "old"}}); blocks > 20 {
+		t.Errorf("the points statement of a claim of one point read %d blocks: %s", blocks, plan)
+	}
+}
+
+// pointsClaimBlocks runs the points statement of a claim of 100 from the
+// floor of s with pts, explained, in a transaction of db as the claim's
+// (claimSetup: enable_sort off), and returns the blocks it read, its
+// time and the plan.
+func pointsClaimBlocks(t *testing.T, db *testdb.DB, s *Store, pts []sqldialect.Cursor) (blocks int, ms float64, plan string) {
+	t.Helper()
+	q := s.q.Claim(sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: pts})
 	tx, err := db.DB.Begin()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	db.MustExec("ANALYZE acemq_outbox")
-	// As in the claim's transaction (claimSetup: enable_sort off).
 	if _, err := tx.Exec(s.q.ClaimSetup().SQL); err != nil {
 		t.Fatal(err)
 	}
-	var plan string
 	if err := tx.QueryRow("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+q.SQL, q.Args...).Scan(&plan); err != nil {
 		t.Fatal(err)
 	}
@@ -182,11 +190,10 @@ func TestClaim_Postgres_PointsClaimReadsByTheirIDs(t *testing.T) {
 			Hit int `json:"Shared Hit Blocks"`
 			Rd  int `json:"Shared Read Blocks"`
 		}
+		Time float64 `json:"Execution Time"`
 	}
 	if err := json.Unmarshal([]byte(plan), &p); err != nil {
 		t.Fatal(err)
 	}
-	if blocks := p[0].Plan.Hit + p[0].Plan.Rd; blocks > 20 {
-		t.Errorf("the points statement of a claim of one point read %d blocks: %s", blocks, plan)
-	}
+	return p[0].Plan.Hit + p[0].Plan.Rd, p[0].Time, plan
 }
