@@ -49,10 +49,7 @@ func TestClaim_DrainAtTheFloorsCreatedAt_GoesOnFromItsCursor(t *testing.T) {
 			t.Fatal(err)
 		}
 		read := pendingEntriesRead(t, cl.tx)
-		var ids []string
-		for _, r := range cl.rows {
-			ids = append(ids, r.ID)
-		}
+		ids := rowIDs(cl.rows)
 		if err := s.finish(ctx, cl, ids, nil); err != nil {
 			t.Fatal(err)
 		}

@@ -43,10 +43,7 @@ func TestClaim_MorePointsThanAClaim_DrainTakesTheRestFirst(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var ids []string
-			for _, r := range cl.rows {
-				ids = append(ids, r.ID)
-			}
+			ids := rowIDs(cl.rows)
 			if len(ids) == 0 {
 				_ = s.abandon(ctx, cl)
 				break

@@ -74,10 +74,7 @@ func TestClaim_PointsOfForeignColumnTypes_FindTheirRows(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var ids []string
-			for _, r := range cl.rows {
-				ids = append(ids, r.ID)
-			}
+			ids := rowIDs(cl.rows)
 			on, at, points := floorState(s)
 			t.Logf("claimed %v (%d points), floor on %v at %v, points %v", ids, cl.points, on, at, points)
 			if err := s.finish(ctx, cl, ids, nil); err != nil {

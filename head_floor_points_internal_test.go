@@ -38,6 +38,15 @@ func pointsBesideASnapshot(t testing.TB, db *testdb.DB, d Dialect, dead int) *St
 	return pointsStore(t, db, d)
 }
 
+// rowIDs are the ids of a claim's rows, in its order.
+func rowIDs(rows []sqldialect.ClaimedRow) []string {
+	var ids []string
+	for _, r := range rows {
+		ids = append(ids, r.ID)
+	}
+	return ids
+}
+
 // deadRangeEnd is where publishOld's n rows end in created_at.
 func deadRangeEnd(n int) time.Time {
 	return time.Now().Add(-time.Hour).Add(time.Duration(n) * time.Millisecond)

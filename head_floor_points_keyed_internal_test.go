@@ -37,10 +37,7 @@ func TestClaim_FirstPointsAKeysLaterRecords_ClaimableOneAfterThemTaken(t *testin
 				t.Fatal(err)
 			}
 			defer func() { _ = s.abandon(ctx, cl) }()
-			var out []string
-			for _, r := range cl.rows {
-				out = append(out, r.ID)
-			}
+			out := rowIDs(cl.rows)
 			return out, cl.points
 		}
 		got, pts := ids(5) // measures
@@ -79,10 +76,7 @@ func TestClaim_FirstPointsAKeysLaterRecords_ClaimableOneAfterThemTaken(t *testin
 		if err != nil {
 			t.Fatal(err)
 		}
-		var head []string
-		for _, r := range cl.rows {
-			head = append(head, r.ID)
-		}
+		head := rowIDs(cl.rows)
 		_ = s.abandon(ctx, cl)
 		t.Logf("a claim of 5 from the head (Sweep's) took %v", head)
 	})

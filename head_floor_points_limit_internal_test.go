@@ -37,10 +37,7 @@ func TestClaim_MorePointsThanTheClaim_OldestFirst(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var ids []string
-		for _, r := range cl.rows {
-			ids = append(ids, r.ID)
-		}
+		ids := rowIDs(cl.rows)
 		_ = s.abandon(ctx, cl)
 		if want := []string{"z9", "z8", "z7"}; !slices.Equal(ids, want) {
 			t.Errorf("a claim of 3 took %v (%d points), want the 3 oldest %v", ids, cl.points, want)

@@ -48,10 +48,7 @@ func TestClaim_KeyedBackoffEndsBelowAPoint_PointClaimedOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer func() { _ = s.abandon(ctx, cl) }()
-		var ids []string
-		for _, r := range cl.rows {
-			ids = append(ids, r.ID)
-		}
+		ids := rowIDs(cl.rows)
 		seen := map[string]int{}
 		for _, id := range ids {
 			seen[id]++
