@@ -399,27 +399,28 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 	}
 	m.at = f.below(first, now)
 	var fromHead func() (time.Duration, error)
-	full := false
+	found, full := 0, false // the walk below lag before now: rows found, more than maxStragglers or not a time
 	if low := now.Add(-f.lag); m.at.Before(low) {
 		// Rows older than lag: where the walk from the first of them to
 		// lag before now is slow, the floor stays there, above them, and
-		// the claims take them as points, where they are few. The read of
-		// them walks every entry below the floor, as a walk from the head
-		// past them would: it is the measure's read from the head.
-		below := s.stragglers(ctx, q, index, keyIndex, nil, low, m.skip, false, &m.points, &full)
+		// the claims take them as points, where they are few. The walk
+		// below the floor passes every entry there, as a walk from the
+		// head past them would: it is the measure's read from the head.
+		below := s.walkBelow(ctx, q, index, keyIndex, nil, low, m.skip, false, &found)
 		took, err := below()
 		if err != nil {
 			return m, err
 		}
-		if !full {
-			between, err := f.confirmedWalk(s.stragglers(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: m.at}, low, m.skip, false, new([]sqldialect.Cursor), new(bool)))
-			switch {
-			case err != nil:
+		if found <= maxStragglers {
+			between, err := f.confirmedWalk(s.walkBelow(ctx, q, index, keyIndex, &sqldialect.Cursor{CreatedAt: m.at}, low, m.skip, false, new(int)))
+			if err == nil && between >= f.pointsAbove {
+				m.points, full, err = s.stragglers(ctx, q, index, keyIndex, low, m.skip)
+				if !full && len(m.points) > 0 {
+					m.at, m.head, fromHead = low, took, below
+				}
+			}
+			if err != nil {
 				return m, err
-			case between >= f.pointsAbove:
-				m.at, m.head, fromHead = low, took, below
-			default:
-				m.points = nil
 			}
 		}
 	}
@@ -457,9 +458,11 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 		// round a busy machine delayed missed; one more round first.
 		m.on, _, err = f.rounds(fromHead, fromFloor, -1, f.gainAbove)
 	}
-	if full {
-		// A later round found more than maxStragglers below the floor:
-		// it stands below them all, as without points.
+	if full || found > maxStragglers {
+		// The rows below lag before now more than maxStragglers (a later
+		// round's walk found more), or one whose created_at is not a time
+		// this relay can bind: the floor stands below them all, as
+		// without points.
 		m.at, m.points = f.below(first, now), nil
 	}
 	return m, err
@@ -472,9 +475,9 @@ func (s *Store) measureFloor(ctx context.Context, q rowQuerier, index, keyIndex 
 const maxStragglers = 128
 
 // stragglers is a read on q, through index, of the pending rows below at
-// but for those skip holds, maxStragglers and one at most, a locking one where
-// lock is set, that returns how long it took: a measure's read from the
-// head where the first pending row is older than lag. A floor kept at the
+// but for those skip holds, maxStragglers and one at most: those a measure
+// takes as points, full where it found more (none then: the floor stands
+// below them all). A floor kept at the
 // first pending row stands below all that was published since: a record
 // committed late, a publisher's clock behind, a Retry of old records. On
 // MySQL, behind 100,000 entries of rows published beside a held snapshot
@@ -485,55 +488,68 @@ const maxStragglers = 128
 // take those rows by their place in the index (ClaimParams.Points).
 //
 // A floor at the first of them is kept where the walk from it to lag
-// before now (the same read, after it) takes less than pointsAbove: there
-// a row made pending since between the two is claimed at once, not at
-// the next measure. From after, where it is set, to at.
-//
-// Each read sets *pts to the rows it found, and *full where it found more
-// than maxStragglers: the floor stands below them all.
-func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, at time.Time, skip []sqldialect.KeySeq, lock bool, pts *[]sqldialect.Cursor, full *bool) func() (time.Duration, error) {
+// before now (walkBelow, after it) takes less than pointsAbove: there a
+// row made pending since between the two is claimed at once, not at the
+// next measure.
+func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex string, at time.Time, skip []sqldialect.KeySeq) (pts []sqldialect.Cursor, full bool, err error) {
+	query := s.inline(s.q.PendingBelow(s.pendingParams(index, keyIndex, nil, skip, false), at, maxStragglers+1))
+	s.sent.Add(1)
+	rows, err := q.QueryContext(ctx, query.SQL, query.Args...)
+	if err != nil {
+		return nil, false, fmt.Errorf("outbox: the rows below the floor: %w", err)
+	}
+	defer func() { _ = rows.Close() }()
+	for rows.Next() {
+		var (
+			id   string
+			text any
+		)
+		if err := rows.Scan(&text, &id); err != nil {
+			return nil, false, fmt.Errorf("outbox: the rows below the floor: %w", err)
+		}
+		created := sqldialect.NewTime(s.dialect.sql())
+		_ = created.Scan(text) // its error is created.Err
+		if created.Err != nil || created.T.IsZero() {
+			// Not a time this relay can bind back: the floor stands
+			// below it, as without points.
+			return nil, true, rows.Err()
+		}
+		c := sqldialect.Cursor{CreatedAt: created.T, ID: id}
+		switch t := text.(type) {
+		case []byte:
+			c.CreatedText = string(t)
+		case string:
+			c.CreatedText = t
+		}
+		pts = append(pts, c)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, false, fmt.Errorf("outbox: the rows below the floor: %w", err)
+	}
+	if len(pts) > maxStragglers {
+		return nil, true, nil
+	}
+	return pts, false, nil
+}
+
+// walkBelow is a read on q, through index, that walks the entries of the
+// pending index stragglers would, from after where it is set, to at, a
+// locking one where lock is set, and returns how long it took: a
+// measure's read from the head, or from the first pending row, where that
+// row is older than lag. It counts the rows it finds where it stands, and
+// sets *found to how many (maxStragglers and one at most). Timed,
+// stragglers' own read counted the transfer of the rows it found: under CI's load,
+// 120 rows a minute old with no dead entry among them took pointsAbove,
+// and the floor stood above them as if a held snapshot's entries were
+// there.
+func (s *Store) walkBelow(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, at time.Time, skip []sqldialect.KeySeq, lock bool, found *int) func() (time.Duration, error) {
 	p := s.pendingParams(index, keyIndex, after, skip, lock)
 	return func() (time.Duration, error) {
 		started := time.Now()
-		query := s.inline(s.q.PendingBelow(p, at, maxStragglers+1))
+		query := s.inline(s.q.PendingBelowWalk(p, at, maxStragglers+1))
 		s.sent.Add(1)
-		rows, err := q.QueryContext(ctx, query.SQL, query.Args...)
-		if err != nil {
-			return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
-		}
-		defer func() { _ = rows.Close() }()
-		var found []sqldialect.Cursor
-		for rows.Next() {
-			var (
-				id   string
-				text any
-			)
-			if err := rows.Scan(&text, &id); err != nil {
-				return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
-			}
-			created := sqldialect.NewTime(s.dialect.sql())
-			_ = created.Scan(text) // its error is created.Err
-			if created.Err != nil || created.T.IsZero() {
-				// Not a time this relay can bind back: the floor stands
-				// below it, as without points.
-				*pts, *full = nil, true
-				return time.Since(started), rows.Err()
-			}
-			c := sqldialect.Cursor{CreatedAt: created.T, ID: id}
-			switch t := text.(type) {
-			case []byte:
-				c.CreatedText = string(t)
-			case string:
-				c.CreatedText = t
-			}
-			found = append(found, c)
-		}
-		if err := rows.Err(); err != nil {
-			return 0, fmt.Errorf("outbox: the rows below the floor: %w", err)
-		}
-		*pts, *full = found, len(found) > maxStragglers
-		if *full {
-			*pts = nil
+		if err := q.QueryRowContext(ctx, query.SQL, query.Args...).Scan(found); err != nil {
+			return 0, fmt.Errorf("outbox: the walk below the floor: %w", err)
 		}
 		return time.Since(started), nil
 	}
@@ -1057,16 +1073,16 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		// a locking read of the rows below it.
 		full := false
 		var between time.Duration
-		_, err := s.stragglers(ctx, tx, index, keyIndex, nil, low, start.skip, false, &points, &full)()
+		points, full, err = s.stragglers(ctx, tx, index, keyIndex, low, start.skip)
 		if err == nil && !full {
-			between, err = f.confirmedWalk(s.stragglers(ctx, tx, index, keyIndex, &sqldialect.Cursor{CreatedAt: at}, low, start.skip, true, new([]sqldialect.Cursor), new(bool)))
+			between, err = f.confirmedWalk(s.walkBelow(ctx, tx, index, keyIndex, &sqldialect.Cursor{CreatedAt: at}, low, start.skip, true, new(int)))
 		}
 		switch {
 		case err != nil:
 			f.off()
 			return err
 		case !full && between >= f.pointsAbove:
-			at, fromHead = low, s.stragglers(ctx, tx, index, keyIndex, nil, low, start.skip, true, new([]sqldialect.Cursor), new(bool))
+			at, fromHead = low, s.walkBelow(ctx, tx, index, keyIndex, nil, low, start.skip, true, new(int))
 		default:
 			points = nil
 		}

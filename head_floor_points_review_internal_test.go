@@ -61,10 +61,10 @@ func TestClaim_KeyedBackoffEndsBelowAPoint_PointClaimedOnce(t *testing.T) {
 	})
 }
 
-// The measure's second read of the rows below lag before now times the
-// walk from the first of them: it reads after the cursor it is given. It
-// read from the head, as the first read did (a review's catch).
-func TestStragglers_AfterACursor_ReadFromIt(t *testing.T) {
+// The measure's walk from the first of the rows below lag before now
+// walks after the cursor it is given. It walked from the head, as the
+// walk from the head did (a review's catch).
+func TestWalkBelow_AfterACursor_WalksFromIt(t *testing.T) {
 	t.Parallel()
 	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
 		ctx := context.Background()
@@ -73,18 +73,15 @@ func TestStragglers_AfterACursor_ReadFromIt(t *testing.T) {
 		a, b := time.Now().Add(-3*time.Hour), time.Now().Add(-2*time.Hour)
 		writeAt(t, db, "a", a)
 		writeAt(t, db, "b", b)
-		var pts []sqldialect.Cursor
-		full := false
-		after := &sqldialect.Cursor{CreatedAt: b.Add(-time.Second)}
-		if _, err := s.stragglers(ctx, db.DB, s.index, s.keyIndex, after, time.Now().Add(-time.Hour), nil, false, &pts, &full)(); err != nil {
-			t.Fatal(err)
-		}
-		var ids []string
-		for _, p := range pts {
-			ids = append(ids, p.ID)
-		}
-		if !slices.Equal(ids, []string{"b"}) {
-			t.Errorf("the read of the rows below lag after %v found %v, want [b]: it walked from the head", after.CreatedAt, ids)
+		for _, lock := range []bool{false, true} {
+			found := 0
+			after := &sqldialect.Cursor{CreatedAt: b.Add(-time.Second)}
+			if _, err := s.walkBelow(ctx, db.DB, s.index, s.keyIndex, after, time.Now().Add(-time.Hour), nil, lock, &found)(); err != nil {
+				t.Fatal(err)
+			}
+			if found != 1 {
+				t.Errorf("the walk (locking %v) below lag after %v found %d rows, want 1 (b): it walked from the head", lock, after.CreatedAt, found)
+			}
 		}
 	})
 }

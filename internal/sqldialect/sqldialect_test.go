@@ -84,6 +84,8 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 		queries["claimable points"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now, Points: pts})
 		queries["pending below"] = o.PendingBelow(PendingParams{MaxAttempts: 10, Skip: []KeySeq{{Key: "k", Seq: 2}}}, now, 128)
 		queries["pending below, after, locking"] = o.PendingBelow(PendingParams{Index: "acemq_outbox_pending", MaxAttempts: 10, After: &Cursor{CreatedAt: now}, Lock: true}, now, 128)
+		queries["pending below's walk"] = o.PendingBelowWalk(PendingParams{MaxAttempts: 10, Skip: []KeySeq{{Key: "k", Seq: 2}}}, now, 128)
+		queries["pending below's walk, after, locking"] = o.PendingBelowWalk(PendingParams{Index: "acemq_outbox_pending", MaxAttempts: 10, After: &Cursor{CreatedAt: now}, Lock: true}, now, 128)
 		queries["keys slice end"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, KeysFrom: "k1"}, nil)
 		queries["keys slice end, beyond the window"] = o.KeysSliceEnd(ClaimParams{Window: 20, KeysRead: 30, After: &Cursor{CreatedAt: now, ID: "x"}}, []any{"a", "b"})
 		queries["window full"] = o.WindowFull(ClaimParams{After: &Cursor{CreatedAt: now, ID: "x"}}, 20)
