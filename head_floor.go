@@ -146,8 +146,8 @@ const (
 	// turns the floor on; one more where the first pending row is keyed,
 	// and past stuck keys two more each, past records in a retry backoff
 	// one more each, and one more read from the head; two more where the
-	// first pending row is older than floorLag, three where the walk to
-	// it is slow, see stragglers;
+	// first pending row is older than floorLag, four where the walk to
+	// it is slow, see stragglers and walkBelow;
 	// on MySQL, where it finds no gain, the next claim's locking measure:
 	// BEGIN, where the pending rows start as above, two locking reads,
 	// four more where they turn the floor on, ROLLBACK), every
@@ -538,10 +538,9 @@ func (s *Store) stragglers(ctx context.Context, q rowQuerier, index, keyIndex st
 // measure's read from the head, or from the first pending row, where that
 // row is older than lag. It counts the rows it finds where it stands, and
 // sets *found to how many (maxStragglers and one at most). Timed,
-// stragglers' own read counted the transfer of the rows it found: under CI's load,
-// 120 rows a minute old with no dead entry among them took pointsAbove,
-// and the floor stood above them as if a held snapshot's entries were
-// there.
+// stragglers' own read counted the transfer of the rows it found: under
+// CI's load, rows with no dead entry among them took pointsAbove, and the
+// floor stood above them as if a held snapshot's entries were there.
 func (s *Store) walkBelow(ctx context.Context, q rowQuerier, index, keyIndex string, after *sqldialect.Cursor, at time.Time, skip []sqldialect.KeySeq, lock bool, found *int) func() (time.Duration, error) {
 	p := s.pendingParams(index, keyIndex, after, skip, lock)
 	return func() (time.Duration, error) {
@@ -556,7 +555,7 @@ func (s *Store) walkBelow(ctx context.Context, q rowQuerier, index, keyIndex str
 }
 
 // confirmedWalk times read, the walk from the first pending row older
-// than lag to lag before now (see stragglers), and once more where it
+// than lag to lag before now (see walkBelow), and once more where it
 // took pointsAbove or longer: the quicker of the two. One read a busy
 // machine delayed took a row as a point where the walk was quick (CI's
 // load did, at 2 ms), and rows made pending after it between the two
@@ -1070,7 +1069,7 @@ func (s *Store) lockMeasure(ctx context.Context, conn *sql.Conn) error {
 		// Rows older than lag, taken as points where they are few and the
 		// locking walk from the first of them to lag before now is slow
 		// (see stragglers): the floor is timed at lag before now, against
-		// a locking read of the rows below it.
+		// a locking walk of the rows below it (walkBelow).
 		full := false
 		var between time.Duration
 		points, full, err = s.stragglers(ctx, tx, index, keyIndex, low, start.skip)

@@ -14,10 +14,11 @@ import (
 // them as points, however short pointsAbove. The measure timed the read
 // of the rows themselves, 128 of them transferred and read, against a
 // read of one row from lag before now: with 300 µs to gain it took them
-// as points in 8 to 10 measures of 10 on a quiet machine (3 to 6 under
-// load; under CI's load at a relay's 1 ms, TestClaim_NoHeldSnapshot_
-// LargeRecords_FloorStaysOff found the floor on). The walk is now timed
-// as a count of them, one row back: 0 of 10, loaded or not.
+// as points in 6 to 10 measures of 10 in one series of runs on this
+// machine, 0 to 4 in another's (under CI's load at a relay's 1 ms,
+// TestClaim_NoHeldSnapshot_LargeRecords_FloorStaysOff found the floor
+// on). The walk is now timed as a count of them, one row back: none of
+// 10 at 300 µs in either series, loaded or not (at 100 µs, up to 3).
 func TestMeasure_OldRowsNothingDead_NoPointsHoweverShortTheThreshold(t *testing.T) {
 	t.Parallel()
 	eachFloorKind(t, func(t *testing.T, db *testdb.DB, d Dialect) {
@@ -32,7 +33,7 @@ func TestMeasure_OldRowsNothingDead_NoPointsHoweverShortTheThreshold(t *testing.
 			return fmt.Sprintf("old%03d", i), old.Add(time.Duration(i) * time.Millisecond), nil, nil, nil
 		})
 		took := 0
-		for range 10 {
+		for range 20 {
 			s.floor.mu.Lock()
 			s.floor.check, s.floor.on, s.floor.points, s.floor.lockDue = true, false, nil, false
 			s.floor.mu.Unlock()
@@ -45,8 +46,8 @@ func TestMeasure_OldRowsNothingDead_NoPointsHoweverShortTheThreshold(t *testing.
 				took++
 			}
 		}
-		if took > 1 {
-			t.Errorf("%d measures of 10 took rows a minute old, nothing dead among them, as points: the floor stood above them for what their read took", took)
+		if took > 2 {
+			t.Errorf("%d measures of 20 took rows a minute old, nothing dead among them, as points: the floor stood above them for what their read took", took)
 		}
 	})
 }

@@ -83,11 +83,8 @@ func TestClaim_NoHeldSnapshot_LargeRecords_FloorStaysOff(t *testing.T) {
 			s.floor.next = time.Time{} // the period over: the next claim walks from the head
 			s.floor.mu.Unlock()
 		}
-		s.floor.mu.Lock()
-		on := s.floor.on
-		s.floor.mu.Unlock()
-		if on {
-			t.Fatalf("no snapshot held, no dead entry in the pending index, and the floor is on after 3 claims from the head (took %v): the measure counts the rows' transfer, not the walk", tooks)
+		if on, at, points := floorState(s); on {
+			t.Fatalf("no snapshot held, no dead entry in the pending index, and the floor is on after 3 claims from the head (took %v), %v before now, with %d points: the measure counts the rows' transfer, not the walk", tooks, time.Since(at).Round(time.Millisecond), len(points))
 		}
 	})
 }

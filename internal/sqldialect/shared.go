@@ -603,7 +603,8 @@ func andNotHeld(skip []KeySeq, where string, args []any) (string, []any) {
 // before before, in claim order, but for those p.Skip holds: the rows a
 // floor at before passes over, to be claimed as points
 // (ClaimParams.Points). With p.Lock a locking read (FOR UPDATE SKIP
-// LOCKED, bounded by before alone). Columns: created_at, id.
+// LOCKED, bounded by before alone), as PendingBelowWalk's is. Columns:
+// created_at, id.
 func (o *Outbox) PendingBelow(p PendingParams, before time.Time, limit int) Query {
 	// The id as the claim reads it (text): PostgreSQL's char(n) keeps its
 	// padding otherwise, and a mark of the claim's id never matched it.
