@@ -367,7 +367,9 @@ func runInboxRouterCrashingOnce(t testing.TB, db *testdb.DB, in *outbox.Inbox, h
 }
 
 // Without a UUID the inbox dedupes on the x-acemq-id metadata, with or
-// without AllowMissingID; only a message with no id at all is refused.
+// without AllowMissingID; only a message with no id at all is refused. (An
+// id the key column cannot hold is kept under its digest:
+// inbox_long_ids_test.go.)
 func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
 	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
@@ -388,11 +390,6 @@ func TestInbox_NoUUIDButAcemqID_DedupedOnIt(t *testing.T) {
 			if ran != 1 || countProcessed(t, db, id) != 1 {
 				t.Errorf("AllowMissingID %v: handler ran %d times, key recorded %d times; want 1 and 1", allow, ran, countProcessed(t, db, id))
 			}
-		}
-		bad := message.NewMessage("", nil)
-		bad.Metadata.Set(outbox.HeaderMessageID, strings.Repeat("x", 65))
-		if _, err := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(bad); err == nil {
-			t.Error("an x-acemq-id of 65 characters was accepted as the key")
 		}
 	})
 }

@@ -33,15 +33,7 @@ func TestInbox_MarkOutboxProcessed_IDsTheRelayPublished_RecordMarked(t *testing.
 				id = 7
 			}
 			insertForeignID(t, db, id, "x", time.Now().Add(-time.Minute))
-			dest := newRefuseOnceDest(0)
-			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: dialectOf(t, db), OnError: func(error, outbox.ErrorContext) {}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := f.Sweep(context.Background()); err != nil {
-				t.Fatal(err)
-			}
-			pub := dest.snapshot()
+			pub := sweptIDs(t, db)
 			if len(pub) != 1 {
 				t.Fatalf("published %v", pub)
 			}
@@ -60,4 +52,18 @@ func TestInbox_MarkOutboxProcessed_IDsTheRelayPublished_RecordMarked(t *testing.
 			}
 		})
 	}
+}
+
+// sweptIDs sweeps db's outbox once and returns the ids the relay published.
+func sweptIDs(t *testing.T, db *testdb.DB) []string {
+	t.Helper()
+	dest := newRefuseOnceDest(0)
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: dialectOf(t, db), OnError: func(error, outbox.ErrorContext) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Sweep(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return dest.snapshot()
 }

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -542,9 +543,6 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		}
 		return inboxFailed, counted, ErrNoMessageID
 	}
-	if err := checkID(key); err != nil {
-		return inboxFailed, counted, fmt.Errorf("outbox: inbox: message id %.80q %v", key, err)
-	}
 	if consumer == "" {
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: "empty, and the message carries no router handler name"}
 	}
@@ -646,7 +644,7 @@ func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string)
 		return nil
 	case err != nil:
 		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", key, consumer, err)
-	case gotConsumer != consumer || gotKey != key && gotKey != canonicalUUID(key):
+	case gotConsumer != consumer || gotKey != sqldialect.InboxKey(key) && gotKey != canonicalUUID(key):
 		return fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
 			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
 			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", key, consumer, in.q.Table(), gotKey, gotConsumer)
@@ -722,11 +720,18 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 // looked up once; a failed look-up is tried again at the next mark, which
 // then binds the id as before.
 //
+// Nor does a text column hold an id that is not UTF-8, or holds a NUL (the
+// inbox takes such a message under a digest of its id: sqldialect's
+// InboxKey): PostgreSQL refused it bound, failing the transaction.
+//
 // The look-up runs on on, the message's transaction (or the pool for a
 // duplicate's mark): on the pool it waited for a second connection while
 // the message's transaction held one, for ever on a pool capped at one,
 // or at as many deliveries at once as the pool has connections.
 func (in *Inbox) markable(ctx context.Context, on execQuerier, key string) bool {
+	if !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0 {
+		return false
+	}
 	if ids := in.outboxIDs.Load(); ids != 0 {
 		return idOf(ids, key)
 	}

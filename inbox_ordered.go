@@ -713,6 +713,12 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	var heldBy string
 	var byName bool
 	msg.Metadata, heldBy, byName = heldRelease(msg.Metadata)
+	if raw := msg.Metadata.Get(HeaderMessageID); raw != id && sqldialect.InboxKey(raw) == id {
+		// Held under the digest of its id, which the key column cannot
+		// hold as it is (see sqldialect.InboxKey): the handler is given
+		// the id, as the messages delivered in turn are.
+		id, msg.UUID = raw, raw
+	}
 	rt, ok := in.route(consumer, heldBy, byName)
 	if !ok {
 		// Its handler has not run behind this inbox in this process: it

@@ -465,7 +465,7 @@ func (postgres) applyInOrder(in *Inbox, m InOrder) []ApplyStep {
 	return []ApplyStep{{
 		Query: Query{SQL: rebindDollar(q), Args: []any{
 			m.Consumer, m.Key, firstSeq(m.Seq), m.Seq, m.Seq - 1,
-			m.Consumer, m.MessageID, postgres{}.TimeArg(m.At), m.Seq,
+			m.Consumer, InboxKey(m.MessageID), postgres{}.TimeArg(m.At), m.Seq,
 		}},
 		Done: oneRow,
 	}}

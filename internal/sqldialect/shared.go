@@ -2,7 +2,9 @@ package sqldialect
 
 import (
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/base32"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -1391,10 +1393,58 @@ func NewInbox(d Dialect, table string) (*Inbox, error) {
 // Table is the table's name as quoted in the SQL, for error messages.
 func (in *Inbox) Table() string { return in.table }
 
+// InboxKey is the key the inbox stores for the message id id, in
+// processed_messages.message_id and acemq_inbox_held.message_id, both
+// varchar(64): id itself where it is 1 to 64 bytes of printable ASCII
+// without a space, as the ids this library writes are; otherwise "sha256 "
+// and the SHA-256 of id's bytes in lower-case base32 without padding (59
+// bytes). Another library's table may have ids of up to 255 bytes, or
+// with spaces or UTF-8, which the relay publishes as they are; the inbox
+// refused them at every delivery. The space sets the digests apart from
+// every id kept as it is, and lower case keeps two of them apart under a
+// case-insensitive collation. A key in that form is kept as it is: a held
+// message's stored key is its key again when it is applied.
+func InboxKey(id string) string {
+	if keptAsIs(id) || isDigestKey(id) {
+		return id
+	}
+	sum := sha256.Sum256([]byte(id))
+	return digestPrefix + digestEncoding.EncodeToString(sum[:])
+}
+
+const digestPrefix = "sha256 "
+
+var digestEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+// keptAsIs reports whether InboxKey keeps id as it is.
+func keptAsIs(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; c <= ' ' || c > '~' {
+			return false
+		}
+	}
+	return true
+}
+
+// isDigestKey reports whether key is in the form InboxKey gives an id it
+// does not keep.
+func isDigestKey(key string) bool {
+	rest, ok := strings.CutPrefix(key, digestPrefix)
+	if !ok || len(rest) != digestEncoding.EncodedLen(sha256.Size) {
+		return false
+	}
+	_, err := digestEncoding.DecodeString(rest)
+	return err == nil
+}
+
 // Insert records that consumer processed id at now; it affects no row when
-// the key is there already.
+// the key is there already. This and the statements below take a message
+// id, and store or look for its InboxKey.
 func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
-	return Query{SQL: in.d.rebind(in.d.insertProcessed(in.table)), Args: []any{consumer, id, in.d.TimeArg(now)}}
+	return Query{SQL: in.d.rebind(in.d.insertProcessed(in.table)), Args: []any{consumer, InboxKey(id), in.d.TimeArg(now)}}
 }
 
 // Key reads the key stored under consumer's id, as the table's collation
@@ -1403,25 +1453,25 @@ func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
 // message_id; no row when there is none.
 func (in *Inbox) Key(consumer, id string) Query {
 	return Query{SQL: in.d.rebind("SELECT " + in.d.text("consumer_name") + ", " + in.d.text("message_id") + " FROM " + in.table +
-		" WHERE consumer_name = ? AND message_id = ?" + in.d.currentRead()), Args: []any{consumer, id}}
+		" WHERE consumer_name = ? AND message_id = ?" + in.d.currentRead()), Args: []any{consumer, InboxKey(id)}}
 }
 
 // Delete takes back the key Insert recorded: an at-most-once handler that
 // failed before its effect, whose message is to be retried.
 func (in *Inbox) Delete(consumer, id string) Query {
-	return Query{SQL: in.d.rebind("DELETE FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+	return Query{SQL: in.d.rebind("DELETE FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, InboxKey(id)}}
 }
 
 // Stamp reads the processed_at of consumer's key id. Under AtMostOnce a
 // stamp ahead of now is the end of the lease of a handler still running.
 func (in *Inbox) Stamp(consumer, id string) Query {
-	return Query{SQL: in.d.rebind("SELECT " + in.d.timeText("processed_at") + " FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+	return Query{SQL: in.d.rebind("SELECT " + in.d.timeText("processed_at") + " FROM " + in.table + " WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, InboxKey(id)}}
 }
 
 // Done stamps consumer's key id processed at now: its at-most-once
 // handler returned (or, with a time ahead, renews its running lease).
 func (in *Inbox) Done(consumer, id string, now time.Time) Query {
-	return Query{SQL: in.d.rebind("UPDATE " + in.table + " SET processed_at = ? WHERE consumer_name = ? AND message_id = ?"), Args: []any{in.d.TimeArg(now), consumer, id}}
+	return Query{SQL: in.d.rebind("UPDATE " + in.table + " SET processed_at = ? WHERE consumer_name = ? AND message_id = ?"), Args: []any{in.d.TimeArg(now), consumer, InboxKey(id)}}
 }
 
 // PurgeBound is Outbox.PurgePublishedBound's for processed_messages.
@@ -1622,7 +1672,7 @@ type HeldRow struct {
 
 // Hold writes r; it affects no row when the key's seq is held already.
 func (o *OrderedInbox) Hold(r HeldRow) Query {
-	return o.query(o.d.insertInboxHeld(), r.Consumer, r.Key, r.Seq, r.MessageID, r.Payload, r.PayloadEncoding, r.Metadata, o.d.TimeArg(r.HeldAt))
+	return o.query(o.d.insertInboxHeld(), r.Consumer, r.Key, r.Seq, InboxKey(r.MessageID), r.Payload, r.PayloadEncoding, r.Metadata, o.d.TimeArg(r.HeldAt))
 }
 
 // HeldUpTo counts the key's held messages up to seq: after applying seq-1,

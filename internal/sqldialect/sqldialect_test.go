@@ -290,3 +290,28 @@ func TestClaimOfPoints_MySQLExactKeys_PostgresIDs(t *testing.T) {
 		t.Errorf("PostgreSQL's claim of points: %s", q.SQL)
 	}
 }
+
+// InboxKey keeps the ids this library writes as they are, gives every
+// other a digest that fits varchar(64) and is no id kept as it is, and
+// keeps a digest as it is (a held message's stored key, applied).
+func TestInboxKey_KeptOrDigested_DigestKept(t *testing.T) {
+	for _, id := range []string{"a", "01J9Z3K4", strings.Repeat("x", 64), "~!{}"} {
+		if got := InboxKey(id); got != id {
+			t.Errorf("InboxKey(%q) = %q, want it as it is", id, got)
+		}
+	}
+	seen := map[string]string{}
+	for _, id := range []string{"", strings.Repeat("x", 65), strings.Repeat("x", 255), "a b", "é", "nul\x00", "\xff", "sha256 x"} {
+		got := InboxKey(id)
+		if len(got) != 59 || !strings.HasPrefix(got, "sha256 ") || strings.ToLower(got) != got {
+			t.Errorf("InboxKey(%q) = %q, want sha256, a space and 52 lower-case base32 digits", id, got)
+		}
+		if other, ok := seen[got]; ok {
+			t.Errorf("InboxKey(%q) = InboxKey(%q)", id, other)
+		}
+		seen[got] = id
+		if again := InboxKey(got); again != got {
+			t.Errorf("InboxKey of the digest %q = %q, want it kept", got, again)
+		}
+	}
+}
