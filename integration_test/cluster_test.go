@@ -69,8 +69,17 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 		t.Fatal(err)
 	}
 	lossAt := &lossClock{LoggerAdapter: debugLogger()}
+	relayURLs := cl.URLs()
+	if !closeConsumerConnection() {
+		// Under -race the consumers sit on node 2 (below), and the relay
+		// knows nodes 0 and 1 alone: no loss of its node takes theirs.
+		// Knowing all three, it moved from node 0 to node 2 once, the
+		// second loss took the consumers' connections, and the race
+		// detector failed the test on watermill-amqp's reconnect.
+		relayURLs = relayURLs[:2]
+	}
 	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{
-		URLs:           cl.URLs(),
+		URLs:           relayURLs,
 		ConnectionName: "cluster-relay",
 		Logger:         lossAt,
 	})
@@ -110,8 +119,9 @@ func TestCluster_NodeOfRelayStopped_EveryCommittedOrderOnceNothingLost(t *testin
 	// starts on node 0 and moves on to node 1, the next, so the second loss
 	// takes node 1 from under the first consumer, which moves on to node 2.
 	// Not under -race: watermill-amqp's reconnect races
-	// (closeConsumerConnection), so there both consumers sit on node 2 and
-	// read on throughout without losing their connection.
+	// (closeConsumerConnection), so there both consumers sit on node 2,
+	// which the relay does not know, and read on throughout without
+	// losing their connection.
 	oc := &orderConsumer{insertEffect: db.Rebind("INSERT INTO effects (order_id, message_id, applied_us) VALUES (?, ?, ?)")}
 	urls := cl.URLs()
 	consumers := startConsumer(t, consumerConfig{
