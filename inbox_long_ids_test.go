@@ -164,23 +164,136 @@ func TestInbox_MarkOutboxProcessed_ForeignRowWithALongID_Marked(t *testing.T) {
 			if pub := sweptIDs(t, db); len(pub) != 1 || pub[0] != id {
 				t.Fatalf("the relay published %q, want [%q]", pub, id)
 			}
-			var ran int
-			h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
+			handledOnceAndMarked(t, db, id, 2)
+		})
+	}
+}
+
+// A keyed message deduped on a UUID over 64 bytes (no x-acemq-id: a
+// Watermill publisher's) held, then applied: its handler is given the
+// UUID, as the message delivered in turn is, not the digest its row keeps,
+// whether its predecessor comes or its gap is skipped (a review's catch:
+// the UUID was nowhere in the held row).
+func TestOrderedInbox_HeldMessageDedupedOnALongUUID_HandlerGivenTheUUID(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		idOf := func(seq int) string { return strings.Repeat("watermill-uuid-", 5) + strconv.Itoa(seq) }
+		saw := map[string]string{}
+		in := orderedInbox(t, db, outbox.InboxConfig{})
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			saw[msg.Metadata.Get(outbox.HeaderSeq)] = msg.UUID
+			return nil, nil
+		})
+		deliver := func(key string, seq int) {
+			msg := keyedMsg(key, seq)
+			msg.UUID = idOf(seq)
+			if _, err := h(msg); err != nil {
+				t.Fatalf("%s seq %d: %v", key, seq, err)
+			}
+		}
+		deliver("acct-1", 2)
+		deliver("acct-1", 1)
+		for seq := 1; seq <= 2; seq++ {
+			if got := saw[strconv.Itoa(seq)]; got != idOf(seq) {
+				t.Errorf("seq %d: the handler saw UUID %q, want %q", seq, got, idOf(seq))
+			}
+		}
+		deliver("acct-2", 2)
+		if err := in.SkipGap(context.Background(), "fulfilment", "acct-2", 1, 1); err != nil {
+			t.Fatal(err)
+		}
+		if got := saw["2"]; got != idOf(2) {
+			t.Errorf("acct-2 seq 2 after its gap was skipped: the handler saw UUID %q, want %q", got, idOf(2))
+		}
+	})
+}
+
+// processed_messages as another library's inbox left it (message_id
+// varchar(255)), holding the ids over 64 bytes it processed as they are:
+// a service that moves to this library under the same consumer name and
+// table acks a redelivery of one as a duplicate, in the plain inbox and
+// at most once. Looked up under its digest alone, it ran again (a
+// review's catch).
+func TestInbox_ForeignTableHoldingALongIDAsItIs_RedeliveryIsADuplicate(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		switch db.Kind {
+		case testdb.Postgres:
+			db.MustExec("ALTER TABLE processed_messages ALTER message_id TYPE varchar(255)")
+		case testdb.MySQL:
+			db.MustExec("ALTER TABLE processed_messages MODIFY message_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL")
+		}
+		id := "invoice " + strings.Repeat("0123456789", 10)
+		at := any(time.Now().Add(-time.Hour).UTC())
+		if db.Kind != testdb.Postgres {
+			at = time.Now().Add(-time.Hour).UTC().Format("2006-01-02 15:04:05.000000")
+		}
+		for _, consumer := range []string{"plain", "at-most-once"} {
+			db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), consumer, id, at)
+			ran := 0
+			h := newInbox(t, db, outbox.InboxConfig{ConsumerName: consumer, AtMostOnce: consumer == "at-most-once"}).Middleware(func(*message.Message) ([]*message.Message, error) {
 				ran++
 				return nil, nil
 			})
-			for range 2 {
-				if _, err := h(acemqMessage(id)); err != nil {
-					t.Fatal(err)
-				}
+			msg := acemqMessage(id)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second) // at most once, a key it waited on for ever
+			msg.SetContext(ctx)
+			_, err := h(msg)
+			cancel()
+			if err != nil || ran != 0 {
+				t.Errorf("%s: a message the table holds as processed, its id as it is (%d bytes): ran %d times, %v; want acked without running", consumer, len(id), ran, err)
 			}
-			var marked int
-			if err := db.Get(&marked, "SELECT COUNT(*) FROM acemq_outbox WHERE processed_at IS NOT NULL"); err != nil {
-				t.Fatal(err)
+			if _, err := h(acemqMessage(id + "-2")); err != nil || ran != 1 {
+				t.Errorf("%s: another long id: ran %d times, %v; want once", consumer, ran, err)
 			}
-			if ran != 1 || marked != 1 {
-				t.Errorf("the handler ran %d times (want 1), %d records marked processed (want 1)", ran, marked)
+		}
+	})
+}
+
+// An id another library's table holds and the relay publishes as it is,
+// which PostgreSQL's text could not hold: a NUL in MySQL's varchar, bytes
+// that are not UTF-8 in SQLite's TEXT. MarkOutboxProcessed marks its
+// record, which Republish would otherwise send again at every boot. It
+// was skipped wherever PostgreSQL refuses it bound (a review's catch).
+func TestInbox_MarkOutboxProcessed_IDOnlyPostgresRefuses_MarkedElsewhere(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ kind, id string }{
+		{testdb.MySQL, "nul\x00inside"},
+		{testdb.SQLite, "nul\x00inside"},
+		{testdb.SQLite, "id-\xff\xfe-1"},
+	} {
+		t.Run(tc.kind+"_"+hex.EncodeToString([]byte(tc.id)), func(t *testing.T) {
+			t.Parallel()
+			db := outboxWithIDType(t, tc.kind, "varchar(255)")
+			insertForeignID(t, db, tc.id, "x", time.Now().Add(-time.Minute))
+			if pub := sweptIDs(t, db); len(pub) != 1 || pub[0] != tc.id {
+				t.Fatalf("the relay published %q, want [%q]", pub, tc.id)
 			}
+			handledOnceAndMarked(t, db, tc.id, 1)
 		})
+	}
+}
+
+// handledOnceAndMarked delivers the message of id deliveries times to an
+// inbox with MarkOutboxProcessed over db, whose outbox holds its record
+// alone: the handler must run once, and the record be marked processed.
+func handledOnceAndMarked(t *testing.T, db *testdb.DB, id string, deliveries int) {
+	t.Helper()
+	ran := 0
+	h := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true}).Middleware(func(*message.Message) ([]*message.Message, error) {
+		ran++
+		return nil, nil
+	})
+	for range deliveries {
+		if _, err := h(acemqMessage(id)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var marked int
+	if err := db.Get(&marked, "SELECT COUNT(*) FROM acemq_outbox WHERE processed_at IS NOT NULL"); err != nil {
+		t.Fatal(err)
+	}
+	if ran != 1 || marked != 1 {
+		t.Errorf("the handler ran %d times (want 1), %d records marked processed (want 1)", ran, marked)
 	}
 }

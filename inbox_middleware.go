@@ -602,6 +602,9 @@ func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
 // outbox record processed. It reports false for a key already there:
 // processed before, by a delivery whose transaction committed.
 func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) (fresh bool, err error) {
+	if done, err := in.processedAsIs(ctx, tx, consumer, key); err != nil || done {
+		return false, err
+	}
 	return in.recordAt(ctx, tx, consumer, key, time.Now())
 }
 
@@ -623,6 +626,32 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 		return false, nil
 	}
 	return true, in.markProcessed(ctx, tx, key, now)
+}
+
+// processedAsIs reports whether consumer's key is in the inbox table as
+// it is where the inbox keeps it under its digest (sqldialect.InboxKey):
+// a table another library's inbox wrote, with a message_id wider than
+// 64, holds the ids it processed so, and a redelivery of one after the
+// move to this library would otherwise run again. One plain read, for
+// such ids alone; none for an id no text column holds (not UTF-8, a NUL),
+// which no such table holds either.
+func (in *Inbox) processedAsIs(ctx context.Context, on execQuerier, consumer, key string) (bool, error) {
+	if sqldialect.InboxKey(key) == key || !textHolds(key) {
+		return false, nil
+	}
+	var gotConsumer, gotKey string
+	q := sqldialect.Inline(in.dialect.sql(), in.q.KeyAsIs(consumer, key))
+	switch err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&gotConsumer, &gotKey); {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("outbox: inbox: look for the key of %.80q for %s as it is: %w", key, consumer, err)
+	}
+	if gotConsumer != consumer || gotKey != key {
+		return false, nil // another's, under a collation that takes it for this one
+	}
+	in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+	return true, nil
 }
 
 // sameKey makes sure that the key the insert found is consumer's id, byte
@@ -720,16 +749,17 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 // looked up once; a failed look-up is tried again at the next mark, which
 // then binds the id as before.
 //
-// Nor does a text column hold an id that is not UTF-8, or holds a NUL (the
-// inbox takes such a message under a digest of its id: sqldialect's
-// InboxKey): PostgreSQL refused it bound, failing the transaction.
+// Nor does PostgreSQL's text hold an id that is not UTF-8, or holds a NUL
+// (the inbox takes such a message under a digest of its id: sqldialect's
+// InboxKey): bound, it failed the transaction. SQLite's TEXT holds any
+// bytes, and MySQL's varchar a NUL, which a relay publishes as they are.
 //
 // The look-up runs on on, the message's transaction (or the pool for a
 // duplicate's mark): on the pool it waited for a second connection while
 // the message's transaction held one, for ever on a pool capped at one,
 // or at as many deliveries at once as the pool has connections.
 func (in *Inbox) markable(ctx context.Context, on execQuerier, key string) bool {
-	if !utf8.ValidString(key) || strings.IndexByte(key, 0) >= 0 {
+	if in.dialect.sql().TextKeys() && !textHolds(key) {
 		return false
 	}
 	if ids := in.outboxIDs.Load(); ids != 0 {
@@ -1037,6 +1067,9 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 // stamped done, or past its lease, this delivery is a duplicate; taken
 // back (the handler failed), it is recorded again, and runs.
 func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool, error) {
+	if done, err := in.processedAsIs(ctx, in.db, consumer, key); err != nil || done {
+		return false, err
+	}
 	wait := 20 * time.Millisecond
 	for {
 		now, err := in.serverNow(ctx)
@@ -1176,6 +1209,12 @@ func publishTopic(ctx context.Context, n int) (string, error) {
 	return "", fmt.Errorf("outbox: inbox: the handler returned %d message(s) and has no publish topic to write them to "+
 		"(it runs outside a router, or was added without one): register it with "+
 		"router.AddHandler(name, subscribeTopic, sub, publishTopic, inbox.Publisher(), handler)", n)
+}
+
+// textHolds reports whether PostgreSQL's text holds s: valid UTF-8
+// without a NUL.
+func textHolds(s string) bool {
+	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }
 
 // dedupeKey is the id the inbox dedupes msg on, "" if it has none: its

@@ -103,47 +103,71 @@ type routeKey struct{ consumer, handler string }
 // tildes) keeps it: see heldMetadata.
 const heldHandlerKey = "x-acemq-inbox-handler"
 
+// heldIDKey is the metadata key under which a held message whose row keeps
+// its id under its digest (an id the key column cannot hold as it is: see
+// sqldialect.InboxKey) keeps the id itself, for its handler, which is
+// given it as the message's UUID, as every message is given the id it is
+// deduped on. Taken out, and a message's own key of that name kept, as
+// heldHandlerKey is.
+const heldIDKey = "x-acemq-inbox-id"
+
 // heldMetadata is md as a held row keeps it: heldHandlerKey set to handler,
-// and the message's own keys of that name followed by none or more tildes
-// given one tilde more, which heldRelease takes off again. Before, a
-// message that arrived with the key lost its value to the handler's name.
-func heldMetadata(md message.Metadata, handler string) message.Metadata {
-	kept := make(message.Metadata, len(md)+1)
+// heldIDKey to id where the row keeps a digest of it, and the message's
+// own keys of those names followed by none or more tildes given one tilde
+// more, which heldRelease takes off again. Before, a message that arrived
+// with the key lost its value to the handler's name.
+func heldMetadata(md message.Metadata, handler, id string) message.Metadata {
+	kept := make(message.Metadata, len(md)+2)
 	for k, v := range md {
-		if isHandlerKey(k) {
+		if isHeldKey(k) {
 			k += "~"
 		}
 		kept[k] = v
 	}
 	kept[heldHandlerKey] = handler
+	if sqldialect.InboxKey(id) != id {
+		kept[heldIDKey] = id
+	}
 	return kept
 }
 
 // heldRelease is the metadata a held row kept (see heldMetadata) as the
-// message came, and the name of the handler it was held for (byName:
-// whether the row names one; an earlier version's may not).
-func heldRelease(kept message.Metadata) (md message.Metadata, handler string, byName bool) {
+// message came, the name of the handler it was held for (byName: whether
+// the row names one; an earlier version's may not), and the id it was
+// deduped on, stored (the row's message_id, a digest where the row keeps
+// one).
+func heldRelease(kept message.Metadata, stored string) (md message.Metadata, handler string, byName bool, id string) {
+	id = stored
 	if kept == nil {
-		return nil, "", false
+		return nil, "", false, id
 	}
 	md = make(message.Metadata, len(kept))
 	for k, v := range kept {
 		switch {
 		case k == heldHandlerKey:
 			handler, byName = v, true
-		case isHandlerKey(k):
+		case k == heldIDKey:
+			if sqldialect.InboxKey(v) == stored {
+				id = v
+			}
+		case isHeldKey(k):
 			md[k[:len(k)-1]] = v
 		default:
 			md[k] = v
 		}
 	}
-	return md, handler, byName
+	return md, handler, byName, id
 }
 
-// isHandlerKey: k is heldHandlerKey followed by none or more tildes.
-func isHandlerKey(k string) bool {
-	rest, ok := strings.CutPrefix(k, heldHandlerKey)
-	return ok && strings.Trim(rest, "~") == ""
+// isHeldKey: k is heldHandlerKey or heldIDKey followed by none or more
+// tildes.
+func isHeldKey(k string) bool {
+	for _, held := range []string{heldHandlerKey, heldIDKey} {
+		if rest, ok := strings.CutPrefix(k, held); ok && strings.Trim(rest, "~") == "" {
+			return true
+		}
+	}
+	return false
 }
 
 // orderedState is the ordered inbox's part of an Inbox.
@@ -622,7 +646,7 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 // hold writes msg into acemq_inbox_held, with the name of the handler it
 // was delivered to (heldHandlerKey); false if it is there already.
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
-	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context())))
+	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context()), id))
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
 	}
@@ -712,13 +736,8 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	}
 	var heldBy string
 	var byName bool
-	msg.Metadata, heldBy, byName = heldRelease(msg.Metadata)
-	if raw := msg.Metadata.Get(HeaderMessageID); raw != id && sqldialect.InboxKey(raw) == id {
-		// Held under the digest of its id, which the key column cannot
-		// hold as it is (see sqldialect.InboxKey): the handler is given
-		// the id, as the messages delivered in turn are.
-		id, msg.UUID = raw, raw
-	}
+	msg.Metadata, heldBy, byName, id = heldRelease(msg.Metadata, id)
+	msg.UUID = id // the id itself where the row keeps its digest
 	rt, ok := in.route(consumer, heldBy, byName)
 	if !ok {
 		// Its handler has not run behind this inbox in this process: it
@@ -1217,6 +1236,6 @@ func (in *Inbox) heldNext(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	if m.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
 		m.Metadata, m.MetadataErr, m.StoredMetadata = nil, err, metadata
 	}
-	m.Metadata, _, _ = heldRelease(m.Metadata)
+	m.Metadata, _, _, m.ID = heldRelease(m.Metadata, id)
 	return m, nil
 }

@@ -211,8 +211,8 @@ type skippedReport struct {
 	Consumer  string `json:"consumer"` // as outboxctl held shows it
 	Key       string `json:"key"`      // as outboxctl held shows it
 	Seq       int64  `json:"seq"`
-	MessageID string `json:"message_id"`
-	Payload   []byte `json:"payload"` // base64
+	MessageID string `json:"message_id"` // quoted where it is not plain text, as Key is
+	Payload   []byte `json:"payload"`    // base64
 	// Metadata is the message's metadata when every key and value of it is
 	// UTF-8. Otherwise it is null and MetadataBase64 holds it, as [key,
 	// value] pairs, each base64, the form the held row kept it in: a JSON
@@ -231,7 +231,7 @@ type skippedReport struct {
 }
 
 func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
-	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: m.ID, Payload: m.Payload, Metadata: m.Metadata}
+	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: keyText(m.ID), Payload: m.Payload, Metadata: m.Metadata}
 	text := true
 	for k, v := range m.Metadata {
 		text = text && utf8.ValidString(k) && utf8.ValidString(v)

@@ -1456,6 +1456,15 @@ func (in *Inbox) Key(consumer, id string) Query {
 		" WHERE consumer_name = ? AND message_id = ?" + in.d.currentRead()), Args: []any{consumer, InboxKey(id)}}
 }
 
+// KeyAsIs is Key of the id as it is, not its InboxKey, in a plain read
+// (one that locks nothing, where Key's reads what is committed now): a
+// table another library's inbox wrote, whose message_id is wider than 64,
+// may hold an id InboxKey digests as it is.
+func (in *Inbox) KeyAsIs(consumer, id string) Query {
+	return Query{SQL: in.d.rebind("SELECT " + in.d.text("consumer_name") + ", " + in.d.text("message_id") + " FROM " + in.table +
+		" WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+}
+
 // Delete takes back the key Insert recorded: an at-most-once handler that
 // failed before its effect, whose message is to be retried.
 func (in *Inbox) Delete(consumer, id string) Query {

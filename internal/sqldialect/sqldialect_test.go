@@ -78,6 +78,7 @@ func TestQueries_ArgumentsMatchPlaceholders_EveryDialect(t *testing.T) {
 			queries["insert numbered "+strconv.Itoa(i)] = q
 		}
 		queries["lock keys"] = o.LockKeys(keys)
+		queries["inbox key as is"] = in.KeyAsIs("c", strings.Repeat("a", 65))
 		queries["claimable"] = o.Claimable(ClaimParams{MaxAttempts: 10, Now: now})
 		pts := []Cursor{{CreatedAt: now, ID: "a", CreatedText: "2026-11-30 12:00:00.123456"}, {CreatedAt: now, ID: "b"}}
 		queries["claim of points"] = o.Claim(ClaimParams{Limit: 10, MaxAttempts: 5, Now: now, Index: "acemq_outbox_pending", Points: pts})
