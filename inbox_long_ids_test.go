@@ -297,3 +297,44 @@ func handledOnceAndMarked(t *testing.T, db *testdb.DB, id string, deliveries int
 		t.Errorf("the handler ran %d times (want 1), %d records marked processed (want 1)", ran, marked)
 	}
 }
+
+// processed_messages another library created on MySQL in a narrower
+// character set (utf8mb3; latin1, MySQL 5.7's default) with a wide
+// message_id, and a long id with a character that charset cannot hold:
+// the read of the id as it is, which MySQL refuses ("Illegal mix of
+// collations"), counts as finding nothing, and the message is deduped
+// under its digest, which the table takes. In the message's transaction
+// that read failed every delivery (a review's catch).
+func TestInbox_ForeignNarrowCharsetTable_LongIDItCannotHold_DedupedUnderTheDigest(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ charset, id string }{
+		{"utf8mb3", "invoice \U0001F600 " + strings.Repeat("0123456789", 7)},
+		{"latin1", "invoice \u2603 " + strings.Repeat("0123456789", 7)},
+	} {
+		t.Run(tc.charset, func(t *testing.T) {
+			t.Parallel()
+			db := migrated(t, testdb.MySQL)
+			db.MustExec("ALTER TABLE processed_messages MODIFY message_id varchar(255) CHARACTER SET " + tc.charset + " COLLATE " + tc.charset + "_bin NOT NULL")
+			for _, cfg := range []outbox.InboxConfig{{ConsumerName: "plain"}, {ConsumerName: "at-most-once", AtMostOnce: true}} {
+				ran := 0
+				h := newInbox(t, db, cfg).Middleware(func(*message.Message) ([]*message.Message, error) {
+					ran++
+					return nil, nil
+				})
+				for i := range 2 {
+					msg := acemqMessage(tc.id)
+					ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+					msg.SetContext(ctx)
+					_, err := h(msg)
+					cancel()
+					if err != nil {
+						t.Errorf("%s: delivery %d: %v, want nil (ack)", cfg.ConsumerName, i+1, err)
+					}
+				}
+				if ran != 1 {
+					t.Errorf("%s: ran %d times over two deliveries, want 1", cfg.ConsumerName, ran)
+				}
+			}
+		})
+	}
+}

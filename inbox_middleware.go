@@ -553,6 +553,9 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		outcome, err := in.processOrdered(ctx, h, code, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
+	if in.processedAsIs(ctx, consumer, key) {
+		return inboxDuplicate, consumer, nil
+	}
 	if in.cfg.AtMostOnce {
 		outcome, err := in.processAtMostOnce(ctx, h, msg, consumer, key)
 		return outcome, consumer, err
@@ -602,9 +605,6 @@ func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
 // outbox record processed. It reports false for a key already there:
 // processed before, by a delivery whose transaction committed.
 func (in *Inbox) record(ctx context.Context, tx *sqlx.Tx, consumer, key string) (fresh bool, err error) {
-	if done, err := in.processedAsIs(ctx, tx, consumer, key); err != nil || done {
-		return false, err
-	}
 	return in.recordAt(ctx, tx, consumer, key, time.Now())
 }
 
@@ -628,30 +628,38 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	return true, in.markProcessed(ctx, tx, key, now)
 }
 
-// processedAsIs reports whether consumer's key is in the inbox table as
-// it is where the inbox keeps it under its digest (sqldialect.InboxKey):
-// a table another library's inbox wrote, with a message_id wider than
-// 64, holds the ids it processed so, and a redelivery of one after the
-// move to this library would otherwise run again. One plain read, for
-// such ids alone; none for an id no text column holds (not UTF-8, a NUL),
-// which no such table holds either.
-func (in *Inbox) processedAsIs(ctx context.Context, on execQuerier, consumer, key string) (bool, error) {
+// processedAsIs reports whether consumer's key, an unkeyed message's, is
+// in the inbox table as it is where the inbox keeps it under its digest
+// (sqldialect.InboxKey): a table another library's inbox wrote, with a
+// message_id wider than 64, holds the ids it processed so, and a
+// redelivery of one after the move to this library would otherwise run
+// again. One plain read on the pool, before the message's transaction,
+// for such ids alone; none for an id no text column holds (not UTF-8, a
+// NUL), which no such table holds either. A read that fails counts as
+// finding nothing, and is logged: MySQL refuses to compare an id with a
+// character that a utf8mb3 or latin1 column cannot hold (which then holds
+// no such id), and PostgreSQL in a database of another encoding likewise;
+// in the transaction, the first failed every delivery, and the second
+// aborted the transaction. (The ordered inbox dedupes a keyed message by
+// its sequence number first, and does not look.)
+func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) bool {
 	if sqldialect.InboxKey(key) == key || !textHolds(key) {
-		return false, nil
+		return false
 	}
 	var gotConsumer, gotKey string
 	q := sqldialect.Inline(in.dialect.sql(), in.q.KeyAsIs(consumer, key))
-	switch err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&gotConsumer, &gotKey); {
+	switch err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&gotConsumer, &gotKey); {
 	case errors.Is(err, sql.ErrNoRows):
-		return false, nil
+		return false
 	case err != nil:
-		return false, fmt.Errorf("outbox: inbox: look for the key of %.80q for %s as it is: %w", key, consumer, err)
+		in.log.Info("Inbox key not looked for as it is (it is looked for under its digest)", watermill.LogFields{"message_uuid": fmt.Sprintf("%.80q", key), "consumer": consumer, "error": err.Error()})
+		return false
 	}
 	if gotConsumer != consumer || gotKey != key {
-		return false, nil // another's, under a collation that takes it for this one
+		return false // another's, under a collation that takes it for this one
 	}
 	in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
-	return true, nil
+	return true
 }
 
 // sameKey makes sure that the key the insert found is consumer's id, byte
@@ -1067,9 +1075,6 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 // stamped done, or past its lease, this delivery is a duplicate; taken
 // back (the handler failed), it is recorded again, and runs.
 func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool, error) {
-	if done, err := in.processedAsIs(ctx, in.db, consumer, key); err != nil || done {
-		return false, err
-	}
 	wait := 20 * time.Millisecond
 	for {
 		now, err := in.serverNow(ctx)
