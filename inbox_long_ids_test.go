@@ -15,6 +15,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
@@ -336,5 +337,48 @@ func TestInbox_ForeignNarrowCharsetTable_LongIDItCannotHold_DedupedUnderTheDiges
 				}
 			}
 		})
+	}
+}
+
+// processed_messages another library left with a long id as it is, and a
+// pool with a lock_timeout: while a migration holds the table (ACCESS
+// EXCLUSIVE, as an ALTER TABLE does), the read of the id as it is times
+// out, and the delivery fails, to be redelivered; taken for nothing found,
+// the insert of the digest after the lock went succeeded and the message
+// ran again (a review's catch).
+func TestInbox_ReadOfALongIDAsItIsFails_DeliveryFailsNotRunAgain(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	db.MustExec("ALTER TABLE processed_messages ALTER message_id TYPE varchar(255)")
+	id := "invoice " + strings.Repeat("0123456789", 10)
+	db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), "plain", id, time.Now().Add(-time.Hour).UTC())
+	pool, err := sqlx.Open("pgx", db.DSN+"&lock_timeout=400")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pool.Close() })
+	in, err := outbox.NewInbox(pool, outbox.InboxConfig{ConsumerName: "plain"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := 0
+	h := in.Middleware(func(*message.Message) ([]*message.Message, error) { ran++; return nil, nil })
+	locker, err := db.Beginx()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := locker.Exec("LOCK TABLE processed_messages IN ACCESS EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	go func() { time.Sleep(600 * time.Millisecond); _ = locker.Commit() }()
+	msg := acemqMessage(id)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	msg.SetContext(ctx)
+	if _, err := h(msg); ran != 0 || err == nil {
+		t.Errorf("a message the table holds as processed, its read timed out: ran %d times, %v; want a failed delivery", ran, err)
+	}
+	if _, err := h(acemqMessage(id)); ran != 0 || err != nil {
+		t.Errorf("its redelivery: ran %d times, %v; want acked without running", ran, err)
 	}
 }

@@ -553,7 +553,9 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		outcome, err := in.processOrdered(ctx, h, code, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
-	if in.processedAsIs(ctx, consumer, key) {
+	if done, err := in.processedAsIs(ctx, consumer, key); err != nil {
+		return inboxFailed, consumer, err
+	} else if done {
 		return inboxDuplicate, consumer, nil
 	}
 	if in.cfg.AtMostOnce {
@@ -635,31 +637,32 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 // redelivery of one after the move to this library would otherwise run
 // again. One plain read on the pool, before the message's transaction,
 // for such ids alone; none for an id no text column holds (not UTF-8, a
-// NUL), which no such table holds either. A read that fails counts as
-// finding nothing, and is logged: MySQL refuses to compare an id with a
-// character that a utf8mb3 or latin1 column cannot hold (which then holds
-// no such id), and PostgreSQL in a database of another encoding likewise;
-// in the transaction, the first failed every delivery, and the second
-// aborted the transaction. (The ordered inbox dedupes a keyed message by
-// its sequence number first, and does not look.)
-func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) bool {
+// NUL), which no such table holds either. A read the table refuses for
+// a character its column cannot hold (MySQL's for a utf8mb3 or latin1
+// column, PostgreSQL's in a database of another encoding: CannotHold)
+// finds nothing, for no row holds the id; in the transaction, the first
+// failed every delivery, and the second aborted the transaction. Any
+// other failure fails the delivery, as the transaction's would: taken
+// for nothing found (a lock timeout behind an ALTER TABLE), it ran a
+// message the table holds again. (The ordered inbox does not look: see
+// the README.)
+func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool, error) {
 	if sqldialect.InboxKey(key) == key || !textHolds(key) {
-		return false
+		return false, nil
 	}
 	var gotConsumer, gotKey string
 	q := sqldialect.Inline(in.dialect.sql(), in.q.KeyAsIs(consumer, key))
 	switch err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&gotConsumer, &gotKey); {
-	case errors.Is(err, sql.ErrNoRows):
-		return false
+	case errors.Is(err, sql.ErrNoRows) || in.dialect.sql().CannotHold(err):
+		return false, nil
 	case err != nil:
-		in.log.Info("Inbox key not looked for as it is (it is looked for under its digest)", watermill.LogFields{"message_uuid": fmt.Sprintf("%.80q", key), "consumer": consumer, "error": err.Error()})
-		return false
+		return false, fmt.Errorf("outbox: inbox: look for the key of %.80q for %s as it is: %w", key, consumer, err)
 	}
 	if gotConsumer != consumer || gotKey != key {
-		return false // another's, under a collation that takes it for this one
+		return false, nil // another's, under a collation that takes it for this one
 	}
 	in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
-	return true
+	return true, nil
 }
 
 // sameKey makes sure that the key the insert found is consumer's id, byte

@@ -73,6 +73,17 @@ func (mysql) Conflict(err error) bool {
 	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1020")
 }
 
+// CannotHold: an illegal mix of collations (1267, 1270, 1271), MySQL's
+// refusal to compare a utf8mb3 or latin1 column with a value holding a
+// character it lacks.
+func (mysql) CannotHold(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return strings.Contains(s, "Error 1267") || strings.Contains(s, "Error 1270") || strings.Contains(s, "Error 1271")
+}
+
 func (mysql) CommitRolledBack(error) bool { return false }
 
 // TimeoutEnds: a lock wait timeout (1205) rolls back the whole transaction

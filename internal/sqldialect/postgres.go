@@ -213,6 +213,13 @@ func (postgres) Conflict(err error) bool {
 	return s == "40001" || s == "40P01"
 }
 
+// CannotHold: a character the database's encoding lacks (22021
+// character_not_in_repertoire, 22P05 untranslatable_character).
+func (postgres) CannotHold(err error) bool {
+	s := sqlState(err)
+	return s == "22021" || s == "22P05"
+}
+
 // TxAborted reports whether err, a statement's on PostgreSQL, was refused
 // because an earlier error aborted the transaction (25P02): the
 // transaction will roll back whatever its caller does.

@@ -116,6 +116,10 @@ type Dialect interface {
 	// rows (a serialization failure, a deadlock), rolled back whole: run
 	// again, it may well succeed.
 	Conflict(err error) bool
+	// CannotHold: err, a read's that compared a text column with a
+	// value, says the column cannot hold that value (a character its
+	// character set or the database's encoding lacks): no row holds it.
+	CannotHold(err error) bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

@@ -54,6 +54,8 @@ func (sqlite) BlobIDs() bool { return true }
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
 
+func (sqlite) CannotHold(error) bool { return false } // TEXT holds any bytes
+
 func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
 func (sqlite) AsksByBegin() bool { return true }
