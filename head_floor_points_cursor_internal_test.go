@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
@@ -84,29 +83,8 @@ func TestClaim_DrainAtTheFloorsCreatedAt_GoesOnFromItsCursor(t *testing.T) {
 	_, fat, pts := floorState(s)
 	// What one claim costs now, from the floor and from the drain's cursor.
 	blocks := func(from *sqldialect.Cursor) string {
-		q := s.q.Claim(sqldialect.ClaimParams{Limit: claimOf, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: from})
-		tx, err := db.DB.Begin()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = tx.Rollback() }()
-		if _, err := tx.Exec(s.q.ClaimSetup().SQL); err != nil {
-			t.Fatal(err)
-		}
-		var plan string
-		if err := tx.QueryRow("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+q.SQL, q.Args...).Scan(&plan); err != nil {
-			t.Fatal(err)
-		}
-		var pl []struct {
-			Plan struct {
-				Hit int `json:"Shared Hit Blocks"`
-			}
-			Time float64 `json:"Execution Time"`
-		}
-		if err := json.Unmarshal([]byte(plan), &pl); err != nil {
-			t.Fatal(err)
-		}
-		return fmt.Sprintf("%d blocks, %.2f ms", pl[0].Plan.Hit, pl[0].Time)
+		n, ms, _ := explainClaim(t, db, s, sqldialect.ClaimParams{Limit: claimOf, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: from})
+		return fmt.Sprintf("%d blocks, %.2f ms", n, ms)
 	}
 	t.Logf("floor at %v (rows at %v), points %v; %d statements in %d claims", fat, at, pts, s.sent.Load()-sent, len(reads))
 	if toFloor > 0 {

@@ -167,7 +167,15 @@ func TestClaim_Postgres_PointsClaimReadsByTheirIDs(t *testing.T) {
 // time and the plan.
 func pointsClaimBlocks(t *testing.T, db *testdb.DB, s *Store, pts []sqldialect.Cursor) (blocks int, ms float64, plan string) {
 	t.Helper()
-	q := s.q.Claim(sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: pts})
+	return explainClaim(t, db, s, sqldialect.ClaimParams{Limit: 100, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), Points: pts})
+}
+
+// explainClaim runs PostgreSQL's EXPLAIN (ANALYZE, BUFFERS) of the claim of
+// p through s, in a transaction set up as the claim's is, and rolls it
+// back: the blocks it read, its time, and the plan.
+func explainClaim(t *testing.T, db *testdb.DB, s *Store, params sqldialect.ClaimParams) (blocks int, ms float64, plan string) {
+	t.Helper()
+	q := s.q.Claim(params)
 	tx, err := db.DB.Begin()
 	if err != nil {
 		t.Fatal(err)

@@ -1452,8 +1452,7 @@ func (in *Inbox) Insert(consumer, id string, now time.Time) Query {
 // table another library created may have. Columns: consumer_name,
 // message_id; no row when there is none.
 func (in *Inbox) Key(consumer, id string) Query {
-	return Query{SQL: in.d.rebind("SELECT " + in.d.text("consumer_name") + ", " + in.d.text("message_id") + " FROM " + in.table +
-		" WHERE consumer_name = ? AND message_id = ?" + in.d.currentRead()), Args: []any{consumer, InboxKey(id)}}
+	return in.readKey(consumer, InboxKey(id), in.d.currentRead())
 }
 
 // KeyAsIs is Key of the id as it is, not its InboxKey, in a plain read
@@ -1461,8 +1460,14 @@ func (in *Inbox) Key(consumer, id string) Query {
 // table another library's inbox wrote, whose message_id is wider than 64,
 // may hold an id InboxKey digests as it is.
 func (in *Inbox) KeyAsIs(consumer, id string) Query {
+	return in.readKey(consumer, id, "")
+}
+
+// readKey reads the row of consumer's key, as stored, the read's end
+// (a locking clause, or none) after it.
+func (in *Inbox) readKey(consumer, key, end string) Query {
 	return Query{SQL: in.d.rebind("SELECT " + in.d.text("consumer_name") + ", " + in.d.text("message_id") + " FROM " + in.table +
-		" WHERE consumer_name = ? AND message_id = ?"), Args: []any{consumer, id}}
+		" WHERE consumer_name = ? AND message_id = ?" + end), Args: []any{consumer, key}}
 }
 
 // Delete takes back the key Insert recorded: an at-most-once handler that
