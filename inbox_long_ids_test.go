@@ -218,19 +218,10 @@ func TestOrderedInbox_HeldMessageDedupedOnALongUUID_HandlerGivenTheUUID(t *testi
 func TestInbox_ForeignTableHoldingALongIDAsItIs_RedeliveryIsADuplicate(t *testing.T) {
 	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		switch db.Kind {
-		case testdb.Postgres:
-			db.MustExec("ALTER TABLE processed_messages ALTER message_id TYPE varchar(255)")
-		case testdb.MySQL:
-			db.MustExec("ALTER TABLE processed_messages MODIFY message_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL")
-		}
+		widenProcessedIDs(db)
 		id := "invoice " + strings.Repeat("0123456789", 10)
-		at := any(time.Now().Add(-time.Hour).UTC())
-		if db.Kind != testdb.Postgres {
-			at = time.Now().Add(-time.Hour).UTC().Format("2006-01-02 15:04:05.000000")
-		}
 		for _, consumer := range []string{"plain", "at-most-once"} {
-			db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), consumer, id, at)
+			db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), consumer, id, hourAgo(db))
 			ran := 0
 			h := newInbox(t, db, outbox.InboxConfig{ConsumerName: consumer, AtMostOnce: consumer == "at-most-once"}).Middleware(func(*message.Message) ([]*message.Message, error) {
 				ran++
@@ -249,6 +240,68 @@ func TestInbox_ForeignTableHoldingALongIDAsItIs_RedeliveryIsADuplicate(t *testin
 			}
 		}
 	})
+}
+
+// The same table, for an ordered consumer: a keyed message whose id it
+// holds as it is was processed before the move. Its key's next, it is a
+// duplicate and its key moves past it; ahead of its predecessor, it is
+// held, and moved past, not run, when its turn comes; delivered again, a
+// duplicate. The messages after it run in order. Before, the ordered inbox
+// did not look, and ran it again on both paths.
+func TestOrderedInbox_ForeignTableHoldingALongIDAsItIs_MovedPastNotRunAgain(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		widenProcessedIDs(db)
+		idOf := func(key string, seq int) string {
+			return key + " event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
+		}
+		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?), (?, ?, ?)"),
+			"fulfilment", idOf("acct-next", 1), hourAgo(db), "fulfilment", idOf("acct-ahead", 2), hourAgo(db))
+		var saw []string
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			saw = append(saw, msg.Metadata.Get(outbox.HeaderAggregateID)+" "+msg.Metadata.Get(outbox.HeaderSeq))
+			return nil, nil
+		})
+		deliver := func(key string, seq int) {
+			msg := keyedMsg(key, seq)
+			msg.Metadata.Set(outbox.HeaderMessageID, idOf(key, seq))
+			if _, err := h(msg); err != nil {
+				t.Fatalf("%s seq %d: %v, want nil (ack)", key, seq, err)
+			}
+		}
+		for _, d := range []struct {
+			key string
+			seq int
+		}{{"acct-next", 1}, {"acct-next", 2}, {"acct-next", 1}, {"acct-ahead", 2}, {"acct-ahead", 1}, {"acct-ahead", 3}, {"acct-ahead", 2}} {
+			deliver(d.key, d.seq)
+		}
+		if want := []string{"acct-next 2", "acct-ahead 1", "acct-ahead 3"}; !slices.Equal(saw, want) {
+			t.Errorf("the handler ran for %q, want %q: the messages processed under their ids as they are not again, the others in order", saw, want)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d messages still held", n)
+		}
+	})
+}
+
+// widenProcessedIDs makes processed_messages.message_id a varchar(255), as
+// another library's inbox may have created it (SQLite's TEXT holds any).
+func widenProcessedIDs(db *testdb.DB) {
+	switch db.Kind {
+	case testdb.Postgres:
+		db.MustExec("ALTER TABLE processed_messages ALTER message_id TYPE varchar(255)")
+	case testdb.MySQL:
+		db.MustExec("ALTER TABLE processed_messages MODIFY message_id varchar(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL")
+	}
+}
+
+// hourAgo is a processed_at an hour ago, as db's column takes it.
+func hourAgo(db *testdb.DB) any {
+	at := time.Now().Add(-time.Hour).UTC()
+	if db.Kind != testdb.Postgres {
+		return at.Format("2006-01-02 15:04:05.000000")
+	}
+	return at
 }
 
 // An id another library's table holds and the relay publishes as it is,

@@ -550,6 +550,9 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		return inboxFailed, "", &ConfigError{Field: "ConsumerName", Reason: fmt.Sprintf("%.80q %v", consumer, nameErr)}
 	}
 	if keyed {
+		if err := in.carryAsIs(ctx, consumer, key); err != nil {
+			return inboxFailed, consumer, err
+		}
 		outcome, err := in.processOrdered(ctx, h, code, msg, consumer, key, aggregate, seq)
 		return outcome, consumer, err
 	}
@@ -631,22 +634,52 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 }
 
 // processedAsIs reports whether consumer's key, an unkeyed message's, is
-// in the inbox table as it is where the inbox keeps it under its digest
-// (sqldialect.InboxKey): a table another library's inbox wrote, with a
-// message_id wider than 64, holds the ids it processed so, and a
-// redelivery of one after the move to this library would otherwise run
-// again. One plain read on the pool, before the message's transaction,
-// for such ids alone; none for an id no text column holds (not UTF-8, a
-// NUL), which no such table holds either. A read the table refuses for
-// a character its column cannot hold (MySQL's for a utf8mb3 or latin1
-// column, PostgreSQL's in a database of another encoding: CannotHold)
-// finds nothing, for no row holds the id; in the transaction, the first
-// failed every delivery, and the second aborted the transaction. Any
-// other failure fails the delivery, as the transaction's would: taken
-// for nothing found (a lock timeout behind an ALTER TABLE), it ran a
-// message the table holds again. (The ordered inbox does not look: see
-// the README.)
+// in the inbox table as it is (see foundAsIs): its message was processed
+// before the move to this library, and is acked as a duplicate.
 func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool, error) {
+	found, err := in.foundAsIs(ctx, consumer, key)
+	if found {
+		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+	}
+	return found, err
+}
+
+// carryAsIs records a keyed message's key in the inbox's form
+// (sqldialect.InboxKey), on its own before the message's transaction,
+// where the table holds it as it is (see foundAsIs): on every path the
+// ordered inbox then finds its id processed. Its key's next, it moves
+// the key past it, as for an id processed before the consumer was
+// ordered; ahead of its predecessor, it is held, and moved past so once
+// applied in turn; behind, it is a duplicate. Not looked for (before
+// this was written), its redelivery after the move ran again. A copy
+// delivered since finds the key and writes nothing.
+func (in *Inbox) carryAsIs(ctx context.Context, consumer, key string) error {
+	if found, err := in.foundAsIs(ctx, consumer, key); err != nil || !found {
+		return err
+	}
+	q := sqldialect.Inline(in.dialect.sql(), in.q.Insert(consumer, key, time.Now()))
+	if _, err := in.db.ExecContext(ctx, q.SQL, q.Args...); err != nil {
+		return fmt.Errorf("outbox: inbox: record %.80q for %s, processed as it is: %w", key, consumer, err)
+	}
+	in.log.Debug("Message processed under its id as it is recorded under the inbox's key", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+	return nil
+}
+
+// foundAsIs reports whether consumer's key is in the inbox table as it is
+// where the inbox keeps it under its digest (sqldialect.InboxKey): a
+// table another library's inbox wrote, with a message_id wider than 64,
+// holds the ids it processed so, and a redelivery of one after the move
+// to this library would otherwise run again. One plain read on the pool,
+// before the message's transaction, for such ids alone; none for an id no
+// text column holds (not UTF-8, a NUL), which no such table holds either.
+// A read the table refuses for a character its column cannot hold
+// (MySQL's for a utf8mb3 or latin1 column, PostgreSQL's in a database of
+// another encoding: CannotHold) finds nothing, for no row holds the id;
+// in the transaction, the first failed every delivery, and the second
+// aborted the transaction. Any other failure fails the delivery, as the
+// transaction's would: taken for nothing found (a lock timeout behind an
+// ALTER TABLE), it ran a message the table holds again.
+func (in *Inbox) foundAsIs(ctx context.Context, consumer, key string) (bool, error) {
 	if sqldialect.InboxKey(key) == key || !textHolds(key) {
 		return false, nil
 	}
@@ -658,11 +691,8 @@ func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool,
 	case err != nil:
 		return false, fmt.Errorf("outbox: inbox: look for the key of %.80q for %s as it is: %w", key, consumer, err)
 	}
-	if gotConsumer != consumer || gotKey != key {
-		return false, nil // another's, under a collation that takes it for this one
-	}
-	in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
-	return true, nil
+	// Not another's, under a collation that takes it for this one.
+	return gotConsumer == consumer && gotKey == key, nil
 }
 
 // sameKey makes sure that the key the insert found is consumer's id, byte
