@@ -376,7 +376,7 @@ type PublishError struct {
 }
 
 func (e *PublishError) Error() string {
-	return fmt.Sprintf("outbox: message %s to exchange %q routing key %q: %v", e.Dest.MessageID, e.Dest.Exchange, e.Dest.RoutingKey, e.Err)
+	return fmt.Sprintf("outbox: message %s to exchange %q routing key %q: %v", idText(e.Dest.MessageID), e.Dest.Exchange, e.Dest.RoutingKey, e.Err)
 }
 
 func (e *PublishError) Unwrap() error { return e.Err }

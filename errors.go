@@ -3,6 +3,7 @@ package outbox
 import (
 	"errors"
 	"fmt"
+	"strconv"
 )
 
 var (
@@ -84,6 +85,29 @@ func (e *DuplicateIDError) Error() string {
 	}
 	return msg + ": give each copy its own UUID"
 }
+
+// idText is a message id as errors and logs name it: as it is where it is
+// printable ASCII without a space, 80 bytes at most (every id an AceMQ
+// library makes); else quoted, cut at 80 characters with its size. An id
+// has no size limit of its own (a header of up to the broker's frame, a
+// text column of another library's table), and an error or a log line
+// naming it in full for every delivery of a 100 KB id weighed as much.
+func idText(id string) string {
+	plain := id != "" && len(id) <= maxIDText
+	for i := 0; plain && i < len(id); i++ {
+		plain = id[i] > ' ' && id[i] < 0x7f
+	}
+	switch {
+	case plain:
+		return id
+	case len(id) <= maxIDText:
+		return strconv.Quote(id)
+	}
+	return fmt.Sprintf("%.*q… (%d bytes)", maxIDText, id, len(id))
+}
+
+// maxIDText is how much of a message id idText shows.
+const maxIDText = 80
 
 // orderingKey names a row's or message's ordering key in an error.
 func orderingKey(key string) string {

@@ -1305,6 +1305,6 @@ func (f *Forwarder) reportError(err error, dest ErrorContext) {
 		return
 	}
 	f.log.Error("Outbox relay failed", err, watermill.LogFields{
-		"exchange": dest.Exchange, "routing_key": dest.RoutingKey, "message_id": dest.MessageID,
+		"exchange": dest.Exchange, "routing_key": dest.RoutingKey, "message_id": idText(dest.MessageID),
 	})
 }

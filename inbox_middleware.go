@@ -478,7 +478,7 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 	)
 	err = in.retryConflicts(msg.Context(), func() error {
 		if tries++; tries > 1 {
-			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": msg.UUID, "try": tries - 1, "error": err.Error()})
+			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": idText(msg.UUID), "try": tries - 1, "error": err.Error()})
 		}
 		outcome, consumer, err = in.process(h, code, msg)
 		return err
@@ -601,9 +601,9 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
 	err = endedUnderHandler(err)
 	if in.dialect.sql().CommitRolledBack(err) {
-		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", id, consumer, err)
+		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", idText(id), consumer, err)
 	}
-	return fmt.Errorf("outbox: inbox: commit %s for %s: %w", id, consumer, err)
+	return fmt.Errorf("outbox: inbox: commit %s for %s: %w", idText(id), consumer, err)
 }
 
 // record inserts the key in tx and, with MarkOutboxProcessed, marks the
@@ -619,7 +619,7 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	now := time.Now()
 	res, err := in.exec(ctx, tx, in.q.Insert(consumer, key, at))
 	if err != nil {
-		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", key, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: record %s for %s: %w", idText(key), consumer, err)
 	}
 	if fresh, err := sqldialect.InsertedAll(in.dialect.sql(), res, 1); err != nil {
 		return false, fmt.Errorf("outbox: inbox: %w", err)
@@ -627,7 +627,7 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 		if err := in.sameKey(ctx, tx, consumer, key); err != nil {
 			return false, err
 		}
-		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
 		return false, nil
 	}
 	return true, in.markProcessed(ctx, tx, key, now)
@@ -639,7 +639,7 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool, error) {
 	found, err := in.foundAsIs(ctx, consumer, key)
 	if found {
-		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
 	}
 	return found, err
 }
@@ -659,9 +659,9 @@ func (in *Inbox) carryAsIs(ctx context.Context, consumer, key string) error {
 	}
 	q := sqldialect.Inline(in.dialect.sql(), in.q.Insert(consumer, key, time.Now()))
 	if _, err := in.db.ExecContext(ctx, q.SQL, q.Args...); err != nil {
-		return fmt.Errorf("outbox: inbox: record %.80q for %s, processed as it is: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: record %s for %s, processed as it is: %w", idText(key), consumer, err)
 	}
-	in.log.Debug("Message processed under its id as it is recorded under the inbox's key", watermill.LogFields{"message_uuid": key, "consumer": consumer})
+	in.log.Debug("Message processed under its id as it is recorded under the inbox's key", watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
 	return nil
 }
 
@@ -689,7 +689,7 @@ func (in *Inbox) foundAsIs(ctx context.Context, consumer, key string) (bool, err
 	case errors.Is(err, sql.ErrNoRows) || in.dialect.sql().CannotHold(err):
 		return false, nil
 	case err != nil:
-		return false, fmt.Errorf("outbox: inbox: look for the key of %.80q for %s as it is: %w", key, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: look for the key of %s for %s as it is: %w", idText(key), consumer, err)
 	}
 	// Not another's, under a collation that takes it for this one.
 	return gotConsumer == consumer && gotKey == key, nil
@@ -713,11 +713,11 @@ func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string)
 	case errors.Is(err, sql.ErrNoRows):
 		return nil
 	case err != nil:
-		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(key), consumer, err)
 	case gotConsumer != consumer || gotKey != sqldialect.InboxKey(key) && gotKey != canonicalUUID(key):
 		return fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
 			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
-			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", key, consumer, in.q.Table(), gotKey, gotConsumer)
+			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", idText(key), consumer, in.q.Table(), gotKey, gotConsumer)
 	}
 	return nil
 }
@@ -770,12 +770,12 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 		case errors.Is(err, sql.ErrNoRows):
 			return nil // not from this outbox, or processed already
 		case err != nil:
-			return fmt.Errorf("outbox: inbox: look up outbox record %s: %w", key, err)
+			return fmt.Errorf("outbox: inbox: look up outbox record %s: %w", idText(key), err)
 		}
 	}
 	q := sqldialect.Inline(d, in.outbox.MarkProcessed(key, now))
 	if _, err := on.ExecContext(ctx, q.SQL, q.Args...); err != nil {
-		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", key, err)
+		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", idText(key), err)
 	}
 	return nil
 }
@@ -965,7 +965,7 @@ func (in *Inbox) markOnPool(ctx context.Context, msg *message.Message, failed st
 		return
 	}
 	if err := in.markProcessed(ctx, in.db, key, time.Now()); err != nil {
-		in.log.Error(failed, err, fields.Add(watermill.LogFields{"message_uuid": key}))
+		in.log.Error(failed, err, fields.Add(watermill.LogFields{"message_uuid": idText(key)}))
 	}
 }
 
@@ -1006,7 +1006,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 	// closing): a key left behind for an effect that did not happen loses
 	// the message, and messages not written for one that did are lost too.
 	after := context.WithoutCancel(ctx)
-	fields := watermill.LogFields{"message_uuid": key, "consumer": consumer}
+	fields := watermill.LogFields{"message_uuid": idText(key), "consumer": consumer}
 	if err != nil {
 		// The handler says its effect did not happen: take the key back, so
 		// that the redelivery runs it. MarkOutboxProcessed's mark stays: the
@@ -1017,7 +1017,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 			return err
 		}); delErr != nil {
 			in.log.Error("At-most-once handler failed and its key could not be taken back: the message will not run again", delErr, fields)
-			return inboxFailed, &keyStaysError{errors.Join(err, fmt.Errorf("outbox: inbox: take back key %s for %s: %w", key, consumer, delErr))}
+			return inboxFailed, &keyStaysError{errors.Join(err, fmt.Errorf("outbox: inbox: take back key %s for %s: %w", idText(key), consumer, delErr))}
 		}
 		return inboxFailed, err
 	}
@@ -1086,7 +1086,7 @@ func (in *Inbox) renewWhileRunning(ctx context.Context, consumer, key string) (s
 			case <-tick.C:
 				if err := in.stamp(context.WithoutCancel(ctx), consumer, key, in.cfg.AtMostOnceLease); err != nil {
 					in.log.Error("At-most-once handler runs, but its key's lease could not be renewed: a copy delivered elsewhere may be taken for a duplicate", err,
-						watermill.LogFields{"message_uuid": key, "consumer": consumer})
+						watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
 				}
 			}
 		}
@@ -1125,7 +1125,7 @@ func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool,
 			// Taken back since: record it again, after a wait, should the
 			// key's insert keep skipping a row that reads as absent.
 		case err != nil:
-			return false, fmt.Errorf("outbox: inbox: read key %s for %s: %w", key, consumer, err)
+			return false, fmt.Errorf("outbox: inbox: read key %s for %s: %w", idText(key), consumer, err)
 		default:
 			if now, err = in.serverNow(ctx); err != nil {
 				return false, err
@@ -1136,7 +1136,7 @@ func (in *Inbox) recordRunning(ctx context.Context, consumer, key string) (bool,
 		}
 		select {
 		case <-ctx.Done():
-			return false, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs elsewhere: %w", key, consumer, ctx.Err())
+			return false, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs elsewhere: %w", idText(key), consumer, ctx.Err())
 		case <-time.After(wait):
 		}
 		wait = min(2*wait, time.Second)
@@ -1168,7 +1168,7 @@ func (in *Inbox) runAlone(ctx context.Context, id [2]string) (release func(), er
 		select {
 		case <-done:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs: %w", id[1], id[0], ctx.Err())
+			return nil, fmt.Errorf("outbox: inbox: %s for %s: waiting for the copy whose handler runs: %w", idText(id[1]), id[0], ctx.Err())
 		}
 	}
 }
@@ -1186,7 +1186,7 @@ func (in *Inbox) recordAlone(ctx context.Context, consumer, key string, at time.
 		return false, err
 	}
 	if err := tx.Commit(); err != nil {
-		return false, fmt.Errorf("outbox: inbox: commit %s for %s: %w", key, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: commit %s for %s: %w", idText(key), consumer, err)
 	}
 	return true, nil
 }

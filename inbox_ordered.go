@@ -251,22 +251,22 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 		return "", 0, false, nil
 	}
 	if len(key) > maxAggregateID {
-		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q… is %d bytes, over %d", ErrInvalidKey, dedupeKey(msg), key, len(key), maxAggregateID)
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q… is %d bytes, over %d", ErrInvalidKey, idText(dedupeKey(msg)), key, len(key), maxAggregateID)
 	}
 	if textKeys {
 		if err := checkName(key); err != nil {
-			return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q %v, which PostgreSQL's text columns refuse", ErrInvalidKey, dedupeKey(msg), key, err)
+			return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q %v, which PostgreSQL's text columns refuse", ErrInvalidKey, idText(dedupeKey(msg)), key, err)
 		}
 	}
 	text, hasSeq := msg.Metadata[HeaderSeq]
 	if !hasSeq {
-		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, and no seq: not numbered by an ordering relay (application metadata named aggregateId? name it otherwise, or publish with MetadataAggregateID)", ErrInvalidSeq, dedupeKey(msg), key)
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, and no seq: not numbered by an ordering relay (application metadata named aggregateId? name it otherwise, or publish with MetadataAggregateID)", ErrInvalidSeq, idText(dedupeKey(msg)), key)
 	}
 	seq, perr := strconv.ParseInt(text, 10, 64)
 	// The largest int64 has no successor: applied, it would make every
 	// later last_seq + 1 of its key overflow.
 	if perr != nil || seq < 1 || seq == math.MaxInt64 {
-		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, seq %.40q; want a positive integer below 2^63-1", ErrInvalidSeq, dedupeKey(msg), key, text)
+		return key, 0, true, fmt.Errorf("%w: message %s, aggregateId %.80q, seq %.40q; want a positive integer below 2^63-1", ErrInvalidSeq, idText(dedupeKey(msg)), key, text)
 	}
 	return key, seq, true, nil
 }
@@ -404,7 +404,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 	if err != nil {
 		return inboxFailed, err
 	}
-	fields := watermill.LogFields{"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": seq, "last_applied": last}
+	fields := watermill.LogFields{"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": seq, "last_applied": last}
 	switch {
 	case seq <= last:
 		// Committed, not rolled back: the in-order statements move the key
@@ -424,7 +424,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
-			return inboxFailed, fmt.Errorf("outbox: inbox: commit duplicate %s for %s: %w", id, consumer, err)
+			return inboxFailed, fmt.Errorf("outbox: inbox: commit duplicate %s for %s: %w", idText(id), consumer, err)
 		}
 		committed = true
 		// The redelivery of a message whose commit came before a crash, and
@@ -450,7 +450,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
-			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", id, consumer, err)
+			return inboxFailed, fmt.Errorf("outbox: inbox: commit held message %s for %s: %w", idText(id), consumer, err)
 		}
 		committed = true
 		in.drainReady(msg, ready, consumer, key, fields)
@@ -530,11 +530,11 @@ func (in *Inbox) applyInOrder(ctx context.Context, tx *sqlx.Tx, m sqldialect.InO
 	for _, step := range steps {
 		res, err := in.exec(ctx, tx, step.Query)
 		if err != nil {
-			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
+			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", idText(m.MessageID), m.Key, m.Seq, m.Consumer, err)
 		}
 		done, err := step.Done(res)
 		if err != nil {
-			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", m.MessageID, m.Key, m.Seq, m.Consumer, err)
+			return false, fmt.Errorf("outbox: inbox: apply %s (%q seq %d) for %s: %w", idText(m.MessageID), m.Key, m.Seq, m.Consumer, err)
 		}
 		if !done {
 			return false, nil
@@ -636,9 +636,9 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 	var at any
 	switch err := in.queryRow(ctx, tx, in.q.Stamp(consumer, key)).Scan(&at); {
 	case errors.Is(err, sql.ErrNoRows):
-		return fmt.Errorf("%w: message %s for %s (an error that rolls a transaction back, such as a deadlock, taken by the handler or by a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, key, consumer)
+		return fmt.Errorf("%w: message %s for %s (an error that rolls a transaction back, such as a deadlock, taken by the handler or by a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, idText(key), consumer)
 	case err != nil:
-		return fmt.Errorf("outbox: inbox: read back the key of %s for %s: %w", key, consumer, err)
+		return fmt.Errorf("outbox: inbox: read back the key of %s for %s: %w", idText(key), consumer, err)
 	}
 	return nil
 }
@@ -648,7 +648,7 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
 	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context()), id))
 	if err != nil {
-		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", id, err)
+		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", idText(id), err)
 	}
 	body, enc := rowcodec.EncodeBody(msg.Payload)
 	q := in.ordered.q.Hold(sqldialect.HeldRow{
@@ -657,7 +657,7 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 	})
 	res, err := in.exec(ctx, tx, q)
 	if err != nil {
-		return false, fmt.Errorf("outbox: inbox: hold %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: hold %s (%q seq %d) for %s: %w", idText(id), key, seq, consumer, err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
@@ -668,7 +668,7 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 	}
 	count := in.ordered.q.CountHold(consumer, key)
 	if _, err := in.exec(ctx, tx, count); err != nil {
-		return false, fmt.Errorf("outbox: inbox: count held %s (%q seq %d) for %s: %w", id, key, seq, consumer, err)
+		return false, fmt.Errorf("outbox: inbox: count held %s (%q seq %d) for %s: %w", idText(id), key, seq, consumer, err)
 	}
 	return true, nil
 }
@@ -744,7 +744,7 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 		// stays held, and its key with it, until that handler's next
 		// delivery, or an ApplyHeld after it.
 		in.log.Debug("Held message waits for its handler", watermill.LogFields{
-			"message_uuid": id, "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
+			"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
 		return false, false, nil
 	}
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
@@ -1148,7 +1148,7 @@ func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq 
 	if err != nil {
 		return skipped, err
 	}
-	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": skipped.ID})
+	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": idText(skipped.ID)})
 	defer in.refreshAfterSkip(ctx)
 	in.drainAfterSkip(ctx, consumer, key)
 	return skipped, nil
@@ -1193,7 +1193,7 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 		return SkippedMessage{}, err
 	}
 	if keep != nil && skipped.ID != kept {
-		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s is held as message %s now, not %s as kept", ErrGapChanged, key, seq, consumer, skipped.ID, kept)
+		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s is held as message %s now, not %s as kept", ErrGapChanged, key, seq, consumer, idText(skipped.ID), idText(kept))
 	}
 	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)

@@ -319,7 +319,7 @@ func (s *Store) firstNext(ctx context.Context, recs []sqldialect.KeySeq) (*sqldi
 	case err != nil:
 		return nil, fmt.Errorf("outbox: next records of keys: %w", err)
 	case at.Err != nil || at.T.IsZero():
-		return nil, fmt.Errorf("outbox: next records of keys: created_at of %s: %v", id, at.Err)
+		return nil, fmt.Errorf("outbox: next records of keys: created_at of %s: %v", idText(id), at.Err)
 	}
 	// Just before it: the claim resumes after (created_at, id), and every
 	// id is above "".
