@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"unicode/utf8"
 )
 
 var (
@@ -88,7 +89,8 @@ func (e *DuplicateIDError) Error() string {
 
 // idText is a message id as errors and logs name it: as it is where it is
 // printable ASCII without a space, 80 bytes at most (every id an AceMQ
-// library makes); else quoted, cut at 80 characters with its size. An id
+// library makes); else quoted, cut at 80 characters (runes, or bytes that
+// are not UTF-8) with its size. An id
 // has no size limit of its own (a header of up to the broker's frame, a
 // text column of another library's table), and an error or a log line
 // naming it in full for every delivery of a 100 KB id weighed as much.
@@ -100,7 +102,7 @@ func idText(id string) string {
 	switch {
 	case plain:
 		return id
-	case len(id) <= maxIDText:
+	case utf8.RuneCountInString(id) <= maxIDText: // what %.*q would cut
 		return strconv.Quote(id)
 	}
 	return fmt.Sprintf("%.*q… (%d bytes)", maxIDText, id, len(id))

@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -41,6 +42,16 @@ func TestErrors_HugeMessageID_NamedCutWithItsSize(t *testing.T) {
 		noSeq.Metadata.Set(outbox.HeaderAggregateID, "acct-1")
 		if err := deliver(orderedInbox(t, db, outbox.InboxConfig{}), noSeq); !errors.Is(err, outbox.ErrInvalidSeq) || len(errString(err)) > 400 {
 			t.Errorf("a keyed message without seq: %d bytes of error, %.300v…; want ErrInvalidSeq in 400 bytes at most", len(errString(err)), err)
+		}
+		// The error of a delivery whose context ended before the inbox began
+		// repeats at every retry of a Retry without ResetContextOnRetry (a
+		// review's catch: it named the UUID in full).
+		ended := message.NewMessage(hugeID, []byte("x"))
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		ended.SetContext(ctx)
+		if err := deliver(newInbox(t, db, outbox.InboxConfig{}), ended); len(errString(err)) > 600 || !strings.Contains(errString(err), "(100004 bytes)") {
+			t.Errorf("a delivery whose context ended: %d bytes of error, %.300v…; want an error of 600 bytes at most naming the id's size", len(errString(err)), err)
 		}
 		db.MustExec("DROP TABLE processed_messages")
 		if err := deliver(newInbox(t, db, outbox.InboxConfig{}), acemqMessage(hugeID)); len(errString(err)) > 400 || !strings.Contains(errString(err), "(100004 bytes)") {

@@ -460,7 +460,7 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		// context it gave the message when it returns, and a Retry before
 		// it starts every retry with that context unless told otherwise.
 		return nil, fmt.Errorf("outbox: inbox: message %s: its context ended before the inbox began (%w); behind middleware.Timeout, "+
-			"a middleware.Retry before it needs ResetContextOnRetry, or every retry gets the first attempt's ended context", msg.UUID, err)
+			"a middleware.Retry before it needs ResetContextOnRetry, or every retry gets the first attempt's ended context", idText(msg.UUID), err)
 	}
 	// Under REPEATABLE READ or SERIALIZABLE (InboxConfig.Isolation),
 	// deliveries of one key at once refuse each other with serialization
@@ -652,7 +652,9 @@ func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool,
 // ordered; ahead of its predecessor, it is held, and moved past so once
 // applied in turn; behind, it is a duplicate. Not looked for (before
 // this was written), its redelivery after the move ran again. A copy
-// delivered since finds the key and writes nothing.
+// delivered since finds the key and writes nothing. A message held
+// without it (by a version that did not look) is applied as any: the
+// apply of a held message does not look.
 func (in *Inbox) carryAsIs(ctx context.Context, consumer, key string) error {
 	if found, err := in.foundAsIs(ctx, consumer, key); err != nil || !found {
 		return err
