@@ -136,18 +136,36 @@ func TestForwarder_RetryOfAStuckKeyedRecordDuringADrain_DrainGoesBackForIt(t *te
 // gives, while a relay drains 3,000 rows behind it, and checks that K#1
 // goes out within a tenth of the backlog of the retry.
 func retryDuringADrain(t *testing.T, db *testdb.DB, ops func(*outbox.Forwarder) *outbox.Store) {
-	const n = 3000
+	retryDuringADrainBy(t, db, backlogOf/10, time.Millisecond, func(f *outbox.Forwarder) func(id string) error {
+		s := ops(f)
+		return func(id string) error {
+			if m, err := s.Retry(context.Background(), id); m != 1 || err != nil {
+				return fmt.Errorf("retry: %d %v", m, err)
+			}
+			return nil
+		}
+	})
+}
+
+// backlogOf is how many rows retryDuringADrainBy's relay drains.
+const backlogOf = 3000
+
+// retryDuringADrainBy is retryDuringADrain with the stuck K#1 made pending
+// again by what retry gives, and checked to go out within that many
+// records of it, the destination taking delay over each send.
+func retryDuringADrainBy(t *testing.T, db *testdb.DB, within int, delay time.Duration, retry func(*outbox.Forwarder) func(id string) error) {
+	const n = backlogOf
 	keyBeforeBacklog(t, db, n)
 	if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET attempts = 10, last_error = 'stuck' WHERE id = ?"), keyedID("K", 1)); err != nil {
 		t.Fatal(err)
 	}
-	dest := newRefuseOnceDest(time.Millisecond)
+	dest := newRefuseOnceDest(delay)
 	f := relayInTens(t, db, dest)
-	s := ops(f)
+	again := retry(f)
 	waitFor(t, 60*time.Second, "the drain under way", func() bool { return len(dest.snapshot()) >= 100 })
 	retried := time.Now()
-	if m, err := s.Retry(context.Background(), keyedID("K", 1)); m != 1 || err != nil {
-		t.Fatalf("retry: %d %v", m, err)
+	if err := again(keyedID("K", 1)); err != nil {
+		t.Fatal(err)
 	}
 	before := len(dest.snapshot())
 	waitFor(t, 120*time.Second, "everything published", func() bool { return len(dest.snapshot()) == n+2 })
@@ -157,7 +175,7 @@ func retryDuringADrain(t *testing.T, db *testdb.DB, ops func(*outbox.Forwarder) 
 	wait := dest.pubAt[keyedID("K", 1)].Sub(retried)
 	dest.mu.Unlock()
 	t.Logf("retried when %d were out; K#1 published as %d of %d, %s after the retry", before, at+1, len(pub), wait)
-	if at > before+n/10 {
+	if at > before+within {
 		t.Errorf("K#1 retried when %d records were out went out as %d of %d, %s after the retry: it waited for the drain", before, at+1, len(pub), wait)
 	}
 }

@@ -126,6 +126,11 @@ type headFloor struct {
 	retries   []time.Time
 	rewound   time.Time
 	rewindGap time.Duration
+	// fromHead is when the last claim that started at the floor or the
+	// head did: a drain goes back once lookBack (drainLookBack) has passed
+	// since, whatever it was told (see drainRewinds).
+	fromHead time.Time
+	lookBack time.Duration
 
 	// Defaults from NewStore (the floor… constants); a test's.
 	checkAbove, checkEvery, gainAbove, lag, everyMin, everyMax time.Duration
@@ -211,7 +216,7 @@ const (
 
 // newHeadFloor is the floor of a Store, on MySQL where mysql is set.
 func newHeadFloor(mysql bool) *headFloor {
-	f := &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax}
+	f := &headFloor{checkAbove: floorCheckAbove, checkEvery: floorCheckEvery, gainAbove: floorGainAbove, lag: floorLag, everyMin: floorEveryMin, everyMax: floorEveryMax, lookBack: drainLookBack}
 	if mysql {
 		f.gainAbove, f.locking = floorGainAboveMySQL, true
 	}
@@ -819,7 +824,8 @@ func (s *Store) floorsOfTable() []*headFloor {
 // it, and it waited for the end of the drain (a backlog of 3,000 rows,
 // 1.1 to 1.5 s for a backoff of 5 ms), and for as long as a flow the relay
 // could not keep up with lasted, its key with it. At most maxRetries
-// are kept; a record past them waits for the drain's end, as before.
+// are kept; a record past them waits for the drain's next look back
+// (drainLookBack).
 //
 // On SQLite the backoff ends leaseRounding after t: a claim compares the
 // lease through julianday(), which rounds both times to the millisecond
@@ -851,9 +857,17 @@ const maxRetries = 1024
 
 // drainRewinds reports whether a claim at now from a drain's cursor (drain)
 // starts from the floor (or the head) instead: a backoff retryAt noted has
-// ended, or lowerFloors made rows pending again since. Any claim but a
-// Sweep's asks, so that one from the floor, which reaches those rows, uses
-// up what it would have said.
+// ended, or lowerFloors made rows pending again since, or drainLookBack
+// has passed since a claim last started there. Any claim but a Sweep's
+// asks, so that one from the floor, which reaches those rows, uses up
+// what it would have said.
+//
+// The last is for rows made pending again that this process was not told
+// of: a Retry or Republish of another process on MySQL and SQLite, which
+// have no NOTIFY to say so, and on every database another library's tool
+// that sets a row's attempts back by an UPDATE. Behind the cursor, they
+// waited for the drain's end: for as long as a flow the relay could not
+// keep up with lasted.
 //
 // A drain goes back once rewindGap has passed since it last did: keys
 // whose records a broker refuses for ever, at backoffs of a few
@@ -871,7 +885,7 @@ func (s *Store) drainRewinds(now time.Time, drain bool) bool {
 	if drain && now.Sub(f.rewound) < f.rewindGap {
 		return false // kept for the claim that may go back
 	}
-	due := f.rewind
+	due := f.rewind || drain && now.Sub(f.fromHead) >= f.lookBack
 	f.rewind = false
 	kept := f.retries[:0]
 	for _, t := range f.retries {
@@ -886,6 +900,21 @@ func (s *Store) drainRewinds(now time.Time, drain bool) bool {
 		f.rewound = now
 	}
 	return drain && due
+}
+
+// drainLookBack is how long a drain goes on from its cursor at most
+// before a claim goes back to the floor or the head (see drainRewinds), if
+// rewindGap allows: two claims a second at most, of the tens or hundreds
+// a drain makes, each walking the entries of the rows in flight.
+const drainLookBack = time.Second / 2
+
+// claimsFromHead notes that a claim starts at the floor or the head now
+// (see drainRewinds).
+func (s *Store) claimsFromHead(now time.Time) {
+	f := s.floor
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fromHead = now
 }
 
 // rewindTook notes how long a claim that went back (drainRewinds) took.

@@ -522,6 +522,9 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		// Or where its cursor went back below a floor with points.
 		after, floor = nil, true
 	}
+	if after == nil {
+		s.claimsFromHead(time.Now())
+	}
 	p := sqldialect.ClaimParams{Limit: n, MaxAttempts: s.cfg.MaxAttempts, Now: time.Now(), After: after, InFlight: inFlight}
 	if s.leases() {
 		var sliced keysCursor
