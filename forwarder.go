@@ -733,7 +733,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	}
 	defer f.countStatements()
 	claimCtx, claimed := f.cutOnClose(ctx)
-	b, err := f.claimNext(claimCtx, atHead, f.cfg.BatchSize, nil)
+	b, _, err := f.claimNext(claimCtx, atHead, f.cfg.BatchSize, nil)
 	claimed()
 	select {
 	case <-f.closing:
@@ -1012,7 +1012,7 @@ func (b *batch) last() *sqldialect.Cursor {
 // returns nil when there is nothing to claim, and claims nothing while the
 // broker is down: an outage must not count attempts against records, nor
 // hold their locks.
-func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string) (*batch, error) {
+func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n int, inFlight []string) (_ *batch, back bool, err error) {
 	if c, ok := f.dest.(Connector); ok {
 		// Bounded like a batch: a broker that answers nothing must not
 		// hold the relay.
@@ -1020,20 +1020,21 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		err := c.Connect(connectCtx)
 		cancel()
 		if err != nil {
-			return nil, err
+			return nil, false, err
 		}
 	}
 	started := time.Now()
 	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
+	back = after != nil && after != atHead && cl.from != after
 	if f.store.leases() {
 		f.leaseChecked.Do(f.checkLease)
 	}
 	f.zoneChecked.Do(func() { f.checkZone(ctx, cl.tx) })
 	if len(cl.rows) == 0 {
-		return nil, f.store.abandon(ctx, cl)
+		return nil, back, f.store.abandon(ctx, cl)
 	}
 	defer func() {
 		if p := recover(); p != nil {
@@ -1056,7 +1057,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		}
 		b.records = append(b.records, rec)
 	}
-	return b, nil
+	return b, back, nil
 }
 
 // checkLease reports, once, a Lease a batch can outlive on SQLite: its

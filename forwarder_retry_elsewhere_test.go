@@ -29,7 +29,7 @@ func TestForwarder_Postgres_RetryFromAnotherProcessDuringADrain_DrainGoesBackFor
 }
 
 // The same on MySQL and SQLite, which have no NOTIFY to say so: the drain
-// goes back to the head every half a second at most, for rows made
+// goes back to the head every second at most, for rows made
 // pending again that this process was not told of. Before, the record
 // waited for the drain's end: 3,000 rows on.
 func TestForwarder_RetryFromAnotherProcessDuringADrain_NoNotify_DrainGoesBackForIt(t *testing.T) {
@@ -74,7 +74,7 @@ func TestForwarder_RecordSetBackByAnUpdateElsewhereDuringADrain_DrainGoesBackFor
 
 // lookBackPace is what the destination of the tests of a drain's look back
 // takes over each send of ten records: at most 1,000 a second where it
-// sends one batch at a time, however fast the machine, so that the half a
-// second the drain goes on before it goes back stays well within half the
+// sends one batch at a time, however fast the machine, so that the second
+// the drain goes on before it goes back stays well within half the
 // backlog (3,000 rows, 3 s or more).
 const lookBackPace = 10 * time.Millisecond

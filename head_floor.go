@@ -904,9 +904,10 @@ func (s *Store) drainRewinds(now time.Time, drain bool) bool {
 
 // drainLookBack is how long a drain goes on from its cursor at most
 // before a claim goes back to the floor or the head (see drainRewinds), if
-// rewindGap allows: two claims a second at most, of the tens or hundreds
-// a drain makes, each walking the entries of the rows in flight.
-const drainLookBack = time.Second / 2
+// rewindGap allows: one claim a second at most, of the tens or hundreds a
+// drain makes, each walking the entries of the rows in flight (at half a
+// second, a drain of 20,000 rows on PostgreSQL lost some 4 % of its rate).
+const drainLookBack = time.Second
 
 // claimsFromHead notes that a claim starts at the floor or the head now
 // (see drainRewinds).

@@ -60,7 +60,7 @@ func TestClaim_DrainAtTheFloorsCreatedAt_GoesOnFromItsCursor(t *testing.T) {
 	}
 	// The backlog is older than lag now: the floor stands at its first row.
 	// The drain goes back only for what this test is about, not every
-	// half a second (drainLookBack), which a drain of 48 claims under
+	// second (drainLookBack), which a drain of 48 claims under
 	// -race outlasts.
 	s.floor.mu.Lock()
 	s.floor.lag, s.floor.lookBack = time.Millisecond, time.Hour

@@ -118,6 +118,10 @@ type swept struct {
 	// which another relay's claims (and on MySQL a claim that passed it
 	// over) could not take while it was in flight, may be waiting.
 	unblocked bool
+	// behind: the claim went back from the drain's cursor to the floor or
+	// the head (see Store.drainRewinds) and came back short: it took what
+	// was behind the cursor, not the rows after it (see sweep).
+	behind bool
 }
 
 // sweep claims the next batch and sends it down the pipeline, or publishes
@@ -156,9 +160,14 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		cut = ctx
 	}
 	s.leaseDue = !s.stopping && l.leaseRunningOut()
+	cursor := l.after
 	if !s.stopping && !s.leaseDue && l.claimNow() && !l.nothingToClaim(cut) {
-		var err error
-		s.claimed, err = f.claimNext(cut, l.after, s.size, l.inFlight())
+		var (
+			err  error
+			back bool
+		)
+		s.claimed, back, err = f.claimNext(cut, cursor, s.size, l.inFlight())
+		s.behind = back && err == nil && !s.claimed.full(s.size)
 		switch {
 		case errors.Is(err, errNoConnection):
 			// The pool's other connections are taken, perhaps by
@@ -189,7 +198,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// must come after theirs), so that nothing stays in flight. A batch
 	// sent while one before it failed is behind that failure: none of
 	// it is marked.
-	if held || s.failed || s.stopping || s.claimed == nil || next != nil {
+	if held || s.failed || s.stopping || s.claimed == nil && !s.behind || next != nil {
 		done, l.queue = append(done, l.queue...), nil
 	}
 	// A failed claim is behind no batch in flight: they are marked as
@@ -218,11 +227,11 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// first even when it settled batches: the claim that ends a flow
 	// found nothing, and the poll after it need not claim again to learn
 	// that there is still nothing.
-	l.idle = s.claimed == nil && !s.failed && (!s.progressed || l.claimInFlow)
-	if s.claimed == nil && !s.failed && !s.stopping {
+	l.idle = s.claimed == nil && !s.failed && !s.behind && (!s.progressed || l.claimInFlow)
+	if s.claimed == nil && !s.failed && !s.stopping && !s.behind {
 		l.crowdedFor = 0 // the drain is over; the next one looks afresh
 	}
-	l.drained = !s.failed && !s.full()
+	l.drained = !s.failed && !s.full() && !s.behind
 	l.unblocked = s.unblocked
 	l.found = s.claimed != nil
 
@@ -236,6 +245,22 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		if s.unblocked {
 			l.after = l.behindNextOfKeys(work, l.after, append(done[:len(done):len(done)], next))
 		}
+	}
+	if s.behind && !s.failed && !leftBehind(done) && !next.released() {
+		// A claim that went back took what was behind the cursor and came
+		// back short: not because the drain is over, but because the rows
+		// at the head are this relay's own, in flight (on PostgreSQL its
+		// window and its choice beyond it are all theirs, each passed over
+		// locked). Taken for the drain's end, it settled every batch in
+		// flight and started again at BatchSize from the head, at every
+		// look back (drainLookBack): a fifth of a drain's rate, a review
+		// found. The drain goes on from its cursor, at its size.
+		l.after = cursor
+		if s.unblocked {
+			l.after = l.behindNextOfKeys(work, l.after, append(done[:len(done):len(done)], next))
+		}
+		l.size = s.size
+		return s
 	}
 	l.size = l.grow(s, done)
 	return s
@@ -602,7 +627,7 @@ func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
-	case len(l.queue) > 0 || s.full() || s.unblocked || s.leaseDue:
+	case len(l.queue) > 0 || s.full() || s.unblocked || s.leaseDue || s.behind:
 		if s.progressed {
 			l.delay = 0 // a batch went through: the failure is over
 		}

@@ -119,6 +119,10 @@ type Store struct {
 	index        string
 	keyIndex     string
 	indexChecked time.Time
+	// tupleIDs: whether the table's rows have a ctid, which PostgreSQL's
+	// windowed claims lock them by (sqldialect.ClaimParams.ByID), read
+	// once at the first: 0 unread, 1 yes, 2 no (a view).
+	tupleIDs atomic.Int32
 
 	// stmts are the relay's statements Run prepared (Dialect.prepareRelay),
 	// by their SQL.
@@ -546,6 +550,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
 		if err == nil {
 			cl.keys = s.moveKeys(sliced, len(cl.rows)) // committed
+			cl.from = p.After                          // nil where it went back: see claimNext
 		}
 		return cl, err
 	}
@@ -644,6 +649,11 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	}
 	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 		return fail(err)
+	}
+	if p.Window > 0 && s.dialect == Postgres {
+		if p.ByID, err = s.withoutTupleIDs(ctx, tx); err != nil {
+			return fail(err)
+		}
 	}
 	s.sliceKeys(&p)
 	started := time.Now()
@@ -914,6 +924,32 @@ func (s *Store) claimIndexes(ctx context.Context, tx *sql.Tx) (index, keyIndex s
 		s.index, s.keyIndex, s.indexChecked = index, keyIndex, time.Now()
 	}
 	return s.index, s.keyIndex, nil
+}
+
+// withoutTupleIDs reports whether the table's rows have no ctid (a view,
+// which a relay's Table may name), read on tx the first time: a windowed
+// claim over a view that locked its rows by their ctid failed every time
+// (column "ctid" does not exist), and a backlog over the window was never
+// relayed (a review's catch).
+func (s *Store) withoutTupleIDs(ctx context.Context, tx *sql.Tx) (bool, error) {
+	switch s.tupleIDs.Load() {
+	case 1:
+		return false, nil
+	case 2:
+		return true, nil
+	}
+	q := s.q.TupleIDs()
+	var has bool
+	s.sent.Add(1)
+	if err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&has); err != nil {
+		return false, fmt.Errorf("is %s a table: %w", s.q.Table(), err)
+	}
+	if has {
+		s.tupleIDs.Store(1)
+	} else {
+		s.tupleIDs.Store(2)
+	}
+	return !has, nil
 }
 
 // indexMissing reports whether an index the claims would name is not

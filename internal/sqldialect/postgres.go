@@ -308,6 +308,32 @@ func (postgres) notOurs(alias string) string {
 	return " AND " + alias + ".id::text NOT IN (SELECT j FROM json_array_elements_text(?::json) j WHERE j IS NOT NULL)"
 }
 
+// byPlace is the condition on a row's ctid that windowClaim's lookups
+// start with, where the table's rows have one (see ClaimParams.ByID).
+func byPlace(p ClaimParams) string {
+	if p.ByID {
+		return ""
+	}
+	return claimAlias + ".ctid = hs.ctid AND "
+}
+
+// place is the ctid of the rows of alias that windowClaim chooses, a
+// NULL where the table's rows have none (see ClaimParams.ByID).
+func place(p ClaimParams, alias string) string {
+	if p.ByID {
+		return "NULL::tid AS ctid"
+	}
+	return alias + ".ctid"
+}
+
+// TupleIDs reads whether the table's rows have a ctid, which a windowed
+// claim locks them by on PostgreSQL: a table or a partitioned one, not a
+// view (which a relay's Table may name, over the outbox). One row, a
+// bool: false for a relation that is not there.
+func (o *Outbox) TupleIDs() Query {
+	return o.query("SELECT COALESCE((SELECT relkind IN ('r', 'p') FROM pg_class WHERE oid = to_regclass(?)), false)", o.table)
+}
+
 // windowClaim locks near's rows in its walk, as the claim does. Beyond
 // the window it chooses first and locks after, each row as it comes, and
 // only as many as it returns: the heads and the first unkeyed rows (2n +
@@ -334,13 +360,13 @@ func (postgres) windowClaim(o *Outbox, p ClaimParams, where string, args []any) 
 	b.add(", ")
 	o.windowKeys(&b, p)
 	b.add(", heads AS MATERIALIZED (SELECT hh.id, hh.created_at, hh.ctid FROM keys CROSS JOIN LATERAL (")
-	o.keyHeadOf(&b, p, "h.id, h.created_at, h.ctid", "keys.k")
+	o.keyHeadOf(&b, p, "h.id, h.created_at, "+place(p, "h"), "keys.k")
 	b.add(") hh WHERE keys.k IS NOT NULL)")
 	b.add(", far AS (SELECT x.* FROM (SELECT id, created_at, ctid FROM (SELECT id, created_at, ctid FROM heads UNION ALL SELECT * FROM (SELECT " +
-		claimAlias + ".id, " + claimAlias + ".created_at, " + claimAlias + ".ctid FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
+		claimAlias + ".id, " + claimAlias + ".created_at, " + place(p, claimAlias) + " FROM " + o.table + " " + claimAlias + " WHERE " + unkeyedRows + " AND ")
 	o.farWhere(&b, p, "id")
 	b.add(" ORDER BY created_at, id LIMIT ?) u) cand ORDER BY created_at, id) hs CROSS JOIN LATERAL (SELECT "+postgresClaimed+" FROM "+o.table+" "+claimAlias+
-		" WHERE "+claimAlias+".ctid = hs.ctid AND "+claimAlias+".id = hs.id AND ", 2*p.Limit+256)
+		" WHERE "+byPlace(p)+claimAlias+".id = hs.id AND ", 2*p.Limit+256)
 	o.farWhere(&b, p, "id")
 	limit, largs := farLimit(p)
 	b.add(" FOR UPDATE SKIP LOCKED) x LIMIT "+limit+")", largs...)

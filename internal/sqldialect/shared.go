@@ -497,6 +497,10 @@ type ClaimParams struct {
 	// rows below a floor that its measure found (the Store's headFloor).
 	// After and Window are not read.
 	Points []Cursor
+	// ByID, if set, makes a windowed claim lock the rows it chose beyond
+	// its window by their id alone, not their ctid too (PostgreSQL): the
+	// table's rows have none (a view; see TupleIDs).
+	ByID bool
 }
 
 // Claim claims up to p.Limit claimable rows in created_at, id order.
