@@ -1028,7 +1028,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	if err != nil {
 		return nil, false, err
 	}
-	back = after != nil && after != atHead && cl.from != after
+	back = cl.lookedBack
 	if f.store.leases() {
 		f.leaseChecked.Do(f.checkLease)
 	}

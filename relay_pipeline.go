@@ -119,8 +119,9 @@ type swept struct {
 	// over) could not take while it was in flight, may be waiting.
 	unblocked bool
 	// behind: the claim went back from the drain's cursor to the floor or
-	// the head (see Store.drainRewinds) and came back short: it took what
-	// was behind the cursor, not the rows after it (see sweep).
+	// the head for a look back or the floor's period (claim.lookedBack;
+	// see Store.drainRewinds) and came back short: it took what was behind
+	// the cursor, not the rows after it (see sweep).
 	behind bool
 }
 

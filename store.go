@@ -399,8 +399,12 @@ type claim struct {
 	// floor (see headFloor); nil for the head (locking claims). points:
 	// how many of rows, the first, it took below the floor as points (see
 	// headFloor.points).
-	from   *sqldialect.Cursor
-	points int
+	from *sqldialect.Cursor
+	// lookedBack: given a drain's cursor, the claim went back for the look
+	// back or the floor's period, which the claim resets; not for
+	// belowPoints, which the same cursor meets again.
+	lookedBack bool
+	points     int
 }
 
 // idArgs are the ids of the claim's rows a mark must not bind as text,
@@ -511,6 +515,7 @@ type failure struct {
 // too.
 func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease time.Duration, after *sqldialect.Cursor, inFlight []string) (*claim, error) {
 	floor := after == nil
+	lookedBack := false // went back for the look back or the floor's period, not for belowPoints
 	rewind := after != atHead && s.drainRewinds(time.Now(), after != nil)
 	if rewind {
 		defer func(start time.Time) { s.rewindTook(time.Since(start)) }(time.Now())
@@ -518,12 +523,20 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	switch {
 	case after == atHead:
 		after = nil
-	case after != nil && (rewind || s.floorDue() == 0 || s.belowPoints(after)):
+	case after != nil && (rewind || s.floorDue() == 0):
 		// A drain, when the floor's period is over (a claim that measures
 		// takes what waited below the floor), or when rows behind its
 		// cursor became claimable (a keyed record's retry backoff ended,
-		// a Retry): the cursor would pass them over until the drain ends.
-		// Or where its cursor went back below a floor with points.
+		// a Retry, the look back): the cursor would pass them over until
+		// the drain ends. Each is over with this claim.
+		lookedBack = true
+		after, floor = nil, true
+	case after != nil && s.belowPoints(after):
+		// Where its cursor went back below a floor with points. Not a
+		// look back (lookedBack): the same cursor meets it again, and a
+		// short claim here, its points the relay's own in flight, taken
+		// for one, kept the drain on that cursor, claiming without a
+		// pause, its batch never marked (a review's catch).
 		after, floor = nil, true
 	}
 	if after == nil {
@@ -550,7 +563,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		}, relayID, func(n int, took time.Duration) { s.claimedInWindow(p, n, took) })
 		if err == nil {
 			cl.keys = s.moveKeys(sliced, len(cl.rows)) // committed
-			cl.from = p.After                          // nil where it went back: see claimNext
+			cl.lookedBack = lookedBack
 		}
 		return cl, err
 	}
@@ -645,7 +658,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		if !stop() {
 			return fail(ctx.Err())
 		}
-		return &claim{rows: points, points: len(points), tx: tx, conn: conn, end: end, from: p.After}, nil
+		return &claim{rows: points, points: len(points), tx: tx, conn: conn, end: end, from: p.After, lookedBack: lookedBack}, nil
 	}
 	if p.Window, err = s.claimWindow(ctx, tx, p); err != nil {
 		return fail(err)
@@ -660,6 +673,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	rows, err := s.queryTx(ctx, tx, s.q.Claim(p))
 	if err != nil {
 		s.forgetIndex() // dropped or renamed, maybe: look again
+		s.tupleIDs.Store(0)
 		return fail(err)
 	}
 	var (
@@ -696,7 +710,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		claimed = slices.DeleteFunc(claimed, func(r sqldialect.ClaimedRow) bool { return taken[r.ID] })
 	}
 	keys := s.moveKeys(sliced, len(claimed))
-	return &claim{rows: append(points, claimed...), points: len(points), tx: tx, conn: conn, end: end, keys: keys, from: p.After}, nil
+	return &claim{rows: append(points, claimed...), points: len(points), tx: tx, conn: conn, end: end, keys: keys, from: p.After, lookedBack: lookedBack}, nil
 }
 
 // defaultClaimWindow is how many entries of the pending index a claim of n
