@@ -240,30 +240,29 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// or was left behind (records not sent behind a keyed failure or one
 	// stuck at once, released with the claim) sends the next claim back
 	// to the head, which they are nearer than the cursor.
+	//
+	// A claim that went back (behind) took what was behind the cursor and
+	// came back short: not because the drain is over, but because the rows
+	// at the head are this relay's own, in flight (on PostgreSQL its
+	// window and its choice beyond it are all theirs, each passed over
+	// locked). Taken for the drain's end, it settled every batch in flight
+	// and started again at BatchSize from the head, at every look back
+	// (drainLookBack): a fifth of a drain's rate, a review found. The
+	// drain goes on from its cursor, at its size.
 	l.after = nil
-	if !s.failed && s.full() && !leftBehind(done) && !next.released() {
+	if ok := !s.failed && !leftBehind(done) && !next.released(); ok && s.full() {
 		l.after = s.claimed.last()
-		if s.unblocked {
-			l.after = l.behindNextOfKeys(work, l.after, append(done[:len(done):len(done)], next))
-		}
-	}
-	if s.behind && !s.failed && !leftBehind(done) && !next.released() {
-		// A claim that went back took what was behind the cursor and came
-		// back short: not because the drain is over, but because the rows
-		// at the head are this relay's own, in flight (on PostgreSQL its
-		// window and its choice beyond it are all theirs, each passed over
-		// locked). Taken for the drain's end, it settled every batch in
-		// flight and started again at BatchSize from the head, at every
-		// look back (drainLookBack): a fifth of a drain's rate, a review
-		// found. The drain goes on from its cursor, at its size.
+	} else if ok && s.behind {
 		l.after = cursor
-		if s.unblocked {
-			l.after = l.behindNextOfKeys(work, l.after, append(done[:len(done):len(done)], next))
-		}
-		l.size = s.size
-		return s
 	}
-	l.size = l.grow(s, done)
+	if l.after != nil && s.unblocked {
+		l.after = l.behindNextOfKeys(work, l.after, append(done[:len(done):len(done)], next))
+	}
+	if l.after != nil && s.behind {
+		l.size = s.size
+	} else {
+		l.size = l.grow(s, done)
+	}
 	return s
 }
 
