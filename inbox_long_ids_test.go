@@ -284,6 +284,52 @@ func TestOrderedInbox_ForeignTableHoldingALongIDAsItIs_MovedPastNotRunAgain(t *t
 	})
 }
 
+// A held message whose id another library's inbox processed as it is
+// after it was held (two consumers on one queue while a service moves, or
+// a held row written without the look at its arrival): applied in turn,
+// it moves its key past it without running. The apply of a held message
+// did not look for its id as it is, and its handler ran (the thirty-
+// seventh session's documented limit).
+func TestOrderedInbox_HeldIDProcessedAsItIsElsewhereSinceItWasHeld_MovedPastNotRun(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		widenProcessedIDs(db)
+		idOf := func(seq int) string {
+			return "acct-1 event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
+		}
+		var saw []string
+		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			saw = append(saw, msg.Metadata.Get(outbox.HeaderSeq))
+			return nil, nil
+		})
+		deliver := func(seq int) {
+			msg := keyedMsg("acct-1", seq)
+			msg.Metadata.Set(outbox.HeaderMessageID, idOf(seq))
+			if _, err := h(msg); err != nil {
+				t.Fatalf("seq %d: %v, want nil (ack)", seq, err)
+			}
+		}
+		deliver(3) // held ahead of 1 and 2
+		deliver(2)
+		if n := countHeld(t, db); n != 2 {
+			t.Fatalf("%d messages held, want 2", n)
+		}
+		// Another library's inbox processes seq 2 under its id as it is.
+		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), "fulfilment", idOf(2), hourAgo(db))
+		deliver(1)
+		if want := []string{"1", "3"}; !slices.Equal(saw, want) {
+			t.Errorf("the handler ran for %q, want %q: seq 2, processed elsewhere while held, moved past, seq 3 applied after it", saw, want)
+		}
+		if n := countHeld(t, db); n != 0 {
+			t.Errorf("%d messages still held", n)
+		}
+		deliver(2) // a redelivery is a duplicate
+		if len(saw) != 2 {
+			t.Errorf("the handler ran for %q after seq 2's redelivery", saw[2:])
+		}
+	})
+}
+
 // widenProcessedIDs makes processed_messages.message_id a varchar(255), as
 // another library's inbox may have created it (SQLite's TEXT holds any).
 func widenProcessedIDs(db *testdb.DB) {

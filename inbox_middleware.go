@@ -652,9 +652,8 @@ func (in *Inbox) processedAsIs(ctx context.Context, consumer, key string) (bool,
 // ordered; ahead of its predecessor, it is held, and moved past so once
 // applied in turn; behind, it is a duplicate. Not looked for (before
 // this was written), its redelivery after the move ran again. A copy
-// delivered since finds the key and writes nothing. A message held
-// without it (by a version that did not look) is applied as any: the
-// apply of a held message does not look.
+// delivered since finds the key and writes nothing. The apply of a held
+// message looks again (see applyNextHeld).
 func (in *Inbox) carryAsIs(ctx context.Context, consumer, key string) error {
 	if found, err := in.foundAsIs(ctx, consumer, key); err != nil || !found {
 		return err
@@ -682,7 +681,7 @@ func (in *Inbox) carryAsIs(ctx context.Context, consumer, key string) error {
 // transaction's would: taken for nothing found (a lock timeout behind an
 // ALTER TABLE), it ran a message the table holds again.
 func (in *Inbox) foundAsIs(ctx context.Context, consumer, key string) (bool, error) {
-	if sqldialect.InboxKey(key) == key || !textHolds(key) {
+	if !digested(key) {
 		return false, nil
 	}
 	var gotConsumer, gotKey string
@@ -695,6 +694,12 @@ func (in *Inbox) foundAsIs(ctx context.Context, consumer, key string) (bool, err
 	}
 	// Not another's, under a collation that takes it for this one.
 	return gotConsumer == consumer && gotKey == key, nil
+}
+
+// digested reports whether the inbox keeps key under its digest and a
+// table could hold it as it is (see foundAsIs).
+func digested(key string) bool {
+	return sqldialect.InboxKey(key) != key && textHolds(key)
 }
 
 // sameKey makes sure that the key the insert found is consumer's id, byte

@@ -708,31 +708,58 @@ func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key stri
 // handler is known here, and says whether it did, and whether a failure
 // came from running it (its handler, its transaction's commit) rather than
 // from finding it. It counts the applied message; drain counts failures.
+//
+// A held message whose id the inbox keeps under its digest is first
+// looked for as it is (carryAsIs): another library's inbox may have
+// processed it so since it was held (two consumers on one queue while a
+// service moves), or held it without looking at its arrival (another
+// AceMQ library sharing acemq_inbox_held, an earlier version of this
+// one). Found, its digest is recorded and the apply moves the key past it
+// without running it. The look is a read on the pool, which must not run
+// while the apply's transaction is open (on SQLite it holds the write
+// lock, and a pool of one connection would wait on itself): the first
+// transaction reads the message and ends, the look runs, and a second
+// applies. Only such ids pay for it.
 func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (applied, ran bool, err error) {
+	applied, ran, asIs, err := in.applyHeld(ctx, delivery, consumer, key, true)
+	if asIs == "" || err != nil {
+		return applied, ran, err
+	}
+	if err := in.carryAsIs(ctx, consumer, asIs); err != nil {
+		return false, false, err
+	}
+	applied, ran, _, err = in.applyHeld(ctx, delivery, consumer, key, false)
+	return applied, ran, err
+}
+
+// applyHeld is applyNextHeld's transaction. With look, it applies nothing
+// where the held message's id is to be looked for as it is first, and
+// returns that id as asIs.
+func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key string, look bool) (applied, ran bool, asIs string, err error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
-		return false, false, fmt.Errorf("outbox: inbox: begin: %w", err)
+		return false, false, "", fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }() // a no-op after the commit
 	last, _, err := in.lockSequence(ctx, tx, consumer, key)
 	if err != nil {
-		return false, false, err
+		return false, false, "", err
 	}
 	next := last + 1
 	var id, payload, encoding, metadata string
 	q := in.ordered.q.Held(consumer, key, next)
 	switch err := in.queryRow(ctx, tx, q).Scan(&id, &payload, &encoding, &metadata); {
 	case errors.Is(err, sql.ErrNoRows):
-		return false, false, nil
+		return false, false, "", nil
 	case err != nil:
-		return false, false, fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, next, consumer, err)
+		return false, false, "", fmt.Errorf("outbox: inbox: read held %q seq %d for %s: %w", key, next, consumer, err)
 	}
 	msg, err := heldMessage(id, payload, encoding, metadata)
 	if err != nil {
 		// A row no handler can be given: it stays, and the key with it, for
 		// an operator (Gaps lists it; SkipHeld gives up on it and hands
 		// back what it holds).
-		return false, false, fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
+		return false, false, "", fmt.Errorf("outbox: inbox: held %q seq %d for %s: %w", key, next, consumer, err)
 	}
 	var heldBy string
 	var byName bool
@@ -745,7 +772,10 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 		// delivery, or an ApplyHeld after it.
 		in.log.Debug("Held message waits for its handler", watermill.LogFields{
 			"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
-		return false, false, nil
+		return false, false, "", nil
+	}
+	if look && digested(id) {
+		return false, false, id, nil // the deferred rollback ends the transaction first
 	}
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
@@ -757,13 +787,13 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	msg.SetContext(mctx)
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
 	if err != nil {
-		return false, true, err
+		return false, true, "", err
 	}
 	if err := tx.Commit(); err != nil {
-		return false, true, in.handledCommitErr(err, id, consumer)
+		return false, true, "", in.handledCommitErr(err, id, consumer)
 	}
 	in.cfg.Metrics.inbox(consumer, outcome)
-	return true, true, nil
+	return true, true, "", nil
 }
 
 // heldMessage rebuilds a held message from its row.
