@@ -958,7 +958,8 @@ func (in *Inbox) ListGaps(ctx context.Context, olderThan time.Duration, limit in
 // no number up to through is held. It returns ErrNoHeld when the key holds
 // nothing and has applied none of from..through.
 func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, through int64) error {
-	if err := skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, from, through); err != nil {
+	err := in.retryConflicts(ctx, func() error { return skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, from, through) })
+	if err != nil {
 		return err
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
@@ -1194,17 +1195,22 @@ func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq 
 // row locked for as long as it took: outboxctl's print into a pipe whose
 // reader paused held the service's deliveries of the key (on MySQL of its
 // neighbours, on SQLite every write to the database) for as long.
+//
+// Each transaction the database refuses for a concurrent one (under
+// REPEATABLE READ or SERIALIZABLE, a delivery of the key that changed its
+// row since the snapshot) runs again, as a delivery's does, keep not: the
+// operator got a serialization failure for a skip that nothing stood in
+// the way of.
 func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, keep func(SkippedMessage) error) (SkippedMessage, error) {
 	q := sqldialect.NewOrderedInbox(in.dialect.sql())
 	in = &Inbox{dialect: in.dialect, db: in.db, cfg: in.cfg, ordered: &orderedState{q: q}}
 	kept := ""
 	if keep != nil {
-		tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
-		if err != nil {
-			return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
-		}
-		m, err := in.heldNext(ctx, tx, consumer, key, seq)
-		_ = tx.Rollback()
+		var m SkippedMessage
+		err := in.retryConflicts(ctx, func() (err error) {
+			m, err = in.peekHeld(ctx, consumer, key, seq)
+			return err
+		})
 		if err != nil {
 			return SkippedMessage{}, err
 		}
@@ -1213,6 +1219,30 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 		}
 		kept = m.ID
 	}
+	var skipped SkippedMessage
+	err := in.retryConflicts(ctx, func() (err error) {
+		skipped, err = in.skipHeldTx(ctx, consumer, key, seq, keep != nil, kept)
+		return err
+	})
+	return skipped, err
+}
+
+// peekHeld reads the key's held message seq, its next, in a transaction
+// rolled back at once.
+func (in *Inbox) peekHeld(ctx context.Context, consumer, key string, seq int64) (SkippedMessage, error) {
+	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
+	if err != nil {
+		return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	return in.heldNext(ctx, tx, consumer, key, seq)
+}
+
+// skipHeldTx is skipHeld's skip: it deletes the key's held messages up to
+// seq and moves the key to seq, in one transaction. With kept, seq must
+// still hold the message of id keptID.
+func (in *Inbox) skipHeldTx(ctx context.Context, consumer, key string, seq int64, kept bool, keptID string) (SkippedMessage, error) {
+	q := in.ordered.q
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -1222,8 +1252,8 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 	if err != nil {
 		return SkippedMessage{}, err
 	}
-	if keep != nil && skipped.ID != kept {
-		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s is held as message %s now, not %s as kept", ErrGapChanged, key, seq, consumer, idText(skipped.ID), idText(kept))
+	if kept && skipped.ID != keptID {
+		return SkippedMessage{}, fmt.Errorf("%w: %q seq %d for %s is held as message %s now, not %s as kept", ErrGapChanged, key, seq, consumer, idText(skipped.ID), idText(keptID))
 	}
 	if _, err := in.exec(ctx, tx, q.DeleteHeldUpTo(consumer, key, seq)); err != nil {
 		return SkippedMessage{}, fmt.Errorf("outbox: inbox: skip held %q seq %d for %s: %w", key, seq, consumer, err)
