@@ -11,6 +11,10 @@ import (
 // An error fails the marks, as a database failure would.
 func SetAfterPublishHook(f *Forwarder, fn func(published []string) error) { f.afterPublish = fn }
 
+// SetBackoffHook installs fn to be told of each backoff Run waits out
+// after a failed sweep, before Run.
+func SetBackoffHook(f *Forwarder, fn func(wait time.Duration)) { f.backedOff = fn }
+
 // SetGrowBytes sets the bodies' size at which a drain's claims stop growing
 // (growBytes), before Run.
 func SetGrowBytes(f *Forwarder, n int) { f.growBytes = n }

@@ -306,6 +306,9 @@ type Forwarder struct {
 	// the marks: the window in which a relay's death duplicates a message.
 	// An error fails the marks as the database would.
 	afterPublish func(published []string) error
+	// backedOff, when set (tests), is told of each backoff Run waits out
+	// after a failed sweep, before it waits.
+	backedOff func(wait time.Duration)
 	// growBytes: see the constant; tests set it lower.
 	growBytes int
 	// beforeStats, when set (tests), runs before each reading of the
@@ -549,6 +552,9 @@ func (f *Forwarder) run(ctx context.Context) error {
 		loop.quiet(loop.cut, s)
 		loop.woke = false
 		if wait, ok := loop.pace(s); ok {
+			if s.failed && f.backedOff != nil {
+				f.backedOff(wait)
+			}
 			loop.woke = loop.pause(ctx, wait, s.failed)
 		}
 	}
@@ -696,7 +702,9 @@ func (f *Forwarder) Close() error {
 // rather than reporting them: for tests, and for a request that wants its
 // message on the broker before it answers. Its claim starts at the head of
 // the pending index, also while Run's claims start at a floor (see the
-// README's Operating it).
+// README's Operating it). A claim takes one record of a key (its next, in
+// seq order): a request that published k records of one key needs k
+// sweeps to see them all out, each one after the last is confirmed.
 func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
 	select {
 	case <-f.closing:
@@ -792,6 +800,10 @@ type batch struct {
 	// (see keyedFailure), and rows stuck at once (malformed, or refused for
 	// good), which no retry will send.
 	isolated int
+	// parked counts the failures that hold back what is behind them and
+	// took their record to MaxAttempts: marked so, each is stuck, and
+	// holds nothing back from then on.
+	parked   int
 	attempts map[string]int // attempts before this batch, by id
 	pending  Sent           // sent, confirms not yet collected (pipelined)
 	deadline time.Time      // for the confirms of pending
@@ -969,6 +981,22 @@ func keyedFailure(rec Record, err error) bool {
 func (b *batch) fail(rec Record, attempts int, err error) {
 	b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: attempts, reason: err.Error()})
 	b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+}
+
+// failHolding fails rec, which holds back what is behind it, at attempts,
+// and counts it parked when that makes it stuck (at maxAttempts).
+func (b *batch) failHolding(rec Record, attempts int, err error, maxAttempts int) {
+	b.fail(rec, attempts, err)
+	if attempts >= maxAttempts {
+		b.parked++
+	}
+}
+
+// onlyParked reports whether b has failures that hold back what is behind
+// them, and each of them made its record stuck (see parked).
+func (b *batch) onlyParked() bool {
+	holding := len(b.failures) - b.isolated
+	return holding > 0 && b.parked == holding
 }
 
 // full reports whether the claim took as many rows as it asked for: more
@@ -1201,7 +1229,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			if !errors.Is(err, ErrBrokerBlocked) && !errors.As(err, &unprobed) && ctx.Err() == nil && f.lostAgain(rec.ID) {
 				n++
 			}
-			b.fail(rec, n, err)
+			b.failHolding(rec, n, err, f.cfg.MaxAttempts)
 		case keyedFailure(rec, err):
 			// A keyed record holds back only its own key, whose later
 			// records no other relay can claim while it is unpublished,
@@ -1230,11 +1258,12 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.isolated++
 		default:
 			failedOne = true
-			b.fail(rec, f.charge(b.attempts[rec.ID], err), err)
+			b.failHolding(rec, f.charge(b.attempts[rec.ID], err), err, f.cfg.MaxAttempts)
 		}
 	}
 	// The marks are not cut short: the broker has the messages.
 	if err := f.mark(context.WithoutCancel(ctx), b, published); err != nil {
+		b.parked = 0 // nothing is stuck: the attempts were not recorded
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.
 		if report {

@@ -101,11 +101,14 @@ func pipelineOf(dest Destination) Pipeline {
 
 // swept is what one sweep of Run did.
 type swept struct {
-	claimed    *batch // nil: nothing claimed, or the claim failed
-	size       int    // the rows the claim asked for
-	failed     bool   // the claim, a record or a mark failed
-	stopping   bool   // ctx had ended: nothing was claimed, everything settled
-	progressed bool   // a batch was settled or published
+	claimed *batch // nil: nothing claimed, or the claim failed
+	size    int    // the rows the claim asked for
+	failed  bool   // the claim, a record or a mark failed
+	// parked: failed, and only by records the failure made stuck
+	// (batch.onlyParked), which hold nothing back from now on.
+	parked     bool
+	stopping   bool // ctx had ended: nothing was claimed, everything settled
+	progressed bool // a batch was settled or published
 	// crowded: the claim passed over many rows it keeps locked (see
 	// crowded).
 	crowded bool
@@ -205,7 +208,8 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// A failed claim is behind no batch in flight: they are marked as
 	// their confirms say, and the relay backs off after. Held back, the
 	// confirmed ones would go out again.
-	done, bad := l.settle(work, done)
+	claimFailed := s.failed
+	done, bad, parked := l.settle(work, done)
 	s.failed = s.failed || bad
 	switch {
 	case next == nil:
@@ -215,10 +219,14 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		// rather than overtake them. Nothing failed; no backoff.
 		next.holdBack()
 		_, s.failed, _ = f.settle(work, next, true)
+		parked = parked && !s.failed
 	default:
 		next.holdBackBehindKeys() // what it waited for is settled
-		s.failed = l.publish(work, next, s.failed)
+		var nextBad bool
+		nextBad, s.failed = l.publish(work, next, s.failed)
+		parked = parked && (!nextBad || next.onlyParked())
 	}
+	s.parked = s.failed && !claimFailed && parked
 	f.store.holding.Store(len(l.queue) > 0) // for the statements before the next sweep, and a Sweep's
 	unlocked = true
 	f.sweepMu.Unlock()
@@ -573,11 +581,13 @@ func (l *relayLoop) collect(ctx context.Context, b *batch) {
 
 // settle collects the confirms of the batches in done, if they are still
 // out, and settles them, oldest first. A batch behind a failed record is
-// held back. It returns the batches it settled and whether anything failed.
-func (l *relayLoop) settle(ctx context.Context, done []*batch) ([]*batch, bool) {
+// held back. It returns the batches it settled, whether anything failed,
+// and whether every batch that failed failed only by records it made
+// stuck (batch.onlyParked).
+func (l *relayLoop) settle(ctx context.Context, done []*batch) (_ []*batch, failed, parked bool) {
 	l.settling = done
 	defer func() { l.settling = nil }()
-	failed := false
+	parked = true
 	behind := false // the batches from here on are behind a failed record
 	for i := 0; i < len(done); i++ {
 		b := done[i]
@@ -589,6 +599,7 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch) ([]*batch, bool) 
 		// holds back its own key, and nothing else (see keyedFailure).
 		_, bad, err := l.f.settle(ctx, b, true)
 		failed = bad || failed
+		parked = parked && (!bad || b.onlyParked())
 		// A mark that failed is no record's failure: the broker has the
 		// batch's records, and those behind them overtake nothing. They
 		// are marked as their confirms say (held back, the confirmed ones
@@ -604,26 +615,34 @@ func (l *relayLoop) settle(ctx context.Context, done []*batch) ([]*batch, bool) 
 			l.settling = done
 		}
 	}
-	return done, failed
+	return done, failed, parked
 }
 
 // publish publishes a batch that does not go down the pipeline through the
 // destination's Publish, or holds it back behind a failure, and settles
-// it. It reports whether anything failed.
-func (l *relayLoop) publish(ctx context.Context, b *batch, behindFailure bool) bool {
+// it. It reports whether b failed, and whether anything failed.
+func (l *relayLoop) publish(ctx context.Context, b *batch, behindFailure bool) (bad, failed bool) {
 	if behindFailure {
 		b.holdBack()
 	} else {
 		l.f.publish(ctx, b)
 	}
-	_, bad, _ := l.f.settle(ctx, b, true)
-	return behindFailure || bad
+	_, bad, _ = l.f.settle(ctx, b, true)
+	return bad, behindFailure || bad
 }
 
 // pace says how long Run waits before the next sweep, and moves the
 // backoff. ok is false when the next sweep goes at once.
 func (l *relayLoop) pace(s swept) (wait time.Duration, ok bool) {
 	switch {
+	case s.parked:
+		// What failed is stuck now (MaxAttempts), and holds nothing back:
+		// the records behind it go at once, and a failure of theirs backs
+		// off from RetryMin. Kept, the backoff a stuck record had grown
+		// to held each bad record after it at RetryMax for all its
+		// attempts (100 s at the defaults, against 33 s for the first).
+		l.delay = 0
+		return 0, false
 	case s.failed:
 		l.delay = l.f.nextDelay(l.delay)
 		return l.delay, true
