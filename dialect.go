@@ -1,7 +1,10 @@
 package outbox
 
 import (
+	"database/sql"
+	"database/sql/driver"
 	"fmt"
+	"reflect"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
@@ -41,4 +44,52 @@ func dialectForDriver(driverName string) (Dialect, error) {
 		return dialect{d}, nil
 	}
 	return nil, &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("driver %q is not one this library knows (pgx, postgres, mysql, sqlite3); set the Dialect", driverName)}
+}
+
+// driverDialect is the dialect of drv where it is a driver this library
+// knows by its package, and the package; ok is false for any other (one
+// that wraps a known driver, to instrument it, say), which is not checked.
+func driverDialect(drv driver.Driver) (d Dialect, pkg string, ok bool) {
+	t := reflect.TypeOf(drv)
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t == nil {
+		return nil, "", false
+	}
+	switch pkg = t.PkgPath(); pkg {
+	case "github.com/jackc/pgx/v5/stdlib", "github.com/jackc/pgx/v4/stdlib", "github.com/lib/pq":
+		return Postgres, pkg, true
+	case "github.com/go-sql-driver/mysql":
+		return MySQL, pkg, true
+	case "github.com/mattn/go-sqlite3":
+		return SQLite, pkg, true
+	}
+	return nil, pkg, false
+}
+
+// checkDialect refuses d for db where db's driver is another database's:
+// set by mistake (a copied configuration, MySQL's Dialect over SQLite's
+// pool), every statement failed later with an error of the database's
+// that named nothing of the cause ("no such function:
+// pg_advisory_xact_lock"), or, worse, some worked.
+func checkDialect(db *sql.DB, d Dialect) error {
+	if db == nil || d == nil {
+		return nil
+	}
+	if got, pkg, ok := driverDialect(db.Driver()); ok && got != d {
+		return &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("%s, but the database handle's driver (%s) is %s's: set the driver's Dialect, or leave it nil with a *sqlx.DB", d.Name(), pkg, got.Name())}
+	}
+	return nil
+}
+
+// checkTxDialect is checkDialect for a *sqlx.Tx, which names its driver.
+func checkTxDialect(driverName string, d Dialect) error {
+	if d == nil {
+		return nil
+	}
+	if got, ok := sqldialect.ForDriver(driverName); ok && (dialect{got}) != d {
+		return &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("%s, but the transaction's driver (%s) is %s's: set the driver's Dialect, or leave it nil with a *sqlx.Tx", d.Name(), driverName, got.Name())}
+	}
+	return nil
 }

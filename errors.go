@@ -87,6 +87,19 @@ func (e *DuplicateIDError) Error() string {
 	return msg + ": give each copy its own UUID"
 }
 
+// unmigrated adds to err, where the database says a table is missing,
+// what to do about it: a service started before its tables were made got
+// the database's error alone ("relation \"acemq_outbox\" does not
+// exist"), from the publisher, the relay and the inbox alike, and on
+// MySQL a relay's first log lines were about statements it could not
+// prepare.
+func unmigrated(d Dialect, err error) error {
+	if err == nil || d == nil || !d.sql().MissingTable(err) {
+		return err
+	}
+	return fmt.Errorf("%w (a table of the outbox's is missing: run outbox.Migrate, or outboxctl migrate, on this database before the service starts)", err)
+}
+
 // idText is a message id as errors and logs name it: as it is where it is
 // printable ASCII without a space, 80 bytes at most (every id an AceMQ
 // library makes); else quoted, cut at 80 characters (runes, or bytes that

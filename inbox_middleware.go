@@ -337,6 +337,9 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	if xdb == nil {
 		return nil, &ConfigError{Field: "db", Reason: "nil database handle"}
 	}
+	if err := checkDialect(xdb.DB, cfg.Dialect); err != nil {
+		return nil, err
+	}
 	q, err := sqldialect.NewInbox(cfg.Dialect.sql(), cfg.Table)
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
@@ -483,6 +486,7 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		outcome, consumer, err = in.process(h, code, msg)
 		return err
 	})
+	err = unmigrated(in.dialect, err)
 	if err == nil && outcome == inboxDuplicate {
 		in.markDuplicateProcessed(msg)
 	}

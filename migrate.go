@@ -64,6 +64,9 @@ func Migrate(ctx context.Context, db any, d Dialect) error {
 	if d == nil {
 		return &ConfigError{Field: "dialect", Reason: "nil; pass outbox.Postgres, outbox.MySQL or outbox.SQLite"}
 	}
+	if err := checkDialect(sdb, d); err != nil {
+		return err
+	}
 	migrations, err := sqlschema.Migrations(d.Name())
 	if err != nil {
 		return err

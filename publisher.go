@@ -218,6 +218,8 @@ func NewTxPublisher(tx any, config ...TxPublisherConfig) (*TxPublisher, error) {
 		}
 		if cfg.Dialect == nil {
 			cfg.Dialect, _ = dialectForDriver(t.DriverName())
+		} else if err := checkTxDialect(t.DriverName(), cfg.Dialect); err != nil {
+			return nil, err
 		}
 		conn = stdTx{t.Tx}
 	case *sql.Tx:
@@ -893,7 +895,7 @@ func (p *TxPublisher) wrapExecErr(err error) error {
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
 	default:
-		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), err)
+		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), unmigrated(p.cfg.Dialect, err))
 	}
 }
 

@@ -164,6 +164,9 @@ func NewStore(db any, cfg StoreConfig) (*Store, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	if err := checkDialect(std, cfg.Dialect); err != nil {
+		return nil, err
+	}
 	q, err := sqldialect.NewOutbox(cfg.Dialect.sql(), cfg.Table)
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
@@ -595,7 +598,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		if errors.Is(err, errNoConnection) {
 			return nil, err
 		}
-		return nil, fmt.Errorf("outbox: claim: %w", err)
+		return nil, fmt.Errorf("outbox: claim: %w", unmigrated(s.dialect, err))
 	}
 	conn, err := s.poolConn(ctx)
 	if err != nil {
@@ -1040,6 +1043,12 @@ func (s *Store) prepareRelay(ctx context.Context, batchSizes []int) error {
 	var errs []error
 	for _, q := range queries {
 		st, err := s.db.PrepareContext(ctx, q)
+		if s.dialect.sql().MissingTable(err) {
+			// Not migrated: one error that says so, rather than one a
+			// statement naming nothing of the cause.
+			closeStmts(stmts)
+			return unmigrated(s.dialect, fmt.Errorf("outbox: prepare the relay's statements: %w", err))
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("outbox: prepare %.40q…: %w", q, err))
 			continue
@@ -1167,7 +1176,7 @@ func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sql
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, unmigrated(s.dialect, err)
 	}
 	took(len(claimed), elapsed)
 	sortClaimed(claimed) // RETURNING promises no order

@@ -73,6 +73,15 @@ func (mysql) Conflict(err error) bool {
 	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1020")
 }
 
+// MissingTable: no such table (1146) or database (1049).
+func (mysql) MissingTable(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := err.Error()
+	return strings.Contains(s, "Error 1146") || strings.Contains(s, "Error 1049")
+}
+
 // CannotHold: an illegal mix of collations (1267, 1270, 1271), MySQL's
 // refusal to compare a utf8mb3 or latin1 column with a value holding a
 // character it lacks.

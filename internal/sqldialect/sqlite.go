@@ -56,6 +56,13 @@ func (sqlite) Conflict(error) bool { return false }
 
 func (sqlite) CannotHold(error) bool { return false } // TEXT holds any bytes
 
+// MissingTable: SQLite's code for it is the generic SQLITE_ERROR; its
+// message says it (an attached database that is not there: "no such
+// table" too, under its schema's name).
+func (sqlite) MissingTable(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "no such table")
+}
+
 func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
 func (sqlite) AsksByBegin() bool { return true }

@@ -1,0 +1,125 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// A Dialect set against the database handle's driver (a configuration
+// copied from a service on another database) is refused where it is set,
+// naming both. It was taken: NewInbox over SQLite with MySQL's Dialect
+// returned no error, and Migrate over SQLite with PostgreSQL's failed with
+// "no such function: pg_advisory_xact_lock", which named nothing of the
+// cause (a review's finding). The driver's own Dialect, or none with a
+// *sqlx handle, is taken as before.
+func TestDialect_SetAgainstTheDriver_RefusedNamingBoth(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		wrong := outbox.MySQL
+		if d == outbox.MySQL {
+			wrong = outbox.SQLite
+		}
+		refused := func(what string, err error) {
+			t.Helper()
+			var cerr *outbox.ConfigError
+			if !errors.As(err, &cerr) || cerr.Field != "Dialect" || !strings.Contains(err.Error(), wrong.Name()) || !strings.Contains(err.Error(), d.Name()) {
+				t.Errorf("%s with %s's Dialect over %s: %v; want a ConfigError of Dialect naming both", what, wrong.Name(), d.Name(), err)
+			}
+		}
+		_, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Dialect: wrong})
+		refused("NewInbox", err)
+		_, err = outbox.NewInbox(db.DB.DB, outbox.InboxConfig{Dialect: wrong})
+		refused("NewInbox (*sql.DB)", err)
+		_, err = outbox.NewStore(db.DB.DB, outbox.StoreConfig{Dialect: wrong})
+		refused("NewStore", err)
+		_, err = outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(nopPublisher{}, nil), outbox.ForwarderConfig{Dialect: wrong})
+		refused("NewForwarder", err)
+		_, err = outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{Dialect: wrong, TrackedTopics: outbox.NewTrackedTopics("orders")})
+		refused("NewRepublisher", err)
+		refused("Migrate", outbox.Migrate(context.Background(), db.DB.DB, wrong))
+		tx, err := db.Beginx()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		_, err = outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: wrong})
+		refused("NewTxPublisher", err)
+
+		// The driver's own, given or not, is taken.
+		for _, given := range []outbox.Dialect{d, nil} {
+			if _, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Dialect: given}); err != nil {
+				t.Errorf("NewInbox with Dialect %v: %v", given, err)
+			}
+			if _, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: given}); err != nil {
+				t.Errorf("NewStore with Dialect %v: %v", given, err)
+			}
+			if _, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: given}); err != nil {
+				t.Errorf("NewTxPublisher with Dialect %v: %v", given, err)
+			}
+		}
+		_ = tx.Rollback() // SQLite's: it holds the write lock Migrate takes
+		if err := outbox.Migrate(context.Background(), db.DB.DB, d); err != nil {
+			t.Errorf("Migrate with the driver's Dialect: %v", err)
+		}
+	})
+}
+
+// nopPublisher publishes nothing; a destination for constructors' checks.
+type nopPublisher struct{}
+
+func (nopPublisher) Publish(string, ...*message.Message) error { return nil }
+func (nopPublisher) Close() error                              { return nil }
+
+// A service started before its tables were made: the publisher, the
+// relay and the inbox each say what to do, beside the database's own
+// error, which stays in the chain. Each gave the database's error alone
+// ("relation \"acemq_outbox\" does not exist"), and on MySQL the relay's
+// first log lines were about statements it could not prepare (a
+// review's finding).
+func TestUnmigrated_PublisherRelayInbox_SayToMigrate(t *testing.T) {
+	t.Parallel()
+	for _, kind := range testdb.Kinds {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, kind) // not migrated
+			d := dialectOf(t, db)
+			says := func(what string, err error) {
+				t.Helper()
+				if err == nil || !strings.Contains(err.Error(), "outbox.Migrate") {
+					t.Errorf("%s on an unmigrated database: %v; want it to say to run outbox.Migrate", what, err)
+				}
+			}
+			tx, err := db.Beginx()
+			if err != nil {
+				t.Fatal(err)
+			}
+			pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d})
+			if err != nil {
+				t.Fatal(err)
+			}
+			says("Publish", pub.Publish("orders", message.NewMessage("m-1", []byte("{}"))))
+			_ = tx.Rollback()
+
+			f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(nopPublisher{}, nil), outbox.ForwarderConfig{Dialect: d})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = f.Sweep(context.Background())
+			says("Sweep", err)
+
+			in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Dialect: d, ConsumerName: "billing"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(acemqMessage("m-1"))
+			says("the inbox", err)
+		})
+	}
+}
