@@ -604,3 +604,37 @@ func TestRelay_UnreachableBroker_ExitsOneNamingIt(t *testing.T) {
 	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", "")
 	r.wantFailure(t, 1, "cannot connect to RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1/: dial tcp 127.0.0.1:1")
 }
+
+// The relay's --max-attempts, exported once as OUTBOX_MAX_ATTEMPTS, is
+// every command's: given to the relay alone, a row stuck at 3 attempts
+// was "no stuck rows (none unpublished at 10 attempts)" to stuck, and
+// retry --all-stuck retried nothing (a review's finding). A flag given
+// wins over the environment; OUTBOX_TABLE and OUTBOX_INBOX_TABLE are
+// read the same way.
+func TestEnvironment_MaxAttemptsAndTables_EveryCommandsFlagWins(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts, last_error) VALUES ('ord-3', '', 'orders', '{}', '{}', ?, 3, 'boom')",
+		ts(testdb.SQLite, time.Now().Add(-time.Hour)))
+	env := map[string]string{"OUTBOX_DB": db.DSN, "OUTBOX_MAX_ATTEMPTS": "3"}
+	if r := ctl(t, env, "stuck"); r.code != 0 || !strings.Contains(r.stdout, "ord-3") {
+		t.Errorf("stuck with OUTBOX_MAX_ATTEMPTS=3: exit %d, %q %q; want ord-3 listed", r.code, r.stdout, r.stderr)
+	}
+	if r := ctl(t, env, "stuck", "--max-attempts", "10"); r.code != 0 || strings.Contains(r.stdout, "ord-3") {
+		t.Errorf("stuck --max-attempts 10 over OUTBOX_MAX_ATTEMPTS=3: exit %d, %q; want the flag to win, nothing stuck", r.code, r.stdout)
+	}
+	if r := ctl(t, env, "--max-attempts", "10", "stuck"); r.code != 0 || strings.Contains(r.stdout, "ord-3") {
+		t.Errorf("--max-attempts 10 before the command over OUTBOX_MAX_ATTEMPTS=3: exit %d, %q; want the flag to win", r.code, r.stdout)
+	}
+	if r := ctl(t, env, "retry", "--all-stuck"); r.code != 0 || !strings.HasPrefix(r.stdout, "1 row made pending again") {
+		t.Errorf("retry --all-stuck with OUTBOX_MAX_ATTEMPTS=3: exit %d, %q %q; want ord-3 retried", r.code, r.stdout, r.stderr)
+	}
+	for _, bad := range []string{"three", "0"} {
+		r := ctl(t, map[string]string{"OUTBOX_DB": db.DSN, "OUTBOX_MAX_ATTEMPTS": bad}, "stuck")
+		r.wantFailure(t, 2, "OUTBOX_MAX_ATTEMPTS")
+	}
+	r := ctl(t, map[string]string{"OUTBOX_DB": db.DSN, "OUTBOX_TABLE": "no_such_outbox"}, "status")
+	r.wantFailure(t, 1, "no_such_outbox")
+	if r := ctl(t, map[string]string{"OUTBOX_DB": db.DSN, "OUTBOX_TABLE": "no_such_outbox"}, "status", "--table", "acemq_outbox"); r.code != 0 {
+		t.Errorf("status --table over OUTBOX_TABLE: exit %d: %s", r.code, r.stderr)
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -91,9 +92,49 @@ func (g *globals) register(fs *flag.FlagSet) {
 	d := defaultGlobals
 	fs.StringVar(&g.db, "db", d.db, "database: postgres://… URL, MySQL DSN user:pass@tcp(host:port)/db, or SQLite path (env OUTBOX_DB)")
 	fs.StringVar(&g.amqp, "amqp", d.amqp, "RabbitMQ URL amqp://user:pass@host:5672/vhost, or a cluster's nodes' URLs separated by commas, for relay (env OUTBOX_AMQP_URL)")
-	fs.StringVar(&g.table, "table", d.table, "outbox table, name or schema.name")
-	fs.StringVar(&g.inboxTable, "inbox-table", d.inboxTable, "inbox table, name or schema.name")
-	fs.IntVar(&g.maxAttempts, "max-attempts", d.maxAttempts, "attempts after which the relay leaves a row alone (stuck)")
+	fs.StringVar(&g.table, "table", d.table, "outbox table, name or schema.name (env OUTBOX_TABLE)")
+	fs.StringVar(&g.inboxTable, "inbox-table", d.inboxTable, "inbox table, name or schema.name (env OUTBOX_INBOX_TABLE)")
+	fs.IntVar(&g.maxAttempts, "max-attempts", d.maxAttempts, "attempts after which the relay leaves a row alone (stuck); give every command the relay's (env OUTBOX_MAX_ATTEMPTS)")
+}
+
+// noteGiven notes the global flags fs's parse was given.
+func (c *cli) noteGiven(fs *flag.FlagSet) {
+	if c.given == nil {
+		c.given = make(map[string]bool)
+	}
+	fs.Visit(func(f *flag.Flag) { c.given[f.Name] = true })
+}
+
+// fromEnv sets the global flags that were not given from the environment:
+// an operator exports the relay's once (OUTBOX_MAX_ATTEMPTS above all),
+// and stuck, retry and status agree with it. Given to the relay alone, a
+// --max-attempts of 3 left stuck printing "no stuck rows (none unpublished
+// at 10 attempts)", retry --all-stuck retrying nothing, and status
+// counting stuck rows as pending (a review's finding).
+func (c *cli) fromEnv() error {
+	if c.g.db == "" {
+		c.g.db = c.env("OUTBOX_DB")
+	}
+	if c.g.amqp == "" {
+		c.g.amqp = c.env("OUTBOX_AMQP_URL")
+	}
+	if v := c.env("OUTBOX_TABLE"); v != "" && !c.given["table"] {
+		c.g.table = v
+	}
+	if v := c.env("OUTBOX_INBOX_TABLE"); v != "" && !c.given["inbox-table"] {
+		c.g.inboxTable = v
+	}
+	if v := c.env("OUTBOX_MAX_ATTEMPTS"); v != "" && !c.given["max-attempts"] {
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || n < 1 {
+			return usagef("OUTBOX_MAX_ATTEMPTS: %q; want a number, at least 1", v)
+		}
+		c.g.maxAttempts = n
+	}
+	if c.g.maxAttempts < 1 {
+		return usagef("--max-attempts: %d; want at least 1", c.g.maxAttempts)
+	}
+	return nil
 }
 
 type cli struct {
@@ -101,7 +142,8 @@ type cli struct {
 	env            func(string) string
 	stdout, stderr io.Writer
 	g              globals
-	command        string // the command's name, once main found it
+	given          map[string]bool // the global flags given, before or after the command's name
+	command        string          // the command's name, once main found it
 }
 
 type command struct {
@@ -142,6 +184,7 @@ func (c *cli) main(args []string) error {
 		}
 		return usagef("%v (see outboxctl -h)", err)
 	}
+	c.noteGiven(fs)
 	if fs.NArg() == 0 {
 		c.usage(c.stderr, fs)
 		return usagef("no command given; want one of %s", commandNames())
@@ -236,14 +279,9 @@ func (c *cli) parse(fs *flag.FlagSet, args []string, synopsis string) ([]string,
 		positional = append(positional, rest[0])
 		args = rest[1:]
 	}
-	if c.g.db == "" {
-		c.g.db = c.env("OUTBOX_DB")
-	}
-	if c.g.amqp == "" {
-		c.g.amqp = c.env("OUTBOX_AMQP_URL")
-	}
-	if c.g.maxAttempts < 1 {
-		return nil, usagef("--max-attempts: %d; want at least 1", c.g.maxAttempts)
+	c.noteGiven(fs)
+	if err := c.fromEnv(); err != nil {
+		return nil, err
 	}
 	return positional, nil
 }
