@@ -120,6 +120,22 @@ func TestUnmigrated_PublisherRelayInbox_SayToMigrate(t *testing.T) {
 			}
 			_, err = in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })(acemqMessage("m-1"))
 			says("the inbox", err)
+
+			// A handler's own table missing is the service's business: its
+			// error is not taken for the inbox's.
+			migrate(t, db)
+			in, err = outbox.NewInbox(db.DB, outbox.InboxConfig{Dialect: d, ConsumerName: "billing"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				tx, _ := outbox.TxFromContext(msg.Context())
+				_, err := tx.Exec("INSERT INTO no_such_orders (id) VALUES (1)")
+				return nil, err
+			})(acemqMessage("m-2"))
+			if err == nil || strings.Contains(err.Error(), "outbox.Migrate") {
+				t.Errorf("the inbox, its handler's table missing: %v; want the handler's error without the hint", err)
+			}
 		})
 	}
 }

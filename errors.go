@@ -3,7 +3,9 @@ package outbox
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 	"unicode/utf8"
 )
 
@@ -92,9 +94,16 @@ func (e *DuplicateIDError) Error() string {
 // the database's error alone ("relation \"acemq_outbox\" does not
 // exist"), from the publisher, the relay and the inbox alike, and on
 // MySQL a relay's first log lines were about statements it could not
-// prepare.
-func unmigrated(d Dialect, err error) error {
+// prepare. Given tables (as quoted in the SQL), only where the error
+// names one of them, by its name without schema or quotes: the inbox's
+// error may be its handler's, over a table of the service's own.
+func unmigrated(d Dialect, err error, tables ...string) error {
 	if err == nil || d == nil || !d.sql().MissingTable(err) {
+		return err
+	}
+	if len(tables) > 0 && !slices.ContainsFunc(tables, func(t string) bool {
+		return strings.Contains(err.Error(), strings.Trim(t[strings.LastIndexByte(t, '.')+1:], "\"`"))
+	}) {
 		return err
 	}
 	return fmt.Errorf("%w (a table of the outbox's is missing: run outbox.Migrate, or outboxctl migrate, on this database before the service starts)", err)

@@ -486,7 +486,7 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		outcome, consumer, err = in.process(h, code, msg)
 		return err
 	})
-	err = unmigrated(in.dialect, err)
+	err = unmigrated(in.dialect, err, in.q.Table(), in.outbox.Table(), sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable)
 	if err == nil && outcome == inboxDuplicate {
 		in.markDuplicateProcessed(msg)
 	}
