@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 var (
@@ -89,24 +91,58 @@ func (e *DuplicateIDError) Error() string {
 	return msg + ": give each copy its own UUID"
 }
 
-// unmigrated adds to err, where the database says a table is missing,
-// what to do about it: a service started before its tables were made got
-// the database's error alone ("relation \"acemq_outbox\" does not
-// exist"), from the publisher, the relay and the inbox alike, and on
-// MySQL a relay's first log lines were about statements it could not
-// prepare. Given tables (as quoted in the SQL), only where the error
-// names one of them, by its name without schema or quotes: the inbox's
-// error may be its handler's, over a table of the service's own.
+// unmigrated adds to err, where the database says one of tables (as
+// quoted in the SQL) is missing, what to do about it: a service started
+// before its tables were made got the database's error alone ("relation
+// \"acemq_outbox\" does not exist"), from the publisher, the relay and the
+// inbox alike, and on MySQL a relay's first log lines were about
+// statements it could not prepare. A table is named in the error by its
+// name without schema or quotes, as a whole word: the inbox's error may be
+// its handler's, over a table of the service's own (processed_messages_
+// archive is not processed_messages). Migrate makes the library's tables
+// of their default names only; for a table of another name it says to
+// create that one.
 func unmigrated(d Dialect, err error, tables ...string) error {
 	if err == nil || d == nil || !d.sql().MissingTable(err) {
 		return err
 	}
-	if len(tables) > 0 && !slices.ContainsFunc(tables, func(t string) bool {
-		return strings.Contains(err.Error(), strings.Trim(t[strings.LastIndexByte(t, '.')+1:], "\"`"))
-	}) {
-		return err
+	for _, t := range tables {
+		name := strings.Trim(t[strings.LastIndexByte(t, '.')+1:], "\"`")
+		if !namesWord(err.Error(), name) {
+			continue
+		}
+		if slices.Contains(migratedTables, name) {
+			return fmt.Errorf("%w (%s is missing: run outbox.Migrate, or outboxctl migrate, on this database before the service starts)", err, name)
+		}
+		return fmt.Errorf("%w (%s is missing: outbox.Migrate makes the tables of the default names only; create %s as sqlschema's migrations make the default one)", err, name, name)
 	}
-	return fmt.Errorf("%w (a table of the outbox's is missing: run outbox.Migrate, or outboxctl migrate, on this database before the service starts)", err)
+	return err
+}
+
+// migratedTables are the tables Migrate makes.
+var migratedTables = []string{DefaultTable, DefaultInboxTable, sqldialect.SequencesTable, sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable}
+
+// namesWord reports whether s holds word with no letter, digit or
+// underscore right before or after it.
+func namesWord(s, word string) bool {
+	if word == "" {
+		return false
+	}
+	isIdent := func(c byte) bool {
+		return c == '_' || c == '$' || '0' <= c && c <= '9' || 'a' <= c|0x20 && c|0x20 <= 'z'
+	}
+	for from := 0; ; {
+		i := strings.Index(s[from:], word)
+		if i < 0 {
+			return false
+		}
+		i += from
+		end := i + len(word)
+		if (i == 0 || !isIdent(s[i-1])) && (end == len(s) || !isIdent(s[end])) {
+			return true
+		}
+		from = i + 1
+	}
 }
 
 // idText is a message id as errors and logs name it: as it is where it is

@@ -481,3 +481,56 @@ func TestInbox_ReadOfALongIDAsItIsFails_DeliveryFailsNotRunAgain(t *testing.T) {
 		t.Errorf("its redelivery: ran %d times, %v; want acked without running", ran, err)
 	}
 }
+
+// The key moves between the look for a held message's id and its apply (a
+// delivery, or another consumer, applies it meanwhile): the apply finds
+// the next message after it, which is looked for in turn before it runs.
+// It was applied without the look, and seq 3, processed as it is by
+// another library's inbox, ran again (a review's catch). The move is made
+// deterministic by a trigger on the carry's insert of seq 2's digest,
+// which does what another consumer's apply of seq 2 does.
+func TestOrderedInbox_Postgres_HeldApply_KeyMovedBetweenLookAndApply_NextLookedForToo(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	widenProcessedIDs(db)
+	idOf := func(seq int) string {
+		return "acct-1 event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
+	}
+	var saw []string
+	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		saw = append(saw, msg.Metadata.Get(outbox.HeaderSeq))
+		return nil, nil
+	})
+	deliver := func(seq int) {
+		msg := keyedMsg("acct-1", seq)
+		msg.Metadata.Set(outbox.HeaderMessageID, idOf(seq))
+		if _, err := h(msg); err != nil {
+			t.Fatalf("seq %d: %v, want nil (ack)", seq, err)
+		}
+	}
+	deliver(3)
+	deliver(2)
+	if n := countHeld(t, db); n != 2 {
+		t.Fatalf("%d messages held, want 2", n)
+	}
+	// Another library's inbox processed seq 2 and seq 3 under their ids as they are.
+	for _, s := range []int{2, 3} {
+		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), "fulfilment", idOf(s), hourAgo(db))
+	}
+	db.MustExec(`CREATE FUNCTION move_past_2() RETURNS trigger AS $$
+BEGIN
+  IF NEW.message_id = '` + digestKey(idOf(2)) + `' THEN
+    DELETE FROM acemq_inbox_held WHERE aggregate_id = 'acct-1' AND seq = 2;
+    UPDATE acemq_inbox_sequences SET last_seq = 2, held = held - 1 WHERE aggregate_id = 'acct-1';
+  END IF;
+  RETURN NEW;
+END $$ LANGUAGE plpgsql`)
+	db.MustExec(`CREATE TRIGGER move_past_2 AFTER INSERT ON processed_messages FOR EACH ROW EXECUTE FUNCTION move_past_2()`)
+	deliver(1)
+	if want := []string{"1"}; !slices.Equal(saw, want) {
+		t.Errorf("the handler ran for %q, want %q: seq 2 moved past by another consumer, seq 3 processed as it is elsewhere", saw, want)
+	}
+	if n := countHeld(t, db); n != 0 {
+		t.Errorf("%d messages still held", n)
+	}
+}

@@ -720,22 +720,29 @@ func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key stri
 // lock, and a pool of one connection would wait on itself): the first
 // transaction reads the message and ends, the look runs, and a second
 // applies. Only such ids pay for it.
+//
+// The second transaction applies the key's next as it finds it: where
+// that is another message than the one looked for (a delivery or another
+// consumer moved the key meanwhile), it is looked for in turn, and applied
+// in a third, and so on while the key moves.
 func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (applied, ran bool, err error) {
-	applied, ran, asIs, err := in.applyHeld(ctx, delivery, consumer, key, true)
-	if asIs == "" || err != nil {
-		return applied, ran, err
+	looked := ""
+	for {
+		applied, ran, asIs, err := in.applyHeld(ctx, delivery, consumer, key, looked)
+		if asIs == "" || err != nil {
+			return applied, ran, err
+		}
+		if err := in.carryAsIs(ctx, consumer, asIs); err != nil {
+			return false, false, err
+		}
+		looked = asIs
 	}
-	if err := in.carryAsIs(ctx, consumer, asIs); err != nil {
-		return false, false, err
-	}
-	applied, ran, _, err = in.applyHeld(ctx, delivery, consumer, key, false)
-	return applied, ran, err
 }
 
-// applyHeld is applyNextHeld's transaction. With look, it applies nothing
-// where the held message's id is to be looked for as it is first, and
-// returns that id as asIs.
-func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key string, look bool) (applied, ran bool, asIs string, err error) {
+// applyHeld is applyNextHeld's transaction. It applies nothing where the
+// held message's id is to be looked for as it is and is not looked, the
+// id looked for already: it returns that id as asIs.
+func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key, looked string) (applied, ran bool, asIs string, err error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return false, false, "", fmt.Errorf("outbox: inbox: begin: %w", err)
@@ -774,7 +781,7 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key 
 			"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
 		return false, false, "", nil
 	}
-	if look && digested(id) {
+	if digested(id) && id != looked {
 		return false, false, id, nil // the deferred rollback ends the transaction first
 	}
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)

@@ -895,7 +895,7 @@ func (p *TxPublisher) wrapExecErr(err error) error {
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
 	default:
-		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), unmigrated(p.cfg.Dialect, err))
+		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), unmigrated(p.cfg.Dialect, err, p.q.Table(), sqldialect.SequencesTable))
 	}
 }
 

@@ -101,14 +101,14 @@ func pipelineOf(dest Destination) Pipeline {
 
 // swept is what one sweep of Run did.
 type swept struct {
-	claimed *batch // nil: nothing claimed, or the claim failed
-	size    int    // the rows the claim asked for
-	failed  bool   // the claim, a record or a mark failed
+	claimed    *batch // nil: nothing claimed, or the claim failed
+	size       int    // the rows the claim asked for
+	failed     bool   // the claim, a record or a mark failed
+	stopping   bool   // ctx had ended: nothing was claimed, everything settled
+	progressed bool   // a batch was settled or published
 	// parked: failed, and only by records the failure made stuck
 	// (batch.onlyParked), which hold nothing back from now on.
-	parked     bool
-	stopping   bool // ctx had ended: nothing was claimed, everything settled
-	progressed bool // a batch was settled or published
+	parked bool
 	// crowded: the claim passed over many rows it keeps locked (see
 	// crowded).
 	crowded bool

@@ -598,7 +598,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 		if errors.Is(err, errNoConnection) {
 			return nil, err
 		}
-		return nil, fmt.Errorf("outbox: claim: %w", unmigrated(s.dialect, err))
+		return nil, fmt.Errorf("outbox: claim: %w", unmigrated(s.dialect, err, s.q.Table()))
 	}
 	conn, err := s.poolConn(ctx)
 	if err != nil {
@@ -1047,7 +1047,7 @@ func (s *Store) prepareRelay(ctx context.Context, batchSizes []int) error {
 			// Not migrated: one error that says so, rather than one a
 			// statement naming nothing of the cause.
 			closeStmts(stmts)
-			return unmigrated(s.dialect, fmt.Errorf("outbox: prepare the relay's statements: %w", err))
+			return unmigrated(s.dialect, fmt.Errorf("outbox: prepare the relay's statements: %w", err), s.q.Table())
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("outbox: prepare %.40q…: %w", q, err))
@@ -1176,7 +1176,7 @@ func (s *Store) claimLease(ctx context.Context, claimQuery func(tx *sql.Tx) (sql
 		return nil
 	})
 	if err != nil {
-		return nil, unmigrated(s.dialect, err)
+		return nil, unmigrated(s.dialect, err, s.q.Table())
 	}
 	took(len(claimed), elapsed)
 	sortClaimed(claimed) // RETURNING promises no order

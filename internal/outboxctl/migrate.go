@@ -16,8 +16,10 @@ func (c *cli) migrate(args []string) error {
 		return err
 	}
 	// The schema files name their tables; a table of another name is the
-	// operator's to create.
-	if c.g.table != outbox.DefaultTable || c.g.inboxTable != outbox.DefaultInboxTable {
+	// operator's to create. Names exported for the other commands
+	// (OUTBOX_TABLE) are theirs: migrate makes its own tables whatever
+	// they say, as it did before it read them.
+	if c.given["table"] && c.g.table != outbox.DefaultTable || c.given["inbox-table"] && c.g.inboxTable != outbox.DefaultInboxTable {
 		return usagef("migrate creates %s and %s only; --table and --inbox-table name tables you created yourself",
 			outbox.DefaultTable, outbox.DefaultInboxTable)
 	}

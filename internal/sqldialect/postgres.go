@@ -213,11 +213,9 @@ func (postgres) Conflict(err error) bool {
 	return s == "40001" || s == "40P01"
 }
 
-// MissingTable: undefined_table (42P01), invalid_schema_name (3F000).
-func (postgres) MissingTable(err error) bool {
-	s := sqlState(err)
-	return s == "42P01" || s == "3F000"
-}
+// MissingTable: undefined_table (42P01). Not a missing schema
+// (3F000), which no migration makes.
+func (postgres) MissingTable(err error) bool { return sqlState(err) == "42P01" }
 
 // CannotHold: a character the database's encoding lacks (22021
 // character_not_in_repertoire, 22P05 untranslatable_character).

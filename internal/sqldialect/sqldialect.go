@@ -120,8 +120,8 @@ type Dialect interface {
 	// value, says the column cannot hold that value (a character its
 	// character set or the database's encoding lacks): no row holds it.
 	CannotHold(err error) bool
-	// MissingTable: err says a table (or the schema or database named
-	// with it) is not there: the library's tables were not migrated.
+	// MissingTable: err says a table is not there: the library's tables
+	// were not migrated, or not made where a configuration names others.
 	MissingTable(err error) bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.

@@ -2,11 +2,16 @@ package outbox_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/go-sql-driver/mysql"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
@@ -137,5 +142,95 @@ func TestUnmigrated_PublisherRelayInbox_SayToMigrate(t *testing.T) {
 				t.Errorf("the inbox, its handler's table missing: %v; want the handler's error without the hint", err)
 			}
 		})
+	}
+}
+
+// A DSN naming a MySQL database that is not there (a typo) is no missing
+// table: outbox.Migrate cannot make a database, and fails with the same
+// error; the relay is not told to run it (a review's catch).
+func TestUnmigrated_MySQLUnknownDatabase_NotToldToMigrate(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, testdb.MySQL)
+	cfg, err := mysql.ParseDSN(testdb.MySQLDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.DBName = "no_such_database_" + testdb.RandomName()
+	db, err := sqlx.Open("mysql", cfg.FormatDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	f, err := outbox.NewForwarder(db, outbox.NewPublisherDestination(nopPublisher{}, nil), outbox.ForwarderConfig{Dialect: outbox.MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err = f.Sweep(context.Background()); err == nil || strings.Contains(err.Error(), "outbox.Migrate") {
+		t.Errorf("Sweep over a database that does not exist: %v; want its error, without a hint to run outbox.Migrate", err)
+	}
+}
+
+// The library's tables are named in an error as whole words: a handler's
+// own table whose name starts with one of theirs
+// (processed_messages_archive) is the service's, and its error gets no
+// hint (a review's catch: it was matched as a substring).
+func TestUnmigrated_HandlersOwnTableNamedLikeTheLibrarys_NoHint(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{Dialect: d, ConsumerName: "billing"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			tx, _ := outbox.TxFromContext(msg.Context())
+			_, err := tx.Exec("INSERT INTO processed_messages_archive (id) VALUES (1)")
+			return nil, err
+		})(acemqMessage("m-1"))
+		if err == nil || strings.Contains(err.Error(), "is missing") {
+			t.Errorf("the inbox, its handler's own table missing: %v; want the handler's error without the hint", err)
+		}
+	})
+}
+
+// Migrate makes the tables of the default names only: a relay whose Table
+// names another, missing, is told to create that one, not to run Migrate,
+// which ran already (a review's catch).
+func TestUnmigrated_TableOfAnotherNameMissing_ToldToCreateIt(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(nopPublisher{}, nil), outbox.ForwarderConfig{Dialect: d, Table: "orders_outbox"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = f.Sweep(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "create orders_outbox") || strings.Contains(err.Error(), "run outbox.Migrate") {
+			t.Errorf("Sweep over a Table of another name, missing after Migrate: %v; want to be told to create orders_outbox", err)
+		}
+	})
+}
+
+// The Dialect check takes lib/pq and a pgx connector's *sql.DB
+// (sql.OpenDB) for PostgreSQL's, and refuses MySQL's over them.
+func TestDialect_PqAndPgxConnector_TakenForPostgres(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, testdb.Postgres)
+	cfg, err := pgx.ParseConfig(testdb.PostgresDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	viaConnector := sql.OpenDB(stdlib.GetConnector(*cfg))
+	defer viaConnector.Close()
+	pq, err := sql.Open("postgres", testdb.PostgresDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pq.Close()
+	for name, db := range map[string]*sql.DB{"pgx connector": viaConnector, "lib/pq": pq} {
+		if _, err := outbox.NewStore(db, outbox.StoreConfig{Dialect: outbox.Postgres}); err != nil {
+			t.Errorf("%s with Postgres: %v", name, err)
+		}
+		if _, err := outbox.NewStore(db, outbox.StoreConfig{Dialect: outbox.MySQL}); err == nil {
+			t.Errorf("%s with MySQL: taken", name)
+		}
 	}
 }
