@@ -894,6 +894,9 @@ func (p *TxPublisher) wrapExecErr(err error) error {
 		return err
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
+	case p.cfg.Dialect == SQLite && sqldialect.Busy(err):
+		return fmt.Errorf("outbox: insert into %s: %w (SQLite: unless the DSN sets _txlock=immediate, which a relay beside the services requires,"+
+			" a transaction that read before this write cannot wait for the write lock: see the README's SQLite notes)", p.q.Table(), err)
 	default:
 		return fmt.Errorf("outbox: insert into %s: %w", p.q.Table(), unmigrated(p.cfg.Dialect, err, p.q.Table(), sqldialect.SequencesTable))
 	}
