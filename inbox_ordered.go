@@ -739,9 +739,10 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 	}
 }
 
-// applyHeld is applyNextHeld's transaction. It applies nothing where the
-// held message's id is to be looked for as it is and is not looked, the
-// id looked for already: it returns that id as asIs.
+// applyHeld is applyNextHeld's transaction. Where the held message's id is
+// one to look for as it is (digested) and not the one looked for already
+// (looked), it applies nothing and returns that id as asIs, for
+// applyNextHeld to look for.
 func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key, looked string) (applied, ran bool, asIs string, err error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
