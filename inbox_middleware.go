@@ -487,6 +487,14 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		return err
 	})
 	err = unmigrated(in.dialect, err, in.q.Table(), in.outbox.Table(), sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable)
+	if err != nil && errors.Is(msg.Context().Err(), context.Canceled) && msg.Metadata != nil {
+		// Its context, alive when the inbox began, was cancelled while the
+		// handler ran: the router's (or the subscriber's) Close, not the
+		// handler's failure, nor middleware.Timeout's deadline (which ends
+		// it with DeadlineExceeded; Timeout cancels it only once this
+		// returns). PoisonPublisher refuses to set it aside.
+		msg.Metadata.Set(interruptedKey, "true")
+	}
 	if err == nil && outcome == inboxDuplicate {
 		in.markDuplicateProcessed(msg)
 	}

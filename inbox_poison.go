@@ -2,9 +2,11 @@ package outbox
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 )
 
 // PoisonPublisher wraps pub, the publisher given to Watermill's
@@ -26,9 +28,27 @@ import (
 // that fails is logged and returns nil: the message is on the poison
 // topic, and the next boot's Republish may send it again. Close closes
 // pub.
+//
+// A message whose handler was interrupted, not failed, is refused, and
+// none is published: one whose context the router's Close (or the
+// subscriber's) cancelled while the inbox ran it, which Retry (with
+// ResetContextOnRetry, which brings that context back) then fails at each
+// retry at once. PoisonQueue set such a message aside and acked it, and
+// PoisonPublisher marked its record processed, so neither a redelivery nor
+// Republish brought it back (a review lost an order so). The error makes
+// PoisonQueue fail the message, which is nacked, or, on a closing channel,
+// left unacked, and delivered again. A message whose handler failed and
+// whose retries found the context Timeout had ended (no
+// ResetContextOnRetry) is set aside as before.
 func (in *Inbox) PoisonPublisher(pub message.Publisher) message.Publisher {
 	return poisonPublisher{in: in, pub: pub}
 }
+
+// interruptedKey marks, in a message's metadata, one whose context was
+// cancelled while the inbox ran its handler (see PoisonPublisher). Set on
+// the delivery's message only, it never reaches a broker: PoisonPublisher
+// refuses such a message.
+const interruptedKey = "x-acemq-inbox-interrupted"
 
 type poisonPublisher struct {
 	in  *Inbox
@@ -36,6 +56,12 @@ type poisonPublisher struct {
 }
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
+	for _, msg := range msgs {
+		if msg.Metadata.Get(interruptedKey) != "" {
+			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: its context was cancelled while its handler ran (%s), which is no failure of it;"+
+				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
+		}
+	}
 	if err := p.pub.Publish(topic, msgs...); err != nil {
 		return err
 	}

@@ -422,15 +422,7 @@ func TestInbox_ReadmeMiddlewareChain_TransientFailureRetriedNotPoisoned(t *testi
 	for _, reset := range []bool{true, false} {
 		t.Run(fmt.Sprintf("ResetContextOnRetry=%v", reset), func(t *testing.T) {
 			eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-				createEffects(t, db)
-				topic := "order.paid"
-				id := publishN(t, db, "", topic, 1)[0]
-				in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
-				poison := &poisonRecorder{}
-				pq, err := middleware.PoisonQueue(in.PoisonPublisher(poison), topic+".poison")
-				if err != nil {
-					t.Fatal(err)
-				}
+				id, in, poison, pq := poisonedChainSetup(t, db, "order.paid")
 				var ran atomic.Int32
 				ship := func(msg *message.Message) ([]*message.Message, error) {
 					if ran.Add(1) == 1 {
@@ -564,4 +556,67 @@ func TestRepublish_MySQL_ReadsTheUnprocessedRecordsNotTheHistory(t *testing.T) {
 	if read > 1000 {
 		t.Errorf("Republish read %d rows and index entries to find 3 unprocessed records beside %d processed ones and as many unprocessed of another topic: it walks them", read, history/2)
 	}
+}
+
+// The router's Close cancels the context of a handler in flight. Behind
+// the README's chain, Retry (ResetContextOnRetry brings that context
+// back) failed each retry at once, PoisonQueue set aside a message whose
+// handler never failed and acked it, and PoisonPublisher marked its record
+// processed: neither a redelivery nor Republish brought it back (a review
+// lost an order so, under a router closed mid-stream). PoisonPublisher
+// refuses such a message: PoisonQueue fails it, the router nacks it, and
+// it is delivered again.
+func TestInbox_PoisonPublisher_HandlerInterruptedByClose_NotSetAsideDeliveredAgain(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		id, in, poison, pq := poisonedChainSetup(t, db, "order.placed")
+		routerCtx, closeRouter := context.WithCancel(context.Background())
+		defer closeRouter()
+		// The README's chain over a handler that writes its effect,
+		// closing the router first where close is set.
+		chain := func(close bool) message.HandlerFunc {
+			return pq(middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
+				middleware.Timeout(30 * time.Second)(in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+					if close {
+						closeRouter() // the router's Close, while the handler runs
+					}
+					tx, _ := outbox.TxFromContext(msg.Context())
+					_, err := tx.Exec(db.Rebind("INSERT INTO effects (message_id, note) VALUES (?, ?)"), msg.UUID, "placed")
+					return nil, err
+				}))))
+		}
+		msg := message.NewMessage(id, []byte("x"))
+		msg.SetContext(routerCtx)
+		if _, err := chain(true)(msg); err == nil {
+			t.Errorf("a message whose handler the router's Close interrupted was acked (poisoned %d)", poison.count())
+		}
+		if poison.count() != 0 || outboxStateOf(t, db, id).Processed || countEffects(t, db, id) != 0 {
+			t.Errorf("interrupted: poisoned %d, record processed %v, effects %d; want 0, false, 0: it is delivered again",
+				poison.count(), outboxStateOf(t, db, id).Processed, countEffects(t, db, id))
+		}
+		// Delivered again to a router that runs: applied once.
+		h := chain(false)
+		if _, err := h(message.NewMessage(id, []byte("x"))); err != nil {
+			t.Fatal(err)
+		}
+		if n := countEffects(t, db, id); n != 1 || !outboxStateOf(t, db, id).Processed {
+			t.Errorf("redelivered: %d effects, processed %v; want 1, true", n, outboxStateOf(t, db, id).Processed)
+		}
+	})
+}
+
+// poisonedChainSetup publishes one record of topic in db, with the effects
+// table, and returns its id, an inbox marking records processed, and a
+// PoisonQueue through its PoisonPublisher into a recorder.
+func poisonedChainSetup(t *testing.T, db *testdb.DB, topic string) (string, *outbox.Inbox, *poisonRecorder, message.HandlerMiddleware) {
+	t.Helper()
+	createEffects(t, db)
+	id := publishN(t, db, "", topic, 1)[0]
+	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+	poison := &poisonRecorder{}
+	pq, err := middleware.PoisonQueue(in.PoisonPublisher(poison), topic+".poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id, in, poison, pq
 }
