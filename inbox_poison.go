@@ -37,9 +37,12 @@ import (
 // PoisonPublisher marked its record processed, so neither a redelivery nor
 // Republish brought it back (a review lost an order so). The error makes
 // PoisonQueue fail the message, which is nacked, or, on a closing channel,
-// left unacked, and delivered again. A message whose handler failed and
-// whose retries found the context Timeout had ended (no
-// ResetContextOnRetry) is set aside as before.
+// left unacked, and delivered again. So is one set aside for
+// context.Canceled itself: Retry's answer when the router closed during
+// its backoff, after a failure the next try might not have had (a review
+// lost one so too). A message whose handler failed and whose retries
+// found the context Timeout had ended (no ResetContextOnRetry) is set
+// aside as before: the inbox's error names that cause.
 func (in *Inbox) PoisonPublisher(pub message.Publisher) message.Publisher {
 	return poisonPublisher{in: in, pub: pub}
 }
@@ -57,7 +60,7 @@ type poisonPublisher struct {
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, msg := range msgs {
-		if msg.Metadata.Get(interruptedKey) != "" {
+		if msg.Metadata.Get(interruptedKey) != "" || msg.Metadata.Get(middleware.ReasonForPoisonedKey) == context.Canceled.Error() {
 			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: its context was cancelled while its handler ran (%s), which is no failure of it;"+
 				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
 		}

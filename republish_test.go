@@ -620,3 +620,33 @@ func poisonedChainSetup(t *testing.T, db *testdb.DB, topic string) (string, *out
 	}
 	return id, in, poison, pq
 }
+
+// The router closes while Retry waits out its backoff after a handler's
+// failure: Retry answers context.Canceled itself, and PoisonQueue set the
+// message aside on it, acked it, and PoisonPublisher marked its record
+// processed, though the next try might well have succeeded (a review lost
+// one so in a service closed mid-stream). PoisonPublisher refuses it too.
+func TestInbox_PoisonPublisher_RouterClosedDuringRetryBackoff_NotSetAsideDeliveredAgain(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		id, in, poison, pq := poisonedChainSetup(t, db, "order.placed")
+		routerCtx, closeRouter := context.WithCancel(context.Background())
+		defer closeRouter()
+		retry := middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: true,
+			ShouldRetry: func(middleware.RetryParams) bool {
+				closeRouter() // the router's Close, as Retry is about to back off
+				return true
+			}}
+		h := pq(retry.Middleware(middleware.Timeout(30 * time.Second)(in.Middleware(func(*message.Message) ([]*message.Message, error) {
+			return nil, errors.New("the payment service is down")
+		}))))
+		msg := message.NewMessage(id, []byte("x"))
+		msg.SetContext(routerCtx)
+		if _, err := h(msg); err == nil {
+			t.Errorf("a message whose retry the router's Close cut short was acked (poisoned %d)", poison.count())
+		}
+		if poison.count() != 0 || outboxStateOf(t, db, id).Processed {
+			t.Errorf("retry cut short: poisoned %d, record processed %v; want 0, false: it is delivered again", poison.count(), outboxStateOf(t, db, id).Processed)
+		}
+	})
+}
