@@ -78,9 +78,15 @@ func checkDialect(db *sql.DB, d Dialect) error {
 		return nil
 	}
 	if got, pkg, ok := driverDialect(db.Driver()); ok && got != d {
-		return &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("%s, but the database handle's driver (%s) is %s's: set the driver's Dialect, or leave it nil with a *sqlx.DB", d.Name(), pkg, got.Name())}
+		return dialectMismatch(d, got, "the database handle's driver ("+pkg+")", "*sqlx.DB")
 	}
 	return nil
+}
+
+// dialectMismatch is the error of d given where driver, of a handle of
+// the type sqlxType would name it, is got's.
+func dialectMismatch(d, got Dialect, driver, sqlxType string) error {
+	return &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("%s, but %s is %s's: set the driver's Dialect, or leave it nil with a %s", d.Name(), driver, got.Name(), sqlxType)}
 }
 
 // checkTxDialect is checkDialect for a *sqlx.Tx, which names its driver.
@@ -89,7 +95,7 @@ func checkTxDialect(driverName string, d Dialect) error {
 		return nil
 	}
 	if got, ok := sqldialect.ForDriver(driverName); ok && (dialect{got}) != d {
-		return &ConfigError{Field: "Dialect", Reason: fmt.Sprintf("%s, but the transaction's driver (%s) is %s's: set the driver's Dialect, or leave it nil with a *sqlx.Tx", d.Name(), driverName, got.Name())}
+		return dialectMismatch(d, dialect{got}, "the transaction's driver ("+driverName+")", "*sqlx.Tx")
 	}
 	return nil
 }

@@ -122,8 +122,9 @@ func unmigrated(d Dialect, err error, tables ...string) error {
 // migratedTables are the tables Migrate makes.
 var migratedTables = []string{DefaultTable, DefaultInboxTable, sqldialect.SequencesTable, sqldialect.InboxSequencesTable, sqldialect.InboxHeldTable}
 
-// namesWord reports whether s holds word with no letter, digit or
-// underscore right before or after it.
+// namesWord reports whether s holds word with no character of an
+// identifier (a letter, a digit, an underscore or a dollar sign) right
+// before or after it.
 func namesWord(s, word string) bool {
 	if word == "" {
 		return false

@@ -293,22 +293,7 @@ func TestOrderedInbox_ForeignTableHoldingALongIDAsItIs_MovedPastNotRunAgain(t *t
 func TestOrderedInbox_HeldIDProcessedAsItIsElsewhereSinceItWasHeld_MovedPastNotRun(t *testing.T) {
 	t.Parallel()
 	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
-		widenProcessedIDs(db)
-		idOf := func(seq int) string {
-			return "acct-1 event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
-		}
-		var saw []string
-		h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
-			saw = append(saw, msg.Metadata.Get(outbox.HeaderSeq))
-			return nil, nil
-		})
-		deliver := func(seq int) {
-			msg := keyedMsg("acct-1", seq)
-			msg.Metadata.Set(outbox.HeaderMessageID, idOf(seq))
-			if _, err := h(msg); err != nil {
-				t.Fatalf("seq %d: %v, want nil (ack)", seq, err)
-			}
-		}
+		idOf, deliver, saw := longIDsOfOneKey(t, db)
 		deliver(3) // held ahead of 1 and 2
 		deliver(2)
 		if n := countHeld(t, db); n != 2 {
@@ -317,15 +302,15 @@ func TestOrderedInbox_HeldIDProcessedAsItIsElsewhereSinceItWasHeld_MovedPastNotR
 		// Another library's inbox processes seq 2 under its id as it is.
 		db.MustExec(db.Rebind("INSERT INTO processed_messages (consumer_name, message_id, processed_at) VALUES (?, ?, ?)"), "fulfilment", idOf(2), hourAgo(db))
 		deliver(1)
-		if want := []string{"1", "3"}; !slices.Equal(saw, want) {
-			t.Errorf("the handler ran for %q, want %q: seq 2, processed elsewhere while held, moved past, seq 3 applied after it", saw, want)
+		if want := []string{"1", "3"}; !slices.Equal(*saw, want) {
+			t.Errorf("the handler ran for %q, want %q: seq 2, processed elsewhere while held, moved past, seq 3 applied after it", *saw, want)
 		}
 		if n := countHeld(t, db); n != 0 {
 			t.Errorf("%d messages still held", n)
 		}
 		deliver(2) // a redelivery is a duplicate
-		if len(saw) != 2 {
-			t.Errorf("the handler ran for %q after seq 2's redelivery", saw[2:])
+		if len(*saw) != 2 {
+			t.Errorf("the handler ran for %q after seq 2's redelivery", (*saw)[2:])
 		}
 	})
 }
@@ -492,22 +477,7 @@ func TestInbox_ReadOfALongIDAsItIsFails_DeliveryFailsNotRunAgain(t *testing.T) {
 func TestOrderedInbox_Postgres_HeldApply_KeyMovedBetweenLookAndApply_NextLookedForToo(t *testing.T) {
 	t.Parallel()
 	db := migrated(t, testdb.Postgres)
-	widenProcessedIDs(db)
-	idOf := func(seq int) string {
-		return "acct-1 event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
-	}
-	var saw []string
-	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		saw = append(saw, msg.Metadata.Get(outbox.HeaderSeq))
-		return nil, nil
-	})
-	deliver := func(seq int) {
-		msg := keyedMsg("acct-1", seq)
-		msg.Metadata.Set(outbox.HeaderMessageID, idOf(seq))
-		if _, err := h(msg); err != nil {
-			t.Fatalf("seq %d: %v, want nil (ack)", seq, err)
-		}
-	}
+	idOf, deliver, saw := longIDsOfOneKey(t, db)
 	deliver(3)
 	deliver(2)
 	if n := countHeld(t, db); n != 2 {
@@ -527,10 +497,36 @@ BEGIN
 END $$ LANGUAGE plpgsql`)
 	db.MustExec(`CREATE TRIGGER move_past_2 AFTER INSERT ON processed_messages FOR EACH ROW EXECUTE FUNCTION move_past_2()`)
 	deliver(1)
-	if want := []string{"1"}; !slices.Equal(saw, want) {
-		t.Errorf("the handler ran for %q, want %q: seq 2 moved past by another consumer, seq 3 processed as it is elsewhere", saw, want)
+	if want := []string{"1"}; !slices.Equal(*saw, want) {
+		t.Errorf("the handler ran for %q, want %q: seq 2 moved past by another consumer, seq 3 processed as it is elsewhere", *saw, want)
 	}
 	if n := countHeld(t, db); n != 0 {
 		t.Errorf("%d messages still held", n)
 	}
+}
+
+// longIDsOfOneKey widens db's processed_messages.message_id as another
+// library's inbox may have made it, and returns the long id of seq of key
+// acct-1, a delivery of it to an ordered inbox over db (acked), and the
+// seqs its handler ran for.
+func longIDsOfOneKey(t *testing.T, db *testdb.DB) (idOf func(seq int) string, deliver func(seq int), saw *[]string) {
+	t.Helper()
+	widenProcessedIDs(db)
+	idOf = func(seq int) string {
+		return "acct-1 event " + strings.Repeat("0123456789", 8) + " " + strconv.Itoa(seq)
+	}
+	saw = new([]string)
+	h := orderedInbox(t, db, outbox.InboxConfig{}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		*saw = append(*saw, msg.Metadata.Get(outbox.HeaderSeq))
+		return nil, nil
+	})
+	deliver = func(seq int) {
+		t.Helper()
+		msg := keyedMsg("acct-1", seq)
+		msg.Metadata.Set(outbox.HeaderMessageID, idOf(seq))
+		if _, err := h(msg); err != nil {
+			t.Fatalf("seq %d: %v, want nil (ack)", seq, err)
+		}
+	}
+	return idOf, deliver, saw
 }
