@@ -42,6 +42,13 @@ import (
 //	commit_to_broker_p50/p99_broker_only_<rate>: their floor: the bench publishes
 //	                                          straight to the broker at the same rate,
 //	                                          no database, no relay (latencyRawRun)
+//	commit_to_broker_p50/p99_postgres_process_<rate>_floor: the floor of any relay on
+//	                                          PostgreSQL: a relay process that does one
+//	                                          statement per batch and nothing else
+//	                                          (latency_floor.go), right after the relay's
+//	                                          process variant at that rate, and
+//	                                          …_postgres_process_<rate>_vs_floor, the relay's
+//	                                          p50 and p99 over the floor's
 //	commit_to_broker_p50/p99_<db>_process_500_held: with -held-snapshot N alone,
 //	                                          postgres and mysql: the relay process at
 //	                                          500 msg/s after N rows were published
@@ -88,6 +95,9 @@ type latencyVariant struct {
 	// pg_dump holds one, before the run, and it is held to its end
 	// (holdSnapshot).
 	held int
+	// floor: the relay process is the floor relay (latency_floor.go), not
+	// outboxctl relay; with noNotify it polls every floorPoll.
+	floor bool
 }
 
 func runLatency(ctx context.Context, cfg config, out *reporter) error {
@@ -138,8 +148,13 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		}
 		if kind == testdb.Postgres {
 			// What NOTIFY costs the services and buys the relay (see
-			// txpublish's concurrent figures).
+			// txpublish's concurrent figures), and the floor of any relay
+			// there (latency_floor.go).
 			for _, r := range processRates {
+				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_floor", r), process: true,
+					floor: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_floor_poll", r), process: true,
+					floor: true, noNotify: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_no_notify", r), process: true,
 					noNotify: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_loud", r), process: true,
@@ -174,6 +189,7 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 	}
 
 	payload := benchPayload(latencyPayload)
+	p50s, p99s := map[string]time.Duration{}, map[string]time.Duration{}
 	note("latency: queue %s, %d msg/s, batch %s, window %s", q.name, *latencyRate, orDefault(*relayBatch), orDefault(*relayWindow))
 	for _, v := range variants {
 		var lat, at []time.Duration
@@ -194,8 +210,17 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 		if err != nil {
 			return fmt.Errorf("latency %s: %w", name, err)
 		}
-		out.metric("commit_to_broker_p50_"+name, millis(quantile(lat, 0.5)), "ms")
-		out.metric("commit_to_broker_p99_"+name, millis(quantile(lat, 0.99)), "ms")
+		p50s[name], p99s[name] = quantile(lat, 0.5), quantile(lat, 0.99)
+		out.metric("commit_to_broker_p50_"+name, millis(p50s[name]), "ms")
+		out.metric("commit_to_broker_p99_"+name, millis(p99s[name]), "ms")
+		if base, floor, ok := strings.Cut(name, "_floor"); ok && p50s[base] > 0 && p50s[name] > 0 {
+			// The relay's figures over the floor's, taken a few seconds
+			// apart: how far the relay is from the least this machine
+			// allows at that rate, which the day's load moves less than
+			// either.
+			out.metric("commit_to_broker_p50_"+base+"_vs_floor"+floor, float64(p50s[base])/float64(p50s[name]), "ratio")
+			out.metric("commit_to_broker_p99_"+base+"_vs_floor"+floor, float64(p99s[base])/float64(p99s[name]), "ratio")
+		}
 		if tx := rec.txQuantile(0.5); v.process && tx > 0 {
 			// A ratio, which this machine's load moves less than either
 			// figure: the relay claims in statements that wait for the
@@ -315,7 +340,16 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 			profile = filepath.Join(*relayCPUProfile, "relay_"+v.kind+v.suffix+".prof")
 			note("latency %s: the relay's CPU profile goes to %s", v.kind+v.suffix, profile)
 		}
-		relay, err := startRelayProcess(ctx, db.DSN, profile, extra...)
+		var relay *relayProcess
+		if v.floor {
+			var poll time.Duration
+			if v.noNotify {
+				poll = floorPoll
+			}
+			relay, err = startFloorRelay(ctx, db.DSN, poll)
+		} else {
+			relay, err = startRelayProcess(ctx, db.DSN, profile, extra...)
+		}
 		if err != nil {
 			return err
 		}

@@ -94,6 +94,7 @@ func maybeOutboxctl() {
 
 // relayProcess is an `outboxctl relay` the bench started.
 type relayProcess struct {
+	name    string // in errors: "outboxctl relay", say
 	cmd     *exec.Cmd
 	metrics string // URL of its /metrics
 	exited  chan error
@@ -105,10 +106,6 @@ var servingRE = regexp.MustCompile(`Serving /metrics and /healthz.* addr=(\S+)`)
 // startRelayProcess starts outboxctl relay on dsn and waits until it
 // serves /healthz.
 func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string) (*relayProcess, error) {
-	self, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
 	args := []string{outboxctlArg, "relay", "--db", dsn, "--amqp", *amqpURL, "--listen", "127.0.0.1:0", "--relay-id", "outbox-bench-process"}
 	if *relayBatch > 0 {
 		args = append(args, "--batch-size", strconv.Itoa(*relayBatch))
@@ -116,7 +113,23 @@ func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string
 	if *relayMax > 0 {
 		args = append(args, "--max-batch-size", strconv.Itoa(*relayMax))
 	}
-	cmd := exec.Command(self, append(args, extra...)...)
+	return startProcess(ctx, "outboxctl relay", append(args, extra...), profile)
+}
+
+// startFloorRelay starts the floor relay (latency_floor.go) on dsn and
+// waits until it serves /healthz.
+func startFloorRelay(ctx context.Context, dsn string, poll time.Duration) (*relayProcess, error) {
+	return startProcess(ctx, "the floor relay", []string{floorArg, "--db", dsn, "--amqp", *amqpURL, "--poll", poll.String()}, "")
+}
+
+// startProcess starts the bench's own binary with args, as the relay called
+// name, and waits until it serves /healthz.
+func startProcess(ctx context.Context, name string, args []string, profile string) (*relayProcess, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, args...)
 	cmd.Env = os.Environ()
 	if *relayProcs > 0 {
 		cmd.Env = append(cmd.Env, "GOMAXPROCS="+strconv.Itoa(*relayProcs))
@@ -132,7 +145,7 @@ func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	p := &relayProcess{cmd: cmd, exited: make(chan error, 1), stderr: &tailBuffer{}}
+	p := &relayProcess{name: name, cmd: cmd, exited: make(chan error, 1), stderr: &tailBuffer{}}
 	addr := make(chan string, 1)
 	go func() {
 		sc := bufio.NewScanner(stderr)
@@ -153,10 +166,10 @@ func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string
 	case a = <-addr:
 	case err := <-p.exited:
 		p.exited <- err
-		return nil, fmt.Errorf("outboxctl relay exited: %v\n%s", err, p.stderr)
+		return nil, fmt.Errorf("%s exited: %v\n%s", name, err, p.stderr)
 	case <-deadline:
 		p.stop()
-		return nil, fmt.Errorf("outboxctl relay did not serve /metrics within 20 s\n%s", p.stderr)
+		return nil, fmt.Errorf("%s did not serve /metrics within 20 s\n%s", name, p.stderr)
 	case <-ctx.Done():
 		p.stop()
 		return nil, ctx.Err()
@@ -173,7 +186,7 @@ func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string
 		select {
 		case <-deadline:
 			p.stop()
-			return nil, fmt.Errorf("outboxctl relay not healthy within 20 s\n%s", p.stderr)
+			return nil, fmt.Errorf("%s not healthy within 20 s\n%s", name, p.stderr)
 		case <-ctx.Done():
 			p.stop()
 			return nil, ctx.Err()
@@ -188,12 +201,12 @@ func (p *relayProcess) stop() error {
 	select {
 	case err := <-p.exited:
 		if err != nil {
-			return fmt.Errorf("outboxctl relay: %v\n%s", err, p.stderr)
+			return fmt.Errorf("%s: %v\n%s", p.name, err, p.stderr)
 		}
 		return nil
 	case <-time.After(30 * time.Second):
 		_ = p.cmd.Process.Kill()
-		return fmt.Errorf("outboxctl relay did not stop within 30 s of SIGTERM\n%s", p.stderr)
+		return fmt.Errorf("%s did not stop within 30 s of SIGTERM\n%s", p.name, p.stderr)
 	}
 }
 

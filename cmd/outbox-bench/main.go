@@ -53,6 +53,7 @@ type config struct {
 
 func main() {
 	maybeOutboxctl()
+	maybeFloorRelay()
 	os.Exit(run())
 }
 
