@@ -42,13 +42,11 @@ import (
 //	commit_to_broker_p50/p99_broker_only_<rate>: their floor: the bench publishes
 //	                                          straight to the broker at the same rate,
 //	                                          no database, no relay (latencyRawRun)
-//	commit_to_broker_p50/p99_postgres_process_<rate>_floor: the floor of any relay on
-//	                                          PostgreSQL: a relay process that does one
-//	                                          statement per batch and nothing else
-//	                                          (latency_floor.go), right after the relay's
-//	                                          process variant at that rate, and
-//	                                          …_postgres_process_<rate>_vs_floor, the relay's
-//	                                          p50 and p99 over the floor's
+//	commit_to_broker_p50/p99_<db>_process_<rate>_floor: the floor of any relay: a
+//	                                          relay process that does one statement per
+//	                                          batch and nothing else (latency_floor.go),
+//	                                          and …_<db>_process_<rate>_vs_floor, the
+//	                                          relay's p50 and p99 over the floor's
 //	commit_to_broker_p50/p99_<db>_process_500_held: with -held-snapshot N alone,
 //	                                          postgres and mysql: the relay process at
 //	                                          500 msg/s after N rows were published
@@ -146,13 +144,16 @@ func runLatency(ctx context.Context, cfg config, out *reporter) error {
 			variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d", r), process: true,
 				idle: i == len(processRates)-1, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 		}
+		// The least any relay can do at those rates (latency_floor.go).
+		for _, r := range processRates {
+			variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_floor", r), process: true,
+				floor: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
+		}
 		if kind == testdb.Postgres {
 			// What NOTIFY costs the services and buys the relay (see
 			// txpublish's concurrent figures), and the floor of any relay
-			// there (latency_floor.go).
+			// there without NOTIFY (latency_floor.go).
 			for _, r := range processRates {
-				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_floor", r), process: true,
-					floor: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_floor_poll", r), process: true,
 					floor: true, noNotify: true, rate: r, n: max(n*r / *latencyRate / 2, 1)})
 				variants = append(variants, latencyVariant{kind: kind, suffix: fmt.Sprintf("_process_%d_no_notify", r), process: true,
@@ -343,10 +344,10 @@ func latencyProcessRun(ctx context.Context, cfg config, q *benchQueue, rec *late
 		var relay *relayProcess
 		if v.floor {
 			var poll time.Duration
-			if v.noNotify {
+			if v.noNotify || v.kind != testdb.Postgres {
 				poll = floorPoll
 			}
-			relay, err = startFloorRelay(ctx, db.DSN, poll)
+			relay, err = startFloorRelay(ctx, v.kind, db.DSN, poll)
 		} else {
 			relay, err = startRelayProcess(ctx, db.DSN, profile, extra...)
 		}

@@ -118,8 +118,8 @@ func startRelayProcess(ctx context.Context, dsn, profile string, extra ...string
 
 // startFloorRelay starts the floor relay (latency_floor.go) on dsn and
 // waits until it serves /healthz.
-func startFloorRelay(ctx context.Context, dsn string, poll time.Duration) (*relayProcess, error) {
-	return startProcess(ctx, "the floor relay", []string{floorArg, "--db", dsn, "--amqp", *amqpURL, "--poll", poll.String()}, "")
+func startFloorRelay(ctx context.Context, kind, dsn string, poll time.Duration) (*relayProcess, error) {
+	return startProcess(ctx, "the floor relay", []string{floorArg, "--kind", kind, "--db", dsn, "--amqp", *amqpURL, "--poll", poll.String()}, "")
 }
 
 // startProcess starts the bench's own binary with args, as the relay called

@@ -23,6 +23,15 @@ import (
 //	keyed:     the candidate with the message keyed (MetadataAggregateID), 1,000 keys in turn
 //	message floor: the floor with the message's bytes: its id, its 256-byte
 //	           body and its headers' JSON in a table of those three columns
+//	row floor: the candidate's row written by one plain INSERT into
+//	           acemq_outbox, without the library: what any writer of the
+//	           estate's table pays for its columns, its indexes and (on
+//	           PostgreSQL) its NOTIFY trigger
+//	keyed row floor: the keyed candidate's row written without the
+//	           library, numbered as it numbers it: the key's counter raised
+//	           and the row inserted with it, in one statement on PostgreSQL
+//	           (a data-modifying CTE), two elsewhere (MySQL has no such CTE
+//	           and no RETURNING; SQLite no such CTE)
 //
 // The floor is what any second statement costs: one more round trip to the
 // server (on MySQL two: go-sql-driver prepares, executes and closes a
@@ -39,7 +48,17 @@ import (
 // keyed against the candidate is what per-aggregate order costs a
 // transaction: the key's sequence number, one more statement.
 //
-// The five run interleaved on one connection, in rotating order, so that
+// The candidate over the row floor (txpublish_overhead_vs_row_floor) is what
+// the library itself adds to writing its row: building it, its statement,
+// its checks. The row floor over the floor (txpublish_row_floor_vs_floor) is
+// what the table's shape costs, which the library does not choose alone.
+// The keyed row floor over the row floor
+// (txpublish_keyed_row_floor_vs_row_floor) is what a gapless number per key
+// costs any writer of the table, beside txpublish_keyed_vs_unkeyed. On
+// MySQL both row floors send their statements with the arguments written
+// in, one round trip each, as the publisher does.
+//
+// The seven run interleaved on one connection, in rotating order, so that
 // noise on this machine, the growth of the tables and any position effect
 // fall on all alike. Warm-up iterations
 // (connection set-up, statement caches, the first pages of each table) are
@@ -100,6 +119,9 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 	insertOrder := db.Rebind("INSERT INTO orders (id, customer, total, created_at) VALUES (?, ?, ?, ?)")
 	insertFloor := db.Rebind("INSERT INTO floor_keys (id) VALUES (?)")
 	insertMessageFloor := db.Rebind("INSERT INTO floor_messages (id, body, headers) VALUES (?, ?, ?)")
+	insertRowFloor := "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at)" +
+		" VALUES (?, '', ?, ?, 'utf-8', 'application/json', ?, ?)"
+	keyedRowFloor := keyedRowFloorSQL(db.Kind)
 
 	note("txpublish %s: %d warm-up + %d measured iterations per variant", db.Kind, warmup, n)
 	start := time.Now()
@@ -109,6 +131,8 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		floor     = make([]time.Duration, 0, n)
 		keyedOut  = make([]time.Duration, 0, n)
 		msgFloor  = make([]time.Duration, 0, n)
+		rowFloor  = make([]time.Duration, 0, n)
+		keyedRow  = make([]time.Duration, 0, n)
 		published = 0
 		lastMsgID string
 		lastBody  []byte
@@ -117,7 +141,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		var a, b, c, k, m time.Duration
+		var a, b, c, k, m, r, kr time.Duration
 		for _, variant := range rotation(i) {
 			o := newOrder(i)
 			var (
@@ -142,6 +166,38 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 					return err
 				})
 				m = took
+			case variantRowFloor:
+				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
+				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				if herr != nil {
+					return herr
+				}
+				took, err = orderTx(ctx, db.DB, insertOrder, o, func(tx *sqlx.Tx) error {
+					return execFloor(ctx, tx, db.Kind, insertRowFloor, msg.UUID, txPublishTopic, string(msg.Payload), headers, time.Now().UTC())
+				})
+				if err == nil {
+					published++
+				}
+				r = took
+			case variantKeyedRowFloor:
+				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
+				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				if herr != nil {
+					return herr
+				}
+				key := fmt.Sprintf("customer-%04d", i%txPublishKeys)
+				took, err = orderTx(ctx, db.DB, insertOrder, o, func(tx *sqlx.Tx) error {
+					if keyedRowFloor.raise != "" {
+						if err := execFloor(ctx, tx, db.Kind, keyedRowFloor.raise, key); err != nil {
+							return err
+						}
+					}
+					return execFloor(ctx, tx, db.Kind, keyedRowFloor.insert, msg.UUID, txPublishTopic, string(msg.Payload), headers, time.Now().UTC(), key)
+				})
+				if err == nil {
+					published++
+				}
+				kr = took
 			case variantOutbox, variantKeyed:
 				msgID := watermill.NewUUID()
 				payload := orderPayload(o)
@@ -175,6 +231,8 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 			floor = append(floor, c)
 			keyedOut = append(keyedOut, k)
 			msgFloor = append(msgFloor, m)
+			rowFloor = append(rowFloor, r)
+			keyedRow = append(keyedRow, kr)
 		}
 	}
 	elapsed := time.Since(start)
@@ -213,6 +271,14 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 	out.metric("txpublish_message_floor_"+k+"_us", micros(msgFloorMed), "us")
 	out.metric("txpublish_message_floor_vs_floor_"+k, float64(msgFloorMed)/float64(floorMed), "ratio")
 	out.metric("txpublish_overhead_vs_message_floor_"+k, float64(candMed)/float64(msgFloorMed), "ratio")
+	rowFloorMed := quantile(rowFloor, 0.5)
+	out.metric("txpublish_row_floor_"+k+"_us", micros(rowFloorMed), "us")
+	out.metric("txpublish_row_floor_vs_floor_"+k, float64(rowFloorMed)/float64(floorMed), "ratio")
+	out.metric("txpublish_overhead_vs_row_floor_"+k, float64(candMed)/float64(rowFloorMed), "ratio")
+	keyedRowMed := quantile(keyedRow, 0.5)
+	out.metric("txpublish_keyed_row_floor_"+k+"_us", micros(keyedRowMed), "us")
+	out.metric("txpublish_keyed_row_floor_vs_row_floor_"+k, float64(keyedRowMed)/float64(rowFloorMed), "ratio")
+	out.metric("txpublish_keyed_vs_keyed_row_floor_"+k, float64(keyedMed)/float64(keyedRowMed), "ratio")
 	return nil
 }
 
@@ -222,12 +288,14 @@ const (
 	variantFloor
 	variantKeyed
 	variantMessageFloor
+	variantRowFloor
+	variantKeyedRowFloor
 )
 
-// rotation gives the order of the five variants in iteration i, rotating
+// rotation gives the order of the seven variants in iteration i, rotating
 // so that each takes each position equally often.
-func rotation(i int) [5]int {
-	var v [5]int
+func rotation(i int) [7]int {
+	var v [7]int
 	for j := range v {
 		v[j] = (i + j) % len(v)
 	}
@@ -380,4 +448,59 @@ func verifyTxPublish(ctx context.Context, db *testdb.DB, wantOrders, wantMessage
 		return fmt.Errorf("VERIFY FAILED: message %s is marked published with no relay running", lastID)
 	}
 	return nil
+}
+
+// keyedRowFloorSQL is the keyed row floor's statements on kind: raise (none
+// on PostgreSQL) takes the key; insert takes the row's id, routing key,
+// body, headers and created_at, then the key.
+func keyedRowFloorSQL(kind string) (q struct{ raise, insert string }) {
+	const cols = "INSERT INTO acemq_outbox (aggregate_id, id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at, seq)"
+	switch kind {
+	case testdb.Postgres:
+		q.insert = "WITH s AS (INSERT INTO acemq_outbox_sequences AS s (aggregate_id, last_seq) VALUES ($6, 1)" +
+			" ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = s.last_seq + 1 RETURNING aggregate_id, last_seq) " +
+			cols + " SELECT aggregate_id, $1, '', $2, $3, 'utf-8', 'application/json', $4, $5, last_seq FROM s"
+	case testdb.MySQL:
+		q.raise = "INSERT INTO acemq_outbox_sequences (aggregate_id, last_seq) VALUES (?, 1) ON DUPLICATE KEY UPDATE last_seq = last_seq + 1"
+		q.insert = cols + " SELECT aggregate_id, ?, '', ?, ?, 'utf-8', 'application/json', ?, ?, last_seq FROM acemq_outbox_sequences WHERE aggregate_id = ?"
+	default:
+		q.raise = "INSERT INTO acemq_outbox_sequences AS s (aggregate_id, last_seq) VALUES (?, 1) ON CONFLICT (aggregate_id) DO UPDATE SET last_seq = s.last_seq + 1"
+		q.insert = cols + " SELECT aggregate_id, ?, '', ?, ?, 'utf-8', 'application/json', ?, ?, last_seq FROM acemq_outbox_sequences WHERE aggregate_id = ?"
+	}
+	return q
+}
+
+// execFloor runs one of the row floors' statements. On MySQL the
+// arguments are written into the text, so that it goes in one round trip
+// as the publisher's do, not prepared, executed and closed; on PostgreSQL
+// "?" becomes "$n".
+func execFloor(ctx context.Context, tx *sqlx.Tx, kind, query string, args ...any) error {
+	switch kind {
+	case testdb.MySQL:
+		var b strings.Builder
+		for _, a := range args {
+			head, tail, ok := strings.Cut(query, "?")
+			if !ok {
+				return fmt.Errorf("execFloor: more arguments than placeholders in %q", query)
+			}
+			b.WriteString(head)
+			switch v := a.(type) {
+			case string:
+				fmt.Fprintf(&b, "_utf8mb4 X'%x'", v)
+			case time.Time:
+				b.WriteString(v.Format("'2006-01-02 15:04:05.000000'"))
+			default:
+				return fmt.Errorf("execFloor: an argument of type %T", a)
+			}
+			query = tail
+		}
+		b.WriteString(query)
+		query, args = b.String(), nil
+	case testdb.Postgres:
+		if !strings.Contains(query, "$1") {
+			query = tx.Rebind(query)
+		}
+	}
+	_, err := tx.ExecContext(ctx, query, args...)
+	return err
 }
