@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -23,7 +24,13 @@ import (
 //
 //	poisonQueue, err := middleware.PoisonQueue(inbox.PoisonPublisher(pub), "orders.poison")
 //
-// A publish that fails marks nothing and returns its error (PoisonQueue
+// pub is given copies of the messages whose context keeps the message
+// context's values but not its end, and ends poisonPublishTimeout after
+// the publish begins: middleware.Timeout, between PoisonQueue and the
+// inbox, cancels the message's context as the last attempt returns, before
+// PoisonQueue publishes, and a publisher that honours it (watermill-amqp's
+// publishes with the message's context) failed every time, at once. A
+// publish that fails marks nothing and returns its error (PoisonQueue
 // then fails the message, which is nacked and delivered again). A mark
 // that fails is logged and returns nil: the message is on the poison
 // topic, and the next boot's Republish may send it again. Close closes
@@ -53,6 +60,13 @@ func (in *Inbox) PoisonPublisher(pub message.Publisher) message.Publisher {
 // refuses such a message.
 const interruptedKey = "x-acemq-inbox-interrupted"
 
+// poisonPublishTimeout bounds PoisonPublisher's publish, whose context no
+// longer ends with the message's: a broker that takes no message holds the
+// delivery that long (and a router's Close as long, up to its
+// CloseTimeout), then the message is failed and delivered again. Watermill's
+// router waits 30 s for its handlers by default.
+const poisonPublishTimeout = 30 * time.Second
+
 type poisonPublisher struct {
 	in  *Inbox
 	pub message.Publisher
@@ -65,7 +79,20 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
 		}
 	}
-	if err := p.pub.Publish(topic, msgs...); err != nil {
+	// Copies, detached from the ended context: handed the messages as they
+	// were, watermill-amqp's publisher failed with "context canceled", so
+	// PoisonQueue failed the message, the router nacked it, and it came
+	// back, its handler failed again, its retries ran again, for ever: the
+	// README's chain set nothing aside (a review counted 129 runs of one
+	// message in 10 s, and on an ordered consumer its key went no further).
+	detached := make([]*message.Message, len(msgs))
+	for i, msg := range msgs {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), poisonPublishTimeout)
+		defer cancel()
+		detached[i] = msg.Copy()
+		detached[i].SetContext(ctx)
+	}
+	if err := p.pub.Publish(topic, detached...); err != nil {
 		return err
 	}
 	for _, msg := range msgs {

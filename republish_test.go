@@ -344,6 +344,13 @@ func (p *poisonRecorder) Publish(_ string, msgs ...*message.Message) error {
 	if p.err != nil {
 		return p.err
 	}
+	for _, msg := range msgs {
+		// As watermill-amqp's publisher, which publishes with the
+		// message's context.
+		if err := msg.Context().Err(); err != nil {
+			return err
+		}
+	}
 	p.msgs = append(p.msgs, msgs...)
 	return nil
 }
