@@ -608,3 +608,41 @@ func TestInbox_Postgres_HandlersErrorSwallowed_CommitErrorSaysWhy(t *testing.T) 
 		t.Errorf("%d keys, want 0", n)
 	}
 }
+
+// sqlStateError is a driver error with a SQLSTATE, as pgx's and lib/pq's
+// errors are to the PostgreSQL dialect.
+type sqlStateError string
+
+func (e sqlStateError) Error() string {
+	return "ERROR: could not serialize access (SQLSTATE " + string(e) + ")"
+}
+func (e sqlStateError) SQLState() string { return string(e) }
+
+// A delivery the database refuses for a concurrent transaction at each of
+// its runs fails with an error that says it was run that many times: a
+// review under hundreds of InnoDB deadlocks saw only the driver's "try
+// restarting transaction" in the router's log, which read as if the inbox
+// never ran it again. The driver's error stays in the chain.
+func TestInbox_RefusedForAConcurrentTransactionAtEveryRun_ErrorSaysHowManyRuns(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		var refusal error
+		switch d {
+		case outbox.Postgres:
+			refusal = sqlStateError("40001")
+		case outbox.MySQL:
+			refusal = errors.New("Error 1213 (40001): Deadlock found when trying to get lock; try restarting transaction")
+		default:
+			return // SQLite runs one writer at a time: no such refusal
+		}
+		var runs atomic.Int32
+		h := newInbox(t, db, outbox.InboxConfig{}).Middleware(func(*message.Message) ([]*message.Message, error) {
+			runs.Add(1)
+			return nil, refusal
+		})
+		_, err := h(message.NewMessage(watermill.NewUUID(), []byte("x")))
+		if runs.Load() != 8 || err == nil || !strings.Contains(err.Error(), "at each of 8 runs") || !errors.Is(err, refusal) {
+			t.Fatalf("handler ran %d times, error %v; want 8 runs, an error saying so, with the driver's error in its chain", runs.Load(), err)
+		}
+	})
+}
