@@ -156,8 +156,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 				})
 				c = took
 			case variantMessageFloor:
-				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
-				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				msg, headers, herr := floorMessage(o)
 				if herr != nil {
 					return herr
 				}
@@ -167,8 +166,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 				})
 				m = took
 			case variantRowFloor:
-				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
-				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				msg, headers, herr := floorMessage(o)
 				if herr != nil {
 					return herr
 				}
@@ -180,8 +178,7 @@ func txPublishOn(ctx context.Context, db *testdb.DB, n, warmup int, out *reporte
 				}
 				r = took
 			case variantKeyedRowFloor:
-				msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
-				headers, herr := rowcodec.EncodeHeaders(msg.Metadata)
+				msg, headers, herr := floorMessage(o)
 				if herr != nil {
 					return herr
 				}
@@ -448,6 +445,14 @@ func verifyTxPublish(ctx context.Context, db *testdb.DB, wantOrders, wantMessage
 		return fmt.Errorf("VERIFY FAILED: message %s is marked published with no relay running", lastID)
 	}
 	return nil
+}
+
+// floorMessage is the message the floors write without the library: the
+// candidate's, and its headers' JSON as the row holds them.
+func floorMessage(o order) (*message.Message, string, error) {
+	msg := orderMessage(watermill.NewUUID(), orderPayload(o), o, "")
+	headers, err := rowcodec.EncodeHeaders(msg.Metadata)
+	return msg, headers, err
 }
 
 // keyedRowFloorSQL is the keyed row floor's statements on kind: raise (none
