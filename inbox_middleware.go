@@ -149,6 +149,12 @@ type InboxConfig struct {
 	// after a consumer crash); too long lets a key stand still unseen.
 	// Default DefaultGapAfter (5 minutes).
 	GapAfter time.Duration
+	// ApplyHeldEvery, with Ordered, is how often the inbox's router plugin
+	// (Plugin) calls ApplyHeld: how long a held message whose handler
+	// failed when its turn came waits for its next try when no delivery of
+	// its key comes, and how old the held-message gauges get. Default
+	// DefaultApplyHeldEvery (10 s); each call is a read or two.
+	ApplyHeldEvery time.Duration
 	// PurgeBatch is how many rows one DELETE of PurgeProcessed removes.
 	// Default 1000.
 	PurgeBatch int
@@ -185,6 +191,9 @@ func (c *InboxConfig) setDefaults() {
 	if c.GapAfter == 0 {
 		c.GapAfter = DefaultGapAfter
 	}
+	if c.ApplyHeldEvery == 0 {
+		c.ApplyHeldEvery = DefaultApplyHeldEvery
+	}
 	if c.Logger == nil {
 		c.Logger = watermill.NopLogger{}
 	}
@@ -205,6 +214,9 @@ func (c InboxConfig) validate() error {
 	}
 	if c.GapAfter < 0 {
 		return &ConfigError{Field: "GapAfter", Reason: fmt.Sprintf("%s; want a positive duration", c.GapAfter)}
+	}
+	if c.ApplyHeldEvery < 0 {
+		return &ConfigError{Field: "ApplyHeldEvery", Reason: fmt.Sprintf("%s; want a positive duration", c.ApplyHeldEvery)}
 	}
 	if c.Ordered && c.AtMostOnce {
 		return &ConfigError{Field: "Ordered", Reason: "not with AtMostOnce: a held message runs after its predecessor's commit, with no key committed before its effect"}

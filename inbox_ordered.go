@@ -840,8 +840,8 @@ const applyHeldErrs = 10
 // nothing. It reaches every ready key
 // of those consumers in one call: a key whose handler fails stays held, the
 // error says so, and the keys after it are applied all the same. It returns
-// how many it applied. Call it from a ticker in the service, every minute or
-// so.
+// how many it applied. Plugin calls it every ApplyHeldEvery while a router
+// runs; or call it from a ticker in the service.
 func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 	if in.ordered == nil {
 		return 0, nil

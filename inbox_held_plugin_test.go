@@ -1,0 +1,83 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// A key's last event, held behind its predecessor, whose handler fails
+// when the predecessor's commit releases it: no later delivery of the key
+// comes to try it again, and a service that ran no ApplyHeld ticker of its
+// own left it held for good, its outbox record marked processed (a review's
+// service did so). The inbox's router plugin ticks ApplyHeld: it runs.
+func TestOrderedInbox_Plugin_HeldMessageFailedAtItsTurn_AppliedWithoutAnotherDelivery(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		in := newInbox(t, db, outbox.InboxConfig{Ordered: true, ApplyHeldEvery: 20 * time.Millisecond})
+		var failedOnce atomic.Bool
+		log := &applyLog{fail: func(msg *message.Message) error {
+			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && failedOnce.CompareAndSwap(false, true) {
+				return errors.New("the ledger is briefly away")
+			}
+			return nil
+		}}
+		pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+		router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		router.AddPlugin(in.Plugin())
+		h := in.Middleware(log.handler(t, db))
+		router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error { _, err := h(msg); return err })
+		done := make(chan error, 1)
+		go func() { done <- router.Run(context.Background()) }()
+		defer func() {
+			if err := router.Close(); err != nil {
+				t.Error(err)
+			}
+			if err := <-done; err != nil {
+				t.Error(err)
+			}
+		}()
+		<-router.Running()
+		for _, seq := range []int{2, 1} { // 2 is held, 1 releases it, and it fails
+			if err := pubsub.Publish("payments", keyedMsg("pay-1", seq)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		deadline := time.Now().Add(10 * time.Second)
+		for len(log.of("pay-1")) < 2 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond) // polling the handler's log
+		}
+		if got := log.of("pay-1"); !failedOnce.Load() || len(got) != 2 || got[0] != 1 || got[1] != 2 {
+			t.Fatalf("applied %v (seq 2 failed once: %v); want [1 2]: the plugin's ApplyHeld runs seq 2 again", got, failedOnce.Load())
+		}
+	})
+}
+
+// An inbox that is not ordered holds nothing: its plugin adds no handler.
+func TestInbox_Plugin_NotOrdered_AddsNoHandler(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	in := newInbox(t, db, outbox.InboxConfig{})
+	router, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := in.Plugin()(router); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(router.Handlers()); n != 0 {
+		t.Fatalf("the router has %d handlers; want none", n)
+	}
+}
