@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -1124,7 +1123,7 @@ func (f *Forwarder) checkLease() {
 //
 // It asks on tx, the claim's (MySQL's claims are locking): on the pool it
 // would wait for a connection the claim holds, for ever with a pool of one.
-func (f *Forwarder) checkZone(ctx context.Context, tx *sql.Tx) {
+func (f *Forwarder) checkZone(ctx context.Context, tx claimTx) {
 	q, ok := f.store.q.ZonedTimes()
 	if !ok || tx == nil {
 		return

@@ -136,10 +136,10 @@ func writeStuckAt(t testing.TB, db *testdb.DB, id string, at time.Time) {
 // pendingEntriesRead is how many entries of the pending index the
 // statements of tx returned to it so far (PostgreSQL), dead ones with the
 // live: the walk a claim from the head makes behind a held snapshot.
-func pendingEntriesRead(t testing.TB, tx *sql.Tx) int {
+func pendingEntriesRead(t testing.TB, tx claimTx) int {
 	t.Helper()
 	var n int
-	if err := tx.QueryRow("SELECT pg_stat_get_xact_tuples_returned('acemq_outbox_pending'::regclass)").Scan(&n); err != nil {
+	if err := tx.QueryRowContext(context.Background(), "SELECT pg_stat_get_xact_tuples_returned('acemq_outbox_pending'::regclass)").Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n

@@ -389,7 +389,7 @@ func (s *Store) maxOpenConns() int { return s.db.Stats().MaxOpenConnections }
 // transaction (PostgreSQL, MySQL) or under a lease (SQLite).
 type claim struct {
 	rows  []sqldialect.ClaimedRow
-	tx    *sql.Tx   // locking claims; nil for leases
+	tx    claimTx   // locking claims; nil for leases
 	conn  *sql.Conn // tx's connection (locking claims)
 	lease string    // leasing claims: the relay id in locked_by
 	// end releases the context tx began with, once tx is over (locking
@@ -583,7 +583,7 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 	txCtx, end := context.WithCancel(context.WithoutCancel(ctx))
 	stop := context.AfterFunc(ctx, end)
 	var (
-		tx   *sql.Tx
+		tx   claimTx
 		conn *sql.Conn
 	)
 	fail := func(err error) (*claim, error) {
@@ -616,16 +616,12 @@ func (s *Store) claimBatch(ctx context.Context, n int, relayID string, lease tim
 			s.log.Info("Outbox: the floor's locking measure failed; claims start at the head", watermill.LogFields{"table": s.q.Table(), "error": err.Error()})
 		}
 	}
-	tx, err = conn.BeginTx(txCtx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	s.sent.Add(2) // BEGIN, the claim
-	if err != nil {
-		return fail(err)
-	}
-	if setup := s.q.ClaimSetup(); setup.SQL != "" {
+	if s.q.ClaimSetup().SQL != "" {
 		s.sent.Add(1)
-		if _, err := tx.ExecContext(ctx, setup.SQL, setup.Args...); err != nil {
-			return fail(err)
-		}
+	}
+	if tx, err = s.beginClaim(ctx, txCtx, conn); err != nil {
+		return fail(err)
 	}
 	if p.Index, p.KeyIndex, err = s.claimIndexes(ctx, tx); err != nil {
 		return fail(err)
@@ -742,7 +738,7 @@ var everyClaimWindow int
 // claimWindow is the window of the claim p, in tx: 0 (none) unless the
 // dialect windows its claims and the pending index holds a window's worth
 // of entries from where the claim starts.
-func (s *Store) claimWindow(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams) (int, error) {
+func (s *Store) claimWindow(ctx context.Context, tx claimTx, p sqldialect.ClaimParams) (int, error) {
 	if !s.q.Windows() {
 		return 0, nil
 	}
@@ -823,7 +819,7 @@ type keysCursor struct {
 // database's order: Go's order of two time formats is not SQLite's). The
 // cursor moves once the claim is made (moveKeys): one undone leaves the
 // keys it read for the next.
-func (s *Store) slicedKeys(ctx context.Context, tx *sql.Tx, p sqldialect.ClaimParams, ks sqldialect.KeysSlice, claimed []sqldialect.ClaimedRow) (keysCursor, error) {
+func (s *Store) slicedKeys(ctx context.Context, tx claimTx, p sqldialect.ClaimParams, ks sqldialect.KeysSlice, claimed []sqldialect.ClaimedRow) (keysCursor, error) {
 	if p.KeysRead == 0 {
 		return keysCursor{}, nil
 	}
@@ -927,7 +923,7 @@ func (s *Store) claimedInWindow(p sqldialect.ClaimParams, n int, took time.Durat
 // MySQL the pending index and the index of a key's pending rows, looked up
 // the first time, in the claim's transaction (a capped pool may have no
 // other connection to give).
-func (s *Store) claimIndexes(ctx context.Context, tx *sql.Tx) (index, keyIndex string, err error) {
+func (s *Store) claimIndexes(ctx context.Context, tx claimTx) (index, keyIndex string, err error) {
 	if _, ok := s.q.PendingIndex(); !ok {
 		return "", "", nil
 	}
@@ -948,7 +944,7 @@ func (s *Store) claimIndexes(ctx context.Context, tx *sql.Tx) (index, keyIndex s
 // claim over a view that locked its rows by their ctid failed every time
 // (column "ctid" does not exist), and a backlog over the window was never
 // relayed (a review's catch).
-func (s *Store) withoutTupleIDs(ctx context.Context, tx *sql.Tx) (bool, error) {
+func (s *Store) withoutTupleIDs(ctx context.Context, tx claimTx) (bool, error) {
 	switch s.tupleIDs.Load() {
 	case 1:
 		return false, nil
@@ -1081,9 +1077,9 @@ func closeStmts(stmts map[string]*sql.Stmt) {
 // (max_prepared_stmt_count), must not stop the relay. A failure for any
 // other reason costs the relay its prepared statements too, and nothing
 // else.
-func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (*sql.Rows, error) {
-	if st := s.prepared(q.SQL); st != nil {
-		rows, err := tx.StmtContext(ctx, st).QueryContext(ctx, q.Args...)
+func (s *Store) queryTx(ctx context.Context, tx claimTx, q sqldialect.Query) (*sql.Rows, error) {
+	if st, std := s.preparedIn(tx, q.SQL); st != nil {
+		rows, err := std.StmtContext(ctx, st).QueryContext(ctx, q.Args...)
 		if err != nil {
 			s.closePrepared()
 		}
@@ -1093,9 +1089,9 @@ func (s *Store) queryTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (*s
 	return tx.QueryContext(ctx, q.SQL, q.Args...)
 }
 
-func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (sql.Result, error) {
-	if st := s.prepared(q.SQL); st != nil {
-		res, err := tx.StmtContext(ctx, st).ExecContext(ctx, q.Args...)
+func (s *Store) execTx(ctx context.Context, tx claimTx, q sqldialect.Query) (sql.Result, error) {
+	if st, std := s.preparedIn(tx, q.SQL); st != nil {
+		res, err := std.StmtContext(ctx, st).ExecContext(ctx, q.Args...)
 		if err != nil {
 			s.closePrepared()
 		}
@@ -1112,6 +1108,20 @@ func (s *Store) execTx(ctx context.Context, tx *sql.Tx, q sqldialect.Query) (sql
 // execute and close.
 func (s *Store) inline(q sqldialect.Query) sqldialect.Query {
 	return sqldialect.Inline(s.dialect.sql(), q)
+}
+
+// preparedIn is q prepared, and tx as the *sql.Tx to run it in: nil
+// unless both are (a pgClaimTx runs nothing prepared; nor does PostgreSQL
+// prepare the relay's statements, see PreparesRelay).
+func (s *Store) preparedIn(tx claimTx, q string) (*sql.Stmt, *sql.Tx) {
+	std, ok := tx.(*sql.Tx)
+	if !ok {
+		return nil, nil
+	}
+	if st := s.prepared(q); st != nil {
+		return st, std
+	}
+	return nil, nil
 }
 
 func (s *Store) prepared(q string) *sql.Stmt {
@@ -1317,7 +1327,7 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 // logged. Marks run on rows the claim holds, so none should be missing:
 // one an operator deleted meanwhile, or an id the mark does not find as
 // the claim read it.
-func (s *Store) mark(ctx context.Context, c *claim, tx *sql.Tx, now time.Time, published []string, failures []failure) ([]sqldialect.KeySeq, error) {
+func (s *Store) mark(ctx context.Context, c *claim, tx claimTx, now time.Time, published []string, failures []failure) ([]sqldialect.KeySeq, error) {
 	ids := c.idArgs()
 	if len(published) > 0 {
 		args := make([]any, len(published))
@@ -1379,7 +1389,7 @@ func (c *claim) keySeq(id string) (sqldialect.KeySeq, bool) {
 // savepoint is the publisher's (sqldialect's savepoint): the relay's
 // transactions run no publish. changed: the write changed the row (one an
 // operator deleted, or whose lease another relay took, it does not).
-func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any, f failure) (changed bool, err error) {
+func (s *Store) markFailed(ctx context.Context, tx claimTx, lease string, id any, f failure) (changed bool, err error) {
 	reason := storableError(f.reason)
 	write := func(reason string) error {
 		q := s.inline(s.q.MarkFailed(id, f.attempts, reason, f.holdBy, f.holdUntil, lease))
@@ -1412,7 +1422,7 @@ func (s *Store) markFailed(ctx context.Context, tx *sql.Tx, lease string, id any
 	return changed, nil
 }
 
-func (s *Store) execSavepoint(ctx context.Context, tx *sql.Tx, q sqldialect.Query) error {
+func (s *Store) execSavepoint(ctx context.Context, tx claimTx, q sqldialect.Query) error {
 	s.sent.Add(1)
 	_, err := tx.ExecContext(ctx, q.SQL, q.Args...)
 	return err

@@ -1,0 +1,282 @@
+package outbox
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// claimTxPool opens a pool of one connection to db's database with the
+// driver given ("pgx", lib/pq's "postgres"), and a store on it.
+func claimTxPool(t *testing.T, db *testdb.DB, open func() *sql.DB) (*sql.DB, *Store) {
+	t.Helper()
+	if err := Migrate(context.Background(), db.DB, Postgres); err != nil {
+		t.Fatal(err)
+	}
+	pool := open()
+	t.Cleanup(func() { _ = pool.Close() })
+	pool.SetMaxOpenConns(1)
+	s, err := NewStore(pool, StoreConfig{Dialect: Postgres})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool, s
+}
+
+// claimSettings are the claim's settings (claimSetup) as read on q.
+func claimSettings(t *testing.T, q interface {
+	QueryRowContext(context.Context, string, ...any) *sql.Row
+}) string {
+	t.Helper()
+	var sort, idle, jit string
+	if err := q.QueryRowContext(context.Background(), "SELECT current_setting('enable_sort'), current_setting('idle_in_transaction_session_timeout'), current_setting('jit')").Scan(&sort, &idle, &jit); err != nil {
+		t.Fatal(err)
+	}
+	return sort + " " + idle + " " + jit
+}
+
+// inTransaction reports whether pool's connection is in a transaction:
+// SAVEPOINT is refused outside one.
+func inTransaction(t *testing.T, pool *sql.DB) bool {
+	t.Helper()
+	_, err := pool.ExecContext(context.Background(), "SAVEPOINT probe")
+	if err != nil && !strings.Contains(err.Error(), "25P01") && !strings.Contains(err.Error(), "can only be used in transaction blocks") {
+		t.Fatal(err)
+	}
+	return err == nil
+}
+
+// A claim's transaction has its settings (enable_sort, the idle timeout,
+// the JIT off) and loses them with its end, whatever the PostgreSQL driver:
+// through pgx's, BEGIN and the settings go as one statement on the
+// connection (pgClaimTx); through another (lib/pq), as a *sql.Tx's.
+func TestClaim_Postgres_SettingsInTheClaimsTransactionOnly_EachDriver(t *testing.T) {
+	t.Parallel()
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, testdb.Postgres)
+			pool, s := claimTxPool(t, db, func() *sql.DB {
+				pool, err := sql.Open(driver, db.DSN)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return pool
+			})
+			ctx := context.Background()
+			before := claimSettings(t, pool)
+			if before == "off 0 off" {
+				t.Fatalf("the server's settings are already the claim's (%s): the test tells nothing", before)
+			}
+			writeAt(t, db, "a", time.Now())
+			writeAt(t, db, "b", time.Now())
+			cl, err := s.claimBatch(ctx, 10, "r", time.Minute, nil, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, hand := cl.tx.(*pgClaimTx)
+			if want := driver == "pgx"; hand != want {
+				t.Fatalf("claim's transaction %T; begun by hand: %v, want %v", cl.tx, hand, want)
+			}
+			if got := claimSettings(t, cl.tx); got != "off 0 off" {
+				t.Errorf("in the claim's transaction enable_sort, idle_in_transaction_session_timeout, jit = %s, want off 0 off", got)
+			}
+			if err := s.finish(ctx, cl, []string{"a", "b"}, nil); err != nil {
+				t.Fatal(err)
+			}
+			if after := claimSettings(t, pool); after != before {
+				t.Errorf("after the claim, the pool's connection has %s, want the session's own %s", after, before)
+			}
+			if inTransaction(t, pool) {
+				t.Error("the pool's connection came back inside a transaction")
+			}
+			var pending int
+			if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 0 {
+				t.Errorf("%d rows pending (%v), want the 2 marked", pending, err)
+			}
+		})
+	}
+}
+
+// traced records the statements pgx sends.
+type traced struct {
+	mu  sync.Mutex
+	sql []string
+}
+
+func (tr *traced) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.sql = append(tr.sql, data.SQL)
+	return ctx
+}
+
+func (tr *traced) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (tr *traced) take() []string {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	s := tr.sql
+	tr.sql = nil
+	return s
+}
+
+// Through pgx, the claim's BEGIN carries its settings: one round trip,
+// where a *sql.Tx's BEGIN and the settings took two (a quarter of the p50
+// from commit to broker at 2,000 msg/s, docs/measurements.md).
+func TestClaim_Postgres_Pgx_BeginCarriesTheSettings(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, testdb.Postgres)
+	tr := &traced{}
+	_, s := claimTxPool(t, db, func() *sql.DB {
+		cfg, err := pgx.ParseConfig(db.DSN)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.Tracer = tr
+		return stdlib.OpenDB(*cfg)
+	})
+	ctx := context.Background()
+	writeAt(t, db, "a", time.Now())
+	tr.take()
+	cl, err := s.claimBatch(ctx, 10, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.finish(ctx, cl, []string{"a"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	sent := tr.take()
+	begins := slices.IndexFunc(sent, func(q string) bool { return strings.HasPrefix(strings.ToUpper(q), "BEGIN") })
+	if begins < 0 {
+		t.Fatalf("no BEGIN among the claim's statements %q", sent)
+	}
+	if begin := sent[begins]; !strings.Contains(begin, s.q.ClaimSetup().SQL) {
+		t.Errorf("the claim began with %q, without its settings (%q) in the same statement", begin, s.q.ClaimSetup().SQL)
+	}
+	for _, q := range sent[begins+1:] {
+		if strings.Contains(q, "set_config('enable_sort'") {
+			t.Errorf("the settings were sent again on their own, a round trip more: %q", sent)
+		}
+	}
+}
+
+// A claim's transaction that a statement failed in cannot commit: COMMIT,
+// which the server answers with ROLLBACK, is an error (as pgx's Tx.Commit
+// makes it), nothing is marked, and the connection goes back to the pool
+// outside any transaction.
+func TestClaim_Postgres_Pgx_FailedTransaction_CommitIsAnErrorNothingMarked(t *testing.T) {
+	t.Parallel()
+	pool, s, cl := claimedOnPgx(t)
+	ctx := context.Background()
+	if _, err := s.execTx(ctx, cl.tx, s.q.MarkPublished(time.Now(), []any{"a"})); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.tx.ExecContext(ctx, "SELECT 1/0"); err == nil {
+		t.Fatal("1/0 did not fail")
+	}
+	if err := cl.tx.Commit(); !errors.Is(err, errCommitRolledBack) {
+		t.Errorf("COMMIT of the failed transaction = %v, want errCommitRolledBack", err)
+	}
+	cl.ended()
+	if inTransaction(t, pool) {
+		t.Error("the pool's connection came back inside a transaction")
+	}
+	var pending int
+	if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 1 {
+		t.Errorf("%d rows pending (%v), want the 1 whose mark rolled back", pending, err)
+	}
+}
+
+// Once a claim's transaction is over, a statement on it fails: it never
+// runs on the connection outside the transaction, autocommitted.
+func TestClaim_Postgres_Pgx_StatementAfterTheEnd_RefusedNotAutocommitted(t *testing.T) {
+	t.Parallel()
+	for _, end := range []string{"commit", "rollback"} {
+		t.Run(end, func(t *testing.T) {
+			t.Parallel()
+			pool, s, cl := claimedOnPgx(t)
+			ctx := context.Background()
+			var err error
+			tx := cl.tx
+			if end == "commit" {
+				err = tx.Commit()
+			} else {
+				err = tx.Rollback()
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := s.execTx(ctx, tx, s.q.MarkPublished(time.Now(), []any{"a"})); err == nil {
+				t.Error("a mark after the transaction's end ran")
+			}
+			if err := tx.Commit(); !errors.Is(err, sql.ErrTxDone) {
+				t.Errorf("a second end = %v, want sql.ErrTxDone", err)
+			}
+			cl.ended()
+			var pending int
+			if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 1 {
+				t.Errorf("%d rows pending (%v), want 1: the mark after the end must not have run", pending, err)
+			}
+		})
+	}
+}
+
+// A claim whose context ended (the relay stopping) is rolled back with a
+// context that has ended too: the ROLLBACK cannot be sent, and the
+// connection, still in the transaction and holding the rows' locks, is
+// discarded rather than given back. The rows are claimable at once.
+func TestClaim_Postgres_Pgx_RollbackCannotBeSent_ConnectionDiscardedRowsFree(t *testing.T) {
+	t.Parallel()
+	pool, s, cl := claimedOnPgx(t)
+	cl.end() // the transaction's context, as fail and ended end it
+	if err := s.abandon(context.Background(), cl); err == nil {
+		t.Error("a ROLLBACK with an ended context reported no error")
+	}
+	if st := pool.Stats(); st.OpenConnections != 0 {
+		t.Errorf("%d connections open after the failed ROLLBACK, want the claim's discarded", st.OpenConnections)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	again, err := s.claimBatch(ctx, 10, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.abandon(context.Background(), again) }()
+	if len(again.rows) != 1 {
+		t.Errorf("the next claim took %d rows, want the 1 the discarded claim held", len(again.rows))
+	}
+}
+
+func mustParse(t *testing.T, dsn string) *pgx.ConnConfig {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
+}
+
+// claimedOnPgx claims the one row "a" through pgx on a pool of one
+// connection.
+func claimedOnPgx(t *testing.T) (*sql.DB, *Store, *claim) {
+	t.Helper()
+	db := testdb.New(t, testdb.Postgres)
+	pool, s := claimTxPool(t, db, func() *sql.DB { return stdlib.OpenDB(*mustParse(t, db.DSN)) })
+	writeAt(t, db, "a", time.Now())
+	cl, err := s.claimBatch(context.Background(), 10, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pool, s, cl
+}
