@@ -3,7 +3,9 @@ package outbox
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -279,4 +281,80 @@ func claimedOnPgx(t *testing.T) (*sql.DB, *Store, *claim) {
 		t.Fatal(err)
 	}
 	return pool, s, cl
+}
+
+// hiddenPgx is pgx's driver connection under another type: the store
+// cannot see pgx through it, and claims as with any other driver, in a
+// *sql.Tx.
+type hiddenPgx struct{ *stdlib.Conn }
+
+type hiddenPgxConnector struct{ driver.Connector }
+
+func (c hiddenPgxConnector) Connect(ctx context.Context) (driver.Conn, error) {
+	conn, err := c.Connector.Connect(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return hiddenPgx{conn.(*stdlib.Conn)}, nil
+}
+
+// BenchmarkClaim_Postgres_OneRowClaimedAndMarked times a relay's cycle for
+// one row on PostgreSQL through pgx (claim, mark, commit) with the claim's
+// BEGIN carrying its settings (byhand), and as a *sql.Tx sends them, one
+// round trip more (sqltx), the two alternated in the same loop. It reports
+// each in µs/cycle and their ratio, byhand_vs_sqltx:
+//
+//	go test -run '^$' -bench BenchmarkClaim_Postgres_OneRowClaimedAndMarked -benchtime 2000x .
+func BenchmarkClaim_Postgres_OneRowClaimedAndMarked(b *testing.B) {
+	db := testdb.New(b, testdb.Postgres)
+	ctx := context.Background()
+	if err := Migrate(ctx, db.DB, Postgres); err != nil {
+		b.Fatal(err)
+	}
+	cfg, err := pgx.ParseConfig(db.DSN)
+	if err != nil {
+		b.Fatal(err)
+	}
+	store := func(pool *sql.DB) *Store {
+		b.Cleanup(func() { _ = pool.Close() })
+		s, err := NewStore(pool, StoreConfig{Dialect: Postgres})
+		if err != nil {
+			b.Fatal(err)
+		}
+		return s
+	}
+	byHand := store(stdlib.OpenDB(*cfg))
+	sqlTx := store(sql.OpenDB(hiddenPgxConnector{stdlib.GetConnector(*cfg)}))
+	var took [2]time.Duration
+	cycle := func(s *Store, byHand bool) time.Duration {
+		started := time.Now()
+		cl, err := s.claimBatch(ctx, 1, "r", time.Minute, nil, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, hand := cl.tx.(*pgClaimTx); hand != byHand || len(cl.rows) != 1 {
+			b.Fatalf("claimed %d rows, by hand: %v, want 1, %v", len(cl.rows), hand, byHand)
+		}
+		if err := s.finish(ctx, cl, []string{cl.rows[0].ID}, nil); err != nil {
+			b.Fatal(err)
+		}
+		return time.Since(started)
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		b.StopTimer()
+		writeAt(b, db, fmt.Sprintf("%d-%d-a", b.N, i), time.Now())
+		writeAt(b, db, fmt.Sprintf("%d-%d-b", b.N, i), time.Now())
+		b.StartTimer()
+		if i%2 == 0 {
+			took[0] += cycle(byHand, true)
+			took[1] += cycle(sqlTx, false)
+		} else {
+			took[1] += cycle(sqlTx, false)
+			took[0] += cycle(byHand, true)
+		}
+	}
+	b.ReportMetric(float64(took[0].Microseconds())/float64(b.N), "byhand_µs/cycle")
+	b.ReportMetric(float64(took[1].Microseconds())/float64(b.N), "sqltx_µs/cycle")
+	b.ReportMetric(float64(took[0])/float64(took[1]), "byhand_vs_sqltx")
 }
