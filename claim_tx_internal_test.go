@@ -59,17 +59,26 @@ func inTransaction(t *testing.T, pool *sql.DB) bool {
 }
 
 // A claim's transaction has its settings (enable_sort, the idle timeout,
-// the JIT off) and loses them with its end, whatever the PostgreSQL driver:
-// through pgx's, BEGIN and the settings go as one statement on the
-// connection (pgClaimTx); through another (lib/pq), as a *sql.Tx's.
+// the JIT off) and loses them with its end, and its mark commits, whatever
+// the PostgreSQL driver: through pgx's, BEGIN and the settings go as one
+// statement on the connection, and the mark and COMMIT as one batch
+// (pgClaimTx), in each of pgx's query modes; through another (lib/pq), as
+// a *sql.Tx's.
 func TestClaim_Postgres_SettingsInTheClaimsTransactionOnly_EachDriver(t *testing.T) {
 	t.Parallel()
-	for _, driver := range []string{"pgx", "postgres"} {
-		t.Run(driver, func(t *testing.T) {
+	for _, c := range []struct{ driver, mode string }{
+		{"pgx", ""}, {"pgx", "simple_protocol"}, {"pgx", "exec"}, {"pgx", "describe_exec"}, {"postgres", ""},
+	} {
+		t.Run(c.driver+"/"+c.mode, func(t *testing.T) {
 			t.Parallel()
 			db := testdb.New(t, testdb.Postgres)
+			dsn := db.DSN
+			if c.mode != "" {
+				dsn += "&default_query_exec_mode=" + c.mode
+			}
+			driver := c.driver
 			pool, s := claimTxPool(t, db, func() *sql.DB {
-				pool, err := sql.Open(driver, db.DSN)
+				pool, err := sql.Open(driver, dsn)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -125,6 +134,21 @@ func (tr *traced) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.Tra
 
 func (tr *traced) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
+func (tr *traced) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	var sqls []string
+	for _, q := range data.Batch.QueuedQueries {
+		sqls = append(sqls, q.SQL)
+	}
+	tr.sql = append(tr.sql, "batch: "+strings.Join(sqls, " | "))
+	return ctx
+}
+
+func (tr *traced) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+
+func (tr *traced) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
 func (tr *traced) take() []string {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
@@ -133,10 +157,11 @@ func (tr *traced) take() []string {
 	return s
 }
 
-// Through pgx, the claim's BEGIN carries its settings: one round trip,
-// where a *sql.Tx's BEGIN and the settings took two (a quarter of the p50
-// from commit to broker at 2,000 msg/s, docs/measurements.md).
-func TestClaim_Postgres_Pgx_BeginCarriesTheSettings(t *testing.T) {
+// Through pgx, the claim's BEGIN carries its settings, and its mark goes
+// with COMMIT: one round trip each, where a *sql.Tx's BEGIN and the
+// settings took two (a quarter of the p50 from commit to broker at 2,000
+// msg/s, docs/measurements.md), and the mark and COMMIT two.
+func TestClaim_Postgres_Pgx_BeginCarriesTheSettingsMarkCarriesCommit(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, testdb.Postgres)
 	tr := &traced{}
@@ -171,6 +196,50 @@ func TestClaim_Postgres_Pgx_BeginCarriesTheSettings(t *testing.T) {
 			t.Errorf("the settings were sent again on their own, a round trip more: %q", sent)
 		}
 	}
+	if last := sent[len(sent)-1]; !strings.HasPrefix(last, "batch: ") || !strings.Contains(last, "published_at") || !strings.HasSuffix(last, " | COMMIT") {
+		t.Errorf("the claim ended with %q, want its mark and COMMIT in one batch (all: %q)", last, sent)
+	}
+	for _, q := range sent {
+		if strings.EqualFold(q, "commit") {
+			t.Errorf("COMMIT sent on its own, a round trip more: %q", sent)
+		}
+	}
+}
+
+// A mark the server refuses (here a trigger's error) in the batch that
+// carries COMMIT: the server skips the COMMIT, finish fails with the
+// mark's error, nothing is marked, and the connection goes back to the
+// pool outside a transaction, the rows claimable again.
+func TestClaim_Postgres_Pgx_MarkRefusedInItsBatch_NothingMarkedConnectionClean(t *testing.T) {
+	t.Parallel()
+	db, pool, s, cl := claimedOnPgx(t)
+	ctx := context.Background()
+	db.MustExec(`CREATE FUNCTION refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'mark refused'; END $$`)
+	db.MustExec(`CREATE TRIGGER refuse_mark BEFORE UPDATE ON acemq_outbox FOR EACH ROW EXECUTE FUNCTION refuse_mark()`)
+	if _, hand := cl.tx.(*pgClaimTx); !hand {
+		t.Fatalf("claim's transaction %T, want one begun by hand", cl.tx)
+	}
+	if err := s.finish(ctx, cl, []string{"a"}, nil); err == nil || !strings.Contains(err.Error(), "mark refused") {
+		t.Fatalf("finish = %v, want the trigger's error", err)
+	}
+	if inTransaction(t, pool) {
+		t.Error("the pool's connection came back inside a transaction")
+	}
+	db.MustExec(`DROP TRIGGER refuse_mark ON acemq_outbox`)
+	again, err := s.claimBatch(ctx, 10, "r", time.Minute, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(again.rows) != 1 {
+		t.Fatalf("the next claim took %d rows, want the 1 whose mark was refused", len(again.rows))
+	}
+	if err := s.finish(ctx, again, []string{"a"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	var pending int
+	if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 0 {
+		t.Errorf("%d rows pending (%v), want 0 once the mark was let through", pending, err)
+	}
 }
 
 // A claim's transaction that a statement failed in cannot commit: COMMIT,
@@ -179,7 +248,7 @@ func TestClaim_Postgres_Pgx_BeginCarriesTheSettings(t *testing.T) {
 // outside any transaction.
 func TestClaim_Postgres_Pgx_FailedTransaction_CommitIsAnErrorNothingMarked(t *testing.T) {
 	t.Parallel()
-	pool, s, cl := claimedOnPgx(t)
+	_, pool, s, cl := claimedOnPgx(t)
 	ctx := context.Background()
 	if _, err := s.execTx(ctx, cl.tx, s.q.MarkPublished(time.Now(), []any{"a"})); err != nil {
 		t.Fatal(err)
@@ -207,7 +276,7 @@ func TestClaim_Postgres_Pgx_StatementAfterTheEnd_RefusedNotAutocommitted(t *test
 	for _, end := range []string{"commit", "rollback"} {
 		t.Run(end, func(t *testing.T) {
 			t.Parallel()
-			pool, s, cl := claimedOnPgx(t)
+			_, pool, s, cl := claimedOnPgx(t)
 			ctx := context.Background()
 			var err error
 			tx := cl.tx
@@ -240,7 +309,7 @@ func TestClaim_Postgres_Pgx_StatementAfterTheEnd_RefusedNotAutocommitted(t *test
 // discarded rather than given back. The rows are claimable at once.
 func TestClaim_Postgres_Pgx_RollbackCannotBeSent_ConnectionDiscardedRowsFree(t *testing.T) {
 	t.Parallel()
-	pool, s, cl := claimedOnPgx(t)
+	_, pool, s, cl := claimedOnPgx(t)
 	cl.end() // the transaction's context, as fail and ended end it
 	if err := s.abandon(context.Background(), cl); err == nil {
 		t.Error("a ROLLBACK with an ended context reported no error")
@@ -271,7 +340,7 @@ func mustParse(t *testing.T, dsn string) *pgx.ConnConfig {
 
 // claimedOnPgx claims the one row "a" through pgx on a pool of one
 // connection.
-func claimedOnPgx(t *testing.T) (*sql.DB, *Store, *claim) {
+func claimedOnPgx(t *testing.T) (*testdb.DB, *sql.DB, *Store, *claim) {
 	t.Helper()
 	db := testdb.New(t, testdb.Postgres)
 	pool, s := claimTxPool(t, db, func() *sql.DB { return stdlib.OpenDB(*mustParse(t, db.DSN)) })
@@ -280,7 +349,7 @@ func claimedOnPgx(t *testing.T) (*sql.DB, *Store, *claim) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return pool, s, cl
+	return db, pool, s, cl
 }
 
 // hiddenPgx is pgx's driver connection under another type: the store

@@ -1251,6 +1251,17 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 		s.sent.Add(1) // COMMIT
 		defer c.ended()
 		marked := time.Now()
+		if pg, ok := c.tx.(*pgClaimTx); ok && len(published) > 0 && len(failures) == 0 {
+			// The mark and COMMIT in one round trip (see markAndCommit).
+			s.sent.Add(1)
+			n, err := pg.markAndCommit(ctx, s.markPublished(c.idArgs(), marked, published))
+			if err != nil {
+				return fmt.Errorf("outbox: mark published and commit: %w", err)
+			}
+			s.markedFewer(n, len(published))
+			s.settled(published, failures)
+			return nil
+		}
 		stuck, err := s.mark(ctx, c, c.tx, marked, published, failures)
 		if err != nil {
 			_ = c.tx.Rollback()
@@ -1330,20 +1341,13 @@ func (s *Store) release(ctx context.Context, q sqldialect.Execer, c *claim, publ
 func (s *Store) mark(ctx context.Context, c *claim, tx claimTx, now time.Time, published []string, failures []failure) ([]sqldialect.KeySeq, error) {
 	ids := c.idArgs()
 	if len(published) > 0 {
-		args := make([]any, len(published))
-		for i, id := range published {
-			args[i] = id
-			if arg, ok := ids[id]; ok {
-				args[i] = arg // an INTEGER a text never equals (SQLite, a column without affinity)
-			}
-		}
 		s.sent.Add(1)
-		res, err := s.execTx(ctx, tx, s.q.MarkPublished(now, args))
+		res, err := s.execTx(ctx, tx, s.markPublished(ids, now, published))
 		if err != nil {
 			return nil, fmt.Errorf("outbox: mark published: %w", err)
 		}
-		if n, err := res.RowsAffected(); err == nil && n < int64(len(published)) {
-			s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": len(published), "table": s.q.Table()})
+		if n, err := res.RowsAffected(); err == nil {
+			s.markedFewer(n, len(published))
 		}
 	}
 	if len(failures) == 0 {
@@ -1366,6 +1370,27 @@ func (s *Store) mark(ctx context.Context, c *claim, tx claimTx, now time.Time, p
 		}
 	}
 	return stuck, nil
+}
+
+// markPublished is the mark of the published rows, ids those of the claim
+// a mark must not bind as text (claim.idArgs).
+func (s *Store) markPublished(ids map[string]any, now time.Time, published []string) sqldialect.Query {
+	args := make([]any, len(published))
+	for i, id := range published {
+		args[i] = id
+		if arg, ok := ids[id]; ok {
+			args[i] = arg // an INTEGER a text never equals (SQLite, a column without affinity)
+		}
+	}
+	return s.q.MarkPublished(now, args)
+}
+
+// markedFewer logs a mark of published records that changed n rows of the
+// published it named, when that is fewer (see mark).
+func (s *Store) markedFewer(n int64, published int) {
+	if n < int64(published) {
+		s.log.Error("Outbox: the mark of published records found fewer rows than it names; the others will be published again", nil, watermill.LogFields{"marked": n, "published": published, "table": s.q.Table()})
+	}
 }
 
 // keySeq is the key and seq of the claimed row id, if it has both.
