@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -57,17 +58,39 @@ func (s *Store) beginClaim(ctx, txCtx context.Context, conn *sql.Conn) (claimTx,
 // docs/measurements.md, 2026-12-05).
 //
 // database/sql does not know of the transaction, so pgClaimTx keeps what a
-// *sql.Tx promises: it ends once, by COMMIT or ROLLBACK, and its
-// connection goes back to the pool at that end (a statement after it fails
-// with sql.ErrConnDone, rather than run outside the transaction); a COMMIT
-// the server answers with ROLLBACK (the transaction had failed) is an
-// error, as pgx's own Tx.Commit makes it; and a connection whose
-// transaction could not be ended is discarded, never handed to the pool's
-// next user inside it (pgx's driver discards one anyway, should it come
-// back in a transaction).
+// *sql.Tx promises: it ends once, by COMMIT or ROLLBACK (a second end, or
+// one racing it, is sql.ErrTxDone and sends nothing), and its connection
+// goes back to the pool at that end; a statement after the end, or one
+// that comes while the end is on the wire, waits for it and fails
+// (sql.ErrTxDone, sql.ErrConnDone from QueryRowContext's Scan) rather than
+// run outside the transaction; a COMMIT the server answers with ROLLBACK
+// (the transaction had failed) is an error, as pgx's own Tx.Commit makes
+// it; and a connection whose transaction could not be ended is discarded,
+// never handed to the pool's next user inside it (pgx's driver discards
+// one anyway, should it come back in a transaction).
+//
+// Unlike a *sql.Tx's, its end does not close the *sql.Rows left open: they
+// must be closed before it (the relay closes each as it scans it), or the
+// end fails, its connection busy.
 type pgClaimTx struct {
 	conn *sql.Conn
 	ctx  context.Context // txCtx: COMMIT and ROLLBACK run with it, as a *sql.Tx's do
+	// mu is held for reading by each statement while it is sent, and for
+	// writing by the end, which sets done.
+	mu   sync.RWMutex
+	done bool
+}
+
+// ending takes the transaction's end for the caller: false if it has ended
+// already. The caller unlocks mu when the end is over.
+func (t *pgClaimTx) ending() bool {
+	t.mu.Lock()
+	if t.done {
+		t.mu.Unlock()
+		return false
+	}
+	t.done = true
+	return true
 }
 
 // errCommitRolledBack: the claim's transaction had failed, and COMMIT
@@ -118,6 +141,10 @@ func beginPgxClaim(ctx, txCtx context.Context, conn *sql.Conn, setup string) (cl
 // COMMIT: the transaction is rolled back, its connection discarded if even
 // that fails, and the error is mark's.
 func (t *pgClaimTx) markAndCommit(ctx context.Context, mark sqldialect.Query) (int64, error) {
+	if !t.ending() {
+		return 0, sql.ErrTxDone
+	}
+	defer t.mu.Unlock()
 	var (
 		marked int64
 		ended  error
@@ -162,14 +189,28 @@ func (t *pgClaimTx) markAndCommit(ctx context.Context, mark sqldialect.Query) (i
 }
 
 func (t *pgClaimTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if t.done {
+		return nil, sql.ErrTxDone
+	}
 	return t.conn.ExecContext(ctx, query, args...)
 }
 
 func (t *pgClaimTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if t.done {
+		return nil, sql.ErrTxDone
+	}
 	return t.conn.QueryContext(ctx, query, args...)
 }
 
+// QueryRowContext: after the end, the connection is closed, and the row's
+// Scan fails with sql.ErrConnDone.
 func (t *pgClaimTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
 	return t.conn.QueryRowContext(ctx, query, args...)
 }
 
@@ -182,10 +223,17 @@ func (t *pgClaimTx) Rollback() error { return t.end("ROLLBACK") }
 // end sends stmt, COMMIT or ROLLBACK, and closes the transaction's
 // connection, discarding it unless the transaction is known to be over.
 func (t *pgClaimTx) end(stmt string) error {
+	if !t.ending() {
+		return sql.ErrTxDone
+	}
+	defer t.mu.Unlock()
 	var ended error
 	err := t.conn.Raw(func(driverConn any) error {
-		tag, err := driverConn.(*stdlib.Conn).Conn().Exec(t.ctx, stmt)
+		conn := driverConn.(*stdlib.Conn).Conn()
+		tag, err := conn.Exec(t.ctx, stmt)
 		switch {
+		case err != nil && !conn.IsClosed() && conn.PgConn().TxStatus() == 'I':
+			ended = err // the server's refusal (a deferred constraint's): over, and the connection sound
 		case err != nil:
 			ended = err
 			return driver.ErrBadConn

@@ -342,14 +342,7 @@ func mustParse(t *testing.T, dsn string) *pgx.ConnConfig {
 // connection.
 func claimedOnPgx(t *testing.T) (*testdb.DB, *sql.DB, *Store, *claim) {
 	t.Helper()
-	db := testdb.New(t, testdb.Postgres)
-	pool, s := claimTxPool(t, db, func() *sql.DB { return stdlib.OpenDB(*mustParse(t, db.DSN)) })
-	writeAt(t, db, "a", time.Now())
-	cl, err := s.claimBatch(context.Background(), 10, "r", time.Minute, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return db, pool, s, cl
+	return claimedEachWay(t, true, nil, "")
 }
 
 // hiddenPgx is pgx's driver connection under another type: the store
@@ -426,4 +419,43 @@ func BenchmarkClaim_Postgres_OneRowClaimedAndMarked(b *testing.B) {
 	b.ReportMetric(float64(took[0].Microseconds())/float64(b.N), "byhand_µs/cycle")
 	b.ReportMetric(float64(took[1].Microseconds())/float64(b.N), "sqltx_µs/cycle")
 	b.ReportMetric(float64(took[0])/float64(took[1]), "byhand_vs_sqltx")
+}
+
+// A COMMIT the server refuses (a deferred constraint trigger's error) ends
+// the transaction, rolled back: the error is the server's, nothing is
+// marked, and the connection, sound and outside a transaction, is kept,
+// whether the mark went with the COMMIT (finish) or before it.
+func TestClaim_Postgres_Pgx_CommitRefused_ErrorNothingMarkedConnectionKept(t *testing.T) {
+	t.Parallel()
+	for _, way := range []string{"finish", "commit"} {
+		t.Run(way, func(t *testing.T) {
+			t.Parallel()
+			db, pool, s, cl := claimedOnPgx(t)
+			ctx := context.Background()
+			db.MustExec(`CREATE FUNCTION refuse_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'commit refused'; END $$`)
+			db.MustExec(`CREATE CONSTRAINT TRIGGER refuse_commit AFTER UPDATE ON acemq_outbox DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_commit()`)
+			var err error
+			if way == "finish" {
+				err = s.finish(ctx, cl, []string{"a"}, nil)
+			} else {
+				if _, err := s.execTx(ctx, cl.tx, s.q.MarkPublished(time.Now(), []any{"a"})); err != nil {
+					t.Fatal(err)
+				}
+				err = cl.tx.Commit()
+				cl.ended()
+			}
+			if err == nil || !strings.Contains(err.Error(), "commit refused") {
+				t.Fatalf("the refused COMMIT gave %v, want the trigger's error", err)
+			}
+			if st := pool.Stats(); st.OpenConnections != 1 {
+				t.Errorf("%d connections open, want the claim's kept", st.OpenConnections)
+			}
+			if inTransaction(t, pool) {
+				t.Error("the pool's connection came back inside a transaction")
+			}
+			if n := publishedRows(t, db); n != 0 {
+				t.Errorf("%d rows published, want none: the COMMIT was refused", n)
+			}
+		})
+	}
 }
