@@ -139,7 +139,10 @@ func beginPgxClaim(ctx, txCtx context.Context, conn *sql.Conn, setup string) (cl
 // where ExecContext and Commit take two, and gives the connection back. It
 // returns the rows mark changed. Should mark fail, the server skips the
 // COMMIT: the transaction is rolled back, its connection discarded if even
-// that fails, and the error is mark's.
+// that fails, and the error is mark's. Its errors say which statement
+// failed as the *sql.Tx path's do ("mark published: …", "commit marks:
+// …"), and a connection lost once the mark had run, that the COMMIT's
+// outcome is unknown.
 func (t *pgClaimTx) markAndCommit(ctx context.Context, mark sqldialect.Query) (int64, error) {
 	if !t.ending() {
 		return 0, sql.ErrTxDone
@@ -156,15 +159,22 @@ func (t *pgClaimTx) markAndCommit(ctx context.Context, mark sqldialect.Query) (i
 		batch.Queue("COMMIT")
 		results := conn.SendBatch(ctx, batch)
 		tag, err := results.Exec()
-		if err == nil {
+		if err != nil {
+			err = fmt.Errorf("mark published: %w", err)
+		} else {
 			marked = tag.RowsAffected()
 			tag, err = results.Exec()
-			if err == nil && tag.String() == "ROLLBACK" {
-				ended = fmt.Errorf("COMMIT: %w", errCommitRolledBack)
+			switch {
+			case err != nil && conn.IsClosed():
+				err = fmt.Errorf("commit marks (the connection lost: committed or not, unknown): %w", err)
+			case err != nil:
+				err = fmt.Errorf("commit marks: %w", err)
+			case tag.String() == "ROLLBACK":
+				ended = fmt.Errorf("commit marks: %w", errCommitRolledBack)
 			}
 		}
-		if cerr := results.Close(); err == nil {
-			err = cerr
+		if cerr := results.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("mark published and commit: %w", cerr)
 		}
 		if err == nil {
 			return nil

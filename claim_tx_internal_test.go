@@ -219,8 +219,8 @@ func TestClaim_Postgres_Pgx_MarkRefusedInItsBatch_NothingMarkedConnectionClean(t
 	if _, hand := cl.tx.(*pgClaimTx); !hand {
 		t.Fatalf("claim's transaction %T, want one begun by hand", cl.tx)
 	}
-	if err := s.finish(ctx, cl, []string{"a"}, nil); err == nil || !strings.Contains(err.Error(), "mark refused") {
-		t.Fatalf("finish = %v, want the trigger's error", err)
+	if err := s.finish(ctx, cl, []string{"a"}, nil); err == nil || !strings.Contains(err.Error(), "mark refused") || !strings.Contains(err.Error(), "outbox: mark published: ") {
+		t.Fatalf("finish = %v, want the trigger's error, named as the mark's", err)
 	}
 	if inTransaction(t, pool) {
 		t.Error("the pool's connection came back inside a transaction")
@@ -444,8 +444,9 @@ func TestClaim_Postgres_Pgx_CommitRefused_ErrorNothingMarkedConnectionKept(t *te
 				err = cl.tx.Commit()
 				cl.ended()
 			}
-			if err == nil || !strings.Contains(err.Error(), "commit refused") {
-				t.Fatalf("the refused COMMIT gave %v, want the trigger's error", err)
+			names := map[string]string{"finish": "commit marks: ", "commit": "COMMIT: "}[way]
+			if err == nil || !strings.Contains(err.Error(), "commit refused") || !strings.Contains(err.Error(), names) {
+				t.Fatalf("the refused COMMIT gave %v, want the trigger's error, named as the COMMIT's (%q)", err, names)
 			}
 			if st := pool.Stats(); st.OpenConnections != 1 {
 				t.Errorf("%d connections open, want the claim's kept", st.OpenConnections)

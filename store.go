@@ -1256,7 +1256,7 @@ func (s *Store) finish(ctx context.Context, c *claim, published []string, failur
 			s.sent.Add(1)
 			n, err := pg.markAndCommit(ctx, s.markPublished(c.idArgs(), marked, published))
 			if err != nil {
-				return fmt.Errorf("outbox: mark published and commit: %w", err)
+				return fmt.Errorf("outbox: %w", err)
 			}
 			s.markedFewer(n, len(published))
 			s.settled(published, failures)
