@@ -180,7 +180,7 @@ func (t *pgClaimTx) markAndCommit(ctx context.Context, mark sqldialect.Query) (i
 			return nil
 		}
 		ended = err
-		if conn.PgConn().TxStatus() == 'I' {
+		if !conn.IsClosed() && conn.PgConn().TxStatus() == 'I' {
 			return nil // over: COMMIT's own failure (a deferred constraint) rolled it back
 		}
 		if _, rerr := conn.Exec(ctx, "ROLLBACK"); rerr != nil || conn.PgConn().TxStatus() != 'I' {
