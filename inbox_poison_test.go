@@ -45,7 +45,15 @@ func TestInbox_PoisonPublisher_ReadmeChainWithTheBrokersPublisher_SetAsideAfterI
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The router's message, as the router acks or nacks it.
+		delivered := make(chan *message.Message, 8)
 		router.AddMiddleware(
+			func(h message.HandlerFunc) message.HandlerFunc {
+				return func(msg *message.Message) ([]*message.Message, error) {
+					delivered <- msg
+					return h(msg)
+				}
+			},
 			poisonQueue,
 			middleware.Retry{MaxRetries: 3, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware,
 			middleware.Timeout(30*time.Second),
@@ -61,6 +69,23 @@ func TestInbox_PoisonPublisher_ReadmeChainWithTheBrokersPublisher_SetAsideAfterI
 		<-router.Running()
 		publishRaw(t, b, orders, id)
 
+		var msg *message.Message
+		select {
+		case msg = <-delivered:
+		case <-time.After(20 * time.Second):
+			t.Fatal("the message was never delivered")
+		}
+		// Acked by the router once set aside, not nacked: what reaches the
+		// broker after is watermill-amqp's (a router closed as it acks may
+		// still see its subscriber nack: a race of watermill-amqp's, which
+		// this test does not judge).
+		select {
+		case <-msg.Acked():
+		case <-msg.Nacked():
+			t.Fatal("the message was nacked: it comes back, its retries run again")
+		case <-time.After(20 * time.Second):
+			t.Fatal("the message was neither acked nor nacked within 20 s")
+		}
 		deadline := time.Now().Add(20 * time.Second)
 		for b.Count(poisoned) == 0 && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond) // polling the broker
@@ -78,8 +103,8 @@ func TestInbox_PoisonPublisher_ReadmeChainWithTheBrokersPublisher_SetAsideAfterI
 		if got[0].MessageId != id && got[0].Headers[outbox.HeaderMessageID] != id {
 			t.Errorf("poison topic holds %q (headers %v), want message %s", got[0].MessageId, got[0].Headers, id)
 		}
-		if n := b.Count(orders); n != 0 {
-			t.Errorf("%d messages left on the queue; want 0: the message was acked once set aside", n)
+		if len(delivered) > 0 {
+			t.Errorf("the message was delivered %d times more after it was acked", len(delivered))
 		}
 		if !outboxStateOf(t, db, id).Processed {
 			t.Error("the record of the message set aside is not marked processed")
