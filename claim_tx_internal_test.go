@@ -35,6 +35,14 @@ func claimTxPool(t *testing.T, db *testdb.DB, open func() *sql.DB) (*sql.DB, *St
 	return pool, s
 }
 
+// dsnWith is db's DSN with params (a query string's pairs) added.
+func dsnWith(db *testdb.DB, params string) string {
+	if params == "" {
+		return db.DSN
+	}
+	return db.DSN + "&" + params
+}
+
 // claimSettings are the claim's settings (claimSetup) as read on q.
 func claimSettings(t *testing.T, q interface {
 	QueryRowContext(context.Context, string, ...any) *sql.Row
@@ -72,10 +80,11 @@ func TestClaim_Postgres_SettingsInTheClaimsTransactionOnly_EachDriver(t *testing
 		t.Run(c.driver+"/"+c.mode, func(t *testing.T) {
 			t.Parallel()
 			db := testdb.New(t, testdb.Postgres)
-			dsn := db.DSN
+			params := ""
 			if c.mode != "" {
-				dsn += "&default_query_exec_mode=" + c.mode
+				params = "default_query_exec_mode=" + c.mode
 			}
+			dsn := dsnWith(db, params)
 			driver := c.driver
 			pool, s := claimTxPool(t, db, func() *sql.DB {
 				pool, err := sql.Open(driver, dsn)
@@ -111,9 +120,8 @@ func TestClaim_Postgres_SettingsInTheClaimsTransactionOnly_EachDriver(t *testing
 			if inTransaction(t, pool) {
 				t.Error("the pool's connection came back inside a transaction")
 			}
-			var pending int
-			if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 0 {
-				t.Errorf("%d rows pending (%v), want the 2 marked", pending, err)
+			if n := pendingRows(t, db); n != 0 {
+				t.Errorf("%d rows pending, want the 2 marked", n)
 			}
 		})
 	}
@@ -236,9 +244,8 @@ func TestClaim_Postgres_Pgx_MarkRefusedInItsBatch_NothingMarkedConnectionClean(t
 	if err := s.finish(ctx, again, []string{"a"}, nil); err != nil {
 		t.Fatal(err)
 	}
-	var pending int
-	if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 0 {
-		t.Errorf("%d rows pending (%v), want 0 once the mark was let through", pending, err)
+	if n := pendingRows(t, db); n != 0 {
+		t.Errorf("%d rows pending, want 0 once the mark was let through", n)
 	}
 }
 
@@ -248,7 +255,7 @@ func TestClaim_Postgres_Pgx_MarkRefusedInItsBatch_NothingMarkedConnectionClean(t
 // outside any transaction.
 func TestClaim_Postgres_Pgx_FailedTransaction_CommitIsAnErrorNothingMarked(t *testing.T) {
 	t.Parallel()
-	_, pool, s, cl := claimedOnPgx(t)
+	db, pool, s, cl := claimedOnPgx(t)
 	ctx := context.Background()
 	if _, err := s.execTx(ctx, cl.tx, s.q.MarkPublished(time.Now(), []any{"a"})); err != nil {
 		t.Fatal(err)
@@ -263,9 +270,8 @@ func TestClaim_Postgres_Pgx_FailedTransaction_CommitIsAnErrorNothingMarked(t *te
 	if inTransaction(t, pool) {
 		t.Error("the pool's connection came back inside a transaction")
 	}
-	var pending int
-	if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 1 {
-		t.Errorf("%d rows pending (%v), want the 1 whose mark rolled back", pending, err)
+	if n := pendingRows(t, db); n != 1 {
+		t.Errorf("%d rows pending, want the 1 whose mark rolled back", n)
 	}
 }
 
@@ -276,7 +282,7 @@ func TestClaim_Postgres_Pgx_StatementAfterTheEnd_RefusedNotAutocommitted(t *test
 	for _, end := range []string{"commit", "rollback"} {
 		t.Run(end, func(t *testing.T) {
 			t.Parallel()
-			_, pool, s, cl := claimedOnPgx(t)
+			db, _, s, cl := claimedOnPgx(t)
 			ctx := context.Background()
 			var err error
 			tx := cl.tx
@@ -295,9 +301,8 @@ func TestClaim_Postgres_Pgx_StatementAfterTheEnd_RefusedNotAutocommitted(t *test
 				t.Errorf("a second end = %v, want sql.ErrTxDone", err)
 			}
 			cl.ended()
-			var pending int
-			if err := pool.QueryRowContext(ctx, "SELECT count(*) FROM acemq_outbox WHERE published_at IS NULL").Scan(&pending); err != nil || pending != 1 {
-				t.Errorf("%d rows pending (%v), want 1: the mark after the end must not have run", pending, err)
+			if n := pendingRows(t, db); n != 1 {
+				t.Errorf("%d rows pending, want 1: the mark after the end must not have run", n)
 			}
 		})
 	}

@@ -49,11 +49,7 @@ func (l *linesLog) fewer() []string {
 func pgxPoolWith(t *testing.T, db *testdb.DB, dsnParams string) (*sql.DB, *Store, *linesLog) {
 	t.Helper()
 	pool, s := claimTxPool(t, db, func() *sql.DB {
-		dsn := db.DSN
-		if dsnParams != "" {
-			dsn += "&" + dsnParams
-		}
-		return stdlib.OpenDB(*mustParse(t, dsn))
+		return stdlib.OpenDB(*mustParse(t, dsnWith(db, dsnParams)))
 	})
 	l := &linesLog{}
 	s.log = l

@@ -49,11 +49,7 @@ func claimedEachWay(t *testing.T, byHand bool, tracer pgx.QueryTracer, dsnParams
 	t.Helper()
 	db := testdb.New(t, testdb.Postgres)
 	pool, s := claimTxPool(t, db, func() *sql.DB {
-		dsn := db.DSN
-		if dsnParams != "" {
-			dsn += "&" + dsnParams
-		}
-		cfg := mustParse(t, dsn)
+		cfg := mustParse(t, dsnWith(db, dsnParams))
 		if tracer != nil {
 			cfg.Tracer = tracer
 		}
