@@ -69,9 +69,12 @@ func (s *Store) beginClaim(ctx, txCtx context.Context, conn *sql.Conn) (claimTx,
 // never handed to the pool's next user inside it (pgx's driver discards
 // one anyway, should it come back in a transaction).
 //
-// Unlike a *sql.Tx's, its end does not close the *sql.Rows left open: they
-// must be closed before it (the relay closes each as it scans it), or the
-// end fails, its connection busy.
+// As a *sql.Tx's, its end closes the *sql.Rows its QueryContext returned
+// and left open before it sends COMMIT or ROLLBACK (should reading a
+// Rows to its end fail, the connection is lost, and so is the end: the
+// connection is discarded). A
+// *sql.Row never scanned keeps its statement open, and the end fails, its
+// connection busy: scan every QueryRowContext's row.
 type pgClaimTx struct {
 	conn *sql.Conn
 	ctx  context.Context // txCtx: COMMIT and ROLLBACK run with it, as a *sql.Tx's do
@@ -79,10 +82,15 @@ type pgClaimTx struct {
 	// writing by the end, which sets done.
 	mu   sync.RWMutex
 	done bool
+	// rows are what QueryContext returned, closed at the end; rowsMu
+	// guards the slice, appended to under mu's read lock.
+	rowsMu sync.Mutex
+	rows   []*sql.Rows
 }
 
-// ending takes the transaction's end for the caller: false if it has ended
-// already. The caller unlocks mu when the end is over.
+// ending takes the transaction's end for the caller, and closes the Rows
+// left open on it: false if it has ended already. The caller unlocks mu
+// when the end is over.
 func (t *pgClaimTx) ending() bool {
 	t.mu.Lock()
 	if t.done {
@@ -90,6 +98,10 @@ func (t *pgClaimTx) ending() bool {
 		return false
 	}
 	t.done = true
+	for _, r := range t.rows {
+		_ = r.Close() // its error is the end's: a connection still busy fails it
+	}
+	t.rows = nil
 	return true
 }
 
@@ -213,7 +225,13 @@ func (t *pgClaimTx) QueryContext(ctx context.Context, query string, args ...any)
 	if t.done {
 		return nil, sql.ErrTxDone
 	}
-	return t.conn.QueryContext(ctx, query, args...)
+	rows, err := t.conn.QueryContext(ctx, query, args...)
+	if err == nil {
+		t.rowsMu.Lock()
+		t.rows = append(t.rows, rows)
+		t.rowsMu.Unlock()
+	}
+	return rows, err
 }
 
 // QueryRowContext: after the end, the connection is closed, and the row's

@@ -465,3 +465,77 @@ func TestClaim_Postgres_Pgx_CommitRefused_ErrorNothingMarkedConnectionKept(t *te
 		})
 	}
 }
+
+// A Rows left open on the claim's transaction, half read, is closed by its
+// end, as a *sql.Tx's end closes it, whichever way it ends: the end
+// succeeds, the Rows reads no further, closing it again returns at once,
+// and the connection goes back to the pool sound, outside a transaction.
+// A pgClaimTx that left it open failed its end ("conn busy"), lost the
+// marks, and waited to give the connection back until the Rows was
+// closed: for ever, for a caller that closes it after the end. (The mark
+// goes before the Rows: pgx runs one statement at a time on a connection,
+// and refuses another while a Rows is open, in a *sql.Tx too; finish,
+// whose mark goes with the COMMIT, only on a pgClaimTx.)
+func TestClaim_Postgres_RowsLeftOpen_ClosedByTheEnd(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		end    string
+		byHand bool
+	}{{"commit", false}, {"commit", true}, {"rollback", false}, {"rollback", true}, {"finish", true}} {
+		end, byHand := c.end, c.byHand
+		t.Run(fmt.Sprintf("%s/byhand=%v", end, byHand), func(t *testing.T) {
+			t.Parallel()
+			db, pool, s, cl := claimedEachWay(t, byHand, nil, "")
+			ctx := context.Background()
+			if end == "commit" {
+				if _, err := s.execTx(ctx, cl.tx, s.q.MarkPublished(time.Now(), []any{"a"})); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rows, err := cl.tx.QueryContext(ctx, "SELECT g FROM generate_series(1, 100000) g")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = rows.Close() }) // before the pool's and the database's
+			if !rows.Next() {
+				t.Fatalf("no first row: %v", rows.Err())
+			}
+			ended := make(chan error, 1)
+			go func() {
+				defer cl.ended()
+				switch end {
+				case "finish":
+					ended <- s.finish(ctx, cl, []string{"a"}, nil)
+				case "commit":
+					ended <- cl.tx.Commit()
+				default:
+					ended <- cl.tx.Rollback()
+				}
+			}()
+			select {
+			case err := <-ended:
+				if err != nil {
+					t.Fatalf("%s with a Rows open: %v", end, err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s with a Rows open did not return in 10 s", end)
+			}
+			if rows.Next() {
+				t.Error("the Rows read on after the transaction's end")
+			}
+			if err := rows.Close(); err != nil {
+				t.Errorf("closing the Rows after the end: %v", err)
+			}
+			if st := pool.Stats(); st.OpenConnections != 1 {
+				t.Errorf("%d connections open, want the claim's kept", st.OpenConnections)
+			}
+			if inTransaction(t, pool) {
+				t.Error("the pool's connection came back inside a transaction")
+			}
+			want := map[string]int{"commit": 1, "finish": 1, "rollback": 0}[end]
+			if n := publishedRows(t, db); n != want {
+				t.Errorf("%d rows published, want %d", n, want)
+			}
+		})
+	}
+}
