@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -49,7 +50,14 @@ import (
 // its backoff, after a failure the next try might not have had (a review
 // lost one so too). A message whose handler failed and whose retries
 // found the context Timeout had ended (no ResetContextOnRetry) is set
-// aside as before: the inbox's error names that cause.
+// aside as before: the inbox's error names that cause. Retry answers with
+// the cause the delivery's context was cancelled with, which is not
+// context.Canceled for a router run under signal.NotifyContext (Go 1.26
+// on: "terminated signal received") or another WithCancelCause context:
+// a message whose reason is its own context's cause is refused as well,
+// and, with the inbox's Plugin on the router, every message the router
+// hands on while it stops (a review's service, stopped with SIGTERM, lost
+// 2–8 messages a stop to the poison topic before).
 func (in *Inbox) PoisonPublisher(pub message.Publisher) message.Publisher {
 	return poisonPublisher{in: in, pub: pub}
 }
@@ -74,7 +82,7 @@ type poisonPublisher struct {
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, msg := range msgs {
-		if msg.Metadata.Get(interruptedKey) != "" || msg.Metadata.Get(middleware.ReasonForPoisonedKey) == context.Canceled.Error() {
+		if p.interrupted(msg) {
 			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: its context was cancelled while its handler ran (%s), which is no failure of it;"+
 				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
 		}
@@ -106,3 +114,23 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 }
 
 func (p poisonPublisher) Close() error { return p.pub.Close() }
+
+// interrupted reports whether msg comes to the poison topic because its
+// delivery was cut short, not because its handler failed: the inbox saw
+// its context cancelled as the handler ran; or the reason is a
+// cancellation's, context.Canceled or the cause its context was cancelled
+// with (Retry, finding the delivery's context ended, answers with its
+// cause, such as signal.NotifyContext's "terminated signal received",
+// and this is the context, where Retry did not run the handler again);
+// or the router that delivered it is stopping (Plugin).
+func (p poisonPublisher) interrupted(msg *message.Message) bool {
+	reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
+	ctx := msg.Context()
+	switch {
+	case msg.Metadata.Get(interruptedKey) != "", reason == context.Canceled.Error():
+		return true
+	case errors.Is(ctx.Err(), context.Canceled) && reason != "" && reason == context.Cause(ctx).Error():
+		return true
+	}
+	return p.in.routerStopping(msg)
+}

@@ -64,6 +64,7 @@ func TestInbox_PoisonPublisher_ReadmeChainWithTheBrokersPublisher_SetAsideAfterI
 			runs.Add(1)
 			return errors.New("no such warehouse")
 		})
+		router.AddPlugin(in.Plugin()) // as the README's chain: a running router's poison is set aside
 		done := make(chan error, 1)
 		go func() { done <- router.Run(context.Background()) }()
 		<-router.Running()
