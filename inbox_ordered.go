@@ -49,10 +49,12 @@ var ErrInvalidKey = errors.New("outbox: inbox: keyed message whose aggregateId t
 // no gap to skip.
 var ErrNoHeld = errors.New("outbox: inbox: no held message for this key")
 
-// ErrGapChanged is returned by SkipGap, which then skips nothing, when the
-// gap it names is no longer the key's gap: the key applied or held a
-// number since the gap was looked at. Look again (Gaps, outboxctl held).
-var ErrGapChanged = errors.New("outbox: inbox: the gap to skip is no longer the key's gap")
+// ErrGapChanged is returned by SkipGap and SkipHeld, which then skip
+// nothing, when the gap or the message they name is not the key's now:
+// the key applied or held a number since it was looked at, or the numbers
+// given were never its gap (a --from that is not last applied + 1). Its
+// text says where the key is. Look again (Gaps, outboxctl held).
+var ErrGapChanged = errors.New("outbox: inbox: the key is not as the skip expects")
 
 // ErrConsumerShared is returned (and the message nacked, before any
 // statement: nothing is run, held or recorded) for a keyed message of an
@@ -1039,7 +1041,7 @@ func skipGap(ctx context.Context, db *sqlx.DB, d Dialect, iso sql.IsolationLevel
 		if lowest.Valid {
 			now = fmt.Sprintf("lowest held %d (waiting for %s)", lowest.Int64, seqRange(last+1, lowest.Int64-1))
 		}
-		return fmt.Errorf("%w: %q for %s: skip of %s was for last applied %d and nothing held up to %d; last applied is now %d, %s",
+		return fmt.Errorf("%w: %q for %s: a skip of %s expects last applied %d and nothing held up to %d; last applied is now %d, %s",
 			ErrGapChanged, key, consumer, seqRange(from, through), from-1, through, last, now)
 	}
 	set := q.SetSequence(consumer, key, through)

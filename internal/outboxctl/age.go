@@ -14,16 +14,21 @@ type ageFlag struct{ d time.Duration }
 func (a *ageFlag) String() string { return a.d.String() }
 
 func (a *ageFlag) Set(s string) error {
-	if d, err := time.ParseDuration(s); err == nil {
-		a.d = d
-		return nil
-	}
-	d, ok := parseAge(s)
+	d, ok := readAge(s)
 	if !ok {
 		return fmt.Errorf("want a duration: 7d, 36h, 90m, 1d12h, 1.5h")
 	}
 	a.d = d
 	return nil
+}
+
+// readAge reads an age as parseAge does (7d, 1d12h) or as
+// time.ParseDuration does (5m, 1.5h): every age flag takes both.
+func readAge(s string) (time.Duration, bool) {
+	if d, err := time.ParseDuration(s); err == nil {
+		return d, true
+	}
+	return parseAge(s)
 }
 
 // parseAge reads an age as operators write one: whole numbers of days,

@@ -397,9 +397,10 @@ func TestPurge_DeletesOldPublishedAndProcessedInBatches_NeverPending(t *testing.
 		if got["published_deleted"] != 1.0 || got["processed_deleted"] != nil {
 			t.Errorf("purge --published-older-than 1d12h --json: %v, want 1 deleted and processed null", got)
 		}
-		got = decodeJSON(t, mustCtl(t, "purge", "--db", db.DSN, "--processed-older-than", "90m", "--json"))
+		// A Go duration too, as held's --older-than takes one.
+		got = decodeJSON(t, mustCtl(t, "purge", "--db", db.DSN, "--processed-older-than", "1.5h", "--json"))
 		if got["processed_deleted"] != 2.0 || got["published_deleted"] != nil {
-			t.Errorf("purge --processed-older-than 90m --json: %v, want 2 deleted", got)
+			t.Errorf("purge --processed-older-than 1.5h --json: %v, want 2 deleted", got)
 		}
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL"); n != 5 {
 			t.Errorf("%d unpublished rows left, want all 5", n)
@@ -413,9 +414,13 @@ func TestPurge_BadInput_IsAUsageErrorNamingTheFlag(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--published-older-than", "7x"}, `--published-older-than: "7x" is not a duration like 7d, 36h or 90m`},
-		{[]string{"--processed-older-than", "30"}, `--processed-older-than: "30" is not a duration like 7d, 36h or 90m`},
+		{[]string{"--published-older-than", "7x"}, `--published-older-than: "7x" is not a duration like 7d, 36h, 90m or 1.5h`},
+		{[]string{"--processed-older-than", "30"}, `--processed-older-than: "30" is not a duration like 7d, 36h, 90m or 1.5h`},
 		{[]string{"--published-older-than", "-7d"}, `--published-older-than: "-7d" is not a duration`},
+		// Go's durations, as held's --older-than takes them, but not one
+		// below 0, which would take every published row.
+		{[]string{"--published-older-than", "-7h"}, `--published-older-than: -7h; want 0 or more`},
+		{[]string{"--processed-older-than", "-1s"}, `--processed-older-than: -1s; want 0 or more`},
 		{[]string{"--published-older-than", "7d", "--batch-size", "0"}, "--batch-size: 0"},
 		{nil, "give --published-older-than, --processed-older-than, or both"},
 		{[]string{"--published-older-than", "7d", "extra"}, `unexpected argument "extra"`},

@@ -99,6 +99,18 @@ func (c *cli) held(args []string) error {
 	if *asJSON {
 		return writeJSON(c.stdout, r)
 	}
+	if len(r.Keys) == 0 && *older > 0 {
+		// Not "no held messages": an operator filtering by GapAfter would
+		// read that the inbox holds nothing.
+		_, all, err := in.ListGaps(c.ctx, 0, 1)
+		if err != nil {
+			return d.explain(err, sqldialect.InboxHeldTable)
+		}
+		if all > 0 {
+			fmt.Fprintf(c.stdout, "no key has a message held longer than %s (keys holding messages for less: %d; outboxctl held lists them)\n", *older, all)
+			return nil
+		}
+	}
 	if len(r.Keys) == 0 {
 		fmt.Fprintln(c.stdout, "no held messages")
 		return nil
@@ -106,12 +118,13 @@ func (c *cli) held(args []string) error {
 	now := time.Now()
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "CONSUMER\tKEY\tLAST APPLIED\tHELD\tWAITING FOR\tHELD FOR")
+	nextHeld := false
 	for _, k := range r.Keys {
 		waiting := fmt.Sprintf("%d..%d", k.LastApplied+1, k.LowestHeld-1)
 		if k.Missing == 1 {
 			waiting = fmt.Sprint(k.LastApplied + 1)
 		} else if k.Missing <= 0 {
-			waiting = "nothing (next is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?); the key's next delivery or ApplyHeld retries it, skip-held gives up on it)"
+			waiting, nextHeld = "nothing: next held (*)", true
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\n", k.Consumer, k.Key, k.LastApplied, k.Held,
 			waiting, now.Sub(k.OldestHeldAt).Round(time.Second))
@@ -121,6 +134,9 @@ func (c *cli) held(args []string) error {
 	}
 	if r.Truncated {
 		fmt.Fprintf(c.stdout, "and %d more keys, not listed: the %d above are the longest-held of %d (--limit 0 lists every key)\n", total-len(r.Keys), len(r.Keys), total)
+	}
+	if nextHeld {
+		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")
 	}
 	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
 	return nil

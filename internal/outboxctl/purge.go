@@ -39,9 +39,13 @@ func (c *cli) purge(args []string) error {
 		if f.value == "" {
 			continue
 		}
-		age, ok := parseAge(f.value)
+		age, ok := readAge(f.value)
 		if !ok {
-			return usagef("--%s: %q is not a duration like 7d, 36h or 90m", f.name, f.value)
+			return usagef("--%s: %q is not a duration like 7d, 36h, 90m or 1.5h", f.name, f.value)
+		}
+		if age < 0 {
+			// published_at < now + 5m: every published row.
+			return usagef("--%s: %s; want 0 or more", f.name, f.value)
 		}
 		*f.age = age
 	}
