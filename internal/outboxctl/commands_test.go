@@ -591,6 +591,11 @@ func TestCommandLine_Mistakes_AreUsageErrors(t *testing.T) {
 			t.Errorf("%v: exit %d, stdout %q; want 0 and the usage", args, r.code, r.stdout)
 		}
 	}
+	// A flag whose usage says what its zero stands for is not given a
+	// second default: "(default 2 × … + 30 s) (default 0s)".
+	if r := ctl(t, nil, "relay", "-h"); r.code != 0 || !strings.Contains(r.stdout, "+ 30 s)\n") || strings.Contains(r.stdout, "30 s) (default 0s)") {
+		t.Errorf("relay -h: exit %d; want --stall-after's own default alone:\n%s", r.code, r.stdout)
+	}
 }
 
 func TestEnvironment_NamesTheDatabase_FlagWins(t *testing.T) {

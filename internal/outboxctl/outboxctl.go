@@ -237,6 +237,9 @@ func printFlags(w io.Writer, fs *flag.FlagSet) {
 		fmt.Fprintf(w, "%s\n      %s", line, usage)
 		switch {
 		case f.DefValue == "" || f.DefValue == "false":
+		case strings.Contains(usage, "(default "):
+			// The usage says what 0 or "" stands for; "(default 0s)"
+			// after it contradicted it.
 		case name == "string":
 			fmt.Fprintf(w, " (default %q)", f.DefValue)
 		default:
