@@ -185,6 +185,9 @@ type orderedState struct {
 	// pool and table: what claimTable takes a consumer for.
 	pool  *sql.DB
 	table string
+	// told holds the routes whose held messages were found waiting for
+	// their handler, logged once each (see applyNext).
+	told map[routeKey]bool
 }
 
 func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
@@ -325,6 +328,23 @@ func (in *Inbox) routedConsumers() []string {
 	}
 	sort.Strings(names)
 	return names
+}
+
+// firstWait reports whether this is the first time in this process that a
+// held message of consumer was found waiting for handler.
+func (in *Inbox) firstWait(consumer, handler string) bool {
+	o := in.ordered
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := routeKey{consumer: consumer, handler: handler}
+	if o.told[k] {
+		return false
+	}
+	if o.told == nil {
+		o.told = make(map[routeKey]bool)
+	}
+	o.told[k] = true
+	return true
 }
 
 // route is the route of a held message of consumer delivered to handler;
@@ -780,8 +800,14 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key,
 		// Its handler has not run behind this inbox in this process: it
 		// stays held, and its key with it, until that handler's next
 		// delivery, or an ApplyHeld after it.
-		in.log.Debug("Held message waits for its handler", watermill.LogFields{
-			"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy})
+		fields := watermill.LogFields{"message_uuid": idText(id), "consumer": consumer, "aggregate_id": key, "seq": next, "handler": heldBy}
+		if in.firstWait(consumer, heldBy) {
+			// Once a handler: a restarted service that held many messages
+			// of a quiet topic waits as long as the topic stays quiet, and
+			// an operator saw only outboxctl held's keys waiting.
+			in.log.Info("Held messages wait for their handler, which has had no delivery since this process started: they run at its next delivery (outboxctl held lists them; skip-held gives one up)", fields)
+		}
+		in.log.Debug("Held message waits for its handler", fields)
 		return false, false, "", nil
 	}
 	if digested(id) && id != looked {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"reflect"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -121,7 +122,8 @@ func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	createEffects(t, db)
 	var l applyLog
-	in := orderedInbox(t, db, outbox.InboxConfig{})
+	logs := watermill.NewCaptureLogger()
+	in := orderedInbox(t, db, outbox.InboxConfig{Logger: logs})
 	h := in.Middleware(l.handler(t, db))
 	deliver(t, h, "a", 1) // the consumer's handler is seen
 	hold := func(key, metadata string) {
@@ -150,6 +152,20 @@ func TestOrderedInbox_HeldRowWithoutOrWithUnknownHandler(t *testing.T) {
 	}
 	if n := countHeld(t, db); n != 1 {
 		t.Errorf("%d held, want 1 (b's)", n)
+	}
+	// Said at INFO, once a handler: at DEBUG only, a restarted service's
+	// held messages waited for a quiet topic with nothing in its log.
+	if _, err := in.ApplyHeld(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var told []watermill.LogFields
+	for _, m := range logs.Captured()[watermill.InfoLogLevel] {
+		if strings.HasPrefix(m.Msg, "Held messages wait for their handler") {
+			told = append(told, m.Fields)
+		}
+	}
+	if len(told) != 1 || told[0]["handler"] != "on_paid" {
+		t.Errorf("logged at INFO %v; want once, for on_paid", told)
 	}
 }
 
