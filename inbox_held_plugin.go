@@ -25,16 +25,17 @@ const DefaultApplyHeldEvery = 10 * time.Second
 // router.Run was given (signal.NotifyContext's "interrupt signal
 // received", errgroup's, …), which PoisonPublisher cannot tell from a
 // handler's failure otherwise once Timeout has ended the message's own
-// context. It knows the handlers the router has when it starts; a router
-// it was added to that has stopped counts as stopping for its handlers'
-// names until a router with the plugin runs them again.
+// context. It puts, through a subscriber decorator, the context of the
+// handler's run into each delivery's context: a message knows the router
+// that delivered it, whatever other router runs a handler of that name.
 //
 // A held message whose handler fails when its predecessor commits stays
 // held until its key's next delivery or an ApplyHeld, and a key with no
 // next delivery (its last event) waited for good, with its outbox record
 // marked processed, where the service ran no ticker of its own (a review's
-// service did so). The plugin adds a handler of its own to the router
-// ("outbox-inbox-held", and " #2", " #3"… for a second inbox), which
+// service did so). For that, the plugin of an ordered inbox adds a
+// handler of its own to the router ("outbox-inbox-held", and " #2", " #3"…
+// for a second inbox), which
 // receives no message: its subscriber ticks until the router closes. A
 // failed ApplyHeld is logged and tried again at the next tick.
 func (in *Inbox) Plugin() message.RouterPlugin {
@@ -42,36 +43,72 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 		if r.IsClosed() {
 			return nil
 		}
-		base := "outbox-inbox"
-		if in.ordered != nil {
-			base = "outbox-inbox-held"
+		// Every delivery carries the context of the handler's run that
+		// delivered it (see routerStopping): the router's own, whatever
+		// other router runs a handler of the same name with this Inbox,
+		// and for handlers added after Run as well.
+		r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
+			return &runStampingSubscriber{Subscriber: sub}, nil
+		})
+		if in.ordered == nil {
+			return nil
 		}
+		name := "outbox-inbox-held"
 		handlers := r.Handlers()
-		name := base
 		for i := 2; ; i++ {
 			if _, taken := handlers[name]; !taken {
 				break
 			}
-			name = fmt.Sprintf("%s #%d", base, i)
+			name = fmt.Sprintf("outbox-inbox-held #%d", i)
 		}
-		names := make([]string, 0, len(handlers))
-		for h := range handlers {
-			names = append(names, h)
-		}
-		r.AddConsumerHandler(name, in.cfg.Table, &heldSubscriber{in: in, handlers: names, done: make(chan struct{})}, func(*message.Message) error {
-			return errors.New("outbox: the inbox's plugin handler received a message; its subscriber delivers none")
+		r.AddConsumerHandler(name, in.cfg.Table, &heldSubscriber{in: in, done: make(chan struct{})}, func(*message.Message) error {
+			return errors.New("outbox: the inbox's held-message handler received a message; its subscriber delivers none")
 		})
 		return nil
 	}
 }
 
-// heldSubscriber is the subscriber of Plugin's handler: Subscribe records
-// the router's handlers under the context the router cancels when it
-// stops, starts the ticks of an ordered inbox under it, and returns a
-// channel that closes when it ends.
+// routerRunKey holds, in a delivery's context, the context of the router
+// handler's run that delivered it (Plugin's subscriber decorator).
+type routerRunKey struct{}
+
+// runStampingSubscriber puts the context its Subscribe is given (the
+// router's, for the handler; done once the router or the handler stops)
+// into every message's context.
+type runStampingSubscriber struct {
+	message.Subscriber
+	wg sync.WaitGroup
+}
+
+func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	msgs, err := s.Subscriber.Subscribe(ctx, topic)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan *message.Message)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer close(out)
+		for msg := range msgs {
+			msg.SetContext(context.WithValue(msg.Context(), routerRunKey{}, ctx))
+			out <- msg
+		}
+	}()
+	return out, nil
+}
+
+func (s *runStampingSubscriber) Close() error {
+	err := s.Subscriber.Close()
+	s.wg.Wait()
+	return err
+}
+
+// heldSubscriber is the subscriber of Plugin's handler: Subscribe starts
+// the ticks, under the context the router cancels when it closes, and
+// returns a channel that closes when they stop.
 type heldSubscriber struct {
-	in       *Inbox
-	handlers []string // the router's, when Plugin ran
+	in *Inbox
 
 	mu      sync.Mutex
 	started bool
@@ -86,23 +123,11 @@ func (s *heldSubscriber) Subscribe(ctx context.Context, _ string) (<-chan *messa
 		return nil, errors.New("outbox: the inbox's held-message subscriber subscribes once")
 	}
 	s.started = true
-	s.in.routersMu.Lock()
-	if s.in.routers == nil {
-		s.in.routers = make(map[string]context.Context)
-	}
-	for _, h := range s.handlers {
-		s.in.routers[h] = ctx // the router's: not the one Close below cancels
-	}
-	s.in.routersMu.Unlock()
 	ctx, s.stop = context.WithCancel(ctx)
 	out := make(chan *message.Message)
 	go func() {
 		defer close(s.done)
 		defer close(out)
-		if s.in.ordered == nil {
-			<-ctx.Done()
-			return
-		}
 		s.tick(ctx)
 	}()
 	return out, nil

@@ -315,23 +315,14 @@ type Inbox struct {
 	// clock is the server's, on which the at-most-once stamps are written
 	// and compared.
 	clock *dbClock
-
-	// routersMu guards routers: by handler name, the context of the
-	// router's run that Plugin was added to, done once the router stops
-	// (see PoisonPublisher).
-	routersMu sync.Mutex
-	routers   map[string]context.Context
 }
 
-// routerStopping reports whether the router that delivered msg (its
-// handler's, as Plugin recorded it) is stopping: false when Plugin does
-// not know the handler.
+// routerStopping reports whether the router that delivered msg is
+// stopping (its handler's run, as Plugin's decorator put it in the
+// message's context, has ended): false without the plugin.
 func (in *Inbox) routerStopping(msg *message.Message) bool {
-	name := message.HandlerNameFromCtx(msg.Context())
-	in.routersMu.Lock()
-	ctx := in.routers[name]
-	in.routersMu.Unlock()
-	return ctx != nil && ctx.Err() != nil
+	run, _ := msg.Context().Value(routerRunKey{}).(context.Context)
+	return run != nil && run.Err() != nil
 }
 
 // serverNow is the database server's time now (see dbClock).

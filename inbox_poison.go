@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -129,7 +130,9 @@ func (p poisonPublisher) interrupted(msg *message.Message) bool {
 	switch {
 	case msg.Metadata.Get(interruptedKey) != "", reason == context.Canceled.Error():
 		return true
-	case errors.Is(ctx.Err(), context.Canceled) && reason != "" && reason == context.Cause(ctx).Error():
+	case errors.Is(ctx.Err(), context.Canceled) && context.Cause(ctx) != context.Canceled && strings.HasSuffix(reason, context.Cause(ctx).Error()):
+		// The suffix: a middleware between PoisonQueue and Retry may wrap
+		// it ("fulfil-orders: terminated signal received").
 		return true
 	}
 	return p.in.routerStopping(msg)
