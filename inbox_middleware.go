@@ -476,6 +476,24 @@ func conflictPause(try int) time.Duration {
 	return d/2 + rand.N(d)
 }
 
+// lostPause is the pause before a delivery runs again after its n-th lost
+// connection in a row: 50 ms doubling to 5 s.
+func lostPause(n int) time.Duration {
+	return min(50*time.Millisecond<<min(n, 7), 5*time.Second)
+}
+
+// dbLostError is a delivery's error when the database dropped its
+// connection and did not answer again before the delivery's context
+// ended: the message is marked (dbLostKey), and PoisonPublisher does not
+// set it aside.
+type dbLostError struct{ err error }
+
+func (e *dbLostError) Error() string {
+	return "outbox: inbox: the database did not answer before the delivery's context ended: " + e.err.Error()
+}
+
+func (e *dbLostError) Unwrap() error { return e.err }
+
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
 	if err := msg.Context().Err(); err != nil {
 		// Nothing to begin a transaction with, and a bare "begin: context
@@ -514,6 +532,13 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		// it with DeadlineExceeded; Timeout cancels it only once this
 		// returns). PoisonPublisher refuses to set it aside.
 		msg.Metadata.Set(interruptedKey, "true")
+	}
+	if msg.Metadata != nil {
+		// This run's word alone: Retry runs the same message again.
+		delete(msg.Metadata, dbLostKey)
+		if errors.As(err, new(*dbLostError)) {
+			msg.Metadata.Set(dbLostKey, "true")
+		}
 	}
 	if err == nil && outcome == inboxDuplicate {
 		in.markDuplicateProcessed(msg)
@@ -1087,8 +1112,31 @@ func (e *keyStaysError) Unwrap() error { return e.error }
 // committed. A serialization failure writing the messages it returned lost
 // them, and the delivery run again was acked as a duplicate.
 func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
+	lost := 0
 	for try := 0; ; try++ {
 		err := f()
+		if err != nil && lost > 0 && ctx.Err() != nil {
+			// The context ended in a run after a lost connection: the
+			// statement it cut short tells nothing of the message.
+			return &dbLostError{err: err}
+		}
+		if err != nil && in.dialect.sql().ConnLost(err) && !errors.As(err, new(*keyStaysError)) {
+			// The database dropped the connection or did not answer: no
+			// failure of the message's. Run it again once the database
+			// answers, for as long as its context lasts, as the relay waits
+			// for its broker; PoisonQueue set such a message aside when
+			// Retry's tries ran out in an outage of a second (see
+			// dbLostKey).
+			if lost == 0 {
+				in.log.Info("Inbox: the database connection was lost; the delivery runs again once the database answers", watermill.LogFields{"error": err.Error()})
+			}
+			if !sleepCtx(ctx, lostPause(lost)) {
+				return &dbLostError{err: err}
+			}
+			lost++
+			try--
+			continue
+		}
 		if err == nil || !in.dialect.sql().Conflict(err) || errors.As(err, new(*keyStaysError)) {
 			return err
 		}

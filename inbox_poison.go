@@ -69,6 +69,12 @@ func (in *Inbox) PoisonPublisher(pub message.Publisher) message.Publisher {
 // refuses such a message.
 const interruptedKey = "x-acemq-inbox-interrupted"
 
+// dbLostKey marks, in a message's metadata, one whose last run found the
+// database gone (its connection dropped, and no answer again before the
+// delivery's context ended): no failure of the message's, and
+// PoisonPublisher refuses it, as it refuses an interrupted one.
+const dbLostKey = "x-acemq-inbox-db-lost"
+
 // poisonPublishTimeout bounds PoisonPublisher's publish, whose context no
 // longer ends with the message's: a broker that takes no message holds the
 // delivery that long (and a router's Close as long, up to its
@@ -83,6 +89,10 @@ type poisonPublisher struct {
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, msg := range msgs {
+		if msg.Metadata.Get(dbLostKey) != "" {
+			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: the database did not answer (%s), which is no failure of it;"+
+				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
+		}
 		if p.interrupted(msg) {
 			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: its context was cancelled while its handler ran (%s), which is no failure of it;"+
 				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))

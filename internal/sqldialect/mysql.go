@@ -73,6 +73,22 @@ func (mysql) Conflict(err error) bool {
 	return strings.Contains(s, "Error 1213") || strings.Contains(s, "Error 1020")
 }
 
+// ConnLost: go-sql-driver's invalid connection (the server closed it:
+// KILL CONNECTION, a restart), the server shutting down (1053), a
+// statement or connection killed (1317, 1927), or database/sql's bad or
+// done connection.
+func (mysql) ConnLost(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) {
+		return true
+	}
+	s := err.Error()
+	return strings.Contains(s, "invalid connection") || strings.Contains(s, "Error 1053") ||
+		strings.Contains(s, "Error 1317") || strings.Contains(s, "Error 1927")
+}
+
 // MissingTable: no such table (1146). Not an unknown database (1049),
 // which only a DSN naming one that is not there gives, and which no
 // migration makes.

@@ -213,6 +213,19 @@ func (postgres) Conflict(err error) bool {
 	return s == "40001" || s == "40P01"
 }
 
+// ConnLost: a connection exception (class 08), the backend terminated
+// or the server shutting down (57P01–57P03), pgx's closed connection, or
+// database/sql's bad or done connection.
+func (postgres) ConnLost(err error) bool {
+	if err == nil {
+		return false
+	}
+	s := sqlState(err)
+	return strings.HasPrefix(s, "08") || s == "57P01" || s == "57P02" || s == "57P03" ||
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || pgconn.SafeToRetry(err) ||
+		strings.Contains(err.Error(), "conn closed")
+}
+
 // MissingTable: undefined_table (42P01). Not a missing schema
 // (3F000), which no migration makes.
 func (postgres) MissingTable(err error) bool { return sqlState(err) == "42P01" }

@@ -116,6 +116,13 @@ type Dialect interface {
 	// rows (a serialization failure, a deadlock), rolled back whole: run
 	// again, it may well succeed.
 	Conflict(err error) bool
+	// ConnLost reports whether err says the database dropped the
+	// connection or did not answer on it (a backend terminated, a
+	// connection killed, a server shutting down): the database's trouble,
+	// not the statement's. Only the driver's and the server's own errors
+	// count, never a bare network error, which a handler's call elsewhere
+	// may return.
+	ConnLost(err error) bool
 	// CannotHold: err, a read's that compared a text column with a
 	// value, says the column cannot hold that value (a character its
 	// character set or the database's encoding lacks): no row holds it.

@@ -54,6 +54,8 @@ func (sqlite) BlobIDs() bool { return true }
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
 
+func (sqlite) ConnLost(error) bool { return false } // a file, no connection to lose
+
 func (sqlite) CannotHold(error) bool { return false } // TEXT holds any bytes
 
 // MissingTable: SQLite's code for it is the generic SQLITE_ERROR; its
