@@ -142,7 +142,14 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if _, err := s.in.ApplyHeld(ctx); err != nil && ctx.Err() == nil {
+		switch _, err := s.in.ApplyHeld(ctx); {
+		case err == nil || ctx.Err() != nil:
+		case s.in.dialect.sql().ConnLost(err):
+			// An outage, as the deliveries wait it out: not an error at
+			// every tick of it.
+			s.in.log.Info("Outbox inbox: the database connection was lost applying held messages; trying again at the next tick",
+				watermill.LogFields{"every": s.in.cfg.ApplyHeldEvery.String(), "error": err.Error()})
+		default:
 			s.in.log.Error("Outbox inbox: held messages could not all be applied; trying again at the next tick", err,
 				watermill.LogFields{"every": s.in.cfg.ApplyHeldEvery.String()})
 		}
