@@ -35,9 +35,9 @@ const DefaultApplyHeldEvery = 10 * time.Second
 // marked processed, where the service ran no ticker of its own (a review's
 // service did so). For that, the plugin of an ordered inbox adds a
 // handler of its own to the router ("outbox-inbox-held", and " #2", " #3"…
-// for a second inbox), which
-// receives no message: its subscriber ticks until the router closes. A
-// failed ApplyHeld is logged and tried again at the next tick.
+// for a second inbox), which receives no message: its subscriber ticks
+// until the router closes. A failed ApplyHeld is logged and tried again
+// at the next tick.
 func (in *Inbox) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
 		if r.IsClosed() {

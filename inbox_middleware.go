@@ -1110,7 +1110,9 @@ func (e *keyStaysError) Unwrap() error { return e.error }
 // a delivery (handle), and the writes after an at-most-once handler, each
 // its own transaction, which a redelivery cannot redo since the key is
 // committed. A serialization failure writing the messages it returned lost
-// them, and the delivery run again was acked as a duplicate.
+// them, and the delivery run again was acked as a duplicate. It runs f
+// again too after a lost connection (ConnLost), with no count, until ctx
+// ends: then the error is a dbLostError.
 func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 	lost := 0
 	for try := 0; ; try++ {
