@@ -1114,15 +1114,20 @@ func (e *keyStaysError) Unwrap() error { return e.error }
 // again too after a lost connection (ConnLost), with no count, until ctx
 // ends: then the error is a dbLostError.
 func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
+	d := in.dialect.sql()
 	lost := 0
 	for try := 0; ; try++ {
 		err := f()
-		if err != nil && lost > 0 && ctx.Err() != nil {
+		if err == nil {
+			return nil
+		}
+		stays := errors.As(err, new(*keyStaysError))
+		if lost > 0 && ctx.Err() != nil {
 			// The context ended in a run after a lost connection: the
 			// statement it cut short tells nothing of the message.
 			return &dbLostError{err: err}
 		}
-		if err != nil && in.dialect.sql().ConnLost(err) && !errors.As(err, new(*keyStaysError)) {
+		if d.ConnLost(err) && !stays {
 			// The database dropped the connection or did not answer: no
 			// failure of the message's. Run it again once the database
 			// answers, for as long as its context lasts, as the relay waits
@@ -1139,7 +1144,7 @@ func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 			try--
 			continue
 		}
-		if err == nil || !in.dialect.sql().Conflict(err) || errors.As(err, new(*keyStaysError)) {
+		if !d.Conflict(err) || stays {
 			return err
 		}
 		if try == conflictTries-1 {

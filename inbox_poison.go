@@ -92,14 +92,17 @@ type poisonPublisher struct {
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	for _, msg := range msgs {
-		if msg.Metadata.Get(dbLostKey) != "" {
-			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: the database did not answer (%s), which is no failure of it;"+
-				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
+		why := ""
+		switch {
+		case msg.Metadata.Get(dbLostKey) != "":
+			why = "the database did not answer"
+		case p.interrupted(msg):
+			why = "its context was cancelled while its handler ran"
+		default:
+			continue
 		}
-		if p.interrupted(msg) {
-			return fmt.Errorf("outbox: inbox: message %s not set aside on %s: its context was cancelled while its handler ran (%s), which is no failure of it;"+
-				" it is delivered again", idText(msg.UUID), topic, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
-		}
+		return fmt.Errorf("outbox: inbox: message %s not set aside on %s: %s (%s), which is no failure of it;"+
+			" it is delivered again", idText(msg.UUID), topic, why, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
 	}
 	// Copies, detached from the ended context: handed the messages as they
 	// were, watermill-amqp's publisher failed with "context canceled", so
@@ -140,10 +143,11 @@ func (p poisonPublisher) Close() error { return p.pub.Close() }
 func (p poisonPublisher) interrupted(msg *message.Message) bool {
 	reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
 	ctx := msg.Context()
+	cause := context.Cause(ctx)
 	switch {
 	case msg.Metadata.Get(interruptedKey) != "", reason == context.Canceled.Error():
 		return true
-	case errors.Is(ctx.Err(), context.Canceled) && context.Cause(ctx) != context.Canceled && strings.HasSuffix(reason, context.Cause(ctx).Error()):
+	case errors.Is(ctx.Err(), context.Canceled) && cause != context.Canceled && strings.HasSuffix(reason, cause.Error()):
 		// The suffix: a middleware between PoisonQueue and Retry may wrap
 		// it ("fulfil-orders: terminated signal received").
 		return true

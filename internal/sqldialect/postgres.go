@@ -214,16 +214,16 @@ func (postgres) Conflict(err error) bool {
 }
 
 // ConnLost: a connection exception (class 08), the backend terminated
-// or the server shutting down (57P01–57P03), pgx's closed connection, or
-// database/sql's bad or done connection.
+// or the server shutting down (57P01–57P03), a statement that never
+// reached the server (NeverSent), pgx's closed connection, or
+// database/sql's done connection.
 func (postgres) ConnLost(err error) bool {
 	if err == nil {
 		return false
 	}
 	s := sqlState(err)
 	return strings.HasPrefix(s, "08") || s == "57P01" || s == "57P02" || s == "57P03" ||
-		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) || pgconn.SafeToRetry(err) ||
-		strings.Contains(err.Error(), "conn closed")
+		NeverSent(err) || errors.Is(err, sql.ErrConnDone) || strings.Contains(err.Error(), "conn closed")
 }
 
 // MissingTable: undefined_table (42P01). Not a missing schema
