@@ -31,10 +31,20 @@ func TestForwarder_RetryNotificationsInABurst_SecondRecordClaimedWithinTheGap(t 
 	ids, _ := claimAll(t, s) // measures: floor on, above the stuck ones
 	t.Logf("first claim %v", ids)
 	// "Another process" (raw SQL, as its Retry writes and notifies).
+	heard := func() time.Time {
+		s.floor.mu.Lock()
+		defer s.floor.mu.Unlock()
+		return s.floor.heard
+	}
 	retry := func(id string) {
+		before := heard()
 		db.MustExec("UPDATE acemq_outbox SET attempts = 0 WHERE id = $1", id)
 		db.MustExec("SELECT pg_notify('acemq_outbox_retry', current_schema() || '.acemq_outbox')")
-		time.Sleep(30 * time.Millisecond) // the listener hears it
+		// The listener hears it: a sleep of 30 ms was too short in a
+		// loaded CI run, and the first retry went unheard until the second.
+		for deadline := time.Now().Add(5 * time.Second); heard().Equal(before) && time.Now().Before(deadline); {
+			time.Sleep(5 * time.Millisecond)
+		}
 	}
 	retry("stuckA")
 	ids, _ = claimAll(t, s)
