@@ -38,6 +38,11 @@ const DefaultApplyHeldEvery = 10 * time.Second
 // for a second inbox), which receives no message: its subscriber ticks
 // until the router closes. A failed ApplyHeld is logged and tried again
 // at the next tick.
+//
+// With the plugin, a handler's subscriber wrapped by Subscriber has the
+// handler's held messages applied as the router starts; the plugin's
+// middleware, the router's innermost, keeps the inbox's own message from
+// any handler.
 func (in *Inbox) Plugin() message.RouterPlugin {
 	return func(r *message.Router) error {
 		if r.IsClosed() {
@@ -48,8 +53,11 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 		// other router runs a handler of the same name with this Inbox,
 		// and for handlers added after Run as well.
 		r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
-			return &runStampingSubscriber{Subscriber: sub}, nil
+			return &runStampingSubscriber{Subscriber: sub, in: in}, nil
 		})
+		// Added as the router runs, after the service's own: the innermost,
+		// it ends a wake of Subscriber's that no inbox took.
+		r.AddMiddleware(endWakes)
 		if in.ordered == nil {
 			return nil
 		}
@@ -77,11 +85,14 @@ type routerRunKey struct{}
 // into every message's context.
 type runStampingSubscriber struct {
 	message.Subscriber
+	in *Inbox
 	wg sync.WaitGroup
 }
 
 func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
-	msgs, err := s.Subscriber.Subscribe(ctx, topic)
+	// Down to the service's subscriber: a Subscriber of the inbox's wakes
+	// the handler (see Subscriber).
+	msgs, err := s.Subscriber.Subscribe(context.WithValue(ctx, pluggedKey{s.in}, true), topic)
 	if err != nil {
 		return nil, err
 	}

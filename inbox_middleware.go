@@ -495,6 +495,15 @@ func (e *dbLostError) Error() string {
 func (e *dbLostError) Unwrap() error { return e.err }
 
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
+	if w := wakeOf(msg); w != nil {
+		if w != in {
+			return h(msg) // another inbox's, after this one (or Plugin's middleware ends it)
+		}
+		if in.ordered != nil {
+			in.wake(h, code, msg)
+		}
+		return nil, nil
+	}
 	if err := msg.Context().Err(); err != nil {
 		// Nothing to begin a transaction with, and a bare "begin: context
 		// canceled" hid the usual cause: Watermill's Timeout cancels the

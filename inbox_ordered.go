@@ -805,7 +805,8 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key,
 			// Once a handler: a restarted service that held many messages
 			// of a quiet topic waits as long as the topic stays quiet, and
 			// an operator saw only outboxctl held's keys waiting.
-			in.log.Info("Held messages wait for their handler, which has had no delivery since this process started: they run at its next delivery (outboxctl held lists them; skip-held gives one up)", fields)
+			in.log.Info("Held messages wait for their handler, which has had no delivery since this process started: they run at its next delivery, "+
+				"or as the router starts where inbox.Subscriber wraps the handler's subscriber (outboxctl held lists them; skip-held gives one up)", fields)
 		}
 		in.log.Debug("Held message waits for its handler", fields)
 		return false, false, "", nil
@@ -863,7 +864,8 @@ const applyHeldErrs = 10
 // handler failed then, and applies what SkipGap released from outboxctl.
 // Each held message runs in the handler it was delivered to, so it applies
 // the held messages of the handlers that have run behind this inbox in this
-// process (it needs the handler and its router context), and reads only
+// process (it needs the handler and its router context; a handler whose
+// subscriber Subscriber wraps counts from the router's start), and reads only
 // their consumers' keys: keys of other consumers sharing the tables cost it
 // nothing. It reaches every ready key
 // of those consumers in one call: a key whose handler fails stays held, the
@@ -874,45 +876,80 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 	if in.ordered == nil {
 		return 0, nil
 	}
-	applied, failed := 0, 0
-	var errs []error
+	applied := 0
+	var errs heldErrs
 	for _, consumer := range in.routedConsumers() {
-		// Paged on the key, not re-read from the start: the keys whose
-		// handler fails stay ready, and a first page full of them would
-		// otherwise be all that any call ever reached.
-		var after *string
-		for {
-			if err := ctx.Err(); err != nil {
-				return applied, errors.Join(append(errs, err)...)
-			}
-			q := in.ordered.q.Ready(consumer, after, applyHeldBatch)
-			var keys []string
-			if err := in.db.SelectContext(ctx, &keys, q.SQL, q.Args...); err != nil {
-				return applied, errors.Join(append(errs, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err))...)
-			}
-			for _, key := range keys {
-				n, err := in.drain(ctx, nil, consumer, key)
-				applied += n
-				if err != nil {
-					failed++
-					if len(errs) < applyHeldErrs {
-						errs = append(errs, err)
-					}
-				}
-			}
-			if len(keys) < applyHeldBatch {
-				break
-			}
-			after = &keys[len(keys)-1]
+		n, stop := in.applyReady(ctx, consumer, &errs)
+		applied += n
+		if stop != nil {
+			return applied, errors.Join(append(errs.list(), stop)...)
 		}
 	}
-	if failed > len(errs) {
-		errs = append(errs, fmt.Errorf("outbox: inbox: held messages of %d more keys failed", failed-len(errs)))
-	}
+	all := errs.list()
 	if err := in.RefreshStats(ctx); err != nil {
-		errs = append(errs, err)
+		all = append(all, err)
 	}
-	return applied, errors.Join(errs...)
+	return applied, errors.Join(all...)
+}
+
+// applyHeldOf applies consumer's held messages whose turn has come, as
+// ApplyHeld does those of every consumer it has seen (without refreshing
+// the gauges).
+func (in *Inbox) applyHeldOf(ctx context.Context, consumer string) (int, error) {
+	var errs heldErrs
+	n, stop := in.applyReady(ctx, consumer, &errs)
+	return n, errors.Join(append(errs.list(), stop)...)
+}
+
+// heldErrs gathers the failed keys' errors of an apply of held messages,
+// the first applyHeldErrs of them, and counts the rest.
+type heldErrs struct {
+	errs   []error
+	failed int
+}
+
+func (e *heldErrs) add(err error) {
+	if e.failed++; len(e.errs) < applyHeldErrs {
+		e.errs = append(e.errs, err)
+	}
+}
+
+func (e *heldErrs) list() []error {
+	if e.failed > len(e.errs) {
+		return append(e.errs, fmt.Errorf("outbox: inbox: held messages of %d more keys failed", e.failed-len(e.errs)))
+	}
+	return e.errs
+}
+
+// applyReady applies, key by key, consumer's held messages whose turn has
+// come, adding each failed key's error to errs; stop is what ended it
+// before it saw every ready key (ctx, the read of the keys).
+func (in *Inbox) applyReady(ctx context.Context, consumer string, errs *heldErrs) (applied int, stop error) {
+	// Paged on the key, not re-read from the start: the keys whose
+	// handler fails stay ready, and a first page full of them would
+	// otherwise be all that any call ever reached.
+	var after *string
+	for {
+		if err := ctx.Err(); err != nil {
+			return applied, err
+		}
+		q := in.ordered.q.Ready(consumer, after, applyHeldBatch)
+		var keys []string
+		if err := in.db.SelectContext(ctx, &keys, q.SQL, q.Args...); err != nil {
+			return applied, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err)
+		}
+		for _, key := range keys {
+			n, err := in.drain(ctx, nil, consumer, key)
+			applied += n
+			if err != nil {
+				errs.add(err)
+			}
+		}
+		if len(keys) < applyHeldBatch {
+			return applied, nil
+		}
+		after = &keys[len(keys)-1]
+	}
 }
 
 // Gap is a key with held messages: the ones after a sequence number that

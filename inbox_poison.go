@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -91,6 +92,12 @@ type poisonPublisher struct {
 }
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
+	// A wake of Subscriber's that a middleware before the inbox failed is
+	// the inbox's own, no message of the service's: nothing to set aside.
+	msgs = slices.DeleteFunc(slices.Clone(msgs), func(msg *message.Message) bool { return wakeOf(msg) != nil })
+	if len(msgs) == 0 {
+		return nil
+	}
 	for _, msg := range msgs {
 		why := ""
 		switch {

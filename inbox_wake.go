@@ -1,0 +1,142 @@
+package outbox
+
+import (
+	"context"
+	"sync"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+)
+
+// WakeMetadataKey is set ("true") on the message inbox.Subscriber delivers
+// to a handler as it starts (see Subscriber): a middleware before the
+// inbox that counts, traces or validates messages may leave it alone. The
+// inbox and Plugin know the message by its context, not by this key: a
+// broker message carrying it is a message like any other.
+const WakeMetadataKey = "x-acemq-inbox-wake"
+
+// Subscriber wraps sub, the subscriber of router handlers behind this
+// ordered inbox, so that each handler's held messages whose turn has come
+// run as the router starts, with no delivery to wait for:
+//
+//	router.AddConsumerHandler("ledger-paid", "order.paid", inbox.Subscriber(sub), paid)
+//	router.AddPlugin(inbox.Plugin())
+//
+// A held message runs in the handler it was delivered to, through the
+// middlewares after the inbox and with that handler's router context,
+// which the inbox learns from a delivery: Watermill tells no plugin which
+// chain is whose. So a restarted service's message held on one topic and
+// released by its predecessor on another (or by outboxctl skip, or whose
+// handler failed before the stop) waited for its handler's next delivery,
+// for good on a topic gone quiet (a review's ledger had 98 of 100 keys
+// held after a restart until a new order came). Wrapped, each of the
+// router's Subscribe calls first delivers one message of the inbox's own
+// (empty, UUID its own, WakeMetadataKey set): the router gives it the
+// handler's context, and the middlewares before the inbox see it as a
+// delivery; the inbox learns the handler from it, applies the consumer's
+// held messages that are ready, and acks it. It never reaches a handler:
+// Plugin's middleware, the innermost, ends one that no inbox took (a
+// handler of the subscriber not behind this inbox), and PoisonPublisher
+// sets none aside.
+//
+// Without Plugin on the router, or for an inbox that is not Ordered, it
+// delivers nothing of its own: sub as it is.
+func (in *Inbox) Subscriber(sub message.Subscriber) message.Subscriber {
+	return &wakeSubscriber{Subscriber: sub, in: in}
+}
+
+// pluggedKey is set, in the context a handler's Subscribe is given, by the
+// subscriber decorator of in's Plugin: the router runs in's plugin, and
+// its middleware ends a wake no inbox took.
+type pluggedKey struct{ in *Inbox }
+
+// wakeKey holds, in a wake message's context, the Inbox it wakes; a
+// route's context masks it with nil (see Inbox.wake).
+type wakeKey struct{}
+
+// wakeOf is the Inbox msg is a wake of, nil for any other message.
+func wakeOf(msg *message.Message) *Inbox {
+	in, _ := msg.Context().Value(wakeKey{}).(*Inbox)
+	return in
+}
+
+// wakeSubscriber is Subscriber's.
+type wakeSubscriber struct {
+	message.Subscriber
+	in *Inbox
+	wg sync.WaitGroup
+}
+
+func (s *wakeSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
+	msgs, err := s.Subscriber.Subscribe(ctx, topic)
+	if err != nil || s.in.ordered == nil || ctx.Value(pluggedKey{s.in}) == nil {
+		return msgs, err
+	}
+	wake := message.NewMessage(watermill.NewUUID(), nil)
+	wake.Metadata.Set(WakeMetadataKey, "true")
+	wake.SetContext(context.WithValue(ctx, wakeKey{}, s.in))
+	out := make(chan *message.Message)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer close(out)
+		select {
+		case out <- wake:
+		case <-ctx.Done():
+		}
+		for msg := range msgs {
+			out <- msg
+		}
+	}()
+	return out, nil
+}
+
+func (s *wakeSubscriber) Close() error {
+	err := s.Subscriber.Close()
+	s.wg.Wait()
+	return err
+}
+
+// wake learns, from a wake message of its own that reached its Middleware
+// (h: what the middleware wraps; code: h's), the route of the handler it
+// was delivered to, and applies the consumer's ready held messages. A
+// failure is logged: the message is the inbox's own, and ApplyHeld's ticks
+// try again, now that the route is known.
+func (in *Inbox) wake(h message.HandlerFunc, code handlerCode, msg *message.Message) {
+	ctx := msg.Context()
+	consumer := in.cfg.ConsumerName
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(ctx)
+	}
+	fields := watermill.LogFields{"consumer": consumer, "handler": message.HandlerNameFromCtx(ctx)}
+	if err := checkConsumer(in.dialect, consumer); err != nil {
+		in.log.Error("Outbox inbox: a handler's held messages cannot be applied at its start: its consumer name is not valid", err, fields)
+		return
+	}
+	// The route keeps the context: masked, so that a held message run in
+	// it is no wake.
+	if err := in.remember(consumer, h, code, context.WithValue(ctx, wakeKey{}, nil)); err != nil {
+		in.log.Error("Outbox inbox: a handler's held messages cannot be applied at its start", err, fields)
+		return
+	}
+	n, err := in.applyHeldOf(ctx, consumer)
+	if n > 0 {
+		fields["applied"] = n
+		in.log.Info("Outbox inbox: held messages whose turn had come applied as their handler started", fields)
+	}
+	if err != nil && ctx.Err() == nil {
+		in.log.Error("Outbox inbox: held messages could not all be applied as their handler started; ApplyHeld tries again", err, fields)
+	}
+}
+
+// endWakes is Plugin's middleware, the router's innermost: a wake message
+// that no inbox took (its handler is not behind the inbox whose Subscriber
+// wrapped the handler's subscriber) ends here, acked, before the handler.
+func endWakes(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		if wakeOf(msg) != nil {
+			return nil, nil
+		}
+		return h(msg)
+	}
+}
