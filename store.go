@@ -1589,6 +1589,68 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 	return out, rows.Err()
 }
 
+// RecordState is a row of the outbox table as Lookup reads it. A NULL reads
+// as "", 0 or the zero time, and so does a time no parser of the
+// dialect's reads.
+type RecordState struct {
+	ID, Exchange, RoutingKey string
+	// AggregateID and Seq: the record's ordering key and its number, "" and
+	// 0 for an unkeyed record.
+	AggregateID string
+	Seq         int64
+	Attempts    int
+	LastError   string
+	// Published: published_at is set. CreatedAt, PublishedAt and
+	// ProcessedAt, in UTC.
+	Published                           bool
+	CreatedAt, PublishedAt, ProcessedAt time.Time
+	// Leased, LeasedBy and LeasedUntil: as StuckRecord's.
+	Leased      bool
+	LeasedBy    string
+	LeasedUntil time.Time
+}
+
+// Lookup reads the rows of ids that are in the table, oldest first: what
+// an operator looks up about a message (outboxctl show), and what tells
+// why a Retry left an id alone.
+func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error) {
+	var out []RecordState
+	for start := 0; start < len(ids); start += maxRowsPerStmt {
+		q := s.q.Records(ids[start:min(start+maxRowsPerStmt, len(ids))], time.Now())
+		rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: lookup: %w", err)
+		}
+		for rows.Next() {
+			var (
+				r                                            RecordState
+				exchange, routingKey, key, lastErr, lockedBy sql.NullString
+				seq, attempts                                sql.NullInt64
+			)
+			d := s.dialect.sql()
+			created, published, processed, lockedUntil := sqldialect.NewTime(d), sqldialect.NewTime(d), sqldialect.NewTime(d), sqldialect.NewTime(d)
+			if err := rows.Scan(&r.ID, &exchange, &routingKey, &key, &seq, &attempts, &lastErr, created, published, processed, &lockedBy, lockedUntil, &r.Leased); err != nil {
+				_ = rows.Close()
+				return nil, fmt.Errorf("outbox: lookup: %w", err)
+			}
+			r.Exchange, r.RoutingKey, r.AggregateID, r.Seq, r.Attempts, r.LastError = exchange.String, routingKey.String, key.String, seq.Int64, int(attempts.Int64), lastErr.String
+			r.CreatedAt, r.PublishedAt, r.ProcessedAt = created.T, published.T, processed.T
+			r.Published = !published.T.IsZero() || published.Err != nil // a value no parser reads is still set
+			if r.Leased {
+				r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
+			}
+			out = append(out, r)
+		}
+		if err := rows.Close(); err != nil {
+			return nil, fmt.Errorf("outbox: lookup: %w", err)
+		}
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("outbox: lookup: %w", err)
+		}
+	}
+	return out, nil
+}
+
 // Retry makes the given unpublished rows pending again, attempts reset, and
 // returns how many it changed. last_error is kept until the next failure.
 // A row a relay holds under a live lease (in flight: on SQLite, or claimed

@@ -1,6 +1,10 @@
 package outboxctl
 
-import "fmt"
+import (
+	"fmt"
+
+	outbox "github.com/acemq/watermill-outbox"
+)
 
 const retryChunk = 1000
 
@@ -18,22 +22,10 @@ func (c *cli) retry(args []string) error {
 	case !*all && len(ids) == 0:
 		return usagef("retry: give the ids to retry (see outboxctl stuck), or --all-stuck")
 	}
-	seen := make(map[string]bool, len(ids))
-	unique := ids[:0]
-	for _, id := range ids {
-		if id == "" {
-			return usagef("retry: an empty id")
-		}
-		// An id stuck shows quoted (keyText), pasted as shown.
-		if id, err = keyFlag("retry: id", id); err != nil {
-			return err
-		}
-		if !seen[id] {
-			seen[id] = true
-			unique = append(unique, id)
-		}
+	// An id stuck shows quoted (keyText), pasted as shown.
+	if ids, err = uniqueIDs("retry", ids); err != nil {
+		return err
 	}
-	ids = unique
 	d, err := c.openOutbox()
 	if err != nil {
 		return err
@@ -43,10 +35,16 @@ func (c *cli) retry(args []string) error {
 	if err != nil {
 		return err
 	}
-	var n int64
+	var (
+		n      int64
+		before []showRow // the ids' rows before the retry, to say why one was left alone
+	)
 	if *all {
 		n, err = s.RetryAllStuck(c.ctx)
 	} else {
+		if len(ids) <= retryExplained {
+			before, _ = c.lookupRows(s, ids) // nil: it says less
+		}
 		// In chunks: one statement's placeholders are bounded (65,535 on
 		// PostgreSQL), and a list of ids pasted from stuck may be long.
 		for start := 0; start < len(ids) && err == nil; start += retryChunk {
@@ -70,12 +68,43 @@ func (c *cli) retry(args []string) error {
 		}
 	}
 	if !*all && n < int64(len(ids)) {
-		// MySQL counts changed rows only, so a row pending at 0 attempts
-		// already is among these too.
-		fmt.Fprintf(c.stdout, "%d of the %d ids given: published already, pending already, in flight (a relay's live lease), or not in %s\n",
-			int64(len(ids))-n, len(ids), c.g.table)
+		if before == nil {
+			// MySQL counts changed rows only, so a row pending at 0 attempts
+			// already is among these too.
+			fmt.Fprintf(c.stdout, "%d of the %d ids given: published already, pending already, in flight (a relay's live lease), or not in %s (outboxctl show ID says which)\n",
+				int64(len(ids))-n, len(ids), c.g.table)
+			return nil
+		}
+		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", int64(len(ids))-n, len(ids))
+		for _, row := range before {
+			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0) {
+				fmt.Fprintf(c.stdout, "  %s: %s\n", row.ID, c.why(row))
+			}
+		}
 	}
 	return nil
+}
+
+// retryExplained is the most ids a retry looks up first, to say of each it
+// leaves alone why.
+const retryExplained = 100
+
+// lookupRows is show's rows of ids.
+func (c *cli) lookupRows(s *outbox.Store, ids []string) ([]showRow, error) {
+	recs, err := s.Lookup(c.ctx, ids...)
+	if err != nil {
+		return nil, err
+	}
+	byID := make(map[string]outbox.RecordState, len(recs))
+	for _, r := range recs {
+		byID[r.ID] = r
+	}
+	rows := make([]showRow, len(ids))
+	for i, id := range ids {
+		r, ok := byID[id]
+		rows[i] = c.showRow(id, r, ok)
+	}
+	return rows, nil
 }
 
 // rows is "1 row" or "n rows".

@@ -1160,6 +1160,18 @@ func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
 		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", append(args, maxAttempts, limit)...)
 }
 
+// Records reads the rows of ids, as an operator looks them up: id,
+// exchange_name, routing_key, aggregate_id, seq, attempts, last_error,
+// created_at, published_at, processed_at, locked_by, locked_until, and 1
+// where a relay holds the row under a live lease at now (see notClaimed).
+func (o *Outbox) Records(ids []string, now time.Time) Query {
+	free, args := o.notClaimed(now)
+	in, inArgs := o.idIn(ids)
+	return o.query("SELECT id, exchange_name, routing_key, aggregate_id, seq, attempts, last_error, "+
+		o.d.timeText("created_at")+", "+o.d.timeText("published_at")+", "+o.d.timeText("processed_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
+		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
+}
+
 // RetryHold is the locked_by of a lease that is a failed keyed record's
 // backoff (its retry-after), not a relay's claim: an operator's retry ends
 // it, where it leaves a claim alone.

@@ -1,0 +1,69 @@
+package outboxctl
+
+import (
+	"encoding/json"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+// show says where each record is: published (and processed, or not), pending
+// (after failed attempts, with the last error), stuck, in flight under a
+// relay's live lease, or not in the table.
+func TestShow_EachRecordsState(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		until := time.Now().Add(time.Hour).UTC().Truncate(time.Second)
+		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
+		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 2, last_error = ? WHERE id = ?", "channel closed", f.pending[1])
+		execSQL(t, db, "UPDATE acemq_outbox SET processed_at = ? WHERE id = ?", ts(kind, time.Now()), f.publishedRecent[0])
+		out := mustCtl(t, "show", "--db", db.DSN, f.pending[0], f.pending[1], f.stuck[0], f.stuck[1], f.publishedRecent[0], f.publishedOld[0], "no-such-id", f.pending[0])
+		for _, line := range []string{
+			`(?m)^` + f.pending[0] + `: pending: the relay publishes it at its next claim\n  to \(default\) / orders, created \S+ \S+Z$`,
+			`(?m)^` + f.pending[1] + `: pending after 2 failed attempts of 10: channel closed$`,
+			`(?m)^` + f.stuck[0] + `: stuck at 10 attempts \(the relay leaves it alone; retry makes it pending\): connection reset by peer$`,
+			`(?m)^` + f.stuck[1] + `: in flight: relay rails-relay-7 holds it under a lease until ` + regexp.QuoteMeta(until.Format("2006-01-02 15:04:05Z")) + `; retry leaves it alone until then$`,
+			`(?m)^` + f.publishedRecent[0] + `: published \S+ \S+Z; processed \S+ \S+Z$`,
+			`(?m)^` + f.publishedOld[0] + `: published \S+ \S+Z; not marked processed by a consumer of this database$`,
+			`(?m)^no-such-id: not in acemq_outbox$`,
+		} {
+			if !regexp.MustCompile(line).MatchString(out) {
+				t.Errorf("show does not match %s:\n%s", line, out)
+			}
+		}
+		if n := strings.Count(out, f.pending[0]+":"); n != 1 {
+			t.Errorf("an id given twice shown %d times", n)
+		}
+		var rows []showRow
+		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, f.stuck[1], "no-such-id")), &rows); err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 2 || rows[0].State != "in_flight" || rows[0].LeasedBy == nil || *rows[0].LeasedBy != "rails-relay-7" ||
+			rows[0].LeasedUntil == nil || !rows[0].LeasedUntil.Equal(until) || rows[1].Found || rows[1].ID != "no-such-id" {
+			t.Errorf("show --json: %+v", rows)
+		}
+		ctl(t, nil, "show", "--db", db.DSN).wantFailure(t, 2, "give the ids")
+	})
+}
+
+// retry of ids it leaves alone said only "published already, pending
+// already, in flight, or not in the table" of them all, though stuck had
+// just shown a lease (an operator's review): it now says of each id why.
+func TestRetry_IDsLeftAlone_EachSaysWhy(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		until := time.Now().Add(time.Hour).UTC()
+		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
+		out := mustCtl(t, "retry", "--db", db.DSN, f.stuck[0], f.stuck[1], f.pending[0], f.publishedOld[0], "no-such-id")
+		want := "1 row made pending again (attempts reset to 0)\n" +
+			"4 of the 5 ids given left as they were:\n" +
+			"  " + f.stuck[1] + ": in flight: relay rails-relay-7 holds it under a lease until " + until.Format("2006-01-02 15:04:05Z") + "; retry leaves it alone until then\n" +
+			"  " + f.pending[0] + ": pending: the relay publishes it at its next claim\n"
+		if !strings.HasPrefix(out, want) || !regexp.MustCompile(`(?m)^  `+f.publishedOld[0]+`: published \S+ \S+Z; not marked processed by a consumer of this database\n  no-such-id: not in acemq_outbox\n$`).MatchString(out) {
+			t.Errorf("retry of five ids, one retried:\n%s\nwant it to start:\n%s", out, want)
+		}
+	})
+}
