@@ -75,11 +75,18 @@ func (c *cli) retry(args []string) error {
 				int64(len(ids))-n, len(ids), c.g.table)
 			return nil
 		}
-		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", int64(len(ids))-n, len(ids))
+		left := int64(len(ids)) - n
+		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
 		for _, row := range before {
 			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0) {
 				fmt.Fprintf(c.stdout, "  %s: %s\n", row.ID, c.why(row))
+				left--
 			}
+		}
+		if left > 0 {
+			// Looked up as retry-able, then not changed: a relay took or
+			// published them between the look and the retry.
+			fmt.Fprintf(c.stdout, "  %d more, changed by a relay between the look and the retry (outboxctl show ID says how)\n", left)
 		}
 	}
 	return nil
