@@ -153,7 +153,12 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		switch _, err := s.in.ApplyHeld(ctx); {
+		// Under way as the router closes, a held message finishes (see
+		// finishing); the next key is not begun.
+		work, cancel := finishing(ctx)
+		_, err := s.in.applyAllHeld(work, ctx)
+		cancel()
+		switch {
 		case err == nil || ctx.Err() != nil:
 		case s.in.dialect.sql().ConnLost(err):
 			// An outage, as the deliveries wait it out: not an error at
@@ -167,8 +172,8 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 	}
 }
 
-// Close stops the ticks and waits for them: an ApplyHeld under way ends
-// with its context.
+// Close stops the ticks and waits for them: a held message under way
+// finishes, and no other is begun.
 func (s *heldSubscriber) Close() error {
 	s.mu.Lock()
 	started, stop := s.started, s.stop

@@ -499,6 +499,7 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		if w != in {
 			return h(msg) // another inbox's, after this one (or Plugin's middleware ends it)
 		}
+		wakeTaken(msg)
 		if in.ordered != nil {
 			in.wake(h, code, msg)
 		}

@@ -873,13 +873,19 @@ const applyHeldErrs = 10
 // how many it applied. Plugin calls it every ApplyHeldEvery while a router
 // runs; or call it from a ticker in the service.
 func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
+	return in.applyAllHeld(ctx, ctx)
+}
+
+// applyAllHeld is ApplyHeld: its statements and held messages run under ctx,
+// and halt, checked before each key, ends it between keys.
+func (in *Inbox) applyAllHeld(ctx, halt context.Context) (int, error) {
 	if in.ordered == nil {
 		return 0, nil
 	}
 	applied := 0
 	var errs heldErrs
 	for _, consumer := range in.routedConsumers() {
-		n, stop := in.applyReady(ctx, consumer, &errs)
+		n, stop := in.applyReady(ctx, halt, consumer, &errs)
 		applied += n
 		if stop != nil {
 			return applied, errors.Join(append(errs.list(), stop)...)
@@ -895,10 +901,31 @@ func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 // applyHeldOf applies consumer's held messages whose turn has come, as
 // ApplyHeld does those of every consumer it has seen (without refreshing
 // the gauges).
+//
+// ctx is a wake's, the handler's run, which the router cancels as its
+// Close begins: that ends the apply between two keys, as a delivery's
+// context does not end a delivery, and a held message under way finishes
+// (see finishing).
 func (in *Inbox) applyHeldOf(ctx context.Context, consumer string) (int, error) {
 	var errs heldErrs
-	n, stop := in.applyReady(ctx, consumer, &errs)
+	work, cancel := finishing(ctx)
+	defer cancel()
+	n, stop := in.applyReady(work, ctx, consumer, &errs)
 	return n, errors.Join(append(errs.list(), stop)...)
+}
+
+// finishing is ctx without its cancellation but with its deadline (a
+// Timeout's before the inbox): a held message's transaction begun under a
+// router's context was rolled back beneath its handler as the router's
+// Close began, and the handler, which runs under a context without the
+// cancellation and cannot tell, ran again whole at the next start (its
+// effects outside the transaction twice).
+func finishing(ctx context.Context) (context.Context, context.CancelFunc) {
+	work := context.WithoutCancel(ctx)
+	if d, ok := ctx.Deadline(); ok {
+		return context.WithDeadline(work, d)
+	}
+	return work, func() {}
 }
 
 // heldErrs gathers the failed keys' errors of an apply of held messages,
@@ -923,8 +950,10 @@ func (e *heldErrs) list() []error {
 
 // applyReady applies, key by key, consumer's held messages whose turn has
 // come, adding each failed key's error to errs; stop is what ended it
-// before it saw every ready key (ctx, the read of the keys).
-func (in *Inbox) applyReady(ctx context.Context, consumer string, errs *heldErrs) (applied int, stop error) {
+// before it saw every ready key (halt, ctx, the read of the keys). ctx is
+// the statements' and held messages' context; halt, checked before each
+// key, ends the apply between keys.
+func (in *Inbox) applyReady(ctx, halt context.Context, consumer string, errs *heldErrs) (applied int, stop error) {
 	// Paged on the key, not re-read from the start: the keys whose
 	// handler fails stay ready, and a first page full of them would
 	// otherwise be all that any call ever reached.
@@ -939,6 +968,9 @@ func (in *Inbox) applyReady(ctx context.Context, consumer string, errs *heldErrs
 			return applied, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err)
 		}
 		for _, key := range keys {
+			if err := halt.Err(); err != nil {
+				return applied, err
+			}
 			n, err := in.drain(ctx, nil, consumer, key)
 			applied += n
 			if err != nil {

@@ -39,6 +39,15 @@ const WakeMetadataKey = "x-acemq-inbox-wake"
 // handler of the subscriber not behind this inbox), and PoisonPublisher
 // sets none aside.
 //
+// Plugin's middleware is added as the router runs, so it is the innermost
+// only of the middlewares added before Run: give a handler the inbox's
+// Middleware (router- or handler-level) before Run. One given it after
+// Run (a handler added after Run, then RunHandlers) has its wake ended
+// before the inbox, and its held messages wait for its first delivery, as
+// without the wrapper. A middleware before the inbox may hand on a rebuilt
+// message (a copy without the wake's context): the inbox knows it by its
+// UUID, though the route it learns then has the copy's context.
+//
 // Without Plugin on the router, or for an inbox that is not Ordered, it
 // delivers nothing of its own: sub as it is.
 func (in *Inbox) Subscriber(sub message.Subscriber) message.Subscriber {
@@ -54,11 +63,32 @@ type pluggedKey struct{ in *Inbox }
 // route's context masks it with nil (see Inbox.wake).
 type wakeKey struct{}
 
-// wakeOf is the Inbox msg is a wake of, nil for any other message.
+// wakes holds the wakes sent and not yet taken, by UUID, each's Inbox: a
+// middleware before the inbox that hands on a rebuilt message (decrypting,
+// decompressing) drops the wake's context, and the inbox took such a
+// message for a delivery, which its handler then saw. A wake no inbox or
+// Plugin took stays, one per handler and start.
+var wakes sync.Map // string → *Inbox
+
+// wakeOf is the Inbox msg is a wake of, nil for any other message: known by
+// its context, or, rebuilt, by its UUID and WakeMetadataKey (a broker
+// message carrying that key is a message like any other: it cannot know
+// the UUID of a wake in flight).
 func wakeOf(msg *message.Message) *Inbox {
-	in, _ := msg.Context().Value(wakeKey{}).(*Inbox)
-	return in
+	if in, ok := msg.Context().Value(wakeKey{}).(*Inbox); ok {
+		return in
+	}
+	if msg.Metadata.Get(WakeMetadataKey) == "" {
+		return nil
+	}
+	if in, ok := wakes.Load(msg.UUID); ok {
+		return in.(*Inbox)
+	}
+	return nil
 }
+
+// wakeTaken forgets the wake msg once an inbox or Plugin took it.
+func wakeTaken(msg *message.Message) { wakes.Delete(msg.UUID) }
 
 // wakeSubscriber is Subscriber's.
 type wakeSubscriber struct {
@@ -75,6 +105,7 @@ func (s *wakeSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *m
 	wake := message.NewMessage(watermill.NewUUID(), nil)
 	wake.Metadata.Set(WakeMetadataKey, "true")
 	wake.SetContext(context.WithValue(ctx, wakeKey{}, s.in))
+	wakes.Store(wake.UUID, s.in)
 	out := make(chan *message.Message)
 	s.wg.Add(1)
 	go func() {
@@ -83,6 +114,7 @@ func (s *wakeSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *m
 		select {
 		case out <- wake:
 		case <-ctx.Done():
+			wakeTaken(wake)
 		}
 		for msg := range msgs {
 			out <- msg
@@ -135,6 +167,7 @@ func (in *Inbox) wake(h message.HandlerFunc, code handlerCode, msg *message.Mess
 func endWakes(h message.HandlerFunc) message.HandlerFunc {
 	return func(msg *message.Message) ([]*message.Message, error) {
 		if wakeOf(msg) != nil {
+			wakeTaken(msg)
 			return nil, nil
 		}
 		return h(msg)
