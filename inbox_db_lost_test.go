@@ -106,3 +106,30 @@ func TestInbox_DatabaseGonePastTheDeliverysContext_NotSetAside(t *testing.T) {
 		}
 	})
 }
+
+// A held message whose connection is lost as it runs after its
+// predecessor commits is run again once the database answers, as a
+// delivery is: it waited for ApplyHeld's next tick (10 s by default), its
+// failure logged at ERROR (a review's restarts with connections killed
+// left 3–11 keys so).
+func TestOrderedInbox_HeldMessagesConnectionKilled_RunAgainWithTheDrain(t *testing.T) {
+	t.Parallel()
+	eachServer(t, func(t *testing.T, db *testdb.DB) {
+		createEffects(t, db)
+		in := orderedInbox(t, db, outbox.InboxConfig{ApplyHeldEvery: time.Hour})
+		runs := map[string]int{}
+		var log applyLog
+		h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			seq := msg.Metadata.Get(outbox.HeaderSeq)
+			if runs[seq]++; seq == "2" && runs[seq] == 1 {
+				inTxKill(t, db, msg)
+			}
+			return log.handler(t, db)(msg)
+		})
+		deliver(t, h, "acct-9", 2, 1) // 2 is held; 1 releases it, and its connection is killed
+		if got := log.of("acct-9"); len(got) != 2 || got[0] != 1 || got[1] != 2 || runs["2"] != 2 || countHeld(t, db) != 0 {
+			t.Errorf("applied %v, seq 2 ran %d times, %d held; want [1 2], twice, none", got, runs["2"], countHeld(t, db))
+		}
+		assertEffectsOnce(t, db, "acct-9", 2)
+	})
+}

@@ -501,17 +501,9 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		return inboxFailed, in.handledCommitErr(err, id, consumer)
 	}
 	committed = true
-	if held > 0 {
-		// Each held message in a transaction of its own: its handler failing
-		// leaves it held and this message applied and acked. The caller's
-		// context, for its router values; a failure is logged, not returned,
-		// since this message is committed and a nack would only redeliver a
-		// duplicate.
-		handler := message.HandlerNameFromCtx(msg.Context())
-		if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
-			in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
-		}
-	}
+	// Each held message in a transaction of its own: its handler failing
+	// leaves it held and this message applied and acked.
+	in.drainReady(msg, held > 0, consumer, key, fields)
 	return outcome, nil
 }
 
@@ -533,15 +525,25 @@ func (in *Inbox) nextHeld(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	return ready > 0, nil
 }
 
-// drainReady applies, after the delivery's commit, what nextHeld found
-// ready. A failure is logged, not returned: the delivery is committed, and
-// a nack would only redeliver a duplicate.
+// drainReady applies, after the delivery's commit, what is held ready
+// behind it, under the delivery's context, for its router values. A failure
+// is logged, not returned: the delivery is committed, and a nack would only
+// redeliver a duplicate. The delivery's context ending (watermill-amqp ends
+// it as the router closes) ends the drain between two held messages, not
+// within one (see finishing): the rest run at the next start or delivery.
 func (in *Inbox) drainReady(msg *message.Message, ready bool, consumer, key string, fields watermill.LogFields) {
 	if !ready {
 		return
 	}
 	handler := message.HandlerNameFromCtx(msg.Context())
-	if _, err := in.drain(msg.Context(), &handler, consumer, key); err != nil {
+	work, cancel := finishing(msg.Context())
+	defer cancel()
+	_, err := in.drain(work, msg.Context(), &handler, consumer, key)
+	switch {
+	case err == nil:
+	case msg.Context().Err() != nil:
+		in.log.Debug("Held messages left for the next start or delivery: the delivery that released them ended", fields)
+	default:
 		in.log.Error("Held message could not be applied; it stays held until the next delivery of its key or ApplyHeld", err, fields)
 	}
 }
@@ -706,14 +708,30 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 // REPEATABLE READ a key's next delivery and its held apply meet on the
 // key's row.
 //
+// So does one whose connection was lost, after lostPause, for as long as
+// halt lasts, as a delivery waits for its database: held messages waited
+// for ApplyHeld's next tick, each failure logged at ERROR.
+//
+// halt, checked before each held message, ends the drain between two:
+// the one under way finishes under ctx (see finishing), and the rest wait
+// for the next start or delivery.
+//
 // A held message counts once, by what became of it in the end: a try
 // refused and run again is not a failure.
-func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key string) (int, error) {
-	n, try := 0, 0
+func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, key string) (int, error) {
+	n, try, lost := 0, 0, 0
 	for {
+		if err := halt.Err(); err != nil {
+			return n, err
+		}
 		applied, ran, err := in.applyNextHeld(ctx, delivery, consumer, key)
-		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(ctx, conflictPause(try)) {
+		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(halt, conflictPause(try)) {
 			try++
+			continue
+		}
+		if err != nil && in.dialect.sql().ConnLost(err) && ctx.Err() == nil && sleepCtx(halt, lostPause(lost)) {
+			in.log.Debug("Held message's database connection lost; applying it again", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "error": err.Error()})
+			lost++
 			continue
 		}
 		if err != nil && ran {
@@ -722,7 +740,7 @@ func (in *Inbox) drain(ctx context.Context, delivery *string, consumer, key stri
 		if err != nil || !applied {
 			return n, err
 		}
-		n, try = n+1, 0
+		n, try, lost = n+1, 0, 0
 	}
 }
 
@@ -971,7 +989,7 @@ func (in *Inbox) applyReady(ctx, halt context.Context, consumer string, errs *he
 			if err := halt.Err(); err != nil {
 				return applied, err
 			}
-			n, err := in.drain(ctx, nil, consumer, key)
+			n, err := in.drain(ctx, halt, nil, consumer, key)
 			applied += n
 			if err != nil {
 				errs.add(err)
@@ -1081,7 +1099,7 @@ func (in *Inbox) drainAfterSkip(ctx context.Context, consumer, key string) {
 	if in.ordered == nil {
 		return
 	}
-	if _, err := in.drain(ctx, nil, consumer, key); err != nil {
+	if _, err := in.drain(ctx, ctx, nil, consumer, key); err != nil {
 		in.log.Error("Held message behind a skip could not be applied; it stays held until the next delivery of its key or ApplyHeld", err,
 			watermill.LogFields{"consumer": consumer, "aggregate_id": key})
 	}
