@@ -105,6 +105,14 @@ type routeKey struct{ consumer, handler string }
 // tildes) keeps it: see heldMetadata.
 const heldHandlerKey = "x-acemq-inbox-handler"
 
+// heldTopicKey is the metadata key under which a held message keeps the
+// topic it was delivered from (the router's subscribe topic), taken out
+// as heldHandlerKey is: where its handler is gone (renamed, or one of
+// several workers of a topic named apart, scaled down), a handler of the
+// same consumer and topic runs it. A consumer dedupes a message once, so
+// two handlers of one consumer and one topic are workers of one handler.
+const heldTopicKey = "x-acemq-inbox-topic"
+
 // heldIDKey is the metadata key under which a held message whose row keeps
 // its id under its digest (an id the key column cannot hold as it is: see
 // sqldialect.InboxKey) keeps the id itself, for its handler, which is
@@ -114,12 +122,13 @@ const heldHandlerKey = "x-acemq-inbox-handler"
 const heldIDKey = "x-acemq-inbox-id"
 
 // heldMetadata is md as a held row keeps it: heldHandlerKey set to handler,
-// heldIDKey to id where the row keeps a digest of it, and the message's
+// heldTopicKey to topic (if any), heldIDKey to id where the row keeps a
+// digest of it, and the message's
 // own keys of those names followed by none or more tildes given one tilde
 // more, which heldRelease takes off again. Before, a message that arrived
 // with the key lost its value to the handler's name.
-func heldMetadata(md message.Metadata, handler, id string) message.Metadata {
-	kept := make(message.Metadata, len(md)+2)
+func heldMetadata(md message.Metadata, handler, topic, id string) message.Metadata {
+	kept := make(message.Metadata, len(md)+3)
 	for k, v := range md {
 		if isHeldKey(k) {
 			k += "~"
@@ -127,6 +136,9 @@ func heldMetadata(md message.Metadata, handler, id string) message.Metadata {
 		kept[k] = v
 	}
 	kept[heldHandlerKey] = handler
+	if topic != "" {
+		kept[heldTopicKey] = topic
+	}
 	if sqldialect.InboxKey(id) != id {
 		kept[heldIDKey] = id
 	}
@@ -135,19 +147,21 @@ func heldMetadata(md message.Metadata, handler, id string) message.Metadata {
 
 // heldRelease is the metadata a held row kept (see heldMetadata) as the
 // message came, the name of the handler it was held for (byName: whether
-// the row names one; an earlier version's may not), and the id it was
-// deduped on, stored (the row's message_id, a digest where the row keeps
-// one).
-func heldRelease(kept message.Metadata, stored string) (md message.Metadata, handler string, byName bool, id string) {
+// the row names one; an earlier version's may not) and the topic it came
+// from ("" if the row names none), and the id it was deduped on, stored
+// (the row's message_id, a digest where the row keeps one).
+func heldRelease(kept message.Metadata, stored string) (md message.Metadata, handler string, byName bool, topic, id string) {
 	id = stored
 	if kept == nil {
-		return nil, "", false, id
+		return nil, "", false, "", id
 	}
 	md = make(message.Metadata, len(kept))
 	for k, v := range kept {
 		switch {
 		case k == heldHandlerKey:
 			handler, byName = v, true
+		case k == heldTopicKey:
+			topic = v
 		case k == heldIDKey:
 			if sqldialect.InboxKey(v) == stored {
 				id = v
@@ -158,13 +172,13 @@ func heldRelease(kept message.Metadata, stored string) (md message.Metadata, han
 			md[k] = v
 		}
 	}
-	return md, handler, byName, id
+	return md, handler, byName, topic, id
 }
 
-// isHeldKey: k is heldHandlerKey or heldIDKey followed by none or more
-// tildes.
+// isHeldKey: k is heldHandlerKey, heldTopicKey or heldIDKey followed by
+// none or more tildes.
 func isHeldKey(k string) bool {
-	for _, held := range []string{heldHandlerKey, heldIDKey} {
+	for _, held := range []string{heldHandlerKey, heldTopicKey, heldIDKey} {
 		if rest, ok := strings.CutPrefix(k, held); ok && strings.Trim(rest, "~") == "" {
 			return true
 		}
@@ -188,6 +202,8 @@ type orderedState struct {
 	// told holds the routes whose held messages were found waiting for
 	// their handler, logged once each (see applyNext).
 	told map[routeKey]bool
+	// scans holds, by consumer, the turn of its wakes (see scanTurn).
+	scans map[string]chan struct{}
 }
 
 func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
@@ -347,11 +363,13 @@ func (in *Inbox) firstWait(consumer, handler string) bool {
 	return true
 }
 
-// route is the route of a held message of consumer delivered to handler;
-// ok false when this inbox has not seen that handler (yet). byName false:
-// the row names no handler (held by an earlier version), and the
-// consumer's first handler seen takes it.
-func (in *Inbox) route(consumer, handler string, byName bool) (r orderedRoute, ok bool) {
+// route is the route of a held message of consumer delivered to handler
+// from topic; ok false when this inbox has not seen that handler (yet),
+// nor another of consumer's from topic (see heldTopicKey; the one first
+// by name, where several are). byName false: the row names no handler
+// (held by an earlier version), and the consumer's first handler seen
+// takes it.
+func (in *Inbox) route(consumer, handler string, byName bool, topic string) (r orderedRoute, ok bool) {
 	o := in.ordered
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -361,7 +379,15 @@ func (in *Inbox) route(consumer, handler string, byName bool) (r orderedRoute, o
 			return orderedRoute{}, false
 		}
 	}
-	r, ok = o.routes[k]
+	if r, ok = o.routes[k]; ok || topic == "" {
+		return r, ok
+	}
+	sibling := ""
+	for rk, rt := range o.routes {
+		if rk.consumer == consumer && rk.handler != "" && message.SubscribeTopicFromCtx(rt.ctx) == topic && (!ok || rk.handler < sibling) {
+			r, ok, sibling = rt, true, rk.handler
+		}
+	}
 	return r, ok
 }
 
@@ -670,7 +696,7 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 // hold writes msg into acemq_inbox_held, with the name of the handler it
 // was delivered to (heldHandlerKey); false if it is there already.
 func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, seq int64, id string, msg *message.Message) (bool, error) {
-	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context()), id))
+	md, err := rowcodec.EncodeMetadata(heldMetadata(msg.Metadata, message.HandlerNameFromCtx(msg.Context()), message.SubscribeTopicFromCtx(msg.Context()), id))
 	if err != nil {
 		return false, fmt.Errorf("outbox: inbox: hold %s: metadata: %w", idText(id), err)
 	}
@@ -811,9 +837,10 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key,
 	}
 	var heldBy string
 	var byName bool
-	msg.Metadata, heldBy, byName, id = heldRelease(msg.Metadata, id)
+	var topic string
+	msg.Metadata, heldBy, byName, topic, id = heldRelease(msg.Metadata, id)
 	msg.UUID = id // the id itself where the row keeps its digest
-	rt, ok := in.route(consumer, heldBy, byName)
+	rt, ok := in.route(consumer, heldBy, byName, topic)
 	if !ok {
 		// Its handler has not run behind this inbox in this process: it
 		// stays held, and its key with it, until that handler's next
@@ -823,8 +850,9 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key,
 			// Once a handler: a restarted service that held many messages
 			// of a quiet topic waits as long as the topic stays quiet, and
 			// an operator saw only outboxctl held's keys waiting.
-			in.log.Info("Held messages wait for their handler, which has had no delivery since this process started: they run at its next delivery, "+
-				"or as the router starts where inbox.Subscriber wraps the handler's subscriber (outboxctl held lists them; skip-held gives one up)", fields)
+			in.log.Info("Held messages wait for their handler, which has had no delivery in this process since it started: they run at its next delivery "+
+				"(or its process's, where it runs in another), or as the router starts where inbox.Subscriber wraps the handler's subscriber "+
+				"(outboxctl held lists them; skip-held gives one up)", fields)
 		}
 		in.log.Debug("Held message waits for its handler", fields)
 		return false, false, "", nil
@@ -1419,6 +1447,6 @@ func (in *Inbox) heldNext(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	if m.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
 		m.Metadata, m.MetadataErr, m.StoredMetadata = nil, err, metadata
 	}
-	m.Metadata, _, _, m.ID = heldRelease(m.Metadata, id)
+	m.Metadata, _, _, _, m.ID = heldRelease(m.Metadata, id)
 	return m, nil
 }

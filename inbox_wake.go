@@ -140,7 +140,7 @@ func (in *Inbox) wake(h message.HandlerFunc, code handlerCode, msg *message.Mess
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(ctx)
 	}
-	fields := watermill.LogFields{"consumer": consumer, "handler": message.HandlerNameFromCtx(ctx)}
+	fields := watermill.LogFields{"consumer": consumer, "woken_by": message.HandlerNameFromCtx(ctx)}
 	if err := checkConsumer(in.dialect, consumer); err != nil {
 		in.log.Error("Outbox inbox: a handler's held messages cannot be applied at its start: its consumer name is not valid", err, fields)
 		return
@@ -151,13 +151,48 @@ func (in *Inbox) wake(h message.HandlerFunc, code handlerCode, msg *message.Mess
 		in.log.Error("Outbox inbox: a handler's held messages cannot be applied at its start", err, fields)
 		return
 	}
+	// One wake of a consumer at a time: the wakes of its handlers come at
+	// once, and each read the same ready keys and contended for them (a
+	// review: about 250 keys a second, however many handlers). The next
+	// one then finds what only its handler could run.
+	release, ok := in.ordered.scanTurn(ctx, consumer)
+	if !ok {
+		return
+	}
+	defer release()
 	n, err := in.applyHeldOf(ctx, consumer)
 	if n > 0 {
 		fields["applied"] = n
-		in.log.Info("Outbox inbox: held messages whose turn had come applied as their handler started", fields)
+		in.log.Info("Outbox inbox: held messages whose turn had come applied as a handler of their consumer started", fields)
 	}
-	if err != nil && ctx.Err() == nil {
+	switch {
+	case err == nil:
+	case ctx.Err() != nil:
+		// The router closing, or Timeout's deadline, before the inbox.
+		in.log.Info("Outbox inbox: held messages left for ApplyHeld's ticks: the wake's context ended before it applied them all", fields)
+	default:
 		in.log.Error("Outbox inbox: held messages could not all be applied as their handler started; ApplyHeld tries again", err, fields)
+	}
+}
+
+// scanTurn waits, until ctx ends (ok false), for the consumer's turn to
+// apply its ready held messages at a wake; release gives it back.
+func (o *orderedState) scanTurn(ctx context.Context, consumer string) (release func(), ok bool) {
+	o.mu.Lock()
+	if o.scans == nil {
+		o.scans = map[string]chan struct{}{}
+	}
+	turn, had := o.scans[consumer]
+	if !had {
+		turn = make(chan struct{}, 1)
+		o.scans[consumer] = turn
+	}
+	o.mu.Unlock()
+	select {
+	case turn <- struct{}{}:
+		return func() { <-turn }, true
+	case <-ctx.Done():
+		return nil, false
 	}
 }
 

@@ -235,3 +235,62 @@ func TestOrderedInbox_Subscriber_TheInboxsOwnMessageReachesNoHandlerAndNoPoisonT
 	case <-time.After(200 * time.Millisecond): // a poison publish comes before the ack counted above
 	}
 }
+
+// Held messages are tied to the handler they were delivered to. A service
+// that names its workers apart (ledger-paid-1, ledger-paid-2) and runs
+// fewer after a deploy, or renames a handler, left the held messages of
+// the handler gone held for good (a review: 148 of them, from three paid
+// workers down to one). A handler of the same consumer and topic now runs
+// them: a consumer dedupes a message once, so such handlers are workers
+// of one. A handler of another topic never does.
+func TestOrderedInbox_HandlerGone_ItsHeldMessagesRunInAWorkerOfTheSameTopic(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		cfg := outbox.InboxConfig{ConsumerName: "ledger", ApplyHeldEvery: time.Hour}
+		var mu sync.Mutex
+		var ran []string
+		run := func(handlers ...string) (*gochannel.GoChannel, func()) {
+			in := orderedInbox(t, db, cfg)
+			bus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+			r := newRouter(t)
+			r.AddMiddleware(in.Middleware)
+			r.AddPlugin(in.Plugin())
+			for _, name := range handlers {
+				topic := "order.paid"
+				if name == "ledger-placed" {
+					topic = "order.placed"
+				}
+				r.AddConsumerHandler(name, topic, in.Subscriber(bus), func(msg *message.Message) error {
+					mu.Lock()
+					defer mu.Unlock()
+					ran = append(ran, name+" "+msg.Metadata.Get(outbox.HeaderSeq))
+					return nil
+				})
+			}
+			return bus, startRouter(t, r)
+		}
+		bus, stop := run("ledger-paid-2")
+		if err := bus.Publish("order.paid", keyedMsg("order-3", 2)); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 10*time.Second, "seq 2 held", func() bool { return countHeld(t, db) == 1 })
+		stop()
+
+		bus, stop = run("ledger-placed") // no order.paid handler: seq 2 waits
+		if err := bus.Publish("order.placed", keyedMsg("order-3", 1)); err != nil {
+			t.Fatal(err)
+		}
+		if n := countHeld(t, db); n != 1 {
+			t.Fatalf("%d held once seq 1 was acked; want seq 2, which no handler of its topic ran", n)
+		}
+		stop()
+
+		run("ledger-placed", "ledger-paid-1") // one worker of order.paid, named otherwise
+		waitFor(t, 10*time.Second, "seq 2 applied", func() bool { return countHeld(t, db) == 0 })
+		mu.Lock()
+		defer mu.Unlock()
+		if want := []string{"ledger-placed 1", "ledger-paid-1 2"}; !reflect.DeepEqual(ran, want) {
+			t.Errorf("ran %q, want %q", ran, want)
+		}
+	})
+}
