@@ -145,12 +145,23 @@ func (s *heldSubscriber) Subscribe(ctx context.Context, _ string) (<-chan *messa
 }
 
 func (s *heldSubscriber) tick(ctx context.Context) {
-	t := time.NewTicker(s.in.cfg.ApplyHeldEvery)
+	every := s.in.cfg.ApplyHeldEvery
+	wait := every
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-s.in.ordered.failed:
+			// A held message's handler failed (at its turn, after its
+			// predecessor): tried again soon, as Retry would a delivery,
+			// not an ApplyHeldEvery later.
+			if soon := min(heldRetryFirst, every); wait > soon {
+				wait = soon
+				t.Reset(wait)
+			}
+			continue
 		case <-t.C:
 		}
 		// Under way as the router closes, a held message finishes (see
@@ -158,19 +169,34 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 		work, cancel := finishing(ctx)
 		_, err := s.in.applyAllHeld(work, ctx)
 		cancel()
+		select {
+		case <-s.in.ordered.failed: // this tick's own failures
+		default:
+		}
 		switch {
-		case err == nil || ctx.Err() != nil:
+		case err == nil:
+			wait = every
+		case ctx.Err() != nil:
 		case s.in.dialect.sql().ConnLost(err):
 			// An outage, as the deliveries wait it out: not an error at
 			// every tick of it.
 			s.in.log.Info("Outbox inbox: the database connection was lost applying held messages; trying again at the next tick",
-				watermill.LogFields{"every": s.in.cfg.ApplyHeldEvery.String(), "error": err.Error()})
+				watermill.LogFields{"every": every.String(), "error": err.Error()})
+			wait = every
 		default:
-			s.in.log.Error("Outbox inbox: held messages could not all be applied; trying again at the next tick", err,
-				watermill.LogFields{"every": s.in.cfg.ApplyHeldEvery.String()})
+			// Doubling from heldRetryFirst while held messages keep failing.
+			wait = min(2*wait, every)
+			s.in.log.Error("Outbox inbox: held messages could not all be applied; trying again", err,
+				watermill.LogFields{"in": wait.String()})
 		}
+		t.Reset(wait)
 	}
 }
+
+// heldRetryFirst is how soon the plugin's ticks try again a held message
+// whose handler failed, doubling up to ApplyHeldEvery while it fails: as
+// the README's Retry tries a delivery again after 100 ms.
+const heldRetryFirst = 100 * time.Millisecond
 
 // Close stops the ticks and waits for them: a held message under way
 // finishes, and no other is begun.

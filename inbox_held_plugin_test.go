@@ -81,3 +81,39 @@ func TestInbox_Plugin_NotOrdered_AddsNoHandler(t *testing.T) {
 		t.Fatalf("the router has %d handlers; want none", n)
 	}
 }
+
+// A held message whose handler fails at its turn is tried again by the
+// plugin 100 ms later, doubling, as Retry tries a delivery: it waited for
+// the next ApplyHeldEvery tick (10 s by default; a review's restarts
+// waited 10.4 s for transient failures).
+func TestOrderedInbox_Plugin_HeldMessageFailedAtItsTurn_TriedAgainSoonNotAtTheNextTick(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	in := newInbox(t, db, outbox.InboxConfig{Ordered: true, ApplyHeldEvery: time.Hour})
+	var fails atomic.Int32
+	log := &applyLog{fail: func(msg *message.Message) error {
+		if msg.Metadata.Get(outbox.HeaderSeq) == "2" && fails.Add(1) <= 2 {
+			return errors.New("the ledger is briefly away")
+		}
+		return nil
+	}}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	router := newRouter(t)
+	router.AddMiddleware(in.Middleware)
+	router.AddPlugin(in.Plugin())
+	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
+		_, err := log.handler(t, db)(msg)
+		return err
+	})
+	startRouter(t, router)
+	for _, seq := range []int{2, 1} { // 2 is held, 1 releases it, and it fails
+		if err := pubsub.Publish("payments", keyedMsg("pay-1", seq)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 5*time.Second, "seq 2 applied", func() bool { return len(log.of("pay-1")) == 2 })
+	if n := fails.Load(); n != 3 {
+		t.Errorf("seq 2 ran %d times; want 3 (failed at its turn, at the first try again, then applied)", n)
+	}
+}

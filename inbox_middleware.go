@@ -150,9 +150,10 @@ type InboxConfig struct {
 	// Default DefaultGapAfter (5 minutes).
 	GapAfter time.Duration
 	// ApplyHeldEvery, with Ordered, is how often the inbox's router plugin
-	// (Plugin) calls ApplyHeld: how long a held message whose handler
-	// failed when its turn came waits for its next try when no delivery of
-	// its key comes, and how old the held-message gauges get. Default
+	// (Plugin) calls ApplyHeld, and how old the held-message gauges get.
+	// A held message whose handler failed when its turn came is tried
+	// again sooner, 100 ms after, doubling up to ApplyHeldEvery while it
+	// fails, when no delivery of its key comes first. Default
 	// DefaultApplyHeldEvery (10 s); each call is a read or two.
 	ApplyHeldEvery time.Duration
 	// PurgeBatch is how many rows one DELETE of PurgeProcessed removes.

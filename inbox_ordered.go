@@ -204,11 +204,15 @@ type orderedState struct {
 	told map[routeKey]bool
 	// scans holds, by consumer, the turn of its wakes (see scanTurn).
 	scans map[string]chan struct{}
+	// failed has a value when a held message's handler failed since the
+	// plugin's ticks last looked: they try again sooner (see
+	// heldSubscriber.tick).
+	failed chan struct{}
 }
 
 func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedState {
 	return &orderedState{q: sqldialect.NewOrderedInbox(d), routes: map[routeKey]orderedRoute{}, first: map[string]routeKey{}, bare: map[string]handlerCode{},
-		pool: pool, table: table}
+		pool: pool, table: table, failed: make(chan struct{}, 1)}
 }
 
 // consumerTables are the Tables of the process's ordered consumers, by
@@ -762,6 +766,10 @@ func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, ke
 		}
 		if err != nil && ran {
 			in.cfg.Metrics.inbox(consumer, inboxFailed)
+			select {
+			case in.ordered.failed <- struct{}{}:
+			default:
+			}
 		}
 		if err != nil || !applied {
 			return n, err
