@@ -94,7 +94,13 @@ type poisonPublisher struct {
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	// A wake of Subscriber's that a middleware before the inbox failed is
 	// the inbox's own, no message of the service's: nothing to set aside.
-	msgs = slices.DeleteFunc(slices.Clone(msgs), func(msg *message.Message) bool { return wakeOf(msg) != nil })
+	msgs = slices.DeleteFunc(slices.Clone(msgs), func(msg *message.Message) bool {
+		if wakeOf(msg) == nil {
+			return false
+		}
+		wakeTaken(msg)
+		return true
+	})
 	if len(msgs) == 0 {
 		return nil
 	}

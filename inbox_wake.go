@@ -11,8 +11,9 @@ import (
 // WakeMetadataKey is set ("true") on the message inbox.Subscriber delivers
 // to a handler as it starts (see Subscriber): a middleware before the
 // inbox that counts, traces or validates messages may leave it alone. The
-// inbox and Plugin know the message by its context, not by this key: a
-// broker message carrying it is a message like any other.
+// inbox and Plugin know the message by its context, or by its UUID, which
+// only the process that sent it knows: a broker message carrying this key
+// is a message like any other.
 const WakeMetadataKey = "x-acemq-inbox-wake"
 
 // Subscriber wraps sub, the subscriber of router handlers behind this
