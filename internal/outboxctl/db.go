@@ -497,6 +497,21 @@ func (c *cli) store(d *database, purgeBatch int) (*outbox.Store, error) {
 // command but migrate.
 func (c *cli) openOutbox() (*database, error) { return c.openChecked(true) }
 
+// openStore is openOutbox and the Store over it; the caller closes the
+// database.
+func (c *cli) openStore() (*database, *outbox.Store, error) {
+	d, err := c.openOutbox()
+	if err != nil {
+		return nil, nil, err
+	}
+	s, err := c.store(d, 0)
+	if err != nil {
+		_ = d.Close()
+		return nil, nil, err
+	}
+	return d, s, nil
+}
+
 // openChecked opens --db after checking the table names, and checks that the
 // outbox table exists if the command needs it.
 func (c *cli) openChecked(needOutbox bool) (*database, error) {

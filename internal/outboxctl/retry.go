@@ -26,15 +26,11 @@ func (c *cli) retry(args []string) error {
 	if ids, err = uniqueIDs("retry", ids); err != nil {
 		return err
 	}
-	d, err := c.openOutbox()
+	d, s, err := c.openStore()
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	s, err := c.store(d, 0)
-	if err != nil {
-		return err
-	}
 	var (
 		n      int64
 		before []showRow // the ids' rows before the retry, to say why one was left alone

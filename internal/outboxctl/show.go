@@ -39,15 +39,11 @@ func (c *cli) show(args []string) error {
 	if ids, err = uniqueIDs("show", ids); err != nil {
 		return err
 	}
-	d, err := c.openOutbox()
+	d, s, err := c.openStore()
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	s, err := c.store(d, 0)
-	if err != nil {
-		return err
-	}
 	out, err := c.lookupRows(s, ids)
 	if err != nil {
 		return d.explain(err, c.g.table)

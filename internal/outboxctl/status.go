@@ -54,15 +54,11 @@ func (c *cli) status(args []string) error {
 	if err := noArgs(fs, rest); err != nil {
 		return err
 	}
-	d, err := c.openOutbox()
+	d, s, err := c.openStore()
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	s, err := c.store(d, 0)
-	if err != nil {
-		return err
-	}
 	now := time.Now()
 	st, err := s.Stats(c.ctx)
 	if err != nil {

@@ -49,15 +49,11 @@ func (c *cli) stuck(args []string) error {
 	if *limit < 1 {
 		return usagef("--limit: %d; want at least 1", *limit)
 	}
-	d, err := c.openOutbox()
+	d, s, err := c.openStore()
 	if err != nil {
 		return err
 	}
 	defer d.Close()
-	s, err := c.store(d, 0)
-	if err != nil {
-		return err
-	}
 	recs, err := s.Stuck(c.ctx, *limit)
 	if err != nil {
 		return d.explain(err, c.g.table)
