@@ -147,6 +147,10 @@ func (s *heldSubscriber) Subscribe(ctx context.Context, _ string) (<-chan *messa
 func (s *heldSubscriber) tick(ctx context.Context) {
 	every := s.in.cfg.ApplyHeldEvery
 	wait := every
+	// retry is the backoff under way since a held message's handler failed
+	// (0: none): a failure signalled during it does not start it again, or
+	// a stream of them (a downstream outage) kept the ticks at 100 ms.
+	var retry time.Duration
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
@@ -157,9 +161,12 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 			// A held message's handler failed (at its turn, after its
 			// predecessor): tried again soon, as Retry would a delivery,
 			// not an ApplyHeldEvery later.
-			if soon := min(heldRetryFirst, every); wait > soon {
-				wait = soon
-				t.Reset(wait)
+			if retry == 0 {
+				retry = min(heldRetryFirst, every)
+				if wait > retry {
+					wait = retry
+					t.Reset(wait)
+				}
 			}
 			continue
 		case <-t.C:
@@ -175,17 +182,21 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 		}
 		switch {
 		case err == nil:
-			wait = every
+			retry, wait = 0, every
 		case ctx.Err() != nil:
 		case s.in.dialect.sql().ConnLost(err):
 			// An outage, as the deliveries wait it out: not an error at
 			// every tick of it.
 			s.in.log.Info("Outbox inbox: the database connection was lost applying held messages; trying again at the next tick",
 				watermill.LogFields{"every": every.String(), "error": err.Error()})
-			wait = every
+			retry, wait = 0, every
 		default:
 			// Doubling from heldRetryFirst while held messages keep failing.
-			wait = min(2*wait, every)
+			wait = every
+			if retry > 0 {
+				retry = min(2*retry, every)
+				wait = retry
+			}
 			s.in.log.Error("Outbox inbox: held messages could not all be applied; trying again", err,
 				watermill.LogFields{"in": wait.String()})
 		}

@@ -754,7 +754,7 @@ func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, ke
 		if err := halt.Err(); err != nil {
 			return n, err
 		}
-		applied, ran, err := in.applyNextHeld(ctx, delivery, consumer, key)
+		applied, ran, err := in.applyNextHeld(ctx, halt, delivery, consumer, key)
 		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(halt, conflictPause(try)) {
 			try++
 			continue
@@ -799,14 +799,14 @@ func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, ke
 // that is another message than the one looked for (a delivery or another
 // consumer moved the key meanwhile), it is looked for in turn, and applied
 // in a third, and so on while the key moves.
-func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, key string) (applied, ran bool, err error) {
+func (in *Inbox) applyNextHeld(ctx, halt context.Context, delivery *string, consumer, key string) (applied, ran bool, err error) {
 	looked := ""
 	for {
-		applied, ran, asIs, err := in.applyHeld(ctx, delivery, consumer, key, looked)
+		applied, ran, asIs, err := in.applyHeld(ctx, halt, delivery, consumer, key, looked)
 		if asIs == "" || err != nil {
 			return applied, ran, err
 		}
-		if err := in.carryAsIs(ctx, consumer, asIs); err != nil {
+		if err := in.carryAsIs(halt, consumer, asIs); err != nil {
 			return false, false, err
 		}
 		looked = asIs
@@ -817,20 +817,25 @@ func (in *Inbox) applyNextHeld(ctx context.Context, delivery *string, consumer, 
 // one to look for as it is (digested) and not the one looked for already
 // (looked), it applies nothing and returns that id as asIs, for
 // applyNextHeld to look for.
-func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key, looked string) (applied, ran bool, asIs string, err error) {
+//
+// The statements before the handler (the key's lock, the held row's read)
+// run under halt: a lock wait is cut short as the router closes, which
+// costs nothing, since the handler has not run; from the handler on, the
+// transaction runs under ctx (see finishing).
+func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer, key, looked string) (applied, ran bool, asIs string, err error) {
 	tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
 	if err != nil {
 		return false, false, "", fmt.Errorf("outbox: inbox: begin: %w", err)
 	}
 	defer func() { _ = tx.Rollback() }() // a no-op after the commit
-	last, _, err := in.lockSequence(ctx, tx, consumer, key)
+	last, _, err := in.lockSequence(halt, tx, consumer, key)
 	if err != nil {
 		return false, false, "", err
 	}
 	next := last + 1
 	var id, payload, encoding, metadata string
 	q := in.ordered.q.Held(consumer, key, next)
-	switch err := in.queryRow(ctx, tx, q).Scan(&id, &payload, &encoding, &metadata); {
+	switch err := in.queryRow(halt, tx, q).Scan(&id, &payload, &encoding, &metadata); {
 	case errors.Is(err, sql.ErrNoRows):
 		return false, false, "", nil
 	case err != nil:
@@ -870,7 +875,7 @@ func (in *Inbox) applyHeld(ctx context.Context, delivery *string, consumer, key,
 	}
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
-		mctx = ctx // the delivery's own handler: its context, cancellation and all
+		mctx = ctx // the delivery's own handler: its context (without its cancellation: see finishing)
 	}
 	if in.cfg.Propagator != nil {
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
@@ -946,7 +951,7 @@ func (in *Inbox) applyAllHeld(ctx, halt context.Context) (int, error) {
 		}
 	}
 	all := errs.list()
-	if err := in.RefreshStats(ctx); err != nil {
+	if err := in.RefreshStats(halt); err != nil {
 		all = append(all, err)
 	}
 	return applied, errors.Join(all...)
@@ -1013,12 +1018,12 @@ func (in *Inbox) applyReady(ctx, halt context.Context, consumer string, errs *he
 	// otherwise be all that any call ever reached.
 	var after *string
 	for {
-		if err := ctx.Err(); err != nil {
+		if err := halt.Err(); err != nil {
 			return applied, err
 		}
 		q := in.ordered.q.Ready(consumer, after, applyHeldBatch)
 		var keys []string
-		if err := in.db.SelectContext(ctx, &keys, q.SQL, q.Args...); err != nil {
+		if err := in.db.SelectContext(halt, &keys, q.SQL, q.Args...); err != nil {
 			return applied, fmt.Errorf("outbox: inbox: ready held messages of %s: %w", consumer, err)
 		}
 		for _, key := range keys {
