@@ -175,11 +175,11 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 		// finishing); the next key is not begun.
 		work, cancel := finishing(ctx)
 		_, err := s.in.applyAllHeld(work, ctx)
+		// This tick's own failures are signalled too, and start the backoff
+		// where none is under way; they are not cleared here, or a
+		// delivery's failure signalled meanwhile went with them, and its
+		// held message waited ApplyHeldEvery (a review: 10.7 s, 4 runs of 4).
 		cancel()
-		select {
-		case <-s.in.ordered.failed: // this tick's own failures
-		default:
-		}
 		switch {
 		case err == nil:
 			retry, wait = 0, every

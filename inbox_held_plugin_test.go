@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -116,4 +117,57 @@ func TestOrderedInbox_Plugin_HeldMessageFailedAtItsTurn_TriedAgainSoonNotAtTheNe
 	if n := fails.Load(); n != 3 {
 		t.Errorf("seq 2 ran %d times; want 3 (failed at its turn, at the first try again, then applied)", n)
 	}
+}
+
+// A held message that fails while a tick runs (released by a delivery
+// meanwhile) is tried again soon as well: the tick took the failure
+// signals it found at its end for its own, and a tick that itself
+// succeeded then waited ApplyHeldEvery (a review: 10.7 s in 4 runs of 4).
+func TestOrderedInbox_Plugin_HeldMessageFailsDuringATick_TriedAgainSoon(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres) // locks by key: SQLite's one write lock would hold b back until the tick ends
+	createEffects(t, db)
+	in := newInbox(t, db, outbox.InboxConfig{Ordered: true, ApplyHeldEvery: time.Hour})
+	runs := map[string]int{}
+	var mu sync.Mutex
+	tickRuns := make(chan struct{})
+	log := &applyLog{fail: func(msg *message.Message) error {
+		id := msg.Metadata.Get(outbox.HeaderAggregateID) + "/" + msg.Metadata.Get(outbox.HeaderSeq)
+		mu.Lock()
+		runs[id]++
+		n := runs[id]
+		mu.Unlock()
+		switch {
+		case (id == "a/2" || id == "b/2") && n == 1:
+			return errors.New("the ledger is briefly away")
+		case id == "a/2" && n == 2: // the tick's run of it, 100 ms later
+			close(tickRuns)
+			time.Sleep(600 * time.Millisecond) // while b's seq 2 fails
+		}
+		return nil
+	}}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	router := newRouter(t)
+	router.AddMiddleware(in.Middleware)
+	router.AddPlugin(in.Plugin())
+	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
+		_, err := log.handler(t, db)(msg)
+		return err
+	})
+	startRouter(t, router)
+	publish := func(key string, seqs ...int) {
+		for _, seq := range seqs {
+			if err := pubsub.Publish("payments", keyedMsg(key, seq)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	publish("a", 2, 1) // a's seq 2 fails at its turn: a tick 100 ms later
+	select {
+	case <-tickRuns:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no tick ran a's seq 2 again within 5 s")
+	}
+	publish("b", 2, 1) // b's seq 2 fails at its turn, as the tick runs
+	waitFor(t, 5*time.Second, "b's seq 2 applied", func() bool { return len(log.of("b")) == 2 })
 }
