@@ -48,6 +48,7 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 		if r.IsClosed() {
 			return nil
 		}
+		in.plugged.Store(true)
 		// Every delivery carries the context of the handler's run that
 		// delivered it (see routerStopping): the router's own, whatever
 		// other router runs a handler of the same name with this Inbox,

@@ -316,6 +316,11 @@ type Inbox struct {
 	// clock is the server's, on which the at-most-once stamps are written
 	// and compared.
 	clock *dbClock
+
+	// plugged: a router runs the inbox's Plugin, so its deliveries come
+	// with a router handler name unless a middleware dropped their
+	// context (see processOrdered).
+	plugged atomic.Bool
 }
 
 // routerStopping reports whether the router that delivered msg is

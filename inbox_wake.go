@@ -45,9 +45,11 @@ const WakeMetadataKey = "x-acemq-inbox-wake"
 // Middleware (router- or handler-level) before Run. One given it after
 // Run (a handler added after Run, then RunHandlers) has its wake ended
 // before the inbox, and its held messages wait for its first delivery, as
-// without the wrapper. A middleware before the inbox may hand on a rebuilt
-// message (a copy without the wake's context): the inbox knows it by its
-// UUID, though the route it learns then has the copy's context.
+// without the wrapper. A middleware before the inbox that hands on a
+// rebuilt message (a copy without the delivery's context) costs the wake
+// its router values (the inbox still knows it, by its UUID) and every
+// delivery its handler name, which an ordered inbox needs to hold one: hand
+// on msg.CopyWithContext() (see processOrdered's refusal).
 //
 // Without Plugin on the router, or for an inbox that is not Ordered, it
 // delivers nothing of its own: sub as it is.
