@@ -36,8 +36,9 @@ const DefaultApplyHeldEvery = 10 * time.Second
 // service did so). For that, the plugin of an ordered inbox adds a
 // handler of its own to the router ("outbox-inbox-held", and " #2", " #3"…
 // for a second inbox), which receives no message: its subscriber ticks
-// until the router closes. A failed ApplyHeld is logged and tried again
-// at the next tick.
+// until the router closes. A failed ApplyHeld is logged; a held message
+// whose handler failed is tried again 100 ms later, doubling up to
+// ApplyHeldEvery while it fails.
 //
 // With the plugin, a handler's subscriber wrapped by Subscriber has the
 // handler's held messages applied as the router starts; the plugin's
@@ -187,17 +188,21 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 		case ctx.Err() != nil:
 		case s.in.dialect.sql().ConnLost(err):
 			// An outage, as the deliveries wait it out: not an error at
-			// every tick of it.
+			// every tick of it. A backoff under way goes on.
 			s.in.log.Info("Outbox inbox: the database connection was lost applying held messages; trying again at the next tick",
 				watermill.LogFields{"every": every.String(), "error": err.Error()})
-			retry, wait = 0, every
-		default:
-			// Doubling from heldRetryFirst while held messages keep failing.
 			wait = every
 			if retry > 0 {
-				retry = min(2*retry, every)
 				wait = retry
 			}
+		default:
+			// From heldRetryFirst, doubling while held messages keep failing.
+			if retry == 0 {
+				retry = min(heldRetryFirst, every)
+			} else {
+				retry = min(2*retry, every)
+			}
+			wait = retry
 			s.in.log.Error("Outbox inbox: held messages could not all be applied; trying again", err,
 				watermill.LogFields{"in": wait.String()})
 		}

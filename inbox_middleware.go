@@ -319,7 +319,8 @@ type Inbox struct {
 
 	// plugged: a router runs the inbox's Plugin, so its deliveries come
 	// with a router handler name unless a middleware dropped their
-	// context (see processOrdered).
+	// context, or they were handed to the inbox outside it (see
+	// processOrdered).
 	plugged atomic.Bool
 }
 

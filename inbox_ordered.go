@@ -204,6 +204,9 @@ type orderedState struct {
 	told map[routeKey]bool
 	// scans holds, by consumer, the turn of its wakes (see scanTurn).
 	scans map[string]chan struct{}
+	// nameless holds the consumers that held a message without a router
+	// handler name under a plugged inbox, logged once each.
+	nameless map[string]bool
 	// failed has a value when a held message's handler failed since the
 	// plugin's ticks last looked: they try again sooner (see
 	// heldSubscriber.tick).
@@ -350,6 +353,22 @@ func (in *Inbox) routedConsumers() []string {
 	return names
 }
 
+// firstNameless reports whether this is consumer's first message held
+// without a router handler name on an inbox a router runs (see
+// processOrdered).
+func (o *orderedState) firstNameless(consumer string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.nameless[consumer] {
+		return false
+	}
+	if o.nameless == nil {
+		o.nameless = map[string]bool{}
+	}
+	o.nameless[consumer] = true
+	return true
+}
+
 // firstWait reports whether this is the first time in this process that a
 // held message of consumer was found waiting for handler.
 func (in *Inbox) firstWait(consumer, handler string) bool {
@@ -485,16 +504,17 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		in.log.Debug("Message of a sequence number applied already acked without running the handler", fields)
 		return inboxDuplicate, nil
 	case seq > last+1:
-		if in.plugged.Load() && message.HandlerNameFromCtx(msg.Context()) == "" {
-			// Held, it would run in the handler of "" (see remember): under
-			// a router, whichever handler's delivery came through such a
-			// middleware last. A review's ledger, behind a middleware that
+		if in.plugged.Load() && message.HandlerNameFromCtx(msg.Context()) == "" && in.ordered.firstNameless(consumer) {
+			// Held so, it runs in the handler of "" (see remember): under a
+			// router, whichever handler's delivery came through such a
+			// middleware last (a review's ledger, behind a middleware that
 			// handed on msg.Copy(), applied 251 of 300 order.paid events in
-			// its order.placed handler. Refused, it comes back until its
-			// turn, and then runs in its own delivery's handler.
-			return inboxFailed, fmt.Errorf("outbox: inbox: message %s (aggregateId %.80q, seq %d, the key's next %d) would be held, but its context has no router handler name, "+
-				"which its held run needs: a middleware before the inbox handed on a copy without the delivery's context (msg.Copy(); hand on msg.CopyWithContext(), "+
-				"or SetContext(msg.Context()) on the copy); nacked, it is delivered again", idText(id), key, seq, last+1)
+			// its order.placed handler). Said once a consumer: refused, the
+			// README's chain set it aside on the poison topic, and a message
+			// handed to the inbox outside the router is held rightly so.
+			in.log.Error("Outbox inbox: a keyed message held without a router handler name, on an inbox a router runs: "+
+				"if a middleware before the inbox hands on a copy without the delivery's context (msg.Copy()), its held messages may run in another handler of the consumer; "+
+				"hand on msg.CopyWithContext()", nil, fields)
 		}
 		fresh, err := in.hold(ctx, tx, consumer, key, seq, id, msg)
 		if err != nil {

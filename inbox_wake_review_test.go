@@ -298,3 +298,28 @@ func TestOrderedInbox_Wake_WatermillMiddlewaresTwoInboxesNoConsumerName_HeldAppl
 		t.Errorf("seq 2: %d effects, want 1", c)
 	}
 }
+
+// An ordered Inbox whose Plugin runs on a router, and which the service
+// also uses outside any router (a consume loop of its own, a test), holds
+// the direct deliveries' out-of-order messages for their bare handler, as
+// it did before the router ran. (A refusal to hold a message without a
+// router handler name on a plugged inbox, tried for msg.Copy() middlewares,
+// refused these.)
+func TestOrderedInbox_PluggedInboxUsedOutsideTheRouter_HoldsDirectDeliveries(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	createEffects(t, db)
+	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "direct", ApplyHeldEvery: time.Hour})
+	pubsub := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	r := newRouter(t)
+	r.AddMiddleware(in.Middleware)
+	r.AddPlugin(in.Plugin())
+	r.AddConsumerHandler("on_created", "order.created", pubsub, func(*message.Message) error { return nil })
+	startRouter(t, r)
+
+	var l applyLog
+	deliver(t, in.Middleware(l.handler(t, db)), "direct-1", 2, 1)
+	if got, want := l.of("direct-1"), []int{1, 2}; !reflect.DeepEqual(got, want) {
+		t.Errorf("applied %v, want %v", got, want)
+	}
+}

@@ -1604,13 +1604,16 @@ type RecordState struct {
 	// ProcessedAt, in UTC.
 	Published                           bool
 	CreatedAt, PublishedAt, ProcessedAt time.Time
-	// Leased, LeasedBy and LeasedUntil: as StuckRecord's.
+	// Leased, LeasedBy and LeasedUntil: as StuckRecord's. Locked: the row
+	// has a locked_by or locked_until, live or not (a Retry clears them).
 	Leased      bool
 	LeasedBy    string
 	LeasedUntil time.Time
+	Locked      bool
 }
 
-// Lookup reads the rows of ids that are in the table, oldest first: what
+// Lookup reads the rows of ids that are in the table, oldest first (by
+// created_at, then id): what
 // an operator looks up about a message (outboxctl show), and what tells
 // why a Retry left an id alone.
 func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error) {
@@ -1636,6 +1639,7 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 			r.Exchange, r.RoutingKey, r.AggregateID, r.Seq, r.Attempts, r.LastError = exchange.String, routingKey.String, key.String, seq.Int64, int(attempts.Int64), lastErr.String
 			r.CreatedAt, r.PublishedAt, r.ProcessedAt = created.T, published.T, processed.T
 			r.Published = !published.T.IsZero() || published.Err != nil // a value no parser reads is still set
+			r.Locked = lockedBy.Valid || !lockedUntil.T.IsZero() || lockedUntil.Err != nil
 			if r.Leased {
 				r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
 			}
@@ -1648,6 +1652,10 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 			return nil, fmt.Errorf("outbox: lookup: %w", err)
 		}
 	}
+	// Oldest first across the statements too.
+	slices.SortStableFunc(out, func(a, b RecordState) int {
+		return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), strings.Compare(a.ID, b.ID))
+	})
 	return out, nil
 }
 

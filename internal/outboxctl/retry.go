@@ -74,7 +74,7 @@ func (c *cli) retry(args []string) error {
 		left := int64(len(ids)) - n
 		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
 		for _, row := range before {
-			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0) {
+			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0 && !row.locked) {
 				fmt.Fprintf(c.stdout, "  %s: %s\n", row.ID, c.why(row))
 				left--
 			}

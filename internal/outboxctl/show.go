@@ -24,6 +24,7 @@ type showRow struct {
 	ProcessedAt *time.Time `json:"processed_at,omitempty"`
 	LeasedBy    *string    `json:"leased_by,omitempty"`
 	LeasedUntil *time.Time `json:"leased_until,omitempty"`
+	locked      bool       // a lease, live or not, which a retry clears
 }
 
 func (c *cli) show(args []string) error {
@@ -92,7 +93,7 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 		return &t
 	}
 	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = r.Exchange, r.RoutingKey, r.AggregateID, r.Seq
-	row.Attempts, row.LastError = r.Attempts, r.LastError
+	row.Attempts, row.LastError, row.locked = r.Attempts, r.LastError, r.Locked
 	row.CreatedAt, row.PublishedAt, row.ProcessedAt = at(r.CreatedAt), at(r.PublishedAt), at(r.ProcessedAt)
 	switch {
 	case r.Published:

@@ -57,9 +57,12 @@ func TestRetry_IDsLeftAlone_EachSaysWhy(t *testing.T) {
 		db := f.db
 		until := time.Now().Add(time.Hour).UTC()
 		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
-		out := mustCtl(t, "retry", "--db", db.DSN, f.stuck[0], f.stuck[1], f.pending[0], f.publishedOld[0], "no-such-id")
-		want := "1 row made pending again (attempts reset to 0)\n" +
-			"4 of the 5 ids given left as they were:\n" +
+		// A relay that crashed mid-claim left a lease that ran out: retry
+		// clears it, so it is not among those left alone.
+		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "crashed-relay", ts(kind, time.Now().Add(-time.Hour)), f.pending[1])
+		out := mustCtl(t, "retry", "--db", db.DSN, f.stuck[0], f.stuck[1], f.pending[0], f.publishedOld[0], "no-such-id", f.pending[1])
+		want := "2 rows made pending again (attempts reset to 0)\n" +
+			"4 of the 6 ids given left as they were:\n" +
 			"  " + f.stuck[1] + ": in flight: relay rails-relay-7 holds it under a lease until " + until.Format("2006-01-02 15:04:05Z") + "; retry leaves it alone until then\n" +
 			"  " + f.pending[0] + ": pending: the relay publishes it at its next claim\n"
 		if !strings.HasPrefix(out, want) || !regexp.MustCompile(`(?m)^  `+f.publishedOld[0]+`: published \S+ \S+Z; not marked processed by a consumer of this database\n  no-such-id: not in acemq_outbox\n$`).MatchString(out) {
