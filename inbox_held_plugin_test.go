@@ -99,15 +99,7 @@ func TestOrderedInbox_Plugin_HeldMessageFailedAtItsTurn_TriedAgainSoonNotAtTheNe
 		}
 		return nil
 	}}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	router := newRouter(t)
-	router.AddMiddleware(in.Middleware)
-	router.AddPlugin(in.Plugin())
-	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
-		_, err := log.handler(t, db)(msg)
-		return err
-	})
-	startRouter(t, router)
+	pubsub := pluggedLedger(t, db, in, log)
 	for _, seq := range []int{2, 1} { // 2 is held, 1 releases it, and it fails
 		if err := pubsub.Publish("payments", keyedMsg("pay-1", seq)); err != nil {
 			t.Fatal(err)
@@ -146,15 +138,7 @@ func TestOrderedInbox_Plugin_HeldMessageFailsDuringATick_TriedAgainSoon(t *testi
 		}
 		return nil
 	}}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	router := newRouter(t)
-	router.AddMiddleware(in.Middleware)
-	router.AddPlugin(in.Plugin())
-	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
-		_, err := log.handler(t, db)(msg)
-		return err
-	})
-	startRouter(t, router)
+	pubsub := pluggedLedger(t, db, in, log)
 	publish := func(key string, seqs ...int) {
 		for _, seq := range seqs {
 			if err := pubsub.Publish("payments", keyedMsg(key, seq)); err != nil {
@@ -170,4 +154,22 @@ func TestOrderedInbox_Plugin_HeldMessageFailsDuringATick_TriedAgainSoon(t *testi
 	}
 	publish("b", 2, 1) // b's seq 2 fails at its turn, as the tick runs
 	waitFor(t, 5*time.Second, "b's seq 2 applied", func() bool { return len(log.of("b")) == 2 })
+}
+
+// pluggedLedger runs, until the test ends, a router with in's middleware
+// and plugin and one handler, "ledger", applying log's effects for
+// topic "payments" of the returned pubsub, whose Publish returns once the
+// handler acked.
+func pluggedLedger(t *testing.T, db *testdb.DB, in *outbox.Inbox, log *applyLog) *gochannel.GoChannel {
+	t.Helper()
+	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	router := newRouter(t)
+	router.AddMiddleware(in.Middleware)
+	router.AddPlugin(in.Plugin())
+	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
+		_, err := log.handler(t, db)(msg)
+		return err
+	})
+	startRouter(t, router)
+	return pubsub
 }

@@ -87,15 +87,7 @@ func TestOrderedInbox_Plugin_FailuresOfOtherKeysKeepComing_TicksStillBackOff(t *
 		}
 		return errors.New("downstream away")
 	}}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	router := newRouter(t)
-	router.AddMiddleware(in.Middleware)
-	router.AddPlugin(in.Plugin())
-	router.AddConsumerHandler("ledger", "payments", pubsub, func(msg *message.Message) error {
-		_, err := log.handler(t, db)(msg)
-		return err
-	})
-	startRouter(t, router)
+	pubsub := pluggedLedger(t, db, in, log)
 	for _, seq := range []int{2, 1} {
 		if err := pubsub.Publish("payments", keyedMsg("zz-perm", seq)); err != nil {
 			t.Fatal(err)
