@@ -1124,9 +1124,9 @@ func (e *keyStaysError) Unwrap() error { return e.error }
 
 // retryConflicts runs f, and again while the database refuses it for a
 // concurrent transaction (see conflictTries), but not past a keyStaysError:
-// a delivery (handle), and the writes after an at-most-once handler, each
-// its own transaction, which a redelivery cannot redo since the key is
-// committed. A serialization failure writing the messages it returned lost
+// a delivery (handle), a held message (drain), and the writes after an
+// at-most-once handler, each its own transaction, which a redelivery
+// cannot redo since the key is committed. A serialization failure writing the messages it returned lost
 // them, and the delivery run again was acked as a duplicate. It runs f
 // again too after a lost connection (ConnLost), with no count, until ctx
 // ends: then the error is a dbLostError.

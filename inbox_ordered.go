@@ -765,13 +765,11 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 // under ctx, one of another handler under that handler's route.
 //
 // A held message's transaction that the database refused for a concurrent
-// one (see conflictTries) runs again here, as a delivery's does: under
-// REPEATABLE READ a key's next delivery and its held apply meet on the
-// key's row.
-//
-// So does one whose connection was lost, after lostPause, for as long as
-// halt lasts, as a delivery waits for its database: held messages waited
-// for ApplyHeld's next tick, each failure logged at ERROR.
+// one, or whose connection was lost, runs again here as a delivery's does
+// (retryConflicts, for as long as halt lasts): under REPEATABLE READ a
+// key's next delivery and its held apply meet on the key's row, and held
+// messages whose connection was lost waited for ApplyHeld's next tick,
+// each failure logged at ERROR.
 //
 // halt, checked before each held message, ends the drain between two:
 // the one under way finishes under ctx (see finishing), and the rest wait
@@ -780,21 +778,16 @@ func (in *Inbox) hold(ctx context.Context, tx *sqlx.Tx, consumer, key string, se
 // A held message counts once, by what became of it in the end: a try
 // refused and run again is not a failure.
 func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, key string) (int, error) {
-	n, try, lost := 0, 0, 0
+	n := 0
 	for {
 		if err := halt.Err(); err != nil {
 			return n, err
 		}
-		applied, ran, err := in.applyNextHeld(ctx, halt, delivery, consumer, key)
-		if err != nil && try < conflictTries-1 && in.dialect.sql().Conflict(err) && sleepCtx(halt, conflictPause(try)) {
-			try++
-			continue
-		}
-		if err != nil && in.dialect.sql().ConnLost(err) && ctx.Err() == nil && sleepCtx(halt, lostPause(lost)) {
-			in.log.Debug("Held message's database connection lost; applying it again", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "error": err.Error()})
-			lost++
-			continue
-		}
+		var applied, ran bool
+		err := in.retryConflicts(halt, func() (err error) {
+			applied, ran, err = in.applyNextHeld(ctx, halt, delivery, consumer, key)
+			return err
+		})
 		if err != nil && ran {
 			in.cfg.Metrics.inbox(consumer, inboxFailed)
 			select {
@@ -805,7 +798,7 @@ func (in *Inbox) drain(ctx, halt context.Context, delivery *string, consumer, ke
 		if err != nil || !applied {
 			return n, err
 		}
-		n, try, lost = n+1, 0, 0
+		n++
 	}
 }
 

@@ -1,10 +1,6 @@
 package outboxctl
 
-import (
-	"fmt"
-
-	outbox "github.com/acemq/watermill-outbox"
-)
+import "fmt"
 
 const retryChunk = 1000
 
@@ -91,24 +87,6 @@ func (c *cli) retry(args []string) error {
 // retryExplained is the most ids a retry looks up first, to say of each it
 // leaves alone why.
 const retryExplained = 100
-
-// lookupRows is show's rows of ids.
-func (c *cli) lookupRows(s *outbox.Store, ids []string) ([]showRow, error) {
-	recs, err := s.Lookup(c.ctx, ids...)
-	if err != nil {
-		return nil, err
-	}
-	byID := make(map[string]outbox.RecordState, len(recs))
-	for _, r := range recs {
-		byID[r.ID] = r
-	}
-	rows := make([]showRow, len(ids))
-	for i, id := range ids {
-		r, ok := byID[id]
-		rows[i] = c.showRow(id, r, ok)
-	}
-	return rows, nil
-}
 
 // rows is "1 row" or "n rows".
 func rows(n int64) string {

@@ -58,6 +58,24 @@ func (c *cli) show(args []string) error {
 	return nil
 }
 
+// lookupRows is show's rows of ids.
+func (c *cli) lookupRows(s *outbox.Store, ids []string) ([]showRow, error) {
+	recs, err := s.Lookup(c.ctx, ids...)
+	if err != nil {
+		return nil, err
+	}
+	byID := make(map[string]outbox.RecordState, len(recs))
+	for _, r := range recs {
+		byID[r.ID] = r
+	}
+	rows := make([]showRow, len(ids))
+	for i, id := range ids {
+		r, ok := byID[id]
+		rows[i] = c.showRow(id, r, ok)
+	}
+	return rows, nil
+}
+
 // uniqueIDs reads ids as an operator gives them (quoted as stuck shows
 // some: see keyText), each once, in the order given.
 func uniqueIDs(cmd string, ids []string) ([]string, error) {
