@@ -28,6 +28,10 @@ const DefaultApplyHeldEvery = 10 * time.Second
 // context. It puts, through a subscriber decorator, the context of the
 // handler's run into each delivery's context: a message knows the router
 // that delivered it, whatever other router runs a handler of that name.
+// It notes each delivery until it is acked or nacked: a copy a middleware
+// before the inbox hands on without the delivery's context (msg.Copy())
+// gets the delivery's router values back at the inbox (its handler name,
+// its topics, the run).
 //
 // A held message whose handler fails when its predecessor commits stays
 // held until its key's next delivery or an ApplyHeld, and a key with no
@@ -55,7 +59,7 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 		// other router runs a handler of the same name with this Inbox,
 		// and for handlers added after Run as well.
 		r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
-			return &runStampingSubscriber{Subscriber: sub, in: in}, nil
+			return &runStampingSubscriber{Subscriber: sub, in: in, closed: make(chan struct{})}, nil
 		})
 		// Added as the router runs, after the service's own: the innermost,
 		// it ends a wake of Subscriber's that no inbox took.
@@ -89,6 +93,11 @@ type runStampingSubscriber struct {
 	message.Subscriber
 	in *Inbox
 	wg sync.WaitGroup
+
+	// closed is closed once Close returns: the deliveries' acks that never
+	// came are waited for no more (see inFlight).
+	closed    chan struct{}
+	closeOnce sync.Once
 }
 
 func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
@@ -105,6 +114,7 @@ func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-
 		defer close(out)
 		for msg := range msgs {
 			msg.SetContext(context.WithValue(msg.Context(), routerRunKey{}, ctx))
+			s.in.flight.add(msg, s.closed)
 			out <- msg
 		}
 	}()
@@ -114,6 +124,7 @@ func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-
 func (s *runStampingSubscriber) Close() error {
 	err := s.Subscriber.Close()
 	s.wg.Wait()
+	s.closeOnce.Do(func() { close(s.closed) })
 	return err
 }
 

@@ -322,6 +322,8 @@ type Inbox struct {
 	// context, or they were handed to the inbox outside it (see
 	// processOrdered).
 	plugged atomic.Bool
+	// flight: the deliveries of the plugged routers' handlers under way.
+	flight inFlight
 }
 
 // routerStopping reports whether the router that delivered msg is
@@ -502,6 +504,7 @@ func (e *dbLostError) Error() string {
 func (e *dbLostError) Unwrap() error { return e.err }
 
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
+	in.restoreDelivery(msg)
 	if w := wakeOf(msg); w != nil {
 		if w != in {
 			return h(msg) // another inbox's, after this one (or Plugin's middleware ends it)

@@ -509,11 +509,14 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 			// router, whichever handler's delivery came through such a
 			// middleware last (a review's ledger, behind a middleware that
 			// handed on msg.Copy(), applied 251 of 300 order.paid events in
-			// its order.placed handler). Said once a consumer: refused, the
-			// README's chain set it aside on the poison topic, and a message
-			// handed to the inbox outside the router is held rightly so.
+			// its order.placed handler). A copy the inbox could tell has its
+			// name back (restoreDelivery); this one it could not (its
+			// payload rebuilt, its UUID delivered to two handlers at once).
+			// Said once a consumer: refused, the README's chain set it aside
+			// on the poison topic, and a message handed to the inbox outside
+			// the router is held rightly so.
 			in.log.Error("Outbox inbox: a keyed message held without a router handler name, on an inbox a router runs: "+
-				"if a middleware before the inbox hands on a copy without the delivery's context (msg.Copy()), its held messages may run in another handler of the consumer; "+
+				"if a middleware before the inbox hands on a copy without the delivery's context (msg.Copy()) and a payload of its own, its held messages may run in another handler of the consumer; "+
 				"hand on msg.CopyWithContext()", nil, fields)
 		}
 		fresh, err := in.hold(ctx, tx, consumer, key, seq, id, msg)

@@ -46,10 +46,9 @@ const WakeMetadataKey = "x-acemq-inbox-wake"
 // Run (a handler added after Run, then RunHandlers) has its wake ended
 // before the inbox, and its held messages wait for its first delivery, as
 // without the wrapper. A middleware before the inbox that hands on a
-// rebuilt message (a copy without the delivery's context) costs the wake
-// its router values (the inbox still knows it, by its UUID) and every
-// delivery its handler name, which an ordered inbox needs to hold one: hand
-// on msg.CopyWithContext() (see processOrdered's refusal).
+// rebuilt message (a copy without the delivery's context) has its router
+// values given back by the inbox where it can tell the delivery (see
+// restoreDelivery); a wake is known by its UUID even where it cannot.
 //
 // Without Plugin on the router, or for an inbox that is not Ordered, it
 // delivers nothing of its own: sub as it is.

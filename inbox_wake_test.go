@@ -27,6 +27,8 @@ type ledger struct {
 	mu    sync.Mutex
 	ran   []string
 	wakes int
+	// before, if set, is a middleware of the service's before the inbox.
+	before message.HandlerMiddleware
 }
 
 type afterInboxKey struct{}
@@ -34,6 +36,9 @@ type afterInboxKey struct{}
 func (l *ledger) router(t *testing.T, in *outbox.Inbox, sub message.Subscriber, topics [2]string) (stop func()) {
 	t.Helper()
 	r := newRouter(t)
+	if l.before != nil {
+		r.AddMiddleware(l.before)
+	}
 	r.AddMiddleware(in.Middleware, func(h message.HandlerFunc) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			msg.SetContext(context.WithValue(msg.Context(), afterInboxKey{}, true))
@@ -99,15 +104,23 @@ func TestOrderedInbox_Subscriber_AfterARestart_HeldMessageOfAQuietHandlerRunsAft
 		in := orderedInbox(t, db, cfg) // the restarted process's
 		second := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 		after.router(t, in, in.Subscriber(second), topics)
-		if err := second.Publish("order.created", keyedMsg("order-7", 1)); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, 10*time.Second, "seq 2 applied", func() bool { return countHeld(t, db) == 0 })
-		ran, wakes := after.runs()
-		if want := []string{"on_created 1 from order.created after the inbox", "on_paid 2 from order.paid after the inbox"}; !reflect.DeepEqual(ran, want) || wakes != 0 {
-			t.Errorf("ran %q, and the handlers saw %d of the inbox's own messages; want %q and none", ran, wakes, want)
-		}
+		after.predecessorRunsHeld(t, db, second, "order-7")
 	})
+}
+
+// predecessorRunsHeld publishes key's order.created seq 1, its order.paid
+// seq 2 held, and checks that each ran in its own handler, after the
+// inbox, and that neither saw a message of the inbox's own.
+func (l *ledger) predecessorRunsHeld(t *testing.T, db *testdb.DB, pub message.Publisher, key string) {
+	t.Helper()
+	if err := pub.Publish("order.created", keyedMsg(key, 1)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "seq 2 applied", func() bool { return countHeld(t, db) == 0 })
+	ran, wakes := l.runs()
+	if want := []string{"on_created 1 from order.created after the inbox", "on_paid 2 from order.paid after the inbox"}; !reflect.DeepEqual(ran, want) || wakes != 0 {
+		t.Errorf("ran %q, and the handlers saw %d of the inbox's own messages; want %q and none", ran, wakes, want)
+	}
 }
 
 // A held message whose handler failed when its turn came, and then the
