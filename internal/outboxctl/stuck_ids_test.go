@@ -130,3 +130,27 @@ func TestRelay_UsageErrorWhileStopped_ExitsTwo(t *testing.T) {
 		t.Errorf("relay --table 'bad name;' with its context ended: exit %d, want 2; stderr %q", code, stderr.String())
 	}
 }
+
+// Another library's BLOB id on SQLite (a UUID's 16 bytes), which the
+// relay sets aside stuck, naming it: stuck shows it quoted, and show and
+// retry of it as shown said "not in acemq_outbox" (the id bound as TEXT,
+// which never equals a BLOB).
+func TestShowRetry_SQLiteBlobID_FoundAsStuckShowsIt(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, `INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, attempts, last_error)
+		VALUES (X'0123456789ABCDEF0123456789ABCDEF', '', 'orders', '{}', '{}', ?, 10, 'column id: a BLOB of 16 bytes')`, ts(testdb.SQLite, time.Now().Add(-time.Hour)))
+	out := mustCtl(t, "stuck", "--db", db.DSN)
+	shown := strings.SplitN(strings.Split(out, "\n")[1], "  ", 2)[0]
+	if !strings.HasPrefix(shown, `"\x01#Eg`) {
+		t.Fatalf("stuck shows the BLOB id as %s:\n%s", shown, out)
+	}
+	if got := mustCtl(t, "show", "--db", db.DSN, shown); !strings.HasPrefix(got, shown+": stuck at 10 attempts") {
+		t.Errorf("show %s: %s", shown, got)
+	}
+	if got := mustCtl(t, "retry", "--db", db.DSN, shown); !strings.HasPrefix(got, "1 row made pending again") {
+		t.Errorf("retry %s: %s", shown, got)
+	}
+	if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE typeof(id) = 'blob' AND attempts = 0"); n != 1 {
+		t.Errorf("%d BLOB-id rows pending again, want 1", n)
+	}
+}

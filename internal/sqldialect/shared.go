@@ -1204,7 +1204,10 @@ func (o *Outbox) Retry(ids []string, now time.Time) Query {
 // integer's digits is looked for as the INTEGER too: a column without a
 // declared type keeps another library's integer id as one, which no text
 // equals, and a Retry of a stuck row that Stuck lists, or the mark of its
-// message's record processed, found nothing.
+// message's record processed, found nothing. So is every id as a BLOB:
+// another library's BLOB id (a UUID's 16 bytes), which the relay sets
+// aside stuck and Stuck lists (quoted, in outboxctl), equals no text
+// either, and outboxctl show said of it "not in acemq_outbox".
 func (o *Outbox) idIn(ids []string) (string, []any) {
 	args := stringArgs(nil, ids)
 	if o.d.BlobIDs() { // SQLite's dynamic types
@@ -1212,6 +1215,7 @@ func (o *Outbox) idIn(ids []string) (string, []any) {
 			if n, err := strconv.ParseInt(id, 10, 64); err == nil && strconv.FormatInt(n, 10) == id {
 				args = append(args, n)
 			}
+			args = append(args, []byte(id))
 		}
 	}
 	return "id IN (" + placeholders(len(args)) + ")", args
