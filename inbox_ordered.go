@@ -943,8 +943,9 @@ const applyHeldBatch = 100
 // the error of every tick a hundred lines long.
 const applyHeldErrs = 10
 
-// ApplyHeld applies every held message whose predecessor is applied, key by
-// key in order, each in a transaction of its own, and then refreshes the
+// ApplyHeld applies every held message whose predecessor is applied, each
+// key's in order (four keys at once, one on SQLite), each message in a
+// transaction of its own, and then refreshes the
 // held-message gauges (see RefreshStats). A held message is normally
 // applied right after its predecessor commits; this retries those whose
 // handler failed then, and applies what SkipGap released from outboxctl.
@@ -957,7 +958,9 @@ const applyHeldErrs = 10
 // of those consumers in one call: a key whose handler fails stays held, the
 // error says so, and the keys after it are applied all the same. It returns
 // how many it applied. Plugin calls it every ApplyHeldEvery while a router
-// runs; or call it from a ticker in the service.
+// runs; or call it from a ticker in the service. A lost database
+// connection is retried, as a delivery's is, while ctx lives: give it a
+// context with a deadline, or it waits out an outage.
 func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
 	return in.applyAllHeld(ctx, ctx)
 }
@@ -971,7 +974,7 @@ func (in *Inbox) applyAllHeld(ctx, halt context.Context) (int, error) {
 	applied := 0
 	var errs heldErrs
 	for _, consumer := range in.routedConsumers() {
-		n, stop := in.applyReady(ctx, halt, consumer, 1, &errs)
+		n, stop := in.applyReady(ctx, halt, consumer, in.drainsAtOnce(), &errs)
 		applied += n
 		if stop != nil {
 			return applied, errors.Join(append(errs.list(), stop)...)
@@ -996,18 +999,25 @@ func (in *Inbox) applyHeldOf(ctx context.Context, consumer string) (int, error) 
 	var errs heldErrs
 	work, cancel := finishing(ctx)
 	defer cancel()
-	workers := wakeDrains
-	if in.dialect.sql().WatchesFile() {
-		workers = 1 // SQLite: one writer at a time
-	}
-	n, stop := in.applyReady(work, ctx, consumer, workers, &errs)
+	n, stop := in.applyReady(work, ctx, consumer, in.drainsAtOnce(), &errs)
 	return n, errors.Join(append(errs.list(), stop)...)
 }
 
-// wakeDrains is how many keys a wake applies at once: a restart's ready
-// keys went one at a time (a review: 2,000 keys in 6–10 s), and keys are
-// independent, each under its own lock. ApplyHeld's ticks keep one.
-const wakeDrains = 4
+// drainsAtOnce is how many keys a wake or an ApplyHeld applies at once:
+// heldDrains, or one on SQLite, which writes one transaction at a time.
+func (in *Inbox) drainsAtOnce() int {
+	if in.dialect.sql().WatchesFile() {
+		return 1
+	}
+	return heldDrains
+}
+
+// heldDrains is how many keys a wake or an ApplyHeld applies at once on a
+// database server: a restart's ready keys went one at a time (a review:
+// 2,000 keys in 6–10 s), and keys are independent, each under its own
+// lock. ApplyHeld's ticks kept one: the held messages another process
+// released, or whose handler had failed, went at a wake's quarter speed.
+const heldDrains = 4
 
 // finishing is ctx without its cancellation but with its deadline (a
 // Timeout's before the inbox): a held message's transaction begun under a
