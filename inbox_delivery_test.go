@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"reflect"
 	"sort"
 	"sync/atomic"
@@ -109,5 +110,52 @@ func TestInbox_CopyingMiddlewareBeforeTheInbox_FannedOutMessageDedupedUnderEachH
 	sort.Strings(consumers)
 	if want := []string{"billing", "shipping"}; !reflect.DeepEqual(consumers, want) || ran.Load() != 2 || countEffects(t, db, msg.UUID) != 2 {
 		t.Errorf("dedupe rows for %q, handler ran %d times, %d effects; want %q, 2, 2", consumers, ran.Load(), countEffects(t, db, msg.UUID), want)
+	}
+}
+
+// A service closes its router and builds another over the same Inbox (a
+// restart within the process). A message held in the first router's
+// on_paid, released in the second before its on_paid had a delivery, ran
+// in the first router's chain, which was gone. With the plugin it waits
+// for a handler of a router that runs, here the second's on_paid.
+func TestOrderedInbox_RouterClosedAndRebuilt_HeldMessageRunsInTheRunningRouter(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", ApplyHeldEvery: time.Hour})
+	topics := [2]string{"order.created", "order.paid"}
+	var first, second ledger
+	bus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	stop := first.router(t, in, bus, topics)
+	if err := bus.Publish("order.paid", keyedMsg("order-7", 2)); err != nil {
+		t.Fatal(err)
+	}
+	if n := countHeld(t, db); n != 1 {
+		t.Fatalf("%d held, want 1", n)
+	}
+	stop()
+
+	again := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	second.router(t, in, again, topics)
+	if err := again.Publish("order.created", keyedMsg("order-7", 1)); err != nil {
+		t.Fatal(err)
+	}
+	if ran, _ := first.runs(); len(ran) != 0 {
+		t.Fatalf("the closed router's handlers ran %q", ran)
+	}
+	if n := countHeld(t, db); n != 1 {
+		t.Fatalf("%d held once seq 1 applied with no running on_paid seen, want 1", n)
+	}
+	if err := again.Publish("order.paid", keyedMsg("order-8", 1)); err != nil { // the second's on_paid seen
+		t.Fatal(err)
+	}
+	if n, err := in.ApplyHeld(context.Background()); n != 1 || err != nil {
+		t.Fatalf("ApplyHeld: %d, %v; want 1 applied", n, err)
+	}
+	ran, _ := second.runs()
+	if want := []string{"on_created 1 from order.created after the inbox", "on_paid 1 from order.paid after the inbox", "on_paid 2 from order.paid after the inbox"}; !reflect.DeepEqual(ran, want) {
+		t.Errorf("the running router ran %q, want %q", ran, want)
+	}
+	if ran, _ := first.runs(); len(ran) != 0 {
+		t.Errorf("the closed router's handlers ran %q", ran)
 	}
 }

@@ -91,6 +91,15 @@ type orderedRoute struct {
 	ctx context.Context
 }
 
+// gone reports whether the route's router has closed (its handler's run,
+// as Plugin's decorator put it in the delivery's context, has ended): its
+// handler is that router's chain, and a held message run in it would run
+// in a router that is gone. Never without the plugin.
+func (r orderedRoute) gone() bool {
+	run, _ := r.ctx.Value(routerRunKey{}).(context.Context)
+	return run != nil && run.Err() != nil
+}
+
 // routeKey names a route: the consumer and the router's handler name. Two
 // handlers may share a consumer (InboxConfig.ConsumerName), and so a key's
 // sequence, when a key's events come on several topics: each held message
@@ -391,7 +400,8 @@ func (in *Inbox) firstWait(consumer, handler string) bool {
 // nor another of consumer's from topic (see heldTopicKey; the one first
 // by name, where several are). byName false: the row names no handler
 // (held by an earlier version), and the consumer's first handler seen
-// takes it.
+// takes it. A route whose router has closed is none (see gone): the
+// message waits for the handler of a router that runs.
 func (in *Inbox) route(consumer, handler string, byName bool, topic string) (r orderedRoute, ok bool) {
 	o := in.ordered
 	o.mu.Lock()
@@ -402,12 +412,13 @@ func (in *Inbox) route(consumer, handler string, byName bool, topic string) (r o
 			return orderedRoute{}, false
 		}
 	}
-	if r, ok = o.routes[k]; ok || topic == "" {
-		return r, ok
+	if r, ok = o.routes[k]; ok && !r.gone() || topic == "" {
+		return r, ok && !r.gone()
 	}
+	r, ok = orderedRoute{}, false
 	sibling := ""
 	for rk, rt := range o.routes {
-		if rk.consumer == consumer && rk.handler != "" && message.SubscribeTopicFromCtx(rt.ctx) == topic && (!ok || rk.handler < sibling) {
+		if rk.consumer == consumer && rk.handler != "" && message.SubscribeTopicFromCtx(rt.ctx) == topic && !rt.gone() && (!ok || rk.handler < sibling) {
 			r, ok, sibling = rt, true, rk.handler
 		}
 	}
