@@ -198,3 +198,11 @@ func SetListenLived(d time.Duration) (restore func()) {
 	listenLived = d
 	return func() { listenLived = old }
 }
+
+// InFlightDeliveries is how many deliveries of uuid in's plugged routers
+// have handed out and not yet seen acked or nacked.
+func InFlightDeliveries(in *Inbox, uuid string) int {
+	in.flight.mu.Lock()
+	defer in.flight.mu.Unlock()
+	return len(in.flight.byUUID[uuid])
+}

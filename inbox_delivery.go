@@ -37,21 +37,33 @@ func payloadOf(msg *message.Message) *byte {
 	return &msg.Payload[0]
 }
 
-// add notes msg, delivered, until it is acked or nacked, or closed (the
-// subscriber that delivered it closed).
-func (f *inFlight) add(msg *message.Message, closed <-chan struct{}) {
-	d := &delivery{payload: payloadOf(msg), ctx: msg.Context()}
+// add notes msg, delivered and not yet handed to the router, until it is
+// acked or nacked. The router acks or nacks every message it takes, after
+// Close too (a Retry under way crosses it), and a handler's panic too: a
+// delivery is forgotten only when no copy of it can reach the inbox again.
+// One that shares its payload with another in flight (gochannel hands its
+// subscribers copies of one message) is given bytes of its own first: its
+// copies are then told apart.
+func (f *inFlight) add(msg *message.Message) {
 	f.mu.Lock()
 	if f.byUUID == nil {
 		f.byUUID = map[string][]*delivery{}
 	}
+	if p := payloadOf(msg); p != nil {
+		for _, x := range f.byUUID[msg.UUID] {
+			if x.payload == p {
+				msg.Payload = append([]byte(nil), msg.Payload...)
+				break
+			}
+		}
+	}
+	d := &delivery{payload: payloadOf(msg), ctx: msg.Context()}
 	f.byUUID[msg.UUID] = append(f.byUUID[msg.UUID], d)
 	f.mu.Unlock()
 	go func() {
 		select {
 		case <-msg.Acked():
 		case <-msg.Nacked():
-		case <-closed:
 		}
 		f.remove(msg.UUID, d)
 	}()
@@ -75,39 +87,34 @@ func (f *inFlight) remove(uuid string, d *delivery) {
 }
 
 // find is the delivery msg is a copy of: the one of its UUID whose payload
-// it shares, or the only one of its UUID (its payload rebuilt: decrypted,
-// decompressed). Nil where none is in flight, or where it cannot tell two
-// apart (one message fanned out to two handlers, and rebuilt; or sharing
-// the payload, as gochannel's copies do).
+// it shares (msg.Copy() keeps the slice). Nil where there is none: its
+// payload rebuilt (decrypted, decompressed) or empty, or a message of the
+// same UUID that is no copy (a consume loop's, outside the router): the
+// only delivery of its UUID in flight may be another handler's of one
+// message fanned out (its own acked before the inbox, by InstantAck), and
+// a copy given that handler's name took its dedupe row, and its delivery
+// was then skipped as a duplicate.
 func (f *inFlight) find(msg *message.Message) *delivery {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	ds := f.byUUID[msg.UUID]
-	if len(ds) == 1 {
-		return ds[0]
-	}
 	p := payloadOf(msg)
 	if p == nil {
 		return nil
 	}
-	var found *delivery
-	for _, d := range ds {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, d := range f.byUUID[msg.UUID] {
 		if d.payload == p {
-			if found != nil {
-				return nil
-			}
-			found = d
+			return d
 		}
 	}
-	return found
+	return nil
 }
 
-// restoreDelivery gives msg, handed to the inbox without the context its router
-// delivered it with (its handler name, its run), the values of that
-// context beneath its own: a middleware before the inbox handed on a copy
-// (msg.Copy()). Its own context keeps its cancellation, deadline and
-// values. A message not from a plugged router, or with its context, is
-// left as it is.
+// restoreDelivery gives msg, handed to the inbox without the context its
+// router delivered it with (its handler name, its run), the values of
+// that context beneath its own: a middleware before the inbox handed on a
+// copy (msg.Copy()). Its own context keeps its cancellation, deadline and
+// values. A message that is no copy of a delivery in flight (see find),
+// or that carries its router's context, is left as it is.
 func (in *Inbox) restoreDelivery(msg *message.Message) {
 	if !in.plugged.Load() || msg.Context().Value(routerRunKey{}) != nil {
 		return

@@ -7,46 +7,47 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// inFlight gives a copy the delivery it shares its payload with, or the
-// only delivery of its UUID; none where two cannot be told apart; and
-// forgets each delivery once acked, nacked, or its subscriber closed.
+// inFlight gives a copy the delivery whose payload it shares, and nothing
+// else: not a rebuilt payload, nor another message of the UUID; a
+// delivery sharing its payload with one in flight gets bytes of its own;
+// each is forgotten once acked or nacked.
 func TestInFlight_FindsTheDeliveryACopyCameFrom_ForgetsItOnceDone(t *testing.T) {
 	var f inFlight
-	closed := make(chan struct{})
 	billing := message.NewMessage("m-1", []byte("order 11"))
 	shipping := message.NewMessage("m-1", []byte("order 11")) // its own delivery, its own bytes
 	fanned := message.NewMessage("m-2", []byte("order 12"))
 	sharing := fanned.Copy() // gochannel's fan-out: one payload for both
 	empty := message.NewMessage("m-3", nil)
 	for _, m := range []*message.Message{billing, shipping, fanned, sharing, empty} {
-		f.add(m, closed)
+		f.add(m)
 	}
-	if d := f.find(billing.Copy()); d == nil || d.payload != &billing.Payload[0] {
-		t.Errorf("a copy of billing's delivery found %v", d)
+	if &sharing.Payload[0] == &fanned.Payload[0] || string(sharing.Payload) != "order 12" {
+		t.Error("a delivery sharing its payload with one in flight kept it")
 	}
-	if d := f.find(shipping.Copy()); d == nil || d.payload != &shipping.Payload[0] {
-		t.Errorf("a copy of shipping's delivery found %v", d)
+	for name, m := range map[string]*message.Message{"billing": billing, "shipping": shipping, "fanned": fanned, "sharing": sharing} {
+		if d := f.find(m.Copy()); d == nil || d.payload != &m.Payload[0] {
+			t.Errorf("a copy of %s's delivery found %v", name, d)
+		}
 	}
-	if d := f.find(message.NewMessage("m-1", []byte("order 11"))); d != nil {
-		t.Error("a rebuilt payload of a UUID delivered twice found a delivery")
+	for what, m := range map[string]*message.Message{
+		"a rebuilt payload":             message.NewMessage("m-1", []byte("order 11")),
+		"an empty payload":              empty.Copy(),
+		"a UUID not in flight":          message.NewMessage("m-4", []byte("x")),
+		"a rebuilt payload of one UUID": message.NewMessage("m-3", []byte("rebuilt")),
+	} {
+		if d := f.find(m); d != nil {
+			t.Errorf("%s found a delivery", what)
+		}
 	}
-	if d := f.find(fanned.Copy()); d != nil {
-		t.Error("a copy of a payload two deliveries share found a delivery")
-	}
-	if d := f.find(message.NewMessage("m-3", []byte("rebuilt"))); d == nil {
-		t.Error("a rebuilt payload of a UUID delivered once found none")
-	}
-	if d := f.find(message.NewMessage("m-4", nil)); d != nil {
-		t.Error("a UUID not in flight found a delivery")
-	}
-
 	billing.Ack()
 	shipping.Nack()
 	waitForInFlight(t, &f, 3)
-	if d := f.find(fanned.Copy()); d != nil {
-		t.Error("a copy of a payload two deliveries share found a delivery after others finished")
+	if d := f.find(shipping.Copy()); d != nil {
+		t.Error("a copy of a nacked delivery found it")
 	}
-	close(closed)
+	for _, m := range []*message.Message{fanned, sharing, empty} {
+		m.Ack()
+	}
 	waitForInFlight(t, &f, 0)
 }
 

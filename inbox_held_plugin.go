@@ -59,7 +59,7 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 		// other router runs a handler of the same name with this Inbox,
 		// and for handlers added after Run as well.
 		r.AddSubscriberDecorators(func(sub message.Subscriber) (message.Subscriber, error) {
-			return &runStampingSubscriber{Subscriber: sub, in: in, closed: make(chan struct{})}, nil
+			return &runStampingSubscriber{Subscriber: sub, in: in}, nil
 		})
 		// Added as the router runs, after the service's own: the innermost,
 		// it ends a wake of Subscriber's that no inbox took.
@@ -93,11 +93,6 @@ type runStampingSubscriber struct {
 	message.Subscriber
 	in *Inbox
 	wg sync.WaitGroup
-
-	// closed is closed once Close returns: the deliveries' acks that never
-	// came are waited for no more (see inFlight).
-	closed    chan struct{}
-	closeOnce sync.Once
 }
 
 func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *message.Message, error) {
@@ -114,7 +109,7 @@ func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-
 		defer close(out)
 		for msg := range msgs {
 			msg.SetContext(context.WithValue(msg.Context(), routerRunKey{}, ctx))
-			s.in.flight.add(msg, s.closed)
+			s.in.flight.add(msg)
 			out <- msg
 		}
 	}()
@@ -124,7 +119,6 @@ func (s *runStampingSubscriber) Subscribe(ctx context.Context, topic string) (<-
 func (s *runStampingSubscriber) Close() error {
 	err := s.Subscriber.Close()
 	s.wg.Wait()
-	s.closeOnce.Do(func() { close(s.closed) })
 	return err
 }
 

@@ -522,7 +522,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 			// handed on msg.Copy(), applied 251 of 300 order.paid events in
 			// its order.placed handler). A copy the inbox could tell has its
 			// name back (restoreDelivery); this one it could not (its
-			// payload rebuilt, its UUID delivered to two handlers at once).
+			// payload rebuilt, or its delivery acked before the inbox).
 			// Said once a consumer: refused, the README's chain set it aside
 			// on the poison topic, and a message handed to the inbox outside
 			// the router is held rightly so.
