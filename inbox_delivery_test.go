@@ -405,3 +405,32 @@ var errRetryThis = retryError("try again")
 type retryError string
 
 func (e retryError) Error() string { return string(e) }
+
+// A restart, behind a middleware that hands on msg.Copy(): the wake of
+// on_paid lost its context in the copy, and the inbox learnt the route of
+// a handler without a name. Its held seq 2, released by seq 1 on
+// order.created, waited for on_paid's first delivery. The wake's payload
+// finds its delivery as a delivery's does.
+func TestOrderedInbox_CopyingMiddlewareBeforeTheInbox_AfterARestart_WakeLearnsItsHandler(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		cfg := outbox.InboxConfig{ConsumerName: "ledger", ApplyHeldEvery: time.Hour}
+		topics := [2]string{"order.created", "order.paid"}
+		before := ledger{before: handsOnCopies}
+		first := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+		stop := before.router(t, orderedInbox(t, db, cfg), first, topics)
+		if err := first.Publish("order.paid", keyedMsg("order-7", 2)); err != nil {
+			t.Fatal(err)
+		}
+		if n := countHeld(t, db); n != 1 {
+			t.Fatalf("%d held, want 1", n)
+		}
+		stop()
+
+		after := ledger{before: handsOnCopies}
+		in := orderedInbox(t, db, cfg)
+		second := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+		after.router(t, in, in.Subscriber(second), topics)
+		after.predecessorRunsHeld(t, db, second, "order-7")
+	})
+}

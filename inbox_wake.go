@@ -32,7 +32,7 @@ const WakeMetadataKey = "x-acemq-inbox-wake"
 // for good on a topic gone quiet (a review's ledger had 98 of 100 keys
 // held after a restart until a new order came). Wrapped, each of the
 // router's Subscribe calls first delivers one message of the inbox's own
-// (empty, UUID its own, WakeMetadataKey set): the router gives it the
+// (payload {}, UUID its own, WakeMetadataKey set): the router gives it the
 // handler's context, and the middlewares before the inbox see it as a
 // delivery; the inbox learns the handler from it, applies the consumer's
 // held messages that are ready, and acks it. It never reaches a handler:
@@ -104,7 +104,11 @@ func (s *wakeSubscriber) Subscribe(ctx context.Context, topic string) (<-chan *m
 	if err != nil || s.in.ordered == nil || ctx.Value(pluggedKey{s.in}) == nil {
 		return msgs, err
 	}
-	wake := message.NewMessage(watermill.NewUUID(), nil)
+	// A payload of its own, which a copy of it shares: the inbox knows a
+	// copy's delivery by it (see inFlight), and so the handler it woke
+	// behind a middleware that hands on msg.Copy(). "{}", not "": a JSON
+	// decoder before the inbox reads it.
+	wake := message.NewMessage(watermill.NewUUID(), []byte("{}"))
 	wake.Metadata.Set(WakeMetadataKey, "true")
 	wake.SetContext(context.WithValue(ctx, wakeKey{}, s.in))
 	wakes.Store(wake.UUID, s.in)
