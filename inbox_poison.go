@@ -18,6 +18,11 @@ import (
 // set aside on the poison topic counts as processed: once pub has taken
 // it, its outbox record (with MarkOutboxProcessed, of a tracked topic) is
 // marked processed, as the handler's transaction would have marked it.
+// Whatever became of it: give pub a publisher that waits for the broker's
+// confirm and fails an unroutable message, and bind a queue to the poison
+// topic, or use PoisonOutbox, which sends the message through the outbox
+// and its relay (watermill-amqp's publisher does neither, and RabbitMQ
+// drops a message no queue is bound for).
 //
 // Without it, PoisonQueue acks a message whose handler kept failing and its
 // record stays unprocessed: every boot's Republish made it pending again,
@@ -92,30 +97,9 @@ type poisonPublisher struct {
 }
 
 func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
-	// A wake of Subscriber's that a middleware before the inbox failed is
-	// the inbox's own, no message of the service's: nothing to set aside.
-	msgs = slices.DeleteFunc(slices.Clone(msgs), func(msg *message.Message) bool {
-		if wakeOf(msg) == nil {
-			return false
-		}
-		wakeTaken(msg)
-		return true
-	})
-	if len(msgs) == 0 {
-		return nil
-	}
-	for _, msg := range msgs {
-		why := ""
-		switch {
-		case msg.Metadata.Get(dbLostKey) != "":
-			why = "the database did not answer"
-		case p.interrupted(msg):
-			why = "its context was cancelled while its handler ran"
-		default:
-			continue
-		}
-		return fmt.Errorf("outbox: inbox: message %s not set aside on %s: %s (%s), which is no failure of it;"+
-			" it is delivered again", idText(msg.UUID), topic, why, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
+	msgs, err := p.in.toSetAside(topic, msgs)
+	if err != nil || len(msgs) == 0 {
+		return err
 	}
 	// Copies, detached from the ended context: handed the messages as they
 	// were, watermill-amqp's publisher failed with "context canceled", so
@@ -134,6 +118,7 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 		return err
 	}
 	for _, msg := range msgs {
+		p.in.loggedAside(topic, msg, "")
 		// Not the message context's end: middleware.Timeout, before the
 		// inbox, cancels it as it returns, before PoisonQueue publishes.
 		p.in.markOnPool(context.WithoutCancel(msg.Context()), msg,
@@ -145,6 +130,46 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 
 func (p poisonPublisher) Close() error { return p.pub.Close() }
 
+// toSetAside is msgs, given to a poison publisher for topic, without the
+// inbox's own wakes (a wake of Subscriber's that a middleware before the
+// inbox failed is no message of the service's: nothing to set aside); or
+// the error that refuses them all, where one of them is no poison (see
+// PoisonPublisher).
+func (in *Inbox) toSetAside(topic string, msgs []*message.Message) ([]*message.Message, error) {
+	msgs = slices.DeleteFunc(slices.Clone(msgs), func(msg *message.Message) bool {
+		if wakeOf(msg) == nil {
+			return false
+		}
+		wakeTaken(msg)
+		return true
+	})
+	for _, msg := range msgs {
+		why := ""
+		switch {
+		case msg.Metadata.Get(dbLostKey) != "":
+			why = "the database did not answer"
+		case in.interrupted(msg):
+			why = "its context was cancelled while its handler ran"
+		default:
+			continue
+		}
+		return nil, fmt.Errorf("outbox: inbox: message %s not set aside on %s: %s (%s), which is no failure of it;"+
+			" it is delivered again", idText(msg.UUID), topic, why, msg.Metadata.Get(middleware.ReasonForPoisonedKey))
+	}
+	return msgs, nil
+}
+
+// loggedAside logs msg set aside on topic (as copy, where it has an id
+// of its own): an operator saw Retry's errors, then nothing.
+func (in *Inbox) loggedAside(topic string, msg *message.Message, copy string) {
+	fields := watermill.LogFields{"message_uuid": idText(msg.UUID), "poison_topic": topic,
+		"reason": msg.Metadata.Get(middleware.ReasonForPoisonedKey), "handler": message.HandlerNameFromCtx(msg.Context())}
+	if copy != "" {
+		fields["poison_copy_id"] = copy
+	}
+	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; re-drive it from there once the cause is fixed", nil, fields)
+}
+
 // interrupted reports whether msg comes to the poison topic because its
 // delivery was cut short, not because its handler failed: the inbox saw
 // its context cancelled as the handler ran; or the reason is a
@@ -153,7 +178,7 @@ func (p poisonPublisher) Close() error { return p.pub.Close() }
 // cause, such as signal.NotifyContext's "terminated signal received",
 // and this is the context, where Retry did not run the handler again);
 // or the router that delivered it is stopping (Plugin).
-func (p poisonPublisher) interrupted(msg *message.Message) bool {
+func (in *Inbox) interrupted(msg *message.Message) bool {
 	reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
 	ctx := msg.Context()
 	cause := context.Cause(ctx)
@@ -165,5 +190,5 @@ func (p poisonPublisher) interrupted(msg *message.Message) bool {
 		// it ("fulfil-orders: terminated signal received").
 		return true
 	}
-	return p.in.routerStopping(msg)
+	return in.routerStopping(msg)
 }
