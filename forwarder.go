@@ -1275,10 +1275,14 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	}
 	f.cfg.Metrics.batch(b.claimedAt, publishedRec, b.failures)
 	if report {
+		failed := make(map[string]failure, len(b.failures))
+		for _, fl := range b.failures {
+			failed[fl.id] = fl
+		}
 		for _, err := range b.errs {
 			var perr *PublishError
 			errors.As(err, &perr)
-			f.reportError(err, perr.Dest)
+			f.reportRecordError(err, perr.Dest, failed[perr.Dest.MessageID])
 		}
 	}
 	if len(published) > 0 {
@@ -1328,12 +1332,43 @@ func (f *Forwarder) lostAgain(id string) bool {
 	return f.lostN > lostRepeats
 }
 
+// reportError reports a failure of the relay's that is no record's (a
+// claim's or a mark's statement, the destination as a whole): to OnError
+// with an empty ErrorContext, or logged without a record's fields, which
+// read as a record of the id "" (a user review).
 func (f *Forwarder) reportError(err error, dest ErrorContext) {
 	if f.cfg.OnError != nil {
 		f.cfg.OnError(err, dest)
 		return
 	}
+	if dest.MessageID == "" {
+		f.log.Error("Outbox relay failed, not for a record of its own; it tries again, and a batch published but not marked goes out again (the inbox dedupes it)", err, nil)
+		return
+	}
 	f.log.Error("Outbox relay failed", err, watermill.LogFields{
 		"exchange": dest.Exchange, "routing_key": dest.RoutingKey, "message_id": idText(dest.MessageID),
 	})
+}
+
+// reportRecordError reports the failure of the record dest names, fl as
+// the batch marks it: logged with its attempts out of MaxAttempts, what it
+// holds back, and, once it is stuck, how to send it again (the log said
+// the same line at every attempt, and never that the record gave up).
+func (f *Forwarder) reportRecordError(err error, dest ErrorContext, fl failure) {
+	if f.cfg.OnError != nil || fl.id == "" {
+		f.reportError(err, dest)
+		return
+	}
+	fields := watermill.LogFields{
+		"exchange": dest.Exchange, "routing_key": dest.RoutingKey, "message_id": idText(dest.MessageID),
+		"attempts": fl.attempts, "max_attempts": f.cfg.MaxAttempts,
+	}
+	switch {
+	case fl.attempts >= f.cfg.MaxAttempts:
+		f.log.Error("Outbox record stuck: the relay leaves it alone from now on (a keyed one holds its key's later records); outboxctl show ID says why, outboxctl retry ID sends it again", err, fields)
+	case fl.holdBy != "":
+		f.log.Error("Outbox relay failed to publish a keyed record; its key's later records wait for it, other keys go on", err, fields)
+	default:
+		f.log.Error("Outbox relay failed to publish a record; it tries again, and the records behind it wait for it", err, fields)
+	}
 }

@@ -1,0 +1,54 @@
+package outbox_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// A record the destination keeps refusing: each failure was logged as the
+// same "Outbox relay failed", never with its attempts, and nothing said
+// when it gave up (a user review grepped the relay's log for "stuck" and
+// found nothing). Now each says its attempts out of MaxAttempts and what
+// it holds back, and the last one that it is stuck and how to send it
+// again. A failure of no record's (the claim's statement) named a record
+// of the id "" (message_id="\"\"").
+func TestForwarder_Logs_RecordFailuresCountAttemptsAndSayStuck_NoRecordFailuresNameNone(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	ids := publishN(t, db, "", "orders", 2)
+	logs := &recordingLogger{}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(newRefusingPublisher(ids[0], "no such exchange"), nil),
+		outbox.ForwarderConfig{Dialect: outbox.Postgres, MaxAttempts: 2, RetryMin: 10 * time.Millisecond, Logger: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const stuckMsg = "Outbox record stuck: the relay leaves it alone from now on (a keyed one holds its key's later records); outboxctl show ID says why, outboxctl retry ID sends it again"
+	const noRecord = "Outbox relay failed, not for a record of its own; it tries again, and a batch published but not marked goes out again (the inbox dedupes it)"
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+	waitFor(t, 20*time.Second, "the record stuck", func() bool { return len(logs.find(stuckMsg)) > 0 })
+	failed := logs.find("Outbox relay failed to publish a record; it tries again, and the records behind it wait for it")
+	stuck := logs.find(stuckMsg)
+	if len(failed) != 1 || failed[0]["attempts"] != 1 || failed[0]["max_attempts"] != 2 || failed[0]["message_id"] != ids[0] ||
+		len(stuck) != 1 || stuck[0]["attempts"] != 2 || stuck[0]["message_id"] != ids[0] {
+		t.Errorf("logged a failure %v and stuck %v; want one failure at attempt 1 of 2, then stuck at 2, of %s", failed, stuck, ids[0])
+	}
+
+	db.MustExec("DROP TABLE acemq_outbox CASCADE")
+	if _, err := db.Exec("NOTIFY acemq_outbox"); err != nil { // wake it, if it listens there
+		t.Log(err)
+	}
+	waitFor(t, 20*time.Second, "the claim's failure logged", func() bool { return len(logs.find(noRecord)) > 0 })
+	for _, fs := range logs.find("Outbox relay failed") {
+		if id := fs["message_id"]; id == `""` {
+			t.Errorf("a failure logged with message_id %v", id)
+		}
+	}
+}
