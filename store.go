@@ -1563,10 +1563,33 @@ type StuckRecord struct {
 
 // Stuck lists up to limit rows at MaxAttempts, oldest first.
 func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
-	q := s.q.Stuck(s.cfg.MaxAttempts, limit, time.Now())
+	return s.failedRows(ctx, s.q.Stuck(s.cfg.MaxAttempts, limit, time.Now()), "stuck")
+}
+
+// Failing lists up to limit rows that failed and are not stuck (pending
+// after fewer than MaxAttempts failed attempts), oldest first: the relay
+// tries them again itself, and an unkeyed one holds back the records
+// behind it meanwhile.
+func (s *Store) Failing(ctx context.Context, limit int) ([]StuckRecord, error) {
+	return s.failedRows(ctx, s.q.Failing(s.cfg.MaxAttempts, limit, time.Now()), "failing")
+}
+
+// FailingCount counts the rows Failing lists.
+func (s *Store) FailingCount(ctx context.Context) (int64, error) {
+	q := s.q.FailingCount(s.cfg.MaxAttempts)
+	var n int64
+	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: failing: %w", err)
+	}
+	return n, nil
+}
+
+// failedRows reads the rows of q, a Stuck or a Failing; what names it in
+// errors.
+func (s *Store) failedRows(ctx context.Context, q sqldialect.Query, what string) ([]StuckRecord, error) {
 	rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
-		return nil, fmt.Errorf("outbox: stuck: %w", err)
+		return nil, fmt.Errorf("outbox: %s: %w", what, err)
 	}
 	defer rows.Close()
 	var out []StuckRecord
@@ -1578,7 +1601,7 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 			lockedUntil                             = sqldialect.NewTime(s.dialect.sql())
 		)
 		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil, &r.Leased); err != nil {
-			return nil, fmt.Errorf("outbox: stuck: %w", err)
+			return nil, fmt.Errorf("outbox: %s: %w", what, err)
 		}
 		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
 		if r.Leased {

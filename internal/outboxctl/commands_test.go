@@ -86,7 +86,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"also_on_search_path", "database", "inbox_table", "max_attempts", "narrow_columns", "notify_quiet_ms", "notify_trigger", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"also_on_search_path", "database", "failing", "inbox_table", "max_attempts", "narrow_columns", "notify_quiet_ms", "notify_trigger", "oldest_failing", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)

@@ -15,16 +15,21 @@ import (
 // statusReport is status --json. The field names are a contract with the
 // scripts and dashboards that read them: add fields, never rename one.
 type statusReport struct {
-	Database          string     `json:"database"` // postgres, mysql, sqlite
-	Table             string     `json:"table"`
-	Pending           int64      `json:"pending"`
-	OldestPendingAt   *time.Time `json:"oldest_pending_at"` // null when nothing is pending
-	OldestPendingAge  float64    `json:"oldest_pending_age_seconds"`
-	Stuck             int64      `json:"stuck"`
-	MaxAttempts       int        `json:"max_attempts"`
-	PublishedLastHour int64      `json:"published_last_hour"`
-	InboxTable        string     `json:"inbox_table"`
-	Processed         *int64     `json:"processed_messages"` // null when the inbox table is not in this database
+	Database         string     `json:"database"` // postgres, mysql, sqlite
+	Table            string     `json:"table"`
+	Pending          int64      `json:"pending"`
+	OldestPendingAt  *time.Time `json:"oldest_pending_at"` // null when nothing is pending
+	OldestPendingAge float64    `json:"oldest_pending_age_seconds"`
+	Stuck            int64      `json:"stuck"`
+	MaxAttempts      int        `json:"max_attempts"`
+	// Failing: the rows that failed and are not stuck yet, which the relay
+	// tries again itself (an unkeyed one holds back the records behind it
+	// meanwhile); OldestFailing the oldest of them, null when none.
+	Failing           int64       `json:"failing"`
+	OldestFailing     *failingRow `json:"oldest_failing"`
+	PublishedLastHour int64       `json:"published_last_hour"`
+	InboxTable        string      `json:"inbox_table"`
+	Processed         *int64      `json:"processed_messages"` // null when the inbox table is not in this database
 	// NotifyTrigger: on PostgreSQL, whether the table's NOTIFY trigger
 	// fires, so that a commit wakes a listening relay; null elsewhere.
 	NotifyTrigger *bool `json:"notify_trigger"`
@@ -42,6 +47,13 @@ type statusReport struct {
 	// set cannot hold every character, "column (charset)"; [] when none,
 	// null elsewhere.
 	NarrowColumns []string `json:"narrow_columns"`
+}
+
+// failingRow is status's oldest failing row.
+type failingRow struct {
+	ID        string `json:"id"` // as stuck shows it (keyText)
+	Attempts  int    `json:"attempts"`
+	LastError string `json:"last_error"`
 }
 
 func (c *cli) status(args []string) error {
@@ -75,6 +87,21 @@ func (c *cli) status(args []string) error {
 	}
 	if r.PublishedLastHour, err = s.PublishedSince(c.ctx, now.Add(-time.Hour)); err != nil {
 		return d.explain(err, c.g.table)
+	}
+	// While a record fails, before it is stuck, the rows behind it wait:
+	// pending grew and stuck said 0 (a user review found the record only
+	// by show of the oldest pending id).
+	if r.Failing, err = s.FailingCount(c.ctx); err != nil {
+		return d.explain(err, c.g.table)
+	}
+	if r.Failing > 0 {
+		head, err := s.Failing(c.ctx, 1)
+		if err != nil {
+			return d.explain(err, c.g.table)
+		}
+		if len(head) > 0 {
+			r.OldestFailing = &failingRow{ID: keyText(head[0].ID), Attempts: head[0].Attempts, LastError: head[0].LastError}
+		}
 	}
 	if d.kind == kindPostgres {
 		fires, err := d.notifyTrigger(c.ctx, c.g.table)
@@ -119,6 +146,12 @@ func (c *cli) status(args []string) error {
 	} else {
 		fmt.Fprintf(tw, "oldest pending age\t%s (created %s)\n",
 			formatAge(time.Duration(r.OldestPendingAge*float64(time.Second))), r.OldestPendingAt.UTC().Format(time.RFC3339))
+	}
+	if r.OldestFailing == nil {
+		fmt.Fprintf(tw, "failing\t%d\n", r.Failing)
+	} else {
+		fmt.Fprintf(tw, "failing\t%d (tried again by the relay; the oldest, %s, at %d of %d attempts: %s; see outboxctl stuck --failing)\n",
+			r.Failing, r.OldestFailing.ID, r.OldestFailing.Attempts, r.MaxAttempts, printable(r.OldestFailing.LastError))
 	}
 	fmt.Fprintf(tw, "stuck\t%d (at %d attempts; see outboxctl stuck)\n", r.Stuck, r.MaxAttempts)
 	fmt.Fprintf(tw, "published in the last hour\t%d\n", r.PublishedLastHour)

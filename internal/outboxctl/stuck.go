@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"text/tabwriter"
@@ -39,7 +40,8 @@ func (c *cli) stuck(args []string) error {
 	fs := c.flagSet("stuck")
 	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
 	limit := fs.Int("limit", 100, "list at most this many rows, oldest first")
-	rest, err := c.parse(fs, args, "outboxctl stuck [--limit N] [--json]")
+	failing := fs.Bool("failing", false, "list the rows that failed and are not stuck yet (the relay tries them again; an unkeyed one holds back the rows behind it)")
+	rest, err := c.parse(fs, args, "outboxctl stuck [--failing] [--limit N] [--json]")
 	if err != nil {
 		return err
 	}
@@ -54,15 +56,22 @@ func (c *cli) stuck(args []string) error {
 		return err
 	}
 	defer d.Close()
-	recs, err := s.Stuck(c.ctx, *limit)
+	list, count, what := s.Stuck, func(ctx context.Context) (int64, error) {
+		st, err := s.Stats(ctx)
+		return st.Stuck, err
+	}, "stuck"
+	if *failing {
+		list, count, what = s.Failing, s.FailingCount, "failing"
+	}
+	recs, err := list(c.ctx, *limit)
 	if err != nil {
 		return d.explain(err, c.g.table)
 	}
-	st, err := s.Stats(c.ctx)
+	total, err := count(c.ctx)
 	if err != nil {
 		return d.explain(err, c.g.table)
 	}
-	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(st.Stuck, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
+	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(total, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
 	leased := false
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: keyText(rec.ID), Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
@@ -80,6 +89,10 @@ func (c *cli) stuck(args []string) error {
 		return writeJSON(c.stdout, r)
 	}
 	if len(r.Rows) == 0 {
+		if *failing {
+			fmt.Fprintf(c.stdout, "no failing rows (none unpublished after 1 to %d failed attempts)\n", r.MaxAttempts-1)
+			return nil
+		}
 		fmt.Fprintf(c.stdout, "no stuck rows (none unpublished at %d attempts)\n", r.MaxAttempts)
 		return nil
 	}
@@ -120,7 +133,11 @@ func (c *cli) stuck(args []string) error {
 		return err
 	}
 	if r.Total > int64(len(r.Rows)) {
-		fmt.Fprintf(c.stdout, "%d of %d stuck rows shown (--limit %d)\n", len(r.Rows), r.Total, *limit)
+		fmt.Fprintf(c.stdout, "%d of %d %s rows shown (--limit %d)\n", len(r.Rows), r.Total, what, *limit)
+	}
+	if *failing {
+		fmt.Fprintf(c.stdout, "the relay tries them again itself, up to %d attempts; outboxctl show ID says more\n", r.MaxAttempts)
+		return nil
 	}
 	fmt.Fprintln(c.stdout, "outboxctl retry ID... or outboxctl retry --all-stuck makes them pending again (in a shell, an id shown quoted goes in single quotes: retry '\"ord-1 \"')")
 	return nil

@@ -1154,10 +1154,32 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 // locked_until, and leased: 1 when a relay holds the row under a live lease
 // now, which Retry leaves alone (the negation of notClaimed), else 0.
 func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
+	return o.failedRows("attempts >= ?", []any{maxAttempts}, limit, now)
+}
+
+// failingWhere is the condition of a row that failed and is not stuck:
+// unpublished, with 0 < attempts < maxAttempts.
+const failingWhere = "published_at IS NULL AND attempts > 0 AND attempts < ?"
+
+// Failing is Stuck for the rows that failed and are not stuck yet: the
+// relay tries them again itself, and an unkeyed one holds back the
+// records behind it meanwhile.
+func (o *Outbox) Failing(maxAttempts, limit int, now time.Time) Query {
+	return o.failedRows("attempts > 0 AND attempts < ?", []any{maxAttempts}, limit, now)
+}
+
+// FailingCount counts the rows Failing lists.
+func (o *Outbox) FailingCount(maxAttempts int) Query {
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE "+failingWhere, maxAttempts)
+}
+
+// failedRows lists, as Stuck does, up to limit unpublished rows on which
+// attempts holds (cond, with its args), oldest first.
+func (o *Outbox) failedRows(cond string, condArgs []any, limit int, now time.Time) Query {
 	free, args := o.notClaimed(now)
 	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, "+o.d.timeText("created_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
 		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+
-		" WHERE published_at IS NULL AND attempts >= ? ORDER BY created_at, id LIMIT ?", append(args, maxAttempts, limit)...)
+		" WHERE published_at IS NULL AND "+cond+" ORDER BY created_at, id LIMIT ?", append(append(args, condArgs...), limit)...)
 }
 
 // Records reads the rows of ids, as an operator looks them up: id,
