@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
@@ -177,5 +178,58 @@ func TestInbox_PoisonOutbox_ConnectionLostAsTheCopyIsWritten_WrittenAgainOnce(t 
 	}
 	if kills < 2 || copies != 1 || !outboxStateOf(t, db, id).Processed {
 		t.Errorf("after %d poison inserts (the first killed): %d poison rows, record processed %v; want 1, processed", kills, copies, outboxStateOf(t, db, id).Processed)
+	}
+}
+
+// PoisonPublisher's mark of the record, after its publisher took the
+// message, on connections the database drops: waited out, the record
+// marked. It was only logged, and the next boot's Republish sent the
+// message again (a user review: 1 of ~40 with connections killed).
+func TestInbox_PoisonPublisher_ConnectionLostAsTheRecordIsMarked_MarkedAfterAll(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	// Once the poison topic has the message (armed), the next three marks
+	// end their connections.
+	db.MustExec(`CREATE TABLE mark_armed (armed int)`)
+	db.MustExec(`CREATE SEQUENCE mark_kills`)
+	db.MustExec(`CREATE FUNCTION kill_marks() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.processed_at IS NOT NULL AND OLD.processed_at IS NULL AND EXISTS (SELECT 1 FROM mark_armed) AND nextval('mark_kills') <= 3 THEN
+				PERFORM pg_terminate_backend(pg_backend_pid());
+			END IF;
+			RETURN NEW;
+		END $$`)
+	db.MustExec(`CREATE TRIGGER kill_marks BEFORE UPDATE ON acemq_outbox FOR EACH ROW EXECUTE FUNCTION kill_marks()`)
+	id := publishN(t, db, "", "order.placed", 1)[0]
+	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true})
+	bus := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
+	poisonBus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	poisoned, err := poisonBus.Subscribe(context.Background(), "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	poisonQueue, err := middleware.PoisonQueue(in.PoisonPublisher(poisonBus), "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t)
+	r.AddMiddleware(poisonQueue, in.Middleware)
+	r.AddPlugin(in.Plugin())
+	r.AddConsumerHandler("fulfil-orders", "orders", bus, func(*message.Message) error { return errors.New("no such warehouse") })
+	startRouter(t, r)
+	if err := bus.Publish("orders", message.NewMessage(id, []byte("order"))); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case msg := <-poisoned:
+		db.MustExec("INSERT INTO mark_armed VALUES (1)")
+		msg.Ack()
+	case <-time.After(20 * time.Second):
+		t.Fatal("nothing set aside")
+	}
+	waitFor(t, 20*time.Second, "the record marked processed", func() bool { return outboxStateOf(t, db, id).Processed })
+	var kills int
+	if err := db.Get(&kills, "SELECT last_value FROM mark_kills"); err != nil || kills < 4 {
+		t.Errorf("%d marks tried (%v); want the three killed and another", kills, err)
 	}
 }
