@@ -577,12 +577,19 @@ func markBlocked(res []error, f *blockedFlag) {
 // uses the destination, and an idle relay uses it only when a row comes:
 // until then an alert on the gauge would not see the broker gone.
 func (d *AMQPDestination) uncountWhenClosed(conn *amqp.Connection, closed <-chan *amqp.Error) {
-	<-closed
+	reason := <-closed
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.conn == conn && d.counted != "" {
 		d.cfg.Metrics.brokerConnected(d.counted, -1)
 		d.counted = ""
+	}
+	if d.conn == conn && reason != nil {
+		// Said as it happens, with the broker's reason: the relay saw it
+		// only at its next publish, and its log said "lost" then, without
+		// why (a user review closed the connection from the broker's side).
+		d.cfg.Logger.Info("Connection to RabbitMQ closed; the relay connects again at its next publish",
+			watermill.LogFields{"node": d.last, "connection_name": d.cfg.ConnectionName, "reason": reason.Reason, "code": reason.Code, "by_broker": reason.Server})
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -50,5 +51,29 @@ func TestForwarder_Logs_RecordFailuresCountAttemptsAndSayStuck_NoRecordFailuresN
 		if id := fs["message_id"]; id == `""` {
 			t.Errorf("a failure logged with message_id %v", id)
 		}
+	}
+}
+
+// The broker closes the relay's connection: said as it happens, with the
+// broker's reason. The relay said nothing until its next publish, then
+// "lost" without why (a user review).
+func TestAMQPDestination_BrokerClosesTheConnection_LoggedAtOnceWithItsReason(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, "amqp")
+	logs := &recordingLogger{}
+	name := "zz-closed-" + testdb.RandomName()
+	d, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}, ConnectionName: name, Logger: logs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if err := d.Connect(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the broker to list the connection", func() bool { return testamqp.CloseConnections(t, name) == 1 })
+	const closed = "Connection to RabbitMQ closed; the relay connects again at its next publish"
+	waitFor(t, 10*time.Second, "the close logged", func() bool { return len(logs.find(closed)) == 1 })
+	if got := logs.find(closed)[0]; got["reason"] != "CONNECTION_FORCED - outbox test: connection closed on purpose" || got["by_broker"] != true {
+		t.Errorf("the close logged with %v; want the broker's reason", got)
 	}
 }
