@@ -2,9 +2,12 @@ package outboxctl
 
 import (
 	"encoding/json"
+	"reflect"
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
 // While a record fails and is not stuck yet, the rows behind it wait:
@@ -40,4 +43,21 @@ func TestStatusAndStuckFailing_RecordFailingNotYetStuck_Named(t *testing.T) {
 			t.Errorf("status with none failing:\n%s", out)
 		}
 	})
+}
+
+// retry --json printed only {"retried": N}, where the text says of each id
+// left alone why (a user review): it carries them too.
+func TestRetryJSON_IDsLeftAlone_EachWithItsStateAndWhy(t *testing.T) {
+	f := newFixture(t, testdb.Postgres)
+	var r retryReport
+	if err := json.Unmarshal([]byte(mustCtl(t, "retry", "--json", "--db", f.db.DSN, f.stuck[0], f.pending[0], "no-such-id")), &r); err != nil {
+		t.Fatal(err)
+	}
+	want := []retryLeft{{ID: f.pending[0], State: "pending", Why: "pending: the relay publishes it at its next claim"}, {ID: "no-such-id", State: "not_found", Why: "not in acemq_outbox"}}
+	if r.Retried != 1 || !reflect.DeepEqual(r.LeftAlone, want) {
+		t.Errorf("retry --json: %+v; want 1 retried, left alone %+v", r, want)
+	}
+	if out := mustCtl(t, "retry", "--json", "--all-stuck", "--db", f.db.DSN); !strings.Contains(out, `"left_alone": []`) {
+		t.Errorf("retry --all-stuck --json: %s; want left_alone []", out)
+	}
 }

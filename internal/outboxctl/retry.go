@@ -7,7 +7,7 @@ const retryChunk = 1000
 func (c *cli) retry(args []string) error {
 	fs := c.flagSet("retry")
 	all := fs.Bool("all-stuck", false, "retry every stuck row instead of the ids given")
-	asJSON := fs.Bool("json", false, `print {"retried": N}, for scripts`)
+	asJSON := fs.Bool("json", false, `print {"retried": N, "left_alone": [{"id", "state", "why"}...]}, for scripts`)
 	ids, err := c.parse(fs, args, "outboxctl retry ID... | outboxctl retry --all-stuck")
 	if err != nil {
 		return err
@@ -48,8 +48,24 @@ func (c *cli) retry(args []string) error {
 	if err != nil {
 		return d.explain(err, c.g.table)
 	}
+	// The ids looked up first that the retry left as they were, and why.
+	var leftAlone []retryLeft
+	if !*all && n < int64(len(ids)) {
+		for _, row := range before {
+			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0 && !row.locked) {
+				state := row.State
+				if !row.Found {
+					state = "not_found"
+				}
+				leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: state, Why: c.why(row)})
+			}
+		}
+	}
 	if *asJSON {
-		return writeJSON(c.stdout, map[string]int64{"retried": n})
+		// left_alone: the reasons the text gives (a user review: --json
+		// dropped them); [] where the ids were not looked up (--all-stuck,
+		// or more than retryExplained).
+		return writeJSON(c.stdout, retryReport{Retried: n, LeftAlone: append([]retryLeft{}, leftAlone...)})
 	}
 	fmt.Fprintf(c.stdout, "%s made pending again (attempts reset to 0)\n", rows(n))
 	if *all {
@@ -69,11 +85,9 @@ func (c *cli) retry(args []string) error {
 		}
 		left := int64(len(ids)) - n
 		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
-		for _, row := range before {
-			if row.State == "" || row.State == "published" || row.State == "in_flight" || (row.State == "pending" && row.Attempts == 0 && !row.locked) {
-				fmt.Fprintf(c.stdout, "  %s: %s\n", row.ID, c.why(row))
-				left--
-			}
+		for _, l := range leftAlone {
+			fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
+			left--
 		}
 		if left > 0 {
 			// Looked up as retry-able, then not changed: a relay took or
@@ -82,6 +96,20 @@ func (c *cli) retry(args []string) error {
 		}
 	}
 	return nil
+}
+
+// retryReport is retry --json.
+type retryReport struct {
+	Retried   int64       `json:"retried"`
+	LeftAlone []retryLeft `json:"left_alone"`
+}
+
+// retryLeft is an id retry left as it was: its state as show --json says
+// it ("not_found" for an id not in the table), and why, as the text says.
+type retryLeft struct {
+	ID    string `json:"id"`
+	State string `json:"state"`
+	Why   string `json:"why"`
 }
 
 // retryExplained is the most ids a retry looks up first, to say of each it
