@@ -130,3 +130,60 @@ func ExampleInbox_PoisonPublisher() {
 	// poisoned: o-1 - order o-1: no such warehouse
 	// record processed: true
 }
+
+// A message whose handler keeps failing, set aside through the outbox:
+// PoisonOutbox writes its copy, to the poison topic, in one transaction
+// with its record's processed mark, and the relay publishes it with the
+// broker's confirm (a poison topic no queue is bound to shows as a stuck
+// record, not a message the broker dropped).
+func ExampleInbox_PoisonOutbox() {
+	dir, _ := os.MkdirTemp("", "outbox-example")
+	defer os.RemoveAll(dir)
+	db := sqlx.MustOpen("sqlite3", "file:"+filepath.Join(dir, "warehouse.db")+"?_txlock=immediate&_busy_timeout=5000")
+	defer db.Close()
+	if err := outbox.Migrate(context.Background(), db.DB, outbox.SQLite); err != nil {
+		log.Fatal(err)
+	}
+	inbox, err := outbox.NewInbox(db, outbox.InboxConfig{ConsumerName: "fulfil-orders", MarkOutboxProcessed: true})
+	if err != nil {
+		log.Fatal(err)
+	}
+	poisonQueue, err := middleware.PoisonQueue(inbox.PoisonOutbox(), "orders.poison")
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Under a router: router.AddMiddleware(poisonQueue, …, inbox.Middleware).
+	handle := poisonQueue(inbox.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		return nil, fmt.Errorf("order %s: no such warehouse", msg.Payload)
+	}))
+	// The message as the relay delivers it, from an outbox record of this
+	// database.
+	msg := message.NewMessage(watermill.NewUUID(), []byte("o-1"))
+	tx := db.MustBegin()
+	pub, err := outbox.NewTxPublisher(tx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := pub.Publish("orders.placed", msg); err != nil {
+		log.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := handle(msg.Copy()); err != nil {
+		log.Fatal(err)
+	}
+	var processed bool
+	if err := db.Get(&processed, "SELECT processed_at IS NOT NULL FROM acemq_outbox WHERE id = ?", msg.UUID); err != nil {
+		log.Fatal(err)
+	}
+	var copies int
+	if err := db.Get(&copies, "SELECT COUNT(*) FROM acemq_outbox WHERE routing_key = 'orders.poison' AND headers LIKE ?", "%"+msg.UUID+"%"); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("copies for the relay to send to orders.poison:", copies)
+	fmt.Println("record processed:", processed)
+	// Output:
+	// copies for the relay to send to orders.poison: 1
+	// record processed: true
+}
