@@ -107,9 +107,12 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 	// back, its handler failed again, its retries ran again, for ever: the
 	// README's chain set nothing aside (a review counted 129 runs of one
 	// message in 10 s, and on an ordered consumer its key went no further).
+	// One bound for the publish and the marks after it: a router's Close
+	// waits 30 s for its handlers by default.
+	deadline := time.Now().Add(poisonPublishTimeout)
 	detached := make([]*message.Message, len(msgs))
 	for i, msg := range msgs {
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), poisonPublishTimeout)
+		ctx, cancel := context.WithDeadline(context.WithoutCancel(msg.Context()), deadline)
 		defer cancel()
 		detached[i] = msg.Copy()
 		detached[i].SetContext(ctx)
@@ -125,7 +128,7 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 		// mark that failed so was only logged, and the next boot's
 		// Republish sent the message again (a user review: 1 of ~40 with
 		// connections killed).
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(msg.Context()), poisonPublishTimeout)
+		ctx, cancel := context.WithDeadline(context.WithoutCancel(msg.Context()), deadline)
 		if key := dedupeKey(msg); key != "" {
 			now := time.Now()
 			if err := p.in.retryConflicts(ctx, func() error { return p.in.markProcessed(ctx, p.in.db, key, now) }); err != nil {

@@ -4,10 +4,17 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/google/uuid"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // Metadata keys of a message PoisonOutbox set aside: the id of the message
@@ -49,6 +56,14 @@ const (
 // the message's id; a keyed message's aggregateId and seq go in
 // PoisonedKeyMetadataKey and PoisonedSeqMetadataKey, not as the copy's own
 // (an ordered inbox on the poison topic would take them for its order).
+// A message without an id gets a copy of a random id. Metadata the
+// outbox's headers cannot carry is made to fit: RabbitMQ's CC and BCC and
+// the publisher's steering keys renamed (x-acemq-poisoned-header-…), a
+// key or value that is not UTF-8 quoted (its key with "-quoted"), and
+// headers too many or too large for one AMQP frame dropped but for the
+// reason (x-acemq-poisoned-headers-dropped). Re-drive a copy as it is,
+// under its own id: given the message's id again and set aside again, it
+// is taken for its first copy, and not written.
 // What PoisonPublisher refuses, it refuses. It needs a relay on the inbox's
 // database, as returned messages do.
 func (in *Inbox) PoisonOutbox() message.Publisher { return poisonOutbox{in: in} }
@@ -70,8 +85,15 @@ func (p poisonOutbox) Publish(topic string, msgs ...*message.Message) error {
 	defer cancel()
 	copies := make([]*message.Message, len(msgs))
 	for i, msg := range msgs {
-		copies[i] = in.poisonCopy(topic, msg)
+		copies[i] = in.poisonCopy(topic, msg, false)
 		copies[i].SetContext(beneath{ctx, msg.Context()})
+		if err := checkWritable(copies[i], in.returned); err != nil {
+			// Headers the outbox cannot carry (too many, too large): the
+			// payload, the id and the reason, rather than a message that
+			// is never set aside and comes back for ever.
+			copies[i] = in.poisonCopy(topic, msg, true)
+			copies[i].SetContext(beneath{ctx, msg.Context()})
+		}
 	}
 	err = in.retryConflicts(ctx, func() error {
 		tx, err := in.db.BeginTxx(ctx, &sql.TxOptions{Isolation: in.cfg.Isolation})
@@ -108,8 +130,9 @@ func (p poisonOutbox) Publish(topic string, msgs ...*message.Message) error {
 
 func (p poisonOutbox) Close() error { return nil }
 
-// poisonCopy is msg as PoisonOutbox writes it to topic (see PoisonOutbox).
-func (in *Inbox) poisonCopy(topic string, msg *message.Message) *message.Message {
+// poisonCopy is msg as PoisonOutbox writes it to topic (see PoisonOutbox);
+// bare, its payload with only the message's id and PoisonQueue's reason.
+func (in *Inbox) poisonCopy(topic string, msg *message.Message, bare bool) *message.Message {
 	id := dedupeKey(msg)
 	if id == "" {
 		id = msg.UUID
@@ -118,18 +141,81 @@ func (in *Inbox) poisonCopy(topic string, msg *message.Message) *message.Message
 	if consumer == "" {
 		consumer = message.HandlerNameFromCtx(msg.Context())
 	}
-	c := message.NewMessage(uuid.NewSHA1(poisonNamespace, []byte(consumer+"\x00"+id+"\x00"+topic)).String(), msg.Payload)
+	copyID := uuid.NewSHA1(poisonNamespace, []byte(consumer+"\x00"+id+"\x00"+topic)).String()
+	if id == "" {
+		// No id to derive one from: every such message's copy had the one
+		// id of its consumer and topic, and all but the first were taken
+		// for it and dropped (a review). A copy set aside twice is then
+		// written twice.
+		copyID = watermill.NewUUID()
+	}
+	c := message.NewMessage(copyID, msg.Payload)
+	set := func(k, v string) {
+		k, v = headerSafe(k, v)
+		c.Metadata.Set(k, v)
+	}
 	for k, v := range msg.Metadata {
-		switch k {
-		case HeaderMessageID:
-		case HeaderAggregateID:
-			c.Metadata.Set(PoisonedKeyMetadataKey, v)
-		case HeaderSeq:
-			c.Metadata.Set(PoisonedSeqMetadataKey, v)
-		default:
-			c.Metadata.Set(k, v)
+		switch {
+		case k == HeaderMessageID:
+		case k == HeaderAggregateID:
+			set(PoisonedKeyMetadataKey, v)
+		case k == HeaderSeq:
+			set(PoisonedSeqMetadataKey, v)
+		case steeringKeys[k]:
+			// The publisher's steering (exchange, routing key, ordering
+			// key) would send the copy elsewhere than the poison topic.
+			set("x-acemq-poisoned-header-"+k, v)
+		case !bare:
+			set(k, v)
 		}
 	}
-	c.Metadata.Set(PoisonedIDMetadataKey, id)
+	if bare {
+		reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
+		if len(reason) > poisonReasonBytes {
+			reason = strings.ToValidUTF8(reason[:poisonReasonBytes], "") + "…"
+		}
+		set(middleware.ReasonForPoisonedKey, reason)
+		set(poisonedHeadersDropped, "true")
+	}
+	if id != "" {
+		set(PoisonedIDMetadataKey, id)
+	}
 	return c
+}
+
+// poisonReasonBytes bounds the reason a bare poison copy keeps.
+const poisonReasonBytes = 1024
+
+// poisonedHeadersDropped marks a bare poison copy: the message's metadata
+// did not fit the outbox's headers, and only its id and reason are kept.
+const poisonedHeadersDropped = "x-acemq-poisoned-headers-dropped"
+
+// headerSafe is k and v as a poison copy's metadata carries them: RabbitMQ's
+// CC and BCC, which a delivery keeps and the outbox refuses (a broker would
+// route by them), renamed; a key or value that is not valid UTF-8, or holds
+// NUL, which the outbox's headers cannot carry (another language's relay
+// on MySQL or SQLite may have sent such an id or aggregateId), quoted as Go
+// quotes it, under the key with "-quoted" added.
+func headerSafe(k, v string) (string, string) {
+	if k == "CC" || k == "BCC" {
+		k = "x-acemq-poisoned-header-" + k
+	}
+	if !plainText(k) {
+		k = "x-acemq-poisoned-header-" + strconv.Quote(k)
+	}
+	if !plainText(v) {
+		k, v = k+"-quoted", strconv.Quote(v)
+	}
+	return k, v
+}
+
+// plainText reports whether s is valid UTF-8 without NUL.
+func plainText(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
+}
+
+// checkWritable reports whether TxPublisher under cfg would write msg.
+func checkWritable(msg *message.Message, cfg TxPublisherConfig) error {
+	var r sqldialect.Row
+	return (&TxPublisher{cfg: cfg}).buildRow(&r, 0, "poison", msg)
 }

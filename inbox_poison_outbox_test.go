@@ -233,3 +233,101 @@ func TestInbox_PoisonPublisher_ConnectionLostAsTheRecordIsMarked_MarkedAfterAll(
 		t.Errorf("%d marks tried (%v); want the three killed and another", kills, err)
 	}
 }
+
+// poisonRows counts the outbox rows routed to the poison topic.
+func poisonRows(t *testing.T, db *testdb.DB, topic string) int {
+	t.Helper()
+	var n int
+	if err := db.Get(&n, db.Rebind("SELECT COUNT(*) FROM acemq_outbox WHERE routing_key = ?"), topic); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// Two different messages without an id (no UUID, no x-acemq-id: the
+// inbox fails them with ErrNoMessageID, and PoisonQueue sets them aside)
+// got the same copy id, derived from the consumer and topic alone: the
+// second copy's insert found the first's row and was taken for a retry,
+// and the second message, acked and logged "set aside", was nowhere.
+func TestInbox_PoisonOutbox_TwoMessagesWithoutAnID_BothSetAside(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true, Outbox: outbox.TxPublisherConfig{Exchange: "orders"}})
+	bus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
+	poisonQueue, err := middleware.PoisonQueue(in.PoisonOutbox(), "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t)
+	r.AddMiddleware(poisonQueue, in.Middleware)
+	r.AddPlugin(in.Plugin())
+	r.AddConsumerHandler("fulfil-orders", "orders", bus, func(*message.Message) error { return errors.New("no such warehouse") })
+	startRouter(t, r)
+	for _, body := range []string{`{"order":1}`, `{"order":2}`} {
+		done := make(chan error, 1)
+		go func() { done <- bus.Publish("orders", message.NewMessage("", []byte(body))) }()
+		select {
+		case err := <-done: // BlockPublishUntilSubscriberAck: acked
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("the message without an id was not acked")
+		}
+	}
+	if n := poisonRows(t, db, "orders.poison"); n != 2 {
+		t.Fatalf("two different messages without an id set aside (both acked): %d poison rows in the outbox, want 2", n)
+	}
+}
+
+// Review: the inbox takes messages whose id is not UTF-8 (another
+// language's relay on MySQL/SQLite; see markable and InboxKey), and an
+// ordered inbox refuses a keyed message whose aggregateId is not UTF-8
+// with ErrInvalidKey, which "a router's poison queue middleware can take
+// aside". PoisonOutbox copies both into the copy's headers
+// (x-acemq-poisoned-id, x-acemq-poisoned-aggregate-id), EncodeHeaders
+// refuses them, and Publish fails: PoisonQueue nacks the message, which
+// comes back, fails, and is never set aside (a redelivery loop). Likewise
+// a delivery carrying RabbitMQ's CC header (sender-selected distribution,
+// which the broker keeps on the delivered message): sendable refuses the
+// key "CC".
+func TestInbox_PoisonOutbox_MetadataTheOutboxCannotCarry_StillSetAside(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true, Outbox: outbox.TxPublisherConfig{Exchange: "orders"}})
+	poisoned := func(id string, md map[string]string) *message.Message {
+		msg := message.NewMessage(id, []byte(`{"order":1}`))
+		for k, v := range md {
+			msg.Metadata.Set(k, v)
+		}
+		msg.Metadata.Set(middleware.ReasonForPoisonedKey, "no such warehouse")
+		msg.SetContext(context.Background())
+		return msg
+	}
+	for name, msg := range map[string]*message.Message{
+		"id not UTF-8":          poisoned("ord-\xff\xfe-1", nil),
+		"aggregateId not UTF-8": poisoned(watermill.NewUUID(), map[string]string{outbox.HeaderAggregateID: "cust-\xff", outbox.HeaderSeq: "1"}),
+		"CC header":             poisoned(watermill.NewUUID(), map[string]string{"CC": "[orders.audit]"}),
+		"headers over a frame":  poisoned(watermill.NewUUID(), map[string]string{"trace": strings.Repeat("x", 200<<10)}),
+	} {
+		t.Run(name, func(t *testing.T) {
+			topic := "orders.poison." + testdb.RandomName()
+			if err := in.PoisonOutbox().Publish(topic, msg); err != nil {
+				t.Fatalf("not set aside (PoisonQueue nacks it, and it comes back for ever): %v", err)
+			}
+			var headers string
+			if err := db.Get(&headers, db.Rebind("SELECT headers FROM acemq_outbox WHERE routing_key = ?"), topic); err != nil {
+				t.Fatal(err)
+			}
+			want := map[string]string{
+				"id not UTF-8":          `"x-acemq-poisoned-id-quoted":"\"ord-\\xff\\xfe-1\""`,
+				"aggregateId not UTF-8": `"x-acemq-poisoned-aggregate-id-quoted":"\"cust-\\xff\""`,
+				"CC header":             `"x-acemq-poisoned-header-CC":"[orders.audit]"`,
+				"headers over a frame":  `"x-acemq-poisoned-headers-dropped":"true"`,
+			}[name]
+			if !strings.Contains(headers, want) || !strings.Contains(headers, "no such warehouse") {
+				t.Errorf("the copy's headers %.300s; want %s, and the reason", headers, want)
+			}
+		})
+	}
+}

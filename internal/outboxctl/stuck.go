@@ -90,7 +90,7 @@ func (c *cli) stuck(args []string) error {
 	}
 	if len(r.Rows) == 0 {
 		if *failing {
-			fmt.Fprintf(c.stdout, "no failing rows (none unpublished after 1 to %d failed attempts)\n", r.MaxAttempts-1)
+			fmt.Fprintf(c.stdout, "no failing rows (none unpublished after failed attempts fewer than %d)\n", r.MaxAttempts)
 			return nil
 		}
 		fmt.Fprintf(c.stdout, "no stuck rows (none unpublished at %d attempts)\n", r.MaxAttempts)
