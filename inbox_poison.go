@@ -172,13 +172,13 @@ func (in *Inbox) toSetAside(topic string, msgs []*message.Message) ([]*message.M
 	return msgs, nil
 }
 
-// loggedAside logs msg set aside on topic (as copy, where it has an id
-// of its own): an operator saw Retry's errors, then nothing.
-func (in *Inbox) loggedAside(topic string, msg *message.Message, copy string) {
+// loggedAside logs msg set aside on topic (as copyID, where its copy has
+// an id of its own): an operator saw Retry's errors, then nothing.
+func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) {
 	fields := watermill.LogFields{"message_uuid": idText(msg.UUID), "poison_topic": topic,
 		"reason": msg.Metadata.Get(middleware.ReasonForPoisonedKey), "handler": message.HandlerNameFromCtx(msg.Context())}
-	if copy != "" {
-		fields["poison_copy_id"] = copy
+	if copyID != "" {
+		fields["poison_copy_id"] = copyID
 	}
 	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; re-drive it from there once the cause is fixed", nil, fields)
 }

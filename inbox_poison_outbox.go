@@ -64,6 +64,7 @@ const (
 // reason (x-acemq-poisoned-headers-dropped). Re-drive a copy as it is,
 // under its own id: given the message's id again and set aside again, it
 // is taken for its first copy, and not written.
+//
 // What PoisonPublisher refuses, it refuses. It needs a relay on the inbox's
 // database, as returned messages do.
 func (in *Inbox) PoisonOutbox() message.Publisher { return poisonOutbox{in: in} }

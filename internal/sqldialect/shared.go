@@ -1157,20 +1157,20 @@ func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
 	return o.failedRows("attempts >= ?", []any{maxAttempts}, limit, now)
 }
 
-// failingWhere is the condition of a row that failed and is not stuck:
-// unpublished, with 0 < attempts < maxAttempts.
-const failingWhere = "published_at IS NULL AND attempts > 0 AND attempts < ?"
+// failing is the condition of an unpublished row that failed and is not
+// stuck: 0 < attempts < maxAttempts.
+const failing = "attempts > 0 AND attempts < ?"
 
 // Failing is Stuck for the rows that failed and are not stuck yet: the
 // relay tries them again itself, and an unkeyed one holds back the
 // records behind it meanwhile.
 func (o *Outbox) Failing(maxAttempts, limit int, now time.Time) Query {
-	return o.failedRows("attempts > 0 AND attempts < ?", []any{maxAttempts}, limit, now)
+	return o.failedRows(failing, []any{maxAttempts}, limit, now)
 }
 
 // FailingCount counts the rows Failing lists.
 func (o *Outbox) FailingCount(maxAttempts int) Query {
-	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE "+failingWhere, maxAttempts)
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NULL AND "+failing, maxAttempts)
 }
 
 // failedRows lists, as Stuck does, up to limit unpublished rows on which
