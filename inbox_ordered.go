@@ -412,10 +412,12 @@ func (in *Inbox) route(consumer, handler string, byName bool, topic string) (r o
 			return orderedRoute{}, false
 		}
 	}
-	if r, ok = o.routes[k]; ok && !r.gone() || topic == "" {
-		return r, ok && !r.gone()
+	if r, ok = o.routes[k]; ok && r.gone() {
+		r, ok = orderedRoute{}, false
 	}
-	r, ok = orderedRoute{}, false
+	if ok || topic == "" {
+		return r, ok
+	}
 	sibling := ""
 	for rk, rt := range o.routes {
 		if rk.consumer == consumer && rk.handler != "" && message.SubscribeTopicFromCtx(rt.ctx) == topic && !rt.gone() && (!ok || rk.handler < sibling) {

@@ -7,7 +7,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -201,18 +200,13 @@ func headerSafe(k, v string) (string, string) {
 	if k == "CC" || k == "BCC" {
 		k = "x-acemq-poisoned-header-" + k
 	}
-	if !plainText(k) {
+	if !textHolds(k) {
 		k = "x-acemq-poisoned-header-" + strconv.Quote(k)
 	}
-	if !plainText(v) {
+	if !textHolds(v) {
 		k, v = k+"-quoted", strconv.Quote(v)
 	}
 	return k, v
-}
-
-// plainText reports whether s is valid UTF-8 without NUL.
-func plainText(s string) bool {
-	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
 }
 
 // checkWritable reports whether TxPublisher under cfg would write msg.

@@ -208,15 +208,7 @@ func TestInbox_PoisonPublisher_ConnectionLostAsTheRecordIsMarked_MarkedAfterAll(
 	if err != nil {
 		t.Fatal(err)
 	}
-	poisonQueue, err := middleware.PoisonQueue(in.PoisonPublisher(poisonBus), "orders.poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := newRouter(t)
-	r.AddMiddleware(poisonQueue, in.Middleware)
-	r.AddPlugin(in.Plugin())
-	r.AddConsumerHandler("fulfil-orders", "orders", bus, func(*message.Message) error { return errors.New("no such warehouse") })
-	startRouter(t, r)
+	failingBehindPoisonQueue(t, in, in.PoisonPublisher(poisonBus), bus)
 	if err := bus.Publish("orders", message.NewMessage(id, []byte("order"))); err != nil {
 		t.Fatal(err)
 	}
@@ -232,6 +224,22 @@ func TestInbox_PoisonPublisher_ConnectionLostAsTheRecordIsMarked_MarkedAfterAll(
 	if err := db.Get(&kills, "SELECT last_value FROM mark_kills"); err != nil || kills < 4 {
 		t.Errorf("%d marks tried (%v); want the three killed and another", kills, err)
 	}
+}
+
+// failingBehindPoisonQueue runs, until the test ends, a router whose
+// handler of "orders" on sub always fails, behind PoisonQueue to
+// "orders.poison" through poison, the inbox and its plugin.
+func failingBehindPoisonQueue(t *testing.T, in *outbox.Inbox, poison message.Publisher, sub message.Subscriber) {
+	t.Helper()
+	poisonQueue, err := middleware.PoisonQueue(poison, "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRouter(t)
+	r.AddMiddleware(poisonQueue, in.Middleware)
+	r.AddPlugin(in.Plugin())
+	r.AddConsumerHandler("fulfil-orders", "orders", sub, func(*message.Message) error { return errors.New("no such warehouse") })
+	startRouter(t, r)
 }
 
 // poisonRows counts the outbox rows routed to the poison topic.
@@ -254,15 +262,7 @@ func TestInbox_PoisonOutbox_TwoMessagesWithoutAnID_BothSetAside(t *testing.T) {
 	db := migrated(t, testdb.Postgres)
 	in := newInbox(t, db, outbox.InboxConfig{MarkOutboxProcessed: true, Outbox: outbox.TxPublisherConfig{Exchange: "orders"}})
 	bus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	poisonQueue, err := middleware.PoisonQueue(in.PoisonOutbox(), "orders.poison")
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := newRouter(t)
-	r.AddMiddleware(poisonQueue, in.Middleware)
-	r.AddPlugin(in.Plugin())
-	r.AddConsumerHandler("fulfil-orders", "orders", bus, func(*message.Message) error { return errors.New("no such warehouse") })
-	startRouter(t, r)
+	failingBehindPoisonQueue(t, in, in.PoisonOutbox(), bus)
 	for _, body := range []string{`{"order":1}`, `{"order":2}`} {
 		done := make(chan error, 1)
 		go func() { done <- bus.Publish("orders", message.NewMessage("", []byte(body))) }()
