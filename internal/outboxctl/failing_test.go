@@ -50,7 +50,7 @@ func TestStatusAndStuckFailing_RecordFailingNotYetStuck_Named(t *testing.T) {
 func TestRetryJSON_IDsLeftAlone_EachWithItsStateAndWhy(t *testing.T) {
 	f := newFixture(t, testdb.Postgres)
 	var r retryReport
-	if err := json.Unmarshal([]byte(mustCtl(t, "retry", "--json", "--db", f.db.DSN, f.stuck[0], f.pending[0], "no-such-id")), &r); err != nil {
+	if err := json.Unmarshal([]byte(ctlMissing(t, 1, "retry", "--json", "--db", f.db.DSN, f.stuck[0], f.pending[0], "no-such-id")), &r); err != nil {
 		t.Fatal(err)
 	}
 	want := []retryLeft{{ID: f.pending[0], State: "pending", Why: "pending: the relay publishes it at its next claim"}, {ID: "no-such-id", State: "not_found", Why: "not in acemq_outbox"}}

@@ -51,6 +51,22 @@ func mustCtl(t *testing.T, args ...string) string {
 	return r.stdout
 }
 
+// ctlMissing runs outboxctl show or retry given ids of which missing are
+// not in acemq_outbox: it must print what it found and exit 1 saying so.
+func ctlMissing(t *testing.T, missing int, args ...string) string {
+	t.Helper()
+	r := ctl(t, nil, args...)
+	is := "are"
+	if missing == 1 {
+		is = "is"
+	}
+	r.wantFailure(t, 1, fmt.Sprintf(": %d of the ", missing))
+	if !strings.Contains(r.stderr, " ids given "+is+" not in acemq_outbox") {
+		t.Errorf("stderr does not say the ids are not in acemq_outbox:\n%s", r.stderr)
+	}
+	return r.stdout
+}
+
 // wantFailure checks an exit code and that stderr is one line holding want.
 func (r result) wantFailure(t *testing.T, code int, want string) {
 	t.Helper()

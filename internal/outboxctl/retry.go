@@ -34,9 +34,7 @@ func (c *cli) retry(args []string) error {
 	if *all {
 		n, err = s.RetryAllStuck(c.ctx)
 	} else {
-		if len(ids) <= retryExplained {
-			before, _ = c.lookupRows(s, ids) // nil: it says less
-		}
+		before, _ = c.lookupRows(s, ids) // nil: it says less
 		// In chunks: one statement's placeholders are bounded (65,535 on
 		// PostgreSQL), and a list of ids pasted from stuck may be long.
 		for start := 0; start < len(ids) && err == nil; start += retryChunk {
@@ -63,9 +61,11 @@ func (c *cli) retry(args []string) error {
 	}
 	if *asJSON {
 		// left_alone: the reasons the text gives (a user review: --json
-		// dropped them); [] where the ids were not looked up (--all-stuck,
-		// or more than retryExplained).
-		return writeJSON(c.stdout, retryReport{Retried: n, LeftAlone: append([]retryLeft{}, leftAlone...)})
+		// dropped them); [] where no ids were given (--all-stuck).
+		if err := writeJSON(c.stdout, retryReport{Retried: n, LeftAlone: append([]retryLeft{}, leftAlone...)}); err != nil {
+			return err
+		}
+		return notFound("retry", leftAlone, len(ids), c.g.table)
 	}
 	fmt.Fprintf(c.stdout, "%s made pending again (attempts reset to 0)\n", rows(n))
 	if *all {
@@ -85,7 +85,12 @@ func (c *cli) retry(args []string) error {
 		}
 		left := int64(len(ids)) - n
 		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
-		for _, l := range leftAlone {
+		for i, l := range leftAlone {
+			if i == retryExplained {
+				fmt.Fprintf(c.stdout, "  %d more as above (retry --json lists each)\n", len(leftAlone)-i)
+				left -= int64(len(leftAlone) - i)
+				break
+			}
 			fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
 			left--
 		}
@@ -95,7 +100,33 @@ func (c *cli) retry(args []string) error {
 			fmt.Fprintf(c.stdout, "  %d more, changed by a relay between the look and the retry (outboxctl show ID says how)\n", left)
 		}
 	}
-	return nil
+	return notFound("retry", leftAlone, len(ids), c.g.table)
+}
+
+// notFound is the exit of a retry that was given ids not in the table: 1,
+// so that a script's typo or an id of another database does not pass for
+// done (a user review: retry and show exited 0). What is published, pending
+// or in flight already is no failure: the retry's aim is met or underway.
+func notFound(cmd string, left []retryLeft, given int, table string) error {
+	missing := 0
+	for _, l := range left {
+		if l.State == "not_found" {
+			missing++
+		}
+	}
+	return missingIDs(cmd, missing, given, table)
+}
+
+// missingIDs is the error of a command given ids of which missing are not
+// in table; nil when none.
+func missingIDs(cmd string, missing, given int, table string) error {
+	switch {
+	case missing == 0:
+		return nil
+	case missing == 1:
+		return fmt.Errorf("%s: 1 of the %d ids given is not in %s", cmd, given, table)
+	}
+	return fmt.Errorf("%s: %d of the %d ids given are not in %s", cmd, missing, given, table)
 }
 
 // retryReport is retry --json.
@@ -112,8 +143,8 @@ type retryLeft struct {
 	Why   string `json:"why"`
 }
 
-// retryExplained is the most ids a retry looks up first, to say of each it
-// leaves alone why.
+// retryExplained is the most ids left alone whose why retry's text prints
+// one by one.
 const retryExplained = 100
 
 // rows is "1 row" or "n rows".

@@ -49,13 +49,22 @@ func (c *cli) show(args []string) error {
 	if err != nil {
 		return d.explain(err, c.g.table)
 	}
+	missing := 0
+	for _, row := range out {
+		if !row.Found {
+			missing++
+		}
+	}
 	if *asJSON {
-		return writeJSON(c.stdout, out)
+		if err := writeJSON(c.stdout, out); err != nil {
+			return err
+		}
+		return missingIDs("show", missing, len(ids), c.g.table)
 	}
 	for _, row := range out {
 		c.printShow(c.stdout, row)
 	}
-	return nil
+	return missingIDs("show", missing, len(ids), c.g.table)
 }
 
 // lookupRows is show's rows of ids.

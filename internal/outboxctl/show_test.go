@@ -2,10 +2,13 @@ package outboxctl
 
 import (
 	"encoding/json"
+	"fmt"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
 // show says where each record is: published (and processed, or not), pending
@@ -19,7 +22,7 @@ func TestShow_EachRecordsState(t *testing.T) {
 		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "rails-relay-7", ts(kind, until), f.stuck[1])
 		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 2, last_error = ? WHERE id = ?", "channel closed", f.pending[1])
 		execSQL(t, db, "UPDATE acemq_outbox SET processed_at = ? WHERE id = ?", ts(kind, time.Now()), f.publishedRecent[0])
-		out := mustCtl(t, "show", "--db", db.DSN, f.pending[0], f.pending[1], f.stuck[0], f.stuck[1], f.publishedRecent[0], f.publishedOld[0], "no-such-id", f.pending[0])
+		out := ctlMissing(t, 1, "show", "--db", db.DSN, f.pending[0], f.pending[1], f.stuck[0], f.stuck[1], f.publishedRecent[0], f.publishedOld[0], "no-such-id", f.pending[0])
 		for _, line := range []string{
 			`(?m)^` + f.pending[0] + `: pending: the relay publishes it at its next claim\n  to \(default\) / orders, created \S+ \S+Z$`,
 			`(?m)^` + f.pending[1] + `: pending after 2 failed attempts of 10: channel closed$`,
@@ -37,7 +40,7 @@ func TestShow_EachRecordsState(t *testing.T) {
 			t.Errorf("an id given twice shown %d times", n)
 		}
 		var rows []showRow
-		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, f.stuck[1], "no-such-id")), &rows); err != nil {
+		if err := json.Unmarshal([]byte(ctlMissing(t, 1, "show", "--json", "--db", db.DSN, f.stuck[1], "no-such-id")), &rows); err != nil {
 			t.Fatal(err)
 		}
 		if len(rows) != 2 || rows[0].State != "in_flight" || rows[0].LeasedBy == nil || *rows[0].LeasedBy != "rails-relay-7" ||
@@ -60,7 +63,7 @@ func TestRetry_IDsLeftAlone_EachSaysWhy(t *testing.T) {
 		// A relay that crashed mid-claim left a lease that ran out: retry
 		// clears it, so it is not among those left alone.
 		execSQL(t, db, "UPDATE acemq_outbox SET locked_by = ?, locked_until = ? WHERE id = ?", "crashed-relay", ts(kind, time.Now().Add(-time.Hour)), f.pending[1])
-		out := mustCtl(t, "retry", "--db", db.DSN, f.stuck[0], f.stuck[1], f.pending[0], f.publishedOld[0], "no-such-id", f.pending[1])
+		out := ctlMissing(t, 1, "retry", "--db", db.DSN, f.stuck[0], f.stuck[1], f.pending[0], f.publishedOld[0], "no-such-id", f.pending[1])
 		want := "2 rows made pending again (attempts reset to 0)\n" +
 			"4 of the 6 ids given left as they were:\n" +
 			"  " + f.stuck[1] + ": in flight: relay rails-relay-7 holds it under a lease until " + until.Format("2006-01-02 15:04:05Z") + "; retry leaves it alone until then\n" +
@@ -69,4 +72,27 @@ func TestRetry_IDsLeftAlone_EachSaysWhy(t *testing.T) {
 			t.Errorf("retry of five ids, one retried:\n%s\nwant it to start:\n%s", out, want)
 		}
 	})
+}
+
+// retry given more ids than its text explains one by one still finds each
+// left alone (it looked up the first 100 only, so an id past them not in
+// the table went unsaid), and exits 1 for those not in the table.
+func TestRetry_ManyIDsNotInTheTable_EachCountedExit1(t *testing.T) {
+	f := newFixture(t, testdb.Postgres)
+	ids := []string{f.stuck[0]}
+	for i := range retryExplained + 5 {
+		ids = append(ids, fmt.Sprintf("no-such-id-%d", i))
+	}
+	out := ctlMissing(t, len(ids)-1, append([]string{"retry", "--db", f.db.DSN}, ids...)...)
+	if want := fmt.Sprintf("1 row made pending again (attempts reset to 0)\n%d of the %d ids given left as they were:\n", len(ids)-1, len(ids)); !strings.HasPrefix(out, want) ||
+		!strings.HasSuffix(out, "  no-such-id-99: not in acemq_outbox\n  5 more as above (retry --json lists each)\n") {
+		t.Errorf("retry of %d ids, one stuck:\n%s", len(ids), out)
+	}
+	var r retryReport
+	if err := json.Unmarshal([]byte(ctlMissing(t, len(ids)-1, append([]string{"retry", "--json", "--db", f.db.DSN}, ids...)...)), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Retried != 0 || len(r.LeftAlone) != len(ids) || r.LeftAlone[len(ids)-1].State != "not_found" {
+		t.Errorf("retry --json again: retried %d, %d left alone (last %+v); want 0 and %d, the stuck one pending now", r.Retried, len(r.LeftAlone), r.LeftAlone[len(r.LeftAlone)-1], len(ids))
+	}
 }
