@@ -665,3 +665,24 @@ func TestEnvironment_TablesExported_MigrateMakesItsOwn(t *testing.T) {
 	}
 	ctl(t, env, "migrate", "--table", "orders_outbox").wantFailure(t, 2, "--table and --inbox-table name tables you created yourself")
 }
+
+// A purge age under an hour is legal (a drained staging table) but was
+// silent about what it risks (a user review: --published-older-than 0s
+// deleted rows no consumer had yet): it says so on stderr and purges.
+func TestPurge_AgeUnderAnHour_SaysWhatItRisks(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	execSQL(t, db, "INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, headers, created_at, published_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+		"just-sent", "", "orders", "{}", "{}", ts(db.Kind, time.Now().Add(-time.Minute)), ts(db.Kind, time.Now().Add(-time.Minute)))
+	r := ctl(t, nil, "purge", "--db", db.DSN, "--published-older-than", "0s", "--processed-older-than", "30m")
+	if r.code != 0 || !strings.Contains(r.stdout, "acemq_outbox: deleted 1 row published more than 0s ago") {
+		t.Fatalf("purge 0s: exit %d\nstdout: %s\nstderr: %s", r.code, r.stdout, r.stderr)
+	}
+	for _, want := range []string{"--published-older-than 0s deletes rows published so lately", "--processed-older-than 30m forgets keys so young"} {
+		if !strings.Contains(r.stderr, want) {
+			t.Errorf("stderr does not say %q:\n%s", want, r.stderr)
+		}
+	}
+	if r := ctl(t, nil, "purge", "--db", db.DSN, "--published-older-than", "7d"); r.code != 0 || r.stderr != "" {
+		t.Errorf("purge 7d: exit %d, stderr %q; want 0 and nothing", r.code, r.stderr)
+	}
+}

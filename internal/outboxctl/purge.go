@@ -52,6 +52,15 @@ func (c *cli) purge(args []string) error {
 	if *batch < 1 {
 		return usagef("--batch-size: %d; want at least 1", *batch)
 	}
+	// Legal, and what a test or a drained staging table wants, but not what
+	// a production purge should do by a slip of the unit (a user review:
+	// --published-older-than 0s deleted rows no consumer had yet, silently).
+	if *published != "" && pubAge < shortAge {
+		fmt.Fprintf(c.stderr, "outboxctl: note: --published-older-than %s deletes rows published so lately that a consumer may not have them yet; Republish cannot send a deleted row again\n", *published)
+	}
+	if *processed != "" && procAge < shortAge {
+		fmt.Fprintf(c.stderr, "outboxctl: note: --processed-older-than %s forgets keys so young that a redelivery may still bring their message, which then runs again\n", *processed)
+	}
 
 	// A consumer's database may hold the inbox and no outbox.
 	d, err := c.openChecked(*published != "")
@@ -106,6 +115,9 @@ func (c *cli) purge(args []string) error {
 	}
 	return nil
 }
+
+// shortAge is the purge age below which purge says what it risks.
+const shortAge = time.Hour
 
 // progressEvery is how often a purge on a terminal shows how far it got.
 const progressEvery = 500 * time.Millisecond
