@@ -140,7 +140,10 @@ func (s *shop) run(ctx context.Context, n int, timeout time.Duration, stdout io.
 	// relay sends it again. order.fulfilled is not tracked: its consumer
 	// stands for another service, with an inbox in a database of its own.
 	tracked := outbox.NewTrackedTopics(orderPlaced)
-	rp, err := outbox.NewRepublisher(s.DB.DB, outbox.RepublisherConfig{TrackedTopics: tracked, Notify: fwd.Notify, Logger: s.Log})
+	// Exchanges: the exchange its consumer reads; a record of order.placed to
+	// another exchange is marked processed by no consumer here, and would be
+	// sent again at every boot.
+	rp, err := outbox.NewRepublisher(s.DB.DB, outbox.RepublisherConfig{TrackedTopics: tracked, Exchanges: []string{exchange}, Notify: fwd.Notify, Logger: s.Log})
 	if err != nil {
 		return err
 	}

@@ -61,7 +61,7 @@ func nodeFailures(err error) string {
 func (c *cli) relay(args []string) error {
 	fs := c.flagSet("relay")
 	batch := fs.Int("batch-size", 100, "rows one claim takes in a flow, and the first claim of a drain; 1 to 1000")
-	maxBatch := fs.Int("max-batch-size", 1000, "rows a drain's claims grow to, doubling while they come back full of unkeyed rows; --batch-size to 1000 (--batch-size keeps every claim at it)")
+	maxBatch := fs.Int("max-batch-size", 1000, "rows a drain's claims grow to, doubling while they come back full; --batch-size to 1000 (--batch-size keeps every claim at it)")
 	poll := fs.Duration("poll-interval", 250*time.Millisecond, "the longest the relay waits for new rows when nothing woke it (PostgreSQL's NOTIFY and SQLite's file watch wake it at commit; on MySQL the poll tightens to 1 ms while rows flow); an idle relay sends one statement per poll")
 	quietAbove := fs.Int("quiet-above", 600, "PostgreSQL: the flow, in records claimed per second over a second, above which the relay keeps the NOTIFY trigger quiet and polls instead (notifying commits go one per WAL flush); negative: never")
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
