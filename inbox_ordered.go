@@ -1345,7 +1345,8 @@ func (in *Inbox) logGaps(ctx context.Context) error {
 	now := time.Now()
 	for _, g := range gs {
 		age := now.Sub(g.OldestHeldAt)
-		why := "Ordered inbox: messages held past GapAfter; their predecessor has not arrived (outboxctl held, skip-gap)"
+		why := "Ordered inbox: messages held past GapAfter; their predecessor has not been applied: it has not arrived, or was set aside by a poison queue " +
+			"(once its cause is fixed, outboxctl resend --key K --seq N sends it again from its outbox; outboxctl held, skip-gap)"
 		if g.Missing() <= 0 {
 			why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
 		}

@@ -60,9 +60,11 @@ const (
 // the publisher's steering keys renamed (x-acemq-poisoned-header-…), a
 // key or value that is not UTF-8 quoted (its key with "-quoted"), and
 // headers too many or too large for one AMQP frame dropped but for the
-// reason (x-acemq-poisoned-headers-dropped). Re-drive a copy as it is,
-// under its own id: given the message's id again and set aside again, it
-// is taken for its first copy, and not written.
+// reason (x-acemq-poisoned-headers-dropped). Set aside again (a
+// redelivery whose ack was lost, or its record resent once the cause
+// seemed fixed, and failing again), a message's copy is not written twice:
+// its row, published already, is made pending again, and the relay sends
+// it to the poison topic again under the same id.
 //
 // What PoisonPublisher refuses, it refuses. It needs a relay on the inbox's
 // database, as returned messages do.
@@ -104,6 +106,17 @@ func (p poisonOutbox) Publish(topic string, msgs ...*message.Message) error {
 		pub := &TxPublisher{tx: stdTx{tx.Tx}, cfg: in.returned, q: in.outbox}
 		if err := pub.publish(ctx, topic, copies); err != nil {
 			return fmt.Errorf("outbox: inbox: write %d message(s) set aside into the outbox, topic %q: %w", len(copies), topic, err)
+		}
+		// A copy written before (the publish left its row as it was) and
+		// published since goes out again: a message resent and failing
+		// again was otherwise set aside with no copy on the poison topic
+		// after the first, which its operator may have consumed.
+		ids := make([]string, len(copies))
+		for i, c := range copies {
+			ids[i] = c.UUID
+		}
+		if _, err := in.exec(ctx, tx, in.outbox.Resend(ids)); err != nil {
+			return fmt.Errorf("outbox: inbox: send again the copies written before of the message(s) set aside, topic %q: %w", topic, err)
 		}
 		now := time.Now()
 		for _, msg := range msgs {

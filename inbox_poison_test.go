@@ -159,3 +159,98 @@ func TestOrderedInbox_PoisonPublisher_KeysFailingMessageSetAsideNextHeldBehindIt
 		}
 	})
 }
+
+// A keyed message set aside through the outbox holds its key's later
+// messages, and no command sent it again once its cause was fixed (a user
+// review: 42 of 150 keys stopped; retry refuses a published record, the
+// reviewer cleared published_at and processed_at by hand). Store.Resend
+// makes its record pending again, processed mark cleared: delivered again
+// and failing again, its copy goes to the poison topic again (it was
+// written once, and not again); fixed, it is applied, and what was held
+// behind it.
+func TestOrderedInbox_PoisonOutbox_ResendAfterTheFix_KeyAppliedInOrder(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
+		createEffects(t, db)
+		msgs := []*message.Message{keyedMsg("pay-1", 1), keyedMsg("pay-1", 2), keyedMsg("pay-1", 3)}
+		for _, msg := range msgs {
+			msg.Metadata.Set(outbox.MetadataAggregateID, "pay-1")
+		}
+		publishInTx(t, db, "payments", msgs, outbox.TxPublisherConfig{})
+		db.MustExec("UPDATE acemq_outbox SET published_at = created_at") // the relay sent them
+		in := newInbox(t, db, outbox.InboxConfig{Ordered: true, MarkOutboxProcessed: true})
+		pq, err := middleware.PoisonQueue(in.PoisonOutbox(), "payments.poison")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var broken atomic.Bool
+		broken.Store(true)
+		log := &applyLog{fail: func(msg *message.Message) error {
+			if broken.Load() && msg.Metadata.Get(outbox.HeaderSeq) == "2" {
+				return errors.New("the ledger refuses it")
+			}
+			return nil
+		}}
+		h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
+			middleware.Timeout(30 * time.Second)(in.Middleware(log.handler(t, db)))))
+		deliver := func(seq int) {
+			t.Helper()
+			msg := keyedMsg("pay-1", seq)
+			msg.SetContext(context.Background())
+			if _, err := h(msg); err != nil {
+				t.Fatalf("seq %d: %v; want it acked (applied, set aside or held)", seq, err)
+			}
+		}
+		copies := func() (n, pending int) {
+			t.Helper()
+			q := db.Rebind("SELECT COUNT(*), COUNT(*) - COUNT(published_at) FROM acemq_outbox WHERE routing_key = ?")
+			if err := db.QueryRow(q, "payments.poison").Scan(&n, &pending); err != nil {
+				t.Fatal(err)
+			}
+			return n, pending
+		}
+		for seq := 1; seq <= 3; seq++ {
+			deliver(seq)
+		}
+		if got := log.of("pay-1"); len(got) != 1 || !outboxStateOf(t, db, "pay-1-2").Processed {
+			t.Fatalf("applied %v, seq 2 processed %v; want [1], seq 2 set aside and marked processed", got, outboxStateOf(t, db, "pay-1-2").Processed)
+		}
+		if n, pending := copies(); n != 1 || pending != 1 {
+			t.Fatalf("%d poison copies, %d pending; want 1 pending", n, pending)
+		}
+		db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = created_at WHERE routing_key = ?"), "payments.poison") // the relay sent it
+
+		store, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		resend := func() {
+			t.Helper()
+			if n, err := store.Resend(context.Background(), "pay-1-2", "pay-1-1-not-there"); err != nil || n != 1 {
+				t.Fatalf("Resend: %d, %v; want the one record", n, err)
+			}
+			if st := outboxStateOf(t, db, "pay-1-2"); st.Published || st.Processed {
+				t.Fatalf("after Resend: %+v; want pending, not processed", st)
+			}
+			db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = created_at WHERE id = ?"), "pay-1-2") // the relay sent it again
+		}
+		resend()
+		deliver(2) // not fixed: set aside again
+		if n, pending := copies(); n != 1 || pending != 1 {
+			t.Fatalf("set aside again: %d poison copies, %d pending; want its one copy pending again", n, pending)
+		}
+
+		broken.Store(false)
+		resend()
+		deliver(2)
+		if got := log.of("pay-1"); len(got) != 3 || got[1] != 2 || got[2] != 3 {
+			t.Fatalf("applied %v after the fix and a resend; want [1 2 3]", got)
+		}
+		if !outboxStateOf(t, db, "pay-1-2").Processed {
+			t.Error("seq 2 applied, its record not marked processed")
+		}
+		if gaps, err := in.Gaps(context.Background(), 0); err != nil || len(gaps) != 0 {
+			t.Errorf("gaps %+v (%v); want none", gaps, err)
+		}
+	})
+}

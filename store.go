@@ -1705,6 +1705,43 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 	return n, nil
 }
 
+// Resend makes the given published records pending again, to be sent
+// again: attempts reset, processed_at cleared. It returns how many it
+// changed; rows not published (pending, stuck, in flight) and ids not in
+// the table are left alone. It is the way to send again a record whose
+// message a consumer set aside (a poison queue) once its cause is fixed,
+// above all a keyed one, whose key's later messages an ordered inbox holds
+// until it is applied: a consumer with the inbox runs it then, as it never
+// processed it, and drops it as a duplicate where it did. A consumer
+// without the inbox gets it twice.
+func (s *Store) Resend(ctx context.Context, ids ...string) (int64, error) {
+	var n int64
+	for start := 0; start < len(ids); start += maxRowsPerStmt {
+		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Resend(ids[start:min(start+maxRowsPerStmt, len(ids))]))
+		n += m
+		if err != nil {
+			s.wake(ctx, n)
+			return n, fmt.Errorf("outbox: resend: %w (%d made pending before)", err, n)
+		}
+	}
+	s.wake(ctx, n)
+	return n, nil
+}
+
+// KeySeqID returns the id of key's record seq, and false where the table
+// holds none (purged, or the key numbered elsewhere).
+func (s *Store) KeySeqID(ctx context.Context, key string, seq int64) (string, bool, error) {
+	q := s.q.KeySeq(key, seq)
+	var id string
+	switch err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&id); {
+	case errors.Is(err, sql.ErrNoRows):
+		return "", false, nil
+	case err != nil:
+		return "", false, fmt.Errorf("outbox: record of %q seq %d: %w", key, seq, err)
+	}
+	return id, true, nil
+}
+
 // RetryAllStuck makes every stuck row pending again and returns how many,
 // but for rows a relay holds under a live lease (see Retry).
 func (s *Store) RetryAllStuck(ctx context.Context) (int64, error) {

@@ -118,9 +118,10 @@ func (c *cli) held(args []string) error {
 	now := time.Now()
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "CONSUMER\tKEY\tLAST APPLIED\tHELD\tWAITING FOR\tHELD FOR")
-	nextHeld := false
+	nextHeld, missing := false, false
 	for _, k := range r.Keys {
 		waiting := fmt.Sprintf("%d..%d", k.LastApplied+1, k.LowestHeld-1)
+		missing = missing || k.Missing > 0
 		if k.Missing == 1 {
 			waiting = fmt.Sprint(k.LastApplied + 1)
 		} else if k.Missing <= 0 {
@@ -134,6 +135,12 @@ func (c *cli) held(args []string) error {
 	}
 	if r.Truncated {
 		fmt.Fprintf(c.stdout, "and %d more keys, not listed: the %d above are the longest-held of %d (--limit 0 lists every key)\n", total-len(r.Keys), len(r.Keys), total)
+	}
+	if missing {
+		// A message set aside (a poison queue) is missing too: it arrived,
+		// and "has not arrived" sent a user review's on-call looking for a
+		// message the consumer had (its copy on the poison topic).
+		fmt.Fprintln(c.stdout, "WAITING FOR: numbers this consumer has not applied: not arrived yet (purged, stuck at the sender), or set aside by a poison queue (PoisonOutbox's copy carries x-acemq-poisoned-id); once the cause is fixed, outboxctl resend --key K --seq N on the database of the outbox they came from sends one again, or outboxctl skip-gap gives them up")
 	}
 	if nextHeld {
 		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")

@@ -32,7 +32,7 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 		}
 		holdRows(t, db, kind)
 		out := mustCtl(t, "held", "--db", db.DSN)
-		for _, want := range []string{"billing", "order-7", "WAITING FOR", " 2 ", "1h0m0s", "skip-gap"} {
+		for _, want := range []string{"billing", "order-7", "WAITING FOR", " 2 ", "1h0m0s", "skip-gap", "set aside by a poison queue", "outboxctl resend --key K --seq N"} {
 			if !strings.Contains(out, want) {
 				t.Errorf("held does not say %q:\n%s", want, out)
 			}

@@ -1361,6 +1361,21 @@ func (o *Outbox) RepublishIDs(ids []string, cutoff time.Time) Query {
 		append(inArgs, args...)...)
 }
 
+// Resend makes the published records of ids pending again, with attempts
+// reset and processed_at cleared: an operator's resend of records a
+// consumer set aside or lost (Republish does it for unprocessed records of
+// tracked topics only). Rows not published are left as they are.
+func (o *Outbox) Resend(ids []string) Query {
+	in, args := o.idIn(ids)
+	return o.query(o.update()+"published_at = NULL, processed_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE published_at IS NOT NULL AND "+in, args...)
+}
+
+// KeySeq reads the id of key's record seq. Columns: id.
+func (o *Outbox) KeySeq(key string, seq int64) Query {
+	return o.query("SELECT id FROM "+o.table+" WHERE aggregate_id = ? AND seq = ? AND "+o.d.bytes("aggregate_id")+" = ?", key, seq, key)
+}
+
 // MarkProcessed sets the record id's processed_at, if still null.
 func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
 	in, args := o.idIn([]string{id})

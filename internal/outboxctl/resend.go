@@ -1,0 +1,96 @@
+package outboxctl
+
+import "fmt"
+
+// resendReport is resend --json; its names do not change.
+type resendReport struct {
+	Resent    int64       `json:"resent"`
+	LeftAlone []retryLeft `json:"left_alone"`
+}
+
+func (c *cli) resend(args []string) error {
+	const synopsis = "outboxctl resend ID... | outboxctl resend --key K --seq N"
+	fs := c.flagSet("resend")
+	key := fs.String("key", "", "the ordering key (aggregateId) of the record to resend, with --seq: the number an ordered inbox waits for (outboxctl held: LAST APPLIED+1)")
+	seq := fs.Int64("seq", 0, "with --key: the record's sequence number")
+	asJSON := fs.Bool("json", false, `print {"resent": N, "left_alone": [{"id", "state", "why"}...]}, for scripts`)
+	ids, err := c.parse(fs, args, synopsis)
+	if err != nil {
+		return err
+	}
+	byKey := *key != "" || *seq != 0
+	switch {
+	case byKey && len(ids) > 0:
+		return usagef("resend: give ids or --key and --seq, not both")
+	case byKey && (*key == "" || *seq < 1):
+		return usagef("resend: give --key and --seq (at least 1) together (%s)", synopsis)
+	case !byKey && len(ids) == 0:
+		return usagef("resend: give the ids of the published records to send again (a poison copy's x-acemq-poisoned-id), or --key and --seq")
+	}
+	if byKey {
+		if *key, err = keyFlag("--key", *key); err != nil {
+			return err
+		}
+	} else if ids, err = uniqueIDs("resend", ids); err != nil {
+		return err
+	}
+	d, s, err := c.openStore()
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	if byKey {
+		id, found, err := s.KeySeqID(c.ctx, *key, *seq)
+		if err != nil {
+			return d.explain(err, c.g.table)
+		}
+		if !found {
+			return fmt.Errorf("resend: %s holds no record of key %s seq %d (purged, or written to another database's outbox)", c.g.table, keyText(*key), *seq)
+		}
+		ids = []string{id}
+	}
+	before, _ := c.lookupRows(s, ids) // nil: it says less
+	n, err := s.Resend(c.ctx, ids...)
+	if err != nil {
+		return d.explain(err, c.g.table)
+	}
+	var leftAlone []retryLeft
+	for _, row := range before {
+		if row.State != "published" {
+			state := row.State
+			if !row.Found {
+				state = "not_found"
+			}
+			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: state, Why: c.why(row) + resendHint(state)})
+		}
+	}
+	if *asJSON {
+		if err := writeJSON(c.stdout, resendReport{Resent: n, LeftAlone: append([]retryLeft{}, leftAlone...)}); err != nil {
+			return err
+		}
+		return notFound("resend", leftAlone, len(ids), c.g.table)
+	}
+	fmt.Fprintf(c.stdout, "%s made pending again (published before; processed mark cleared): the relay sends them again, and a consumer with the inbox runs each only if it never processed it\n", rows(n))
+	if left := int64(len(ids)) - n; left > 0 {
+		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
+		for i, l := range leftAlone {
+			if i == retryExplained {
+				fmt.Fprintf(c.stdout, "  %d more as above (resend --json lists each)\n", len(leftAlone)-i)
+				break
+			}
+			fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
+		}
+	}
+	return notFound("resend", leftAlone, len(ids), c.g.table)
+}
+
+// resendHint is what to do instead with a record resend left alone.
+func resendHint(state string) string {
+	switch state {
+	case "pending", "in_flight":
+		return " (not published yet: the relay sends it)"
+	case "stuck":
+		return " (not published: outboxctl retry ID)"
+	}
+	return ""
+}
