@@ -86,7 +86,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		f := newFixture(t, kind)
 
 		got := decodeJSON(t, mustCtl(t, "status", "--db", f.db.DSN, "--json"))
-		wantKeys := []string{"also_on_search_path", "database", "failing", "inbox_table", "max_attempts", "narrow_columns", "notify_quiet_ms", "notify_trigger", "oldest_failing", "oldest_pending_age_seconds", "oldest_pending_at",
+		wantKeys := []string{"also_on_search_path", "database", "failing", "held_keys", "held_messages", "inbox_table", "max_attempts", "narrow_columns", "notify_quiet_ms", "notify_trigger", "oldest_failing", "oldest_held_at", "oldest_pending_age_seconds", "oldest_pending_at",
 			"pending", "processed_messages", "published_last_hour", "stuck", "table"}
 		if !slices.Equal(keys(got), wantKeys) {
 			t.Errorf("JSON fields %v, want %v", keys(got), wantKeys)
@@ -94,6 +94,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 		for field, want := range map[string]any{
 			"database": kind, "table": "acemq_outbox", "inbox_table": "processed_messages", "max_attempts": 10.0,
 			"pending": 3.0, "stuck": 2.0, "published_last_hour": 2.0, "processed_messages": 5.0,
+			"held_messages": 0.0, "held_keys": 0.0, "oldest_held_at": nil,
 		} {
 			if got[field] != want {
 				t.Errorf("%s = %v, want %v", field, got[field], want)
@@ -115,6 +116,7 @@ func TestStatus_CountsEveryState_HumanAndJSON(t *testing.T) {
 			`^stuck\s+2 \(at 10 attempts; see outboxctl stuck\)$`,
 			`^published in the last hour\s+2$`,
 			`^processed_messages\s+5 rows$`,
+			`^held \(ordered inbox\)\s+0$`,
 		} {
 			if !regexp.MustCompile(`(?m)` + line).MatchString(human) {
 				t.Errorf("status output has no line matching %s:\n%s", line, human)

@@ -37,6 +37,14 @@ func TestHeld_ListsKeysWaitingAndSince_SkipGapMovesTheKeyOn(t *testing.T) {
 				t.Errorf("held does not say %q:\n%s", want, out)
 			}
 		}
+		// status counts them: it looked healthy with 42 keys stopped (a
+		// user review).
+		if out := mustCtl(t, "status", "--db", db.DSN); !regexp.MustCompile(`(?m)^held \(ordered inbox\)\s+2 on 1 key, the longest for 1h0m: their keys wait \(see outboxctl held\)$`).MatchString(out) {
+			t.Errorf("status with two messages held on one key for an hour:\n%s", out)
+		}
+		if st := decodeJSON(t, mustCtl(t, "status", "--db", db.DSN, "--json")); st["held_messages"] != 2.0 || st["held_keys"] != 1.0 || st["oldest_held_at"] == nil {
+			t.Errorf("status --json: held_messages %v, held_keys %v, oldest_held_at %v; want 2, 1 and an hour ago", st["held_messages"], st["held_keys"], st["oldest_held_at"])
+		}
 		// Keys held for less than --older-than are not listed, and not
 		// taken for none: "no held messages" read as an inbox holding
 		// nothing.

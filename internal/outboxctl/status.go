@@ -30,6 +30,12 @@ type statusReport struct {
 	PublishedLastHour int64       `json:"published_last_hour"`
 	InboxTable        string      `json:"inbox_table"`
 	Processed         *int64      `json:"processed_messages"` // null when the inbox table is not in this database
+	// HeldMessages and HeldKeys: the ordered inbox's held messages and the
+	// keys holding them, OldestHeldAt the longest-held's; null when this
+	// database has no held messages' table (oldest: when none is held).
+	HeldMessages *int64     `json:"held_messages"`
+	HeldKeys     *int64     `json:"held_keys"`
+	OldestHeldAt *time.Time `json:"oldest_held_at"`
 	// NotifyTrigger: on PostgreSQL, whether the table's NOTIFY trigger
 	// fires, so that a commit wakes a listening relay; null elsewhere.
 	NotifyTrigger *bool `json:"notify_trigger"`
@@ -135,6 +141,15 @@ func (c *cli) status(args []string) error {
 		}
 		r.Processed = &n
 	}
+	// Keys an ordered inbox holds: status looked healthy with 42 payment
+	// keys stopped behind poison messages (a user review).
+	if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
+		return err
+	} else if ok {
+		if err := c.heldStatus(d, &r); err != nil {
+			return d.explain(err, sqldialect.InboxHeldTable)
+		}
+	}
 	if *asJSON {
 		return writeJSON(c.stdout, r)
 	}
@@ -178,7 +193,42 @@ func (c *cli) status(args []string) error {
 	} else {
 		fmt.Fprintf(tw, "%s\t%s\n", r.InboxTable, rows(*r.Processed))
 	}
+	switch {
+	case r.HeldMessages == nil:
+	case r.OldestHeldAt == nil:
+		fmt.Fprintf(tw, "held (ordered inbox)\t0\n")
+	default:
+		keys := "keys"
+		if *r.HeldKeys == 1 {
+			keys = "key"
+		}
+		fmt.Fprintf(tw, "held (ordered inbox)\t%d on %d %s, the longest for %s: their keys wait (see outboxctl held)\n",
+			*r.HeldMessages, *r.HeldKeys, keys, formatAge(now.Sub(*r.OldestHeldAt)))
+	}
 	return tw.Flush()
+}
+
+// heldStatus reads into r the ordered inbox's held messages.
+func (c *cli) heldStatus(d *database, r *statusReport) error {
+	in, err := c.inbox(d, 0)
+	if err != nil {
+		return err
+	}
+	gaps, keys, err := in.ListGaps(c.ctx, 0, 1)
+	if err != nil {
+		return err
+	}
+	var held int64
+	if err := d.db.QueryRowContext(c.ctx, "SELECT COUNT(*) FROM "+sqldialect.InboxHeldTable).Scan(&held); err != nil {
+		return err
+	}
+	n := int64(keys)
+	r.HeldMessages, r.HeldKeys = &held, &n
+	if len(gaps) > 0 {
+		at := gaps[0].OldestHeldAt.UTC()
+		r.OldestHeldAt = &at
+	}
+	return nil
 }
 
 func writeJSON(w io.Writer, v any) error {
