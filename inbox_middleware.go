@@ -840,6 +840,12 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 // PostgreSQL takes no gap locks, and SQLite's transaction holds the
 // database's write lock from the key's insert on: one statement there.
 func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, now time.Time) error {
+	return in.markProcessedNoting(ctx, on, key, now, "")
+}
+
+// markProcessedNoting is markProcessed, with note, if any, in the record's
+// last_error (a message set aside: sqldialect.Outbox.MarkSetAside).
+func (in *Inbox) markProcessedNoting(ctx context.Context, on execQuerier, key string, now time.Time, note string) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
@@ -857,7 +863,11 @@ func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, 
 			return fmt.Errorf("outbox: inbox: look up outbox record %s: %w", idText(key), err)
 		}
 	}
-	q := sqldialect.Inline(d, in.outbox.MarkProcessed(key, now))
+	q := in.outbox.MarkProcessed(key, now)
+	if note != "" {
+		q = in.outbox.MarkSetAside(key, now, note)
+	}
+	q = sqldialect.Inline(d, q)
 	if _, err := on.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", idText(key), err)
 	}

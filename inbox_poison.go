@@ -11,6 +11,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // PoisonPublisher wraps pub, the publisher given to Watermill's
@@ -131,7 +133,8 @@ func (p poisonPublisher) Publish(topic string, msgs ...*message.Message) error {
 		ctx, cancel := context.WithDeadline(context.WithoutCancel(msg.Context()), deadline)
 		if key := dedupeKey(msg); key != "" {
 			now := time.Now()
-			if err := p.in.retryConflicts(ctx, func() error { return p.in.markProcessed(ctx, p.in.db, key, now) }); err != nil {
+			note := p.in.asideNote(topic, msg, "")
+			if err := p.in.retryConflicts(ctx, func() error { return p.in.markProcessedNoting(ctx, p.in.db, key, now, note) }); err != nil {
 				p.in.log.Error("Message set aside on the poison topic, but its outbox record could not be marked processed; Republish may send it again", err,
 					watermill.LogFields{"poison_topic": topic, "message_uuid": idText(key)})
 			}
@@ -180,7 +183,23 @@ func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) 
 	if copyID != "" {
 		fields["poison_copy_id"] = copyID
 	}
-	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; re-drive it from there once the cause is fixed", nil, fields)
+	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; once the cause is fixed, "+
+		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", nil, fields)
+}
+
+// asideNote is what the record of msg, set aside on topic (as copyID, if
+// any), keeps in its last_error: by whom, where and why, in plain ASCII
+// (a last_error column another library made may hold no more), for show.
+func (in *Inbox) asideNote(topic string, msg *message.Message, copyID string) string {
+	consumer := in.cfg.ConsumerName
+	if consumer == "" {
+		consumer = message.HandlerNameFromCtx(msg.Context())
+	}
+	where := topic
+	if copyID != "" {
+		where += " as " + copyID
+	}
+	return asciiError(storableError(fmt.Sprintf("%s%s to %s: %s", sqldialect.SetAsideNote, consumer, where, msg.Metadata.Get(middleware.ReasonForPoisonedKey))))
 }
 
 // interrupted reports whether msg comes to the poison topic because its

@@ -119,10 +119,10 @@ func (p poisonOutbox) Publish(topic string, msgs ...*message.Message) error {
 			return fmt.Errorf("outbox: inbox: send again the copies written before of the message(s) set aside, topic %q: %w", topic, err)
 		}
 		now := time.Now()
-		for _, msg := range msgs {
+		for i, msg := range msgs {
 			if key := dedupeKey(msg); key != "" {
 				// The message's context for its topic (TrackedTopics).
-				if err := in.markProcessed(beneath{ctx, msg.Context()}, tx, key, now); err != nil {
+				if err := in.markProcessedNoting(beneath{ctx, msg.Context()}, tx, key, now, in.asideNote(topic, msg, copies[i].UUID)); err != nil {
 					return err
 				}
 			}

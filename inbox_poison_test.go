@@ -111,6 +111,10 @@ func TestInbox_PoisonPublisher_ReadmeChainWithTheBrokersPublisher_SetAsideAfterI
 		if !outboxStateOf(t, db, id).Processed {
 			t.Error("the record of the message set aside is not marked processed")
 		}
+		var note string
+		if err := db.Get(&note, db.Rebind("SELECT last_error FROM acemq_outbox WHERE id = ?"), id); err != nil || !strings.HasPrefix(note, "set aside by ") {
+			t.Errorf("the record's last_error %q (%v); want who set it aside, where and why", note, err)
+		}
 	})
 }
 
@@ -218,6 +222,13 @@ func TestOrderedInbox_PoisonOutbox_ResendAfterTheFix_KeyAppliedInOrder(t *testin
 		}
 		if n, pending := copies(); n != 1 || pending != 1 {
 			t.Fatalf("%d poison copies, %d pending; want 1 pending", n, pending)
+		}
+		// Its record says so, for outboxctl show: "processed" read as
+		// applied (a user review).
+		var note string
+		if err := db.Get(&note, db.Rebind("SELECT last_error FROM acemq_outbox WHERE id = ?"), "pay-1-2"); err != nil ||
+			!strings.HasPrefix(note, "set aside by fulfilment to payments.poison as ") || !strings.HasSuffix(note, ": the ledger refuses it") {
+			t.Errorf("the record's last_error %q (%v); want who set it aside, where and why", note, err)
 		}
 		db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = created_at WHERE routing_key = ?"), "payments.poison") // the relay sent it
 

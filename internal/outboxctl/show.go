@@ -1,11 +1,15 @@
 package outboxctl
 
 import (
+	"context"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+	"github.com/jmoiron/sqlx"
 )
 
 // showRow is show --json's row; like status, its names do not change.
@@ -24,7 +28,21 @@ type showRow struct {
 	ProcessedAt *time.Time `json:"processed_at,omitempty"`
 	LeasedBy    *string    `json:"leased_by,omitempty"`
 	LeasedUntil *time.Time `json:"leased_until,omitempty"`
-	locked      bool       // a lease, live or not, which a retry clears
+	// SetAside: a consumer set its message aside (a poison queue), which
+	// marked it processed; last_error says by whom, where and why.
+	SetAside bool `json:"set_aside,omitempty"`
+	// Held: the ordered inboxes of this database that hold its message,
+	// not applied yet, though its record is marked processed.
+	Held   []heldBy `json:"held,omitempty"`
+	locked bool     // a lease, live or not, which a retry clears
+}
+
+// heldBy is an ordered inbox's hold of a record's message.
+type heldBy struct {
+	Consumer string    `json:"consumer"`
+	Key      string    `json:"key"` // as held shows it (keyText)
+	Seq      int64     `json:"seq"`
+	HeldAt   time.Time `json:"held_at"`
 }
 
 func (c *cli) show(args []string) error {
@@ -48,6 +66,16 @@ func (c *cli) show(args []string) error {
 	out, err := c.lookupRows(s, ids)
 	if err != nil {
 		return d.explain(err, c.g.table)
+	}
+	// A record marked processed may be a message an ordered inbox holds,
+	// not applied yet: show said "processed" of a payment never applied
+	// (a user review).
+	if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
+		return err
+	} else if ok {
+		if err := heldOf(c.ctx, d, out, ids); err != nil {
+			return d.explain(err, sqldialect.InboxHeldTable)
+		}
 	}
 	missing := 0
 	for _, row := range out {
@@ -125,6 +153,7 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 	switch {
 	case r.Published:
 		row.State = "published"
+		row.SetAside = row.ProcessedAt != nil && strings.HasPrefix(r.LastError, sqldialect.SetAsideNote)
 	case r.Leased:
 		row.State = "in_flight"
 		by := r.LeasedBy
@@ -150,7 +179,12 @@ func (c *cli) why(row showRow) string {
 		return "not in " + c.g.table
 	case "published":
 		processed := "not marked processed by a consumer of this database"
-		if row.ProcessedAt != nil {
+		switch {
+		case row.SetAside:
+			processed = fmt.Sprintf("%s (%s), not applied: once its cause is fixed, outboxctl resend ID sends it again", printable(row.LastError), stamp(row.ProcessedAt))
+		case len(row.Held) > 0:
+			processed = "marked processed " + stamp(row.ProcessedAt) + " as an ordered inbox held it, not applied yet"
+		case row.ProcessedAt != nil:
 			processed = "processed " + stamp(row.ProcessedAt)
 		}
 		return fmt.Sprintf("published %s; %s", stamp(row.PublishedAt), processed)
@@ -171,6 +205,12 @@ func (c *cli) why(row showRow) string {
 
 func (c *cli) printShow(w io.Writer, row showRow) {
 	fmt.Fprintf(w, "%s: %s\n", row.ID, c.why(row))
+	defer func() {
+		for _, h := range row.Held {
+			fmt.Fprintf(w, "  held by %s, key %s seq %d, since %s: its key waits for an earlier number (outboxctl held)\n",
+				printable(h.Consumer), h.Key, h.Seq, h.HeldAt.Format("2006-01-02 15:04:05Z"))
+		}
+	}()
 	if !row.Found {
 		return
 	}
@@ -186,4 +226,49 @@ func (c *cli) printShow(w io.Writer, row showRow) {
 		fmt.Fprintf(w, ", created %s", row.CreatedAt.Format("2006-01-02 15:04:05Z"))
 	}
 	fmt.Fprintln(w)
+}
+
+// heldOf notes in rows, show's rows of ids, the holds of their messages
+// in the ordered inbox's table of d (kept under the inbox's key of each
+// id: sqldialect.InboxKey).
+func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) error {
+	dialect := map[string]sqldialect.Dialect{kindPostgres: sqldialect.Postgres, kindMySQL: sqldialect.MySQL, kindSQLite: sqldialect.SQLite}[d.kind]
+	byKey := make(map[string][]int, len(ids))
+	for i, id := range ids {
+		k := sqldialect.InboxKey(id)
+		byKey[k] = append(byKey[k], i)
+	}
+	for start := 0; start < len(ids); start += retryChunk {
+		chunk := ids[start:min(start+retryChunk, len(ids))]
+		args := make([]any, len(chunk))
+		for i, id := range chunk {
+			args[i] = sqldialect.InboxKey(id)
+		}
+		q := "SELECT consumer_name, aggregate_id, seq, held_at, message_id FROM " + sqldialect.InboxHeldTable +
+			" WHERE message_id IN (?" + strings.Repeat(", ?", len(chunk)-1) + ") ORDER BY consumer_name, aggregate_id, seq"
+		if d.kind == kindPostgres {
+			q = sqlx.Rebind(sqlx.DOLLAR, q)
+		}
+		rs, err := d.db.QueryContext(ctx, q, args...)
+		if err != nil {
+			return err
+		}
+		for rs.Next() {
+			var h heldBy
+			var key string
+			at := sqldialect.NewTime(dialect)
+			if err := rs.Scan(&h.Consumer, &h.Key, &h.Seq, at, &key); err != nil {
+				_ = rs.Close()
+				return err
+			}
+			h.Key, h.HeldAt = keyText(h.Key), at.T
+			for _, i := range byKey[key] {
+				rows[i].Held = append(rows[i].Held, h)
+			}
+		}
+		if err := rs.Close(); err != nil {
+			return err
+		}
+	}
+	return nil
 }

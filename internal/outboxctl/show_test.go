@@ -96,3 +96,38 @@ func TestRetry_ManyIDsNotInTheTable_EachCountedExit1(t *testing.T) {
 		t.Errorf("retry --json again: retried %d, %d left alone (last %+v); want 0 and %d, the stuck one pending now", r.Retried, len(r.LeftAlone), r.LeftAlone[len(r.LeftAlone)-1], len(ids))
 	}
 }
+
+// show said "processed" of a record whose message a consumer set aside or
+// an ordered inbox holds, neither applied (a user review: "was payment X
+// applied?" got yes). It says which, and what to do.
+func TestShow_SetAsideOrHeld_SaysNotApplied(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		holdRows(t, db, kind) // m3 and m4 held by billing, key order-7
+		ids := publish(t, db, 2, "orders")
+		aside, held := ids[0], ids[1]
+		execSQL(t, db, "UPDATE acemq_outbox SET id = ? WHERE id = ?", "m3", held)
+		now := time.Now()
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?",
+			ts(kind, now.Add(-time.Hour)), ts(kind, now), "set aside by billing to orders.poison as c-1: no such warehouse", aside)
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ? WHERE id = ?", ts(kind, now.Add(-time.Hour)), ts(kind, now), "m3")
+
+		out := ctlMissing(t, 1, "show", "--db", db.DSN, aside, "m3", "m4")
+		for _, line := range []string{
+			`(?m)^` + aside + `: published \S+ \S+Z; set aside by billing to orders.poison as c-1: no such warehouse \(\S+ \S+Z\), not applied: once its cause is fixed, outboxctl resend ID sends it again$`,
+			`(?m)^m3: published \S+ \S+Z; marked processed \S+ \S+Z as an ordered inbox held it, not applied yet\n  to \(default\) / orders, created \S+ \S+Z\n  held by billing, key order-7 seq 3, since \S+ \S+Z: its key waits for an earlier number \(outboxctl held\)$`,
+			`(?m)^m4: not in acemq_outbox\n  held by billing, key order-7 seq 4, since `,
+		} {
+			if !regexp.MustCompile(line).MatchString(out) {
+				t.Errorf("show does not match %s:\n%s", line, out)
+			}
+		}
+		var rows []showRow
+		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, aside, "m3")), &rows); err != nil {
+			t.Fatal(err)
+		}
+		if !rows[0].SetAside || len(rows[0].Held) != 0 || rows[1].SetAside || len(rows[1].Held) != 1 || rows[1].Held[0].Seq != 3 || rows[1].Held[0].Consumer != "billing" {
+			t.Errorf("show --json: %+v", rows)
+		}
+	})
+}

@@ -1382,6 +1382,19 @@ func (o *Outbox) MarkProcessed(id string, now time.Time) Query {
 	return o.query(o.update()+"processed_at = ? WHERE "+in+" AND processed_at IS NULL", append([]any{o.d.TimeArg(now)}, args...)...)
 }
 
+// SetAsideNote starts the last_error of a record whose message a
+// consumer set aside (MarkSetAside).
+const SetAsideNote = "set aside by "
+
+// MarkSetAside is MarkProcessed of a record whose message a consumer set
+// aside, with note (starting SetAsideNote) in its last_error: processed
+// says only that Republish has nothing to send again, and an operator's
+// show said "processed" of a payment never applied.
+func (o *Outbox) MarkSetAside(id string, now time.Time, note string) Query {
+	in, args := o.idIn([]string{id})
+	return o.query(o.update()+"processed_at = ?, last_error = ? WHERE "+in+" AND processed_at IS NULL", append([]any{o.d.TimeArg(now), note}, args...)...)
+}
+
 // Unprocessed reads 1 if the record id is there with processed_at still
 // null, and no row otherwise: a plain read, which locks nothing where
 // MarkProcessed would lock the gap of a missing id (see GapLocks).
