@@ -61,3 +61,28 @@ func TestRetryJSON_IDsLeftAlone_EachWithItsStateAndWhy(t *testing.T) {
 		t.Errorf("retry --all-stuck --json: %s; want left_alone []", out)
 	}
 }
+
+// retry of rows that last failed on routing (no queue bound, no such
+// exchange) makes them fail again until the broker is mended, each holding
+// the unkeyed records behind it: a user review's retry --all-stuck of 12
+// rows, 2 unroutable, stalled the shared table 70 s without a word.
+func TestRetry_RowsThatFailedUnroutable_Noted(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		execSQL(t, f.db, "UPDATE acemq_outbox SET last_error = ? WHERE id = ?", `exchange "shop" does not exist on the broker`, f.stuck[0])
+		out := mustCtl(t, "retry", "--db", f.db.DSN, f.stuck[0])
+		if !strings.Contains(out, "note: 1 of them last failed as unroutable or to a missing exchange") {
+			t.Errorf("retry of a row to a missing exchange:\n%s", out)
+		}
+		var r retryReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "retry", "--json", "--all-stuck", "--db", f.db.DSN)), &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Retried != 1 || r.Unroutable != 1 { // stuck[1], "unroutable"
+			t.Errorf("retry --all-stuck --json: %+v; want 1 retried, 1 last failed unroutable", r)
+		}
+		if out := mustCtl(t, "retry", "--db", f.db.DSN, f.pending[0]); strings.Contains(out, "note:") {
+			t.Errorf("retry of a row that never failed:\n%s", out)
+		}
+	})
+}

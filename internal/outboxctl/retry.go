@@ -1,6 +1,9 @@
 package outboxctl
 
-import "fmt"
+import (
+	"fmt"
+	"strings"
+)
 
 const retryChunk = 1000
 
@@ -32,6 +35,11 @@ func (c *cli) retry(args []string) error {
 		before []showRow // the ids' rows before the retry, to say why one was left alone
 	)
 	if *all {
+		if stuck, err := s.Stuck(c.ctx, retryExplained*10); err == nil { // nil: it says less
+			for _, r := range stuck {
+				before = append(before, showRow{State: "stuck", LastError: r.LastError})
+			}
+		}
 		n, err = s.RetryAllStuck(c.ctx)
 	} else {
 		before, _ = c.lookupRows(s, ids) // nil: it says less
@@ -47,6 +55,16 @@ func (c *cli) retry(args []string) error {
 		return d.explain(err, c.g.table)
 	}
 	// The ids looked up first that the retry left as they were, and why.
+	// Retried rows that last failed on routing fail again until the
+	// broker is mended, each holding the unkeyed records behind it: a
+	// user review's retry --all-stuck of 12 rows, 2 unroutable, stalled
+	// the shared table 70 s without a word.
+	unroutable := 0
+	for _, row := range before {
+		if (row.State == "stuck" || row.State == "pending" && row.Attempts > 0) && routingFailure(row.LastError) {
+			unroutable++
+		}
+	}
 	var leftAlone []retryLeft
 	if !*all && n < int64(len(ids)) {
 		for _, row := range before {
@@ -62,12 +80,16 @@ func (c *cli) retry(args []string) error {
 	if *asJSON {
 		// left_alone: the reasons the text gives (a user review: --json
 		// dropped them); [] where no ids were given (--all-stuck).
-		if err := writeJSON(c.stdout, retryReport{Retried: n, LeftAlone: append([]retryLeft{}, leftAlone...)}); err != nil {
+		if err := writeJSON(c.stdout, retryReport{Retried: n, LeftAlone: append([]retryLeft{}, leftAlone...), Unroutable: unroutable}); err != nil {
 			return err
 		}
 		return notFound("retry", leftAlone, len(ids), c.g.table)
 	}
 	fmt.Fprintf(c.stdout, "%s made pending again (attempts reset to 0)\n", rows(n))
+	if unroutable > 0 && n > 0 {
+		fmt.Fprintf(c.stdout, "note: %d of them last failed as unroutable or to a missing exchange (outboxctl show ID): unless a queue is bound or the exchange exists now, "+
+			"each fails again up to %d attempts, and an unkeyed one holds the records behind it meanwhile (about 33 s each at the relay's defaults)\n", unroutable, c.g.maxAttempts)
+	}
 	if *all {
 		// What is still stuck was left alone: a relay holds it under a
 		// live lease (another library's, or ours in flight on SQLite).
@@ -133,6 +155,21 @@ func missingIDs(cmd string, missing, given int, table string) error {
 type retryReport struct {
 	Retried   int64       `json:"retried"`
 	LeftAlone []retryLeft `json:"left_alone"`
+	// Unroutable: of the rows retried, those whose last failure was the
+	// broker's routing (no queue bound, no such exchange).
+	Unroutable int `json:"last_failed_unroutable"`
+}
+
+// routingFailure reports whether lastError is a relay's failure to route:
+// this library's (UnroutableError, MissingExchangeError) or the broker's
+// own words, which another AceMQ library's relay may keep.
+func routingFailure(lastError string) bool {
+	for _, s := range []string{"unroutable", "NO_ROUTE", "does not exist on the broker", "NOT_FOUND - no exchange"} {
+		if strings.Contains(lastError, s) {
+			return true
+		}
+	}
+	return false
 }
 
 // retryLeft is an id retry left as it was: its state as show --json says
