@@ -13,6 +13,9 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
@@ -236,6 +239,9 @@ type skippedReport struct {
 	Seq       int64  `json:"seq"`
 	MessageID string `json:"message_id"` // quoted where it is not plain text, as Key is
 	Payload   []byte `json:"payload"`    // base64
+	// PayloadText is the payload as text where it is UTF-8 (a JSON event
+	// read as base64 only, a user review), null otherwise.
+	PayloadText *string `json:"payload_text"`
 	// Metadata is the message's metadata when every key and value of it is
 	// UTF-8. Otherwise it is null and MetadataBase64 holds it, as [key,
 	// value] pairs, each base64, the form the held row kept it in: a JSON
@@ -255,6 +261,10 @@ type skippedReport struct {
 
 func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
 	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: keyText(m.ID), Payload: m.Payload, Metadata: m.Metadata}
+	if m.PayloadErr == nil && utf8.Valid(m.Payload) {
+		text := string(m.Payload)
+		r.PayloadText = &text
+	}
 	text := true
 	for k, v := range m.Metadata {
 		text = text && utf8.ValidString(k) && utf8.ValidString(v)
@@ -278,12 +288,14 @@ func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) 
 }
 
 func (c *cli) skipHeld(args []string) error {
-	const synopsis = "outboxctl skip-held --consumer C --key K --seq N [--json]"
+	const synopsis = "outboxctl skip-held --consumer C --key K --seq N [--park TOPIC [--exchange E]] [--json]"
 	fs := c.flagSet("skip-held")
 	consumer := fs.String("consumer", "", "the consumer (inbox ConsumerName or router handler name), as outboxctl held shows it")
 	key := fs.String("key", "", "the ordering key (aggregateId), as outboxctl held shows it")
 	seq := fs.Int64("seq", 0, "the held message to give up on: the key's next, LAST APPLIED+1 in outboxctl held")
 	asJSON := fs.Bool("json", false, "print the skipped message, payload (base64) and metadata, for scripts and to resend it by hand")
+	park := fs.String("park", "", "also write the message into this database's outbox, to this routing key (a poison topic), before the skip: the relay publishes it there, its key and seq as x-acemq-poisoned-aggregate-id and -seq")
+	exchange := fs.String("exchange", "", "with --park: the exchange (default: RabbitMQ's default exchange)")
 	rest, err := c.parse(fs, args, synopsis)
 	if err != nil {
 		return err
@@ -303,7 +315,10 @@ func (c *cli) skipHeld(args []string) error {
 	if *seq < 1 {
 		return usagef("--seq: %d; want a sequence number, 1 or more", *seq)
 	}
-	d, err := c.openChecked(false)
+	if *exchange != "" && *park == "" {
+		return usagef("skip-held: --exchange goes with --park")
+	}
+	d, err := c.openChecked(*park != "")
 	if err != nil {
 		return err
 	}
@@ -317,17 +332,32 @@ func (c *cli) skipHeld(args []string) error {
 	// pipe, a full disk) lost it. A print that fails skips nothing; nor
 	// does a skip that finds the key moved on meanwhile.
 	printed := false
+	parked := ""
 	_, err = in.SkipHeldKeeping(c.ctx, *consumer, *key, *seq, func(m outbox.SkippedMessage) error {
+		if *park != "" {
+			// Before the print: a message the outbox refuses is not
+			// skipped, and the operator still has --json.
+			id, err := c.parkSkipped(d, *consumer, m, *exchange, *park)
+			if err != nil {
+				return &keepError{fmt.Errorf("--park %s: %w (skip-held --json prints it to keep by hand)", *park, err)}
+			}
+			parked = id
+		}
 		if err := c.printSkipped(newSkippedReport(*consumer, *key, *seq, m), *asJSON); err != nil {
 			return &keepError{err}
 		}
 		printed = true
 		return nil
 	})
+	if err == nil && parked != "" && !*asJSON {
+		fmt.Fprintf(c.stdout, "written into %s as %s, to %s: the relay publishes it there\n", c.g.table, parked, printable(*park))
+	}
 	var kerr *keepError
 	switch {
 	case err == nil:
 		return nil
+	case errors.As(err, &kerr) && *park != "" && parked == "":
+		return fmt.Errorf("skip-held: nothing skipped: the message could not be parked: %w", kerr.err)
 	case errors.As(err, &kerr):
 		return fmt.Errorf("skip-held: nothing skipped: the message could not be printed: %w", kerr.err)
 	case errors.Is(err, outbox.ErrNoHeld), errors.Is(err, outbox.ErrGapChanged):
@@ -387,4 +417,48 @@ func keyText(k string) string {
 		return k
 	}
 	return strconv.Quote(k)
+}
+
+// parkNamespace is the namespace of parked copies' ids: skip-held --park
+// run again after a skip that did not commit writes the same row.
+var parkNamespace = uuid.MustParse("0b4f7d1e-5f39-4c2a-8c57-70617263686b")
+
+// parkSkipped writes m, held by consumer, into d's outbox to routing key
+// topic on exchange, in a transaction of its own, and returns the copy's
+// id: a version 5 UUID of consumer, m's id and topic. Its key and seq go
+// as PoisonOutbox's copies carry them, so that the copy is not itself
+// ordered (nor held behind the gap it left), with its id as
+// x-acemq-poisoned-id.
+func (c *cli) parkSkipped(d *database, consumer string, m outbox.SkippedMessage, exchange, topic string) (string, error) {
+	if m.PayloadErr != nil || m.MetadataErr != nil {
+		return "", errors.New("the held row could not be decoded whole")
+	}
+	id := uuid.NewSHA1(parkNamespace, []byte(consumer+"\x00"+m.ID+"\x00"+topic)).String()
+	msg := message.NewMessage(id, m.Payload)
+	for k, v := range m.Metadata {
+		switch k {
+		case outbox.HeaderMessageID:
+		case outbox.HeaderAggregateID:
+			msg.Metadata.Set(outbox.PoisonedKeyMetadataKey, v)
+		case outbox.HeaderSeq:
+			msg.Metadata.Set(outbox.PoisonedSeqMetadataKey, v)
+		default:
+			msg.Metadata.Set(k, v)
+		}
+	}
+	msg.Metadata.Set(outbox.PoisonedIDMetadataKey, m.ID)
+	msg.Metadata.Set("x-acemq-skipped-by", "outboxctl skip-held, consumer "+consumer)
+	tx, err := d.db.BeginTx(c.ctx, nil)
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = tx.Rollback() }()
+	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: d.dialect, Table: c.g.table, Exchange: exchange})
+	if err != nil {
+		return "", err
+	}
+	if err := pub.Publish(topic, msg); err != nil {
+		return "", err
+	}
+	return id, tx.Commit()
 }

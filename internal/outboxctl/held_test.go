@@ -261,7 +261,7 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 		if err := json.Unmarshal([]byte(mustCtl(t, skip("2", "--json")...)), &got); err != nil {
 			t.Fatal(err)
 		}
-		if got.MessageID != "m2" || string(got.Payload) != "event" || got.Key != `"order-7 "` || got.Seq != 2 ||
+		if got.MessageID != "m2" || string(got.Payload) != "event" || got.PayloadText == nil || *got.PayloadText != "event" || got.Key != `"order-7 "` || got.Seq != 2 ||
 			!reflect.DeepEqual(got.Metadata, map[string]string{"aggregateId": "order-7 ", "seq": "2"}) {
 			t.Errorf("skip-held --json: %+v, want m2 with its payload and metadata, without the inbox's own", got)
 		}
@@ -334,5 +334,42 @@ func TestHeld_ConsumerEndingInASpace_ShownQuotedAndSkippedAsShown(t *testing.T) 
 		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", `"billing`, "--key", "order-7", "--seq", "3").wantFailure(t, 2, `--consumer "billing: starts with a quote but is not quoted as outboxctl shows it`)
 		ctl(t, nil, "skip-gap", "--db", db.DSN, "--consumer", `""`, "--key", "order-7", "--from", "3", "--through", "3").wantFailure(t, 2, "must not be empty")
 		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", "billing ", "--key", `""`, "--seq", "3").wantFailure(t, 2, "give --consumer, --key and --seq")
+	})
+}
+
+// skip-held printed the message it gave up on, its only copy: a user
+// review's on-call did not save the output, and the message was gone.
+// --park writes it into the outbox first, to a topic of the operator's,
+// for the relay to publish there.
+func TestSkipHeld_Park_WritesTheMessageIntoTheOutboxFirst(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		holdRows(t, db, kind)
+		execSQL(t, db, "UPDATE acemq_inbox_held SET metadata = ? WHERE seq = 3", `{"aggregateId":"order-7","seq":"3","tenant":"eu"}`)
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 2")
+		out := mustCtl(t, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", "3", "--park", "billing.poison", "--exchange", "shop")
+		if !regexp.MustCompile(`(?m)^written into acemq_outbox as \S+, to billing.poison: the relay publishes it there$`).MatchString(out) {
+			t.Errorf("skip-held --park:\n%s", out)
+		}
+		var row struct {
+			Exchange string `db:"exchange_name"`
+			Body     string `db:"body"`
+			Headers  string `db:"headers"`
+		}
+		if err := db.Get(&row, db.Rebind("SELECT exchange_name, body, headers FROM acemq_outbox WHERE routing_key = ?"), "billing.poison"); err != nil {
+			t.Fatal(err)
+		}
+		var h map[string]any
+		if err := json.Unmarshal([]byte(row.Headers), &h); err != nil {
+			t.Fatal(err)
+		}
+		if row.Exchange != "shop" || row.Body != "{}" || h["x-acemq-poisoned-id"] != "m3" || h["x-acemq-poisoned-aggregate-id"] != "order-7" ||
+			h["x-acemq-poisoned-seq"] != "3" || h["tenant"] != "eu" || h["aggregateId"] != nil {
+			t.Errorf("parked row %+v, headers %v; want m3's payload and metadata to shop, its key and seq renamed", row, h)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held WHERE seq = 3"); n != 0 {
+			t.Errorf("seq 3 still held after the skip")
+		}
+		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", "4", "--exchange", "shop").wantFailure(t, 2, "--exchange goes with --park")
 	})
 }

@@ -126,8 +126,12 @@ func (c *cli) stuck(args []string) error {
 		// The id as retry takes it: two ids that differ in a trailing
 		// space, or in a tab shown as a space, were shown alike, and
 		// retry of the id as shown found no row.
+		created := "-" // NULL, or no time the driver reads (another library's row)
+		if !row.CreatedAt.IsZero() {
+			created = row.CreatedAt.Format("2006-01-02 15:04:05Z")
+		}
 		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", row.ID, printable(exchange), printable(row.RoutingKey),
-			row.Attempts, row.CreatedAt.Format("2006-01-02 15:04:05Z"), lease(row), printable(row.LastError))
+			row.Attempts, created, lease(row), printable(row.LastError))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

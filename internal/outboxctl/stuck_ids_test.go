@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"net"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -152,5 +153,18 @@ func TestShowRetry_SQLiteBlobID_FoundAsStuckShowsIt(t *testing.T) {
 	}
 	if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE typeof(id) = 'blob' AND attempts = 0"); n != 1 {
 		t.Errorf("%d BLOB-id rows pending again, want 1", n)
+	}
+}
+
+// A stuck row whose created_at no driver reads (another library's: NULL
+// in its table, or text that is no time) was listed as created
+// 0001-01-01 00:00:00Z (a user review): "-".
+func TestStuck_CreatedAtUnreadable_ShownAsDash(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	id := publish(t, db, 1, "orders")[0]
+	execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10, last_error = 'boom', created_at = 'no time at all' WHERE id = ?", id)
+	out := mustCtl(t, "stuck", "--db", db.DSN)
+	if strings.Contains(out, "0001-01-01") || !regexp.MustCompile(`(?m)^`+id+`\s+\(default\) / orders\s+10\s+-\s+boom$`).MatchString(out) {
+		t.Errorf("stuck with an unreadable created_at:\n%s", out)
 	}
 }
