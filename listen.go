@@ -24,8 +24,9 @@ import (
 func (f *Forwarder) listen(ctx context.Context) {
 	delay := time.Duration(0)
 	var trigger triggerState // kept across reconnects: each change is logged once
+	lost := false            // a loss was logged, and LISTEN's return is to be
 	for {
-		listened, err := f.listenOnce(ctx, &trigger)
+		listened, err := f.listenOnce(ctx, &trigger, &lost)
 		if ctx.Err() != nil {
 			return
 		}
@@ -34,6 +35,7 @@ func (f *Forwarder) listen(ctx context.Context) {
 			return
 		}
 		f.log.Error("Outbox LISTEN connection lost; the relay polls until it is back", err, nil)
+		lost = true
 		// Rows committed while nobody listened would wait for the poll.
 		f.Notify()
 		if listened >= listenLived {
@@ -69,7 +71,10 @@ const listenQueryTimeout = 5 * time.Second
 // reports for how long LISTEN was in effect. It looks at the table's
 // NOTIFY trigger before LISTEN (which pg_stat_activity then shows) and
 // every triggerRecheck after.
-func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (listened time.Duration, err error) {
+//
+// Where lost is set, a loss was logged: LISTEN's return is logged too, and
+// lost cleared (a user review: the loss at ERROR, and nothing after it).
+func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState, lost *bool) (listened time.Duration, err error) {
 	conn, err := f.store.db.Conn(ctx)
 	if err != nil {
 		return 0, err
@@ -96,6 +101,10 @@ func (f *Forwarder) listenOnce(ctx context.Context, trigger *triggerState) (list
 		}
 		start := time.Now()
 		defer func() { listened = time.Since(start) }()
+		if *lost {
+			f.log.Info("Outbox LISTEN connection back: commits wake the relay again", nil)
+			*lost = false
+		}
 		// Anything committed before LISTEN took effect is found by this
 		// first sweep.
 		f.Notify()

@@ -30,7 +30,8 @@ func TestForwarder_Postgres_ListenEndedAfterLiving_ReconnectsAtTheShortestBackof
 	t.Cleanup(outbox.SetListenLived(200 * time.Millisecond))
 	db := migrated(t, testdb.Postgres)
 	relayDB, app := ownRelayPool(t, db)
-	f := newForwarder(t, &testdb.DB{DB: relayDB, Kind: db.Kind, DSN: db.DSN, Name: db.Name}, outbox.ForwarderConfig{RetryMax: 5 * time.Second})
+	logs := &recordingLogger{}
+	f := newForwarder(t, &testdb.DB{DB: relayDB, Kind: db.Kind, DSN: db.DSN, Name: db.Name}, outbox.ForwarderConfig{RetryMax: 5 * time.Second, Logger: logs})
 	runInBackground(t, f)
 	waitFor(t, 10*time.Second, "LISTEN", func() bool { return listenPid(t, db, app) != 0 })
 	var gaps []time.Duration
@@ -50,5 +51,13 @@ func TestForwarder_Postgres_ListenEndedAfterLiving_ReconnectsAtTheShortestBackof
 	t.Logf("without LISTEN after each loss: %v", gaps)
 	if last := gaps[len(gaps)-1]; last > time.Second {
 		t.Errorf("after LISTEN connections that had each listened 400 ms, the relay went %s without LISTEN after the last loss (%v): the backoff grew", last, gaps)
+	}
+	// Each loss is logged, and so is each return (a user review: the loss
+	// at ERROR, and nothing after it).
+	waitFor(t, 5*time.Second, "LISTEN's returns logged", func() bool {
+		return len(logs.find("Outbox LISTEN connection back: commits wake the relay again")) == 6
+	})
+	if n := len(logs.find("Outbox LISTEN connection lost; the relay polls until it is back")); n != 6 {
+		t.Errorf("%d losses logged, want 6", n)
 	}
 }
