@@ -1706,7 +1706,7 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 }
 
 // Resend makes the given published records pending again, to be sent
-// again: attempts reset, processed_at cleared. It returns how many it
+// again: attempts reset, processed_at and last_error cleared. It returns how many it
 // changed; rows not published (pending, stuck, in flight) and ids not in
 // the table are left alone. It is the way to send again a record whose
 // message a consumer set aside (a poison queue) once its cause is fixed,

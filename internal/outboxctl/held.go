@@ -15,6 +15,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
+	"github.com/jmoiron/sqlx"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -344,6 +345,13 @@ func (c *cli) skipHeld(args []string) error {
 			parked = id
 		}
 		if err := c.printSkipped(newSkippedReport(*consumer, *key, *seq, m), *asJSON); err != nil {
+			if parked != "" {
+				// The parked copy is the one kept: the skip goes on (a
+				// code review: it said "nothing skipped", and the relay
+				// published the copy of a message still held).
+				fmt.Fprintf(c.stderr, "outboxctl: skip-held: the message could not be printed (%v); its copy is kept in %s as %s\n", oneLine(err.Error()), c.g.table, parked)
+				return nil
+			}
 			return &keepError{err}
 		}
 		printed = true
@@ -360,8 +368,14 @@ func (c *cli) skipHeld(args []string) error {
 		return fmt.Errorf("skip-held: nothing skipped: the message could not be parked: %w", kerr.err)
 	case errors.As(err, &kerr):
 		return fmt.Errorf("skip-held: nothing skipped: the message could not be printed: %w", kerr.err)
+	case (errors.Is(err, outbox.ErrNoHeld) || errors.Is(err, outbox.ErrGapChanged)) && parked != "":
+		// Applied or moved on between the park and the skip: the copy
+		// must not go out as one of a message given up on.
+		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held); %s", err, c.unpark(d, parked, *park))
 	case errors.Is(err, outbox.ErrNoHeld), errors.Is(err, outbox.ErrGapChanged):
 		return fmt.Errorf("skip-held: nothing skipped: %w (see outboxctl held)", err)
+	case parked != "":
+		return fmt.Errorf("skip-held: the message was parked in %s as %s, and its skip may not have committed (see outboxctl held): %w", c.g.table, parked, err)
 	case printed:
 		// Failed after the print (the skip's statements, or a commit
 		// whose outcome is unknown): the printed copy is the one to keep,
@@ -461,4 +475,25 @@ func (c *cli) parkSkipped(d *database, consumer string, m outbox.SkippedMessage,
 		return "", err
 	}
 	return id, tx.Commit()
+}
+
+// unpark deletes the parked copy id, unless the relay published it
+// already, and says which.
+func (c *cli) unpark(d *database, id, topic string) string {
+	q := "DELETE FROM " + c.g.table + " WHERE id = ? AND published_at IS NULL"
+	if d.kind == kindPostgres {
+		q = sqlx.Rebind(sqlx.DOLLAR, q)
+	}
+	res, err := d.db.ExecContext(c.ctx, q, id)
+	var n int64
+	if err == nil {
+		n, err = res.RowsAffected()
+	}
+	switch {
+	case err != nil:
+		return fmt.Sprintf("its parked copy %s in %s could not be deleted (%v): delete it, or drop it from %s once published", id, c.g.table, err, printable(topic))
+	case n == 0:
+		return fmt.Sprintf("its parked copy %s was published to %s already: drop it there", id, printable(topic))
+	}
+	return fmt.Sprintf("its parked copy %s is deleted", id)
 }

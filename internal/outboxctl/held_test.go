@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"reflect"
@@ -372,4 +373,54 @@ func TestSkipHeld_Park_WritesTheMessageIntoTheOutboxFirst(t *testing.T) {
 		}
 		ctl(t, nil, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", "4", "--exchange", "shop").wantFailure(t, 2, "--exchange goes with --park")
 	})
+}
+
+// skip-held --park commits the copy before the print and the skip (a code
+// review): a print that then failed said "nothing skipped" while the relay
+// published the copy of a message still held, and a skip that found the
+// message applied meanwhile left a copy of a message never given up on.
+// The parked copy is the kept one, and the skip goes on; a skip that
+// finds the key moved on deletes it.
+func TestSkipHeld_Park_PrintFailsOrKeyMovesOn(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	holdRows(t, db, testdb.SQLite)
+	execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 2")
+	args := []string{"skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "order-7", "--seq", "3", "--park", "billing.poison"}
+	var stderr strings.Builder
+	code := Run(context.Background(), args, func(string) string { return "" }, brokenPipe{}, &stderr)
+	if code != 0 || !strings.Contains(stderr.String(), "its copy is kept in acemq_outbox as ") {
+		t.Errorf("print failed after the park: exit %d, stderr %q; want 0, the copy named", code, stderr.String())
+	}
+	if held, parked := count(t, db, "SELECT COUNT(*) FROM acemq_inbox_held WHERE seq = 3"), count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE routing_key = 'billing.poison'"); held != 0 || parked != 1 {
+		t.Errorf("%d held, %d parked; want seq 3 skipped and parked", held, parked)
+	}
+
+	// Seq 4 applied by a delivery as the operator's terminal prints it.
+	stderr.Reset()
+	applied := &applyingWriter{apply: func() {
+		execSQL(t, db, "DELETE FROM acemq_inbox_held WHERE seq = 4")
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 4")
+	}}
+	args[len(args)-3] = "4"
+	code = Run(context.Background(), args, func(string) string { return "" }, applied, &stderr)
+	if code != 1 || !strings.Contains(stderr.String(), "nothing skipped") || !strings.Contains(stderr.String(), "is deleted") {
+		t.Errorf("key moved on after the park: exit %d, stderr %q; want 1, nothing skipped, the copy deleted", code, stderr.String())
+	}
+	if parked := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE routing_key = 'billing.poison'"); parked != 1 {
+		t.Errorf("%d parked copies; want seq 3's alone", parked)
+	}
+}
+
+// applyingWriter runs apply at its first write, then writes nowhere.
+type applyingWriter struct {
+	apply func()
+	done  bool
+}
+
+func (w *applyingWriter) Write(p []byte) (int, error) {
+	if !w.done {
+		w.done = true
+		w.apply()
+	}
+	return len(p), nil
 }

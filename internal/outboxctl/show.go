@@ -102,12 +102,21 @@ func (c *cli) lookupRows(s *outbox.Store, ids []string) ([]showRow, error) {
 		return nil, err
 	}
 	byID := make(map[string]outbox.RecordState, len(recs))
+	folded := make(map[string]outbox.RecordState, len(recs))
 	for _, r := range recs {
 		byID[r.ID] = r
+		folded[strings.ToLower(r.ID)] = r
 	}
 	rows := make([]showRow, len(ids))
 	for i, id := range ids {
 		r, ok := byID[id]
+		if !ok {
+			// The row the table found for the id, read back in another
+			// form: a PostgreSQL uuid column's lower case, a MySQL _ci
+			// collation's stored case. (A character(n) column's padding
+			// the lookup drops.)
+			r, ok = folded[strings.ToLower(id)]
+		}
 		rows[i] = c.showRow(id, r, ok)
 	}
 	return rows, nil

@@ -1189,7 +1189,7 @@ func (o *Outbox) failedRows(cond string, condArgs []any, limit int, now time.Tim
 func (o *Outbox) Records(ids []string, now time.Time) Query {
 	free, args := o.notClaimed(now)
 	in, inArgs := o.idIn(ids)
-	return o.query("SELECT id, exchange_name, routing_key, aggregate_id, seq, attempts, last_error, "+
+	return o.query("SELECT "+o.d.text("id")+", exchange_name, routing_key, aggregate_id, seq, attempts, last_error, "+
 		o.d.timeText("created_at")+", "+o.d.timeText("published_at")+", "+o.d.timeText("processed_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
 		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
 }
@@ -1362,12 +1362,16 @@ func (o *Outbox) RepublishIDs(ids []string, cutoff time.Time) Query {
 }
 
 // Resend makes the published records of ids pending again, with attempts
-// reset and processed_at cleared: an operator's resend of records a
-// consumer set aside or lost (Republish does it for unprocessed records of
-// tracked topics only). Rows not published are left as they are.
+// reset and processed_at and last_error cleared: an operator's resend of
+// records a consumer set aside or lost (Republish does it for unprocessed
+// records of tracked topics only). Rows not published are left as they
+// are. last_error goes too: a consumer's "set aside by …" (MarkSetAside)
+// kept through the resend and the apply after it made a record applied
+// read as set aside, and the relay's failures before the first publish
+// are not this send's.
 func (o *Outbox) Resend(ids []string) Query {
 	in, args := o.idIn(ids)
-	return o.query(o.update()+"published_at = NULL, processed_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+	return o.query(o.update()+"published_at = NULL, processed_at = NULL, attempts = 0, last_error = NULL, locked_by = NULL, locked_until = NULL"+
 		" WHERE published_at IS NOT NULL AND "+in, args...)
 }
 
