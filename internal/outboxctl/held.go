@@ -147,7 +147,7 @@ func (c *cli) held(args []string) error {
 		fmt.Fprintln(c.stdout, "WAITING FOR: numbers this consumer has not applied: not arrived yet (purged, stuck at the sender), or set aside by a poison queue (PoisonOutbox's copy carries x-acemq-poisoned-id); once the cause is fixed, outboxctl resend --key K --seq N on the database of the outbox they came from sends one again, or outboxctl skip-gap gives them up")
 	}
 	if nextHeld {
-		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed, or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")
+		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed (the service logs \"Held message could not be applied\" with its error, message_uuid and seq, once a minute while it fails), or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")
 	}
 	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
 	return nil
