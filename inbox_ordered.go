@@ -130,6 +130,14 @@ const heldTopicKey = "x-acemq-inbox-topic"
 // heldHandlerKey is.
 const heldIDKey = "x-acemq-inbox-id"
 
+// heldErrorKey is the metadata key under which a held message whose
+// handler failed when its turn came keeps that failure, written after
+// each failed apply (noteHeldFailure), for outboxctl held and skip-held:
+// held showed such a key waiting for "nothing: next held" with no word
+// of why (a user review). Taken out before the handler sees the message,
+// and a message's own key of that name kept, as heldHandlerKey is.
+const heldErrorKey = "x-acemq-inbox-last-error"
+
 // heldMetadata is md as a held row keeps it: heldHandlerKey set to handler,
 // heldTopicKey to topic (if any), heldIDKey to id where the row keeps a
 // digest of it, and the message's
@@ -175,6 +183,7 @@ func heldRelease(kept message.Metadata, stored string) (md message.Metadata, han
 			if sqldialect.InboxKey(v) == stored {
 				id = v
 			}
+		case k == heldErrorKey:
 		case isHeldKey(k):
 			md[k[:len(k)-1]] = v
 		default:
@@ -184,10 +193,10 @@ func heldRelease(kept message.Metadata, stored string) (md message.Metadata, han
 	return md, handler, byName, topic, id
 }
 
-// isHeldKey: k is heldHandlerKey, heldTopicKey or heldIDKey followed by
-// none or more tildes.
+// isHeldKey: k is heldHandlerKey, heldTopicKey, heldIDKey or heldErrorKey
+// followed by none or more tildes.
 func isHeldKey(k string) bool {
-	for _, held := range []string{heldHandlerKey, heldTopicKey, heldIDKey} {
+	for _, held := range []string{heldHandlerKey, heldTopicKey, heldIDKey, heldErrorKey} {
 		if rest, ok := strings.CutPrefix(k, held); ok && strings.Trim(rest, "~") == "" {
 			return true
 		}
@@ -949,6 +958,7 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	var heldBy string
 	var byName bool
 	var topic string
+	stored := id // the row's message_id, the key noteHeldFailure finds it by
 	msg.Metadata, heldBy, byName, topic, id = heldRelease(msg.Metadata, id)
 	msg.UUID = id // the id itself where the row keeps its digest
 	rt, ok := in.route(consumer, heldBy, byName, topic)
@@ -986,10 +996,37 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 		}
 	}
 	if err != nil {
+		_ = tx.Rollback()
+		in.noteHeldFailure(ctx, consumer, key, next, stored, metadata, err)
 		return false, true, "", &heldFailure{consumer: consumer, key: key, id: id, seq: next, err: err}
 	}
 	in.cfg.Metrics.inbox(consumer, outcome)
 	return true, true, "", nil
+}
+
+// noteHeldFailure writes err, the failure of the apply of the key's held
+// message seq, into its row's metadata (heldErrorKey), on the pool, after
+// the apply's transaction ended. A lost connection or an ended context is
+// no failure of the message's, and is not written; nor is anything when
+// the row is gone (applied meanwhile) or holds another message. A write
+// that fails is logged at DEBUG: the apply's failure is logged anyway.
+func (in *Inbox) noteHeldFailure(ctx context.Context, consumer, key string, seq int64, stored, metadata string, err error) {
+	if ctx.Err() != nil || in.dialect.sql().ConnLost(err) {
+		return
+	}
+	md, derr := rowcodec.DecodeMetadata(metadata)
+	if derr != nil {
+		return // a row no handler was given: never here
+	}
+	md[heldErrorKey] = storableError(time.Now().UTC().Format(time.RFC3339) + " " + err.Error())
+	text, eerr := rowcodec.EncodeMetadata(md)
+	if eerr != nil {
+		return
+	}
+	if _, werr := in.db.ExecContext(ctx, in.db.Rebind("UPDATE "+sqldialect.InboxHeldTable+" SET metadata = ? WHERE consumer_name = ? AND aggregate_id = ? AND seq = ? AND message_id = ?"),
+		text, consumer, key, seq, stored); werr != nil {
+		in.log.Debug("Held message's failure not written into its row", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "error": werr.Error()})
+	}
 }
 
 // heldFailure is the failure of a held message's apply (its handler, its
@@ -1206,6 +1243,11 @@ type Gap struct {
 	LowestHeld int64
 	// OldestHeldAt is when the key's longest-held message was held.
 	OldestHeldAt time.Time
+	// NextError, for a key whose next message is held (Missing 0), is the
+	// last failure of its handler when its turn came: its time (RFC 3339)
+	// and the error; "" if none was written (its handler has not run here
+	// since it was held, or the row was written by another library).
+	NextError string
 }
 
 // Missing is how many sequence numbers the key waits for.
@@ -1249,7 +1291,34 @@ func (in *Inbox) ListGaps(ctx context.Context, olderThan time.Duration, limit in
 	if err := rows.Err(); err != nil {
 		return nil, 0, fmt.Errorf("outbox: inbox: gaps: %w", err)
 	}
+	_ = rows.Close() // before the reads below: a pool of one connection
+	for i := range gaps {
+		if gaps[i].Missing() > 0 {
+			continue
+		}
+		if gaps[i].NextError, err = in.heldError(ctx, gaps[i].Consumer, gaps[i].AggregateID, gaps[i].LastApplied+1); err != nil {
+			return nil, 0, err
+		}
+	}
 	return gaps, total, nil
+}
+
+// heldError reads the last failure written into the key's held message
+// seq (see noteHeldFailure), "" if none.
+func (in *Inbox) heldError(ctx context.Context, consumer, key string, seq int64) (string, error) {
+	q := sqldialect.NewOrderedInbox(in.dialect.sql()).Held(consumer, key, seq)
+	var id, payload, encoding, metadata string
+	switch err := in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&id, &payload, &encoding, &metadata); {
+	case errors.Is(err, sql.ErrNoRows):
+		return "", nil // applied meanwhile
+	case err != nil:
+		return "", fmt.Errorf("outbox: inbox: gaps: held %q seq %d for %s: %w", key, seq, consumer, err)
+	}
+	md, err := rowcodec.DecodeMetadata(metadata)
+	if err != nil {
+		return "", nil // a row no handler can be given: its skip says why
+	}
+	return md[heldErrorKey], nil
 }
 
 // SkipGap gives up on the sequence numbers from..through, the ones a key
@@ -1424,10 +1493,14 @@ func (in *Inbox) logGaps(ctx context.Context) error {
 		if g.Missing() <= 0 {
 			why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
 		}
-		in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), watermill.LogFields{
+		fields := watermill.LogFields{
 			"consumer": g.Consumer, "aggregate_id": g.AggregateID, "last_applied": g.LastApplied,
 			"lowest_held": g.LowestHeld, "held": g.Held, "age": age.String(),
-		})
+		}
+		if g.NextError != "" {
+			fields["next_error"] = g.NextError
+		}
+		in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), fields)
 	}
 	if total > len(gs) {
 		in.log.Error("Ordered inbox: more keys hold messages past GapAfter (outboxctl held lists them)", fmt.Errorf("%d keys, %d logged", total, len(gs)), nil)
@@ -1454,6 +1527,9 @@ type SkippedMessage struct {
 	// decoded; Metadata is nil then, and StoredMetadata is the row's text.
 	MetadataErr    error
 	StoredMetadata string
+	// LastError is the last failure of its handler when its turn came
+	// (its time, RFC 3339, and the error), "" if none was written.
+	LastError string
 }
 
 // SkipHeld gives up on a key's held message seq that is the key's next
@@ -1610,6 +1686,7 @@ func (in *Inbox) heldNext(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	if m.Metadata, err = rowcodec.DecodeMetadata(metadata); err != nil {
 		m.Metadata, m.MetadataErr, m.StoredMetadata = nil, err, metadata
 	}
+	m.LastError = m.Metadata[heldErrorKey]
 	m.Metadata, _, _, _, m.ID = heldRelease(m.Metadata, id)
 	return m, nil
 }

@@ -306,6 +306,35 @@ func TestOrderedInbox_HeldMessageFailsWhenReleased_LoggedAsItselfOnceAMinute(t *
 		if len(lines) != 1 || lines[0]["message_uuid"] != "pay-1-3" || lines[0]["seq"] != int64(3) || lines[0]["released_by"] != "pay-1-2" {
 			t.Fatalf("logged %v; want one line of pay-1-3 (seq 3), released by pay-1-2", lines)
 		}
+
+		// Its row says why the key waits, for outboxctl held (a user
+		// review: "nothing: next held", with no word of why); its handler,
+		// once mended, never sees it.
+		gaps, _, err := in.ListGaps(context.Background(), 0, 10)
+		if err != nil || len(gaps) != 1 || gaps[0].Missing() != 0 || !strings.HasSuffix(gaps[0].NextError, " the ledger refuses it") {
+			t.Fatalf("gaps %+v (%v); want pay-1 waiting for its held seq 3, its error noted", gaps, err)
+		}
+		mended := make(chan string, 64)
+		log.mu.Lock()
+		log.fail = func(msg *message.Message) error {
+			for k := range msg.Metadata {
+				mended <- k
+			}
+			return nil
+		}
+		log.mu.Unlock()
+		if _, err := in.ApplyHeld(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		if got := log.of("pay-1"); len(got) != 5 {
+			t.Fatalf("applied %v after the mend, want [1 2 3 4 5]", got)
+		}
+		close(mended)
+		for k := range mended {
+			if strings.HasPrefix(k, "x-acemq-inbox-") {
+				t.Errorf("the handler saw the inbox's own metadata %q", k)
+			}
+		}
 	})
 }
 

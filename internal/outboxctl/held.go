@@ -56,6 +56,10 @@ type heldKey struct {
 	// nothing (its next message is held: its handler failed).
 	From    *int64 `json:"from"`
 	Through *int64 `json:"through"`
+	// NextError, for a key whose next message is held, is its handler's
+	// last failure (its time and the error), as the inbox wrote it; absent
+	// when none was written.
+	NextError string `json:"next_error,omitempty"`
 }
 
 func (c *cli) held(args []string) error {
@@ -94,7 +98,7 @@ func (c *cli) held(args []string) error {
 	r := heldReport{Keys: make([]heldKey, len(gaps)), Total: total, Truncated: total > len(gaps)}
 	for i, g := range gaps {
 		r.Keys[i] = heldKey{Consumer: keyText(g.Consumer), AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
-			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC()}
+			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC(), NextError: g.NextError}
 		if g.Missing() > 0 {
 			from, through := g.LastApplied+1, g.LowestHeld-1
 			r.Keys[i].From, r.Keys[i].Through = &from, &through
@@ -139,6 +143,11 @@ func (c *cli) held(args []string) error {
 	}
 	if r.Truncated {
 		fmt.Fprintf(c.stdout, "and %d more keys, not listed: the %d above are the longest-held of %d (--limit 0 lists every key)\n", total-len(r.Keys), len(r.Keys), total)
+	}
+	for _, k := range r.Keys {
+		if k.NextError != "" {
+			fmt.Fprintf(c.stdout, "%s %s seq %d: its handler failed %s\n", k.Consumer, k.Key, k.LastApplied+1, printable(k.NextError))
+		}
 	}
 	if missing {
 		// A message set aside (a poison queue) is missing too: it arrived,
@@ -243,6 +252,9 @@ type skippedReport struct {
 	// PayloadText is the payload as text where it is UTF-8 (a JSON event
 	// read as base64 only, a user review), null otherwise.
 	PayloadText *string `json:"payload_text"`
+	// LastError is its handler's last failure when its turn came, as the
+	// inbox wrote it; absent when none was written.
+	LastError string `json:"last_error,omitempty"`
 	// Metadata is the message's metadata when every key and value of it is
 	// UTF-8. Otherwise it is null and MetadataBase64 holds it, as [key,
 	// value] pairs, each base64, the form the held row kept it in: a JSON
@@ -261,7 +273,7 @@ type skippedReport struct {
 }
 
 func newSkippedReport(consumer, key string, seq int64, m outbox.SkippedMessage) skippedReport {
-	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: keyText(m.ID), Payload: m.Payload, Metadata: m.Metadata}
+	r := skippedReport{Consumer: keyText(consumer), Key: keyText(key), Seq: seq, MessageID: keyText(m.ID), Payload: m.Payload, Metadata: m.Metadata, LastError: m.LastError}
 	if m.PayloadErr == nil && utf8.Valid(m.Payload) {
 		text := string(m.Payload)
 		r.PayloadText = &text

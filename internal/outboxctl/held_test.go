@@ -243,8 +243,19 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 		db := migrated(t, kind)
 		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "order-7 ", 1, 2)
 		for _, seq := range []int{2, 4} {
+			failed := ""
+			if seq == 2 { // as the inbox writes a failed apply (noteHeldFailure)
+				failed = `,"x-acemq-inbox-last-error":"2026-12-06T10:00:00Z the ledger refuses it"`
+			}
 			execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-				"billing", "order-7 ", seq, "m"+string(rune('0'+seq)), "event", "utf-8", `{"aggregateId":"order-7 ","seq":"`+string(rune('0'+seq))+`","x-acemq-inbox-handler":"on_order"}`, ts(kind, time.Now().Add(-time.Hour)))
+				"billing", "order-7 ", seq, "m"+string(rune('0'+seq)), "event", "utf-8", `{"aggregateId":"order-7 ","seq":"`+string(rune('0'+seq))+`","x-acemq-inbox-handler":"on_order"`+failed+`}`, ts(kind, time.Now().Add(-time.Hour)))
+		}
+		// Why the key waits: its next message's handler failed so.
+		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, "billing \"order-7 \" seq 2: its handler failed 2026-12-06T10:00:00Z the ledger refuses it\n") {
+			t.Errorf("held does not say why the key waits:\n%s", out)
+		}
+		if js := decodeJSON(t, mustCtl(t, "held", "--db", db.DSN, "--json")); js["keys"].([]any)[0].(map[string]any)["next_error"] != "2026-12-06T10:00:00Z the ledger refuses it" {
+			t.Errorf("held --json: %v; want next_error", js)
 		}
 		if out := mustCtl(t, "held", "--db", db.DSN); !strings.Contains(out, "nothing: next held (*)") || !strings.Contains(out, `logs "Held message could not be applied" with its error`) || !strings.Contains(out, "skip-held --consumer C --key K --seq LAST+1 gives up on it") {
 			t.Errorf("held does not say how to give up on a failing next message:\n%s", out)
@@ -262,7 +273,8 @@ func TestSkipHeld_GivesUpOnTheKeysNextHeldMessage_HandsItBack(t *testing.T) {
 		if err := json.Unmarshal([]byte(mustCtl(t, skip("2", "--json")...)), &got); err != nil {
 			t.Fatal(err)
 		}
-		if got.MessageID != "m2" || string(got.Payload) != "event" || got.PayloadText == nil || *got.PayloadText != "event" || got.Key != `"order-7 "` || got.Seq != 2 ||
+		if got.MessageID != "m2" || string(got.Payload) != "event" || got.PayloadText == nil || *got.PayloadText != "event" ||
+			got.LastError != "2026-12-06T10:00:00Z the ledger refuses it" || got.Key != `"order-7 "` || got.Seq != 2 ||
 			!reflect.DeepEqual(got.Metadata, map[string]string{"aggregateId": "order-7 ", "seq": "2"}) {
 			t.Errorf("skip-held --json: %+v, want m2 with its payload and metadata, without the inbox's own", got)
 		}

@@ -89,8 +89,12 @@ func (c *cli) show(args []string) error {
 		}
 		return missingIDs("show", missing, len(ids), c.g.table)
 	}
+	// A pending row may wait behind a failing one: "publishes it at its
+	// next claim" sent a user review's on-call away from the record that
+	// held it.
+	failing, _ := s.FailingCount(c.ctx) // 0 on an error: it says less
 	for _, row := range out {
-		c.printShow(c.stdout, row)
+		c.printShow(c.stdout, row, failing)
 	}
 	return missingIDs("show", missing, len(ids), c.g.table)
 }
@@ -212,8 +216,17 @@ func (c *cli) why(row showRow) string {
 	return fmt.Sprintf("pending after %d failed attempts of %d: %s", row.Attempts, c.g.maxAttempts, printable(row.LastError))
 }
 
-func (c *cli) printShow(w io.Writer, row showRow) {
-	fmt.Fprintf(w, "%s: %s\n", row.ID, c.why(row))
+func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
+	why := c.why(row)
+	if row.State == "pending" && row.Attempts == 0 && failing > 0 {
+		behind := fmt.Sprintf("one of the %d records failing now", failing)
+		if failing == 1 {
+			behind = "the record failing now"
+		}
+		why = "pending: the relay publishes it at its next claim, unless it waits behind " + behind +
+			" (an unkeyed one holds the records behind it, a keyed one its key's; outboxctl status names the oldest)"
+	}
+	fmt.Fprintf(w, "%s: %s\n", row.ID, why)
 	defer func() {
 		for _, h := range row.Held {
 			fmt.Fprintf(w, "  held by %s, key %s seq %d, since %s: its key waits for an earlier number (outboxctl held)\n",
