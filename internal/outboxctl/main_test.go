@@ -94,6 +94,13 @@ func migrated(t *testing.T, kind string) *testdb.DB {
 // default exchange with routingKey, and returns their ids in order.
 func publish(t *testing.T, db *testdb.DB, n int, routingKey string) []string {
 	t.Helper()
+	return publishOf(t, db, n, routingKey, "")
+}
+
+// publishOf is publish of messages with the ordering key key ("" none),
+// numbered 1..n where keyed.
+func publishOf(t *testing.T, db *testdb.DB, n int, routingKey, key string) []string {
+	t.Helper()
 	tx, err := db.Beginx()
 	if err != nil {
 		t.Fatal(err)
@@ -108,6 +115,9 @@ func publish(t *testing.T, db *testdb.DB, n int, routingKey string) []string {
 	for i := range msgs {
 		ids[i] = watermill.NewUUID()
 		msgs[i] = message.NewMessage(ids[i], []byte(fmt.Sprintf(`{"n":%d}`, i)))
+		if key != "" {
+			msgs[i].Metadata.Set(outbox.MetadataAggregateID, key)
+		}
 	}
 	if err := pub.Publish(routingKey, msgs...); err != nil {
 		t.Fatal(err)

@@ -5,12 +5,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill/message"
-	outbox "github.com/acemq/watermill-outbox"
-
-	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
 // A keyed message a consumer set aside (PoisonOutbox marks its record
@@ -23,7 +17,7 @@ func TestResend_PublishedRecordPendingAgain_ByIDOrKeyAndSeq(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind string) {
 		f := newFixture(t, kind)
 		db := f.db
-		keyed := publishKeyed(t, db, "pay-1", 3)
+		keyed := publishOf(t, db, 3, "payments", "pay-1")
 		for _, id := range append([]string{f.publishedOld[0]}, keyed...) {
 			execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?", ts(kind, time.Now().Add(-time.Hour)), ts(kind, time.Now()), "x", id)
 		}
@@ -60,32 +54,4 @@ func TestResend_PublishedRecordPendingAgain_ByIDOrKeyAndSeq(t *testing.T) {
 		ctl(t, nil, "resend", "--db", db.DSN, "--key", "pay-1", "--seq", "1", keyed[0]).wantFailure(t, 2, "not both")
 		ctl(t, nil, "resend", "--db", db.DSN).wantFailure(t, 2, "give the ids")
 	})
-}
-
-// publishKeyed commits n messages of key through the library's
-// TxPublisher, numbered 1..n, and returns their ids in order.
-func publishKeyed(t *testing.T, db *testdb.DB, key string, n int) []string {
-	t.Helper()
-	tx, err := db.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
-	pub, err := outbox.NewTxPublisher(tx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ids := make([]string, n)
-	for i := range ids {
-		ids[i] = watermill.NewUUID()
-		msg := message.NewMessage(ids[i], []byte(`{}`))
-		msg.Metadata.Set(outbox.MetadataAggregateID, key)
-		if err := pub.Publish("payments", msg); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	return ids
 }
