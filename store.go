@@ -1688,17 +1688,23 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 // by another library's relay) is left alone, so that no second relay
 // publishes it meanwhile; a failed keyed record's backoff is ended.
 func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
-	// In statements of maxRowsPerStmt ids, each committed on its own: one
-	// statement of them all failed past the databases' limits on
-	// arguments (65,535 on PostgreSQL and MySQL, 32,766 on SQLite), and an
-	// operator retrying the rows of an incident can pass more.
+	return s.pendingAgain(ctx, "retry", ids, func(ids []string) sqldialect.Query { return s.q.Retry(ids, time.Now()) })
+}
+
+// pendingAgain runs update, a statement that makes rows of ids pending
+// again, in statements of maxRowsPerStmt ids, each committed on its own:
+// one statement of them all failed past the databases' limits on
+// arguments (65,535 on PostgreSQL and MySQL, 32,766 on SQLite), and an
+// operator retrying the rows of an incident can pass more. It wakes the
+// relays of what it changed, and returns how many.
+func (s *Store) pendingAgain(ctx context.Context, what string, ids []string, update func([]string) sqldialect.Query) (int64, error) {
 	var n int64
 	for start := 0; start < len(ids); start += maxRowsPerStmt {
-		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Retry(ids[start:min(start+maxRowsPerStmt, len(ids))], time.Now()))
+		m, err := execRange(ctx, s.db, s.dialect.sql(), update(ids[start:min(start+maxRowsPerStmt, len(ids))]))
 		n += m
 		if err != nil {
 			s.wake(ctx, n)
-			return n, fmt.Errorf("outbox: retry: %w (%d made pending before)", err, n)
+			return n, fmt.Errorf("outbox: %s: %w (%d made pending before)", what, err, n)
 		}
 	}
 	s.wake(ctx, n)
@@ -1706,26 +1712,16 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 }
 
 // Resend makes the given published records pending again, to be sent
-// again: attempts reset, processed_at and last_error cleared. It returns how many it
-// changed; rows not published (pending, stuck, in flight) and ids not in
-// the table are left alone. It is the way to send again a record whose
+// again: attempts reset, processed_at and last_error cleared. It returns
+// how many it changed; rows not published (pending, stuck, in flight) and
+// ids not in the table are left alone. It is the way to send again a record whose
 // message a consumer set aside (a poison queue) once its cause is fixed,
 // above all a keyed one, whose key's later messages an ordered inbox holds
 // until it is applied: a consumer with the inbox runs it then, as it never
 // processed it, and drops it as a duplicate where it did. A consumer
 // without the inbox gets it twice.
 func (s *Store) Resend(ctx context.Context, ids ...string) (int64, error) {
-	var n int64
-	for start := 0; start < len(ids); start += maxRowsPerStmt {
-		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Resend(ids[start:min(start+maxRowsPerStmt, len(ids))]))
-		n += m
-		if err != nil {
-			s.wake(ctx, n)
-			return n, fmt.Errorf("outbox: resend: %w (%d made pending before)", err, n)
-		}
-	}
-	s.wake(ctx, n)
-	return n, nil
+	return s.pendingAgain(ctx, "resend", ids, s.q.Resend)
 }
 
 // KeySeqID returns the id of key's record seq, and false where the table
