@@ -1006,25 +1006,34 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 
 // noteHeldFailure writes err, the failure of the apply of the key's held
 // message seq, into its row's metadata (heldErrorKey), on the pool, after
-// the apply's transaction ended. A lost connection or an ended context is
-// no failure of the message's, and is not written; nor is anything when
-// the row is gone (applied meanwhile) or holds another message. A write
-// that fails is logged at DEBUG: the apply's failure is logged anyway.
+// the apply's transaction ended. A lost connection, an ended context or a
+// conflict with another transaction is no failure of the message's, and
+// is not written; nor is anything when the row is gone (applied meanwhile)
+// or holds another message. Under REPEATABLE READ or SERIALIZABLE nothing
+// is written either: a concurrent apply of the key that read the row
+// before the write would fail its delete of it as a serialization failure
+// after its handler ran, and run the handler again (a code review). A
+// write that fails is logged at DEBUG: the apply's failure is logged
+// anyway.
 func (in *Inbox) noteHeldFailure(ctx context.Context, consumer, key string, seq int64, stored, metadata string, err error) {
-	if ctx.Err() != nil || in.dialect.sql().ConnLost(err) {
+	d := in.dialect.sql()
+	if ctx.Err() != nil || d.ConnLost(err) || d.Conflict(err) || in.cfg.Isolation >= sql.LevelRepeatableRead {
 		return
 	}
 	md, derr := rowcodec.DecodeMetadata(metadata)
 	if derr != nil {
 		return // a row no handler was given: never here
 	}
+	if md == nil {
+		md = make(map[string]string, 1) // JSON null: another library's row, or a hand's
+	}
 	md[heldErrorKey] = storableError(time.Now().UTC().Format(time.RFC3339) + " " + err.Error())
 	text, eerr := rowcodec.EncodeMetadata(md)
 	if eerr != nil {
 		return
 	}
-	if _, werr := in.db.ExecContext(ctx, in.db.Rebind("UPDATE "+sqldialect.InboxHeldTable+" SET metadata = ? WHERE consumer_name = ? AND aggregate_id = ? AND seq = ? AND message_id = ?"),
-		text, consumer, key, seq, stored); werr != nil {
+	q := in.ordered.q.NoteHeld(consumer, key, seq, stored, text)
+	if _, werr := in.db.ExecContext(ctx, q.SQL, q.Args...); werr != nil {
 		in.log.Debug("Held message's failure not written into its row", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "error": werr.Error()})
 	}
 }

@@ -1763,6 +1763,13 @@ func (o *OrderedInbox) Hold(r HeldRow) Query {
 	return o.query(o.d.insertInboxHeld(), r.Consumer, r.Key, r.Seq, InboxKey(r.MessageID), r.Payload, r.PayloadEncoding, r.Metadata, o.d.TimeArg(r.HeldAt))
 }
 
+// NoteHeld writes metadata into the key's held message seq, if it is still
+// the message of messageID (the row's message_id as read).
+func (o *OrderedInbox) NoteHeld(consumer, key string, seq int64, messageID, metadata string) Query {
+	return o.query("UPDATE "+InboxHeldTable+" SET metadata = ? WHERE consumer_name = ? AND aggregate_id = ? AND seq = ? AND message_id = ?",
+		metadata, consumer, key, seq, messageID)
+}
+
 // HeldUpTo counts the key's held messages up to seq: after applying seq-1,
 // one at seq is to be applied next, and one below is a copy of a message
 // applied since it was held.
