@@ -707,7 +707,7 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
 		return false, nil
 	}
-	return true, in.markProcessed(ctx, tx, key, now)
+	return true, in.markApplied(ctx, tx, key, now)
 }
 
 // processedAsIs reports whether consumer's key, an unkeyed message's, is
@@ -840,12 +840,30 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 // PostgreSQL takes no gap locks, and SQLite's transaction holds the
 // database's write lock from the key's insert on: one statement there.
 func (in *Inbox) markProcessed(ctx context.Context, on execQuerier, key string, now time.Time) error {
-	return in.markProcessedNoting(ctx, on, key, now, "")
+	return in.mark(ctx, on, key, now, processedMark{})
 }
 
-// markProcessedNoting is markProcessed, with note, if any, in the record's
-// last_error (a message set aside: sqldialect.Outbox.MarkSetAside).
+// markApplied is markProcessed of a message whose handler's transaction
+// this is: a set-aside note the record kept goes (MarkApplied).
+func (in *Inbox) markApplied(ctx context.Context, on execQuerier, key string, now time.Time) error {
+	return in.mark(ctx, on, key, now, processedMark{applied: true})
+}
+
+// markProcessedNoting is markProcessed of a message set aside, with note
+// in the record's last_error (sqldialect.Outbox.MarkSetAside).
 func (in *Inbox) markProcessedNoting(ctx context.Context, on execQuerier, key string, now time.Time, note string) error {
+	return in.mark(ctx, on, key, now, processedMark{note: note})
+}
+
+// processedMark is how a record is marked processed: as it was held, or
+// as a duplicate (neither set), applied, or set aside with a note.
+type processedMark struct {
+	applied bool
+	note    string
+}
+
+// mark marks the record of key processed as m says (see markProcessed).
+func (in *Inbox) mark(ctx context.Context, on execQuerier, key string, now time.Time, m processedMark) error {
 	if !in.cfg.MarkOutboxProcessed || (in.cfg.TrackedTopics != nil && !in.cfg.TrackedTopics.Tracked(message.SubscribeTopicFromCtx(ctx))) {
 		return nil
 	}
@@ -854,7 +872,7 @@ func (in *Inbox) markProcessedNoting(ctx context.Context, on execQuerier, key st
 	}
 	d := in.dialect.sql()
 	if d.GapLocks() {
-		look := sqldialect.Inline(d, in.outbox.Unprocessed(key))
+		look := sqldialect.Inline(d, in.outbox.Unprocessed(key, m.applied))
 		var one int
 		switch err := on.QueryRowContext(ctx, look.SQL, look.Args...).Scan(&one); {
 		case errors.Is(err, sql.ErrNoRows):
@@ -864,8 +882,11 @@ func (in *Inbox) markProcessedNoting(ctx context.Context, on execQuerier, key st
 		}
 	}
 	q := in.outbox.MarkProcessed(key, now)
-	if note != "" {
-		q = in.outbox.MarkSetAside(key, now, note)
+	switch {
+	case m.note != "":
+		q = in.outbox.MarkSetAside(key, now, m.note)
+	case m.applied:
+		q = in.outbox.MarkApplied(key, now)
 	}
 	q = sqldialect.Inline(d, q)
 	if _, err := on.ExecContext(ctx, q.SQL, q.Args...); err != nil {

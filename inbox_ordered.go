@@ -515,7 +515,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		return inboxFailed, err
 	}
 	if applied {
-		if err := in.markProcessed(ctx, tx, id, now); err != nil {
+		if err := in.markApplied(ctx, tx, id, now); err != nil {
 			return inboxFailed, err
 		}
 		if err := in.runInTx(ctx, tx, h, msg, consumer, id); err != nil {

@@ -342,3 +342,68 @@ func TestOrderedInbox_HeldMessageFailsWhenReleased_LoggedAsItselfOnceAMinute(t *
 		}
 	})
 }
+
+// A message set aside and then applied after all, delivered again (a copy
+// the broker still had) or released from the ordered inbox's hold, kept
+// its record's "set aside by …" note, and outboxctl show said "set aside,
+// not applied" of an applied record (an on-call review). Its apply takes
+// the note out; a mark of a duplicate does not.
+func TestInbox_SetAsideThenApplied_RecordLosesTheNote(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		createEffects(t, db)
+		msgs := []*message.Message{keyedMsg("pay-7", 1), message.NewMessage("plain-1", []byte("x"))}
+		msgs[0].Metadata.Set(outbox.MetadataAggregateID, "pay-7")
+		publishInTx(t, db, "payments", msgs, outbox.TxPublisherConfig{})
+		db.MustExec("UPDATE acemq_outbox SET published_at = created_at") // the relay sent them
+		in := newInbox(t, db, outbox.InboxConfig{Ordered: true, MarkOutboxProcessed: true})
+		pq, err := middleware.PoisonQueue(in.PoisonOutbox(), "payments.poison")
+		if err != nil {
+			t.Fatal(err)
+		}
+		var broken atomic.Bool
+		broken.Store(true)
+		log := &applyLog{fail: func(*message.Message) error {
+			if broken.Load() {
+				return errors.New("the ledger refuses it")
+			}
+			return nil
+		}}
+		h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
+			middleware.Timeout(30 * time.Second)(in.Middleware(log.handler(t, db)))))
+		deliver := func(msg *message.Message) {
+			t.Helper()
+			msg = msg.Copy()
+			msg.SetContext(context.Background())
+			if _, err := h(msg); err != nil {
+				t.Fatal(err)
+			}
+		}
+		note := func(id string) string {
+			t.Helper()
+			var s string
+			if err := db.Get(&s, db.Rebind("SELECT COALESCE(last_error, '') FROM acemq_outbox WHERE id = ?"), id); err != nil {
+				t.Fatal(err)
+			}
+			return s
+		}
+		unkeyed := message.NewMessage("plain-1", []byte("x"))
+		unkeyed.Metadata.Set(outbox.HeaderSeq, "1") // for applyLog; no key: the plain inbox
+		for _, msg := range []*message.Message{keyedMsg("pay-7", 1), unkeyed} {
+			deliver(msg)
+			if n := note(msg.UUID); !strings.HasPrefix(n, "set aside by ") {
+				t.Fatalf("%s set aside: last_error %q, want the note", msg.UUID, n)
+			}
+		}
+		broken.Store(false)
+		for _, msg := range []*message.Message{keyedMsg("pay-7", 1), unkeyed} {
+			deliver(msg) // a copy the broker still had: applied now
+			if n := note(msg.UUID); n != "" || !outboxStateOf(t, db, msg.UUID).Processed {
+				t.Errorf("%s applied after it was set aside: last_error %q, processed %v; want no note, processed", msg.UUID, n, outboxStateOf(t, db, msg.UUID).Processed)
+			}
+		}
+		if got, plain := log.of("pay-7"), log.of(""); len(got) != 1 || len(plain) != 1 {
+			t.Errorf("pay-7 applied %v, plain-1 %v; want each once", got, plain)
+		}
+	})
+}

@@ -153,7 +153,7 @@ func (c *cli) held(args []string) error {
 		// A message set aside (a poison queue) is missing too: it arrived,
 		// and "has not arrived" sent a user review's on-call looking for a
 		// message the consumer had (its copy on the poison topic).
-		fmt.Fprintln(c.stdout, "WAITING FOR: numbers this consumer has not applied: not arrived yet (purged, stuck at the sender), or set aside by a poison queue (PoisonOutbox's copy carries x-acemq-poisoned-id); once the cause is fixed, outboxctl resend --key K --seq N on the database of the outbox they came from sends one again, or outboxctl skip-gap gives them up")
+		fmt.Fprintln(c.stdout, "WAITING FOR: numbers this consumer has not applied: not arrived yet (purged, stuck at the sender), or set aside by a poison queue (PoisonOutbox's copy carries x-acemq-poisoned-id); once the cause is fixed, outboxctl resend --key K --seq N on the database of the outbox they came from sends one again, or outboxctl skip-gap gives them up (after which a resend is dropped as a duplicate)")
 	}
 	if nextHeld {
 		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed (the service logs \"Held message could not be applied\" with its error, message_uuid and seq, once a minute while it fails), or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")

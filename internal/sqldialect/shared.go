@@ -1400,11 +1400,26 @@ func (o *Outbox) MarkSetAside(id string, now time.Time, note string) Query {
 }
 
 // Unprocessed reads 1 if the record id is there with processed_at still
-// null, and no row otherwise: a plain read, which locks nothing where
-// MarkProcessed would lock the gap of a missing id (see GapLocks).
-func (o *Outbox) Unprocessed(id string) Query {
+// null (or, applied, with a set-aside note: MarkApplied), and no row
+// otherwise: a plain read, which locks nothing where MarkProcessed would
+// lock the gap of a missing id (see GapLocks).
+func (o *Outbox) Unprocessed(id string, applied bool) Query {
 	in, args := o.idIn([]string{id})
+	if applied {
+		return o.query("SELECT 1 FROM "+o.table+" WHERE "+in+" AND (processed_at IS NULL OR last_error LIKE ?)", append(args, SetAsideNote+"%")...)
+	}
 	return o.query("SELECT 1 FROM "+o.table+" WHERE "+in+" AND processed_at IS NULL", args...)
+}
+
+// MarkApplied is MarkProcessed of a record whose message a consumer
+// applied: it also takes out a set-aside note (MarkSetAside), which a
+// message set aside and then applied after all (held, or delivered again)
+// kept, and show read "set aside, not applied" of it (an on-call review).
+func (o *Outbox) MarkApplied(id string, now time.Time) Query {
+	in, args := o.idIn([]string{id})
+	return o.query(o.update()+"processed_at = COALESCE(processed_at, ?), last_error = CASE WHEN last_error LIKE ? THEN NULL ELSE last_error END"+
+		" WHERE "+in+" AND (processed_at IS NULL OR last_error LIKE ?)",
+		append(append([]any{o.d.TimeArg(now), SetAsideNote + "%"}, args...), SetAsideNote+"%")...)
 }
 
 // The statements below are those PostgreSQL and SQLite write alike and
