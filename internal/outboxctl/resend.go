@@ -1,6 +1,10 @@
 package outboxctl
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
+)
 
 // resendReport is resend --json; its names do not change.
 type resendReport struct {
@@ -50,12 +54,38 @@ func (c *cli) resend(args []string) error {
 		ids = []string{id}
 	}
 	before, _ := c.lookupRows(s, ids) // nil: it says less
-	n, err := s.Resend(c.ctx, ids...)
+	// A message an ordered inbox of this database holds is applied from
+	// the hold, again at each delivery of its key and ApplyHeld: resent
+	// while its handler fails, it was set aside a second time, still held
+	// (an on-call review). Left alone.
+	send := ids
+	if before != nil {
+		if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
+			return err
+		} else if ok {
+			if err := heldOf(c.ctx, d, before, ids); err != nil {
+				return d.explain(err, sqldialect.InboxHeldTable)
+			}
+			send = nil
+			for i, row := range before {
+				if len(row.Held) == 0 {
+					send = append(send, ids[i])
+				}
+			}
+		}
+	}
+	n, err := s.Resend(c.ctx, send...)
 	if err != nil {
 		return d.explain(err, c.g.table)
 	}
 	var leftAlone []retryLeft
 	for _, row := range before {
+		if len(row.Held) > 0 {
+			h := row.Held[0]
+			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: "held", Why: fmt.Sprintf("held by %s, key %s seq %d: the ordered inbox applies it from the hold, "+
+				"at each delivery of its key and ApplyHeld (outboxctl held shows its handler's error; skip-held gives it up)", printable(h.Consumer), h.Key, h.Seq)})
+			continue
+		}
 		if row.State != "published" {
 			state := row.State
 			if !row.Found {

@@ -49,6 +49,19 @@ func TestResend_PublishedRecordPendingAgain_ByIDOrKeyAndSeq(t *testing.T) {
 				t.Errorf("seq %d: %d rows pending again, want %d", i+1, got, want)
 			}
 		}
+		// Held by an ordered inbox of this database: applied from the
+		// hold; resent while its handler fails, it was set aside a second
+		// time, still held (an on-call review). Left alone.
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq) VALUES (?, ?, ?)", "billing", "pay-1", 2)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "pay-1", 3, keyed[2], "{}", "utf-8", "{}", ts(kind, time.Now()))
+		if out := mustCtl(t, "resend", "--db", db.DSN, keyed[2]); !strings.HasPrefix(out, "0 rows made pending again") ||
+			!strings.Contains(out, "  "+keyed[2]+": held by billing, key pay-1 seq 3: the ordered inbox applies it from the hold") {
+			t.Errorf("resend of a held record:\n%s", out)
+		}
+		if count(t, db, pendingAgain, keyed[2]) != 0 {
+			t.Errorf("resend made a held record pending")
+		}
 		ctl(t, nil, "resend", "--db", db.DSN, "--key", "pay-1", "--seq", "9").wantFailure(t, 1, "holds no record of key pay-1 seq 9")
 		ctl(t, nil, "resend", "--db", db.DSN, "--key", "pay-1").wantFailure(t, 2, "give --key and --seq")
 		ctl(t, nil, "resend", "--db", db.DSN, "--key", "pay-1", "--seq", "1", keyed[0]).wantFailure(t, 2, "not both")

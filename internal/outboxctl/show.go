@@ -43,6 +43,9 @@ type heldBy struct {
 	Key      string    `json:"key"` // as held shows it (keyText)
 	Seq      int64     `json:"seq"`
 	HeldAt   time.Time `json:"held_at"`
+	// LastApplied is the key's: Seq is its next when Seq is one more (its
+	// handler failing), else the key waits for an earlier number.
+	LastApplied int64 `json:"last_applied"`
 }
 
 func (c *cli) show(args []string) error {
@@ -229,8 +232,13 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	fmt.Fprintf(w, "%s: %s\n", row.ID, why)
 	defer func() {
 		for _, h := range row.Held {
-			fmt.Fprintf(w, "  held by %s, key %s seq %d, since %s: its key waits for an earlier number (outboxctl held)\n",
-				printable(h.Consumer), h.Key, h.Seq, h.HeldAt.Format("2006-01-02 15:04:05Z"))
+			// A user review: "waits for an earlier number" was said of a
+			// key's next, held as its handler failed.
+			why := fmt.Sprintf("its key waits for an earlier number, %d (outboxctl held)", h.LastApplied+1)
+			if h.Seq == h.LastApplied+1 {
+				why = "the key's next, its handler failing (outboxctl held shows its error; skip-held gives it up)"
+			}
+			fmt.Fprintf(w, "  held by %s, key %s seq %d, since %s: %s\n", printable(h.Consumer), h.Key, h.Seq, h.HeldAt.Format("2006-01-02 15:04:05Z"), why)
 		}
 	}()
 	if !row.Found {
@@ -266,8 +274,9 @@ func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) erro
 		for i, id := range chunk {
 			args[i] = sqldialect.InboxKey(id)
 		}
-		q := "SELECT consumer_name, aggregate_id, seq, held_at, message_id FROM " + sqldialect.InboxHeldTable +
-			" WHERE message_id IN (?" + strings.Repeat(", ?", len(chunk)-1) + ") ORDER BY consumer_name, aggregate_id, seq"
+		q := "SELECT h.consumer_name, h.aggregate_id, h.seq, h.held_at, h.message_id, COALESCE(s.last_seq, 0) FROM " + sqldialect.InboxHeldTable + " h" +
+			" LEFT JOIN " + sqldialect.InboxSequencesTable + " s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id" +
+			" WHERE h.message_id IN (?" + strings.Repeat(", ?", len(chunk)-1) + ") ORDER BY h.consumer_name, h.aggregate_id, h.seq"
 		if d.kind == kindPostgres {
 			q = sqlx.Rebind(sqlx.DOLLAR, q)
 		}
@@ -279,7 +288,7 @@ func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) erro
 			var h heldBy
 			var key string
 			at := sqldialect.NewTime(dialect)
-			if err := rs.Scan(&h.Consumer, &h.Key, &h.Seq, at, &key); err != nil {
+			if err := rs.Scan(&h.Consumer, &h.Key, &h.Seq, at, &key, &h.LastApplied); err != nil {
 				_ = rs.Close()
 				return err
 			}

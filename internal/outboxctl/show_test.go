@@ -116,7 +116,7 @@ func TestShow_SetAsideOrHeld_SaysNotApplied(t *testing.T) {
 		out := ctlMissing(t, 1, "show", "--db", db.DSN, aside, "m3", "m4")
 		for _, line := range []string{
 			`(?m)^` + aside + `: published \S+ \S+Z; set aside by billing to orders.poison as c-1: no such warehouse \(\S+ \S+Z\), not applied: once its cause is fixed, outboxctl resend ID sends it again$`,
-			`(?m)^m3: published \S+ \S+Z; marked processed \S+ \S+Z as an ordered inbox held it, not applied yet\n  to \(default\) / orders, created \S+ \S+Z\n  held by billing, key order-7 seq 3, since \S+ \S+Z: its key waits for an earlier number \(outboxctl held\)$`,
+			`(?m)^m3: published \S+ \S+Z; marked processed \S+ \S+Z as an ordered inbox held it, not applied yet\n  to \(default\) / orders, created \S+ \S+Z\n  held by billing, key order-7 seq 3, since \S+ \S+Z: its key waits for an earlier number, 2 \(outboxctl held\)$`,
 			`(?m)^m4: not in acemq_outbox\n  held by billing, key order-7 seq 4, since `,
 		} {
 			if !regexp.MustCompile(line).MatchString(out) {
@@ -127,8 +127,16 @@ func TestShow_SetAsideOrHeld_SaysNotApplied(t *testing.T) {
 		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, aside, "m3")), &rows); err != nil {
 			t.Fatal(err)
 		}
-		if !rows[0].SetAside || len(rows[0].Held) != 0 || rows[1].SetAside || len(rows[1].Held) != 1 || rows[1].Held[0].Seq != 3 || rows[1].Held[0].Consumer != "billing" {
+		if !rows[0].SetAside || len(rows[0].Held) != 0 || rows[1].SetAside || len(rows[1].Held) != 1 || rows[1].Held[0].Seq != 3 || rows[1].Held[0].Consumer != "billing" ||
+			rows[1].Held[0].LastApplied != 1 {
 			t.Errorf("show --json: %+v", rows)
+		}
+		// Held as the key's next, its handler failing: "waits for an
+		// earlier number" was said of it too (an on-call review).
+		execSQL(t, db, "UPDATE acemq_inbox_sequences SET last_seq = 2")
+		if out := mustCtl(t, "show", "--db", db.DSN, "m3"); !strings.Contains(out, "  held by billing, key order-7 seq 3, since ") ||
+			!strings.Contains(out, ": the key's next, its handler failing (outboxctl held shows its error; skip-held gives it up)\n") {
+			t.Errorf("show of the key's next, held:\n%s", out)
 		}
 	})
 }
