@@ -33,13 +33,7 @@ func TestOrderedInbox_HeldRowWithNullMetadata_HandlerFails_NoPanic(t *testing.T)
 			return nil
 		}}
 		h := in.Middleware(log.handler(t, db))
-		for _, seq := range []int{1, 3} {
-			msg := keyedMsg("pay-1", seq)
-			msg.SetContext(context.Background())
-			if _, err := h(msg); err != nil {
-				t.Fatal(err)
-			}
-		}
+		deliver(t, h, "pay-1", 1, 3)
 		db.MustExec("UPDATE acemq_inbox_held SET metadata = 'null'")
 		func() {
 			defer func() {
@@ -47,11 +41,7 @@ func TestOrderedInbox_HeldRowWithNullMetadata_HandlerFails_NoPanic(t *testing.T)
 					t.Fatalf("a failing held message with metadata null panicked: %v", r)
 				}
 			}()
-			msg := keyedMsg("pay-1", 2)
-			msg.SetContext(context.Background())
-			if _, err := h(msg); err != nil {
-				t.Fatal(err)
-			}
+			deliver(t, h, "pay-1", 2)
 		}()
 	})
 }
@@ -79,13 +69,7 @@ func TestOrderedInbox_PgxV5DriverName_HeldFailureNoted(t *testing.T) {
 		return nil
 	}}
 	h := in.Middleware(log.handler(t, db))
-	for _, seq := range []int{1, 3, 2} {
-		msg := keyedMsg("pay-1", seq)
-		msg.SetContext(context.Background())
-		if _, err := h(msg); err != nil {
-			t.Fatal(err)
-		}
-	}
+	deliver(t, h, "pay-1", 1, 3, 2)
 	gaps, _, err := in.ListGaps(context.Background(), 0, 10)
 	if err != nil || len(gaps) != 1 || !strings.HasSuffix(gaps[0].NextError, " the ledger refuses it") {
 		t.Fatalf("gaps %+v (%v); want pay-1's held seq 3 with its error noted", gaps, err)
@@ -126,13 +110,7 @@ func TestOrderedInbox_RepeatableRead_FailureNotNoted_ConcurrentApplyRunsOnce(t *
 		return nil
 	}}
 	h := in.Middleware(log.handler(t, db))
-	for _, seq := range []int{1, 3, 2} {
-		msg := keyedMsg("pay-1", seq)
-		msg.SetContext(context.Background())
-		if _, err := h(msg); err != nil {
-			t.Fatal(err)
-		}
-	}
+	deliver(t, h, "pay-1", 1, 3, 2)
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); _, _ = in.ApplyHeld(context.Background()) }()

@@ -184,28 +184,7 @@ func TestOrderedInbox_PoisonOutbox_ResendAfterTheFix_KeyAppliedInOrder(t *testin
 		publishInTx(t, db, "payments", msgs, outbox.TxPublisherConfig{})
 		db.MustExec("UPDATE acemq_outbox SET published_at = created_at") // the relay sent them
 		in := newInbox(t, db, outbox.InboxConfig{Ordered: true, MarkOutboxProcessed: true})
-		pq, err := middleware.PoisonQueue(in.PoisonOutbox(), "payments.poison")
-		if err != nil {
-			t.Fatal(err)
-		}
-		var broken atomic.Bool
-		broken.Store(true)
-		log := &applyLog{fail: func(msg *message.Message) error {
-			if broken.Load() && msg.Metadata.Get(outbox.HeaderSeq) == "2" {
-				return errors.New("the ledger refuses it")
-			}
-			return nil
-		}}
-		h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
-			middleware.Timeout(30 * time.Second)(in.Middleware(log.handler(t, db)))))
-		deliver := func(seq int) {
-			t.Helper()
-			msg := keyedMsg("pay-1", seq)
-			msg.SetContext(context.Background())
-			if _, err := h(msg); err != nil {
-				t.Fatalf("seq %d: %v; want it acked (applied, set aside or held)", seq, err)
-			}
-		}
+		h, log, broken := setAsideChain(t, db, in, func(msg *message.Message) bool { return msg.Metadata.Get(outbox.HeaderSeq) == "2" })
 		copies := func() (n, pending int) {
 			t.Helper()
 			q := db.Rebind("SELECT COUNT(*), COUNT(*) - COUNT(published_at) FROM acemq_outbox WHERE routing_key = ?")
@@ -214,9 +193,7 @@ func TestOrderedInbox_PoisonOutbox_ResendAfterTheFix_KeyAppliedInOrder(t *testin
 			}
 			return n, pending
 		}
-		for seq := 1; seq <= 3; seq++ {
-			deliver(seq)
-		}
+		deliver(t, h, "pay-1", 1, 2, 3)
 		if got := log.of("pay-1"); len(got) != 1 || !outboxStateOf(t, db, "pay-1-2").Processed {
 			t.Fatalf("applied %v, seq 2 processed %v; want [1], seq 2 set aside and marked processed", got, outboxStateOf(t, db, "pay-1-2").Processed)
 		}
@@ -247,14 +224,14 @@ func TestOrderedInbox_PoisonOutbox_ResendAfterTheFix_KeyAppliedInOrder(t *testin
 			db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = created_at WHERE id = ?"), "pay-1-2") // the relay sent it again
 		}
 		resend()
-		deliver(2) // not fixed: set aside again
+		deliver(t, h, "pay-1", 2) // not fixed: set aside again
 		if n, pending := copies(); n != 1 || pending != 1 {
 			t.Fatalf("set aside again: %d poison copies, %d pending; want its one copy pending again", n, pending)
 		}
 
 		broken.Store(false)
 		resend()
-		deliver(2)
+		deliver(t, h, "pay-1", 2)
 		if got := log.of("pay-1"); len(got) != 3 || got[1] != 2 || got[2] != 3 {
 			t.Fatalf("applied %v after the fix and a resend; want [1 2 3]", got)
 		}
@@ -289,14 +266,7 @@ func TestOrderedInbox_HeldMessageFailsWhenReleased_LoggedAsItselfOnceAMinute(t *
 			}
 			return nil
 		}}
-		h := in.Middleware(log.handler(t, db))
-		for _, seq := range []int{1, 3, 2, 4, 5} {
-			msg := keyedMsg("pay-1", seq)
-			msg.SetContext(context.Background())
-			if _, err := h(msg); err != nil {
-				t.Fatalf("seq %d: %v; want it acked (applied or held)", seq, err)
-			}
-		}
+		deliver(t, in.Middleware(log.handler(t, db)), "pay-1", 1, 3, 2, 4, 5)
 		if got := log.of("pay-1"); len(got) != 2 {
 			t.Fatalf("applied %v, want [1 2]: seq 3 fails, 4 and 5 wait for it", got)
 		}
@@ -356,29 +326,7 @@ func TestInbox_SetAsideThenApplied_RecordLosesTheNote(t *testing.T) {
 		msgs[0].Metadata.Set(outbox.MetadataAggregateID, "pay-7")
 		publishInTx(t, db, "payments", msgs, outbox.TxPublisherConfig{})
 		db.MustExec("UPDATE acemq_outbox SET published_at = created_at") // the relay sent them
-		in := newInbox(t, db, outbox.InboxConfig{Ordered: true, MarkOutboxProcessed: true})
-		pq, err := middleware.PoisonQueue(in.PoisonOutbox(), "payments.poison")
-		if err != nil {
-			t.Fatal(err)
-		}
-		var broken atomic.Bool
-		broken.Store(true)
-		log := &applyLog{fail: func(*message.Message) error {
-			if broken.Load() {
-				return errors.New("the ledger refuses it")
-			}
-			return nil
-		}}
-		h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
-			middleware.Timeout(30 * time.Second)(in.Middleware(log.handler(t, db)))))
-		deliver := func(msg *message.Message) {
-			t.Helper()
-			msg = msg.Copy()
-			msg.SetContext(context.Background())
-			if _, err := h(msg); err != nil {
-				t.Fatal(err)
-			}
-		}
+		h, log, broken := setAsideChain(t, db, newInbox(t, db, outbox.InboxConfig{Ordered: true, MarkOutboxProcessed: true}), func(*message.Message) bool { return true })
 		note := func(id string) string {
 			t.Helper()
 			var s string
@@ -390,14 +338,18 @@ func TestInbox_SetAsideThenApplied_RecordLosesTheNote(t *testing.T) {
 		unkeyed := message.NewMessage("plain-1", []byte("x"))
 		unkeyed.Metadata.Set(outbox.HeaderSeq, "1") // for applyLog; no key: the plain inbox
 		for _, msg := range []*message.Message{keyedMsg("pay-7", 1), unkeyed} {
-			deliver(msg)
+			if _, err := h(msg.Copy()); err != nil {
+				t.Fatal(err)
+			}
 			if n := note(msg.UUID); !strings.HasPrefix(n, "set aside by ") {
 				t.Fatalf("%s set aside: last_error %q, want the note", msg.UUID, n)
 			}
 		}
 		broken.Store(false)
 		for _, msg := range []*message.Message{keyedMsg("pay-7", 1), unkeyed} {
-			deliver(msg) // a copy the broker still had: applied now
+			if _, err := h(msg.Copy()); err != nil { // a copy the broker still had: applied now
+				t.Fatal(err)
+			}
 			if n := note(msg.UUID); n != "" || !outboxStateOf(t, db, msg.UUID).Processed {
 				t.Errorf("%s applied after it was set aside: last_error %q, processed %v; want no note, processed", msg.UUID, n, outboxStateOf(t, db, msg.UUID).Processed)
 			}
@@ -406,4 +358,26 @@ func TestInbox_SetAsideThenApplied_RecordLosesTheNote(t *testing.T) {
 			t.Errorf("pay-7 applied %v, plain-1 %v; want each once", got, plain)
 		}
 	})
+}
+
+// setAsideChain is the README's chain, PoisonQueue with PoisonOutbox to
+// "payments.poison" and Retry, before in, over a handler that logs what it applies and, while
+// broken, fails on the messages refuses names; broken starts set.
+func setAsideChain(t *testing.T, db *testdb.DB, in *outbox.Inbox, refuses func(*message.Message) bool) (h message.HandlerFunc, log *applyLog, broken *atomic.Bool) {
+	t.Helper()
+	pq, err := middleware.PoisonQueue(in.PoisonOutbox(), "payments.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	broken = new(atomic.Bool)
+	broken.Store(true)
+	log = &applyLog{fail: func(msg *message.Message) error {
+		if broken.Load() && refuses(msg) {
+			return errors.New("the ledger refuses it")
+		}
+		return nil
+	}}
+	h = pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond, ResetContextOnRetry: true}.Middleware(
+		middleware.Timeout(30 * time.Second)(in.Middleware(log.handler(t, db)))))
+	return h, log, broken
 }

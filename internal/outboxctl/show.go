@@ -258,11 +258,16 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	fmt.Fprintln(w)
 }
 
+// sqlDialect is d's dialect, for the statements outboxctl writes itself.
+func (d *database) sqlDialect() sqldialect.Dialect {
+	return map[string]sqldialect.Dialect{kindPostgres: sqldialect.Postgres, kindMySQL: sqldialect.MySQL, kindSQLite: sqldialect.SQLite}[d.kind]
+}
+
 // heldOf notes in rows, show's rows of ids, the holds of their messages
 // in the ordered inbox's table of d (kept under the inbox's key of each
 // id: sqldialect.InboxKey).
 func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) error {
-	dialect := map[string]sqldialect.Dialect{kindPostgres: sqldialect.Postgres, kindMySQL: sqldialect.MySQL, kindSQLite: sqldialect.SQLite}[d.kind]
+	dialect := d.sqlDialect()
 	byKey := make(map[string][]int, len(ids))
 	for i, id := range ids {
 		k := sqldialect.InboxKey(id)
