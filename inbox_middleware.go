@@ -68,7 +68,10 @@ type InboxConfig struct {
 	// Republish then leaves it alone. With Ordered, so does the transaction
 	// that holds a message ahead of its predecessor: the held row is the
 	// message's copy in this database, and one sent again would only be
-	// held again. Off by default: then no query touches the outbox table.
+	// held again. SkipHeld and SkipGap write into the published records
+	// they give up on that they did ("skipped by …" in last_error, marked
+	// processed), which outboxctl show reads as never applied. Off by
+	// default: then no query touches the outbox table.
 	MarkOutboxProcessed bool
 	// OutboxTable is the outbox table MarkOutboxProcessed updates and the
 	// messages a handler returns are written into. Default acemq_outbox.

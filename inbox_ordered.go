@@ -1356,8 +1356,33 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, throug
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	defer in.refreshAfterSkip(ctx)
+	in.noteSkipped(ctx, in.outbox.MarkSkippedSeqs(key, from, through, time.Now(), skippedNote(consumer, fmt.Sprintf("gap %s of key %s (SkipGap)", seqRange(from, through), key))),
+		watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	in.drainAfterSkip(ctx, consumer, key)
 	return nil
+}
+
+// noteSkipped, with MarkOutboxProcessed, writes a committed skip into the
+// records of this database's outbox it gave up on (q: MarkSkipped or
+// MarkSkippedSeqs), marking them processed if not yet: the hold had marked
+// a held message's record, and outboxctl show said "processed" of a
+// payment an operator gave up on, never applied. The note tells; the skip
+// is done whatever it does, so a failure is logged, not returned.
+func (in *Inbox) noteSkipped(ctx context.Context, q sqldialect.Query, fields watermill.LogFields) {
+	if !in.cfg.MarkOutboxProcessed {
+		return
+	}
+	q = sqldialect.Inline(in.dialect.sql(), q)
+	if _, err := in.db.ExecContext(ctx, q.SQL, q.Args...); err != nil {
+		in.log.Error("Ordered inbox: the skip could not be noted in the outbox's records (it is done; outboxctl show reads them processed)", err, fields)
+	}
+}
+
+// skippedNote is the last_error of a record consumer gave up on, what
+// naming the skip: plain ASCII, as asideNote's.
+func skippedNote(consumer, what string) string {
+	return asciiError(storableError(fmt.Sprintf("%s%s, %s at %s: never applied; sent again, it is dropped as a duplicate",
+		sqldialect.SkippedNote, consumer, what, time.Now().UTC().Format(time.RFC3339))))
 }
 
 // drainAfterSkip applies what a committed skip freed. A failure is logged,
@@ -1580,6 +1605,10 @@ func (in *Inbox) SkipHeldKeeping(ctx context.Context, consumer, key string, seq 
 	}
 	in.log.Info("Held message skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": idText(skipped.ID)})
 	defer in.refreshAfterSkip(ctx)
+	if in.markable(ctx, in.db, skipped.ID) {
+		in.noteSkipped(ctx, in.outbox.MarkSkipped([]string{skipped.ID}, time.Now(), skippedNote(consumer, fmt.Sprintf("held seq %d of key %s (SkipHeld)", seq, key))),
+			watermill.LogFields{"consumer": consumer, "aggregate_id": key, "seq": seq, "message_uuid": idText(skipped.ID)})
+	}
 	in.drainAfterSkip(ctx, consumer, key)
 	return skipped, nil
 }

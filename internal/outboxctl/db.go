@@ -475,7 +475,13 @@ func isMissingTable(err error) bool {
 // inbox is the library's Inbox over the inbox table, for its questions and
 // its purge.
 func (c *cli) inbox(d *database, purgeBatch int) (*outbox.Inbox, error) {
-	in, err := outbox.NewInbox(d.db, outbox.InboxConfig{Dialect: d.dialect, Table: c.g.inboxTable, PurgeBatch: purgeBatch})
+	// With this database's outbox marked, a skip notes the records it gave
+	// up on there (outbox's noteSkipped): show read "processed" of them.
+	marks, err := d.hasTable(c.ctx, c.g.table)
+	if err != nil {
+		return nil, err
+	}
+	in, err := outbox.NewInbox(d.db, outbox.InboxConfig{Dialect: d.dialect, Table: c.g.inboxTable, PurgeBatch: purgeBatch, MarkOutboxProcessed: marks, OutboxTable: c.g.table})
 	if err != nil {
 		return nil, usagef("%v", err)
 	}

@@ -58,6 +58,8 @@ func (c *cli) resend(args []string) error {
 	// the hold, again at each delivery of its key and ApplyHeld: resent
 	// while its handler fails, it was set aside a second time, still held
 	// (an on-call review). Left alone.
+	// Nor is one an ordered inbox gave up on (skip-held, skip-gap): its
+	// key moved past it, so a resend is dropped as a duplicate.
 	send := ids
 	if before != nil {
 		if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
@@ -66,11 +68,11 @@ func (c *cli) resend(args []string) error {
 			if err := heldOf(c.ctx, d, before, ids); err != nil {
 				return d.explain(err, sqldialect.InboxHeldTable)
 			}
-			send = nil
-			for i, row := range before {
-				if len(row.Held) == 0 {
-					send = append(send, ids[i])
-				}
+		}
+		send = nil
+		for i, row := range before {
+			if len(row.Held) == 0 && !row.Skipped {
+				send = append(send, ids[i])
 			}
 		}
 	}
@@ -84,6 +86,12 @@ func (c *cli) resend(args []string) error {
 			h := row.Held[0]
 			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: "held", Why: fmt.Sprintf("held by %s, key %s seq %d: the ordered inbox applies it from the hold, "+
 				"at each delivery of its key and ApplyHeld (outboxctl held shows its handler's error; skip-held gives it up)", printable(h.Consumer), h.Key, h.Seq)})
+			continue
+		}
+		if row.Skipped {
+			// Its key moved past it at the skip: resent, it was dropped as
+			// a duplicate, and the resend took the note that says so.
+			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: "skipped", Why: printable(row.LastError) + " (an ordered inbox gave it up at skip-held or skip-gap)"})
 			continue
 		}
 		if row.State != "published" {

@@ -31,6 +31,9 @@ type showRow struct {
 	// SetAside: a consumer set its message aside (a poison queue), which
 	// marked it processed; last_error says by whom, where and why.
 	SetAside bool `json:"set_aside,omitempty"`
+	// Skipped: an ordered inbox gave its message up at an operator's word
+	// (skip-held, skip-gap), never applied; last_error says by whom.
+	Skipped bool `json:"skipped,omitempty"`
 	// Held: the ordered inboxes of this database that hold its message,
 	// not applied yet, though its record is marked processed.
 	Held   []heldBy `json:"held,omitempty"`
@@ -170,6 +173,7 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 	case r.Published:
 		row.State = "published"
 		row.SetAside = row.ProcessedAt != nil && strings.HasPrefix(r.LastError, sqldialect.SetAsideNote)
+		row.Skipped = row.ProcessedAt != nil && strings.HasPrefix(r.LastError, sqldialect.SkippedNote)
 	case r.Leased:
 		row.State = "in_flight"
 		by := r.LeasedBy
@@ -198,6 +202,8 @@ func (c *cli) why(row showRow) string {
 		switch {
 		case row.SetAside:
 			processed = fmt.Sprintf("%s (%s), not applied: once its cause is fixed, outboxctl resend ID sends it again", printable(row.LastError), stamp(row.ProcessedAt))
+		case row.Skipped:
+			processed = printable(row.LastError)
 		case len(row.Held) > 0:
 			processed = "marked processed " + stamp(row.ProcessedAt) + " as an ordered inbox held it, not applied yet"
 		case row.ProcessedAt != nil:

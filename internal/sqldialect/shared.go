@@ -1399,6 +1399,28 @@ func (o *Outbox) MarkSetAside(id string, now time.Time, note string) Query {
 	return o.query(o.update()+"processed_at = ?, last_error = ? WHERE "+in+" AND processed_at IS NULL", append([]any{o.d.TimeArg(now), note}, args...)...)
 }
 
+// SkippedNote starts the last_error of a record whose message an ordered
+// inbox gave up on at an operator's word (SkipHeld, SkipGap): marked
+// processed, never applied, and dropped as a duplicate if sent again.
+const SkippedNote = "skipped by "
+
+// MarkSkipped writes note (starting SkippedNote) into the last_error of
+// the published records of ids and marks them processed, if not yet: the
+// hold had marked a held message's record, and show said "processed" of a
+// message an operator gave up on.
+func (o *Outbox) MarkSkipped(ids []string, now time.Time, note string) Query {
+	in, args := o.idIn(ids)
+	return o.query(o.update()+"processed_at = COALESCE(processed_at, ?), last_error = ? WHERE published_at IS NOT NULL AND "+in,
+		append([]any{o.d.TimeArg(now), note}, args...)...)
+}
+
+// MarkSkippedSeqs is MarkSkipped of key's published records from..through:
+// the numbers of a gap an operator gave up on.
+func (o *Outbox) MarkSkippedSeqs(key string, from, through int64, now time.Time, note string) Query {
+	return o.query(o.update()+"processed_at = COALESCE(processed_at, ?), last_error = ? WHERE published_at IS NOT NULL AND aggregate_id = ? AND "+o.d.bytes("aggregate_id")+" = ? AND seq BETWEEN ? AND ?",
+		o.d.TimeArg(now), note, key, key, from, through)
+}
+
 // Unprocessed reads 1 if the record id is there with processed_at still
 // null (or, applied, with a set-aside note: MarkApplied), and no row
 // otherwise: a plain read, which locks nothing where MarkProcessed would

@@ -1,0 +1,80 @@
+package outboxctl
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+)
+
+// A held message's record was marked processed when it was held (so that
+// Republish leaves it alone), and after skip-held gave it up show said
+// "processed" of a message never applied; so it did of a set-aside record
+// whose number skip-gap gave up on, and offered a resend its key drops as
+// a duplicate. The skips note the records of this database's outbox they
+// give up on; show says so, and resend leaves them alone.
+func TestSkips_NoteTheRecordsGivenUp_ShowSaysNeverApplied_ResendLeavesThem(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		ids := publishOf(t, db, 5, "payments", "pay-9")
+		// 1 applied; 2 held and failing; 3 set aside (a poison queue),
+		// 4 held behind it; 5 not published yet.
+		for i, id := range ids[:4] {
+			note := any(nil)
+			if i == 2 {
+				note = "set aside by billing to payments.poison as p-3: boom"
+			}
+			execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?", ts(kind, time.Now().Add(-time.Hour)), ts(kind, time.Now().Add(-time.Hour)), note, id)
+		}
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "pay-9", 1, 2)
+		for _, seq := range []int{2, 4} {
+			execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+				"billing", "pay-9", seq, ids[seq-1], "{}", "utf-8", `{"aggregateId":"pay-9","seq":"`+string(rune('0'+seq))+`"}`, ts(kind, time.Now().Add(-time.Hour)))
+		}
+
+		mustCtl(t, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--seq", "2", "--json")
+		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--from", "3", "--through", "3")
+
+		out := mustCtl(t, "show", "--db", db.DSN, ids[0], ids[1], ids[2])
+		lines := strings.Split(out, "\n")
+		for i, want := range map[int]string{
+			0: ids[0] + ": published ",
+			2: ids[1] + ": published ",
+			4: ids[2] + ": published ",
+		} {
+			if !strings.HasPrefix(lines[i], want) {
+				t.Fatalf("show:\n%s", out)
+			}
+		}
+		if !strings.HasSuffix(lines[0], "; processed "+lines[0][len(lines[0])-20:]) {
+			t.Errorf("an applied record does not read processed:\n%s", lines[0])
+		}
+		for _, l := range []string{lines[2], lines[4]} {
+			if !strings.Contains(l, "; skipped by billing, ") || !strings.Contains(l, "never applied; sent again, it is dropped as a duplicate") {
+				t.Errorf("a skipped record does not say so:\n%s", out)
+			}
+		}
+		if !strings.Contains(lines[2], "held seq 2 of key pay-9 (SkipHeld)") || !strings.Contains(lines[4], "gap 3 of key pay-9 (SkipGap)") {
+			t.Errorf("the notes do not name the skips:\n%s", out)
+		}
+		var js []showRow
+		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, ids[1], ids[2], ids[3])), &js); err != nil {
+			t.Fatal(err)
+		}
+		if len(js) != 3 || !js[0].Skipped || !js[1].Skipped || js[1].SetAside || js[2].Skipped {
+			t.Errorf("show --json: %+v", js)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND published_at IS NULL", ids[4]); n != 1 {
+			t.Errorf("a skip touched a record not published")
+		}
+
+		out = mustCtl(t, "resend", "--db", db.DSN, ids[1], ids[2])
+		if !strings.HasPrefix(out, "0 rows made pending again") || !strings.Contains(out, "  "+ids[1]+": skipped by billing, ") {
+			t.Errorf("resend of skipped records:\n%s", out)
+		}
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?, ?) AND published_at IS NOT NULL AND last_error LIKE 'skipped by %'", ids[1], ids[2]); n != 2 {
+			t.Errorf("resend changed a skipped record")
+		}
+	})
+}
