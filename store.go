@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/jmoiron/sqlx"
 
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
@@ -1633,6 +1634,10 @@ type RecordState struct {
 	LeasedBy    string
 	LeasedUntil time.Time
 	Locked      bool
+	// PoisonedID is the record's x-acemq-poisoned-id header: it is a
+	// poison copy (PoisonOutbox, outboxctl skip-held --park) of that
+	// message, sent to the poison topic, not to its consumer.
+	PoisonedID string
 }
 
 // Lookup reads the rows of ids that are in the table, oldest first (by
@@ -1651,11 +1656,12 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 			var (
 				r                                            RecordState
 				exchange, routingKey, key, lastErr, lockedBy sql.NullString
+				headers                                      sql.NullString
 				seq, attempts                                sql.NullInt64
 			)
 			d := s.dialect.sql()
 			created, published, processed, lockedUntil := sqldialect.NewTime(d), sqldialect.NewTime(d), sqldialect.NewTime(d), sqldialect.NewTime(d)
-			if err := rows.Scan(&r.ID, &exchange, &routingKey, &key, &seq, &attempts, &lastErr, created, published, processed, &lockedBy, lockedUntil, &r.Leased); err != nil {
+			if err := rows.Scan(&r.ID, &exchange, &routingKey, &key, &seq, &attempts, &lastErr, created, published, processed, &lockedBy, lockedUntil, &r.Leased, &headers); err != nil {
 				_ = rows.Close()
 				return nil, fmt.Errorf("outbox: lookup: %w", err)
 			}
@@ -1663,6 +1669,9 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 			r.CreatedAt, r.PublishedAt, r.ProcessedAt = created.T, published.T, processed.T
 			r.Published = !published.T.IsZero() || published.Err != nil // a value no parser reads is still set
 			r.Locked = lockedBy.Valid || !lockedUntil.T.IsZero() || lockedUntil.Err != nil
+			if h, err := rowcodec.DecodeHeaders(headers.String); err == nil { // a row the relay refuses says nothing here
+				r.PoisonedID, _ = h[PoisonedIDMetadataKey].(string)
+			}
 			if r.Leased {
 				r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
 			}

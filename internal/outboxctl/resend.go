@@ -57,9 +57,9 @@ func (c *cli) resend(args []string) error {
 	// A message an ordered inbox of this database holds is applied from
 	// the hold, again at each delivery of its key and ApplyHeld: resent
 	// while its handler fails, it was set aside a second time, still held
-	// (an on-call review). Left alone.
-	// Nor is one an ordered inbox gave up on (skip-held, skip-gap): its
-	// key moved past it, so a resend is dropped as a duplicate.
+	// (an on-call review). Left alone, as is one an ordered inbox gave up
+	// on (skip-held, skip-gap: its key moved past it, and a resend is
+	// dropped as a duplicate), and a poison copy (see below).
 	send := ids
 	if before != nil {
 		if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
@@ -71,7 +71,7 @@ func (c *cli) resend(args []string) error {
 		}
 		send = nil
 		for i, row := range before {
-			if len(row.Held) == 0 && !row.Skipped {
+			if len(row.Held) == 0 && !row.Skipped && row.PoisonCopyOf == "" {
 				send = append(send, ids[i])
 			}
 		}
@@ -92,6 +92,13 @@ func (c *cli) resend(args []string) error {
 			// Its key moved past it at the skip: resent, it was dropped as
 			// a duplicate, and the resend took the note that says so.
 			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: "skipped", Why: printable(row.LastError) + " (an ordered inbox gave it up at skip-held or skip-gap)"})
+			continue
+		}
+		if row.PoisonCopyOf != "" && row.State == "published" {
+			// Sent again, a copy goes back to the poison topic, not to the
+			// consumer: the set-aside note shows its id beside the
+			// message's, easily taken for it.
+			leftAlone = append(leftAlone, retryLeft{ID: row.ID, State: "poison_copy", Why: fmt.Sprintf("a poison copy of %s (x-acemq-poisoned-id), which a resend sends to the poison topic again: outboxctl resend %s sends the message to its consumer", row.PoisonCopyOf, row.PoisonCopyOf)})
 			continue
 		}
 		if row.State != "published" {

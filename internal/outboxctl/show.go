@@ -34,6 +34,9 @@ type showRow struct {
 	// Skipped: an ordered inbox gave its message up at an operator's word
 	// (skip-held, skip-gap), never applied; last_error says by whom.
 	Skipped bool `json:"skipped,omitempty"`
+	// PoisonCopyOf: the record is a poison copy of that message
+	// (x-acemq-poisoned-id), sent to a poison topic, not to its consumer.
+	PoisonCopyOf string `json:"poison_copy_of,omitempty"`
 	// Held: the ordered inboxes of this database that hold its message,
 	// not applied yet, though its record is marked processed.
 	Held   []heldBy `json:"held,omitempty"`
@@ -168,6 +171,9 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 	}
 	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = r.Exchange, r.RoutingKey, r.AggregateID, r.Seq
 	row.Attempts, row.LastError, row.locked = r.Attempts, r.LastError, r.Locked
+	if r.PoisonedID != "" {
+		row.PoisonCopyOf = keyText(r.PoisonedID)
+	}
 	row.CreatedAt, row.PublishedAt, row.ProcessedAt = at(r.CreatedAt), at(r.PublishedAt), at(r.ProcessedAt)
 	switch {
 	case r.Published:
@@ -262,6 +268,9 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 		fmt.Fprintf(w, ", created %s", row.CreatedAt.Format("2006-01-02 15:04:05Z"))
 	}
 	fmt.Fprintln(w)
+	if row.PoisonCopyOf != "" {
+		fmt.Fprintf(w, "  a poison copy of %s (x-acemq-poisoned-id): outboxctl show %s tells where the message is, and resend %s sends it to its consumer again\n", row.PoisonCopyOf, row.PoisonCopyOf, row.PoisonCopyOf)
+	}
 }
 
 // sqlDialect is d's dialect, for the statements outboxctl writes itself.

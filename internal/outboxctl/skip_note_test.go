@@ -2,6 +2,7 @@ package outboxctl
 
 import (
 	"encoding/json"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -12,7 +13,9 @@ import (
 // "processed" of a message never applied; so it did of a set-aside record
 // whose number skip-gap gave up on, and offered a resend its key drops as
 // a duplicate. The skips note the records of this database's outbox they
-// give up on; show says so, and resend leaves them alone.
+// give up on; show says so, and resend leaves them alone. So it does a
+// poison copy (skip-held --park's here), which would go back to the poison
+// topic.
 func TestSkips_NoteTheRecordsGivenUp_ShowSaysNeverApplied_ResendLeavesThem(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind string) {
 		f := newFixture(t, kind)
@@ -33,7 +36,11 @@ func TestSkips_NoteTheRecordsGivenUp_ShowSaysNeverApplied_ResendLeavesThem(t *te
 				"billing", "pay-9", seq, ids[seq-1], "{}", "utf-8", `{"aggregateId":"pay-9","seq":"`+string(rune('0'+seq))+`"}`, ts(kind, time.Now().Add(-time.Hour)))
 		}
 
-		mustCtl(t, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--seq", "2", "--json")
+		parked := regexp.MustCompile(`written into acemq_outbox as (\S+), to payments.poison`).FindStringSubmatch(
+			mustCtl(t, "skip-held", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--seq", "2", "--park", "payments.poison"))
+		if parked == nil {
+			t.Fatal("skip-held --park does not say where it wrote the copy")
+		}
 		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--from", "3", "--through", "3")
 
 		out := mustCtl(t, "show", "--db", db.DSN, ids[0], ids[1], ids[2])
@@ -72,6 +79,22 @@ func TestSkips_NoteTheRecordsGivenUp_ShowSaysNeverApplied_ResendLeavesThem(t *te
 		out = mustCtl(t, "resend", "--db", db.DSN, ids[1], ids[2])
 		if !strings.HasPrefix(out, "0 rows made pending again") || !strings.Contains(out, "  "+ids[1]+": skipped by billing, ") {
 			t.Errorf("resend of skipped records:\n%s", out)
+		}
+
+		// The parked copy, once published: resent, it would go to the poison
+		// topic again, not to the consumer; its id is easily taken for the
+		// message's.
+		copyID := parked[1]
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", ts(kind, time.Now()), copyID)
+		if out := mustCtl(t, "show", "--db", db.DSN, copyID); !strings.Contains(out, "\n  a poison copy of "+ids[1]+" (x-acemq-poisoned-id): outboxctl show "+ids[1]+" tells where the message is") {
+			t.Errorf("show of a poison copy:\n%s", out)
+		}
+		var r resendReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "resend", "--json", "--db", db.DSN, copyID)), &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Resent != 0 || len(r.LeftAlone) != 1 || r.LeftAlone[0].State != "poison_copy" || !strings.Contains(r.LeftAlone[0].Why, "outboxctl resend "+ids[1]+" sends the message to its consumer") {
+			t.Errorf("resend of a poison copy: %+v", r)
 		}
 		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id IN (?, ?) AND published_at IS NOT NULL AND last_error LIKE 'skipped by %'", ids[1], ids[2]); n != 2 {
 			t.Errorf("resend changed a skipped record")

@@ -1191,7 +1191,7 @@ func (o *Outbox) Records(ids []string, now time.Time) Query {
 	in, inArgs := o.idIn(ids)
 	return o.query("SELECT "+o.d.text("id")+", exchange_name, routing_key, aggregate_id, seq, attempts, last_error, "+
 		o.d.timeText("created_at")+", "+o.d.timeText("published_at")+", "+o.d.timeText("processed_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
-		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
+		"CASE WHEN "+free+" THEN 0 ELSE 1 END, headers FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
 }
 
 // RetryHold is the locked_by of a lease that is a failed keyed record's
