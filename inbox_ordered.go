@@ -136,7 +136,7 @@ const heldIDKey = "x-acemq-inbox-id"
 // held showed such a key waiting for "nothing: next held" with no word
 // of why (a user review). Taken out before the handler sees the message,
 // and a message's own key of that name kept, as heldHandlerKey is.
-const heldErrorKey = "x-acemq-inbox-last-error"
+const heldErrorKey = sqldialect.HeldErrorKey
 
 // heldMetadata is md as a held row keeps it: heldHandlerKey set to handler,
 // heldTopicKey to topic (if any), heldIDKey to id where the row keeps a

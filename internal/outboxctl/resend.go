@@ -2,8 +2,6 @@ package outboxctl
 
 import (
 	"fmt"
-
-	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 // resendReport is resend --json; its names do not change.
@@ -53,27 +51,20 @@ func (c *cli) resend(args []string) error {
 		}
 		ids = []string{id}
 	}
-	before, _ := c.lookupRows(s, ids) // nil: it says less
+	before, err := c.lookupHeld(d, s, ids)
+	if err != nil {
+		return err
+	}
 	// A message an ordered inbox of this database holds is applied from
 	// the hold, again at each delivery of its key and ApplyHeld: resent
 	// while its handler fails, it was set aside a second time, still held
 	// (an on-call review). Left alone, as is one an ordered inbox gave up
 	// on (skip-held, skip-gap: its key moved past it, and a resend is
 	// dropped as a duplicate), and a poison copy (see below).
-	send := ids
-	if before != nil {
-		if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
-			return err
-		} else if ok {
-			if err := heldOf(c.ctx, d, before, ids); err != nil {
-				return d.explain(err, sqldialect.InboxHeldTable)
-			}
-		}
-		send = nil
-		for i, row := range before {
-			if len(row.Held) == 0 && !row.Skipped && row.PoisonCopyOf == "" {
-				send = append(send, ids[i])
-			}
+	var send []string
+	for i, row := range before {
+		if len(row.Held) == 0 && !row.Skipped && row.PoisonCopyOf == "" {
+			send = append(send, ids[i])
 		}
 	}
 	n, err := s.Resend(c.ctx, send...)

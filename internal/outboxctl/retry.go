@@ -42,7 +42,7 @@ func (c *cli) retry(args []string) error {
 		}
 		n, err = s.RetryAllStuck(c.ctx)
 	} else {
-		before, _ = c.lookupRows(s, ids) // nil: it says less
+		before, _ = c.lookupHeld(d, s, ids) // nil: it says less
 		// In chunks: one statement's placeholders are bounded (65,535 on
 		// PostgreSQL), and a list of ids pasted from stuck may be long.
 		for start := 0; start < len(ids) && err == nil; start += retryChunk {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/rowcodec"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 	"github.com/jmoiron/sqlx"
 )
@@ -52,6 +53,9 @@ type heldBy struct {
 	// LastApplied is the key's: Seq is its next when Seq is one more (its
 	// handler failing), else the key waits for an earlier number.
 	LastApplied int64 `json:"last_applied"`
+	// NextError is, of the key's next, its handler's last failure as the
+	// inbox kept it (outboxctl held's next_error), absent if none.
+	NextError string `json:"next_error,omitempty"`
 }
 
 func (c *cli) show(args []string) error {
@@ -72,19 +76,9 @@ func (c *cli) show(args []string) error {
 		return err
 	}
 	defer d.Close()
-	out, err := c.lookupRows(s, ids)
+	out, err := c.lookupHeld(d, s, ids)
 	if err != nil {
-		return d.explain(err, c.g.table)
-	}
-	// A record marked processed may be a message an ordered inbox holds,
-	// not applied yet: show said "processed" of a payment never applied
-	// (a user review).
-	if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
 		return err
-	} else if ok {
-		if err := heldOf(c.ctx, d, out, ids); err != nil {
-			return d.explain(err, sqldialect.InboxHeldTable)
-		}
 	}
 	missing := 0
 	for _, row := range out {
@@ -106,6 +100,25 @@ func (c *cli) show(args []string) error {
 		c.printShow(c.stdout, row, failing)
 	}
 	return missingIDs("show", missing, len(ids), c.g.table)
+}
+
+// lookupHeld is lookupRows with the holds of the ids' messages in the
+// ordered inbox's table of d, where it has one: a record marked processed
+// may be a message an ordered inbox holds, not applied yet, and show said
+// "processed" of a payment never applied (a user review).
+func (c *cli) lookupHeld(d *database, s *outbox.Store, ids []string) ([]showRow, error) {
+	rows, err := c.lookupRows(s, ids)
+	if err != nil {
+		return nil, d.explain(err, c.g.table)
+	}
+	if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
+		return nil, err
+	} else if ok {
+		if err := heldOf(c.ctx, d, rows, ids); err != nil {
+			return nil, d.explain(err, sqldialect.InboxHeldTable)
+		}
+	}
+	return rows, nil
 }
 
 // lookupRows is show's rows of ids.
@@ -249,6 +262,9 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 			why := fmt.Sprintf("its key waits for an earlier number, %d (outboxctl held)", h.LastApplied+1)
 			if h.Seq == h.LastApplied+1 {
 				why = "the key's next, its handler failing (outboxctl held shows its error; skip-held gives it up)"
+				if h.NextError != "" {
+					why = "the key's next, its handler failing: " + printable(h.NextError) + " (skip-held gives it up)"
+				}
 			}
 			fmt.Fprintf(w, "  held by %s, key %s seq %d, since %s: %s\n", printable(h.Consumer), h.Key, h.Seq, h.HeldAt.Format("2006-01-02 15:04:05Z"), why)
 		}
@@ -294,7 +310,7 @@ func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) erro
 		for i, id := range chunk {
 			args[i] = sqldialect.InboxKey(id)
 		}
-		q := "SELECT h.consumer_name, h.aggregate_id, h.seq, h.held_at, h.message_id, COALESCE(s.last_seq, 0) FROM " + sqldialect.InboxHeldTable + " h" +
+		q := "SELECT h.consumer_name, h.aggregate_id, h.seq, h.held_at, h.message_id, COALESCE(s.last_seq, 0), h.metadata FROM " + sqldialect.InboxHeldTable + " h" +
 			" LEFT JOIN " + sqldialect.InboxSequencesTable + " s ON s.consumer_name = h.consumer_name AND s.aggregate_id = h.aggregate_id" +
 			" WHERE h.message_id IN (?" + strings.Repeat(", ?", len(chunk)-1) + ") ORDER BY h.consumer_name, h.aggregate_id, h.seq"
 		if d.kind == kindPostgres {
@@ -306,11 +322,14 @@ func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) erro
 		}
 		for rs.Next() {
 			var h heldBy
-			var key string
+			var key, metadata string
 			at := sqldialect.NewTime(dialect)
-			if err := rs.Scan(&h.Consumer, &h.Key, &h.Seq, at, &key, &h.LastApplied); err != nil {
+			if err := rs.Scan(&h.Consumer, &h.Key, &h.Seq, at, &key, &h.LastApplied, &metadata); err != nil {
 				_ = rs.Close()
 				return err
+			}
+			if md, err := rowcodec.DecodeMetadata(metadata); err == nil && h.Seq == h.LastApplied+1 { // undecodable: it says less
+				h.NextError = md[sqldialect.HeldErrorKey]
 			}
 			h.Key, h.HeldAt = keyText(h.Key), at.T
 			for _, i := range byKey[key] {

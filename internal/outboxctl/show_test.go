@@ -138,5 +138,22 @@ func TestShow_SetAsideOrHeld_SaysNotApplied(t *testing.T) {
 			!strings.Contains(out, ": the key's next, its handler failing (outboxctl held shows its error; skip-held gives it up)\n") {
 			t.Errorf("show of the key's next, held:\n%s", out)
 		}
+		// With its handler's failure, as the inbox keeps it in the held
+		// row (show --json lacked it, held had it).
+		execSQL(t, db, "UPDATE acemq_inbox_held SET metadata = ? WHERE seq = 3", `{"x-acemq-inbox-last-error":"2026-12-06T10:00:00Z the ledger refuses it"}`)
+		if out := mustCtl(t, "show", "--db", db.DSN, "m3"); !strings.Contains(out, ": the key's next, its handler failing: 2026-12-06T10:00:00Z the ledger refuses it (skip-held gives it up)\n") {
+			t.Errorf("show of the key's next, held, its handler failing:\n%s", out)
+		}
+		rows = nil
+		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, "m3")), &rows); err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 1 || len(rows[0].Held) != 1 || rows[0].Held[0].NextError != "2026-12-06T10:00:00Z the ledger refuses it" {
+			t.Errorf("show --json of the key's next, its handler failing: %+v", rows)
+		}
+		// retry said "processed" of it, where show said held.
+		if out := mustCtl(t, "retry", "--db", db.DSN, "m3"); !strings.Contains(out, "  m3: published ") || !strings.Contains(out, "as an ordered inbox held it, not applied yet") {
+			t.Errorf("retry of a held record:\n%s", out)
+		}
 	})
 }

@@ -1399,6 +1399,11 @@ func (o *Outbox) MarkSetAside(id string, now time.Time, note string) Query {
 	return o.query(o.update()+"processed_at = ?, last_error = ? WHERE "+in+" AND processed_at IS NULL", append([]any{o.d.TimeArg(now), note}, args...)...)
 }
 
+// HeldErrorKey is the held row's metadata key under which the ordered
+// inbox keeps the last failure of a held message's handler (its time, RFC
+// 3339, and the error), for outboxctl to show.
+const HeldErrorKey = "x-acemq-inbox-last-error"
+
 // SkippedNote starts the last_error of a record whose message an ordered
 // inbox gave up on at an operator's word (SkipHeld, SkipGap): marked
 // processed, never applied, and dropped as a duplicate if sent again.
