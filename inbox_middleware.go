@@ -826,9 +826,10 @@ func (in *Inbox) queryRow(ctx context.Context, tx *sqlx.Tx, q sqldialect.Query) 
 // stmtCtx is ctx for a statement of the inbox's own in a message's
 // transaction. On SQLite it does not end with ctx: mattn/go-sqlite3 runs a
 // statement whose context can end on a goroutine of its own, to interrupt
-// it should the context end, a cost near half of what the inbox adds to a
-// delivery over a second statement of the handler's (see the README's
-// Measuring), for statements that wait for nothing: in process, they take
+// it should the context end, a fifth to a third of what the inbox added
+// to a delivery over a second statement of the handler's (`-scenario
+// inbox`, inbox_overhead_vs_floor_sqlite 1.15–1.17 before, 1.10–1.12
+// after), for statements that wait for nothing: in process, they take
 // microseconds, and a transaction begun under _txlock=immediate (see the
 // README's Notes per database) holds the write lock from its BEGIN, which
 // ctx does end. So does the transaction: database/sql rolls it back when
