@@ -60,7 +60,26 @@ type heldKey struct {
 	// last failure (its time and the error), as the inbox wrote it; absent
 	// when none was written.
 	NextError string `json:"next_error,omitempty"`
+	// Waiting is, for a key that waits for numbers, the record of the
+	// first of them in this database's outbox, as show tells it: set
+	// aside, stuck at the sender, published and not applied. Absent when
+	// the database has no outbox table or held did not look (see
+	// heldLookups).
+	Waiting *waitingRecord `json:"waiting,omitempty"`
 }
+
+// waitingRecord is the outbox record of the number a key waits for.
+type waitingRecord struct {
+	Seq   int64  `json:"seq"`
+	Found bool   `json:"found"`
+	ID    string `json:"id,omitempty"`
+	State string `json:"state"` // show's state, not_found, or set_aside
+	Why   string `json:"why"`
+}
+
+// heldLookups is how many keys' first missing number held looks up in
+// the outbox, the longest-held first: one statement or two each.
+const heldLookups = 100
 
 func (c *cli) held(args []string) error {
 	fs := c.flagSet("held")
@@ -103,6 +122,9 @@ func (c *cli) held(args []string) error {
 			from, through := g.LastApplied+1, g.LowestHeld-1
 			r.Keys[i].From, r.Keys[i].Through = &from, &through
 		}
+	}
+	if err := c.lookUpWaiting(d, r.Keys); err != nil {
+		return err
 	}
 	if *asJSON {
 		return writeJSON(c.stdout, r)
@@ -148,6 +170,9 @@ func (c *cli) held(args []string) error {
 		if k.NextError != "" {
 			fmt.Fprintf(c.stdout, "%s %s seq %d: its handler failed %s\n", k.Consumer, k.Key, k.LastApplied+1, printable(k.NextError))
 		}
+		if w := k.Waiting; w != nil {
+			fmt.Fprintf(c.stdout, "%s %s waits for seq %d: %s\n", k.Consumer, k.Key, w.Seq, w.Why)
+		}
 	}
 	if missing {
 		// A message set aside (a poison queue) is missing too: it arrived,
@@ -159,6 +184,54 @@ func (c *cli) held(args []string) error {
 		fmt.Fprintln(c.stdout, "(*) the key's next message is held: its handler failed (the service logs \"Held message could not be applied\" with its error, message_uuid and seq, once a minute while it fails), or the router handler it was delivered to has not run since the service started, or is gone (renamed?), or a skip just moved the key on and the service's ApplyHeld (the inbox's Plugin: every 10 s by default) has not run since; the key's next delivery or ApplyHeld applies it, outboxctl skip-held --consumer C --key K --seq LAST+1 gives up on it")
 	}
 	fmt.Fprintln(c.stdout, "outboxctl skip-gap --consumer C --key K --from A --through B gives up on a key's WAITING FOR A..B (for a single number N: --from N --through N)")
+	return nil
+}
+
+// lookUpWaiting notes in keys, up to heldLookups of them, the record in
+// d's outbox of the first number each waits for: held said "not arrived
+// yet, or set aside" of every gap, and an on-call went looking in the
+// poison topic for a message stuck at the sender. Nothing is looked up
+// where d has no outbox table (the events come from another database).
+func (c *cli) lookUpWaiting(d *database, keys []heldKey) error {
+	if ok, err := d.hasTable(c.ctx, c.g.table); err != nil || !ok {
+		return err
+	}
+	s, err := c.store(d, 0)
+	if err != nil {
+		return err
+	}
+	looked := 0
+	for i := range keys {
+		k := &keys[i]
+		if k.From == nil || looked == heldLookups {
+			continue
+		}
+		looked++
+		w := &waitingRecord{Seq: *k.From, State: "not_found",
+			Why: fmt.Sprintf("no record of it in %s (written to another database's outbox, or purged)", c.g.table)}
+		id, found, err := s.KeySeqID(c.ctx, k.AggregateID, *k.From)
+		if err != nil {
+			return d.explain(err, c.g.table)
+		}
+		if found {
+			rows, err := c.lookupRows(s, []string{id})
+			if err != nil {
+				return d.explain(err, c.g.table)
+			}
+			row := rows[0]
+			w.Found, w.ID, w.State, w.Why = row.Found, row.ID, row.State, row.ID+": "+c.why(row)
+			switch {
+			case row.SetAside:
+				w.State = "set_aside"
+				w.Why += fmt.Sprintf(" (outboxctl resend --key %s --seq %d)", k.Key, *k.From)
+			case row.State == "published":
+				w.Why += fmt.Sprintf("; not applied by %s: in a queue still, or lost, or set aside by a consumer that notes nothing (outboxctl resend --key %s --seq %d sends it again)", k.Consumer, k.Key, *k.From)
+			case row.State == "stuck":
+				w.Why += fmt.Sprintf(" (outboxctl retry %s)", row.ID)
+			}
+		}
+		k.Waiting = w
+	}
 	return nil
 }
 

@@ -436,3 +436,55 @@ func (w *applyingWriter) Write(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// held said "not arrived yet, or set aside" of every missing number, and
+// an on-call looked in the poison topic for a message stuck at the sender.
+// Where the outbox is in the same database, it says where the first
+// missing number's record is and what sends it.
+func TestHeld_SaysWhereTheRecordAKeyWaitsForIs(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		aside := publishOf(t, db, 3, "payments", "pay-aside")
+		stuck := publishOf(t, db, 3, "payments", "pay-stuck")
+		lost := publishOf(t, db, 3, "payments", "pay-lost")
+		old := ts(kind, time.Now().Add(-time.Hour))
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?", old, old, "set aside by billing to payments.poison as p-2: boom", aside[1])
+		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10, last_error = ? WHERE id = ?", "NOT_FOUND - no exchange 'payments'", stuck[1])
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", old, lost[1])
+		for _, key := range []string{"pay-aside", "pay-stuck", "pay-lost", "pay-elsewhere"} {
+			execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", key, 1, 1)
+			execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+				"billing", key, 3, key+"-3", "{}", "utf-8", "{}", old)
+		}
+
+		out := mustCtl(t, "held", "--db", db.DSN)
+		for _, want := range []string{
+			"billing pay-aside waits for seq 2: " + aside[1] + ": published ",
+			"; set aside by billing to payments.poison as p-2: boom (",
+			"not applied: once its cause is fixed, outboxctl resend ID sends it again (outboxctl resend --key pay-aside --seq 2)\n",
+			"billing pay-stuck waits for seq 2: " + stuck[1] + ": stuck at 10 attempts (the relay leaves it alone; retry makes it pending): NOT_FOUND - no exchange 'payments' (outboxctl retry " + stuck[1] + ")\n",
+			"billing pay-lost waits for seq 2: " + lost[1] + ": published ",
+			"; not marked processed by a consumer of this database; not applied by billing: in a queue still, or lost, or set aside by a consumer that notes nothing (outboxctl resend --key pay-lost --seq 2 sends it again)\n",
+			"billing pay-elsewhere waits for seq 2: no record of it in acemq_outbox (written to another database's outbox, or purged)\n",
+		} {
+			if !strings.Contains(out, want) {
+				t.Errorf("held does not say %q:\n%s", want, out)
+			}
+		}
+		var r heldReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "held", "--db", db.DSN, "--json")), &r); err != nil {
+			t.Fatal(err)
+		}
+		states := map[string]string{}
+		for _, k := range r.Keys {
+			if k.Waiting == nil || k.Waiting.Seq != 2 {
+				t.Fatalf("held --json: %+v", k)
+			}
+			states[k.Key] = k.Waiting.State
+		}
+		if want := map[string]string{"pay-aside": "set_aside", "pay-stuck": "stuck", "pay-lost": "published", "pay-elsewhere": "not_found"}; !reflect.DeepEqual(states, want) {
+			t.Errorf("held --json waiting states: %v, want %v", states, want)
+		}
+	})
+}
