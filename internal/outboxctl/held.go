@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"database/sql"
 	"errors"
 	"flag"
 	"fmt"
@@ -66,6 +67,8 @@ type heldKey struct {
 	// the database has no outbox table or held did not look (see
 	// heldLookups).
 	Waiting *waitingRecord `json:"waiting,omitempty"`
+
+	consumer string // as the table holds it
 }
 
 // waitingRecord is the outbox record of the number a key waits for.
@@ -73,7 +76,7 @@ type waitingRecord struct {
 	Seq   int64  `json:"seq"`
 	Found bool   `json:"found"`
 	ID    string `json:"id,omitempty"`
-	State string `json:"state"` // show's state, not_found, or set_aside
+	State string `json:"state"` // show's state, not_found, set_aside, or elsewhere
 	Why   string `json:"why"`
 }
 
@@ -116,7 +119,7 @@ func (c *cli) held(args []string) error {
 	}
 	r := heldReport{Keys: make([]heldKey, len(gaps)), Total: total, Truncated: total > len(gaps)}
 	for i, g := range gaps {
-		r.Keys[i] = heldKey{Consumer: keyText(g.Consumer), AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
+		r.Keys[i] = heldKey{consumer: g.Consumer, Consumer: keyText(g.Consumer), AggregateID: g.AggregateID, Key: keyText(g.AggregateID), LastApplied: g.LastApplied, Held: g.Held,
 			LowestHeld: g.LowestHeld, Missing: g.Missing(), OldestHeldAt: g.OldestHeldAt.UTC(), NextError: g.NextError}
 		if g.Missing() > 0 {
 			from, through := g.LastApplied+1, g.LowestHeld-1
@@ -208,7 +211,24 @@ func (c *cli) lookUpWaiting(d *database, keys []heldKey) error {
 		}
 		looked++
 		w := &waitingRecord{Seq: *k.From, State: "not_found",
-			Why: fmt.Sprintf("no record of it in %s (written to another database's outbox, or purged)", c.g.table)}
+			Why: fmt.Sprintf("no record of it in %s (purged?)", c.g.table)}
+		k.Waiting = w
+		// Keys are not unique across services: the key's numbers are this
+		// outbox's only if its lowest held message is this outbox's record
+		// of that number.
+		own, still, err := c.heldHere(d, s, k)
+		if err != nil {
+			return err
+		}
+		if !still {
+			k.Waiting = nil // applied since the list was read
+			continue
+		}
+		if !own {
+			w.State = "elsewhere"
+			w.Why = fmt.Sprintf("its held seq %d is no record of %s: the key's messages come from another database's outbox (or were purged here); look there (outboxctl show, resend --key %s --seq %d)", k.LowestHeld, c.g.table, k.Key, *k.From)
+			continue
+		}
 		id, found, err := s.KeySeqID(c.ctx, k.AggregateID, *k.From)
 		if err != nil {
 			return d.explain(err, c.g.table)
@@ -230,9 +250,29 @@ func (c *cli) lookUpWaiting(d *database, keys []heldKey) error {
 				w.Why += fmt.Sprintf(" (outboxctl retry %s)", row.ID)
 			}
 		}
-		k.Waiting = w
 	}
 	return nil
+}
+
+// heldHere reports whether k's lowest held message is the record of its
+// number in s's outbox, by id; still is false when it is held no more.
+func (c *cli) heldHere(d *database, s *outbox.Store, k *heldKey) (own, still bool, err error) {
+	q := "SELECT message_id FROM " + sqldialect.InboxHeldTable + " WHERE consumer_name = ? AND aggregate_id = ? AND seq = ?"
+	if d.kind == kindPostgres {
+		q = sqlx.Rebind(sqlx.DOLLAR, q)
+	}
+	var held string
+	switch err := d.db.QueryRowContext(c.ctx, q, k.consumer, k.AggregateID, k.LowestHeld).Scan(&held); {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, false, nil
+	case err != nil:
+		return false, false, d.explain(err, sqldialect.InboxHeldTable)
+	}
+	id, found, err := s.KeySeqID(c.ctx, k.AggregateID, k.LowestHeld)
+	if err != nil {
+		return false, false, d.explain(err, c.g.table)
+	}
+	return found && sqldialect.InboxKey(id) == held, true, nil
 }
 
 func (c *cli) skipGap(args []string) error {

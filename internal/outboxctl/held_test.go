@@ -448,14 +448,21 @@ func TestHeld_SaysWhereTheRecordAKeyWaitsForIs(t *testing.T) {
 		aside := publishOf(t, db, 3, "payments", "pay-aside")
 		stuck := publishOf(t, db, 3, "payments", "pay-stuck")
 		lost := publishOf(t, db, 3, "payments", "pay-lost")
+		purged := publishOf(t, db, 3, "payments", "pay-purged")
+		execSQL(t, db, "DELETE FROM acemq_outbox WHERE id = ?", purged[1])
+		// pay-elsewhere's messages come from another database's outbox;
+		// this one has a key of that name too (keys are not unique across
+		// services), whose seq 2 is not the one the consumer waits for.
+		publishOf(t, db, 3, "orders", "pay-elsewhere")
+		heldIDs := map[string]string{"pay-aside": aside[2], "pay-stuck": stuck[2], "pay-lost": lost[2], "pay-purged": purged[2], "pay-elsewhere": "other-db-3"}
 		old := ts(kind, time.Now().Add(-time.Hour))
 		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?", old, old, "set aside by billing to payments.poison as p-2: boom", aside[1])
 		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10, last_error = ? WHERE id = ?", "NOT_FOUND - no exchange 'payments'", stuck[1])
 		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", old, lost[1])
-		for _, key := range []string{"pay-aside", "pay-stuck", "pay-lost", "pay-elsewhere"} {
+		for key, id := range heldIDs {
 			execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", key, 1, 1)
 			execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-				"billing", key, 3, key+"-3", "{}", "utf-8", "{}", old)
+				"billing", key, 3, id, "{}", "utf-8", "{}", old)
 		}
 
 		out := mustCtl(t, "held", "--db", db.DSN)
@@ -466,7 +473,8 @@ func TestHeld_SaysWhereTheRecordAKeyWaitsForIs(t *testing.T) {
 			"billing pay-stuck waits for seq 2: " + stuck[1] + ": stuck at 10 attempts (the relay leaves it alone; retry makes it pending): NOT_FOUND - no exchange 'payments' (outboxctl retry " + stuck[1] + ")\n",
 			"billing pay-lost waits for seq 2: " + lost[1] + ": published ",
 			"; not marked processed by a consumer of this database; not applied by billing: in a queue still, or lost, or set aside by a consumer that notes nothing (outboxctl resend --key pay-lost --seq 2 sends it again)\n",
-			"billing pay-elsewhere waits for seq 2: no record of it in acemq_outbox (written to another database's outbox, or purged)\n",
+			"billing pay-purged waits for seq 2: no record of it in acemq_outbox (purged?)\n",
+			"billing pay-elsewhere waits for seq 2: its held seq 3 is no record of acemq_outbox: the key's messages come from another database's outbox (or were purged here); look there (outboxctl show, resend --key pay-elsewhere --seq 2)\n",
 		} {
 			if !strings.Contains(out, want) {
 				t.Errorf("held does not say %q:\n%s", want, out)
@@ -483,7 +491,7 @@ func TestHeld_SaysWhereTheRecordAKeyWaitsForIs(t *testing.T) {
 			}
 			states[k.Key] = k.Waiting.State
 		}
-		if want := map[string]string{"pay-aside": "set_aside", "pay-stuck": "stuck", "pay-lost": "published", "pay-elsewhere": "not_found"}; !reflect.DeepEqual(states, want) {
+		if want := map[string]string{"pay-aside": "set_aside", "pay-stuck": "stuck", "pay-lost": "published", "pay-purged": "not_found", "pay-elsewhere": "elsewhere"}; !reflect.DeepEqual(states, want) {
 			t.Errorf("held --json waiting states: %v, want %v", states, want)
 		}
 	})
