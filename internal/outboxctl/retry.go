@@ -5,8 +5,6 @@ import (
 	"strings"
 )
 
-const retryChunk = 1000
-
 func (c *cli) retry(args []string) error {
 	fs := c.flagSet("retry")
 	all := fs.Bool("all-stuck", false, "retry every stuck row instead of the ids given")
@@ -43,13 +41,7 @@ func (c *cli) retry(args []string) error {
 		n, err = s.RetryAllStuck(c.ctx)
 	} else {
 		before, _ = c.lookupHeld(d, s, ids) // nil: it says less
-		// In chunks: one statement's placeholders are bounded (65,535 on
-		// PostgreSQL), and a list of ids pasted from stuck may be long.
-		for start := 0; start < len(ids) && err == nil; start += retryChunk {
-			var m int64
-			m, err = s.Retry(c.ctx, ids[start:min(start+retryChunk, len(ids))]...)
-			n += m
-		}
+		n, err = s.Retry(c.ctx, ids...)     // in statements of a bounded number of ids
 	}
 	if err != nil {
 		return d.explain(err, c.g.table)

@@ -294,6 +294,11 @@ func (d *database) sqlDialect() sqldialect.Dialect {
 	return map[string]sqldialect.Dialect{kindPostgres: sqldialect.Postgres, kindMySQL: sqldialect.MySQL, kindSQLite: sqldialect.SQLite}[d.kind]
 }
 
+// idsPerStatement bounds the ids of one statement of outboxctl's own:
+// its placeholders are bounded (65,535 on PostgreSQL), and a list of ids
+// pasted from stuck may be long.
+const idsPerStatement = 1000
+
 // heldOf notes in rows, show's rows of ids, the holds of their messages
 // in the ordered inbox's table of d (kept under the inbox's key of each
 // id: sqldialect.InboxKey).
@@ -304,8 +309,8 @@ func heldOf(ctx context.Context, d *database, rows []showRow, ids []string) erro
 		k := sqldialect.InboxKey(id)
 		byKey[k] = append(byKey[k], i)
 	}
-	for start := 0; start < len(ids); start += retryChunk {
-		chunk := ids[start:min(start+retryChunk, len(ids))]
+	for start := 0; start < len(ids); start += idsPerStatement {
+		chunk := ids[start:min(start+idsPerStatement, len(ids))]
 		args := make([]any, len(chunk))
 		for i, id := range chunk {
 			args[i] = sqldialect.InboxKey(id)
