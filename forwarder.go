@@ -490,6 +490,25 @@ func (f *Forwarder) run(ctx context.Context) error {
 			f.watch(ctx)
 		}()
 	}
+	// On SQLite, the lock that tells other relays this one runs: taken
+	// before the first claim, let go once the last batch is settled (not
+	// at ctx's end, when batches may still be in flight), so that no relay
+	// takes this one's leases while it has them.
+	if f.store.leases() {
+		if db, release := f.holdAlive(ctx); release != nil {
+			alive, aliveStop := context.WithCancel(context.WithoutCancel(ctx))
+			taking := make(chan struct{})
+			go func() {
+				defer close(taking)
+				f.keepTakingBack(alive, db)
+			}()
+			defer func() {
+				aliveStop()
+				<-taking
+				release()
+			}()
+		}
+	}
 	// Cancelled before the wait, whichever way run ends: a panic in the
 	// loop (a Destination's, an OnError's, a Logger's) goes on up rather
 	// than wait for ever on the listener, whose ctx nothing else ends.

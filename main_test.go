@@ -30,6 +30,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv("OUTBOX_INBOX_PROCESS") != "" {
 		os.Exit(inboxProcess())
 	}
+	if os.Getenv("OUTBOX_LEASED_RELAY_PROCESS") != "" {
+		os.Exit(leasedRelayProcess())
+	}
 	if os.Getenv("OUTBOX_QUIET_RELAY_PROCESS") != "" {
 		os.Exit(quietRelayProcess())
 	}

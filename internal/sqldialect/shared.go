@@ -1194,6 +1194,20 @@ func (o *Outbox) Records(ids []string, now time.Time) Query {
 		"CASE WHEN "+free+" THEN 0 ELSE 1 END, headers FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
 }
 
+// LeaseHolders reads the relays that hold unpublished rows under a lease
+// that has not run out at now (SQLite's claims), a failed keyed record's
+// backoff aside. Columns: locked_by.
+func (o *Outbox) LeaseHolders(now time.Time) Query {
+	over, args := o.leaseOver(now)
+	return o.query("SELECT DISTINCT locked_by FROM "+o.table+" WHERE published_at IS NULL AND locked_by IS NOT NULL AND locked_by <> '"+RetryHold+"' AND NOT "+over, args...)
+}
+
+// EndLeases ends the leases relay holds on unpublished rows: a relay whose
+// process is gone, its rows claimable again at once.
+func (o *Outbox) EndLeases(relay string) Query {
+	return o.query(o.update()+"locked_by = NULL, locked_until = NULL WHERE published_at IS NULL AND locked_by = ?", relay)
+}
+
 // RetryHold is the locked_by of a lease that is a failed keyed record's
 // backoff (its retry-after), not a relay's claim: an operator's retry ends
 // it, where it leaves a claim alone.
