@@ -704,7 +704,7 @@ func (in *Inbox) recordAt(ctx context.Context, tx *sqlx.Tx, consumer, key string
 	if fresh, err := sqldialect.InsertedAll(in.dialect.sql(), res, 1); err != nil {
 		return false, fmt.Errorf("outbox: inbox: %w", err)
 	} else if !fresh {
-		if err := in.sameKey(ctx, tx, consumer, key); err != nil {
+		if _, err := in.sameKey(ctx, tx, consumer, key); err != nil {
 			return false, err
 		}
 		in.log.Debug("Duplicate message acked without running the handler", watermill.LogFields{"message_uuid": idText(key), "consumer": consumer})
@@ -792,21 +792,21 @@ func digested(key string) bool {
 // duplicate it was. A key that reads back as the id's UUID in PostgreSQL's
 // form (lower case, hyphens) is the id's: a message_id column of type uuid
 // holds the UUID, not the text it came as. Duplicates only: a redelivery
-// pays the read.
-func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string) error {
+// pays the read. found says whether the key is there.
+func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string) (found bool, err error) {
 	var gotConsumer, gotKey string
-	err := in.queryRow(ctx, tx, in.q.Key(consumer, key)).Scan(&gotConsumer, &gotKey)
+	err = in.queryRow(ctx, tx, in.q.Key(consumer, key)).Scan(&gotConsumer, &gotKey)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
-		return nil
+		return false, nil
 	case err != nil:
-		return fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(key), consumer, err)
+		return false, fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(key), consumer, err)
 	case gotConsumer != consumer || gotKey != sqldialect.InboxKey(key) && gotKey != canonicalUUID(key):
-		return fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
+		return true, fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
 			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
 			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", idText(key), consumer, in.q.Table(), gotKey, gotConsumer)
 	}
-	return nil
+	return true, nil
 }
 
 // exec and queryRow run q in a message's transaction, its arguments written

@@ -232,6 +232,9 @@ type orderedState struct {
 	// failedLog: when each held message that failed was last logged at
 	// ERROR (see logHeldFailure).
 	failedLog logEvery
+	// numberTaken: when each key last logged a message acked for a number
+	// another id took (see logNumberTaken).
+	numberTaken logEvery
 }
 
 // logEvery says of a key whether it is due a log line, once a minute at
@@ -541,10 +544,13 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		// processed_messages comparing without case took "ORDER-1" for
 		// "order-1", and the in-order statements moved the key past a
 		// message that never ran.
+		var found bool
 		if seq == last {
-			if err := in.sameKey(ctx, tx, consumer, id); err != nil {
+			if found, err = in.sameKey(ctx, tx, consumer, id); err != nil {
 				return inboxFailed, err
 			}
+		} else if found, err = in.keyFound(ctx, tx, consumer, id); err != nil {
+			return inboxFailed, err
 		}
 		ready, err := in.nextHeld(ctx, tx, consumer, key, last, heldBefore)
 		if err != nil {
@@ -557,6 +563,9 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		// The redelivery of a message whose commit came before a crash, and
 		// so before the apply of what was held behind it, applies that.
 		in.drainReady(msg, ready, consumer, key, fields)
+		if !found {
+			in.logNumberTaken(fields)
+		}
 		in.log.Debug("Message of a sequence number applied already acked without running the handler", fields)
 		return inboxDuplicate, nil
 	case seq > last+1:
@@ -625,6 +634,36 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 	// leaves it held and this message applied and acked.
 	in.drainReady(msg, held > 0, consumer, key, fields)
 	return outcome, nil
+}
+
+// keyFound reads whether consumer's key of id is in the inbox table, as
+// its collation matches it.
+func (in *Inbox) keyFound(ctx context.Context, tx *sqlx.Tx, consumer, id string) (bool, error) {
+	var gotConsumer, gotKey string
+	switch err := in.queryRow(ctx, tx, in.q.Key(consumer, id)).Scan(&gotConsumer, &gotKey); {
+	case errors.Is(err, sql.ErrNoRows):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(id), consumer, err)
+	}
+	return true, nil
+}
+
+// logNumberTaken says, once a minute a key, that a message was acked as a
+// duplicate by its number though its id was never processed here:
+// another message had its number. A user review's foreign producer keyed
+// rows in their headers, which the publisher's numbering does not see: a
+// message published from Go then got a number the key had applied, and
+// was acked without running, with no word (and outboxctl show read
+// "processed"). Or an operator skipped its number (skip-gap, skip-held),
+// or processed_messages was purged since it was processed.
+func (in *Inbox) logNumberTaken(fields watermill.LogFields) {
+	if !in.ordered.numberTaken.due(fmt.Sprint(fields["consumer"], "\x00", fields["aggregate_id"]), time.Now()) {
+		return
+	}
+	in.log.Error("Ordered inbox: a message whose number the key applied already, under another id, acked without running: two writers number the key "+
+		"(a producer keying rows in their headers beside one numbering aggregate_id and seq from acemq_outbox_sequences?), or its number was skipped "+
+		"(outboxctl skip-gap, skip-held), or processed_messages was purged since; logged once a minute a key", nil, fields)
 }
 
 // nextHeld reports whether the key's next message (last+1) is held
