@@ -1121,7 +1121,14 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 func (f *Forwarder) checkLease() {
 	// PublishTimeout is at most Lease / 2 (validate), and the busy timeout
 	// SQLite's 32-bit milliseconds: the sum does not overflow.
-	busy := f.store.busyBound()
+	busy, known := f.store.busyRead()
+	if known && busy == 0 {
+		// A user review opened the file with _busy_timeout=0: the relay's
+		// claims and marks failed with "database is locked" beside every
+		// writer, without a word of why.
+		f.log.Error("Outbox forwarder: the SQLite pool does not wait for a lock", errors.New(`busy_timeout is 0: the relay's claims and marks fail with "database is locked" whenever another connection writes; open the database with _busy_timeout=5000 (and _txlock=immediate)`), nil)
+		return
+	}
 	if f.cfg.Lease > f.cfg.PublishTimeout+busy {
 		return
 	}

@@ -424,3 +424,32 @@ func TestForwarder_SQLiteLeaseShorterThanPublishAndBusyWait_Reported(t *testing.
 		})
 	}
 }
+
+// A user review opened the file with _busy_timeout=0: the relay's claims
+// and marks failed with "database is locked" beside every writer, and
+// nothing said why. The relay says so at its first claim.
+func TestForwarder_SQLiteBusyTimeoutZero_Reported(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	pool, err := sqlx.Open("sqlite3", strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=0", 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	logged := &testutil.ErrorLog{}
+	f, err := outbox.NewForwarder(pool.DB, outbox.NewPublisherDestination(&slowCapture{}, nil), outbox.ForwarderConfig{Dialect: outbox.SQLite, Logger: logged})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	publishN(t, db, "x", "t", 1)
+	if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+		t.Fatalf("sweep: %d, %v; want 1, nil", n, err)
+	}
+	said := false
+	for _, err := range logged.Errs() {
+		said = said || strings.Contains(err.Error(), "busy_timeout is 0") && strings.Contains(err.Error(), "_busy_timeout=5000")
+	}
+	if !said {
+		t.Errorf("logged %v; want the busy timeout of 0 named, and what to open the database with", logged.Errs())
+	}
+}

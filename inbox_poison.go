@@ -178,13 +178,16 @@ func (in *Inbox) toSetAside(topic string, msgs []*message.Message) ([]*message.M
 // loggedAside logs msg set aside on topic (as copyID, where its copy has
 // an id of its own): an operator saw Retry's errors, then nothing.
 func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) {
+	reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
 	fields := watermill.LogFields{"message_uuid": idText(msg.UUID), "poison_topic": topic,
-		"reason": msg.Metadata.Get(middleware.ReasonForPoisonedKey), "handler": message.HandlerNameFromCtx(msg.Context())}
+		"reason": reason, "handler": message.HandlerNameFromCtx(msg.Context())}
 	if copyID != "" {
 		fields["poison_copy_id"] = copyID
 	}
+	// The handler's error as the line's err: a nil one printed err=<nil>
+	// on an ERROR line (a user review), the error only in reason.
 	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; once the cause is fixed, "+
-		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", nil, fields)
+		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", errors.New(reason), fields)
 }
 
 // asideNote is what the record of msg, set aside on topic (as copyID, if

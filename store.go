@@ -342,6 +342,13 @@ func (s *Store) watchesFile() bool { return s.dialect.sql().WatchesFile() }
 // connection until the batch is marked.
 func (s *Store) leases() bool { return s.dialect.sql().Leases() }
 
+// busyRead is the pool's busy timeout on SQLite, and whether it was read.
+func (s *Store) busyRead() (time.Duration, bool) {
+	s.busyMu.Lock()
+	defer s.busyMu.Unlock()
+	return s.busyWait, s.busyKnown
+}
+
 // busyBound is the longest a claim may wait for the write lock on SQLite
 // (the pool's busy_timeout), 0 until known.
 func (s *Store) busyBound() time.Duration {

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -123,7 +125,15 @@ func (c *cli) relay(args []string) error {
 	// A URL that does not parse is a usage error, before any database. The
 	// destination has the metrics from the start: the nodes that do not
 	// answer the first connect count.
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: amqpURLs, ConnectionName: "outboxctl relay", Logger: wlog, Metrics: metrics})
+	// Named for the relay, so that an operator finds its connection on a
+	// broker where every relay was "outboxctl relay" (a user review matched
+	// source ports): --relay-id, else the host and process.
+	name := *relayID
+	if name == "" {
+		host, _ := os.Hostname()
+		name = host + "-" + strconv.Itoa(os.Getpid())
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: amqpURLs, ConnectionName: "outboxctl relay " + name, Logger: wlog, Metrics: metrics})
 	if err != nil {
 		return usagef("--amqp %s: %v", amqpShown, err)
 	}

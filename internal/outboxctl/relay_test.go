@@ -253,8 +253,15 @@ func TestRelay_TwoReplicas_PublishEachRowExactlyOnce(t *testing.T) {
 		queue := broker.Queue()
 
 		// Both running before the rows commit, so that both compete for them.
-		a := startRelay(t, db.DSN, "--batch-size", "20", "--max-batch-size", "20")
+		name := "zz-relay-" + testdb.RandomName()
+		a := startRelay(t, db.DSN, "--batch-size", "20", "--max-batch-size", "20", "--relay-id", name)
 		b := startRelay(t, db.DSN, "--batch-size", "20", "--max-batch-size", "20")
+		// A's broker connection is named for it: every relay's was
+		// "outboxctl relay", and a user review found its own by port.
+		eventually(t, 10*time.Second, "relay A's broker connection, named for it", func() bool {
+			out, err := exec.Command("rabbitmqctl", "-q", "list_connections", "client_properties").CombinedOutput()
+			return err == nil && strings.Contains(string(out), `{"connection_name","outboxctl relay `+name+`"}`)
+		})
 		ids := publish(t, db, rows, queue)
 		eventually(t, 40*time.Second, "the relays to publish every row", func() bool {
 			return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NULL") == 0
