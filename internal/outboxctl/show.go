@@ -59,16 +59,29 @@ type heldBy struct {
 }
 
 func (c *cli) show(args []string) error {
+	const synopsis = "outboxctl show ID... | outboxctl show --key K --seq N"
 	fs := c.flagSet("show")
 	asJSON := fs.Bool("json", false, "print a JSON array, one object per id, for scripts")
-	ids, err := c.parse(fs, args, "outboxctl show ID...")
+	key := fs.String("key", "", "the ordering key (aggregateId) of the record to show, with --seq: as outboxctl held shows a key and the number it waits for")
+	seq := fs.Int64("seq", 0, "with --key: the record's sequence number")
+	ids, err := c.parse(fs, args, synopsis)
 	if err != nil {
 		return err
 	}
-	if len(ids) == 0 {
-		return usagef("show: give the ids of the records to show (a message's x-acemq-id)")
+	byKey := *key != "" || *seq != 0
+	switch {
+	case byKey && len(ids) > 0:
+		return usagef("show: give ids or --key and --seq, not both")
+	case byKey && (*key == "" || *seq < 1):
+		return usagef("show: give --key and --seq (at least 1) together (%s)", synopsis)
+	case !byKey && len(ids) == 0:
+		return usagef("show: give the ids of the records to show (a message's x-acemq-id), or --key and --seq")
 	}
-	if ids, err = uniqueIDs("show", ids); err != nil {
+	if byKey {
+		if *key, err = keyFlag("--key", *key); err != nil {
+			return err
+		}
+	} else if ids, err = uniqueIDs("show", ids); err != nil {
 		return err
 	}
 	d, s, err := c.openStore()
@@ -76,6 +89,18 @@ func (c *cli) show(args []string) error {
 		return err
 	}
 	defer d.Close()
+	if byKey {
+		// held gives a key and a number, show took ids only: a user review
+		// looked the id up in SQL for each gap.
+		id, found, err := s.KeySeqID(c.ctx, *key, *seq)
+		if err != nil {
+			return d.explain(err, c.g.table)
+		}
+		if !found {
+			return fmt.Errorf("show: %s holds no record of key %s seq %d (purged, or written to another database's outbox)", c.g.table, keyText(*key), *seq)
+		}
+		ids = []string{id}
+	}
 	out, err := c.lookupHeld(d, s, ids)
 	if err != nil {
 		return err

@@ -157,3 +157,19 @@ func TestShow_SetAsideOrHeld_SaysNotApplied(t *testing.T) {
 		}
 	})
 }
+
+// held gives a key and the number it waits for, and show took ids only: a
+// user review looked each id up in SQL. show takes --key and --seq, as
+// resend does.
+func TestShow_ByKeyAndSeq(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		ids := publishOf(t, db, 2, "payments", "pay-7")
+		if out := mustCtl(t, "show", "--db", db.DSN, "--key", "pay-7", "--seq", "2"); !strings.HasPrefix(out, ids[1]+": pending") || !strings.Contains(out, ", key pay-7 seq 2") {
+			t.Errorf("show --key pay-7 --seq 2:\n%s", out)
+		}
+		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7", "--seq", "3").wantFailure(t, 1, "holds no record of key pay-7 seq 3")
+		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7").wantFailure(t, 2, "give --key and --seq")
+		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7", "--seq", "1", ids[0]).wantFailure(t, 2, "not both")
+	})
+}
