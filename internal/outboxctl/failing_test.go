@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
@@ -21,9 +22,16 @@ func TestStatusAndStuckFailing_RecordFailingNotYetStuck_Named(t *testing.T) {
 		db := f.db
 		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 3, last_error = ? WHERE id = ?", "returned by the broker as unroutable (312 NO_ROUTE)", f.pending[0])
 		out := mustCtl(t, "status", "--db", db.DSN)
-		if !regexp.MustCompile(`(?m)^failing\s+1 \(tried again by the relay; the oldest, ` + regexp.QuoteMeta(f.pending[0]) + `, at 3 of 10 attempts: returned by the broker as unroutable \(312 NO_ROUTE\); see outboxctl stuck --failing\)$`).MatchString(out) {
-			t.Errorf("status does not name the failing record:\n%s", out)
+		if !regexp.MustCompile(`(?m)^failing\s+1 \(tried again by the relay; the oldest, ` + regexp.QuoteMeta(f.pending[0]) + `, at 3 of 10 attempts: returned by the broker as unroutable \(312 NO_ROUTE\); unkeyed: the records behind it wait, keyed ones too, until it goes out or is stuck; see outboxctl stuck --failing\)$`).MatchString(out) {
+			t.Errorf("status does not name the failing record and what waits behind it:\n%s", out)
 		}
+		// A keyed one holds its key's.
+		keyed := publishOf(t, db, 1, "payments", "pay-1")[0]
+		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 2, last_error = ?, created_at = ? WHERE id = ?", "no route", ts(kind, time.Now().Add(-90*24*time.Hour)), keyed)
+		if out := mustCtl(t, "status", "--db", db.DSN); !strings.Contains(out, "the oldest, "+keyed+", at 2 of 10 attempts: no route; key pay-1: that key's later records wait;") {
+			t.Errorf("status does not say a keyed failing record holds its key's:\n%s", out)
+		}
+		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 0 WHERE id = ?", keyed)
 		var r statusReport
 		if err := json.Unmarshal([]byte(mustCtl(t, "status", "--json", "--db", db.DSN)), &r); err != nil {
 			t.Fatal(err)

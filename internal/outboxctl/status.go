@@ -60,6 +60,10 @@ type failingRow struct {
 	ID        string `json:"id"` // as stuck shows it (keyText)
 	Attempts  int    `json:"attempts"`
 	LastError string `json:"last_error"`
+	// AggregateID is its key, "" for an unkeyed record, which holds the
+	// records behind it while it fails, keyed ones too; a keyed one holds
+	// only its key's.
+	AggregateID string `json:"aggregate_id,omitempty"`
 }
 
 func (c *cli) status(args []string) error {
@@ -107,6 +111,9 @@ func (c *cli) status(args []string) error {
 		}
 		if len(head) > 0 {
 			r.OldestFailing = &failingRow{ID: keyText(head[0].ID), Attempts: head[0].Attempts, LastError: head[0].LastError}
+			if rec, err := s.Lookup(c.ctx, head[0].ID); err == nil && len(rec) == 1 { // not found: it says less
+				r.OldestFailing.AggregateID = rec[0].AggregateID
+			}
 		}
 	}
 	if d.kind == kindPostgres {
@@ -165,8 +172,15 @@ func (c *cli) status(args []string) error {
 	if r.OldestFailing == nil {
 		fmt.Fprintf(tw, "failing\t%d\n", r.Failing)
 	} else {
-		fmt.Fprintf(tw, "failing\t%d (tried again by the relay; the oldest, %s, at %d of %d attempts: %s; see outboxctl stuck --failing)\n",
-			r.Failing, r.OldestFailing.ID, r.OldestFailing.Attempts, r.MaxAttempts, printable(r.OldestFailing.LastError))
+		// What waits behind it: a user review's status read "failing 1"
+		// while 343 records, keyed ones too, waited behind an unroutable
+		// unkeyed one.
+		holds := "unkeyed: the records behind it wait, keyed ones too, until it goes out or is stuck"
+		if f := r.OldestFailing; f.AggregateID != "" {
+			holds = "key " + keyText(f.AggregateID) + ": that key's later records wait"
+		}
+		fmt.Fprintf(tw, "failing\t%d (tried again by the relay; the oldest, %s, at %d of %d attempts: %s; %s; see outboxctl stuck --failing)\n",
+			r.Failing, r.OldestFailing.ID, r.OldestFailing.Attempts, r.MaxAttempts, printable(r.OldestFailing.LastError), holds)
 	}
 	fmt.Fprintf(tw, "stuck\t%d (at %d attempts; see outboxctl stuck)\n", r.Stuck, r.MaxAttempts)
 	fmt.Fprintf(tw, "published in the last hour\t%d\n", r.PublishedLastHour)
