@@ -1740,6 +1740,28 @@ func (s *Store) Resend(ctx context.Context, ids ...string) (int64, error) {
 	return s.pendingAgain(ctx, "resend", ids, s.q.Resend)
 }
 
+// Discard deletes the given stuck records (unpublished, at MaxAttempts)
+// and returns how many: an operator's giving up on records that will
+// never go out (a foreign row to an exchange that will not be, a payload
+// nobody wants), which kept outbox_stuck above 0 for good and an unkeyed
+// one among the oldest. Rows not stuck, and those a relay holds under a
+// live lease, are left alone. A discarded keyed record leaves its number
+// missing: its key's later records go out, and a consumer's ordered inbox
+// waits for the number until an operator skips it (SkipGap). Keep what
+// the records held first (outboxctl discard prints it): this deletes the
+// only copy.
+func (s *Store) Discard(ctx context.Context, ids ...string) (int64, error) {
+	var n int64
+	for start := 0; start < len(ids); start += maxRowsPerStmt {
+		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Discard(ids[start:min(start+maxRowsPerStmt, len(ids))], s.cfg.MaxAttempts, time.Now()))
+		n += m
+		if err != nil {
+			return n, fmt.Errorf("outbox: discard: %w (%d discarded before)", err, n)
+		}
+	}
+	return n, nil
+}
+
 // KeySeqID returns the id of key's record seq, and false where the table
 // holds none (purged, or the key numbered elsewhere).
 func (s *Store) KeySeqID(ctx context.Context, key string, seq int64) (string, bool, error) {

@@ -157,6 +157,7 @@ var commands = []command{
 	{"stuck", "the rows the relay gave up on, with where they go and why they failed", (*cli).stuck},
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"resend", "send published records again, processed mark cleared (a message set aside once its cause is fixed): resend ID... | resend --key K --seq N", (*cli).resend},
+	{"discard", "delete stuck records an operator gives up on, each printed first (their only copy): discard ID...", (*cli).discard},
 	{"show", "where records are: published (and processed), pending, stuck or in flight: show ID...", (*cli).show},
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},
 	{"held", "ordered inbox: keys with held messages, what they wait for and since when", (*cli).held},

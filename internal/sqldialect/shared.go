@@ -1208,6 +1208,23 @@ func (o *Outbox) EndLeases(relay string) Query {
 	return o.query(o.update()+"locked_by = NULL, locked_until = NULL WHERE published_at IS NULL AND locked_by = ?", relay)
 }
 
+// Discard deletes the stuck rows of ids (unpublished, at maxAttempts or
+// more) but those a relay holds under a live lease: an operator's giving
+// up on records that will never go out.
+func (o *Outbox) Discard(ids []string, maxAttempts int, now time.Time) Query {
+	free, args := o.notClaimed(now)
+	in, inArgs := o.idIn(ids)
+	return o.query("DELETE FROM "+o.table+" WHERE published_at IS NULL AND attempts >= ? AND "+free+" AND "+in,
+		append(append([]any{maxAttempts}, args...), inArgs...)...)
+}
+
+// Contents reads what the rows of ids would send. Columns: id,
+// exchange_name, routing_key, body, body_encoding, content_type, headers.
+func (o *Outbox) Contents(ids []string) Query {
+	in, args := o.idIn(ids)
+	return o.query("SELECT "+o.d.text("id")+", exchange_name, routing_key, body, body_encoding, content_type, headers FROM "+o.table+" WHERE "+in, args...)
+}
+
 // RetryHold is the locked_by of a lease that is a failed keyed record's
 // backoff (its retry-after), not a relay's claim: an operator's retry ends
 // it, where it leaves a claim alone.
