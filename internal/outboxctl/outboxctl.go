@@ -158,6 +158,7 @@ var commands = []command{
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"resend", "send published records again, processed mark cleared (a message set aside once its cause is fixed): resend ID... | resend --key K --seq N", (*cli).resend},
 	{"discard", "delete stuck records an operator gives up on, each printed first (their only copy): discard ID...", (*cli).discard},
+	{"restore", "write a poison copy back as the message it copies (its id, topic, key and number), where the message's own record is gone: restore COPY_ID...", (*cli).restore},
 	{"show", "where records are: published (and processed), pending, stuck or in flight: show ID...", (*cli).show},
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},
 	{"held", "ordered inbox: keys with held messages, what they wait for and since when", (*cli).held},
