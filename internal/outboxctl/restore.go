@@ -117,6 +117,9 @@ func (c *cli) restoredRow(r discardedRecord, topic, exchange string) (sqldialect
 	if r.BodyError != "" {
 		return sqldialect.Row{}, fmt.Errorf("its body cannot be decoded: %s", r.BodyError)
 	}
+	if by, ok := h["x-acemq-skipped-by"]; ok {
+		return sqldialect.Row{}, fmt.Errorf("a copy skip-held --park wrote (%v): its key moved past the message, which a consumer would drop as a duplicate", by)
+	}
 	id, _ := h[outbox.PoisonedIDMetadataKey].(string)
 	if topic == "" {
 		topic, _ = h[middleware.PoisonedTopicKey].(string)
@@ -131,7 +134,7 @@ func (c *cli) restoredRow(r discardedRecord, topic, exchange string) (sqldialect
 	for k, v := range h {
 		switch {
 		case k == outbox.PoisonedIDMetadataKey, k == middleware.ReasonForPoisonedKey, k == middleware.PoisonedTopicKey,
-			k == middleware.PoisonedHandlerKey, k == middleware.PoisonedSubscriberKey, k == "x-acemq-skipped-by":
+			k == middleware.PoisonedHandlerKey, k == middleware.PoisonedSubscriberKey:
 		case k == outbox.PoisonedKeyMetadataKey:
 			out[outbox.HeaderAggregateID] = v
 		case k == outbox.PoisonedSeqMetadataKey:
