@@ -162,6 +162,11 @@ func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	if err != nil {
 		return n, fmt.Errorf("outbox: republish: %w", err)
 	}
+	if n == 0 {
+		// Said too: a user review could not tell a Republish that found
+		// nothing from one that did not run.
+		r.cfg.Logger.Info("Republish: no unprocessed outbox record to make pending again", watermill.LogFields{"grace": r.cfg.Grace})
+	}
 	return n, nil
 }
 

@@ -249,6 +249,19 @@ func TestRepublish_Exchanges_AnotherServicesRecordsOfTheTopicLeftAlone(t *testin
 		if n, err := all.Republish(context.Background()); err != nil || n != int64(len(theirs)) {
 			t.Fatalf("Republish without Exchanges = %d, %v; want the other %d", n, err, len(theirs))
 		}
+		// Nothing left: said, so that a Republish that found nothing is
+		// told from one that did not run (a user review).
+		logs := &recordingLogger{}
+		again, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Logger: logs})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, err := again.Republish(context.Background()); err != nil || n != 0 {
+			t.Fatalf("Republish of nothing = %d, %v", n, err)
+		}
+		if len(logs.find("Republish: no unprocessed outbox record to make pending again")) != 1 {
+			t.Errorf("a Republish that found nothing said nothing: %v", logs.logs)
+		}
 		if _, err := outbox.NewRepublisher(db.DB, outbox.RepublisherConfig{TrackedTopics: outbox.NewTrackedTopics("orders"), Exchanges: []string{"bad\x00"}}); err == nil {
 			t.Error("an exchange name with a NUL was accepted")
 		}
