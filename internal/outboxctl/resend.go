@@ -20,20 +20,8 @@ func (c *cli) resend(args []string) error {
 	if err != nil {
 		return err
 	}
-	byKey := *key != "" || *seq != 0
-	switch {
-	case byKey && len(ids) > 0:
-		return usagef("resend: give ids or --key and --seq, not both")
-	case byKey && (*key == "" || *seq < 1):
-		return usagef("resend: give --key and --seq (at least 1) together (%s)", synopsis)
-	case !byKey && len(ids) == 0:
-		return usagef("resend: give the ids of the published records to send again (a poison copy's x-acemq-poisoned-id), or --key and --seq")
-	}
-	if byKey {
-		if *key, err = keyFlag("--key", *key); err != nil {
-			return err
-		}
-	} else if ids, err = uniqueIDs("resend", ids); err != nil {
+	byKey, ids, err := idsOrKey("resend", synopsis, "give the ids of the published records to send again (a poison copy's x-acemq-poisoned-id)", ids, key, *seq)
+	if err != nil {
 		return err
 	}
 	d, s, err := c.openStore()
@@ -42,14 +30,9 @@ func (c *cli) resend(args []string) error {
 	}
 	defer d.Close()
 	if byKey {
-		id, found, err := s.KeySeqID(c.ctx, *key, *seq)
-		if err != nil {
-			return d.explain(err, c.g.table)
+		if ids, err = c.keySeqID(d, s, "resend", *key, *seq); err != nil {
+			return err
 		}
-		if !found {
-			return fmt.Errorf("resend: %s holds no record of key %s seq %d (purged, or written to another database's outbox)", c.g.table, keyText(*key), *seq)
-		}
-		ids = []string{id}
 	}
 	before, err := c.lookupHeld(d, s, ids)
 	if err != nil {

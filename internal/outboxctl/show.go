@@ -68,20 +68,10 @@ func (c *cli) show(args []string) error {
 	if err != nil {
 		return err
 	}
-	byKey := *key != "" || *seq != 0
-	switch {
-	case byKey && len(ids) > 0:
-		return usagef("show: give ids or --key and --seq, not both")
-	case byKey && (*key == "" || *seq < 1):
-		return usagef("show: give --key and --seq (at least 1) together (%s)", synopsis)
-	case !byKey && len(ids) == 0:
-		return usagef("show: give the ids of the records to show (a message's x-acemq-id), or --key and --seq")
-	}
-	if byKey {
-		if *key, err = keyFlag("--key", *key); err != nil {
-			return err
-		}
-	} else if ids, err = uniqueIDs("show", ids); err != nil {
+	// held gives a key and a number, and show took ids only: a user
+	// review looked the id up in SQL for each gap.
+	byKey, ids, err := idsOrKey("show", synopsis, "give the ids of the records to show (a message's x-acemq-id)", ids, key, *seq)
+	if err != nil {
 		return err
 	}
 	d, s, err := c.openStore()
@@ -90,16 +80,9 @@ func (c *cli) show(args []string) error {
 	}
 	defer d.Close()
 	if byKey {
-		// held gives a key and a number, show took ids only: a user review
-		// looked the id up in SQL for each gap.
-		id, found, err := s.KeySeqID(c.ctx, *key, *seq)
-		if err != nil {
-			return d.explain(err, c.g.table)
+		if ids, err = c.keySeqID(d, s, "show", *key, *seq); err != nil {
+			return err
 		}
-		if !found {
-			return fmt.Errorf("show: %s holds no record of key %s seq %d (purged, or written to another database's outbox)", c.g.table, keyText(*key), *seq)
-		}
-		ids = []string{id}
 	}
 	out, err := c.lookupHeld(d, s, ids)
 	if err != nil {
@@ -125,6 +108,39 @@ func (c *cli) show(args []string) error {
 		c.printShow(c.stdout, row, failing)
 	}
 	return missingIDs("show", missing, len(ids), c.g.table)
+}
+
+// idsOrKey checks a command's ids, or its --key and --seq (a record by
+// its key and number), as show and resend take them: byKey says which,
+// and ids are the ids given, each once; key is unquoted in place.
+func idsOrKey(cmd, synopsis, giveIDs string, ids []string, key *string, seq int64) (byKey bool, _ []string, err error) {
+	byKey = *key != "" || seq != 0
+	switch {
+	case byKey && len(ids) > 0:
+		return false, nil, usagef("%s: give ids or --key and --seq, not both", cmd)
+	case byKey && (*key == "" || seq < 1):
+		return false, nil, usagef("%s: give --key and --seq (at least 1) together (%s)", cmd, synopsis)
+	case !byKey && len(ids) == 0:
+		return false, nil, usagef("%s: %s, or --key and --seq", cmd, giveIDs)
+	case byKey:
+		*key, err = keyFlag("--key", *key)
+		return true, nil, err
+	}
+	ids, err = uniqueIDs(cmd, ids)
+	return false, ids, err
+}
+
+// keySeqID is the id of key's record seq in s's table, as the one id of
+// a command given --key and --seq.
+func (c *cli) keySeqID(d *database, s *outbox.Store, cmd, key string, seq int64) ([]string, error) {
+	id, found, err := s.KeySeqID(c.ctx, key, seq)
+	if err != nil {
+		return nil, d.explain(err, c.g.table)
+	}
+	if !found {
+		return nil, fmt.Errorf("%s: %s holds no record of key %s seq %d (purged, or written to another database's outbox)", cmd, c.g.table, keyText(key), seq)
+	}
+	return []string{id}, nil
 }
 
 // lookupHeld is lookupRows with the holds of the ids' messages in the
