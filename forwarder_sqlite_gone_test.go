@@ -143,3 +143,82 @@ func TestForwarder_SQLiteRelayKilledWithRowsInFlight_TakenBackNotAtItsLeasesEnd(
 		})
 	}
 }
+
+// gatePublisher signals when a publish reaches it and returns once released.
+type gatePublisher struct {
+	reached chan struct{}
+	release chan struct{}
+}
+
+func (g *gatePublisher) Publish(string, ...*message.Message) error {
+	select {
+	case g.reached <- struct{}{}:
+	default:
+	}
+	<-g.release
+	return nil
+}
+func (g *gatePublisher) Close() error { return nil }
+
+// Sweep runs beside Run ("a request that wants its message on the broker
+// before it answers"), and Run's start on SQLite ends the leases of its
+// own RelayID, a former run's: it ended those of a Sweep of the same
+// Forwarder in flight, and another relay published its row again (a code
+// review). The start waits for the Sweep.
+func TestForwarder_SQLiteRunStartedBesideASweep_SweepsLeasesKept(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "payment.captured", 1)
+
+	gate := &gatePublisher{reached: make(chan struct{}, 1), release: make(chan struct{})}
+	f1, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(gate, nil), outbox.ForwarderConfig{RelayID: "relay-a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sweepDone := make(chan struct{})
+	go func() {
+		defer close(sweepDone)
+		_, _ = f1.Sweep(context.Background())
+	}()
+	select {
+	case <-gate.reached:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Sweep never published")
+	}
+	var leased int
+	if err := db.Get(&leased, "SELECT COUNT(*) FROM acemq_outbox WHERE locked_by = 'relay-a'"); err != nil || leased != 1 {
+		t.Fatalf("leased %d (%v), want the Sweep's row under its lease", leased, err)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	runDone := make(chan error, 1)
+	go func() { runDone <- f1.Run(ctx) }()
+	defer func() {
+		close(gate.release)
+		<-sweepDone
+		cancel()
+		<-runDone
+		_ = f1.Close()
+	}()
+
+	// Run's start ends the lease of the Sweep in flight.
+	deadline := time.Now().Add(time.Second)
+	for time.Now().Before(deadline) {
+		_ = db.Get(&leased, "SELECT COUNT(*) FROM acemq_outbox WHERE locked_by = 'relay-a'")
+		if leased == 0 {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	// Another relay now claims the row the Sweep is still publishing.
+	got := &slowCapture{}
+	f2, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(got, nil), outbox.ForwarderConfig{RelayID: "relay-b"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f2.Close()
+	n, _ := f2.Sweep(context.Background())
+	if n > 0 {
+		t.Fatalf("double publish: row %s is in flight in f1's Sweep and another relay published it again (%v)", ids[0], got.got())
+	}
+}

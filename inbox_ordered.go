@@ -1395,8 +1395,10 @@ func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, throug
 	}
 	in.log.Info("Gap skipped by request", watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
 	defer in.refreshAfterSkip(ctx)
-	in.noteSkipped(ctx, in.outbox.MarkSkippedSeqs(key, from, through, time.Now(), skippedNote(consumer, fmt.Sprintf("gap %s of key %s (SkipGap)", seqRange(from, through), key))),
-		watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
+	if in.cfg.MarkOutboxProcessed && in.keyFromHere(ctx, consumer, key) {
+		in.noteSkipped(ctx, in.outbox.MarkSkippedSeqs(key, from, through, time.Now(), skippedNote(consumer, fmt.Sprintf("gap %s of key %s (SkipGap)", seqRange(from, through), key))),
+			watermill.LogFields{"consumer": consumer, "aggregate_id": key, "from": from, "through": through})
+	}
 	in.drainAfterSkip(ctx, consumer, key)
 	return nil
 }
@@ -1415,6 +1417,33 @@ func (in *Inbox) noteSkipped(ctx context.Context, q sqldialect.Query, fields wat
 	if _, err := in.db.ExecContext(ctx, q.SQL, q.Args...); err != nil {
 		in.log.Error("Ordered inbox: the skip could not be noted in the outbox's records (it is done; outboxctl show reads them processed)", err, fields)
 	}
+}
+
+// keyFromHere reports whether key's messages come from this database's
+// outbox: its lowest held message is the outbox's record of that number,
+// by id. Keys are not unique across services, and a skip of a gap in
+// another service's messages of a key marked this outbox's own records
+// of the same key and numbers skipped (a review). A failed read says no:
+// the note is left out, the skip is done.
+func (in *Inbox) keyFromHere(ctx context.Context, consumer, key string) bool {
+	d := in.dialect.sql()
+	q := sqldialect.NewOrderedInbox(d)
+	row := func(q sqldialect.Query, dest ...any) error {
+		q = sqldialect.Inline(d, q)
+		return in.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(dest...)
+	}
+	var lowest sql.NullInt64
+	if err := row(q.LowestHeld(consumer, key), &lowest); err != nil || !lowest.Valid {
+		return false
+	}
+	var held, payload, encoding, metadata, id string
+	if err := row(q.Held(consumer, key, lowest.Int64), &held, &payload, &encoding, &metadata); err != nil {
+		return false
+	}
+	if err := row(in.outbox.KeySeq(key, lowest.Int64), &id); err != nil {
+		return false
+	}
+	return sqldialect.InboxKey(id) == held
 }
 
 // skippedNote is the last_error of a record consumer gave up on, what

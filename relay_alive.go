@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -25,6 +24,12 @@ import (
 // with no such file (another library's relay, Sweep without Run) is left
 // to its lease, as before.
 
+// aliveWait is how long a relay starting waits for its file, which a relay
+// taking back its former run's leases holds meanwhile (one statement,
+// which may wait for SQLite's write lock), before it takes the file for
+// another running process's.
+const aliveWait = 15 * time.Second
+
 // aliveEvery is how often a running relay on SQLite looks for the leases of
 // relays that are gone, besides at its start: a relay killed beside a
 // running one leaves its rows for this long at most, rather than Lease.
@@ -40,19 +45,18 @@ func aliveFile(db, relay string) string {
 
 // holdAlive takes the lock of f's RelayID beside the SQLite database, and
 // ends the leases a former run under the same RelayID (set by hand) left,
-// before the relay's first claim: after it, a relay that found the former
-// run's file free would end this run's first leases, and so would this
-// one. It returns the
-// database's file and the lock's release, or "" where the lock cannot be
-// had (an in-memory database, a platform without flock, a directory it
-// cannot write): leases then run out as before.
+// before the relay's first claim (a relay that found the former run's file
+// free after it would end this run's first leases, and so would this one).
+// It returns the database's file and the lock's release, or "" where the
+// lock cannot be had (an in-memory database, a platform without flock, a
+// directory it cannot write): leases then run out as before.
 func (f *Forwarder) holdAlive(ctx context.Context) (db string, release func()) {
 	db, err := f.store.databaseFile(ctx)
 	if err != nil || db == "" {
 		return "", nil // the watch says why, where it watches
 	}
 	path := aliveFile(db, f.cfg.RelayID)
-	release, err = holdFile(path)
+	release, err = holdFile(path, aliveWait)
 	if errors.Is(err, errHeldElsewhere) {
 		f.log.Error("Outbox forwarder: another running process has this relay's RelayID; each relay needs its own, or it may take the other's rows in flight for its own", nil, watermill.LogFields{"file": path})
 		return "", nil
@@ -61,8 +65,14 @@ func (f *Forwarder) holdAlive(ctx context.Context) (db string, release func()) {
 		f.log.Debug("Outbox forwarder: no lock beside the SQLite database to tell other relays it runs; a relay killed here leaves its rows until its lease ends", watermill.LogFields{"file": path, "error": err.Error()})
 		return "", nil
 	}
+	// Under sweepMu: a Sweep of this Forwarder, beside Run, may have rows
+	// in flight under this RelayID's leases (a review: ended, another
+	// relay published them again).
+	f.sweepMu.Lock()
 	end := f.store.q.EndLeases(f.cfg.RelayID)
-	if res, err := f.store.db.ExecContext(ctx, end.SQL, end.Args...); err != nil {
+	res, err := f.store.db.ExecContext(ctx, end.SQL, end.Args...)
+	f.sweepMu.Unlock()
+	if err != nil {
 		f.log.Error("Outbox forwarder: could not end the leases a former run of this RelayID left", err, nil)
 	} else if n, _ := res.RowsAffected(); n > 0 {
 		f.log.Info("Outbox forwarder took back the rows a former run of its RelayID left under a lease", watermill.LogFields{"rows": n})
@@ -117,17 +127,22 @@ func (f *Forwarder) endLeasesOfGone(ctx context.Context, db string) (int64, erro
 		if h == f.cfg.RelayID {
 			continue // this run's (a former run's went at its start)
 		}
-		if gone, err := lockFree(path); err != nil || !gone {
+		// The gone relay's file stays locked until its leases are ended
+		// and it is unlinked: checked and then ended, a relay restarted
+		// under that RelayID between the two had its first leases ended
+		// (a review).
+		release, gone, err := lockGone(path)
+		if err != nil || !gone {
 			continue // running, or not ours to tell
 		}
 		end := s.q.EndLeases(h)
 		res, err := s.db.ExecContext(ctx, end.SQL, end.Args...)
+		release()
 		if err != nil {
 			return freed, fmt.Errorf("end the leases of relay %q: %w", h, err)
 		}
 		n, _ := res.RowsAffected()
 		freed += n
-		_ = os.Remove(path)
 		if n == 0 {
 			continue
 		}

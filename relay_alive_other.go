@@ -2,12 +2,15 @@
 
 package outbox
 
-import "errors"
+import (
+	"errors"
+	"time"
+)
 
 var errHeldElsewhere = errors.New("locked by another process")
 
 // holdFile: no flock here; a relay killed with rows leases them until its
 // lease ends.
-func holdFile(string) (func(), error) { return nil, errors.ErrUnsupported }
+func holdFile(string, time.Duration) (func(), error) { return nil, errors.ErrUnsupported }
 
-func lockFree(string) (bool, error) { return false, nil }
+func lockGone(string) (func(), bool, error) { return nil, false, nil }

@@ -103,3 +103,28 @@ func TestSkips_NoteTheRecordsGivenUp_ShowSaysNeverApplied_ResendLeavesThem(t *te
 		}
 	})
 }
+
+// Keys are not unique across services: a skip-gap of a key whose messages
+// come from another database's outbox marked this service's own published
+// record of the same key and number "processed, skipped by …" (a code
+// review), which resend then refused and Republish left alone. The skip
+// notes records only where the key's held messages are this outbox's.
+func TestSkipGap_KeyOfAnotherServicesMessages_OwnRecordsOfTheKeyUntouched(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		// This service's own stream of key pay-9 (seq 1..3), published, not processed.
+		ids := publishOf(t, db, 3, "shipping", "pay-9")
+		for _, id := range ids {
+			execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", ts(kind, time.Now().Add(-time.Hour)), id)
+		}
+		// The inbox consumes another service's pay-9 stream: 1 applied, 3 held, 2 missing.
+		execSQL(t, db, "INSERT INTO acemq_inbox_sequences (consumer_name, aggregate_id, last_seq, held) VALUES (?, ?, ?, ?)", "billing", "pay-9", 1, 1)
+		execSQL(t, db, "INSERT INTO acemq_inbox_held (consumer_name, aggregate_id, seq, message_id, payload, payload_encoding, metadata, held_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+			"billing", "pay-9", 3, "foreign-msg-3", "{}", "utf-8", `{"aggregateId":"pay-9","seq":"3"}`, ts(kind, time.Now().Add(-time.Hour)))
+		mustCtl(t, "skip-gap", "--db", db.DSN, "--consumer", "billing", "--key", "pay-9", "--from", "2", "--through", "2")
+		if n := count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE id = ? AND (processed_at IS NOT NULL OR last_error IS NOT NULL)", ids[1]); n != 0 {
+			t.Errorf("skip-gap of another service's pay-9 stream marked this outbox's unrelated record %s processed/skipped", ids[1])
+		}
+	})
+}
