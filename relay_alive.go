@@ -137,7 +137,7 @@ func (f *Forwarder) endLeasesOfGone(ctx context.Context, db string) (int64, erro
 		}
 		end := s.q.EndLeases(h)
 		res, err := s.db.ExecContext(ctx, end.SQL, end.Args...)
-		release()
+		release(err == nil) // kept on a failure, for the next look
 		if err != nil {
 			return freed, fmt.Errorf("end the leases of relay %q: %w", h, err)
 		}

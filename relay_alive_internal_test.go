@@ -104,7 +104,7 @@ func TestTakeBack_RelayRestartedUnderItsRelayIDMeanwhile_WaitsItsLeasesKept(t *t
 	if _, err := db.DB.Exec(end.SQL, end.Args...); err != nil {
 		t.Fatal(err)
 	}
-	release()
+	release(true)
 
 	var inFlight string
 	select {

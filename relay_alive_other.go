@@ -13,4 +13,4 @@ var errHeldElsewhere = errors.New("locked by another process")
 // lease ends.
 func holdFile(string, time.Duration) (func(), error) { return nil, errors.ErrUnsupported }
 
-func lockGone(string) (func(), bool, error) { return nil, false, nil }
+func lockGone(string) (func(bool), bool, error) { return nil, false, nil }

@@ -51,8 +51,9 @@ func holdFile(path string, wait time.Duration) (release func(), err error) {
 // while the gone relay's leases are ended, so that a relay starting again
 // under its RelayID waits for the end (holdFile) rather than claim rows
 // whose leases are then ended. ok is false where path is not there, or
-// held, or was replaced since it was opened.
-func lockGone(path string) (release func(), ok bool, err error) {
+// held, or was replaced since it was opened. release(false) unlocks it
+// and leaves it, for a later look.
+func lockGone(path string) (release func(unlink bool), ok bool, err error) {
 	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, false, nil
@@ -68,8 +69,10 @@ func lockGone(path string) (release func(), ok bool, err error) {
 		}
 		return nil, false, err
 	}
-	return func() {
-		_ = os.Remove(path)
+	return func(unlink bool) {
+		if unlink {
+			_ = os.Remove(path)
+		}
 		_ = f.Close()
 	}, true, nil
 }
