@@ -568,7 +568,7 @@ func TestCommandLine_Mistakes_AreUsageErrors(t *testing.T) {
 		env  map[string]string
 		want string
 	}{
-		{[]string{"frobnicate"}, nil, `unknown command "frobnicate"; want one of status, stuck, retry, resend, show, purge, held, skip-gap, skip-held, relay, migrate`},
+		{[]string{"frobnicate"}, nil, `unknown command "frobnicate"; want one of status, stuck, retry, resend, discard, restore, show, purge, held, skip-gap, skip-held, relay, migrate`},
 		{[]string{"status"}, nil, "no database: pass --db or set OUTBOX_DB"},
 		{[]string{"status", "--bogus"}, nil, "flag provided but not defined: -bogus"},
 		{[]string{"status", "--db", "redis://x"}, nil, "redis:// is not a database outboxctl knows"},
