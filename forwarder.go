@@ -475,25 +475,11 @@ func (f *Forwarder) run(ctx context.Context) error {
 	defer context.AfterFunc(ctx, func() { time.AfterFunc(stopGrace, cutNow) })()
 	loop.cut = cut
 
-	var listener sync.WaitGroup
-	if listen {
-		listener.Add(1)
-		go func() {
-			defer listener.Done()
-			f.listen(ctx)
-		}()
-	}
-	if f.store.watchesFile() && !f.cfg.DisableListen {
-		listener.Add(1)
-		go func() {
-			defer listener.Done()
-			f.watch(ctx)
-		}()
-	}
-	// On SQLite, the lock that tells other relays this one runs: taken
-	// before the first claim, let go once the last batch is settled (not
-	// at ctx's end, when batches may still be in flight), so that no relay
-	// takes this one's leases while it has them.
+	// On SQLite, the lock that tells other relays this one runs, taken
+	// before the first claim (and before the file watch starts: see
+	// holdAlive), let go once the last batch is settled (not at ctx's end,
+	// when batches may still be in flight), so that no relay takes this
+	// one's leases while it has them.
 	if f.store.leases() {
 		if db, release := f.holdAlive(ctx); release != nil {
 			alive, aliveStop := context.WithCancel(context.WithoutCancel(ctx))
@@ -508,6 +494,21 @@ func (f *Forwarder) run(ctx context.Context) error {
 				release()
 			}()
 		}
+	}
+	var listener sync.WaitGroup
+	if listen {
+		listener.Add(1)
+		go func() {
+			defer listener.Done()
+			f.listen(ctx)
+		}()
+	}
+	if f.store.watchesFile() && !f.cfg.DisableListen {
+		listener.Add(1)
+		go func() {
+			defer listener.Done()
+			f.watch(ctx)
+		}()
 	}
 	// Cancelled before the wait, whichever way run ends: a panic in the
 	// loop (a Destination's, an OnError's, a Logger's) goes on up rather

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -67,17 +68,46 @@ func (f *Forwarder) holdAlive(ctx context.Context) (db string, release func()) {
 	}
 	// Under sweepMu: a Sweep of this Forwarder, beside Run, may have rows
 	// in flight under this RelayID's leases (a review: ended, another
-	// relay published them again).
+	// relay published them again). Written only where such leases are: a
+	// write at every start, beside the file watch's first connection
+	// attaching a database, made that attach fail ("database is locked",
+	// in a CI run) and the relay poll.
 	f.sweepMu.Lock()
-	end := f.store.q.EndLeases(f.cfg.RelayID)
-	res, err := f.store.db.ExecContext(ctx, end.SQL, end.Args...)
-	f.sweepMu.Unlock()
+	defer f.sweepMu.Unlock()
+	holders, err := f.leaseHolders(ctx)
 	if err != nil {
+		f.log.Error("Outbox forwarder: could not look for the leases a former run of this RelayID left", err, nil)
+		return db, release
+	}
+	if !slices.Contains(holders, f.cfg.RelayID) {
+		return db, release
+	}
+	end := f.store.q.EndLeases(f.cfg.RelayID)
+	if res, err := f.store.db.ExecContext(ctx, end.SQL, end.Args...); err != nil {
 		f.log.Error("Outbox forwarder: could not end the leases a former run of this RelayID left", err, nil)
 	} else if n, _ := res.RowsAffected(); n > 0 {
 		f.log.Info("Outbox forwarder took back the rows a former run of its RelayID left under a lease", watermill.LogFields{"rows": n})
 	}
 	return db, release
+}
+
+// leaseHolders reads the relays that hold live leases on unpublished rows.
+func (f *Forwarder) leaseHolders(ctx context.Context) ([]string, error) {
+	q := f.store.q.LeaseHolders(time.Now())
+	rows, err := f.store.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, err
+	}
+	var holders []string
+	for rows.Next() {
+		var h string
+		if err := rows.Scan(&h); err != nil {
+			_ = rows.Close()
+			return nil, err
+		}
+		holders = append(holders, h)
+	}
+	return holders, rows.Close()
 }
 
 // keepTakingBack takes back the leases of relays that are gone, at once and
@@ -104,21 +134,8 @@ func (f *Forwarder) takeBack(ctx context.Context, db string) {
 // is there and locked by no process, and returns how many rows it freed.
 func (f *Forwarder) endLeasesOfGone(ctx context.Context, db string) (int64, error) {
 	s := f.store
-	q := s.q.LeaseHolders(time.Now())
-	rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
+	holders, err := f.leaseHolders(ctx)
 	if err != nil {
-		return 0, err
-	}
-	var holders []string
-	for rows.Next() {
-		var h string
-		if err := rows.Scan(&h); err != nil {
-			_ = rows.Close()
-			return 0, err
-		}
-		holders = append(holders, h)
-	}
-	if err := rows.Close(); err != nil {
 		return 0, err
 	}
 	var freed int64
