@@ -1,6 +1,7 @@
 package outboxctl
 
 import (
+	"database/sql"
 	"encoding/json"
 	"fmt"
 	"strings"
@@ -143,26 +144,26 @@ func (c *cli) contents(d *database, ids []string, byID map[string]showRow) ([]di
 			return nil, d.explain(err, c.g.table)
 		}
 		for rs.Next() {
-			var id, exchange, routingKey, body, encoding, contentType, headers nullText
+			var id, exchange, routingKey, body, encoding, contentType, headers sql.NullString // a foreign row's may be NULL
 			if err := rs.Scan(&id, &exchange, &routingKey, &body, &encoding, &contentType, &headers); err != nil {
 				_ = rs.Close()
 				return nil, err
 			}
-			row := byID[id.s]
+			row := byID[id.String]
 			if !row.Found { // the table's form of the id: see lookupRows
 				for k, r := range byID {
-					if strings.EqualFold(k, id.s) {
+					if strings.EqualFold(k, id.String) {
 						row = r
 					}
 				}
 			}
-			r := discardedRecord{ID: keyText(id.s), Exchange: exchange.s, RoutingKey: routingKey.s, AggregateID: row.AggregateID, Seq: row.Seq,
-				Attempts: row.Attempts, LastError: row.LastError, ContentType: contentType.s, Headers: headers.s}
-			if json.Valid([]byte(headers.s)) {
-				r.Headers = json.RawMessage(headers.s)
+			r := discardedRecord{ID: keyText(id.String), Exchange: exchange.String, RoutingKey: routingKey.String, AggregateID: row.AggregateID, Seq: row.Seq,
+				Attempts: row.Attempts, LastError: row.LastError, ContentType: contentType.String, Headers: headers.String}
+			if json.Valid([]byte(headers.String)) {
+				r.Headers = json.RawMessage(headers.String)
 			}
-			if b, err := rowcodec.DecodeBody(body.s, encoding.s); err != nil {
-				r.BodyError, r.StoredBody = err.Error(), body.s
+			if b, err := rowcodec.DecodeBody(body.String, encoding.String); err != nil {
+				r.BodyError, r.StoredBody = err.Error(), body.String
 			} else {
 				r.Body = b
 				if utf8.Valid(b) {
@@ -177,21 +178,4 @@ func (c *cli) contents(d *database, ids []string, byID map[string]showRow) ([]di
 		}
 	}
 	return out, nil
-}
-
-// nullText scans a text column that may be NULL (a foreign row's) as "".
-type nullText struct{ s string }
-
-func (n *nullText) Scan(v any) error {
-	switch v := v.(type) {
-	case nil:
-		n.s = ""
-	case string:
-		n.s = v
-	case []byte:
-		n.s = string(v)
-	default:
-		n.s = fmt.Sprint(v)
-	}
-	return nil
 }

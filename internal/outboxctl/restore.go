@@ -83,16 +83,9 @@ func (c *cli) restore(args []string) error {
 			key = fmt.Sprintf(", key %v seq %v", k, r.headers()[outbox.PoisonedSeqMetadataKey])
 		}
 		fmt.Fprintf(c.stdout, "%s: written into %s as its message %s, to %s / %s%s: the relay publishes it\n",
-			r.ID, c.g.table, keyText(row.ID), printable(orDefault(row.Exchange)), printable(row.RoutingKey), key)
+			r.ID, c.g.table, keyText(row.ID), printable(exchangeText(row.Exchange)), printable(row.RoutingKey), key)
 	}
 	return nil
-}
-
-func orDefault(exchange string) string {
-	if exchange == "" {
-		return "(default)"
-	}
-	return exchange
 }
 
 // headers is r's headers as a JSON object, nil where they are not one.

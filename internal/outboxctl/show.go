@@ -313,11 +313,7 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	if !row.Found {
 		return
 	}
-	exchange := row.Exchange
-	if exchange == "" {
-		exchange = "(default)"
-	}
-	fmt.Fprintf(w, "  to %s / %s", printable(exchange), printable(row.RoutingKey))
+	fmt.Fprintf(w, "  to %s / %s", printable(exchangeText(row.Exchange)), printable(row.RoutingKey))
 	if row.AggregateID != "" {
 		fmt.Fprintf(w, ", key %s seq %d", keyText(row.AggregateID), row.Seq)
 	}
@@ -328,6 +324,15 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	if row.PoisonCopyOf != "" {
 		fmt.Fprintf(w, "  a poison copy of %s (x-acemq-poisoned-id): outboxctl show %s tells where the message is, and resend %s sends it to its consumer again\n", row.PoisonCopyOf, row.PoisonCopyOf, row.PoisonCopyOf)
 	}
+}
+
+// exchangeText is an exchange as outboxctl shows it: RabbitMQ's default
+// exchange, "", by name.
+func exchangeText(exchange string) string {
+	if exchange == "" {
+		return "(default)"
+	}
+	return exchange
 }
 
 // sqlDialect is d's dialect, for the statements outboxctl writes itself.

@@ -119,10 +119,7 @@ func (c *cli) stuck(args []string) error {
 	}
 	fmt.Fprintln(tw, header)
 	for _, row := range r.Rows {
-		exchange := row.Exchange
-		if exchange == "" {
-			exchange = "(default)"
-		}
+		exchange := exchangeText(row.Exchange)
 		// The id as retry takes it: two ids that differ in a trailing
 		// space, or in a tab shown as a space, were shown alike, and
 		// retry of the id as shown found no row.
