@@ -801,12 +801,19 @@ func (in *Inbox) sameKey(ctx context.Context, tx *sqlx.Tx, consumer, key string)
 		return false, nil
 	case err != nil:
 		return false, fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(key), consumer, err)
-	case gotConsumer != consumer || gotKey != sqldialect.InboxKey(key) && gotKey != canonicalUUID(key):
+	case !keyIs(gotConsumer, gotKey, consumer, key):
 		return true, fmt.Errorf("outbox: inbox: %s for %s: %s holds the key of message %q for consumer %q, which its collation takes for this one:"+
 			" ids that differ in case are different messages; the message is not acked as a duplicate (convert consumer_name and message_id to a"+
 			" binary collation: utf8mb4_bin on MySQL, BINARY on SQLite, a deterministic one on PostgreSQL)", idText(key), consumer, in.q.Table(), gotKey, gotConsumer)
 	}
 	return true, nil
+}
+
+// keyIs reports whether the key read back (gotConsumer, gotKey) is
+// consumer's key of message id byte for byte, not another's that the
+// table's collation takes for it (see sameKey).
+func keyIs(gotConsumer, gotKey, consumer, id string) bool {
+	return gotConsumer == consumer && (gotKey == sqldialect.InboxKey(id) || gotKey == canonicalUUID(id))
 }
 
 // exec and queryRow run q in a message's transaction, its arguments written

@@ -636,8 +636,9 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 	return outcome, nil
 }
 
-// keyFound reads whether consumer's key of id is in the inbox table, as
-// its collation matches it.
+// keyFound reads whether consumer's key of id is in the inbox table, byte
+// for byte: a table another library created comparing without case finds
+// the key of "go-1" for "GO-1", another message.
 func (in *Inbox) keyFound(ctx context.Context, tx *sqlx.Tx, consumer, id string) (bool, error) {
 	var gotConsumer, gotKey string
 	switch err := in.queryRow(ctx, tx, in.q.Key(consumer, id)).Scan(&gotConsumer, &gotKey); {
@@ -646,7 +647,7 @@ func (in *Inbox) keyFound(ctx context.Context, tx *sqlx.Tx, consumer, id string)
 	case err != nil:
 		return false, fmt.Errorf("outbox: inbox: read the key of %s for %s: %w", idText(id), consumer, err)
 	}
-	return true, nil
+	return keyIs(gotConsumer, gotKey, consumer, id), nil
 }
 
 // logNumberTaken says, once a minute a key, that a message was acked as a
