@@ -90,7 +90,11 @@ type AMQPConfig struct {
 	// to it as it is; set it here for one wrapped in a Destination of your
 	// own.
 	Metrics *Metrics
-	Logger  watermill.LoggerAdapter
+	// Logger logs the destination's connects, losses and closes by the
+	// broker, naming the node. NewForwarder sets it from
+	// ForwarderConfig.Logger (with the relay_id) when it is nil and the
+	// destination is handed to it as it is.
+	Logger watermill.LoggerAdapter
 }
 
 // dialTimeout bounds the dial of one node when AMQPConfig.AMQP.Dial is nil:
@@ -191,6 +195,7 @@ type AMQPDestination struct {
 	next      int    // the node a connect tries first
 	last      string // the node of the latest connection, for the log of a failover
 	counted   string // the node this destination counts as connected in cfg.Metrics
+	ownLogger bool   // cfg.Logger was given, not NewForwarder's to set
 
 	// brokerMax is the broker's max_message_size as it named it closing a
 	// channel over a larger message on this connection, 0 until then, and
@@ -244,11 +249,12 @@ var ErrDestinationClosed = errors.New("outbox: destination is closed")
 // NewAMQPDestination returns a destination for the broker at cfg.URLs. It
 // does not connect until first used.
 func NewAMQPDestination(cfg AMQPConfig) (*AMQPDestination, error) {
+	ownLogger := cfg.Logger != nil
 	cfg.setDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	d := &AMQPDestination{cfg: cfg, suspects: map[string]bool{}}
+	d := &AMQPDestination{cfg: cfg, suspects: map[string]bool{}, ownLogger: ownLogger}
 	for _, u := range cfg.URLs {
 		n, _ := parseNode(u) // validated
 		d.nodes = append(d.nodes, n)
@@ -290,6 +296,18 @@ func (d *AMQPDestination) useMetrics(m *Metrics) {
 		d.counted = c.node
 		m.brokerConnected(c.node, 1)
 	}
+}
+
+// useLogger is how NewForwarder hands its Logger to a destination given
+// none: the quick start's relay said nothing of its broker's connects and
+// losses (a README review), outboxctl relay's did.
+func (d *AMQPDestination) useLogger(l watermill.LoggerAdapter) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.ownLogger || l == nil {
+		return
+	}
+	d.cfg.Logger = l
 }
 
 // Connect makes sure a connection and a confirm channel are open.

@@ -323,6 +323,10 @@ type Forwarder struct {
 // has none of its own: AMQPDestination, for its broker nodes.
 type metricsUser interface{ useMetrics(*Metrics) }
 
+// loggerUser is a destination that logs with the relay's Logger when given
+// none of its own (AMQPDestination).
+type loggerUser interface{ useLogger(watermill.LoggerAdapter) }
+
 // NewForwarder returns a relay over db (a *sql.DB or *sqlx.DB) that
 // publishes to dest. The Forwarder owns dest from here on: Close closes it
 // if it has a Close method.
@@ -344,6 +348,9 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 	}
 	log := cfg.Logger.With(watermill.LogFields{"relay_id": cfg.RelayID})
 	store.log = log
+	if l, ok := dest.(loggerUser); ok {
+		l.useLogger(log)
+	}
 	return &Forwarder{
 		store:   store,
 		dest:    dest,

@@ -77,3 +77,36 @@ func TestAMQPDestination_BrokerClosesTheConnection_LoggedAtOnceWithItsReason(t *
 		t.Errorf("the close logged with %v; want the broker's reason", got)
 	}
 }
+
+// An AMQPDestination given no Logger logs with its Forwarder's: the
+// README's quick start set a Logger on the relay only, and its broker's
+// connects and losses went unsaid (a README review). One given its own
+// keeps it.
+func TestForwarder_AMQPDestinationWithoutALogger_LogsWithTheRelays(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, "amqp")
+	const connected = "Connected to RabbitMQ"
+	for _, own := range []bool{false, true} {
+		relayLogs, destLogs := &recordingLogger{}, &recordingLogger{}
+		cfg := outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}}
+		if own {
+			cfg.Logger = destLogs
+		}
+		d, err := outbox.NewAMQPDestination(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := outbox.NewForwarder(migrated(t, testdb.SQLite).DB, d, outbox.ForwarderConfig{Dialect: outbox.SQLite, Logger: relayLogs})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Connect(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		byRelay, byDest := len(relayLogs.find(connected)), len(destLogs.find(connected))
+		if own && (byRelay != 0 || byDest != 1) || !own && byRelay != 1 {
+			t.Errorf("own logger %v: %q logged %d times by the relay's logger, %d by the destination's", own, connected, byRelay, byDest)
+		}
+		_ = f.Close()
+	}
+}
