@@ -44,10 +44,13 @@ const (
 	queue    = "ledger"           // the ledger consumer's durable queue, and its name in the inbox
 )
 
-// The killed relay's timings. On SQLite a claim is a lease: the rows of a
-// relay that died stay claimed until it expires, so it is short here, and
-// the second relay waits for it. (PostgreSQL and MySQL hold claims as row
-// locks, released the moment the dead relay's connection drops.)
+// The killed relay's timings. On SQLite a claim is a lease, and a relay
+// under Run holds a lock file beside the database: the second relay finds
+// the killed relay's file unlocked as it starts and takes its rows back at
+// once. The lease is short here for where that cannot be seen (a platform
+// without flock), when the rows wait for it to expire. (PostgreSQL and
+// MySQL hold claims as row locks, released the moment the dead relay's
+// connection drops.)
 const (
 	killedRelayPublishTimeout = 2 * time.Second
 	killedRelayLease          = 2 * killedRelayPublishTimeout // the least the Forwarder accepts
@@ -197,7 +200,7 @@ func (l *ledger) run(ctx context.Context, n int, killRelay bool, stdout io.Write
 	if killRelay {
 		wait := ""
 		if l.DB.Dialect == outbox.SQLite {
-			wait = fmt.Sprintf(", once relay 1's %s SQLite lease has expired", killedRelayLease)
+			wait = ", taking back relay 1's SQLite leases as it starts: its lock file is unlocked, its process gone"
 		}
 		fmt.Fprintf(stdout, "relay 2 (in this process%s) publishes the pending rows again\n", wait)
 	}

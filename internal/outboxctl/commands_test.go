@@ -4,6 +4,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"math"
+	"net"
 	"net/url"
 	"reflect"
 	"regexp"
@@ -619,6 +620,20 @@ func TestRelay_UnreachableBroker_ExitsOneNamingIt(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", "")
 	r.wantFailure(t, 1, "cannot connect to RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1/: dial tcp 127.0.0.1:1")
+}
+
+// A --listen address another process holds stops the relay before it
+// dials anything: it connected to the database and RabbitMQ first, then
+// stopped on the port (a README review's second relay on one host).
+func TestRelay_ListenAddressTaken_StopsBeforeDialling(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", held.Addr().String())
+	r.wantFailure(t, 1, "--listen "+held.Addr().String()+": listen tcp "+held.Addr().String()+": bind: address already in use (a second relay on this host needs a --listen of its own")
 }
 
 // The relay's --max-attempts, exported once as OUTBOX_MAX_ATTEMPTS, is

@@ -121,9 +121,7 @@ func (c *cli) discard(args []string) error {
 			fmt.Fprintf(c.stdout, "key %s seq %d discarded: its key's later records go out, and a consumer's ordered inbox waits for the number (outboxctl held on its database; skip-gap gives it up)\n", keyText(r.AggregateID), r.Seq)
 		}
 	}
-	for _, l := range leftAlone {
-		fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
-	}
+	c.printLeftAlone("discard", leftAlone, int64(len(leftAlone)), len(ids))
 	return notFound("discard", leftAlone, len(ids), c.g.table)
 }
 

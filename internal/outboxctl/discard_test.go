@@ -27,6 +27,7 @@ func TestDiscard_StuckRecordsPrintedThenDeleted_OthersLeftAlone(t *testing.T) {
 			`"id": "` + keyed[0] + `"`, `"aggregate_id": "pay-3"`, `"body_text": "{\"n\":0}"`,
 			"2 rows discarded\n",
 			"key pay-3 seq 1 discarded: its key's later records go out, and a consumer's ordered inbox waits for the number",
+			"3 of the 5 ids given left as they were:\n",
 			"  " + f.stuck[1] + ": in flight: relay rails-relay holds it under a lease until ",
 			"  " + f.pending[0] + ": pending: the relay publishes it at its next claim (discard deletes stuck records only)\n",
 			"  no-such-id: not in acemq_outbox\n",

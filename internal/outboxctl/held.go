@@ -88,7 +88,7 @@ func (c *cli) held(args []string) error {
 	fs := c.flagSet("held")
 	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
 	var olderFlag ageFlag
-	fs.Var(&olderFlag, "older-than", "only keys with a message held longer than this (e.g. 5m, 7d, GapAfter)")
+	fs.Var(&olderFlag, "older-than", "only keys with a message held longer than this (e.g. 5m, 7d; the inbox's GapAfter, 5m by default, lists the gaps it reports)")
 	older := &olderFlag.d
 	limit := fs.Int("limit", heldLimit, "list at most this many keys, the longest-held first (0: every key); the rest are counted")
 	rest, err := c.parse(fs, args, "outboxctl held [--older-than D] [--limit N] [--json]")

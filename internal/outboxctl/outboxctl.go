@@ -153,13 +153,13 @@ type command struct {
 }
 
 var commands = []command{
-	{"status", "pending, oldest pending age, stuck, published in the last hour, inbox size, PostgreSQL's wake-up", (*cli).status},
+	{"status", "pending, oldest pending age, failing (the oldest: what waits behind it), stuck, published in the last hour, inbox size, held messages, PostgreSQL's wake-up", (*cli).status},
 	{"stuck", "the rows the relay gave up on, with where they go and why they failed", (*cli).stuck},
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"resend", "send published records again, processed mark cleared (a message set aside once its cause is fixed): resend ID... | resend --key K --seq N", (*cli).resend},
 	{"discard", "delete stuck records an operator gives up on, each printed first (their only copy): discard ID...", (*cli).discard},
 	{"restore", "write a poison copy back as the message it copies (its id, topic, key and number), where the message's own record is gone: restore COPY_ID...", (*cli).restore},
-	{"show", "where records are: published (and processed), pending, stuck or in flight: show ID...", (*cli).show},
+	{"show", "where records are: published (processed, set aside, held or skipped by a consumer), pending, stuck, in flight, not there: show ID... | show --key K --seq N", (*cli).show},
 	{"purge", "delete old published rows and inbox keys in bounded batches; never pending rows", (*cli).purge},
 	{"held", "ordered inbox: keys with held messages, what they wait for and since when", (*cli).held},
 	{"skip-gap", "ordered inbox: give up on a key's missing messages: skip-gap --consumer C --key K --from A --through B", (*cli).skipGap},

@@ -110,6 +110,23 @@ func (c *cli) relay(args []string) error {
 	}
 	amqpShown := strings.Join(shown, ",")
 
+	// Bound before anything is dialled: a port another process holds (a
+	// second relay on the host) is the operator's to mend, and the relay
+	// connected to the database and RabbitMQ first, then stopped (a
+	// README review).
+	var ln net.Listener
+	var srv *http.Server
+	if *listen != "" {
+		if ln, err = net.Listen("tcp", *listen); err != nil {
+			return fmt.Errorf("--listen %s: %v (a second relay on this host needs a --listen of its own, or \"\" for none)", *listen, err)
+		}
+		defer func() {
+			if srv == nil { // not served: stopped before the relay ran
+				_ = ln.Close()
+			}
+		}()
+	}
+
 	log := slog.New(slog.NewTextHandler(c.stderr, nil))
 	wlog := watermill.NewSlogLogger(log)
 
@@ -193,14 +210,8 @@ func (c *cli) relay(args []string) error {
 	if stallAfter == 0 {
 		stallAfter = stallBound(*poll)
 	}
-	var srv *http.Server
 	served := make(chan error, 1)
-	if *listen != "" {
-		ln, err := net.Listen("tcp", *listen)
-		if err != nil {
-			_ = fwd.Close()
-			return fmt.Errorf("--listen %s: %v", *listen, err)
-		}
+	if ln != nil {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {

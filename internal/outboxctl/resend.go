@@ -90,17 +90,24 @@ func (c *cli) resend(args []string) error {
 		return notFound("resend", leftAlone, len(ids), c.g.table)
 	}
 	fmt.Fprintf(c.stdout, "%s made pending again (published before; processed mark cleared): the relay sends them again, and a consumer with the inbox runs each only if it never processed it\n", rows(n))
-	if left := int64(len(ids)) - n; left > 0 {
-		fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, len(ids))
-		for i, l := range leftAlone {
-			if i == retryExplained {
-				fmt.Fprintf(c.stdout, "  %d more as above (resend --json lists each)\n", len(leftAlone)-i)
-				break
-			}
-			fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
-		}
-	}
+	c.printLeftAlone("resend", leftAlone, int64(len(ids))-n, len(ids))
 	return notFound("resend", leftAlone, len(ids), c.g.table)
+}
+
+// printLeftAlone prints that left of the given ids were left as they were,
+// and why for the first retryExplained of leftAlone.
+func (c *cli) printLeftAlone(cmd string, leftAlone []retryLeft, left int64, given int) {
+	if left <= 0 {
+		return
+	}
+	fmt.Fprintf(c.stdout, "%d of the %d ids given left as they were:\n", left, given)
+	for i, l := range leftAlone {
+		if i == retryExplained {
+			fmt.Fprintf(c.stdout, "  %d more as above (%s --json lists each)\n", len(leftAlone)-i, cmd)
+			break
+		}
+		fmt.Fprintf(c.stdout, "  %s: %s\n", l.ID, l.Why)
+	}
 }
 
 // resendHint is what to do instead with a record resend left alone.

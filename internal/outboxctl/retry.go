@@ -8,7 +8,7 @@ import (
 func (c *cli) retry(args []string) error {
 	fs := c.flagSet("retry")
 	all := fs.Bool("all-stuck", false, "retry every stuck row instead of the ids given")
-	asJSON := fs.Bool("json", false, `print {"retried": N, "left_alone": [{"id", "state", "why"}...]}, for scripts`)
+	asJSON := fs.Bool("json", false, `print {"retried": N, "left_alone": [{"id", "state", "why"}...], "last_failed_unroutable": N}, for scripts`)
 	ids, err := c.parse(fs, args, "outboxctl retry ID... | outboxctl retry --all-stuck")
 	if err != nil {
 		return err
