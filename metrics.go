@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"errors"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -15,23 +16,49 @@ type Metrics struct {
 	published     *prometheus.CounterVec
 	failed        *prometheus.CounterVec
 	batchDuration prometheus.Histogram
-	pending       prometheus.Gauge
-	oldestPending prometheus.Gauge
-	stuck         prometheus.Gauge
+	pending       *readGauge
+	oldestPending *readGauge
+	stuck         *readGauge
 
 	inboxProcessed  *prometheus.CounterVec
 	inboxDuplicate  *prometheus.CounterVec
 	inboxFailed     *prometheus.CounterVec
 	inboxAtMostOnce *prometheus.CounterVec
 	inboxHeld       *prometheus.CounterVec
-	heldMessages    prometheus.Gauge
-	heldGaps        prometheus.Gauge
-	oldestGap       prometheus.Gauge
+	heldMessages    *readGauge
+	heldGaps        *readGauge
+	oldestGap       *readGauge
 	statements      prometheus.Counter
 
 	brokerConnectedNodes *prometheus.GaugeVec
 	brokerConnects       *prometheus.CounterVec
 	brokerDialFailures   *prometheus.CounterVec
+}
+
+// readGauge is a gauge that a process exports only once it has read it:
+// a consumer's process exported outbox_pending and outbox_stuck as 0, and
+// a relay's outbox_inbox_held as 0 beside 1,321 held messages, and a
+// dashboard summing over pods, or an alert on one, read them as healthy
+// (a user review). The relay's are read by a Forwarder with Metrics, the
+// inbox's by Inbox.RefreshStats.
+type readGauge struct {
+	prometheus.Gauge
+	read atomic.Bool
+}
+
+func newReadGauge(opts prometheus.GaugeOpts) *readGauge {
+	return &readGauge{Gauge: prometheus.NewGauge(opts)}
+}
+
+func (g *readGauge) Set(v float64) {
+	g.Gauge.Set(v)
+	g.read.Store(true)
+}
+
+func (g *readGauge) Collect(ch chan<- prometheus.Metric) {
+	if g.read.Load() {
+		g.Gauge.Collect(ch)
+	}
 }
 
 // NewMetrics creates the metrics and registers them with reg. Their names
@@ -63,15 +90,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Help:    "Time from claiming a batch to marking it.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14), // 1 ms to 8 s
 		}),
-		pending: prometheus.NewGauge(prometheus.GaugeOpts{
+		pending: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_pending",
 			Help: "Outbox records not yet published and under the attempt ceiling.",
 		}),
-		oldestPending: prometheus.NewGauge(prometheus.GaugeOpts{
+		oldestPending: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_oldest_pending_age_seconds",
 			Help: "Age of the oldest pending outbox record; 0 when none is pending.",
 		}),
-		stuck: prometheus.NewGauge(prometheus.GaugeOpts{
+		stuck: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_stuck",
 			Help: "Outbox records at the attempt ceiling, left alone until an operator retries them.",
 		}),
@@ -95,15 +122,15 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_inbox_held_total",
 			Help: "Keyed messages the ordered inbox held, ahead of their predecessor, and acked, by consumer.",
 		}, []string{"consumer"}),
-		heldMessages: prometheus.NewGauge(prometheus.GaugeOpts{
+		heldMessages: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_inbox_held",
 			Help: "Messages the ordered inbox holds until their predecessor is applied, all consumers (set by Inbox.RefreshStats).",
 		}),
-		heldGaps: prometheus.NewGauge(prometheus.GaugeOpts{
+		heldGaps: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_inbox_gaps",
 			Help: "Keys with a message held longer than InboxConfig.GapAfter: a predecessor missing, for an operator (outboxctl held, skip-gap).",
 		}),
-		oldestGap: prometheus.NewGauge(prometheus.GaugeOpts{
+		oldestGap: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_inbox_oldest_gap_age_seconds",
 			Help: "How long the longest-held message of the ordered inbox has been held; 0 when none is.",
 		}),

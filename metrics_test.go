@@ -227,3 +227,66 @@ func TestNewMetrics_TwoTablesOneRegistry_ApartByALabel(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A gauge a process never read is not exported: a consumer's process
+// exported outbox_pending and outbox_stuck as 0 while rows waited, and a
+// relay's outbox_inbox_held as 0 beside 1,321 held messages, read as
+// healthy by a dashboard over the pods (a user review). Each appears once
+// its reader ran: the relay's stats, Inbox.RefreshStats.
+func TestMetrics_GaugesAProcessNeverRead_NotExported(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	publishN(t, db, "payments", "payment.captured", 3) // pending: no relay runs
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", Ordered: true, Metrics: m})
+	relayGauges := []string{"outbox_pending", "outbox_stuck", "outbox_oldest_pending_age_seconds"}
+	inboxGauges := []string{"outbox_inbox_held", "outbox_inbox_gaps", "outbox_inbox_oldest_gap_age_seconds"}
+	exported := func() map[string]bool {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]bool{}
+		for _, mf := range mfs {
+			got[mf.GetName()] = len(mf.GetMetric()) > 0
+		}
+		return got
+	}
+	for _, name := range append(relayGauges, inboxGauges...) {
+		if exported()[name] {
+			t.Errorf("%s exported before anything read it", name)
+		}
+	}
+	if err := in.RefreshStats(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	got := exported()
+	for _, name := range inboxGauges {
+		if !got[name] {
+			t.Errorf("%s not exported after RefreshStats", name)
+		}
+	}
+	for _, name := range relayGauges {
+		if got[name] {
+			t.Errorf("%s exported by a process with no relay, while 3 rows are pending", name)
+		}
+	}
+	f, err := outbox.NewForwarder(db.DB, outbox.NewPublisherDestination(newRefusingPublisher("", "down"), nil),
+		outbox.ForwarderConfig{Dialect: outbox.Postgres, Metrics: m, StatsInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+	waitFor(t, 20*time.Second, "the relay's gauges exported", func() bool {
+		got := exported()
+		return got[relayGauges[0]] && got[relayGauges[1]] && got[relayGauges[2]]
+	})
+}
