@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -188,4 +189,37 @@ func TestOrderedInbox_CopyOfAMessageHeldUnmarked_RecordMarkedWhenHeldAgain(t *te
 		deliver(t, h, "k", 1)
 		assertEffectsOnce(t, db, "k", 2)
 	})
+}
+
+// The mark waits for its record's row lock, and a session holding it FOR
+// UPDATE kept a review's deliveries waiting until their Timeout, with an
+// error that named no lock. It still waits (the relay's claim holds the
+// lock until its mark, every batch, and a mark skipped would be sent
+// again by Republish), and its error says what it waited for.
+func TestInbox_MarkWaitsForARowLockTillTheDeliverysEnd_ErrorNamesTheLock(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.Postgres)
+	ctx := context.Background()
+	ids := publishN(t, db, "payments", "payment.authorized", 1)
+	if _, err := db.ExecContext(ctx, "UPDATE acemq_outbox SET published_at = now()"); err != nil {
+		t.Fatal(err)
+	}
+	locker, err := db.BeginTxx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = locker.Rollback() }()
+	if _, err := locker.ExecContext(ctx, "SELECT 1 FROM acemq_outbox WHERE id = $1 FOR UPDATE", ids[0]); err != nil {
+		t.Fatal(err)
+	}
+	h := newInbox(t, db, outbox.InboxConfig{ConsumerName: "ledger", MarkOutboxProcessed: true}).
+		Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	msgCtx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	msg := message.NewMessage(ids[0], []byte(`{}`))
+	msg.SetContext(msgCtx)
+	_, err = h(msg)
+	if err == nil || !strings.Contains(err.Error(), "row lock") {
+		t.Errorf("delivery behind a FOR UPDATE of its record: %v, want an error naming the row lock", err)
+	}
 }

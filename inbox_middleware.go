@@ -924,6 +924,13 @@ func (in *Inbox) mark(ctx context.Context, on execQuerier, key string, now time.
 		stmt = in.stmtCtx(ctx)
 	}
 	if _, err := on.ExecContext(stmt, q.SQL, q.Args...); err != nil {
+		if ctx.Err() != nil {
+			// The update waits for the record's row lock: a review's
+			// handlers sat 30 s behind a session's SELECT … FOR UPDATE of
+			// outbox rows, until their Timeout, with an error that named
+			// no lock. A relay's claim holds it only until its mark.
+			return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w (waiting for the record's row lock? a session or another library's relay holding it FOR UPDATE keeps the mark, and this delivery, waiting)", idText(key), err)
+		}
 		return fmt.Errorf("outbox: inbox: mark outbox record %s processed: %w", idText(key), err)
 	}
 	return nil
