@@ -37,5 +37,15 @@
 //
 // At-least-once, on purpose: a row is marked published only after the broker
 // confirmed it, so a crash in between sends it again, and consumers dedupe by
-// message id. Not exactly-once, and not ordered across records.
+// message id ([Inbox]). Not exactly-once, and not ordered across records:
+// order per aggregate comes from an ordering key ([MetadataAggregateID]),
+// whose records are numbered at publish, sent in order by any number of
+// relays, and applied in order by an [InboxConfig].Ordered inbox.
+//
+// # Operating it
+//
+// [Store] reads and mends the outbox (Stats, Stuck, Retry, Resend,
+// Discard, Lookup, PurgePublished…); cmd/outboxctl is the same for an
+// operator, and runs the relay as its own process. The README is the
+// guide.
 package outbox

@@ -12,13 +12,19 @@ import (
 	"github.com/acemq/watermill-outbox/sqlschema"
 )
 
-// Migrate creates or updates the outbox and inbox tables (acemq_outbox,
-// processed_messages) in db, applying the dialect's files of the sqlschema
-// package that this database has not had yet.
+// Migrate creates or updates the outbox and inbox tables in db, applying
+// the dialect's files of the sqlschema package that this database has not
+// had yet: acemq_outbox, processed_messages, and for per-aggregate order
+// acemq_outbox_sequences (the publisher's numbers), acemq_inbox_held and
+// acemq_inbox_sequences (the ordered inbox's), with the applied versions
+// in acemq_schema_migrations.
 //
 // It is safe to run on every boot, and from several processes at once: on
-// PostgreSQL an advisory lock and on MySQL a named lock make the others wait,
-// and the applied versions are recorded in acemq_schema_migrations. Every
+// PostgreSQL an advisory lock, on MySQL a named lock and on SQLite the
+// file's write lock (a transaction begun IMMEDIATE, waiting up to the busy
+// timeout) make the others wait. On PostgreSQL the pending steps run in one
+// transaction, and those that add an index to acemq_outbox hold its writes
+// while they build it (see the README's Upgrading). Every
 // statement is also idempotent, so a database first migrated with goose or
 // golang-migrate is left as it is.
 //
