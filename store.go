@@ -1574,6 +1574,27 @@ func (s *Store) Stuck(ctx context.Context, limit int) ([]StuckRecord, error) {
 	return s.failedRows(ctx, s.q.Stuck(s.cfg.MaxAttempts, limit, time.Now()), "stuck")
 }
 
+// SetAside lists up to limit published records whose message a consumer
+// set aside (an inbox with MarkOutboxProcessed behind PoisonOutbox, on this
+// database), oldest first, their LastError the inbox's note: published,
+// never applied, each sent again by Resend once its cause is fixed. The
+// last message of a key set aside holds nothing back, and no other list
+// showed it (a review's on-call read 18 of 48 off the poison queue). It
+// reads the whole table.
+func (s *Store) SetAside(ctx context.Context, limit int) ([]StuckRecord, error) {
+	return s.failedRows(ctx, s.q.SetAside(limit), "set aside")
+}
+
+// SetAsideCount counts the records SetAside lists.
+func (s *Store) SetAsideCount(ctx context.Context) (int64, error) {
+	q := s.q.SetAsideCount()
+	var n int64
+	if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&n); err != nil {
+		return 0, fmt.Errorf("outbox: set aside: %w", err)
+	}
+	return n, nil
+}
+
 // Failing lists up to limit rows that failed and are not stuck (pending
 // after fewer than MaxAttempts failed attempts), oldest first: the relay
 // tries them again itself, and an unkeyed one holds back the records

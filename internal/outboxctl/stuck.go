@@ -41,7 +41,8 @@ func (c *cli) stuck(args []string) error {
 	asJSON := fs.Bool("json", false, "print one JSON object, for scripts")
 	limit := fs.Int("limit", 100, "list at most this many rows, oldest first")
 	failing := fs.Bool("failing", false, "list the rows that failed and are not stuck yet (the relay tries them again; an unkeyed one holds back the rows behind it)")
-	rest, err := c.parse(fs, args, "outboxctl stuck [--failing] [--limit N] [--json]")
+	setAside := fs.Bool("set-aside", false, "list the published records a consumer's poison queue set aside, never applied (an inbox with MarkOutboxProcessed on this database noted them); resend sends them again. Reads the whole table")
+	rest, err := c.parse(fs, args, "outboxctl stuck [--failing | --set-aside] [--limit N] [--json]")
 	if err != nil {
 		return err
 	}
@@ -50,6 +51,9 @@ func (c *cli) stuck(args []string) error {
 	}
 	if *limit < 1 {
 		return usagef("--limit: %d; want at least 1", *limit)
+	}
+	if *failing && *setAside {
+		return usagef("stuck: give --failing or --set-aside, not both")
 	}
 	d, s, err := c.openStore()
 	if err != nil {
@@ -62,6 +66,9 @@ func (c *cli) stuck(args []string) error {
 	}, "stuck"
 	if *failing {
 		list, count, what = s.Failing, s.FailingCount, "failing"
+	}
+	if *setAside {
+		list, count, what = s.SetAside, s.SetAsideCount, "set-aside"
 	}
 	recs, err := list(c.ctx, *limit)
 	if err != nil {
@@ -89,6 +96,10 @@ func (c *cli) stuck(args []string) error {
 		return writeJSON(c.stdout, r)
 	}
 	if len(r.Rows) == 0 {
+		if *setAside {
+			fmt.Fprintln(c.stdout, "no records set aside (none published that a consumer's poison queue set aside, as an inbox with MarkOutboxProcessed on this database notes them)")
+			return nil
+		}
 		if *failing {
 			fmt.Fprintf(c.stdout, "no failing rows (none unpublished after failed attempts fewer than %d)\n", r.MaxAttempts)
 			return nil
@@ -138,6 +149,10 @@ func (c *cli) stuck(args []string) error {
 	}
 	if *failing {
 		fmt.Fprintf(c.stdout, "the relay tries them again itself, up to %d attempts; outboxctl show ID says more\n", r.MaxAttempts)
+		return nil
+	}
+	if *setAside {
+		fmt.Fprintln(c.stdout, "published and never applied: once the cause is fixed, outboxctl resend ID... sends them again (a keyed one's key waits for it: outboxctl held)")
 		return nil
 	}
 	fmt.Fprintln(c.stdout, "outboxctl retry ID... or outboxctl retry --all-stuck makes them pending again (in a shell, an id shown quoted goes in single quotes: retry '\"ord-1 \"')")

@@ -1182,6 +1182,19 @@ func (o *Outbox) failedRows(cond string, condArgs []any, limit int, now time.Tim
 		" WHERE published_at IS NULL AND "+cond+" ORDER BY created_at, id LIMIT ?", append(append(args, condArgs...), limit)...)
 }
 
+// SetAside lists, in Stuck's columns, up to limit published records a
+// consumer set aside (MarkSetAside's note in last_error), oldest first. It
+// reads the whole table: an operator's look, not a relay's.
+func (o *Outbox) SetAside(limit int) Query {
+	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, "+o.d.timeText("created_at")+", locked_by, "+o.d.timeText("locked_until")+", 0 FROM "+o.table+
+		" WHERE published_at IS NOT NULL AND last_error LIKE ? ORDER BY created_at, id LIMIT ?", SetAsideNote+"%", limit)
+}
+
+// SetAsideCount counts the records SetAside lists.
+func (o *Outbox) SetAsideCount() Query {
+	return o.query("SELECT COUNT(*) FROM "+o.table+" WHERE published_at IS NOT NULL AND last_error LIKE ?", SetAsideNote+"%")
+}
+
 // Records reads the rows of ids, as an operator looks them up: id,
 // exchange_name, routing_key, aggregate_id, seq, attempts, last_error,
 // created_at, published_at, processed_at, locked_by, locked_until, and 1

@@ -1,0 +1,46 @@
+package outboxctl
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+)
+
+// A payment's last event set aside by the ledger's poison queue holds no
+// key back, so held does not list it, and stuck lists only unpublished
+// rows: a review's on-call read 18 of 48 set-aside ids off the poison
+// queue. stuck --set-aside lists them, with the note and what to do.
+func TestStuck_SetAside_ListsRecordsAConsumerSetAside(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		ids := publishOf(t, db, 2, "payment.captured", "pay-7")
+		const note = "set aside by ledger to ledger.poison as 8ef93d4f-88f4-575b-86de-c5cc6419e5f2: card network rejected (2026-12-06 16:46:17Z)"
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ?, last_error = ? WHERE id = ?",
+			ts(kind, time.Now().Add(-time.Minute)), ts(kind, time.Now()), note, ids[1])
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?, processed_at = ? WHERE id = ?",
+			ts(kind, time.Now().Add(-time.Minute)), ts(kind, time.Now()), ids[0])
+
+		out := mustCtl(t, "stuck", "--set-aside", "--db", db.DSN)
+		for _, want := range []string{ids[1], note, "outboxctl resend ID... sends them again"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("stuck --set-aside does not say %q:\n%s", want, out)
+			}
+		}
+		if strings.Contains(out, ids[0]) {
+			t.Errorf("stuck --set-aside lists %s, applied:\n%s", ids[0], out)
+		}
+		if out := mustCtl(t, "stuck", "--db", db.DSN); strings.Contains(out, ids[1]) {
+			t.Errorf("stuck lists the set-aside record, published:\n%s", out)
+		}
+		var r stuckReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--set-aside", "--json", "--db", db.DSN)), &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.Total != 1 || len(r.Rows) != 1 || r.Rows[0].ID != ids[1] || r.Rows[0].LastError != note {
+			t.Errorf("stuck --set-aside --json: %+v, want the one record set aside", r)
+		}
+		ctl(t, nil, "stuck", "--set-aside", "--failing", "--db", db.DSN).wantFailure(t, 2, "give --failing or --set-aside, not both")
+	})
+}
