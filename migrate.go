@@ -23,8 +23,8 @@ import (
 // PostgreSQL an advisory lock, on MySQL a named lock and on SQLite the
 // file's write lock (a transaction begun IMMEDIATE, waiting up to the busy
 // timeout) make the others wait. On PostgreSQL the pending steps run in one
-// transaction, and those that add an index to acemq_outbox hold its writes
-// while they build it (see the README's Upgrading). Every
+// transaction, and the writes to a table a step indexes or alters wait
+// until it commits (see the README's Upgrading). Every
 // statement is also idempotent, so a database first migrated with goose or
 // golang-migrate is left as it is.
 //

@@ -623,7 +623,7 @@ func TestRelay_UnreachableBroker_ExitsOneNamingIt(t *testing.T) {
 }
 
 // A --listen address another process holds stops the relay before it
-// dials anything: it connected to the database and RabbitMQ first, then
+// dials the broker: it connected to the database and RabbitMQ first, then
 // stopped on the port (a README review's second relay on one host).
 func TestRelay_ListenAddressTaken_StopsBeforeDialling(t *testing.T) {
 	db := migrated(t, testdb.SQLite)

@@ -110,23 +110,6 @@ func (c *cli) relay(args []string) error {
 	}
 	amqpShown := strings.Join(shown, ",")
 
-	// Bound before anything is dialled: a port another process holds (a
-	// second relay on the host) is the operator's to mend, and the relay
-	// connected to the database and RabbitMQ first, then stopped (a
-	// README review).
-	var ln net.Listener
-	var srv *http.Server
-	if *listen != "" {
-		if ln, err = net.Listen("tcp", *listen); err != nil {
-			return fmt.Errorf("--listen %s: %v (a second relay on this host needs a --listen of its own, or \"\" for none)", *listen, err)
-		}
-		defer func() {
-			if srv == nil { // not served: stopped before the relay ran
-				_ = ln.Close()
-			}
-		}()
-	}
-
 	log := slog.New(slog.NewTextHandler(c.stderr, nil))
 	wlog := watermill.NewSlogLogger(log)
 
@@ -160,6 +143,24 @@ func (c *cli) relay(args []string) error {
 		return c.stoppedAtStart(err)
 	}
 	defer d.Close()
+
+	// Bound before the broker is dialled: a port another process holds (a
+	// second relay on the host) is the operator's to mend, and the relay
+	// connected to RabbitMQ first, then stopped (a README review). After
+	// the database, whose mistakes (a file that is not there) come first.
+	var ln net.Listener
+	var srv *http.Server
+	if *listen != "" {
+		if ln, err = net.Listen("tcp", *listen); err != nil {
+			_ = dest.Close()
+			return fmt.Errorf("--listen %s: %v (a second relay on this host needs a --listen of its own, or \"\" for none)", *listen, err)
+		}
+		defer func() {
+			if srv == nil { // not served: stopped before the relay ran
+				_ = ln.Close()
+			}
+		}()
+	}
 
 	// A broker that is down when the relay starts is an operator's to fix;
 	// one lost later is the relay's to wait out (it backs off and claims
