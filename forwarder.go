@@ -50,7 +50,8 @@ type ForwarderConfig struct {
 	//     nothing in flight (keyed drain over unkeyed, one relay, fixed
 	//     claims of 100 against growing ones: from 0.61 to 0.88 on
 	//     PostgreSQL, 0.60 to 0.87 on SQLite, 0.67 to 0.80 on MariaDB, when
-	//     it was made; 0.78–0.96 on 2026-12-06, see the README). On MySQL a claim keeps the rows it passed over locked
+	//     it was made; 0.78–0.96 on 2026-12-06, see the README). On MySQL
+	//     a claim keeps the rows it passed over locked
 	//     until its batch is marked, other relays' keys' next records among
 	//     them: a full keyed claim that passed over more than a quarter as
 	//     many rows as it took sends the next back to BatchSize, and the

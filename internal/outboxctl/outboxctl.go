@@ -154,7 +154,7 @@ type command struct {
 
 var commands = []command{
 	{"status", "pending, oldest pending age, failing (the oldest: what waits behind it), stuck, published in the last hour, inbox size, held messages, PostgreSQL's wake-up", (*cli).status},
-	{"stuck", "the rows the relay gave up on, with where they go and why they failed", (*cli).stuck},
+	{"stuck", "the rows the relay gave up on, with where they go and why they failed; --failing: those failing still; --set-aside: those a consumer set aside", (*cli).stuck},
 	{"retry", "make rows pending again, attempts reset: retry ID... | retry --all-stuck", (*cli).retry},
 	{"resend", "send published records again, processed mark cleared (a message set aside once its cause is fixed): resend ID... | resend --key K --seq N", (*cli).resend},
 	{"discard", "delete stuck records an operator gives up on, each printed first (their only copy): discard ID...", (*cli).discard},
