@@ -1437,8 +1437,8 @@ func (in *Inbox) keyFromHere(ctx context.Context, consumer, key string) bool {
 	if err := row(q.LowestHeld(consumer, key), &lowest); err != nil || !lowest.Valid {
 		return false
 	}
-	var held, payload, encoding, metadata, id string
-	if err := row(q.Held(consumer, key, lowest.Int64), &held, &payload, &encoding, &metadata); err != nil {
+	var held, id string
+	if err := row(q.HeldID(consumer, key, lowest.Int64), &held); err != nil {
 		return false
 	}
 	if err := row(in.outbox.KeySeq(key, lowest.Int64), &id); err != nil {

@@ -257,12 +257,9 @@ func (c *cli) lookUpWaiting(d *database, keys []heldKey) error {
 // heldHere reports whether k's lowest held message is the record of its
 // number in s's outbox, by id; still is false when it is held no more.
 func (c *cli) heldHere(d *database, s *outbox.Store, k *heldKey) (own, still bool, err error) {
-	q := "SELECT message_id FROM " + sqldialect.InboxHeldTable + " WHERE consumer_name = ? AND aggregate_id = ? AND seq = ?"
-	if d.kind == kindPostgres {
-		q = sqlx.Rebind(sqlx.DOLLAR, q)
-	}
+	q := sqldialect.NewOrderedInbox(d.sqlDialect()).HeldID(k.consumer, k.AggregateID, k.LowestHeld)
 	var held string
-	switch err := d.db.QueryRowContext(c.ctx, q, k.consumer, k.AggregateID, k.LowestHeld).Scan(&held); {
+	switch err := d.db.QueryRowContext(c.ctx, q.SQL, q.Args...).Scan(&held); {
 	case errors.Is(err, sql.ErrNoRows):
 		return false, false, nil
 	case err != nil:

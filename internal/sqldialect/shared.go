@@ -1177,17 +1177,22 @@ func (o *Outbox) FailingCount(maxAttempts int) Query {
 // attempts holds (cond, with its args), oldest first.
 func (o *Outbox) failedRows(cond string, condArgs []any, limit int, now time.Time) Query {
 	free, args := o.notClaimed(now)
-	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, "+o.d.timeText("created_at")+", locked_by, "+o.d.timeText("locked_until")+", "+
-		"CASE WHEN "+free+" THEN 0 ELSE 1 END FROM "+o.table+
+	return o.query(o.stuckColumns("CASE WHEN "+free+" THEN 0 ELSE 1 END")+
 		" WHERE published_at IS NULL AND "+cond+" ORDER BY created_at, id LIMIT ?", append(append(args, condArgs...), limit)...)
+}
+
+// stuckColumns selects from the table the columns Stuck lists, leased
+// (1 or 0) the last.
+func (o *Outbox) stuckColumns(leased string) string {
+	return "SELECT id, exchange_name, routing_key, attempts, last_error, " + o.d.timeText("created_at") + ", locked_by, " + o.d.timeText("locked_until") + ", " +
+		leased + " FROM " + o.table
 }
 
 // SetAside lists, in Stuck's columns, up to limit published records a
 // consumer set aside (MarkSetAside's note in last_error), oldest first. It
 // reads the whole table: an operator's look, not a relay's.
 func (o *Outbox) SetAside(limit int) Query {
-	return o.query("SELECT id, exchange_name, routing_key, attempts, last_error, "+o.d.timeText("created_at")+", locked_by, "+o.d.timeText("locked_until")+", 0 FROM "+o.table+
-		" WHERE published_at IS NOT NULL AND last_error LIKE ? ORDER BY created_at, id LIMIT ?", SetAsideNote+"%", limit)
+	return o.query(o.stuckColumns("0")+" WHERE published_at IS NOT NULL AND last_error LIKE ? ORDER BY created_at, id LIMIT ?", SetAsideNote+"%", limit)
 }
 
 // SetAsideCount counts the records SetAside lists.
@@ -1873,6 +1878,11 @@ func (o *OrderedInbox) DeleteHeldUpTo(consumer, key string, seq int64) Query {
 func (o *OrderedInbox) Held(consumer, key string, seq int64) Query {
 	return o.query("SELECT message_id, payload, payload_encoding, metadata FROM "+InboxHeldTable+
 		" WHERE consumer_name = ? AND aggregate_id = ? AND seq = ?", consumer, key, seq)
+}
+
+// HeldID reads the id of the key's held message seq. Columns: message_id.
+func (o *OrderedInbox) HeldID(consumer, key string, seq int64) Query {
+	return o.query("SELECT message_id FROM "+InboxHeldTable+" WHERE consumer_name = ? AND aggregate_id = ? AND seq = ?", consumer, key, seq)
 }
 
 // LowestHeld reads the key's lowest held sequence number, NULL if none.
