@@ -404,7 +404,9 @@ func (f *Forwarder) Notify() {
 	}
 }
 
-// ErrForwarderClosed is returned by Run after Close, and by Run called twice.
+// ErrForwarderClosed is returned by Run after Close, and by Run called
+// after a Run returned: a Forwarder runs once. Run called while a Run runs
+// returns ErrForwarderInUse.
 var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 
 // Run relays until ctx ends or Close is called, then finishes the batch in
@@ -441,7 +443,14 @@ func (f *Forwarder) claimRun(by *relaySubscriber) error {
 	case by != nil && f.routedBy != by:
 		return errUnrouted
 	case f.runCalled:
-		return fmt.Errorf("%w: Run called twice", ErrForwarderClosed)
+		select {
+		case <-f.done:
+			return fmt.Errorf("%w: its Run has returned; a Forwarder runs once, make a new one", ErrForwarderClosed)
+		default:
+			// Not ErrForwarderClosed: a supervisor that takes that for a
+			// clean stop took a second start for one (an API review).
+			return fmt.Errorf("%w: Run called while a Run runs", ErrForwarderInUse)
+		}
 	}
 	f.runCalled = true
 	return nil

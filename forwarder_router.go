@@ -14,8 +14,8 @@ import (
 // ErrForwarderInUse is returned by the plugin of a Forwarder that runs
 // already (under another router's plugin, under the same plugin added
 // twice, under a Run of its own), by a plugin whose router runs a relay
-// of the same table already, and by Run on a Forwarder whose plugin is on
-// a router that has not closed.
+// of the same table already, by Run on a Forwarder whose plugin is on
+// a router that has not closed, and by Run called while a Run runs.
 var ErrForwarderInUse = errors.New("outbox: forwarder runs already")
 
 // Plugin runs the relay as part of a Watermill router: router.AddPlugin
