@@ -43,7 +43,10 @@ const (
 	// the key's next sequence number in the caller's transaction, from 1,
 	// without gaps, increasing in commit order; the relay sends both as the
 	// headers HeaderAggregateID and HeaderSeq. Without it a message is
-	// unkeyed and costs nothing more.
+	// unkeyed and costs nothing more. A message holding HeaderAggregateID
+	// ("aggregateId") without HeaderSeq and without MetadataAggregateID is
+	// refused with an *InvalidMessageError: an ordered inbox would refuse
+	// it at every delivery (ErrInvalidSeq).
 	//
 	// A keyed message whose id is in the table already is a retry when the
 	// row has its key, compared byte for byte, and a *DuplicateIDError
@@ -961,6 +964,16 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		return invalid("content type", err.Error())
 	}
 	md := msg.Metadata
+	if v, ok := md[HeaderAggregateID]; ok && !keyed && v != "" && v != voidHeader {
+		if _, ok := md[HeaderSeq]; !ok {
+			// An unkeyed row whose headers hold aggregateId and no seq: an
+			// ordered inbox refuses it at every delivery (ErrInvalidSeq),
+			// a poison message made by setting the header's name where
+			// MetadataAggregateID was meant (an API review).
+			return invalid("metadata", fmt.Sprintf("holds %s %.80q and no %s, which an ordered inbox refuses at every delivery (ErrInvalidSeq); to order by it, set outbox.MetadataAggregateID (%q) instead, and the relay sends %s and %s; an application's own metadata of that name, name it otherwise",
+				HeaderAggregateID, v, HeaderSeq, MetadataAggregateID, HeaderAggregateID, HeaderSeq))
+		}
+	}
 	ordered := relayOrdered(md)
 	if p.cfg.Propagator != nil || steered(md) || ordered {
 		// Into a copy: the caller's message is not ours to change.

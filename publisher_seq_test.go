@@ -651,8 +651,9 @@ func TestTxPublisher_SQLiteInsertInterrupted_KeyKeepsItsCounter(t *testing.T) {
 
 // The relay's ordering headers, aggregateId and seq, are left out of a
 // row's headers when a message holds both (a copy of a keyed delivery: it
-// would go out as its original's key and number); either alone is the
-// application's own metadata and stays.
+// would go out as its original's key and number); seq alone is the
+// application's own metadata and stays (aggregateId alone is refused:
+// TestTxPublisher_AggregateIDHeaderWithoutSeq_RefusedNamingMetadataAggregateID).
 func TestTxPublisher_RelayOrderingHeaders_LeftOutOnlyAsAPair(t *testing.T) {
 	t.Parallel()
 	db := migrated(t, testdb.SQLite)
@@ -678,6 +679,39 @@ func TestTxPublisher_RelayOrderingHeaders_LeftOutOnlyAsAPair(t *testing.T) {
 	}
 	if both.Metadata.Get(outbox.HeaderSeq) != "3" {
 		t.Error("Publish changed the caller's message")
+	}
+}
+
+// A message whose metadata holds aggregateId (HeaderAggregateID, the name
+// consumers see) and no seq, set where MetadataAggregateID was meant, went
+// out unkeyed with that header, and an ordered inbox refused it at every
+// delivery (ErrInvalidSeq): a poison message (an API review). Publish
+// refuses it, naming MetadataAggregateID, and writes nothing of the call.
+// A void aggregateId ("null", as AMQPMarshaler renders a void header) is
+// no key, and a keyed message's own aggregateId header is the relay's to
+// set: both are written.
+func TestTxPublisher_AggregateIDHeaderWithoutSeq_RefusedNamingMetadataAggregateID(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	fine := message.NewMessage("fine", nil)
+	wrong := message.NewMessage("wrong", nil)
+	wrong.Metadata.Set(outbox.HeaderAggregateID, "order-1")
+	err := republish(t, db, fine, wrong) // the transaction committed all the same
+	var invalid *outbox.InvalidMessageError
+	if !errors.As(err, &invalid) || invalid.Index != 1 || invalid.Field != "metadata" || !strings.Contains(err.Error(), outbox.MetadataAggregateID) {
+		t.Fatalf("Publish: %v, want an InvalidMessageError of message 1's metadata naming %s", err, outbox.MetadataAggregateID)
+	}
+	if n := countRows(t, db); n != 0 {
+		t.Errorf("%d rows written by the refused call and committed, want none", n)
+	}
+
+	void := message.NewMessage("void", nil)
+	void.Metadata.Set(outbox.HeaderAggregateID, "null")
+	own := keyed("order-2")
+	own.Metadata.Set(outbox.HeaderAggregateID, "order-2")
+	publishInTx(t, db, "t", []*message.Message{void, own})
+	if key, seq := seqOf(t, db, own.UUID); key != "order-2" || seq != 1 {
+		t.Errorf("the keyed message with its own aggregateId header: key %q seq %d, want order-2 and 1", key, seq)
 	}
 }
 
