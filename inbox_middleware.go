@@ -254,7 +254,7 @@ func checkConsumer(d Dialect, name string) error {
 // nor x-acemq-id metadata, unless InboxConfig.AllowMissingID is set.
 var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
-// ErrHandlerTxEnded fails a delivery whose transaction the database rolled
+// ErrTxRolledBackUnderHandler fails a delivery whose transaction the database rolled
 // back while its handler ran, the handler returning no error: a deadlock
 // or lock wait timeout on MySQL (on SQLite an interrupted statement, a full
 // disk) that the handler, or a middleware added after inbox.Middleware
@@ -265,16 +265,30 @@ var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 // delivery is nacked, to be run again; what the handler wrote after the
 // rollback stays committed. Add Retry and PoisonQueue before
 // inbox.Middleware.
-var ErrHandlerTxEnded = errors.New("outbox: inbox: the handler's transaction was rolled back while it ran, and the handler returned no error")
+var ErrTxRolledBackUnderHandler = errors.New("outbox: inbox: the handler's transaction was rolled back while it ran, and the handler returned no error")
 
-// ErrHandlerEndedTx fails a delivery whose transaction was over when the
+// ErrHandlerTxDone fails a delivery whose transaction was over when the
 // handler returned: the handler committed or rolled back the transaction
 // TxFromContext gave it (leave both to the inbox), or the message's context
 // ended while it ran, which makes database/sql roll it back. The messages
 // the handler returned are not written, and the delivery is nacked. After
 // a commit by the handler its key is committed, so the redelivery is acked
 // as a duplicate and those messages are lost: the handler must not commit.
-var ErrHandlerEndedTx = errors.New("outbox: inbox: the handler's transaction was over when it returned: committed or rolled back by the handler (leave both to the inbox), or rolled back as the message's context ended")
+// Where the message's context ended, the error wraps its cause too
+// (context.DeadlineExceeded under a Timeout middleware).
+var ErrHandlerTxDone = errors.New("outbox: inbox: the handler's transaction was over when it returned: committed or rolled back by the handler (leave both to the inbox), or rolled back as the message's context ended")
+
+// ErrHandlerEndedTx is ErrHandlerTxDone.
+//
+// Deprecated: use ErrHandlerTxDone; the two names of before,
+// ErrHandlerEndedTx and ErrHandlerTxEnded, differed only in word order.
+var ErrHandlerEndedTx = ErrHandlerTxDone
+
+// ErrHandlerTxEnded is ErrTxRolledBackUnderHandler.
+//
+// Deprecated: use ErrTxRolledBackUnderHandler; the two names of before,
+// ErrHandlerEndedTx and ErrHandlerTxEnded, differed only in word order.
+var ErrHandlerTxEnded = ErrTxRolledBackUnderHandler
 
 // ErrNotUnderInbox is returned by the publisher of Inbox.Publisher when a
 // router hands it messages: their handler did not run behind the inbox's
@@ -445,7 +459,7 @@ type txKey struct{}
 // NewTxPublisher(tx): the effect, the outgoing messages and the dedupe key
 // commit together, or none of them. The inbox commits or rolls it back
 // after the handler: a handler that does either itself fails its delivery
-// with ErrHandlerEndedTx, and after its own commit the messages it returns
+// with ErrHandlerTxDone, and after its own commit the messages it returns
 // are lost. Under InboxConfig.AtMostOnce there is none.
 func TxFromContext(ctx context.Context) (*sqlx.Tx, bool) {
 	tx, ok := ctx.Value(txKey{}).(*sqlx.Tx)
@@ -666,7 +680,7 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		return inboxFailed, consumer, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, consumer, in.handledCommitErr(err, key, consumer)
+		return inboxFailed, consumer, in.handledCommitErr(ctx, err, key, consumer)
 	}
 	committed = true
 	return inboxProcessed, consumer, nil
@@ -678,8 +692,8 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 // taken by something between it and the inbox, most likely a Watermill
 // middleware added after inbox.Middleware (PoisonQueue, Retry), which then
 // runs inside its transaction.
-func (in *Inbox) handledCommitErr(err error, id, consumer string) error {
-	err = endedUnderHandler(err)
+func (in *Inbox) handledCommitErr(ctx context.Context, err error, id, consumer string) error {
+	err = endedUnderHandler(ctx, err)
 	if in.dialect.sql().CommitRolledBack(err) {
 		return fmt.Errorf("outbox: inbox: commit %s for %s: a statement of the handler's transaction failed, yet the handler returned no error (a middleware after inbox.Middleware, such as PoisonQueue or Retry, may have taken it; add those before inbox.Middleware): %w", idText(id), consumer, err)
 	}

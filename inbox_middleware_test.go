@@ -476,7 +476,7 @@ func TestInbox_HandlerPanics_ErrorKeepsTheStack(t *testing.T) {
 // by one, and the inbox's COMMIT, of no transaction, succeeded. The
 // delivery was acked with no key recorded, and an ordered key stayed
 // behind its number for ever. The inbox now fails such a delivery
-// (ErrHandlerTxEnded), so that it is delivered again.
+// (ErrTxRolledBackUnderHandler), so that it is delivered again.
 func TestInbox_MySQL_DeadlockSwallowedByTheHandler_DeliveryFails(t *testing.T) {
 	for _, ordered := range []bool{false, true} {
 		t.Run(map[bool]string{false: "plain", true: "ordered"}[ordered], func(t *testing.T) {
@@ -553,8 +553,8 @@ func TestInbox_MySQL_DeadlockSwallowedByTheHandler_DeliveryFails(t *testing.T) {
 					t.Errorf("%s acked with its dedupe key not recorded: its transaction was rolled back in the handler", msgs[i].UUID)
 				case err != nil:
 					failed++
-					if !errors.Is(err, outbox.ErrHandlerTxEnded) {
-						t.Errorf("%s failed with %v, want ErrHandlerTxEnded", msgs[i].UUID, err)
+					if !errors.Is(err, outbox.ErrTxRolledBackUnderHandler) {
+						t.Errorf("%s failed with %v, want ErrTxRolledBackUnderHandler", msgs[i].UUID, err)
 					}
 				}
 			}

@@ -525,7 +525,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 			return inboxFailed, err
 		}
 		if err := tx.Commit(); err != nil {
-			return inboxFailed, in.handledCommitErr(err, id, consumer)
+			return inboxFailed, in.handledCommitErr(ctx, err, id, consumer)
 		}
 		committed = true
 		return inboxProcessed, nil
@@ -627,7 +627,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 		return inboxFailed, err
 	}
 	if err := tx.Commit(); err != nil {
-		return inboxFailed, in.handledCommitErr(err, id, consumer)
+		return inboxFailed, in.handledCommitErr(ctx, err, id, consumer)
 	}
 	committed = true
 	// Each held message in a transaction of its own: its handler failing
@@ -773,7 +773,7 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 		// checked already.
 		if !in.dialect.sql().SilentRollbacks() {
 			if err := in.stillInTx(ctx, tx, consumer, id, true); err != nil {
-				return inboxFailed, endedUnderHandler(err)
+				return inboxFailed, endedUnderHandler(ctx, err)
 			}
 		}
 	} else {
@@ -791,12 +791,12 @@ func (in *Inbox) applyInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFu
 			removed, err = res.RowsAffected()
 		}
 		if err != nil {
-			return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err))
+			return inboxFailed, endedUnderHandler(ctx, fmt.Errorf("outbox: inbox: delete held messages of %q up to %d for %s: %w", key, seq, consumer, err))
 		}
 	}
 	set := in.ordered.q.Advance(consumer, key, seq, removed)
 	if _, err := in.exec(ctx, tx, set); err != nil {
-		return inboxFailed, endedUnderHandler(fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err))
+		return inboxFailed, endedUnderHandler(ctx, fmt.Errorf("outbox: inbox: advance %q to %d for %s: %w", key, seq, consumer, err))
 	}
 	return outcome, nil
 }
@@ -814,22 +814,28 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 		return err
 	}
 	if err := in.stillInTx(ctx, tx, consumer, key, len(out) > 0); err != nil {
-		return endedUnderHandler(err)
+		return endedUnderHandler(ctx, err)
 	}
-	return endedUnderHandler(in.writeReturned(hctx, stdTx{tx.Tx}, out))
+	return endedUnderHandler(ctx, in.writeReturned(hctx, stdTx{tx.Tx}, out))
 }
 
-// endedUnderHandler names ErrHandlerEndedTx in err where database/sql says
+// endedUnderHandler names ErrHandlerTxDone in err where database/sql says
 // the handler's transaction is over (sql.ErrTxDone): a bare "transaction
-// has already been committed or rolled back" said nothing of why.
-func endedUnderHandler(err error) error {
-	if errors.Is(err, sql.ErrTxDone) && !errors.Is(err, ErrHandlerEndedTx) {
-		return fmt.Errorf("%w: %w", ErrHandlerEndedTx, err)
+// has already been committed or rolled back" said nothing of why. Where
+// ctx, the transaction's, has ended (database/sql rolled it back then), it
+// wraps ctx's cause too: a Timeout middleware's delivery matches
+// context.DeadlineExceeded (an API review).
+func endedUnderHandler(ctx context.Context, err error) error {
+	if !errors.Is(err, sql.ErrTxDone) || errors.Is(err, ErrHandlerTxDone) {
+		return err
 	}
-	return err
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w: %w (the message's context ended: %w)", ErrHandlerTxDone, err, context.Cause(ctx))
+	}
+	return fmt.Errorf("%w: %w", ErrHandlerTxDone, err)
 }
 
-// stillInTx fails with ErrHandlerTxEnded where the database may have rolled
+// stillInTx fails with ErrTxRolledBackUnderHandler where the database may have rolled
 // tx back under the handler with the statements after it each committed on
 // its own: the key recorded in tx before the handler ran is then gone. On
 // MySQL, whose COMMIT then succeeds, always (one more round trip); on
@@ -844,7 +850,11 @@ func (in *Inbox) stillInTx(ctx context.Context, tx *sqlx.Tx, consumer, key strin
 	var at any
 	switch err := in.queryRow(ctx, tx, in.q.Stamp(consumer, key)).Scan(&at); {
 	case errors.Is(err, sql.ErrNoRows):
-		return fmt.Errorf("%w: message %s for %s (an error that rolls a transaction back, such as a deadlock, taken by the handler or by a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrHandlerTxEnded, idText(key), consumer)
+		return fmt.Errorf("%w: message %s for %s (an error that rolls a transaction back, such as a deadlock, taken by the handler or by a middleware after inbox.Middleware such as Retry or PoisonQueue; add those before inbox.Middleware)", ErrTxRolledBackUnderHandler, idText(key), consumer)
+	case err != nil && ctx.Err() != nil:
+		// The message's context ended under the handler: database/sql
+		// rolls the transaction back, as ErrHandlerTxDone says.
+		return fmt.Errorf("%w: read back the key of %s for %s: %w (the message's context ended: %w)", ErrHandlerTxDone, idText(key), consumer, err, context.Cause(ctx))
 	case err != nil:
 		return fmt.Errorf("outbox: inbox: read back the key of %s for %s: %w", idText(key), consumer, err)
 	}
@@ -1032,7 +1042,7 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
 	if err == nil {
 		if err = tx.Commit(); err != nil {
-			err = in.handledCommitErr(err, id, consumer)
+			err = in.handledCommitErr(ctx, err, id, consumer)
 		}
 	}
 	if err != nil {

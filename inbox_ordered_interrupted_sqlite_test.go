@@ -15,7 +15,7 @@ import (
 // On SQLite, a write of the handler's that its own context interrupts
 // rolls the whole transaction back (sqlite3_interrupt inside an explicit
 // transaction), and every later statement on the connection commits on
-// its own. ErrHandlerTxEnded promises that such a delivery is nacked, the
+// its own. ErrTxRolledBackUnderHandler promises that such a delivery is nacked, the
 // dedupe key and the key's sequence gone with the rollback. On the ordered
 // inbox's paths that write after the handler (a key holding messages, and
 // every held apply) the delete of the held rows and the advance of the key

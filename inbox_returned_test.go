@@ -226,8 +226,8 @@ func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(
 		_, _ = tx.Exec("ROLLBACK")
 		return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
 	})
-	if !errors.Is(err, outbox.ErrHandlerTxEnded) {
-		t.Errorf("delivery failed with %v, want ErrHandlerTxEnded", err)
+	if !errors.Is(err, outbox.ErrTxRolledBackUnderHandler) {
+		t.Errorf("delivery failed with %v, want ErrTxRolledBackUnderHandler", err)
 	}
 	if n := countRows(t, db); n != 0 {
 		t.Errorf("%d outbox rows committed for a delivery whose transaction was gone, want 0", n)
@@ -235,7 +235,7 @@ func TestInbox_SQLiteTransactionEndedUnderTheHandler_ReturnedMessagesNotWritten(
 }
 
 // A handler that commits (or rolls back) the transaction TxFromContext gave
-// it and returns messages fails its delivery with ErrHandlerEndedTx, which
+// it and returns messages fails its delivery with ErrHandlerTxDone, which
 // names the mistake, on every database: it failed with database/sql's bare
 // "transaction has already been committed or rolled back", or on MySQL and
 // SQLite with "read back the key".
@@ -257,10 +257,43 @@ func TestInbox_HandlerEndsItsTransaction_FailsNamingIt(t *testing.T) {
 					}
 					return []*message.Message{message.NewMessage("shipped-"+msg.UUID, []byte("x"))}, nil
 				})
-				if !errors.Is(err, outbox.ErrHandlerEndedTx) {
-					t.Errorf("delivery failed with %v, want ErrHandlerEndedTx", err)
+				if !errors.Is(err, outbox.ErrHandlerTxDone) {
+					t.Errorf("delivery failed with %v, want ErrHandlerTxDone", err)
 				}
 			})
+		})
+	}
+}
+
+// A delivery whose context ends while its handler runs (a Timeout
+// middleware's deadline) has its transaction rolled back by database/sql,
+// and fails with ErrHandlerTxDone that also matches the context's cause:
+// errors.Is(err, context.DeadlineExceeded) did not find it (an API
+// review). SQLite's statements do not end with the delivery's context.
+func TestInbox_DeliveryContextEndsUnderTheHandler_ErrorMatchesItsCause(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{testdb.Postgres, testdb.MySQL} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			db := migrated(t, kind)
+			h := newInbox(t, db, outbox.InboxConfig{ConsumerName: "timed"}).Middleware(func(msg *message.Message) ([]*message.Message, error) {
+				<-msg.Context().Done()
+				tx, _ := outbox.TxFromContext(msg.Context())
+				// database/sql rolls the transaction back on a goroutine of
+				// its own once the context ends: wait for it.
+				for tx.Tx.QueryRowContext(context.Background(), "SELECT 1").Scan(new(int)) == nil {
+					time.Sleep(time.Millisecond)
+				}
+				return nil, nil
+			})
+			msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+			ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+			defer cancel()
+			msg.SetContext(ctx)
+			_, err := h(msg)
+			if !errors.Is(err, outbox.ErrHandlerTxDone) || !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("delivery failed with %v, want ErrHandlerTxDone and context.DeadlineExceeded", err)
+			}
 		})
 	}
 }
@@ -285,8 +318,8 @@ func TestOrderedInbox_HandlerEndsItsTransaction_KeyHoldingMessages_FailsNamingIt
 				if _, err := h(keyedMsg("k", 3)); err != nil { // held: the key holds a message
 					t.Fatal(err)
 				}
-				if _, err := h(keyedMsg("k", 1)); !errors.Is(err, outbox.ErrHandlerEndedTx) {
-					t.Errorf("seq 1 of a key holding a message: %v, want ErrHandlerEndedTx", err)
+				if _, err := h(keyedMsg("k", 1)); !errors.Is(err, outbox.ErrHandlerTxDone) {
+					t.Errorf("seq 1 of a key holding a message: %v, want ErrHandlerTxDone", err)
 				}
 			})
 		})
