@@ -75,7 +75,7 @@ func (in *Inbox) Plugin() message.RouterPlugin {
 			}
 			name = fmt.Sprintf("outbox-inbox-held #%d", i)
 		}
-		r.AddConsumerHandler(name, in.cfg.Table, &heldSubscriber{in: in, done: make(chan struct{})}, func(*message.Message) error {
+		r.AddConsumerHandler(name, in.cfg.InboxTable, &heldSubscriber{in: in, done: make(chan struct{})}, func(*message.Message) error {
 			return errors.New("outbox: the inbox's held-message handler received a message; its subscriber delivers none")
 		})
 		return nil

@@ -50,18 +50,19 @@ type InboxConfig struct {
 	// are not refused: a new Inbox over the pool is also how a restart in
 	// the process looks.
 	ConsumerName string
-	// Table is the inbox table. Default processed_messages.
+	// InboxTable is the inbox table. Default processed_messages. (Table in
+	// the other configs is the outbox table; here that is OutboxTable.)
 	//
 	// The ordered inbox's state (acemq_inbox_sequences, acemq_inbox_held)
-	// is not in Table: it is one per database, keyed by consumer name
-	// alone. Two Ordered inboxes over different Tables of one database
+	// is not in InboxTable: it is one per database, keyed by consumer name
+	// alone. Two Ordered inboxes over different InboxTables of one database
 	// with the same ConsumerName share it, and the second one's messages
 	// would be taken for duplicates of numbers the first applied, acked
 	// without running. Over one *sql.DB the second one's keyed
 	// deliveries fail with ErrConsumerShared instead, nacked before any
 	// statement; over two pools of one database nothing tells. Give them
 	// distinct ConsumerNames.
-	Table string
+	InboxTable string
 	// MarkOutboxProcessed: the outbox table lives in this same database (a
 	// service consuming its own events), and the transaction that processes
 	// a message also sets its outbox record's processed_at, if still null.
@@ -180,8 +181,8 @@ const minAtMostOnceLease = 100 * time.Millisecond
 const DefaultAtMostOnceLease = 30 * time.Second
 
 func (c *InboxConfig) setDefaults() {
-	if c.Table == "" {
-		c.Table = DefaultInboxTable
+	if c.InboxTable == "" {
+		c.InboxTable = DefaultInboxTable
 	}
 	if c.OutboxTable == "" {
 		c.OutboxTable = DefaultTable
@@ -386,7 +387,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	if err := checkDialect(xdb.DB, cfg.Dialect); err != nil {
 		return nil, err
 	}
-	q, err := sqldialect.NewInbox(cfg.Dialect.sql(), cfg.Table)
+	q, err := sqldialect.NewInbox(cfg.Dialect.sql(), cfg.InboxTable)
 	if err != nil {
 		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
 	}
@@ -400,7 +401,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger, clock: newDBClock(cfg.Dialect)}
 	if cfg.Ordered {
-		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.Table)
+		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.InboxTable)
 	}
 	return in, nil
 }
@@ -1505,9 +1506,14 @@ func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (i
 }
 
 // Check asks the database whether the inbox table is there and readable,
-// reading no row.
+// with the inbox's columns (consumer_name, message_id, processed_at),
+// reading no row: an InboxTable naming the outbox table passed it, and
+// every delivery failed (an API review).
 func (in *Inbox) Check(ctx context.Context) error {
-	return probe(ctx, in.db, in.q.Probe(), in.q.Table())
+	if err := probe(ctx, in.db, in.q.Probe(), in.q.Table()); err != nil {
+		return fmt.Errorf("%w (InboxConfig.InboxTable names the inbox's table, %s by default; the outbox's is OutboxTable)", err, DefaultInboxTable)
+	}
+	return nil
 }
 
 // Count counts the inbox's rows, all consumers: a scan of its key, about a

@@ -70,14 +70,14 @@ var ErrGapChanged = errors.New("outbox: inbox: the key is not as the skip expect
 //     wrapped again (per worker, at a consume loop's reconnect) is the same
 //     handler; two closures of one function literal are too, and are not
 //     told apart.
-//   - by two Inboxes over one *sql.DB with different Tables: the ordered
+//   - by two Inboxes over one *sql.DB with different InboxTables: the ordered
 //     state is keyed by consumer name alone, and the second one's messages
 //     would be taken for duplicates of numbers the first applied. The
-//     Table of the consumer's first keyed delivery keeps it.
+//     InboxTable of the consumer's first keyed delivery keeps it.
 //
 // Give the other handler or Inbox a ConsumerName of its own, or run the
 // handlers under a router, whose handler names tell them apart. Not
-// caught: two Inboxes over one *sql.DB with one Table, each wrapping a
+// caught: two Inboxes over one *sql.DB with one InboxTable, each wrapping a
 // handler outside a router (a new Inbox is also how a restart in the
 // process looks), and Inboxes over two pools of one database.
 var ErrConsumerShared = errors.New("outbox: inbox: ordered consumer name shared by two handlers without a router handler name, or by two inbox tables")
@@ -273,9 +273,9 @@ func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedS
 		pool: pool, table: table, failed: make(chan struct{}, 1)}
 }
 
-// consumerTables are the Tables of the process's ordered consumers, by
+// consumerTables are the InboxTables of the process's ordered consumers, by
 // pool: the ordered state is the database's, keyed by consumer name alone,
-// so Inboxes over one pool share a consumer's state whatever their Table.
+// so Inboxes over one pool share a consumer's state whatever their InboxTable.
 // An Inbox asks here at the first keyed delivery of each consumer; its own
 // map answers after that.
 var consumerTables struct {
@@ -291,7 +291,7 @@ type poolConsumer struct {
 }
 
 // claimTable claims consumer, on pool, for the Inbox of table, or fails
-// with ErrConsumerShared if an Inbox of another Table has it.
+// with ErrConsumerShared if an Inbox of another InboxTable has it.
 func claimTable(pool *sql.DB, table, consumer string) error {
 	k := poolConsumer{weak.Make(pool), consumer}
 	consumerTables.mu.Lock()
@@ -310,7 +310,7 @@ func claimTable(pool *sql.DB, table, consumer string) error {
 		return nil
 	}
 	if had != table {
-		return fmt.Errorf("%w: consumer %q is ordered by another Inbox over this *sql.DB, of Table %q, not %q: the ordered state is keyed by consumer name alone, "+
+		return fmt.Errorf("%w: consumer %q is ordered by another Inbox over this *sql.DB, of InboxTable %q, not %q: the ordered state is keyed by consumer name alone, "+
 			"and this one's messages would be taken for duplicates of the other's; give each its own ConsumerName", ErrConsumerShared, consumer, had, table)
 	}
 	return nil
@@ -359,7 +359,7 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 // ErrConsumerShared a handler without a router handler name whose code is
 // not that of the consumer's first such handler (see orderedState.bare
 // and handlerCode), and an Inbox
-// whose Table is not the consumer's (see claimTable). A map lookup on the
+// whose InboxTable is not the consumer's (see claimTable). A map lookup on the
 // common paths, claimTable's the first time only; the refusal comes
 // before any statement.
 func (in *Inbox) remember(consumer string, h message.HandlerFunc, code handlerCode, ctx context.Context) error {

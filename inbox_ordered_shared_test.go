@@ -68,7 +68,7 @@ func TestOrderedInbox_TwoInboxesOneConsumerDifferentTables_SecondRefusedNotAcked
 		createInboxTable(t, db, "other_inbox")
 		var a, b, c applyLog
 		first := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
-		other := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing", Table: "other_inbox"})
+		other := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing", InboxTable: "other_inbox"})
 		same := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "billing"})
 		msg := func(source string, seq int) *message.Message {
 			m := keyedMsg("k", seq)

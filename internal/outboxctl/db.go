@@ -481,7 +481,7 @@ func (c *cli) inbox(d *database, purgeBatch int) (*outbox.Inbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	in, err := outbox.NewInbox(d.db, outbox.InboxConfig{Dialect: d.dialect, Table: c.g.inboxTable, PurgeBatch: purgeBatch, MarkOutboxProcessed: marks, OutboxTable: c.g.table})
+	in, err := outbox.NewInbox(d.db, outbox.InboxConfig{Dialect: d.dialect, InboxTable: c.g.inboxTable, PurgeBatch: purgeBatch, MarkOutboxProcessed: marks, OutboxTable: c.g.table})
 	if err != nil {
 		return nil, usagef("%v", err)
 	}

@@ -1672,7 +1672,11 @@ func (in *Inbox) PurgeRange(cutoff time.Time, limit int, from, upTo any) Query {
 }
 
 // Probe reads no row of the table: it fails if the table is not there.
-func (in *Inbox) Probe() Query { return Query{SQL: "SELECT 1 FROM " + in.table + " WHERE 1 = 0"} }
+// Probe reads no row of the inbox table, naming the columns the inbox
+// uses: a table without them (the outbox's, given as the inbox's) fails.
+func (in *Inbox) Probe() Query {
+	return Query{SQL: "SELECT consumer_name, message_id, processed_at FROM " + in.table + " WHERE 1 = 0"}
+}
 
 // Count counts every row, all consumers.
 func (in *Inbox) Count() Query { return Query{SQL: "SELECT COUNT(*) FROM " + in.table} }
