@@ -33,6 +33,13 @@ type StoreConfig struct {
 	// hold the records behind it. At most math.MaxInt32: attempts is a
 	// 32-bit column on PostgreSQL and MySQL, which refuse a record's
 	// attempts past it, and with them the marks of its batch.
+	//
+	// Stuck is read from the row (attempts at the ceiling), not stored, so
+	// it is the relays' ceiling: give a Store the MaxAttempts of the
+	// relays that send the table's rows (Forwarder.Store has its relay's;
+	// outboxctl takes OUTBOX_MAX_ATTEMPTS). One lower than the relays'
+	// calls a record stuck that a relay still retries, and Discard
+	// deletes it; one higher calls a stuck record pending (an API review).
 	MaxAttempts int
 	// PurgeBatch is how many rows one DELETE of PurgePublished removes, so a
 	// purge of millions of rows never holds long locks. Default
@@ -1770,7 +1777,8 @@ func (s *Store) Resend(ctx context.Context, ids ...string) (int64, error) {
 // missing: its key's later records go out, and a consumer's ordered inbox
 // waits for the number until an operator skips it (SkipGap). Keep what
 // the records held first (outboxctl discard prints it): this deletes the
-// only copy.
+// only copy. Stuck is at this Store's MaxAttempts: under a MaxAttempts
+// lower than the relays', a record a relay still retries is deleted.
 func (s *Store) Discard(ctx context.Context, ids ...string) (int64, error) {
 	var n int64
 	for start := 0; start < len(ids); start += maxRowsPerStmt {
