@@ -36,6 +36,13 @@ type InboxConfig struct {
 	// the router handler the message arrived at, so that two handlers of
 	// one message each process it once.
 	//
+	// The name is durable state: under the default, renaming the handler
+	// starts a new consumer, which runs again the messages in flight at the
+	// rename and, with Ordered, holds every key at its next number behind
+	// the ones the old name applied (GapAfter's ERROR and outboxctl held
+	// show them; skip-gap once each). Set it for an ordered consumer (an
+	// API review).
+	//
 	// With Ordered, a held message runs in the handler it was delivered
 	// to, told apart by the router's handler name. Outside a router there
 	// is none (""), so one ConsumerName is one handler there: the keyed

@@ -1603,6 +1603,10 @@ func (in *Inbox) logGaps(ctx context.Context) error {
 		age := now.Sub(g.OldestHeldAt)
 		why := "Ordered inbox: messages held past GapAfter; their predecessor has not been applied: it has not arrived, or was set aside by a poison queue " +
 			"(once its cause is fixed, outboxctl resend --key K --seq N sends it again from its outbox; outboxctl held, skip-gap)"
+		if g.LastApplied == 0 && g.Missing() > 0 {
+			why += "; the consumer applied none of the key's numbers: a consumer new to it, turned on over its history, or a router handler renamed " +
+				"while ConsumerName defaults to the handler's name (skip-gap once; set ConsumerName)"
+		}
 		if g.Missing() <= 0 {
 			why = "Ordered inbox: messages held past GapAfter; the key's next is held: its handler keeps failing, or the router handler it was delivered to has not run here since the service started (renamed or removed?) (outboxctl held, skip-held)"
 		}
