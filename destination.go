@@ -142,8 +142,8 @@ type Sent interface {
 	Records() []Record
 }
 
-// Connector is a Destination that can tell, before any row is claimed,
-// whether its broker is reachable. The Forwarder claims nothing while the
+// Connector is implemented by a Destination that can tell, before any row
+// is claimed, whether its broker is reachable (AMQPDestination does). The Forwarder claims nothing while the
 // broker is down, so an outage counts no attempts against any record.
 type Connector interface {
 	Connect(ctx context.Context) error

@@ -21,6 +21,7 @@ import (
 // ForwarderConfig configures a Forwarder. The zero value of every field but
 // Dialect (needed unless the handle is a *sqlx.DB) is a working default.
 type ForwarderConfig struct {
+	// Dialect of the database. Optional when the handle is a *sqlx.DB.
 	Dialect Dialect
 	// Table is the outbox table. Default acemq_outbox.
 	Table string
@@ -102,6 +103,8 @@ type ForwarderConfig struct {
 	// otherwise, once that timeout is known: a lock held past the lease's
 	// end lets a second relay claim and publish the batch too).
 	// Default 4 × PublishTimeout, 60 s at least (60 s with the defaults).
+	// Used on SQLite only, but one set by hand is checked against
+	// PublishTimeout on every database.
 	Lease time.Duration
 	// RetryMin and RetryMax bound the backoff after a failed sweep (the
 	// broker or the database unreachable, or a record refused): the delay
@@ -146,7 +149,9 @@ type ForwarderConfig struct {
 	// call Close or Sweep, which wait for that sweep (a deadlock); to stop
 	// the relay from it, cancel Run's context.
 	OnError func(err error, dest ErrorContext)
-	Logger  watermill.LoggerAdapter
+	// Logger logs the relay's connects, losses, stuck records and failed
+	// sweeps, and an AMQPDestination's given none. Nil logs nothing.
+	Logger watermill.LoggerAdapter
 
 	// Metrics, if set, counts what the relay publishes and fails, times its
 	// batches, and sets the pending, oldest-pending and stuck gauges every
@@ -154,7 +159,9 @@ type ForwarderConfig struct {
 	// pending index, on a goroutine of its own beside the relay's loop).
 	// An AMQPDestination given to NewForwarder as it is reports its broker
 	// nodes in them too (AMQPConfig.Metrics).
-	Metrics       *Metrics
+	Metrics *Metrics
+	// StatsInterval is how often the relay reads the gauges of Metrics.
+	// Default 15 s.
 	StatsInterval time.Duration
 }
 

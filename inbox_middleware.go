@@ -170,7 +170,9 @@ type InboxConfig struct {
 	// PurgeBatch is how many rows one DELETE of PurgeProcessed removes.
 	// Default 1000.
 	PurgeBatch int
-	Logger     watermill.LoggerAdapter
+	// Logger logs what the inbox does beside its deliveries' outcomes
+	// (held messages, gaps, marks that failed). Nil logs nothing.
+	Logger watermill.LoggerAdapter
 }
 
 // DefaultPurgeBatch is the default of StoreConfig.PurgeBatch and

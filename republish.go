@@ -83,6 +83,8 @@ type RepublisherConfig struct {
 	// Notify, if set, is called after records were made pending again, to
 	// wake a relay in the same process (Forwarder.Notify).
 	Notify func()
+	// Logger logs how many records each Republish made pending again.
+	// Nil logs nothing.
 	Logger watermill.LoggerAdapter
 }
 
