@@ -387,4 +387,13 @@ type ErrorContext struct {
 	Exchange   string
 	RoutingKey string
 	MessageID  string
+	// Attempts is the record's failed publishes with this one, and
+	// MaxAttempts the relay's ceiling; Stuck reports that it reached it:
+	// the relay leaves the record alone from now on (a keyed one holds its
+	// key's later records) until an operator retries it. Set in what
+	// ForwarderConfig.OnError is given for a record's failure (an API
+	// review: an OnError that pages could not tell a record giving up from
+	// one retrying, which the default log says); zero in a PublishError's.
+	Attempts, MaxAttempts int
+	Stuck                 bool
 }

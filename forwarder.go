@@ -142,7 +142,8 @@ type ForwarderConfig struct {
 	// RelayID names this relay in locked_by. Default host-pid-random.
 	RelayID string
 
-	// OnError is called for every failed record, with where it was going,
+	// OnError is called for every failed record, with where it was going
+	// and its attempts (ErrorContext.Stuck once it reached MaxAttempts),
 	// and for every failed sweep (with an empty MessageID). By default the
 	// error is logged by Logger (which logs nothing unless it is set). It
 	// runs on the relay's goroutine, in the middle of a sweep: it must not
@@ -1025,7 +1026,7 @@ func keyedFailure(rec Record, err error) bool {
 // fail records rec's failure, with the attempts it will have.
 func (b *batch) fail(rec Record, attempts int, err error) {
 	b.failures = append(b.failures, failure{id: rec.ID, exchange: rec.Exchange, attempts: attempts, reason: err.Error()})
-	b.errs = append(b.errs, &PublishError{Dest: ErrorContext{rec.Exchange, rec.RoutingKey, rec.ID}, Err: err})
+	b.errs = append(b.errs, &PublishError{Dest: ErrorContext{Exchange: rec.Exchange, RoutingKey: rec.RoutingKey, MessageID: rec.ID}, Err: err})
 }
 
 // failHolding fails rec, which holds back what is behind it, at attempts,
@@ -1122,7 +1123,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		if err != nil {
 			// A malformed row fails alone and at once: no retry mends it,
 			// and it stands in nobody's way.
-			perr := &PublishError{Dest: ErrorContext{row.Exchange, row.RoutingKey, row.ID}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
+			perr := &PublishError{Dest: ErrorContext{Exchange: row.Exchange, RoutingKey: row.RoutingKey, MessageID: row.ID}, Err: Permanent(fmt.Errorf("malformed row: %w", err))}
 			b.failures = append(b.failures, failure{id: row.ID, exchange: row.Exchange, attempts: max(row.Attempts+1, f.cfg.MaxAttempts), reason: perr.Err.Error()})
 			b.errs = append(b.errs, perr)
 			b.isolated++
@@ -1408,6 +1409,9 @@ func (f *Forwarder) reportError(err error, dest ErrorContext) {
 // holds back, and, once it is stuck, how to send it again (the log said
 // the same line at every attempt, and never that the record gave up).
 func (f *Forwarder) reportRecordError(err error, dest ErrorContext, fl failure) {
+	if fl.id != "" {
+		dest.Attempts, dest.MaxAttempts, dest.Stuck = fl.attempts, f.cfg.MaxAttempts, fl.attempts >= f.cfg.MaxAttempts
+	}
 	if f.cfg.OnError != nil || fl.id == "" {
 		f.reportError(err, dest)
 		return

@@ -161,6 +161,54 @@ func TestForwarder_KeyedRecordRefusedForGood_StuckAtOnce(t *testing.T) {
 	})
 }
 
+// OnError is given a failed record's attempts, the relay's MaxAttempts,
+// and Stuck once the record reached them: an OnError that pages could not
+// tell a record giving up from one retrying (an API review), which the
+// default log says.
+func TestForwarder_OnError_ToldAttemptsAndStuck(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	poison := message.NewMessage(watermill.NewUUID(), []byte("p"))
+	publishInTx(t, db, "t", []*message.Message{poison})
+	var (
+		mu  sync.Mutex
+		got []outbox.ErrorContext
+	)
+	f, err := outbox.NewForwarder(db.DB.DB, failingDest{}, outbox.ForwarderConfig{Dialect: outbox.SQLite, MaxAttempts: 2, RetryMin: time.Millisecond, RetryMax: time.Millisecond,
+		OnError: func(_ error, dest outbox.ErrorContext) {
+			mu.Lock()
+			defer mu.Unlock()
+			got = append(got, dest)
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runUntil(t, f, 10*time.Second, "the record stuck", func() bool { return stateOf(t, db, poison.UUID).Attempts == 2 })
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	want := []outbox.ErrorContext{
+		{RoutingKey: "t", MessageID: poison.UUID, Attempts: 1, MaxAttempts: 2},
+		{RoutingKey: "t", MessageID: poison.UUID, Attempts: 2, MaxAttempts: 2, Stuck: true},
+	}
+	if len(got) != len(want) || got[0] != want[0] || got[1] != want[1] {
+		t.Errorf("OnError was given %+v, want %+v (nothing after it was stuck)", got, want)
+	}
+}
+
+// failingDest fails every record, for now.
+type failingDest struct{}
+
+func (failingDest) Publish(_ context.Context, recs []outbox.Record) []error {
+	errs := make([]error, len(recs))
+	for i := range recs {
+		errs[i] = errors.New("broker refused it, for now")
+	}
+	return errs
+}
+
 // loseEachOnce loses the connection once at each record, the first time it
 // reaches it: an outage that moves on from record to record.
 type loseEachOnce struct {
