@@ -90,8 +90,8 @@ type InboxConfig struct {
 	// lookup and no database call. Nil marks every message.
 	TrackedTopics *TrackedTopics
 	// Outbox says how the messages a handler returns are written into the
-	// outbox: Exchange, TopicMapper, ContentType and Propagator, as for
-	// NewTxPublisher. Its Dialect and Table are the inbox's Dialect and
+	// outbox: Exchange, TopicMapper, ContentType and Propagator (default
+	// InboxConfig.Propagator), as for NewTxPublisher. Its Dialect and Table are the inbox's Dialect and
 	// OutboxTable, because the rows go through the inbox's transaction;
 	// leave them empty (another value is a *ConfigError).
 	Outbox TxPublisherConfig
@@ -136,7 +136,8 @@ type InboxConfig struct {
 	// Propagator, if set, restores the trace context a TxPublisher with the
 	// same Propagator stored in the message's metadata into the message's
 	// context before the handler runs, so that one trace spans commit,
-	// relay and handler. Nil costs nothing.
+	// relay and handler; the messages the handler returns carry the
+	// handler's on, unless Outbox.Propagator is another. Nil costs nothing.
 	Propagator propagation.TextMapPropagator
 	// Ordered applies keyed messages (aggregateId and seq metadata, as
 	// TxPublisher writes them for a message with an ordering key) in their
@@ -426,6 +427,9 @@ func (c InboxConfig) returnedConfig() (TxPublisherConfig, error) {
 		return p, &ConfigError{Field: "Outbox.Table", Reason: fmt.Sprintf("%q, but OutboxTable is %q: returned messages go to the inbox's OutboxTable; set that, and leave Outbox.Table empty", p.Table, c.OutboxTable)}
 	}
 	p.Dialect, p.Table = c.Dialect, c.OutboxTable
+	if p.Propagator == nil {
+		p.Propagator = c.Propagator // the handler's trace, carried on
+	}
 	p.setDefaults()
 	if err := p.validate(); err != nil {
 		var ce *ConfigError

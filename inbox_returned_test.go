@@ -168,13 +168,22 @@ func TestInbox_ReturnedMessagesWithoutPublishTopic_ErrorAndEverythingRolledBack(
 // A message returned without a context of its own is written with the
 // handler's, so the row carries the trace the handler ran under, in either
 // mode of the inbox; Exchange and the publish topic name its destination.
+// InboxConfig.Propagator alone carries it on too: the returned messages
+// had no trace unless Outbox.Propagator was set as well (an API review).
 func TestInbox_Router_ReturnedMessageWithoutContext_RowCarriesHandlersTrace(t *testing.T) {
 	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
-	for _, atMostOnce := range []bool{false, true} {
-		t.Run(map[bool]string{false: "transactional", true: "at-most-once"}[atMostOnce], func(t *testing.T) {
+	for _, c := range []struct {
+		name                  string
+		atMostOnce, inboxOnly bool
+	}{{"transactional", false, false}, {"at-most-once", true, false}, {"inbox-propagator-only", false, true}} {
+		atMostOnce := c.atMostOnce
+		t.Run(c.name, func(t *testing.T) {
 			db := migrated(t, testdb.SQLite)
-			in := newInbox(t, db, outbox.InboxConfig{AtMostOnce: atMostOnce, Propagator: propagation.TraceContext{},
-				Outbox: outbox.TxPublisherConfig{Exchange: "shop-events", Propagator: propagation.TraceContext{}}})
+			returned := outbox.TxPublisherConfig{Exchange: "shop-events", Propagator: propagation.TraceContext{}}
+			if c.inboxOnly {
+				returned.Propagator = nil
+			}
+			in := newInbox(t, db, outbox.InboxConfig{AtMostOnce: atMostOnce, Propagator: propagation.TraceContext{}, Outbox: returned})
 			ps := gochannel.NewGoChannel(gochannel.Config{}, watermill.NopLogger{})
 			router := newRouter(t)
 			router.AddMiddleware(in.Middleware)
