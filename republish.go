@@ -78,6 +78,16 @@ type RepublisherConfig struct {
 	// 5 minutes. Too short a grace resends what is merely slow to process;
 	// the inbox absorbs the copy, but the work is done twice over.
 	Grace time.Duration
+	// PublishedAfter, if set, leaves alone the records published at or
+	// before it: the moment from which every consumer of the tracked
+	// topics marks what it processed (MarkOutboxProcessed). Records a
+	// consumer without the inbox took before then (a switch from another
+	// outbox, Watermill's forwarder say, or MarkOutboxProcessed turned on
+	// over history) are processed, but no consumer marked them, and
+	// without it every boot past Grace sends them again, to handlers that
+	// have no key of them and run them twice (a review of such a switch:
+	// 231 to 262 events applied twice). Zero: every record.
+	PublishedAfter time.Time
 	// Timeout bounds the plugin's Republish at router start. Default 30 s.
 	Timeout time.Duration
 	// Notify, if set, is called after records were made pending again, to
@@ -186,7 +196,7 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		total  int64
 	)
 	for {
-		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, topics, r.cfg.Exchanges, after, batch))
+		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, r.cfg.PublishedAfter, topics, r.cfg.Exchanges, after, batch))
 		if err != nil || len(ids) == 0 {
 			return total, err
 		}

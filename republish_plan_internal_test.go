@@ -47,7 +47,7 @@ func TestRepublishPick_AfterACursor_TheIndexStartsAtTheCursor(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			q := s.q.RepublishPick(time.Now(), []string{"order.placed"}, nil,
+			q := s.q.RepublishPick(time.Now(), time.Time{}, []string{"order.placed"}, nil,
 				&sqldialect.RepublishCursor{PublishedAt: s.dialect.sql().TimeArg(time.Now().Add(-time.Hour)), ID: "m-1"}, 1000)
 			tx, err := db.DB.BeginTx(ctx, nil)
 			if err != nil {

@@ -1364,13 +1364,19 @@ type RepublishCursor struct {
 // RepublishPick reads the ids of at most limit published, unprocessed
 // records of routingKeys (to one of exchanges, unless it is empty; both
 // compared byte for byte, see bytes)
-// published before cutoff, in (published_at, id) order from after (nil:
+// published before cutoff (and after since, unless it is zero), in
+// (published_at, id) order from after (nil:
 // from the first). Each walk goes on where the last ended, rather than
 // from the oldest published row past every processed one again. Columns:
 // id, published_at.
-func (o *Outbox) RepublishPick(cutoff time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
+func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
 	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND "
+	if !since.IsZero() {
+		later, laterArgs := o.d.timeCmp("published_at", ">", since)
+		where += later + " AND "
+		args = append(args, laterArgs...)
+	}
 	exact := o.d.bytes("routing_key")
 	if exact != "routing_key" {
 		// The column as it is, for an index to narrow the walk to the
