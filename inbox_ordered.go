@@ -235,6 +235,25 @@ type orderedState struct {
 	// numberTaken: when each key last logged a message acked for a number
 	// another id took (see logNumberTaken).
 	numberTaken logEvery
+	// unplugged: a keyed delivery came from a router without the inbox's
+	// Plugin, logged once (see sayUnplugged).
+	unplugged sync.Once
+}
+
+// sayUnplugged warns, once an inbox, of a keyed delivery from a router
+// that does not run the inbox's Plugin: a key whose last message failed
+// when its turn came waits for good unless the service calls ApplyHeld
+// itself (an API review: four calls wire an inbox, and the one left out
+// said nothing).
+func (in *Inbox) sayUnplugged(msg *message.Message) {
+	if in.plugged.Load() || message.HandlerNameFromCtx(msg.Context()) == "" {
+		return
+	}
+	in.ordered.unplugged.Do(func() {
+		in.log.Info("Ordered inbox under a router that does not run its Plugin (router.AddPlugin(inbox.Plugin())): a held message whose handler fails "+
+			"when its turn comes is tried again only at its key's next delivery, for good for a key's last one, unless the service calls ApplyHeld itself; "+
+			"and held messages wait for their handler's first delivery after a restart", watermill.LogFields{"handler": message.HandlerNameFromCtx(msg.Context())})
+	})
 }
 
 // logEvery says of a key whether it is due a log line, once a minute at
@@ -497,6 +516,7 @@ func (in *Inbox) processOrdered(ctx context.Context, h message.HandlerFunc, code
 	if err := in.remember(consumer, h, code, msg.Context()); err != nil {
 		return inboxFailed, err
 	}
+	in.sayUnplugged(msg)
 	// The common case, the key's next message with nothing held, costs the
 	// statements of the plain inbox's key, or one more (see
 	// sqldialect.OrderedInbox.Apply).
