@@ -136,8 +136,11 @@ type InboxConfig struct {
 	// Propagator, if set, restores the trace context a TxPublisher with the
 	// same Propagator stored in the message's metadata into the message's
 	// context before the handler runs, so that one trace spans commit,
-	// relay and handler; the messages the handler returns carry the
-	// handler's on, unless Outbox.Propagator is another. Nil costs nothing.
+	// relay and handler; the messages the handler returns, and the copies
+	// PoisonOutbox sets aside, carry the handler's on, unless
+	// Outbox.Propagator is another (an empty
+	// propagation.NewCompositeTextMapPropagator() carries none). Nil costs
+	// nothing.
 	Propagator propagation.TextMapPropagator
 	// Ordered applies keyed messages (aggregateId and seq metadata, as
 	// TxPublisher writes them for a message with an ordering key) in their
@@ -399,7 +402,7 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 	}
 	q, err := sqldialect.NewInbox(cfg.Dialect.sql(), cfg.InboxTable)
 	if err != nil {
-		return nil, &ConfigError{Field: "Table", Reason: err.Error()}
+		return nil, &ConfigError{Field: "InboxTable", Reason: err.Error()}
 	}
 	outbox, err := sqldialect.NewOutbox(cfg.Dialect.sql(), cfg.OutboxTable)
 	if err != nil {
@@ -1523,10 +1526,12 @@ func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (i
 // reading no row: an InboxTable naming the outbox table passed it, and
 // every delivery failed (an API review).
 func (in *Inbox) Check(ctx context.Context) error {
-	if err := probe(ctx, in.db, in.q.Probe(), in.q.Table()); err != nil {
+	err := probe(ctx, in.db, in.q.Probe(), in.q.Table())
+	if err != nil && ctx.Err() == nil && !in.dialect.sql().ConnLost(err) {
+		// The server answered: no such table, or not the inbox's columns.
 		return fmt.Errorf("%w (InboxConfig.InboxTable names the inbox's table, %s by default; the outbox's is OutboxTable)", err, DefaultInboxTable)
 	}
-	return nil
+	return err
 }
 
 // Count counts the inbox's rows, all consumers: a scan of its key, about a

@@ -846,8 +846,14 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 // wraps ctx's cause too: a Timeout middleware's delivery matches
 // context.DeadlineExceeded (an API review).
 func endedUnderHandler(ctx context.Context, err error) error {
-	if !errors.Is(err, sql.ErrTxDone) || errors.Is(err, ErrHandlerTxDone) {
+	// A context that ended before database/sql rolled the transaction back
+	// fails the statement with the context's error rather than ErrTxDone.
+	ended := ctx.Err() != nil && errors.Is(err, ctx.Err())
+	if (!errors.Is(err, sql.ErrTxDone) && !ended) || errors.Is(err, ErrHandlerTxDone) {
 		return err
+	}
+	if ended {
+		return fmt.Errorf("%w: %w", ErrHandlerTxDone, err)
 	}
 	if ctx.Err() != nil {
 		return fmt.Errorf("%w: %w (the message's context ended: %w)", ErrHandlerTxDone, err, context.Cause(ctx))
@@ -1060,6 +1066,12 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	}
 	msg.SetContext(mctx)
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
+	if err != nil && ctx.Err() != nil && errors.Is(err, ErrHandlerTxDone) && !errors.Is(err, context.Cause(ctx)) {
+		// The transaction's context, not mctx (the handler's, which may
+		// never end), ended under the handler: its cause, as for a
+		// delivery (a code review).
+		err = fmt.Errorf("%w (the transaction's context ended: %w)", err, context.Cause(ctx))
+	}
 	if err == nil {
 		if err = tx.Commit(); err != nil {
 			err = in.handledCommitErr(ctx, err, id, consumer)

@@ -2,8 +2,10 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -84,4 +86,50 @@ func TestOrderedInbox_HeldMessage_MiddlewareAfterTheInboxSeesItsOwnValues(t *tes
 			t.Errorf("ran %q, want %q", ran, want)
 		}
 	})
+}
+
+// A held message whose transaction's context ends under its handler (an
+// ApplyHeld under a deadline) fails with ErrHandlerTxDone matching the
+// context's cause, as a delivery's does: the context the failure was
+// checked against was the handler's, which may never end (a code review).
+func TestOrderedInbox_HeldApplyDeadlinePassesUnderTheHandler_ErrorMatchesItsCause(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	var mode atomic.Int32 // 0: seq 2 fails; 1: seq 2 waits for its transaction to end
+	in := orderedInbox(t, db, outbox.InboxConfig{ConsumerName: "held-deadline"})
+	h := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		if msg.Metadata.Get(outbox.HeaderSeq) != "2" {
+			return nil, nil
+		}
+		if mode.Load() == 0 {
+			return nil, errors.New("not yet")
+		}
+		tx, _ := outbox.TxFromContext(msg.Context())
+		deadline := time.Now().Add(10 * time.Second)
+		for tx.Tx.QueryRowContext(context.Background(), "SELECT 1").Scan(new(int)) == nil && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		return nil, nil
+	})
+	deliver(t, h, "k", 2, 1) // 2 held, 1 applied, 2's apply fails: still held
+	if n := countHeld(t, db); n != 1 {
+		t.Fatalf("%d held, want 1", n)
+	}
+	mode.Store(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err := in.ApplyHeld(ctx)
+	// ApplyHeld joins its own stop, which matches DeadlineExceeded: the
+	// key's failure is looked at alone.
+	var failed error
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range j.Unwrap() {
+			if errors.Is(e, outbox.ErrHandlerTxDone) {
+				failed = e
+			}
+		}
+	}
+	if failed == nil || !errors.Is(failed, context.DeadlineExceeded) {
+		t.Errorf("the held message's failure: %v, want ErrHandlerTxDone matching context.DeadlineExceeded (ApplyHeld: %v)", failed, err)
+	}
 }

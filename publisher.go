@@ -303,7 +303,39 @@ func (p *TxPublisher) Publish(topic string, msgs ...*message.Message) error {
 	if len(msgs) > 0 && msgs[0] != nil {
 		ctx = msgs[0].Context()
 	}
+	for i, msg := range msgs {
+		if err := loneAggregateID(i, msg); err != nil {
+			return err
+		}
+	}
 	return p.publish(ctx, topic, msgs)
+}
+
+// loneAggregateID refuses msg, the i-th of a Publish, when its metadata
+// holds aggregateId and no seq and it has no ordering key: its row would
+// go out unkeyed with that header, which an ordered inbox refuses at every
+// delivery (ErrInvalidSeq), a poison message made by setting the header's
+// name where MetadataAggregateID was meant (an API review). Publish's
+// alone: a handler's returned messages, which may carry on an incoming
+// message's metadata, are written as they are (refused, the delivery
+// would fail at every try; a code review).
+func loneAggregateID(i int, msg *message.Message) error {
+	if msg == nil {
+		return nil
+	}
+	v, ok := msg.Metadata[HeaderAggregateID]
+	if !ok || v == "" || v == voidHeader {
+		return nil
+	}
+	if _, keyed := msg.Metadata[MetadataAggregateID]; keyed {
+		return nil
+	}
+	if _, ok := msg.Metadata[HeaderSeq]; ok {
+		return nil
+	}
+	return &InvalidMessageError{Index: i, MessageID: msgID(msg), Field: "metadata", Reason: fmt.Sprintf(
+		"holds %s %.80q and no %s, which an ordered inbox refuses at every delivery (ErrInvalidSeq); to order by it, set outbox.MetadataAggregateID (%q) instead, and the relay sends %s and %s; an application's own metadata of that name, name it otherwise",
+		HeaderAggregateID, v, HeaderSeq, MetadataAggregateID, HeaderAggregateID, HeaderSeq)}
 }
 
 // publish is Publish with the statements run under ctx. The inbox writes a
@@ -964,16 +996,6 @@ func (p *TxPublisher) buildRow(r *sqldialect.Row, i int, topic string, msg *mess
 		return invalid("content type", err.Error())
 	}
 	md := msg.Metadata
-	if v, ok := md[HeaderAggregateID]; ok && !keyed && v != "" && v != voidHeader {
-		if _, ok := md[HeaderSeq]; !ok {
-			// An unkeyed row whose headers hold aggregateId and no seq: an
-			// ordered inbox refuses it at every delivery (ErrInvalidSeq),
-			// a poison message made by setting the header's name where
-			// MetadataAggregateID was meant (an API review).
-			return invalid("metadata", fmt.Sprintf("holds %s %.80q and no %s, which an ordered inbox refuses at every delivery (ErrInvalidSeq); to order by it, set outbox.MetadataAggregateID (%q) instead, and the relay sends %s and %s; an application's own metadata of that name, name it otherwise",
-				HeaderAggregateID, v, HeaderSeq, MetadataAggregateID, HeaderAggregateID, HeaderSeq))
-		}
-	}
 	ordered := relayOrdered(md)
 	if p.cfg.Propagator != nil || steered(md) || ordered {
 		// Into a copy: the caller's message is not ours to change.

@@ -1677,7 +1677,6 @@ func (in *Inbox) PurgeRange(cutoff time.Time, limit int, from, upTo any) Query {
 	return Query{SQL: in.d.rebind(in.d.purgeProcessed(in.table, before)), Args: append(args, limit)}
 }
 
-// Probe reads no row of the table: it fails if the table is not there.
 // Probe reads no row of the inbox table, naming the columns the inbox
 // uses: a table without them (the outbox's, given as the inbox's) fails.
 func (in *Inbox) Probe() Query {
