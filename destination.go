@@ -143,8 +143,9 @@ type Sent interface {
 }
 
 // Connector is implemented by a Destination that can tell, before any row
-// is claimed, whether its broker is reachable (AMQPDestination does). The Forwarder claims nothing while the
-// broker is down, so an outage counts no attempts against any record.
+// is claimed, whether its broker is reachable (AMQPDestination does). The
+// Forwarder claims nothing while the broker is down, so an outage counts
+// no attempts against any record.
 type Connector interface {
 	Connect(ctx context.Context) error
 }

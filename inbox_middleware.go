@@ -91,9 +91,10 @@ type InboxConfig struct {
 	TrackedTopics *TrackedTopics
 	// Outbox says how the messages a handler returns are written into the
 	// outbox: Exchange, TopicMapper, ContentType and Propagator (default
-	// InboxConfig.Propagator), as for NewTxPublisher. Its Dialect and Table are the inbox's Dialect and
-	// OutboxTable, because the rows go through the inbox's transaction;
-	// leave them empty (another value is a *ConfigError).
+	// InboxConfig.Propagator), as for NewTxPublisher. Its Dialect and Table
+	// are the inbox's Dialect and OutboxTable, because the rows go through
+	// the inbox's transaction; leave them empty (another value is a
+	// *ConfigError).
 	Outbox TxPublisherConfig
 	// AtMostOnce commits the key in a transaction of its own before the
 	// handler runs, for an effect no transaction holds (an email, a call to
@@ -268,11 +269,11 @@ func checkConsumer(d Dialect, name string) error {
 // nor x-acemq-id metadata, unless InboxConfig.AllowMissingID is set.
 var ErrNoMessageID = errors.New("outbox: message has no id to dedupe on")
 
-// ErrTxRolledBackUnderHandler fails a delivery whose transaction the database rolled
-// back while its handler ran, the handler returning no error: a deadlock
-// or lock wait timeout on MySQL (on SQLite an interrupted statement, a full
-// disk) that the handler, or a middleware added after inbox.Middleware
-// (Retry, PoisonQueue), took. The database then runs each later statement
+// ErrTxRolledBackUnderHandler fails a delivery whose transaction the
+// database rolled back while its handler ran, the handler returning no
+// error: a deadlock or lock wait timeout on MySQL (on SQLite an interrupted
+// statement, a full disk) that the handler, or a middleware added after
+// inbox.Middleware (Retry, PoisonQueue), took. The database then runs each later statement
 // on its own, committed as it runs, and MySQL commits no transaction
 // without a word; the dedupe key and the key's sequence went with the
 // rollback. The messages the handler returned are not written, and the

@@ -70,15 +70,15 @@ var ErrGapChanged = errors.New("outbox: inbox: the key is not as the skip expect
 //     wrapped again (per worker, at a consume loop's reconnect) is the same
 //     handler; two closures of one function literal are too, and are not
 //     told apart.
-//   - by two Inboxes over one *sql.DB with different InboxTables: the ordered
-//     state is keyed by consumer name alone, and the second one's messages
-//     would be taken for duplicates of numbers the first applied. The
-//     InboxTable of the consumer's first keyed delivery keeps it.
+//   - by two Inboxes over one *sql.DB with different InboxTables: the
+//     ordered state is keyed by consumer name alone, and the second one's
+//     messages would be taken for duplicates of numbers the first applied.
+//     The InboxTable of the consumer's first keyed delivery keeps it.
 //
 // Give the other handler or Inbox a ConsumerName of its own, or run the
 // handlers under a router, whose handler names tell them apart. Not
-// caught: two Inboxes over one *sql.DB with one InboxTable, each wrapping a
-// handler outside a router (a new Inbox is also how a restart in the
+// caught: two Inboxes over one *sql.DB with one InboxTable, each wrapping
+// a handler outside a router (a new Inbox is also how a restart in the
 // process looks), and Inboxes over two pools of one database.
 var ErrConsumerShared = errors.New("outbox: inbox: ordered consumer name shared by two handlers without a router handler name, or by two inbox tables")
 
@@ -292,9 +292,10 @@ func newOrderedState(d sqldialect.Dialect, pool *sql.DB, table string) *orderedS
 		pool: pool, table: table, failed: make(chan struct{}, 1)}
 }
 
-// consumerTables are the InboxTables of the process's ordered consumers, by
-// pool: the ordered state is the database's, keyed by consumer name alone,
-// so Inboxes over one pool share a consumer's state whatever their InboxTable.
+// consumerTables are the InboxTables of the process's ordered consumers,
+// by pool: the ordered state is the database's, keyed by consumer name
+// alone, so Inboxes over one pool share a consumer's state whatever their
+// InboxTable.
 // An Inbox asks here at the first keyed delivery of each consumer; its own
 // map answers after that.
 var consumerTables struct {
@@ -378,8 +379,8 @@ func orderKey(msg *message.Message, textKeys bool) (key string, seq int64, keyed
 // ErrConsumerShared a handler without a router handler name whose code is
 // not that of the consumer's first such handler (see orderedState.bare
 // and handlerCode), and an Inbox
-// whose InboxTable is not the consumer's (see claimTable). A map lookup on the
-// common paths, claimTable's the first time only; the refusal comes
+// whose InboxTable is not the consumer's (see claimTable). A map lookup on
+// the common paths, claimTable's the first time only; the refusal comes
 // before any statement.
 func (in *Inbox) remember(consumer string, h message.HandlerFunc, code handlerCode, ctx context.Context) error {
 	o := in.ordered
@@ -861,9 +862,9 @@ func endedUnderHandler(ctx context.Context, err error) error {
 	return fmt.Errorf("%w: %w", ErrHandlerTxDone, err)
 }
 
-// stillInTx fails with ErrTxRolledBackUnderHandler where the database may have rolled
-// tx back under the handler with the statements after it each committed on
-// its own: the key recorded in tx before the handler ran is then gone. On
+// stillInTx fails with ErrTxRolledBackUnderHandler where the database may
+// have rolled tx back under the handler with the statements after it each
+// committed on its own: the key recorded in tx before the handler ran is then gone. On
 // MySQL, whose COMMIT then succeeds, always (one more round trip); on
 // SQLite, whose COMMIT fails, only before the messages the handler
 // returned are written (returning), which would otherwise commit, sent

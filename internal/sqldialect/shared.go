@@ -1365,8 +1365,7 @@ type RepublishCursor struct {
 // records of routingKeys (to one of exchanges, unless it is empty; both
 // compared byte for byte, see bytes)
 // published before cutoff (and after since, unless it is zero), in
-// (published_at, id) order from after (nil:
-// from the first). Each walk goes on where the last ended, rather than
+// (published_at, id) order from after (nil: from the first). Each walk goes on where the last ended, rather than
 // from the oldest published row past every processed one again. Columns:
 // id, published_at.
 func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
