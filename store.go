@@ -1564,9 +1564,14 @@ type StuckRecord struct {
 	ID         string
 	Exchange   string
 	RoutingKey string
-	Attempts   int
-	LastError  string
-	CreatedAt  time.Time // UTC
+	// AggregateID and Seq: the record's ordering key and its number, "" and
+	// 0 for an unkeyed record. A keyed one holds its key's later records
+	// back; an unkeyed failing one, the records behind it.
+	AggregateID string
+	Seq         int64
+	Attempts    int
+	LastError   string
+	CreatedAt   time.Time // UTC
 	// Leased: a relay holds the row under a live lease (one that claimed
 	// it under a higher MaxAttempts, another library's say), which Retry
 	// leaves alone until LeasedUntil (UTC), by LeasedBy, its locked_by. A
@@ -1631,15 +1636,17 @@ func (s *Store) failedRows(ctx context.Context, q sqldialect.Query, what string)
 	var out []StuckRecord
 	for rows.Next() {
 		var (
-			r                                       StuckRecord
-			exchange, routingKey, lastErr, lockedBy sql.NullString
-			created                                 = sqldialect.NewTime(s.dialect.sql())
-			lockedUntil                             = sqldialect.NewTime(s.dialect.sql())
+			r                                            StuckRecord
+			exchange, routingKey, key, lastErr, lockedBy sql.NullString
+			seq                                          sql.NullInt64
+			created                                      = sqldialect.NewTime(s.dialect.sql())
+			lockedUntil                                  = sqldialect.NewTime(s.dialect.sql())
 		)
-		if err := rows.Scan(&r.ID, &exchange, &routingKey, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil, &r.Leased); err != nil {
+		if err := rows.Scan(&r.ID, &exchange, &routingKey, &key, &seq, &r.Attempts, &lastErr, created, &lockedBy, lockedUntil, &r.Leased); err != nil {
 			return nil, fmt.Errorf("outbox: %s: %w", what, err)
 		}
 		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
+		r.AggregateID, r.Seq = key.String, seq.Int64
 		if r.Leased {
 			r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
 		}

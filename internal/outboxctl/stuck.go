@@ -22,12 +22,17 @@ type stuckRow struct {
 	// ends, characters a terminal does not show, bytes that are not UTF-8
 	// (which JSON would carry as U+FFFD), a leading quote (which retry
 	// would take for a quoted id: another row's).
-	ID         string    `json:"id"`
-	Exchange   string    `json:"exchange"`
-	RoutingKey string    `json:"routing_key"`
-	Attempts   int       `json:"attempts"`
-	LastError  string    `json:"last_error"`
-	CreatedAt  time.Time `json:"created_at"`
+	ID         string `json:"id"`
+	Exchange   string `json:"exchange"`
+	RoutingKey string `json:"routing_key"`
+	// AggregateID and Seq: a keyed record's key (as keyText shows it) and
+	// number, which hold the key's later records back; absent for an
+	// unkeyed record.
+	AggregateID string    `json:"aggregate_id,omitempty"`
+	Seq         int64     `json:"seq,omitempty"`
+	Attempts    int       `json:"attempts"`
+	LastError   string    `json:"last_error"`
+	CreatedAt   time.Time `json:"created_at"`
 	// LeasedBy and LeasedUntil: the relay that holds the row under a live
 	// lease (one with a higher ceiling, another library's say), which retry
 	// leaves alone until LeasedUntil; null when none holds it. LeasedUntil
@@ -79,10 +84,13 @@ func (c *cli) stuck(args []string) error {
 		return d.explain(err, c.g.table)
 	}
 	r := stuckReport{MaxAttempts: c.g.maxAttempts, Total: max(total, int64(len(recs))), Rows: make([]stuckRow, len(recs))}
-	leased := false
+	leased, keyed := false, false
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: keyText(rec.ID), Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
+		if rec.AggregateID != "" {
+			r.Rows[i].AggregateID, r.Rows[i].Seq, keyed = keyText(rec.AggregateID), rec.Seq, true
+		}
 		if rec.Leased {
 			by := rec.LeasedBy
 			r.Rows[i].LeasedBy, leased = &by, true
@@ -128,6 +136,18 @@ func (c *cli) stuck(args []string) error {
 			return fmt.Sprintf("%s (%s)\t", by, until)
 		}
 	}
+	// A key column only when one of them is keyed: a stuck keyed record
+	// holds its key's later records, which outboxctl held shows waiting.
+	key := func(stuckRow) string { return "" }
+	if keyed {
+		header = strings.Replace(header, "\tATTEMPTS", "\tKEY (SEQ)\tATTEMPTS", 1)
+		key = func(row stuckRow) string {
+			if row.AggregateID == "" {
+				return "-\t"
+			}
+			return fmt.Sprintf("%s (%d)\t", printable(row.AggregateID), row.Seq)
+		}
+	}
 	fmt.Fprintln(tw, header)
 	for _, row := range r.Rows {
 		exchange := exchangeText(row.Exchange)
@@ -138,8 +158,8 @@ func (c *cli) stuck(args []string) error {
 		if !row.CreatedAt.IsZero() {
 			created = row.CreatedAt.Format("2006-01-02 15:04:05Z")
 		}
-		fmt.Fprintf(tw, "%s\t%s / %s\t%d\t%s\t%s%s\n", row.ID, printable(exchange), printable(row.RoutingKey),
-			row.Attempts, created, lease(row), printable(row.LastError))
+		fmt.Fprintf(tw, "%s\t%s / %s\t%s%d\t%s\t%s%s\n", row.ID, printable(exchange), printable(row.RoutingKey),
+			key(row), row.Attempts, created, lease(row), printable(row.LastError))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

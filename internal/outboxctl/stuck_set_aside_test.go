@@ -44,3 +44,38 @@ func TestStuck_SetAside_ListsRecordsAConsumerSetAside(t *testing.T) {
 		ctl(t, nil, "stuck", "--set-aside", "--failing", "--db", db.DSN).wantFailure(t, 2, "give --failing or --set-aside, not both")
 	})
 }
+
+// A stuck keyed record holds its key's later records back, and stuck did
+// not say which key (an API review of StuckRecord, which had no key): the
+// key and its number are in a KEY (SEQ) column, shown when a row is keyed,
+// and in --json; an unkeyed row beside it shows none.
+func TestStuck_KeyedRecord_KeyAndSeqShown(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		keyed := publishOf(t, db, 2, "payment.captured", "pay-9")
+		plain := publishOf(t, db, 1, "payment.captured", "")
+		execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10, last_error = 'refused' WHERE id = ? OR id = ?", keyed[1], plain[0])
+
+		out := mustCtl(t, "stuck", "--db", db.DSN)
+		for _, want := range []string{"KEY (SEQ)", "pay-9 (2)"} {
+			if !strings.Contains(out, want) {
+				t.Errorf("stuck does not say %q:\n%s", want, out)
+			}
+		}
+		var r stuckReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--json", "--db", db.DSN)), &r); err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]stuckRow{}
+		for _, row := range r.Rows {
+			got[row.ID] = row
+		}
+		if row := got[keyed[1]]; row.AggregateID != "pay-9" || row.Seq != 2 {
+			t.Errorf("stuck --json, the keyed record: %+v, want key pay-9 seq 2", row)
+		}
+		if row, ok := got[plain[0]]; !ok || row.AggregateID != "" || row.Seq != 0 {
+			t.Errorf("stuck --json, the unkeyed record: %+v (listed %v), want no key", row, ok)
+		}
+	})
+}

@@ -1150,8 +1150,8 @@ func (o *Outbox) Stats(maxAttempts int) Query {
 }
 
 // Stuck lists up to limit rows at maxAttempts, oldest first. Columns: id,
-// exchange_name, routing_key, attempts, last_error, created_at, locked_by,
-// locked_until, and leased: 1 when a relay holds the row under a live lease
+// exchange_name, routing_key, aggregate_id, seq, attempts, last_error,
+// created_at, locked_by, locked_until, and leased: 1 when a relay holds the row under a live lease
 // now, which Retry leaves alone (the negation of notClaimed), else 0.
 func (o *Outbox) Stuck(maxAttempts, limit int, now time.Time) Query {
 	return o.failedRows("attempts >= ?", []any{maxAttempts}, limit, now)
@@ -1184,7 +1184,7 @@ func (o *Outbox) failedRows(cond string, condArgs []any, limit int, now time.Tim
 // stuckColumns selects from the table the columns Stuck lists, leased
 // (1 or 0) the last.
 func (o *Outbox) stuckColumns(leased string) string {
-	return "SELECT id, exchange_name, routing_key, attempts, last_error, " + o.d.timeText("created_at") + ", locked_by, " + o.d.timeText("locked_until") + ", " +
+	return "SELECT id, exchange_name, routing_key, aggregate_id, seq, attempts, last_error, " + o.d.timeText("created_at") + ", locked_by, " + o.d.timeText("locked_until") + ", " +
 		leased + " FROM " + o.table
 }
 
