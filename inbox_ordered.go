@@ -853,10 +853,7 @@ func endedUnderHandler(ctx context.Context, err error) error {
 	if (!errors.Is(err, sql.ErrTxDone) && !ended) || errors.Is(err, ErrHandlerTxDone) {
 		return err
 	}
-	if ended {
-		return fmt.Errorf("%w: %w", ErrHandlerTxDone, err)
-	}
-	if ctx.Err() != nil {
+	if ctx.Err() != nil && !ended {
 		return fmt.Errorf("%w: %w (the message's context ended: %w)", ErrHandlerTxDone, err, context.Cause(ctx))
 	}
 	return fmt.Errorf("%w: %w", ErrHandlerTxDone, err)

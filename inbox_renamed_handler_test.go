@@ -57,27 +57,20 @@ func TestOrderedInbox_HandlerRenamedUnderTheDefaultName_GapLogNamesTheCause(t *t
 func deliverThrough(t *testing.T, in *outbox.Inbox, handler, seq string, plugged bool, ran func()) {
 	t.Helper()
 	bus := gochannel.NewGoChannel(gochannel.Config{BlockPublishUntilSubscriberAck: true}, watermill.NopLogger{})
-	r, err := message.NewRouter(message.RouterConfig{}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := newRouter(t)
 	r.AddMiddleware(in.Middleware)
 	if plugged {
 		r.AddPlugin(in.Plugin())
 	}
 	r.AddConsumerHandler(handler, "order.paid", bus, func(*message.Message) error { ran(); return nil })
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	<-r.Running()
+	stop := runRouter(t, r)
 	m := message.NewMessage(watermill.NewUUID(), []byte(`{}`))
 	m.Metadata.Set(outbox.HeaderAggregateID, "order-1")
 	m.Metadata.Set(outbox.HeaderSeq, seq)
 	if err := bus.Publish("order.paid", m); err != nil {
 		t.Fatal(err)
 	}
-	cancel()
-	if err := <-done; err != nil {
+	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
 }
