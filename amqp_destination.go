@@ -412,7 +412,7 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		d.cfg.Logger.Info("Connected to RabbitMQ", fields)
 		return nil
 	}
-	return connectionLost(fmt.Errorf("outbox: connect to RabbitMQ: %w", failed))
+	return unreachable{fmt.Errorf("connect to RabbitMQ: %w", failed)}
 }
 
 // shareOf is ctx with 1/n of the time it has left, or ctx itself when it

@@ -52,21 +52,35 @@ type recordingLogger struct {
 
 type loggedLine struct {
 	msg    string
+	err    error // an ERROR line's, nil for the others
 	fields watermill.LogFields
 }
 
 func (l *recordingLogger) Error(msg string, err error, fields watermill.LogFields) {
-	l.add(msg, fields)
+	l.add(msg, err, fields)
 }
-func (l *recordingLogger) Info(msg string, fields watermill.LogFields)      { l.add(msg, fields) }
+func (l *recordingLogger) Info(msg string, fields watermill.LogFields)      { l.add(msg, nil, fields) }
 func (l *recordingLogger) Debug(string, watermill.LogFields)                {}
 func (l *recordingLogger) Trace(string, watermill.LogFields)                {}
 func (l *recordingLogger) With(watermill.LogFields) watermill.LoggerAdapter { return l }
 
-func (l *recordingLogger) add(msg string, fields watermill.LogFields) {
+func (l *recordingLogger) add(msg string, err error, fields watermill.LogFields) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.logs = append(l.logs, loggedLine{msg, fields})
+	l.logs = append(l.logs, loggedLine{msg, err, fields})
+}
+
+// errorLines returns the lines logged with an error, in order.
+func (l *recordingLogger) errorLines() []loggedLine {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var found []loggedLine
+	for _, line := range l.logs {
+		if line.err != nil {
+			found = append(found, line)
+		}
+	}
+	return found
 }
 
 // find returns the fields of the lines logged as msg, in order.

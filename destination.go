@@ -31,6 +31,24 @@ var ErrNotSent = errors.New("outbox: not sent, behind a failed record")
 // answered the record's previous publish counts so (see its Publish).
 var ErrConnectionLost = errors.New("outbox: connection to the broker lost before it confirmed")
 
+// ErrBrokerUnreachable is the error of a connect that no node of the
+// broker answered: nothing was sent. It is an ErrConnectionLost as well,
+// for what the Forwarder does with it (no attempt is counted), but its text
+// says what happened: "lost before it confirmed" told an on-call drill's
+// engineer, every 10 s of a broker outage, that a batch in flight was lost
+// and duplicates were coming.
+var ErrBrokerUnreachable = errors.New("outbox: broker unreachable, nothing sent")
+
+// unreachable is a failed connect's error: ErrBrokerUnreachable and
+// ErrConnectionLost, worded as the former.
+type unreachable struct{ err error }
+
+func (e unreachable) Error() string { return ErrBrokerUnreachable.Error() + ": " + e.err.Error() }
+func (e unreachable) Unwrap() error { return e.err }
+func (e unreachable) Is(target error) bool {
+	return target == ErrBrokerUnreachable || target == ErrConnectionLost
+}
+
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker
 // had blocked (connection.blocked: a memory or disk alarm, during which
 // RabbitMQ reads nothing more from a publishing connection, and a publish

@@ -1395,6 +1395,10 @@ func (f *Forwarder) reportError(err error, dest ErrorContext) {
 		f.cfg.OnError(err, dest)
 		return
 	}
+	if errors.Is(err, ErrBrokerUnreachable) {
+		f.log.Error("Outbox relay cannot reach the broker; it claims nothing until a node answers, and tries again", err, nil)
+		return
+	}
 	if dest.MessageID == "" {
 		f.log.Error("Outbox relay failed, not for a record of its own; it tries again, and a batch published but not marked goes out again (the inbox dedupes it)", err, nil)
 		return

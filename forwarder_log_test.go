@@ -2,6 +2,9 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
+	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -108,5 +111,66 @@ func TestForwarder_AMQPDestinationWithoutALogger_LogsWithTheRelays(t *testing.T)
 			t.Errorf("own logger %v: %q logged %d times by the relay's logger, %d by the destination's", own, connected, byRelay, byDest)
 		}
 		_ = f.Close()
+	}
+}
+
+// A broker no node of which answers: the relay claims nothing, and its
+// line said "a batch published but not marked goes out again", with an
+// error "connection to the broker lost before it confirmed", every 10 s of
+// an outage (an on-call drill read that duplicates were coming). It says
+// the broker is unreachable, and its error is ErrBrokerUnreachable, which
+// is an ErrConnectionLost still (no attempt is counted), and nothing of
+// the records is charged.
+func TestForwarder_BrokerUnreachable_LoggedAsUnreachableNothingCharged(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.MySQL)
+	ids := publishN(t, db, "", "orders", 3)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close() // nothing listens there
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{"amqp://guest:guest@" + addr + "/"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := &recordingLogger{}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: outbox.MySQL, Logger: logs, RetryMin: 10 * time.Millisecond, PollInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+	var line loggedLine
+	waitFor(t, 20*time.Second, "the relay's failure logged", func() bool {
+		errs := logs.errorLines()
+		if len(errs) > 0 {
+			line = errs[0]
+		}
+		return len(errs) > 0
+	})
+	text := line.msg + " " + line.err.Error()
+	if !strings.Contains(line.msg, "cannot reach the broker") || strings.Contains(text, "lost before it confirmed") || strings.Contains(text, "published but not marked") {
+		t.Errorf("broker unreachable, nothing claimed; the relay logged msg=%q err=%q", line.msg, line.err)
+	}
+	if !errors.Is(line.err, outbox.ErrBrokerUnreachable) || !errors.Is(line.err, outbox.ErrConnectionLost) {
+		t.Errorf("the error %v: want ErrBrokerUnreachable and ErrConnectionLost", line.err)
+	}
+	store, err := outbox.NewStore(db.DB, outbox.StoreConfig{Dialect: outbox.MySQL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs, err := store.Lookup(context.Background(), ids...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range recs {
+		if r.Attempts != 0 || r.Published {
+			t.Errorf("record %s: attempts %d, published %v; want neither while the broker is unreachable", r.ID, r.Attempts, r.Published)
+		}
 	}
 }

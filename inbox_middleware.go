@@ -356,6 +356,10 @@ type Inbox struct {
 	plugged atomic.Bool
 	// flight: the deliveries of the plugged routers' handlers under way.
 	flight inFlight
+
+	// aside recalls the keyed messages this process set aside, for the
+	// gap lines (see setAside).
+	aside asideKeys
 }
 
 // routerStopping reports whether the router that delivered msg is
@@ -608,6 +612,15 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 
 // process runs one message through the inbox, and says what became of it
 // and for which consumer ("" if it has no valid name). code is h's.
+// consumerIn is the consumer a message delivered with ctx is processed
+// for: ConsumerName, or the name of the router handler ctx is of.
+func (in *Inbox) consumerIn(ctx context.Context) string {
+	if in.cfg.ConsumerName != "" {
+		return in.cfg.ConsumerName
+	}
+	return message.HandlerNameFromCtx(ctx)
+}
+
 func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {
@@ -619,10 +632,7 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 	// The consumer first: a message refused before it is read (no id, a
 	// bad seq) still counts, under the consumer's name if it has a valid
 	// one.
-	consumer = in.cfg.ConsumerName
-	if consumer == "" {
-		consumer = message.HandlerNameFromCtx(ctx)
-	}
+	consumer = in.consumerIn(ctx)
 	counted, nameErr := consumer, checkConsumer(in.dialect, consumer)
 	if nameErr != nil {
 		counted = ""

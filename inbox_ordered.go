@@ -1633,8 +1633,15 @@ func (in *Inbox) logGaps(ctx context.Context) error {
 		age := now.Sub(g.OldestHeldAt)
 		why := "Ordered inbox: messages held past GapAfter; their predecessor has not been applied: it has not arrived, or was set aside by a poison queue " +
 			"(once its cause is fixed, outboxctl resend --key K --seq N sends it again from its outbox; outboxctl held, skip-gap)"
-		if g.LastApplied == 0 && g.Missing() > 0 {
-			why += "; the consumer applied none of the key's numbers: a consumer new to it, turned on over its history, or a router handler renamed " +
+		aside, wasAside := in.aside.recall(g.Consumer, g.AggregateID, g.LastApplied+1, g.LowestHeld-1)
+		switch {
+		case wasAside:
+			why = fmt.Sprintf("Ordered inbox: messages held past GapAfter; their predecessor, seq %d, was set aside on %s by this process at %s: "+
+				"once its cause is fixed, outboxctl resend --key K --seq %d sends it again from its outbox (skip-gap would give it up)",
+				aside.seq, aside.topic, aside.at.UTC().Format(time.RFC3339), aside.seq)
+		case g.LastApplied == 0 && g.Missing() > 0:
+			why += "; the consumer applied none of the key's numbers: unless its first was set aside (a set-aside ERROR line with this aggregate_id says so), " +
+				"a consumer new to the key, turned on over its history, or a router handler renamed " +
 				"while ConsumerName defaults to the handler's name (skip-gap once; set ConsumerName)"
 		}
 		if g.Missing() <= 0 {
@@ -1646,6 +1653,12 @@ func (in *Inbox) logGaps(ctx context.Context) error {
 		}
 		if g.NextError != "" {
 			fields["next_error"] = g.NextError
+		}
+		if wasAside {
+			fields["set_aside_id"] = idText(aside.id)
+			if aside.copyID != "" {
+				fields["poison_copy_id"] = aside.copyID
+			}
 		}
 		in.log.Error(why, fmt.Errorf("held %s, longer than GapAfter %s", age.Round(time.Second), in.cfg.GapAfter), fields)
 	}

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -176,28 +178,37 @@ func (in *Inbox) toSetAside(topic string, msgs []*message.Message) ([]*message.M
 }
 
 // loggedAside logs msg set aside on topic (as copyID, where its copy has
-// an id of its own): an operator saw Retry's errors, then nothing.
+// an id of its own): an operator saw Retry's errors, then nothing. A keyed
+// message's key and number are in the line: the gap lines that follow
+// name the key, and resend --key K --seq N and skip-gap take them (an
+// on-call drill could not join the two lines).
 func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) {
 	reason := msg.Metadata.Get(middleware.ReasonForPoisonedKey)
 	fields := watermill.LogFields{"message_uuid": idText(msg.UUID), "poison_topic": topic,
-		"reason": reason, "handler": message.HandlerNameFromCtx(msg.Context())}
+		"handler": message.HandlerNameFromCtx(msg.Context())}
 	if copyID != "" {
 		fields["poison_copy_id"] = copyID
 	}
+	if key := msg.Metadata.Get(HeaderAggregateID); key != "" {
+		fields["aggregate_id"], fields["seq"] = key, msg.Metadata.Get(HeaderSeq)
+		if seq, err := strconv.ParseInt(msg.Metadata.Get(HeaderSeq), 10, 64); err == nil {
+			in.aside.note(in.consumerIn(msg.Context()), key, asideKey{seq: seq, id: msg.UUID, copyID: copyID, topic: topic, at: time.Now()})
+		}
+	}
 	// The handler's error as the line's err: a nil one printed err=<nil>
-	// on an ERROR line (a user review), the error only in reason.
+	// on an ERROR line (a user review), the error only in reason. Only
+	// there: a panic's stack, in a reason field as well, made the line 45
+	// lines long (an on-call drill).
 	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; once the cause is fixed, "+
 		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", errors.New(reason), fields)
+	in.cfg.Metrics.inbox(in.consumerIn(msg.Context()), inboxSetAside)
 }
 
 // asideNote is what the record of msg, set aside on topic (as copyID, if
 // any), keeps in its last_error: by whom, where and why, in plain ASCII
 // (a last_error column another library made may hold no more), for show.
 func (in *Inbox) asideNote(topic string, msg *message.Message, copyID string) string {
-	consumer := in.cfg.ConsumerName
-	if consumer == "" {
-		consumer = message.HandlerNameFromCtx(msg.Context())
-	}
+	consumer := in.consumerIn(msg.Context())
 	where := topic
 	if copyID != "" {
 		where += " as " + copyID
@@ -226,4 +237,51 @@ func (in *Inbox) interrupted(msg *message.Message) bool {
 		return true
 	}
 	return in.routerStopping(msg)
+}
+
+// asideKeys recalls, for each consumer's key, the last keyed message this
+// process set aside: its gap line then names that cause. The on-call drill
+// that found it read, for a key whose first message its own poison queue
+// had set aside, a line that blamed a consumer new to the key or a renamed
+// handler, and pointed at skip-gap, which gives the message up. Another
+// process's set-aside, or one before a restart, is not recalled: the line
+// says then what may have happened, the set-aside first. At most
+// asideRecall keys are kept.
+type asideKeys struct {
+	mu   sync.Mutex
+	keys map[[2]string]asideKey
+}
+
+// asideKey is a keyed message set aside: its number, its id, its copy's
+// id (PoisonOutbox's; "" for PoisonPublisher's), where and when.
+type asideKey struct {
+	seq               int64
+	id, copyID, topic string
+	at                time.Time
+}
+
+// asideRecall bounds asideKeys: past it one key is forgotten for each new.
+const asideRecall = 1000
+
+func (a *asideKeys) note(consumer, key string, k asideKey) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.keys == nil {
+		a.keys = map[[2]string]asideKey{}
+	}
+	if len(a.keys) >= asideRecall {
+		for old := range a.keys {
+			delete(a.keys, old)
+			break
+		}
+	}
+	a.keys[[2]string{consumer, key}] = k
+}
+
+// recall is the key's message set aside, if it is one of seqs from..through.
+func (a *asideKeys) recall(consumer, key string, from, through int64) (asideKey, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	k, ok := a.keys[[2]string{consumer, key}]
+	return k, ok && k.seq >= from && k.seq <= through
 }

@@ -150,10 +150,7 @@ func (in *Inbox) poisonCopy(topic string, msg *message.Message, bare bool) *mess
 	if id == "" {
 		id = msg.UUID
 	}
-	consumer := in.cfg.ConsumerName
-	if consumer == "" {
-		consumer = message.HandlerNameFromCtx(msg.Context())
-	}
+	consumer := in.consumerIn(msg.Context())
 	copyID := uuid.NewSHA1(poisonNamespace, []byte(consumer+"\x00"+id+"\x00"+topic)).String()
 	if id == "" {
 		// No id to derive one from: every such message's copy had the one

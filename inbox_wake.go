@@ -142,10 +142,7 @@ func (s *wakeSubscriber) Close() error {
 // try again, now that the route is known.
 func (in *Inbox) wake(h message.HandlerFunc, code handlerCode, msg *message.Message) {
 	ctx := msg.Context()
-	consumer := in.cfg.ConsumerName
-	if consumer == "" {
-		consumer = message.HandlerNameFromCtx(ctx)
-	}
+	consumer := in.consumerIn(ctx)
 	fields := watermill.LogFields{"consumer": consumer, "woken_by": message.HandlerNameFromCtx(ctx)}
 	if err := checkConsumer(in.dialect, consumer); err != nil {
 		in.log.Error("Outbox inbox: a handler's held messages cannot be applied at its start: its consumer name is not valid", err, fields)

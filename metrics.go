@@ -25,6 +25,7 @@ type Metrics struct {
 	inboxFailed     *prometheus.CounterVec
 	inboxAtMostOnce *prometheus.CounterVec
 	inboxHeld       *prometheus.CounterVec
+	inboxSetAside   *prometheus.CounterVec
 	heldMessages    *readGauge
 	heldGaps        *readGauge
 	oldestGap       *readGauge
@@ -122,6 +123,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_inbox_held_total",
 			Help: "Keyed messages the ordered inbox held, ahead of their predecessor, and acked, by consumer.",
 		}, []string{"consumer"}),
+		inboxSetAside: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_inbox_set_aside_total",
+			Help: "Messages set aside on a poison topic (PoisonOutbox, PoisonPublisher), never applied, by consumer: each waits for an operator (outboxctl resend once its cause is fixed).",
+		}, []string{"consumer"}),
 		heldMessages: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_inbox_held",
 			Help: "Messages the ordered inbox holds until their predecessor is applied, all consumers (set by Inbox.RefreshStats).",
@@ -156,7 +161,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		registered []prometheus.Collector
 	)
 	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
-		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.heldMessages, m.heldGaps, m.oldestGap, m.statements,
+		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.inboxSetAside, m.heldMessages, m.heldGaps, m.oldestGap, m.statements,
 		m.brokerConnectedNodes, m.brokerConnects, m.brokerDialFailures} {
 		if err := reg.Register(c); err != nil {
 			errs = append(errs, err)
@@ -260,6 +265,8 @@ func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {
 		m.inboxAtMostOnce.WithLabelValues(consumer).Inc()
 	case inboxHeld:
 		m.inboxHeld.WithLabelValues(consumer).Inc()
+	case inboxSetAside:
+		m.inboxSetAside.WithLabelValues(consumer).Inc()
 	}
 }
 
@@ -289,4 +296,9 @@ const (
 	// a duplicate. Its outbox record is marked processed in the hold's
 	// transaction, as the held message's is, not by markDuplicateProcessed.
 	inboxHeldAgain
+	// inboxSetAside: a message a poison publisher of the inbox's took, once
+	// it took it. Its deliveries' failures were counted failed: that count
+	// could not tell a message given up from failures that passed (an
+	// on-call drill).
+	inboxSetAside
 )

@@ -56,8 +56,8 @@ func splitURLs(s string) []string {
 // that all failed, without the sentinel and the prefix the library wraps it
 // in: "host:port: error; host:port: error".
 func nodeFailures(err error) string {
-	msg := strings.TrimPrefix(err.Error(), outbox.ErrConnectionLost.Error()+": ")
-	return oneLine(strings.TrimPrefix(msg, "outbox: connect to RabbitMQ: "))
+	msg := strings.TrimPrefix(err.Error(), outbox.ErrBrokerUnreachable.Error()+": ")
+	return oneLine(strings.TrimPrefix(msg, "connect to RabbitMQ: "))
 }
 
 func (c *cli) relay(args []string) error {
