@@ -1315,7 +1315,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		}
 	}
 	// The marks are not cut short: the broker has the messages.
-	if err := f.mark(context.WithoutCancel(ctx), b, published); err != nil {
+	if err := f.mark(ctx, b, published); err != nil {
 		b.parked = 0 // nothing is stuck: the attempts were not recorded
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.
@@ -1360,15 +1360,43 @@ func (f *Forwarder) charge(attempts int, err error) int {
 }
 
 // mark marks the batch's published rows and failures, and ends its claim.
-func (f *Forwarder) mark(ctx context.Context, b *batch, published []string) error {
+func (f *Forwarder) mark(runCtx context.Context, b *batch, published []string) error {
+	ctx := context.WithoutCancel(runCtx) // the broker has the messages
 	if f.afterPublish != nil {
 		if err := f.afterPublish(published); err != nil {
 			_ = f.store.abandon(ctx, b.claim)
 			return err
 		}
 	}
-	return f.store.finish(ctx, b.claim, published, b.failures)
+	err := f.store.finish(ctx, b.claim, published, b.failures)
+	// A leased batch (SQLite) whose mark found the write lock held past
+	// the busy timeout by another connection (another process's long
+	// transaction, a VACUUM): no other relay takes its rows while the lease
+	// lasts, so the mark is tried again, until a quarter of the lease is
+	// left or the relay stops, rather than leave rows the broker confirmed
+	// pending under the relay's own lease, to be sent again when it ends (a
+	// review: a 12 s lock kept two confirmed rows "pending" 60 s, then sent
+	// them again).
+	for try := 0; err != nil && b.claim.tx == nil && sqldialect.Busy(err); try++ {
+		left := f.cfg.Lease - time.Since(b.claimedAt)
+		if left < f.cfg.Lease/4 || runCtx.Err() != nil {
+			break
+		}
+		if try == 0 {
+			f.log.Info("Outbox relay: the database is locked by another connection past its busy timeout; "+
+				"the batch the broker confirmed is marked once it is free", watermill.LogFields{"records": len(published), "lease_left": left.Round(time.Second).String()})
+		}
+		if !sleepCtx(runCtx, markBusyPause) {
+			break
+		}
+		err = f.store.finish(ctx, b.claim, published, b.failures)
+	}
+	return err
 }
+
+// markBusyPause is the pause between two tries of a leased batch's mark
+// that found SQLite's write lock busy; each try waits the busy timeout.
+const markBusyPause = 100 * time.Millisecond
 
 // lostRepeats is how many times in a row the connection may be lost at the
 // same record before the record is counted an attempt for it: an outage

@@ -176,3 +176,69 @@ func TestForwarder_SQLite_WakeProbeBusy_WriterRollsBack_RowStillGoesOut(t *testi
 		t.Fatal("in 10 tries the relay always took the lock before the writer: the case was not exercised")
 	}
 }
+
+// lockingDestination confirms every record, and as it takes its first
+// batch has another connection take SQLite's write lock for hold: the
+// relay's mark of that batch then finds the lock busy past its busy
+// timeout.
+type lockingDestination struct {
+	other *sqlx.DB
+	hold  time.Duration
+	once  sync.Once
+	sends atomic.Int64
+	freed chan time.Time
+}
+
+func (d *lockingDestination) Publish(_ context.Context, records []outbox.Record) []error {
+	d.sends.Add(int64(len(records)))
+	d.once.Do(func() {
+		lock, err := d.other.Begin() // BEGIN IMMEDIATE: the write lock
+		if err != nil {
+			panic(err)
+		}
+		go func() {
+			time.Sleep(d.hold) // another process's transaction, of that length
+			_ = lock.Rollback()
+			d.freed <- time.Now()
+		}()
+	})
+	return make([]error, len(records))
+}
+
+// A mark of a batch the broker confirmed that finds SQLite's write lock
+// held past the busy timeout by another process (a batch job, a VACUUM)
+// is tried again once the lock is free, within the relay's own lease: the
+// rows were left "pending" under that lease, and sent again when it ended
+// (a review held the lock 12 s; two confirmed rows waited 60 s, then went
+// out a second time).
+func TestForwarder_SQLite_MarkMeetsALockPastTheBusyTimeout_MarkedOnceFreeNotSentAgain(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	ids := publishN(t, db, "", "busy.mark", 1)
+	dsn := strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=200", 1)
+	if dsn == db.DSN {
+		t.Fatalf("DSN %s sets no _busy_timeout=10000 to replace", db.DSN)
+	}
+	relayDB := otherPool(t, &testdb.DB{DB: db.DB, Kind: db.Kind, DSN: dsn, Name: db.Name})
+	dest := &lockingDestination{other: otherPool(t, db).DB, hold: 1500 * time.Millisecond, freed: make(chan time.Time, 1)}
+	f, err := outbox.NewForwarder(relayDB.DB, dest, outbox.ForwarderConfig{Dialect: outbox.SQLite, Lease: 30 * time.Second, PublishTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	select {
+	case <-dest.freed:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the relay published nothing")
+	}
+	waitFor(t, 10*time.Second, "the record marked published once the lock was free", func() bool {
+		return outboxStateOf(t, db, ids[0]).Published
+	})
+	if n := dest.sends.Load(); n != 1 {
+		t.Errorf("the record was sent %d times, want once", n)
+	}
+}

@@ -531,9 +531,9 @@ func lostPause(n int) time.Duration {
 }
 
 // dbLostError is a delivery's error when the database dropped its
-// connection and did not answer again before the delivery's context
-// ended: the message is marked (dbLostKey), and PoisonPublisher does not
-// set it aside.
+// connection (or, SQLite, stayed locked by another connection) and did
+// not answer again before the delivery's context ended: the message is
+// marked (dbLostKey), and PoisonPublisher does not set it aside.
 type dbLostError struct{ err error }
 
 func (e *dbLostError) Error() string {
@@ -1269,7 +1269,11 @@ func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 			// Retry's tries ran out in an outage of a second (see
 			// dbLostKey).
 			if lost == 0 {
-				in.log.Info("Inbox: the database connection was lost; the delivery runs again once the database answers", watermill.LogFields{"error": err.Error()})
+				what := "Inbox: the database connection was lost; the delivery runs again once the database answers"
+				if sqldialect.Busy(err) {
+					what = "Inbox: the database is locked by another connection past its busy timeout; the delivery runs again once the lock is free"
+				}
+				in.log.Info(what, watermill.LogFields{"error": err.Error()})
 			}
 			if !sleepCtx(ctx, lostPause(lost)) {
 				return &dbLostError{err: err}

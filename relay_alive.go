@@ -6,7 +6,10 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -139,6 +142,7 @@ func (f *Forwarder) endLeasesOfGone(ctx context.Context, db string) (int64, erro
 		return 0, err
 	}
 	var freed int64
+	defer removeGoneFiles(db, holders)
 	for _, h := range holders {
 		path := aliveFile(db, h)
 		if h == f.cfg.RelayID {
@@ -166,4 +170,38 @@ func (f *Forwarder) endLeasesOfGone(ctx context.Context, db string) (int64, erro
 		f.log.Info("Outbox forwarder took back the rows of a relay that is gone (its process ended with them under a lease)", watermill.LogFields{"gone_relay": h, "rows": n})
 	}
 	return freed, nil
+}
+
+// removeGoneFiles removes the lock files beside db that no process holds
+// and whose relay holds no live lease of the holders read: those of relays
+// that ended with none in flight (kill -9 at nearly any moment of a flow,
+// a crash loop), which no look for leases would ever remove (a review
+// counted one per relay killed, seven after seven kills). A relay that
+// creates its file and has not yet locked it finds it unlinked and opens
+// it again (holdFile). A relay that claimed after holders was read and
+// was gone by the look loses its file, and its rows wait out their lease,
+// as before files.
+func removeGoneFiles(db string, holders []string) {
+	entries, err := os.ReadDir(filepath.Dir(db))
+	if err != nil {
+		return
+	}
+	leased := make(map[string]bool, len(holders))
+	for _, h := range holders {
+		leased[filepath.Clean(aliveFile(db, h))] = true
+	}
+	prefix := filepath.Base(db) + "-acemq-relay-"
+	for _, e := range entries {
+		name := e.Name()
+		if !strings.HasPrefix(name, prefix) || len(name) != len(prefix)+16 {
+			continue
+		}
+		path := filepath.Join(filepath.Dir(db), name)
+		if leased[path] {
+			continue // endLeasesOfGone's
+		}
+		if release, gone, err := lockGone(path); err == nil && gone {
+			release(true)
+		}
+	}
 }

@@ -125,3 +125,44 @@ func TestTakeBack_RelayRestartedUnderItsRelayIDMeanwhile_WaitsItsLeasesKept(t *t
 		t.Fatalf("%s, in flight at the running till, published again by a third relay", inFlight)
 	}
 }
+
+// The lock files of relays that ended with no lease in flight (kill -9 at
+// almost any moment of a flow, a crash loop): no look for leases removed
+// them, and they piled up beside the database, one per relay killed (a
+// review: seven after seven kills). A running relay's look removes every
+// such file no process holds, and leaves a running relay's.
+func TestTakeBack_GoneRelaysFilesWithoutLeases_Removed_RunningRelaysKept(t *testing.T) {
+	db := testdb.New(t, testdb.SQLite)
+	ctx := context.Background()
+	if err := Migrate(ctx, db.DB, SQLite); err != nil {
+		t.Fatal(err)
+	}
+	gone := []string{aliveFile(db.Name, "killed-1"), aliveFile(db.Name, "killed-2")}
+	for _, path := range gone {
+		if err := os.WriteFile(path, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	running := aliveFile(db.Name, "running")
+	release, err := holdFile(running, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	f, err := NewForwarder(db.DB, NewPublisherDestination(&countingPublisher{}, nil), ForwarderConfig{Dialect: SQLite, Logger: watermill.NopLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.endLeasesOfGone(ctx, db.Name); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range gone {
+		if _, err := os.Stat(path); err == nil {
+			t.Errorf("%s, a gone relay's lock file, is still there", path)
+		}
+	}
+	if _, err := os.Stat(running); err != nil {
+		t.Errorf("a running relay's lock file: %v", err)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"math"
 	"net"
 	"net/url"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -472,6 +473,37 @@ func TestMigrate_CreatesTheSchemaAndIsIdempotent(t *testing.T) {
 		}
 		ctl(t, nil, "migrate", "--db", db.DSN, "--table", "other_outbox").wantFailure(t, 2, "migrate creates acemq_outbox and processed_messages only")
 	})
+}
+
+// A --db in a directory that is not there (a volume not mounted, a
+// mistyped path): status told to run migrate, which then failed with
+// "unable to open database file" (a review). Both name the directory.
+func TestSQLitePath_DirectoryMissing_SaidByEveryCommand(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "not-mounted")
+	path := filepath.Join(dir, "shop.db")
+	for _, cmd := range []string{"status", "migrate", "stuck"} {
+		ctl(t, nil, cmd, "--db", path).wantFailure(t, 1, "the directory "+dir+" of the sqlite database "+path+" does not exist (a volume not mounted? a mistyped path?)")
+	}
+}
+
+// A command that meets SQLite's write lock held past the busy timeout by
+// another process says so, and that it can be run again: "database is
+// locked" alone said neither (a review).
+func TestSQLite_WriteLockHeldElsewhere_SaysWhyAndToRunAgain(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "locked.db")
+	mustCtl(t, "migrate", "--db", path)
+	other, err := sql.Open("sqlite3", testdb.SQLiteDSN(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	lock, err := other.Begin() // BEGIN IMMEDIATE: another process's long write
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = lock.Rollback() }()
+	ctl(t, nil, "retry", "--all-stuck", "--db", "file:"+path+"?_busy_timeout=100").wantFailure(t, 1,
+		"database is locked (another connection held the SQLite database's write lock past the busy timeout")
 }
 
 func TestMigrate_SQLitePath_CreatesTheFile(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"time"
@@ -281,6 +282,14 @@ func (c *cli) open(create bool) (*database, error) {
 	t, err := parseTarget(c.g.db, switchesToWAL[c.command])
 	if err != nil {
 		return nil, err
+	}
+	if t.kind == kindSQLite && t.path != "" {
+		// A missing directory first: the file's absence was put to migrate,
+		// which then failed with "unable to open database file" (a review:
+		// a volume not mounted).
+		if _, err := os.Stat(filepath.Dir(t.path)); errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("the directory %s of the sqlite database %s does not exist (a volume not mounted? a mistyped path?)", filepath.Dir(t.path), t.shown)
+		}
 	}
 	if t.kind == kindSQLite && t.path != "" && !create {
 		if _, err := os.Stat(t.path); err != nil {

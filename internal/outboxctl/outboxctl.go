@@ -17,6 +17,7 @@ import (
 	"syscall"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
 const (
@@ -47,7 +48,14 @@ func Run(ctx context.Context, args []string, env func(string) string, stdout, st
 	case errors.Is(err, flag.ErrHelp):
 		return exitOK
 	}
-	fmt.Fprintln(stderr, "outboxctl: "+oneLine(err.Error()))
+	msg := oneLine(err.Error())
+	if sqldialect.Busy(err) {
+		// "database is locked" alone said neither why nor what to do (a
+		// review of a service on SQLite).
+		msg += " (another connection held the SQLite database's write lock past the busy timeout, _busy_timeout in --db:" +
+			" a long transaction or a VACUUM in another process; run the command again once it ends)"
+	}
+	fmt.Fprintln(stderr, "outboxctl: "+msg)
 	var ue *usageError
 	if errors.As(err, &ue) {
 		return exitUsage

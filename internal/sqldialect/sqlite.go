@@ -54,7 +54,14 @@ func (sqlite) BlobIDs() bool { return true }
 // busy_timeout is not one to try again at once.
 func (sqlite) Conflict(error) bool { return false }
 
-func (sqlite) ConnLost(error) bool { return false } // a file, no connection to lose
+// ConnLost: a file has no connection to lose, but SQLITE_BUSY past the
+// busy timeout is the database not answering all the same: another
+// connection (another process's transaction, a VACUUM, a migration) holds
+// the write lock, no fault of the statement's. The inbox waits it out as it
+// waits out a lost connection: a review's third process that held the
+// lock 23 s had PoisonQueue set a sound message aside, acked, never
+// applied, once Retry's tries ran out.
+func (sqlite) ConnLost(err error) bool { return Busy(err) }
 
 func (sqlite) CannotHold(error) bool { return false } // TEXT holds any bytes
 

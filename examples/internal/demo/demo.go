@@ -42,7 +42,7 @@ const defaultAMQPURL = "amqp://guest:guest@localhost:5672/"
 // sqliteParams: BEGIN IMMEDIATE and a busy timeout, so that the relay, the
 // consumer and the program's own writes wait for each other instead of
 // failing with SQLITE_BUSY; WAL, so that readers do not block the writer.
-const sqliteParams = "_txlock=immediate&_busy_timeout=5000&_journal_mode=WAL"
+const sqliteParams = "_txlock=immediate&_busy_timeout=5000&_journal_mode=WAL&_synchronous=FULL"
 
 // DB is the database of an example.
 type DB struct {
