@@ -1733,6 +1733,44 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 	return out, nil
 }
 
+// PoisonCopies finds the poison copies (PoisonOutbox's, in this table) of
+// the messages ids: for each id that has any, their ids. A consumer that
+// set a message aside without MarkOutboxProcessed notes nothing on its
+// record, and an on-call could not tell it from one lost in a queue (an
+// on-call drill); its copy is in the table all the same when the inbox
+// shares the outbox's database. It reads the whole table.
+func (s *Store) PoisonCopies(ctx context.Context, ids ...string) (map[string][]string, error) {
+	want := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+	}
+	q := s.q.HeadersLike("%" + PoisonedIDMetadataKey + "%")
+	rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil, fmt.Errorf("outbox: poison copies: %w", err)
+	}
+	defer func() { _ = rows.Close() }()
+	out := map[string][]string{}
+	for rows.Next() {
+		var id string
+		var headers sql.NullString
+		if err := rows.Scan(&id, &headers); err != nil {
+			return nil, fmt.Errorf("outbox: poison copies: %w", err)
+		}
+		h, err := rowcodec.DecodeHeaders(headers.String)
+		if err != nil {
+			continue // a row the relay refuses too
+		}
+		if of, _ := h[PoisonedIDMetadataKey].(string); want[of] {
+			out[of] = append(out[of], id)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox: poison copies: %w", err)
+	}
+	return out, nil
+}
+
 // Retry makes the given unpublished rows pending again, attempts reset, and
 // returns how many it changed. last_error is kept until the next failure.
 // A row a relay holds under a live lease (in flight: on SQLite, or claimed

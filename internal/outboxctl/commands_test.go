@@ -650,7 +650,7 @@ func TestEnvironment_NamesTheDatabase_FlagWins(t *testing.T) {
 
 func TestRelay_UnreachableBroker_ExitsOneNamingIt(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
-	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", "")
+	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/", "--listen", "", "--broker-wait", "0")
 	r.wantFailure(t, 1, "cannot connect to RabbitMQ at amqp://guest:xxxxx@127.0.0.1:1/: dial tcp 127.0.0.1:1")
 }
 

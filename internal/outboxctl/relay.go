@@ -69,6 +69,7 @@ func (c *cli) relay(args []string) error {
 	listen := fs.String("listen", ":9464", `address of /metrics and /healthz; "" serves neither`)
 	stats := fs.Duration("stats-interval", 15*time.Second, "how often the pending, oldest-pending and stuck gauges are read (one COUNT each time)")
 	relayID := fs.String("relay-id", "", "this relay's name in locked_by and the logs (default host-pid-random)")
+	brokerWait := fs.Duration("broker-wait", time.Minute, "how long the relay, as it starts, tries again to reach a RabbitMQ that does not answer (refused, timed out) before it exits 1; one that answers and refuses (credentials, vhost) or a host name that does not resolve fails at once; 0: at once")
 	stallAfterFlag := fs.Duration("stall-after", 0, "/healthz answers 503 once no sweep has ended for this long: a relay held by a database that does not answer (default 2 × the 15 s publish timeout + max(--poll-interval, 10 s) + 30 s)")
 	rest, err := c.parse(fs, args, "outboxctl relay [--amqp URL[,URL…]] [--batch-size N] [--max-batch-size N] [--poll-interval D] [--listen ADDR]")
 	if err != nil {
@@ -162,12 +163,30 @@ func (c *cli) relay(args []string) error {
 		}()
 	}
 
-	// A broker that is down when the relay starts is an operator's to fix;
-	// one lost later is the relay's to wait out (it backs off and claims
-	// nothing meanwhile).
-	connectCtx, cancel := context.WithTimeout(c.ctx, connectTimeout)
-	err = dest.Connect(connectCtx)
-	cancel()
+	// A broker that is down when the relay starts is waited for up to
+	// --broker-wait (a relay that exited at once went into Kubernetes'
+	// CrashLoopBackOff, and came back up to 5 minutes after the broker did,
+	// where a running relay reconnects within seconds: an on-call drill);
+	// a broker that answers and refuses, or a host that does not resolve,
+	// is an operator's to fix, and said at once. One lost later is the
+	// relay's to wait out (it backs off and claims nothing meanwhile).
+	deadline := time.Now().Add(*brokerWait)
+	for try := 0; ; try++ {
+		connectCtx, cancel := context.WithTimeout(c.ctx, connectTimeout)
+		err = dest.Connect(connectCtx)
+		cancel()
+		if err == nil || !brokerDown(err) || !time.Now().Before(deadline) || c.ctx.Err() != nil {
+			break
+		}
+		if try == 0 {
+			wlog.Error("outboxctl relay: RabbitMQ does not answer; trying again until --broker-wait passes", err,
+				watermill.LogFields{"amqp": amqpShown, "broker_wait": brokerWait.String()})
+		}
+		select {
+		case <-c.ctx.Done():
+		case <-time.After(brokerRetry):
+		}
+	}
 	if err != nil {
 		_ = dest.Close()
 		var amqpErr *amqp.Error
@@ -310,4 +329,21 @@ func (c *cli) stoppedAtStart(err error) error {
 	}
 	fmt.Fprintf(c.stderr, "outboxctl: relay stopped as it started: %s\n", oneLine(err.Error()))
 	return nil
+}
+
+// brokerRetry is the pause between two connects of a relay waiting, as it
+// starts, for a broker that does not answer.
+const brokerRetry = 2 * time.Second
+
+// brokerDown reports whether err, a connect's, says no broker answered
+// (refused, timed out, unreachable), which waiting may mend: not a broker
+// that answered and refused (an *amqp.Error: credentials, vhost, a
+// handshake), nor a host name that does not resolve.
+func brokerDown(err error) bool {
+	var amqpErr *amqp.Error
+	if errors.As(err, &amqpErr) {
+		return false
+	}
+	var dnsErr *net.DNSError
+	return !errors.As(err, &dnsErr) || !dnsErr.IsNotFound
 }

@@ -1,6 +1,10 @@
 package outboxctl
 
 import (
+	"context"
+	"io"
+	"net"
+	"net/url"
 	"regexp"
 	"slices"
 	"strings"
@@ -9,6 +13,7 @@ import (
 
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 func TestSplitURLs_CommaListOfNodes(t *testing.T) {
@@ -43,7 +48,7 @@ func TestRelay_BadNodeURL_UsageErrorNamingItsIndex(t *testing.T) {
 
 func TestRelay_NoNodeAnswers_ExitsOneNamingEach(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
-	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/,amqp://guest:s3cret@127.0.0.1:2/", "--listen", "")
+	r := ctl(t, nil, "relay", "--db", db.DSN, "--amqp", "amqp://guest:s3cret@127.0.0.1:1/,amqp://guest:s3cret@127.0.0.1:2/", "--listen", "", "--broker-wait", "0")
 	r.wantFailure(t, 1, "cannot connect to RabbitMQ at any of amqp://guest:xxxxx@127.0.0.1:1/,amqp://guest:xxxxx@127.0.0.1:2/: "+
 		"127.0.0.1:1: dial tcp 127.0.0.1:1: connect: connection refused; 127.0.0.1:2: dial tcp 127.0.0.1:2")
 	if strings.Contains(r.stderr, "s3cret") {
@@ -106,4 +111,68 @@ func grepLines(s, sub string) string {
 		}
 	}
 	return strings.Join(lines, "\n")
+}
+
+// A broker that does not answer yet when the relay starts (a cluster
+// coming up, the broker restarting): the relay tries again for
+// --broker-wait, rather than exit at once into Kubernetes'
+// CrashLoopBackOff and come back up to 5 minutes after the broker (an
+// on-call drill), and publishes once it answers.
+func TestRelay_BrokerAnswersLater_WaitedForThenPublished(t *testing.T) {
+	testdb.Require(t, "amqp")
+	db := migrated(t, testdb.SQLite)
+	broker := testamqp.New(t)
+	queue := broker.Queue()
+	publish(t, db, 1, queue)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close() // the broker's port, with nothing on it yet
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stderr := &testutil.LockedBuffer{}
+	ran := make(chan int, 1)
+	go func() {
+		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", "amqp://guest:guest@" + addr + "/", "--listen", "", "--broker-wait", "1m"},
+			func(string) string { return "" }, io.Discard, stderr)
+	}()
+	eventually(t, 30*time.Second, "the relay to say the broker does not answer", func() bool {
+		return strings.Contains(stderr.String(), "RabbitMQ does not answer; trying again until --broker-wait passes")
+	})
+	// The broker comes up on that port: a proxy to the test broker.
+	u, err := url.Parse(testdb.AMQPURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	brokerAddr := u.Host
+	up, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.Close()
+	go func() {
+		for {
+			c, err := up.Accept()
+			if err != nil {
+				return
+			}
+			b, err := net.Dial("tcp", brokerAddr)
+			if err != nil {
+				_ = c.Close()
+				continue
+			}
+			go func() { _, _ = io.Copy(b, c); _ = b.Close() }()
+			go func() { _, _ = io.Copy(c, b); _ = c.Close() }()
+		}
+	}()
+	eventually(t, 30*time.Second, "the row published", func() bool {
+		return count(t, db, "SELECT COUNT(*) FROM acemq_outbox WHERE published_at IS NOT NULL") == 1
+	})
+	cancel()
+	if code := <-ran; code != 0 {
+		t.Errorf("relay exited %d, want 0:\n%s", code, stderr.String())
+	}
 }

@@ -38,6 +38,10 @@ type showRow struct {
 	// PoisonCopyOf: the record is a poison copy of that message
 	// (x-acemq-poisoned-id), sent to a poison topic, not to its consumer.
 	PoisonCopyOf string `json:"poison_copy_of,omitempty"`
+	// PoisonCopies: a published record no consumer marked processed whose
+	// message has poison copies in the table (PoisonOutbox's, by a
+	// consumer without MarkOutboxProcessed): set aside, not applied.
+	PoisonCopies []string `json:"poison_copies,omitempty"`
 	// Held: the ordered inboxes of this database that hold its message,
 	// not applied yet, though its record is marked processed.
 	Held   []heldBy `json:"held,omitempty"`
@@ -88,6 +92,9 @@ func (c *cli) show(args []string) error {
 	if err != nil {
 		return err
 	}
+	if err := c.poisonCopiesOf(s, out, ids); err != nil {
+		return err
+	}
 	missing := 0
 	for _, row := range out {
 		if !row.Found {
@@ -108,6 +115,37 @@ func (c *cli) show(args []string) error {
 		c.printShow(c.stdout, row, failing)
 	}
 	return missingIDs("show", missing, len(ids), c.g.table)
+}
+
+// poisonCopiesOf names, for each of rows (of ids) published and marked
+// processed by no consumer, the poison copies of its message in the table
+// (Store.PoisonCopies): show said "not marked processed by a consumer" of a
+// message its consumer had set aside, as of one lost in a queue (an on-call
+// drill). Read only where there is such a row: it reads the whole table.
+func (c *cli) poisonCopiesOf(s *outbox.Store, rows []showRow, ids []string) error {
+	var asked []string
+	for i, row := range rows {
+		if row.State == "published" && row.ProcessedAt == nil {
+			asked = append(asked, ids[i], strings.ToLower(ids[i])) // as a uuid column reads it back
+		}
+	}
+	if len(asked) == 0 {
+		return nil
+	}
+	copies, err := s.PoisonCopies(c.ctx, asked...)
+	if err != nil {
+		return err
+	}
+	for i := range rows {
+		found := copies[ids[i]]
+		if lower := strings.ToLower(ids[i]); lower != ids[i] {
+			found = append(found, copies[lower]...)
+		}
+		for _, id := range found {
+			rows[i].PoisonCopies = append(rows[i].PoisonCopies, keyText(id))
+		}
+	}
+	return nil
 }
 
 // idsOrKey checks a command's ids, or its --key and --seq (a record by
@@ -264,6 +302,9 @@ func (c *cli) why(row showRow) string {
 			processed = fmt.Sprintf("%s (%s), not applied: once its cause is fixed, outboxctl resend ID sends it again", printable(row.LastError), stamp(row.ProcessedAt))
 		case row.Skipped:
 			processed = printable(row.LastError)
+		case len(row.PoisonCopies) > 0:
+			processed = fmt.Sprintf("set aside by a consumer, not applied: its poison copy %s is in this table (a consumer without MarkOutboxProcessed marks no record); "+
+				"once its cause is fixed, outboxctl resend ID sends it again", strings.Join(row.PoisonCopies, ", "))
 		case len(row.Held) > 0:
 			processed = "marked processed " + stamp(row.ProcessedAt) + " as an ordered inbox held it, not applied yet"
 		case row.ProcessedAt != nil:

@@ -8,6 +8,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+
+	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -171,5 +176,45 @@ func TestShow_ByKeyAndSeq(t *testing.T) {
 		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7", "--seq", "3").wantFailure(t, 1, "holds no record of key pay-7 seq 3")
 		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7").wantFailure(t, 2, "give --key and --seq")
 		ctl(t, nil, "show", "--db", db.DSN, "--key", "pay-7", "--seq", "1", ids[0]).wantFailure(t, 2, "not both")
+	})
+}
+
+// A message its consumer set aside through PoisonOutbox without
+// MarkOutboxProcessed: nothing is noted on its record, and show said "not
+// marked processed by a consumer", as of a message lost in a queue (an
+// on-call drill). Its poison copy is in the same table: show names it, and
+// says the message was not applied. A record whose message no consumer set
+// aside still says what it said.
+func TestShow_SetAsideWithoutMarkOutboxProcessed_NamesItsPoisonCopy(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		db := migrated(t, kind)
+		ids := publish(t, db, 2, "orders")
+		execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?", ts(kind, time.Now().Add(-time.Minute)))
+		in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "orders", Logger: watermill.NopLogger{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		msg := message.NewMessage(ids[0], []byte(`{}`))
+		msg.Metadata.Set(middleware.ReasonForPoisonedKey, "handler always fails")
+		if err := in.PoisonOutbox().Publish("orders.poison", msg); err != nil {
+			t.Fatal(err)
+		}
+		out := mustCtl(t, "show", "--db", db.DSN, ids[0], ids[1])
+		if !strings.Contains(out, ids[0]+": published") || !strings.Contains(out, "set aside by a consumer, not applied: its poison copy ") {
+			t.Errorf("show of a message set aside, its copy in the table:\n%s", out)
+		}
+		if !strings.Contains(out, "not marked processed by a consumer of this database") || strings.Count(out, "set aside") != 1 {
+			t.Errorf("show of a message no consumer set aside:\n%s", out)
+		}
+		var rows []struct {
+			ID           string   `json:"id"`
+			PoisonCopies []string `json:"poison_copies"`
+		}
+		if err := json.Unmarshal([]byte(mustCtl(t, "show", "--json", "--db", db.DSN, ids[0])), &rows); err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 1 || len(rows[0].PoisonCopies) != 1 {
+			t.Errorf("show --json: %+v, want one poison copy", rows)
+		}
 	})
 }

@@ -1212,6 +1212,12 @@ func (o *Outbox) Records(ids []string, now time.Time) Query {
 		"CASE WHEN "+free+" THEN 0 ELSE 1 END, headers FROM "+o.table+" WHERE "+in+" ORDER BY created_at, id", append(args, inArgs...)...)
 }
 
+// HeadersLike reads the rows whose headers, as text, are like pattern (the
+// whole table is read). Columns: id, headers.
+func (o *Outbox) HeadersLike(pattern string) Query {
+	return o.query("SELECT "+o.d.text("id")+", headers FROM "+o.table+" WHERE "+o.d.text("headers")+" LIKE ?", pattern)
+}
+
 // LeaseHolders reads the relays that hold unpublished rows under a lease
 // that has not run out at now (SQLite's claims), a failed keyed record's
 // backoff aside. Columns: locked_by.
