@@ -412,7 +412,8 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		d.cfg.Logger.Info("Connected to RabbitMQ", fields)
 		return nil
 	}
-	return unreachable{fmt.Errorf("connect to RabbitMQ: %w", failed)}
+	refused := len(failed) > 0 && !slices.ContainsFunc(failed, func(err error) bool { return !errors.As(err, new(*amqp.Error)) })
+	return connectFailed{err: fmt.Errorf("connect to RabbitMQ: %w", failed), refused: refused}
 }
 
 // shareOf is ctx with 1/n of the time it has left, or ctx itself when it

@@ -39,14 +39,27 @@ var ErrConnectionLost = errors.New("outbox: connection to the broker lost before
 // and duplicates were coming.
 var ErrBrokerUnreachable = errors.New("outbox: broker unreachable, nothing sent")
 
-// unreachable is a failed connect's error: ErrBrokerUnreachable and
-// ErrConnectionLost, worded as the former.
-type unreachable struct{ err error }
+// connectFailed is a failed connect's error: an ErrConnectionLost (no
+// attempt is counted), and ErrBrokerUnreachable unless every node answered
+// and refused it (refused: credentials, a vhost, permissions), which is no
+// broker out of reach (a code review: a rotated password read "cannot
+// reach the broker").
+type connectFailed struct {
+	err     error
+	refused bool
+}
 
-func (e unreachable) Error() string { return ErrBrokerUnreachable.Error() + ": " + e.err.Error() }
-func (e unreachable) Unwrap() error { return e.err }
-func (e unreachable) Is(target error) bool {
-	return target == ErrBrokerUnreachable || target == ErrConnectionLost
+func (e connectFailed) Error() string {
+	if e.refused {
+		return "outbox: the broker refused the connection, nothing sent: " + e.err.Error()
+	}
+	return ErrBrokerUnreachable.Error() + ": " + e.err.Error()
+}
+
+func (e connectFailed) Unwrap() error { return e.err }
+
+func (e connectFailed) Is(target error) bool {
+	return target == ErrConnectionLost || target == ErrBrokerUnreachable && !e.refused
 }
 
 // ErrBrokerBlocked marks an ErrConnectionLost whose connection the broker

@@ -1362,6 +1362,7 @@ func (f *Forwarder) charge(attempts int, err error) int {
 // mark marks the batch's published rows and failures, and ends its claim.
 func (f *Forwarder) mark(runCtx context.Context, b *batch, published []string) error {
 	ctx := context.WithoutCancel(runCtx) // the broker has the messages
+	stop := stopOf(runCtx)
 	if f.afterPublish != nil {
 		if err := f.afterPublish(published); err != nil {
 			_ = f.store.abandon(ctx, b.claim)
@@ -1379,19 +1380,50 @@ func (f *Forwarder) mark(runCtx context.Context, b *batch, published []string) e
 	// them again).
 	for try := 0; err != nil && b.claim.tx == nil && sqldialect.Busy(err); try++ {
 		left := f.cfg.Lease - time.Since(b.claimedAt)
-		if left < f.cfg.Lease/4 || runCtx.Err() != nil {
+		if left < f.cfg.Lease/4 || stop.Err() != nil || f.isClosing() {
 			break
 		}
 		if try == 0 {
 			f.log.Info("Outbox relay: the database is locked by another connection past its busy timeout; "+
 				"the batch the broker confirmed is marked once it is free", watermill.LogFields{"records": len(published), "lease_left": left.Round(time.Second).String()})
 		}
-		if !sleepCtx(runCtx, markBusyPause) {
+		if !sleepCtx(stop, markBusyPause) {
 			break
 		}
 		err = f.store.finish(ctx, b.claim, published, b.failures)
 	}
 	return err
+}
+
+// stopKey is the context value withStop keeps: the context whose end
+// stops the relay, under one that does not end with it.
+type stopKey struct{}
+
+// withStop is ctx not cut short (a stopping relay finishes what it
+// claimed), which still tells, through stopOf, when ctx ends: a mark tried
+// again for a lock held elsewhere stops then (a code review: it went on
+// past the stop's bound, as the pipeline's sweep had dropped ctx's end).
+func withStop(ctx context.Context) context.Context {
+	return context.WithValue(context.WithoutCancel(ctx), stopKey{}, ctx)
+}
+
+// stopOf is the context whose end stops the relay: the one withStop kept
+// in ctx, or ctx itself.
+func stopOf(ctx context.Context) context.Context {
+	if stop, ok := ctx.Value(stopKey{}).(context.Context); ok {
+		return stop
+	}
+	return ctx
+}
+
+// isClosing reports whether Close was called.
+func (f *Forwarder) isClosing() bool {
+	select {
+	case <-f.closing:
+		return true
+	default:
+		return false
+	}
 }
 
 // markBusyPause is the pause between two tries of a leased batch's mark
@@ -1425,6 +1457,10 @@ func (f *Forwarder) reportError(err error, dest ErrorContext) {
 	}
 	if errors.Is(err, ErrBrokerUnreachable) {
 		f.log.Error("Outbox relay cannot reach the broker; it claims nothing until a node answers, and tries again", err, nil)
+		return
+	}
+	if cf := (connectFailed{}); errors.As(err, &cf) && cf.refused {
+		f.log.Error("Outbox relay: the broker refused its connection (credentials, a vhost, permissions); it claims nothing, and tries again", err, nil)
 		return
 	}
 	if dest.MessageID == "" {

@@ -174,3 +174,27 @@ func TestForwarder_BrokerUnreachable_LoggedAsUnreachableNothingCharged(t *testin
 		}
 	}
 }
+
+// A broker that answers and refuses the connection (a rotated password, a
+// vhost gone) is no broker out of reach: its error is an ErrConnectionLost
+// (no attempt is counted) but not ErrBrokerUnreachable, and says it was
+// refused (a code review: it read "broker unreachable").
+func TestAMQPDestination_CredentialsRefused_NotUnreachable(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, "amqp")
+	u := strings.Replace(testdb.AMQPURL(), "guest:guest@", "guest:wrong@", 1)
+	if u == testdb.AMQPURL() {
+		t.Skipf("the test broker's URL %s has no guest:guest to replace", u)
+	}
+	d, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{u}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err = d.Connect(ctx)
+	if err == nil || errors.Is(err, outbox.ErrBrokerUnreachable) || !errors.Is(err, outbox.ErrConnectionLost) || !strings.Contains(err.Error(), "refused the connection") {
+		t.Errorf("a connect with a wrong password: %v; want an ErrConnectionLost, not ErrBrokerUnreachable, saying the broker refused it", err)
+	}
+}

@@ -205,6 +205,27 @@ func (d *lockingDestination) Publish(_ context.Context, records []outbox.Record)
 	return make([]error, len(records))
 }
 
+// relayMeetingALock is a database of one pending record, id, and a relay
+// on a pool of a 200 ms busy timeout whose destination confirms it and, as
+// it takes it, has another connection hold the write lock for hold.
+func relayMeetingALock(t *testing.T, hold time.Duration) (db *testdb.DB, id string, dest *lockingDestination, f *outbox.Forwarder) {
+	t.Helper()
+	db = migrated(t, testdb.SQLite)
+	id = publishN(t, db, "", "busy.mark", 1)[0]
+	dsn := strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=200", 1)
+	if dsn == db.DSN {
+		t.Fatalf("DSN %s sets no _busy_timeout=10000 to replace", db.DSN)
+	}
+	relayDB := otherPool(t, &testdb.DB{DB: db.DB, Kind: db.Kind, DSN: dsn, Name: db.Name})
+	dest = &lockingDestination{other: otherPool(t, db).DB, hold: hold, freed: make(chan time.Time, 1)}
+	f, err := outbox.NewForwarder(relayDB.DB, dest, outbox.ForwarderConfig{Dialect: outbox.SQLite, Lease: 60 * time.Second, PublishTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = f.Close() })
+	return db, id, dest, f
+}
+
 // A mark of a batch the broker confirmed that finds SQLite's write lock
 // held past the busy timeout by another process (a batch job, a VACUUM)
 // is tried again once the lock is free, within the relay's own lease: the
@@ -213,19 +234,7 @@ func (d *lockingDestination) Publish(_ context.Context, records []outbox.Record)
 // out a second time).
 func TestForwarder_SQLite_MarkMeetsALockPastTheBusyTimeout_MarkedOnceFreeNotSentAgain(t *testing.T) {
 	t.Parallel()
-	db := migrated(t, testdb.SQLite)
-	ids := publishN(t, db, "", "busy.mark", 1)
-	dsn := strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=200", 1)
-	if dsn == db.DSN {
-		t.Fatalf("DSN %s sets no _busy_timeout=10000 to replace", db.DSN)
-	}
-	relayDB := otherPool(t, &testdb.DB{DB: db.DB, Kind: db.Kind, DSN: dsn, Name: db.Name})
-	dest := &lockingDestination{other: otherPool(t, db).DB, hold: 1500 * time.Millisecond, freed: make(chan time.Time, 1)}
-	f, err := outbox.NewForwarder(relayDB.DB, dest, outbox.ForwarderConfig{Dialect: outbox.SQLite, Lease: 30 * time.Second, PublishTimeout: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	db, id, dest, f := relayMeetingALock(t, 1500*time.Millisecond)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- f.Run(ctx) }()
@@ -236,9 +245,33 @@ func TestForwarder_SQLite_MarkMeetsALockPastTheBusyTimeout_MarkedOnceFreeNotSent
 		t.Fatal("the relay published nothing")
 	}
 	waitFor(t, 10*time.Second, "the record marked published once the lock was free", func() bool {
-		return outboxStateOf(t, db, ids[0]).Published
+		return outboxStateOf(t, db, id).Published
 	})
 	if n := dest.sends.Load(); n != 1 {
 		t.Errorf("the record was sent %d times, want once", n)
 	}
+}
+
+// The same lock met as the relay is told to stop: the mark's tries again
+// end with Run, within a busy timeout or so, rather than go on past a
+// stop's bound until the lock ends or the lease nears its end (a code
+// review: Run's sweep kept its batches' context from ending, and the
+// tries never saw the stop).
+func TestForwarder_SQLite_MarkMeetsALockAsTheRelayStops_TriesEndWithRun(t *testing.T) {
+	t.Parallel()
+	_, _, dest, f := relayMeetingALock(t, 8*time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(ctx) }()
+	waitFor(t, 10*time.Second, "the batch sent", func() bool { return dest.sends.Load() > 0 })
+	time.Sleep(time.Second) // the mark has met the lock: a busy timeout of 200 ms, and its tries again
+	cancel()
+	stopped := time.Now()
+	select {
+	case <-done:
+	case <-time.After(3 * time.Second):
+		<-done
+		t.Errorf("Run returned %s after its context ended, the lock held: the mark's tries went on", time.Since(stopped).Round(time.Millisecond))
+	}
+	<-dest.freed
 }

@@ -191,10 +191,10 @@ func (s *heldSubscriber) tick(ctx context.Context) {
 		case err == nil:
 			retry, wait = 0, every
 		case ctx.Err() != nil:
-		case s.in.dialect.sql().ConnLost(err):
+		case s.in.databaseDown(err):
 			// An outage, as the deliveries wait it out: not an error at
 			// every tick of it. A backoff under way goes on.
-			s.in.log.Info("Outbox inbox: the database connection was lost applying held messages; trying again at the next tick",
+			s.in.log.Info("Outbox inbox: the database connection was lost (SQLite: it stayed locked by another connection) applying held messages; trying again at the next tick",
 				watermill.LogFields{"every": every.String(), "error": err.Error()})
 			wait = every
 			if retry > 0 {

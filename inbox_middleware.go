@@ -1261,7 +1261,7 @@ func (in *Inbox) retryConflicts(ctx context.Context, f func() error) error {
 			// statement it cut short tells nothing of the message.
 			return &dbLostError{err: err}
 		}
-		if d.ConnLost(err) && !stays {
+		if in.databaseDown(err) && !stays {
 			// The database dropped the connection or did not answer: no
 			// failure of the message's. Run it again once the database
 			// answers, for as long as its context lasts, as the relay waits
@@ -1525,7 +1525,46 @@ func runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.
 			err = fmt.Errorf("outbox: inbox: handler panicked: %w", middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())})
 		}
 	}()
-	return h(msg)
+	out, err = h(msg)
+	if sqldialect.Busy(err) {
+		err = &notWaitedOut{err: err, hint: " (SQLite: the handler's statement waited for the write lock past the busy timeout;" +
+			" a handler writes through outbox.TxFromContext's transaction, which holds the lock, not through the pool)"}
+	}
+	return out, err
+}
+
+// notWaitedOut is an SQLite "database is locked" that the inbox does not
+// wait out as the database's trouble (see databaseDown): a handler's own,
+// a statement it sent through the pool rather than TxFromContext's
+// transaction, waiting for the write lock that transaction holds and
+// failing at every run (a code review: it ran again until the delivery's
+// context ended, and was never set aside); or an operator's call (SkipGap,
+// SkipHeld), which says so at once rather than wait unbounded.
+type notWaitedOut struct {
+	err  error
+	hint string
+}
+
+func (e *notWaitedOut) Error() string { return e.err.Error() + e.hint }
+func (e *notWaitedOut) Unwrap() error { return e.err }
+
+// notWaiting is f, its "database is locked" not waited out.
+func notWaiting(f func() error) func() error {
+	return func() error {
+		err := f()
+		if sqldialect.Busy(err) {
+			return &notWaitedOut{err: err}
+		}
+		return err
+	}
+}
+
+// databaseDown reports whether err says the database dropped the
+// connection or did not answer (SQLite: stayed locked by another
+// connection past the busy timeout), not a fault of the statement's or
+// the handler's: what the inbox waits out.
+func (in *Inbox) databaseDown(err error) bool {
+	return in.dialect.sql().ConnLost(err) && !errors.As(err, new(*notWaitedOut))
 }
 
 // PurgeProcessed deletes inbox rows older than olderThan, in batches of
@@ -1542,7 +1581,7 @@ func (in *Inbox) PurgeProcessed(ctx context.Context, olderThan time.Duration) (i
 // every delivery failed (an API review).
 func (in *Inbox) Check(ctx context.Context) error {
 	err := probe(ctx, in.db, in.q.Probe(), in.q.Table())
-	if err != nil && ctx.Err() == nil && !in.dialect.sql().ConnLost(err) {
+	if err != nil && ctx.Err() == nil && !in.databaseDown(err) {
 		// The server answered: no such table, or not the inbox's columns.
 		return fmt.Errorf("%w (InboxConfig.InboxTable names the inbox's table, %s by default; the outbox's is OutboxTable)", err, DefaultInboxTable)
 	}

@@ -1097,7 +1097,7 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 // anyway.
 func (in *Inbox) noteHeldFailure(ctx context.Context, consumer, key string, seq int64, stored, metadata string, err error) {
 	d := in.dialect.sql()
-	if ctx.Err() != nil || d.ConnLost(err) || d.Conflict(err) || in.cfg.Isolation >= sql.LevelRepeatableRead {
+	if ctx.Err() != nil || in.databaseDown(err) || d.Conflict(err) || in.cfg.Isolation >= sql.LevelRepeatableRead {
 		return
 	}
 	md, derr := rowcodec.DecodeMetadata(metadata)
@@ -1430,7 +1430,7 @@ func (in *Inbox) heldError(ctx context.Context, consumer, key string, seq int64)
 // no number up to through is held. It returns ErrNoHeld when the key holds
 // nothing and has applied none of from..through.
 func (in *Inbox) SkipGap(ctx context.Context, consumer, key string, from, through int64) error {
-	err := in.retryConflicts(ctx, func() error { return skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, from, through) })
+	err := in.retryConflicts(ctx, notWaiting(func() error { return skipGap(ctx, in.db, in.dialect, in.cfg.Isolation, consumer, key, from, through) }))
 	if err != nil {
 		return err
 	}
@@ -1761,10 +1761,10 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 	kept := ""
 	if keep != nil {
 		var m SkippedMessage
-		err := in.retryConflicts(ctx, func() (err error) {
+		err := in.retryConflicts(ctx, notWaiting(func() (err error) {
 			m, err = in.peekHeld(ctx, consumer, key, seq)
 			return err
-		})
+		}))
 		if err != nil {
 			return SkippedMessage{}, err
 		}
@@ -1774,10 +1774,10 @@ func (in *Inbox) skipHeld(ctx context.Context, consumer, key string, seq int64, 
 		kept = m.ID
 	}
 	var skipped SkippedMessage
-	err := in.retryConflicts(ctx, func() (err error) {
+	err := in.retryConflicts(ctx, notWaiting(func() (err error) {
 		skipped, err = in.skipHeldTx(ctx, consumer, key, seq, keep != nil, kept)
 		return err
-	})
+	}))
 	return skipped, err
 }
 

@@ -201,7 +201,11 @@ func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) 
 	// lines long (an on-call drill).
 	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; once the cause is fixed, "+
 		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", errors.New(reason), fields)
-	in.cfg.Metrics.inbox(in.consumerIn(msg.Context()), inboxSetAside)
+	counted := in.consumerIn(msg.Context())
+	if checkConsumer(in.dialect, counted) != nil {
+		counted = "" // as the inbox's other counts label a name it refuses
+	}
+	in.cfg.Metrics.inbox(counted, inboxSetAside)
 }
 
 // asideNote is what the record of msg, set aside on topic (as copyID, if
@@ -269,13 +273,14 @@ func (a *asideKeys) note(consumer, key string, k asideKey) {
 	if a.keys == nil {
 		a.keys = map[[2]string]asideKey{}
 	}
-	if len(a.keys) >= asideRecall {
+	at := [2]string{consumer, key}
+	if _, known := a.keys[at]; !known && len(a.keys) >= asideRecall {
 		for old := range a.keys {
 			delete(a.keys, old)
 			break
 		}
 	}
-	a.keys[[2]string{consumer, key}] = k
+	a.keys[at] = k
 }
 
 // recall is the key's message set aside, if it is one of seqs from..through.

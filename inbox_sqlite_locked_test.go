@@ -97,3 +97,55 @@ func TestInbox_SQLiteLockedPastTheDeliverysContext_NotSetAsideAppliedOnceAfter(t
 		})
 	}
 }
+
+// A handler that writes through the pool rather than TxFromContext's
+// transaction waits for the write lock that transaction holds, and fails
+// with its own "database is locked" at every run: a failure of the
+// handler's, set aside by the README's chain, not waited out as the
+// database's (a code review: it ran again until the delivery's context
+// ended, was refused by the poison publisher as "the database did not
+// answer", and was delivered again for ever). Its error says what to
+// write through.
+func TestInbox_SQLiteHandlerWritesThroughThePool_SetAsideNotWaitedOut(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	id := publishN(t, db, "", "order.placed", 1)[0]
+	short := strings.Replace(db.DSN, "_busy_timeout=10000", "_busy_timeout=100", 1)
+	pool, err := sqlx.Open("sqlite3", short)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	in, err := outbox.NewInbox(pool, outbox.InboxConfig{Dialect: outbox.SQLite, ConsumerName: "orders"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	recorder := &poisonRecorder{}
+	pq, err := middleware.PoisonQueue(in.PoisonPublisher(recorder), "order.placed.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: 10 * time.Millisecond, ResetContextOnRetry: true}.Middleware(
+		middleware.Timeout(10 * time.Second)(in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			_, err := pool.Exec("INSERT INTO effects (message_id, note) VALUES (?, ?)", msg.UUID, "placed") // not the transaction's
+			return nil, err
+		}))))
+	started := time.Now()
+	if _, err := h(message.NewMessage(id, []byte("x"))); err != nil {
+		t.Errorf("the delivery failed (%v): want it set aside and acked", err)
+	}
+	if recorder.count() != 1 {
+		t.Errorf("set aside %d times, want once", recorder.count())
+	}
+	if took := time.Since(started); took > 5*time.Second {
+		t.Errorf("the delivery took %s: the handler's lock was waited out toward the 10 s Timeout", took.Round(time.Millisecond))
+	}
+	recorder.mu.Lock()
+	defer recorder.mu.Unlock()
+	if len(recorder.msgs) == 1 {
+		if reason := recorder.msgs[0].Metadata.Get(middleware.ReasonForPoisonedKey); !strings.Contains(reason, "outbox.TxFromContext's transaction") {
+			t.Errorf("the reason set aside: %q, want it to say what to write through", reason)
+		}
+	}
+}

@@ -134,7 +134,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	f := l.f
 	// The batches are not cut short by ctx or Close: a stopping relay
 	// finishes what it claimed, bounded by the publish timeout.
-	work := context.WithoutCancel(ctx)
+	work := withStop(ctx)
 	s := swept{stopping: ctx.Err() != nil, size: l.size}
 	l.swept = time.Now()
 

@@ -1,8 +1,10 @@
 package outboxctl
 
 import (
+	"context"
 	"database/sql"
 	"encoding/json"
+	"io"
 	"math"
 	"net"
 	"net/url"
@@ -16,6 +18,7 @@ import (
 	"time"
 
 	"github.com/acemq/watermill-outbox/internal/testdb"
+	"github.com/acemq/watermill-outbox/internal/testutil"
 )
 
 // fixture is an outbox in every state an operator meets, ages relative to
@@ -490,18 +493,7 @@ func TestSQLitePath_DirectoryMissing_SaidByEveryCommand(t *testing.T) {
 // another process says so, and that it can be run again: "database is
 // locked" alone said neither (a review).
 func TestSQLite_WriteLockHeldElsewhere_SaysWhyAndToRunAgain(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "locked.db")
-	mustCtl(t, "migrate", "--db", path)
-	other, err := sql.Open("sqlite3", testdb.SQLiteDSN(path))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer other.Close()
-	lock, err := other.Begin() // BEGIN IMMEDIATE: another process's long write
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = lock.Rollback() }()
+	path := lockedElsewhere(t)
 	ctl(t, nil, "retry", "--all-stuck", "--db", "file:"+path+"?_busy_timeout=100").wantFailure(t, 1,
 		"database is locked (another connection held the SQLite database's write lock past the busy timeout")
 }
@@ -734,4 +726,43 @@ func TestPurge_AgeUnderAnHour_SaysWhatItRisks(t *testing.T) {
 	if r := ctl(t, nil, "purge", "--db", db.DSN, "--published-older-than", "7d"); r.code != 0 || r.stderr != "" {
 		t.Errorf("purge 7d: exit %d, stderr %q; want 0 and nothing", r.code, r.stderr)
 	}
+}
+
+// skip-gap under a write lock another process holds fails at once with
+// the busy hint, rather than wait, silent, for as long as the lock lasts
+// (a code review: the inbox waited the lock out as it does a delivery's).
+func TestSkipGap_WriteLockHeldElsewhere_SaysSoRatherThanWait(t *testing.T) {
+	path := lockedElsewhere(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	stderr := &testutil.LockedBuffer{}
+	start := time.Now()
+	code := Run(ctx, []string{"skip-gap", "--db", "file:" + path + "?_busy_timeout=100", "--consumer", "c", "--key", "k", "--from", "1", "--through", "1"},
+		func(string) string { return "" }, io.Discard, stderr)
+	took := time.Since(start)
+	if took > 3*time.Second || !strings.Contains(stderr.String(), "run the command again once it ends") {
+		t.Errorf("skip-gap under a lock held elsewhere: exit %d after %s:\n%s", code, took.Round(time.Millisecond), stderr.String())
+	}
+}
+
+// lockedElsewhere is the path of a migrated SQLite database whose write
+// lock another connection holds until the test ends: another process's
+// long write.
+func lockedElsewhere(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "locked.db")
+	mustCtl(t, "migrate", "--db", path)
+	other, err := sql.Open("sqlite3", testdb.SQLiteDSN(path))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lock, err := other.Begin() // BEGIN IMMEDIATE: the write lock
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = lock.Rollback()
+		_ = other.Close()
+	})
+	return path
 }

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -151,6 +152,7 @@ func (c *cli) relay(args []string) error {
 	// the database, whose mistakes (a file that is not there) come first.
 	var ln net.Listener
 	var srv *http.Server
+	shutDown := false // srv shut down as the relay stopped
 	if *listen != "" {
 		if ln, err = net.Listen("tcp", *listen); err != nil {
 			_ = dest.Close()
@@ -159,6 +161,53 @@ func (c *cli) relay(args []string) error {
 		defer func() {
 			if srv == nil { // not served: stopped before the relay ran
 				_ = ln.Close()
+			}
+		}()
+	}
+
+	// healthy: 200 on /healthz while the forwarder runs and sweeps, 503
+	// before it starts (while it waits for the broker, too: a probe that
+	// timed out there killed the relay its wait was for, a code review),
+	// from the moment it is told to stop, and while no sweep has ended for
+	// stallAfter (a database that does not answer). /metrics is served as
+	// the relay waits: the broker's connect failures are counted.
+	var (
+		healthy      atomic.Bool
+		runningSince atomic.Int64
+		running      atomic.Pointer[outbox.Forwarder]
+	)
+	stallAfter := *stallAfterFlag
+	if stallAfter == 0 {
+		stallAfter = stallBound(*poll)
+	}
+	reg.MustRegister(collectors.NewDBStatsCollector(d.db, "outbox"))
+	served := make(chan error, 1)
+	if ln != nil {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+			fwd := running.Load()
+			if !healthy.Load() || fwd == nil {
+				http.Error(w, "not running", http.StatusServiceUnavailable)
+				return
+			}
+			last := fwd.LastSweep()
+			if last.IsZero() {
+				last = time.Unix(0, runningSince.Load())
+			}
+			if idle := time.Since(last); idle > stallAfter {
+				http.Error(w, fmt.Sprintf("stalled: no sweep has ended for %s (a statement or connection that does not answer holds the relay)", idle.Round(time.Second)), http.StatusServiceUnavailable)
+				return
+			}
+			fmt.Fprintln(w, "ok")
+		})
+		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		go func() { served <- srv.Serve(ln) }()
+		log.Info("Serving /metrics and /healthz", "addr", ln.Addr().String())
+		defer func() {
+			if !shutDown { // returned before the relay ran
+				_ = srv.Close()
+				<-served
 			}
 		}()
 	}
@@ -202,7 +251,6 @@ func (c *cli) relay(args []string) error {
 		return c.stoppedAtStart(err)
 	}
 
-	reg.MustRegister(collectors.NewDBStatsCollector(d.db, "outbox"))
 	fwd, err := outbox.NewForwarder(d.db, dest, outbox.ForwarderConfig{
 		Dialect:       d.dialect,
 		Table:         c.g.table,
@@ -221,39 +269,7 @@ func (c *cli) relay(args []string) error {
 		return usagef("%v", err)
 	}
 
-	// healthy: 200 on /healthz while the forwarder runs and sweeps, 503
-	// before it starts, from the moment it is told to stop, and while no
-	// sweep has ended for stallAfter (a database that does not answer).
-	var healthy atomic.Bool
-	var runningSince atomic.Int64
-	stallAfter := *stallAfterFlag
-	if stallAfter == 0 {
-		stallAfter = stallBound(*poll)
-	}
-	served := make(chan error, 1)
-	if ln != nil {
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
-			if !healthy.Load() {
-				http.Error(w, "not running", http.StatusServiceUnavailable)
-				return
-			}
-			last := fwd.LastSweep()
-			if last.IsZero() {
-				last = time.Unix(0, runningSince.Load())
-			}
-			if idle := time.Since(last); idle > stallAfter {
-				http.Error(w, fmt.Sprintf("stalled: no sweep has ended for %s (a statement or connection that does not answer holds the relay)", idle.Round(time.Second)), http.StatusServiceUnavailable)
-				return
-			}
-			fmt.Fprintln(w, "ok")
-		})
-		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-		go func() { served <- srv.Serve(ln) }()
-		log.Info("Serving /metrics and /healthz", "addr", ln.Addr().String())
-	}
-
+	running.Store(fwd)
 	ran := make(chan error, 1)
 	go func() { ran <- fwd.Run(c.ctx) }()
 	var runErr error
@@ -298,6 +314,7 @@ func (c *cli) relay(args []string) error {
 		}
 	}
 	if srv != nil {
+		shutDown = true
 		shutCtx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 		_ = srv.Shutdown(shutCtx)
 		cancel()
@@ -335,11 +352,23 @@ func (c *cli) stoppedAtStart(err error) error {
 // starts, for a broker that does not answer.
 const brokerRetry = 2 * time.Second
 
-// brokerDown reports whether err, a connect's, says no broker answered
-// (refused, timed out, unreachable), which waiting may mend: not a broker
-// that answered and refused (an *amqp.Error: credentials, vhost, a
-// handshake), nor a host name that does not resolve.
+// brokerDown reports whether err, a connect's, says a node did not answer
+// (refused, timed out, unreachable), which waiting may mend: not every
+// node a broker that answered and refused (an *amqp.Error: credentials,
+// vhost, a handshake) or a host name that does not resolve. One node of
+// several that does not resolve (a cluster's pod restarting under a
+// headless service's name) ended the wait while the others were only down
+// (a code review).
 func brokerDown(err error) bool {
+	var nodes interface{ Unwrap() []error }
+	if errors.As(err, &nodes) {
+		return slices.ContainsFunc(nodes.Unwrap(), nodeDown)
+	}
+	return nodeDown(err)
+}
+
+// nodeDown is brokerDown of one node's failure.
+func nodeDown(err error) bool {
 	var amqpErr *amqp.Error
 	if errors.As(err, &amqpErr) {
 		return false

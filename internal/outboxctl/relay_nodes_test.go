@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"net/http"
 	"net/url"
 	"regexp"
 	"slices"
@@ -174,5 +175,73 @@ func TestRelay_BrokerAnswersLater_WaitedForThenPublished(t *testing.T) {
 	cancel()
 	if code := <-ran; code != 0 {
 		t.Errorf("relay exited %d, want 0:\n%s", code, stderr.String())
+	}
+}
+
+// While the relay waits for the broker (--broker-wait) /healthz answers
+// 503, as before the relay runs, and /metrics is served: the port was
+// bound and not served, a probe timed out, and a liveness probe with
+// Kubernetes' defaults restarted the relay 30 s into the wait it was
+// waiting out (a code review).
+func TestRelay_WaitingForTheBroker_HealthzAnswers503(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stderr := &testutil.LockedBuffer{}
+	ran := make(chan int, 1)
+	go func() {
+		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", "amqp://guest:guest@127.0.0.1:1/", "--listen", addr, "--broker-wait", "30s"},
+			func(string) string { return "" }, io.Discard, stderr)
+	}()
+	defer func() { cancel(); <-ran }()
+	eventually(t, 20*time.Second, "the relay to say the broker does not answer", func() bool {
+		return strings.Contains(stderr.String(), "RabbitMQ does not answer")
+	})
+	client := &http.Client{Timeout: time.Second} // a Kubernetes probe's default timeout
+	resp, err := client.Get("http://" + addr + "/healthz")
+	if err != nil {
+		t.Fatalf("/healthz during --broker-wait: %v (no answer: a liveness probe fails, and restarts the relay)", err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("/healthz during --broker-wait: %s, want 503", resp.Status)
+	}
+	resp, err = client.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatalf("/metrics during --broker-wait: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	if !strings.Contains(string(body), "outbox_forwarder_broker_connect_failures_total") {
+		t.Errorf("/metrics during --broker-wait does not count the failed connects:\n%.2000s", body)
+	}
+}
+
+// One node of --amqp whose name does not resolve (a cluster addressed by
+// its pods' names under a headless service, one pod restarting) and the
+// other refusing for now: the relay waits --broker-wait. It exited at
+// once, the one name's "no such host" ending the wait (a code review).
+func TestRelay_OneNodeNotResolvingTheOtherDown_WaitsForTheBroker(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stderr := &testutil.LockedBuffer{}
+	ran := make(chan int, 1)
+	go func() {
+		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", "amqp://guest:guest@127.0.0.1:1/,amqp://guest:guest@rabbitmq-2.rabbitmq-headless.invalid:5672/",
+			"--listen", "", "--broker-wait", "30s"}, func(string) string { return "" }, io.Discard, stderr)
+	}()
+	select {
+	case code := <-ran:
+		t.Errorf("relay exited %d at once, with one node restarting (its name not resolving) and the other refusing: want it to wait --broker-wait\n%s", code, stderr.String())
+	case <-time.After(5 * time.Second):
+		cancel()
+		<-ran
 	}
 }

@@ -42,6 +42,9 @@ type showRow struct {
 	// message has poison copies in the table (PoisonOutbox's, by a
 	// consumer without MarkOutboxProcessed): set aside, not applied.
 	PoisonCopies []string `json:"poison_copies,omitempty"`
+	// setAsideSince: a poison copy was written after the record's last
+	// publish (else it was sent again since, a resend).
+	setAsideSince bool
 	// Held: the ordered inboxes of this database that hold its message,
 	// not applied yet, though its record is marked processed.
 	Held   []heldBy `json:"held,omitempty"`
@@ -92,7 +95,7 @@ func (c *cli) show(args []string) error {
 	if err != nil {
 		return err
 	}
-	if err := c.poisonCopiesOf(s, out, ids); err != nil {
+	if err := c.poisonCopiesOf(d, s, out, ids); err != nil {
 		return err
 	}
 	missing := 0
@@ -121,8 +124,15 @@ func (c *cli) show(args []string) error {
 // processed by no consumer, the poison copies of its message in the table
 // (Store.PoisonCopies): show said "not marked processed by a consumer" of a
 // message its consumer had set aside, as of one lost in a queue (an on-call
-// drill). Read only where there is such a row: it reads the whole table.
-func (c *cli) poisonCopiesOf(s *outbox.Store, rows []showRow, ids []string) error {
+// drill). Read only where there is such a row and an inbox table in the
+// database (PoisonOutbox writes its copies into its inbox's database): it
+// reads the whole table. A record published again after its last copy was
+// written (a resend) is told apart: whether it was applied since, its
+// consumer's inbox knows.
+func (c *cli) poisonCopiesOf(d *database, s *outbox.Store, rows []showRow, ids []string) error {
+	if ok, err := d.hasTable(c.ctx, c.g.inboxTable); err != nil || !ok {
+		return err
+	}
 	var asked []string
 	for i, row := range rows {
 		if row.State == "published" && row.ProcessedAt == nil {
@@ -136,6 +146,20 @@ func (c *cli) poisonCopiesOf(s *outbox.Store, rows []showRow, ids []string) erro
 	if err != nil {
 		return err
 	}
+	var copyIDs []string
+	for _, of := range copies {
+		copyIDs = append(copyIDs, of...)
+	}
+	made := map[string]time.Time{}
+	if len(copyIDs) > 0 {
+		recs, err := s.Lookup(c.ctx, copyIDs...)
+		if err != nil {
+			return err
+		}
+		for _, r := range recs {
+			made[r.ID] = r.CreatedAt
+		}
+	}
 	for i := range rows {
 		found := copies[ids[i]]
 		if lower := strings.ToLower(ids[i]); lower != ids[i] {
@@ -143,6 +167,9 @@ func (c *cli) poisonCopiesOf(s *outbox.Store, rows []showRow, ids []string) erro
 		}
 		for _, id := range found {
 			rows[i].PoisonCopies = append(rows[i].PoisonCopies, keyText(id))
+			if at := made[id]; rows[i].PublishedAt != nil && !at.Before(*rows[i].PublishedAt) {
+				rows[i].setAsideSince = true // the copy is of this publish
+			}
 		}
 	}
 	return nil
@@ -302,9 +329,12 @@ func (c *cli) why(row showRow) string {
 			processed = fmt.Sprintf("%s (%s), not applied: once its cause is fixed, outboxctl resend ID sends it again", printable(row.LastError), stamp(row.ProcessedAt))
 		case row.Skipped:
 			processed = printable(row.LastError)
-		case len(row.PoisonCopies) > 0:
+		case row.setAsideSince:
 			processed = fmt.Sprintf("set aside by a consumer, not applied: its poison copy %s is in this table (a consumer without MarkOutboxProcessed marks no record); "+
 				"once its cause is fixed, outboxctl resend ID sends it again", strings.Join(row.PoisonCopies, ", "))
+		case len(row.PoisonCopies) > 0:
+			processed = fmt.Sprintf("sent again after a consumer set it aside (poison copy %s); not marked processed by a consumer of this database: its consumer's inbox says whether it was applied",
+				strings.Join(row.PoisonCopies, ", "))
 		case len(row.Held) > 0:
 			processed = "marked processed " + stamp(row.ProcessedAt) + " as an ordered inbox held it, not applied yet"
 		case row.ProcessedAt != nil:

@@ -218,3 +218,37 @@ func TestShow_SetAsideWithoutMarkOutboxProcessed_NamesItsPoisonCopy(t *testing.T
 		}
 	})
 }
+
+// A message set aside, resent (as show advises) and applied since: its
+// copy stays, and without MarkOutboxProcessed nothing on its record says
+// so, but it was published again after the copy was written, and show no
+// longer says "not applied" (a code review).
+func TestShow_SetAsideThenResentAndApplied_NotSaidNotApplied(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	ids := publish(t, db, 1, "orders")
+	execSQL(t, db, "UPDATE acemq_outbox SET published_at = ?", ts(testdb.SQLite, time.Now().Add(-time.Minute)))
+	in, err := outbox.NewInbox(db.DB, outbox.InboxConfig{ConsumerName: "orders", Logger: watermill.NopLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := message.NewMessage(ids[0], []byte(`{}`))
+	msg.Metadata.Set(middleware.ReasonForPoisonedKey, "handler failed until a fix")
+	if err := in.PoisonOutbox().Publish("orders.poison", msg); err != nil {
+		t.Fatal(err)
+	}
+	mustCtl(t, "resend", "--db", db.DSN, ids[0])
+	execSQL(t, db, "UPDATE acemq_outbox SET published_at = ? WHERE id = ?", ts(testdb.SQLite, time.Now()), ids[0])
+	// The consumer, fixed, applies the redelivery.
+	h := in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	if _, err := h(message.NewMessage(ids[0], []byte(`{}`))); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := db.Get(&n, "SELECT COUNT(*) FROM processed_messages WHERE consumer_name = 'orders'"); err != nil || n != 1 {
+		t.Fatalf("inbox rows %d (%v), want the message applied", n, err)
+	}
+	out := mustCtl(t, "show", "--db", db.DSN, ids[0])
+	if strings.Contains(out, "not applied") {
+		t.Errorf("show of a message set aside, resent and applied since:\n%s", out)
+	}
+}
