@@ -358,7 +358,7 @@ type Inbox struct {
 	flight inFlight
 
 	// aside recalls the keyed messages this process set aside, for the
-	// gap lines (see setAside).
+	// gap lines (see loggedAside and logGaps).
 	aside asideKeys
 }
 
@@ -610,8 +610,6 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 	return nil, err
 }
 
-// process runs one message through the inbox, and says what became of it
-// and for which consumer ("" if it has no valid name). code is h's.
 // consumerIn is the consumer a message delivered with ctx is processed
 // for: ConsumerName, or the name of the router handler ctx is of.
 func (in *Inbox) consumerIn(ctx context.Context) string {
@@ -621,6 +619,8 @@ func (in *Inbox) consumerIn(ctx context.Context) string {
 	return message.HandlerNameFromCtx(ctx)
 }
 
+// process runs one message through the inbox, and says what became of it
+// and for which consumer ("" if it has no valid name). code is h's.
 func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
 	ctx := msg.Context()
 	if in.cfg.Propagator != nil {

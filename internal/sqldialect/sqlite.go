@@ -58,9 +58,10 @@ func (sqlite) Conflict(error) bool { return false }
 // busy timeout is the database not answering all the same: another
 // connection (another process's transaction, a VACUUM, a migration) holds
 // the write lock, no fault of the statement's. The inbox waits it out as it
-// waits out a lost connection: a review's third process that held the
-// lock 23 s had PoisonQueue set a sound message aside, acked, never
-// applied, once Retry's tries ran out.
+// waits out a lost connection (not a handler's own: see the inbox's
+// notWaitedOut): a review's third process that held the lock 23 s had
+// PoisonQueue set a sound message aside, acked, never applied, once
+// Retry's tries ran out.
 func (sqlite) ConnLost(err error) bool { return Busy(err) }
 
 func (sqlite) CannotHold(error) bool { return false } // TEXT holds any bytes
