@@ -171,7 +171,12 @@ func TestOrderedInbox_Subscriber_AfterARestart_ReadyHeldMessageAppliedWithNoDeli
 
 		in := orderedInbox(t, db, cfg)
 		run(in, in.Subscriber(amqpSubscriber(t)))
-		waitFor(t, 10*time.Second, "seq 2 applied", func() bool { return len(log.of("pay-1")) == 2 })
+		// The log is written as the handler runs, in the transaction: its
+		// effect is waited for too, committed (a run read the effects between
+		// the two, and found none).
+		waitFor(t, 10*time.Second, "seq 2 applied and committed", func() bool {
+			return len(log.of("pay-1")) == 2 && countEffects(t, db, keyedMsg("pay-1", 2).UUID) > 0
+		})
 		if got := log.of("pay-1"); !reflect.DeepEqual(got, []int{1, 2}) {
 			t.Errorf("applied %v; want [1 2]", got)
 		}
