@@ -424,10 +424,8 @@ var ErrForwarderClosed = errors.New("outbox: forwarder is closed")
 // ErrForwarderInUse, or ErrForwarderClosed once it is closed; once that
 // router is closed without having started the relay, Run runs it.
 func (f *Forwarder) Run(ctx context.Context) error {
-	select {
-	case <-f.closing:
+	if f.isClosing() {
 		return ErrForwarderClosed
-	default:
 	}
 	f.unrouteClosed()
 	if err := f.claimRun(nil); err != nil {
@@ -468,10 +466,8 @@ func (f *Forwarder) claimRun(by *relaySubscriber) error {
 func (f *Forwarder) run(ctx context.Context) error {
 	defer close(f.done)
 
-	select {
-	case <-f.closing:
+	if f.isClosing() {
 		return ErrForwarderClosed
-	default:
 	}
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -752,10 +748,8 @@ func (f *Forwarder) Close() error {
 // seq order): a request that published k records of one key needs k
 // sweeps to see them all out, each one after the last is confirmed.
 func (f *Forwarder) Sweep(ctx context.Context) (int, error) {
-	select {
-	case <-f.closing:
+	if f.isClosing() {
 		return 0, ErrForwarderClosed
-	default:
 	}
 	return f.sweep(ctx, false)
 }
@@ -780,10 +774,8 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 	defer f.sweepMu.Unlock()
 	// Again under the lock: a Sweep that passed Sweep's look before Close
 	// took the lock would otherwise claim and publish after Close returned.
-	select {
-	case <-f.closing:
+	if f.isClosing() {
 		return 0, ErrForwarderClosed
-	default:
 	}
 	defer f.countStatements()
 	claimCtx, claimed := f.cutOnClose(ctx)
