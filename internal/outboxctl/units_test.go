@@ -1,6 +1,8 @@
 package outboxctl
 
 import (
+	"database/sql"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -45,8 +47,8 @@ func TestParseTarget_TellsTheDatabaseFromTheDSN(t *testing.T) {
 		{"app:pw@tcp(db:3306)/shop", kindMySQL, "parseTime=true", "app:xxxxx@tcp(db:3306)/shop"},
 		{"app:p@ss/w@tcp(db:3306)/shop?tls=true", kindMySQL, "tls=true", "app:xxxxx@tcp(db:3306)/shop?tls=true"},
 		{"mysql://app:pw@db/shop", kindMySQL, "tcp(db:3306)/shop", "mysql://app:xxxxx@db/shop"},
-		{"/var/lib/shop.db", kindSQLite, "/var/lib/shop.db?_txlock=immediate&_busy_timeout=5000&_journal_mode=WAL", "/var/lib/shop.db"},
-		{"file:shop.db?_busy_timeout=100", kindSQLite, "file:shop.db?_busy_timeout=100&_txlock=immediate&_journal_mode=WAL", "file:shop.db?_busy_timeout=100"},
+		{"/var/lib/shop.db", kindSQLite, "/var/lib/shop.db?_txlock=immediate&_busy_timeout=5000&_synchronous=FULL&_journal_mode=WAL", "/var/lib/shop.db"},
+		{"file:shop.db?_busy_timeout=100", kindSQLite, "file:shop.db?_busy_timeout=100&_txlock=immediate&_synchronous=FULL&_journal_mode=WAL", "file:shop.db?_busy_timeout=100"},
 	} {
 		got, err := parseTarget(tc.in, true)
 		if err != nil {
@@ -89,6 +91,42 @@ func TestParseTarget_SQLite_WALOnlyWhenAskedWritableAndNotChosen(t *testing.T) {
 		}
 		if !strings.Contains(got.dsn, "_txlock=immediate") || !strings.Contains(got.dsn, "_busy_timeout=") {
 			t.Errorf("parseTarget(%q, %v) = dsn %q; want _txlock and _busy_timeout whatever the journal", tc.in, tc.wal, got.dsn)
+		}
+	}
+}
+
+// Every connection of this tool syncs its SQLite commits (synchronous=FULL)
+// unless the DSN chose otherwise: under mattn/go-sqlite3's default, NORMAL,
+// a power cut may roll back a relay's mark or an operator's repair that the
+// command reported done. Asked of the connection itself, not of the DSN's text.
+func TestSQLiteConnections_SyncFullUnlessTheDSNChooses(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		in   string
+		want int // PRAGMA synchronous: 0 OFF, 1 NORMAL, 2 FULL
+	}{
+		{filepath.Join(dir, "plain.db"), 2},
+		{"file:" + filepath.Join(dir, "uri.db") + "?_busy_timeout=100", 2},
+		{"file:" + filepath.Join(dir, "normal.db") + "?_synchronous=NORMAL", 1},
+		{"file:" + filepath.Join(dir, "off.db") + "?_sync=OFF", 0},
+	} {
+		for _, wal := range []bool{true, false} {
+			got, err := parseTarget(tc.in, wal)
+			if err != nil {
+				t.Fatalf("parseTarget(%q): %v", tc.in, err)
+			}
+			db, err := sql.Open(got.driver, got.dsn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var sync int
+			if err := db.QueryRow("PRAGMA synchronous").Scan(&sync); err != nil {
+				t.Fatalf("%s: %v", tc.in, err)
+			}
+			_ = db.Close()
+			if sync != tc.want {
+				t.Errorf("--db %s (wal %v): PRAGMA synchronous = %d, want %d", tc.in, wal, sync, tc.want)
+			}
 		}
 	}
 }
