@@ -15,6 +15,9 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
@@ -164,6 +167,25 @@ type ForwarderConfig struct {
 	// StatsInterval is how often the relay reads the gauges of Metrics.
 	// Default 15 s.
 	StatsInterval time.Duration
+
+	// TracerProvider, if set, gives each record the relay sends that
+	// carries a trace context (a TxPublisher's with a Propagator, or
+	// another library's traceparent header) a span: "publish <exchange>",
+	// of kind PRODUCER, a child of the publisher's span, from the send to
+	// the record's end in the relay (acemq.outcome: published once
+	// confirmed and marked; failed, with the error; held_back behind a
+	// record that was not published; released unsent), with OpenTelemetry's
+	// messaging attributes (messaging.message.id is the record's id). A
+	// record without a trace context gets none: the relay carries traces
+	// on, and starts none. The message goes out with the publisher's trace
+	// context as it was stored, so the consumer's span is the publisher's
+	// child too. Nil costs nothing.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the trace context from a record's headers when
+	// TracerProvider is set. Default W3C trace context
+	// (propagation.TraceContext), what TxPublisherConfig.Propagator should
+	// write.
+	Propagator propagation.TextMapPropagator
 }
 
 // pipelineDepth is how many batches Run keeps in flight beyond the one it
@@ -181,6 +203,9 @@ const pipelineDepth = 2
 const maxBatchSize = 1000
 
 func (c *ForwarderConfig) setDefaults() {
+	if c.TracerProvider != nil && c.Propagator == nil {
+		c.Propagator = propagation.TraceContext{}
+	}
 	if c.BatchSize == 0 {
 		c.BatchSize = 100
 	}
@@ -269,10 +294,11 @@ func (c ForwarderConfig) validate() error {
 //
 // Run it with Run, or with a Watermill router through Plugin.
 type Forwarder struct {
-	store *Store
-	dest  Destination
-	cfg   ForwarderConfig
-	log   watermill.LoggerAdapter
+	store   *Store
+	dest    Destination
+	cfg     ForwarderConfig
+	log     watermill.LoggerAdapter
+	tracing *relayTracing // nil without a TracerProvider
 
 	sweepMu sync.Mutex // one batch at a time
 	// counted is the store's statement count last reported to Metrics
@@ -367,6 +393,7 @@ func NewForwarder(db any, dest Destination, cfg ForwarderConfig) (*Forwarder, er
 		dest:    dest,
 		cfg:     cfg,
 		log:     log,
+		tracing: newRelayTracing(cfg, dest),
 		wake:    make(chan struct{}, 1),
 		running: make(chan struct{}),
 		closing: make(chan struct{}),
@@ -820,6 +847,7 @@ func (f *Forwarder) publish(ctx context.Context, b *batch) {
 		// A Sweep's caller may give up on it: its writes go on (see
 		// withWriteBound), and it stops waiting for the confirms.
 		pubCtx, cancel := context.WithTimeoutCause(withWriteBound(ctx, time.Now().Add(f.cfg.PublishTimeout)), f.cfg.PublishTimeout, errNoConfirmInTime)
+		f.tracing.start(b, time.Now())
 		b.setResults(f.dest.Publish(pubCtx, out))
 		cancel()
 	} else {
@@ -858,7 +886,14 @@ type batch struct {
 	// answered, when results is nil for a wrong answer, is how many
 	// results the destination gave (see setResults).
 	answered int
+	// spans, with a TracerProvider, are the records' spans, one per record
+	// (nil for one without), from the send to settle.
+	spans []trace.Span
 }
+
+// errHeldBack is the result of a record of a batch held back behind an
+// earlier record that failed (batch.holdBack).
+var errHeldBack = fmt.Errorf("%w: held back behind an earlier record that failed", ErrNotSent)
 
 // errBehindKey is the result of a keyed record claimed while an earlier
 // record of its key was in flight in this relay, which then was not
@@ -959,7 +994,7 @@ func (b *batch) holdBack() {
 		b.results = make([]error, len(b.records))
 	}
 	for i := range b.results {
-		b.results[i] = fmt.Errorf("%w: held back behind an earlier record that failed", ErrNotSent)
+		b.results[i] = errHeldBack
 	}
 }
 
@@ -1217,6 +1252,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			got = b.answered
 		}
 		err := fmt.Errorf("outbox: destination returned %d results for %d records", got, len(b.records)-countNonNil(b.preset))
+		b.endSpans(spanReleased, err, true)
 		if report {
 			f.reportError(err, ErrorContext{})
 		}
@@ -1234,6 +1270,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	failedOne, releasedOne := false, false
 	for i, err := range b.results {
 		rec := b.records[i]
+		failures := len(b.failures)
 		switch {
 		case failedOne:
 			// Behind a failure: not published before it, even if it was
@@ -1250,6 +1287,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			if f.cfg.Metrics != nil {
 				publishedRec = append(publishedRec, rec)
 			}
+			continue // its span ends with the mark
 		case errors.Is(err, errBehindKey):
 			// Held back behind its key's record: it holds back nobody.
 		case errors.Is(err, ErrNotSent):
@@ -1257,6 +1295,11 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			// not confirmed: the claim's end frees it, it counts no
 			// attempt, and it is claimed again.
 			releasedOne = true
+			if errors.Is(err, errHeldBack) {
+				b.endSpan(i, spanHeldBack, nil, false)
+			} else {
+				b.endSpan(i, spanReleased, err, false)
+			}
 		case errors.Is(err, ErrConnectionLost):
 			// The broker went, not the record: it is held up like a
 			// failure, keeps its last_error, and counts no attempt, unless
@@ -1305,9 +1348,20 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			failedOne = true
 			b.failHolding(rec, f.charge(b.attempts[rec.ID], err), err, f.cfg.MaxAttempts)
 		}
+		if len(b.failures) > failures {
+			outcome := spanFailed
+			if b.failures[failures].attempts >= f.cfg.MaxAttempts {
+				outcome = spanStuck
+			}
+			b.endSpan(i, outcome, err, true)
+		} else {
+			b.endSpan(i, spanHeldBack, nil, false) // not ended above: behind a record not published
+		}
 	}
 	// The marks are not cut short: the broker has the messages.
 	if err := f.mark(ctx, b, published); err != nil {
+		// Published but not marked: sent again (see below).
+		b.endSpans(spanNotMarked, err, true)
 		b.parked = 0 // nothing is stuck: the attempts were not recorded
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.
@@ -1319,6 +1373,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 		}
 		return 0, true, &markError{err}
 	}
+	b.endSpans(spanPublished, nil, false)
 	f.cfg.Metrics.batch(b.claimedAt, publishedRec, b.failures)
 	if report {
 		failed := make(map[string]failure, len(b.failures))

@@ -20,6 +20,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jmoiron/sqlx"
 	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
@@ -141,8 +142,22 @@ type InboxConfig struct {
 	// PoisonOutbox sets aside, carry the handler's on, unless
 	// Outbox.Propagator is another (an empty
 	// propagation.NewCompositeTextMapPropagator() carries none). Nil costs
-	// nothing.
+	// nothing; with TracerProvider set, nil is W3C trace context
+	// (propagation.TraceContext).
 	Propagator propagation.TextMapPropagator
+	// TracerProvider, if set, gives each delivery the inbox handles a span,
+	// "process <topic>" of kind CONSUMER, whose parent is the publisher's
+	// trace restored from the metadata (see Propagator), or the delivery's
+	// context's span where the message carries none; the handler's context
+	// carries it, so the handler's own spans (its queries) are its
+	// children. It ends with the delivery, with OpenTelemetry's messaging
+	// attributes (messaging.message.id is the dedupe id,
+	// messaging.consumer.group.name the consumer) and acemq.outcome:
+	// processed, duplicate (acked without running), held (an ordered
+	// message ahead of its predecessor), failed (with the error). A held
+	// message applied later, at its turn, gets a span of its own then,
+	// whose parent is the publisher's too. Nil costs nothing.
+	TracerProvider trace.TracerProvider
 	// Ordered applies keyed messages (aggregateId and seq metadata, as
 	// TxPublisher writes them for a message with an ordering key) in their
 	// key's sequence order, per consumer: a sequence number applied already
@@ -195,6 +210,9 @@ const minAtMostOnceLease = 100 * time.Millisecond
 const DefaultAtMostOnceLease = 30 * time.Second
 
 func (c *InboxConfig) setDefaults() {
+	if c.TracerProvider != nil && c.Propagator == nil {
+		c.Propagator = propagation.TraceContext{}
+	}
 	if c.InboxTable == "" {
 		c.InboxTable = DefaultInboxTable
 	}
@@ -335,6 +353,7 @@ type Inbox struct {
 	returned TxPublisherConfig  // how returned messages are written, checked once
 	ordered  *orderedState      // nil unless cfg.Ordered
 	log      watermill.LoggerAdapter
+	tracer   trace.Tracer // nil without a TracerProvider
 
 	// running holds the at-most-once keys whose handler runs in this
 	// process, each closed when it returns (see processAtMostOnce).
@@ -418,6 +437,9 @@ func NewInbox(db any, cfg InboxConfig) (*Inbox, error) {
 		return nil, err
 	}
 	in := &Inbox{db: xdb, dialect: cfg.Dialect, cfg: cfg, q: q, outbox: outbox, returned: returned, log: cfg.Logger, clock: newDBClock(cfg.Dialect)}
+	if cfg.TracerProvider != nil {
+		in.tracer = cfg.TracerProvider.Tracer(tracerName)
+	}
 	if cfg.Ordered {
 		in.ordered = newOrderedState(cfg.Dialect.sql(), xdb.DB, cfg.InboxTable)
 	}
@@ -576,6 +598,27 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		tries    int
 		err      error
 	)
+	if in.cfg.Propagator != nil || in.tracer != nil {
+		// The message leaves with the context it came with: a Retry around
+		// the inbox starts its next run from the publisher's trace again,
+		// not from this run's span.
+		orig := msg.Context()
+		if in.cfg.Propagator != nil {
+			// The publisher's trace, carried in the metadata through the row
+			// and the broker, becomes the parent of the handler's work.
+			msg.SetContext(in.cfg.Propagator.Extract(orig, metadataCarrier(msg.Metadata)))
+		}
+		var span trace.Span
+		if in.tracer != nil {
+			span = in.startProcessSpan(msg)
+		}
+		defer func() {
+			if span != nil {
+				endProcessSpan(span, outcome, err)
+			}
+			msg.SetContext(orig)
+		}()
+	}
 	err = in.retryConflicts(msg.Context(), func() error {
 		if tries++; tries > 1 {
 			in.log.Debug("Inbox transaction refused for a concurrent one; running the delivery again", watermill.LogFields{"message_uuid": idText(msg.UUID), "try": tries - 1, "error": err.Error()})
@@ -622,12 +665,7 @@ func (in *Inbox) consumerIn(ctx context.Context) string {
 // process runs one message through the inbox, and says what became of it
 // and for which consumer ("" if it has no valid name). code is h's.
 func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.Message) (outcome inboxOutcome, consumer string, err error) {
-	ctx := msg.Context()
-	if in.cfg.Propagator != nil {
-		// The publisher's trace, carried in the metadata through the row and
-		// the broker, becomes the parent of the handler's work.
-		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
-	}
+	ctx := msg.Context() // with the publisher's trace, and the inbox's span (see handle)
 	key := dedupeKey(msg)
 	// The consumer first: a message refused before it is read (no id, a
 	// bad seq) still counts, under the consumer's name if it has a valid

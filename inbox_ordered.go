@@ -17,6 +17,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/acemq/watermill-outbox/internal/rowcodec"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
@@ -1058,11 +1059,20 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
 		mctx = ctx // the delivery's own handler: its context (without its cancellation: see finishing)
+	} else if in.tracer != nil {
+		// Not the span of the delivery remembered, ended long ago: the
+		// apply's span is its publisher's child, or a trace's root.
+		mctx = trace.ContextWithSpanContext(mctx, trace.SpanContext{})
 	}
 	if in.cfg.Propagator != nil {
 		mctx = in.cfg.Propagator.Extract(mctx, metadataCarrier(msg.Metadata))
 	}
 	msg.SetContext(mctx)
+	var span trace.Span
+	if in.tracer != nil {
+		span = in.startProcessSpan(msg) // its own, at its turn: the delivery that held it ended
+		mctx = msg.Context()
+	}
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)
 	if err != nil && ctx.Err() != nil && errors.Is(err, ErrHandlerTxDone) && !errors.Is(err, context.Cause(ctx)) {
 		// The transaction's context, not mctx (the handler's, which may
@@ -1074,6 +1084,9 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 		if err = tx.Commit(); err != nil {
 			err = in.handledCommitErr(ctx, err, id, consumer)
 		}
+	}
+	if span != nil {
+		endProcessSpan(span, outcome, err)
 	}
 	if err != nil {
 		_ = tx.Rollback()

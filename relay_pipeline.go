@@ -557,6 +557,7 @@ func (l *relayLoop) send(ctx context.Context, b *batch) (done []*batch, held boo
 		b.deadline = time.Now().Add(l.f.cfg.PublishTimeout)
 		if out := b.outgoing(); len(out) > 0 {
 			sendCtx, cancel := context.WithDeadlineCause(withWriteBound(ctx, b.deadline), b.deadline, errNoConfirmInTime)
+			l.f.tracing.start(b, time.Now())
 			b.pending = l.pipe.Send(sendCtx, out)
 			cancel()
 		} else {

@@ -2,9 +2,11 @@ package main
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,6 +15,10 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/prometheus/client_golang/prometheus"
 	amqp "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testcluster"
@@ -89,6 +95,12 @@ import (
 //	                          from brokers sharing the machine with it.
 //	relay_vs_raw_quorum_beside_relay_db: the relay over that raw client: the
 //	                          relay's own share, the machine's set aside.
+//	relay_traced_vs_untraced_<db>: the drain (Run) of n records each
+//	                          carrying a sampled trace context, the relay
+//	                          given a TracerProvider (the SDK's, exporting
+//	                          in batches to nothing), over the plain drain
+//	                          just before it: the price of the relay's
+//	                          spans (-relay-traced=false skips it).
 //	relay_publish_share_<db>: the fraction of the drain spent inside the
 //	                          destination's Publish (publishes + waiting for
 //	                          confirms); the rest is the database's (claim,
@@ -118,13 +130,14 @@ import (
 // that close every RabbitMQ connection (the library's tests do) disturb a
 // run; such a run is repeated.
 var (
-	rawInflight  = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
-	relayCount   = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
-	relayExtras  = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
-	relayCluster = flag.Bool("cluster", true, "relay: also start a three-node RabbitMQ cluster (scripts/rabbitmq-cluster) and measure a quorum queue on it")
-	relayStuckN  = flag.Int("stuck-backlog", 5000, "relay: records of one stuck key in front of a keyed drain (relay_behind_stuck_key_vs_keyed); 0 skips it")
-	relayOneKey  = flag.Int("one-key", 2000, "relay: records of one key drained alone (relay_one_key_vs_raw_sequential); 0 skips it")
-	relayPairs   = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
+	rawInflight      = flag.Int("inflight", 1000, "relay: unconfirmed publishes the raw amqp091-go client keeps in flight")
+	relayCount       = flag.Int("relays", 1, "relay: Forwarders draining the same table at once (claims are exclusive)")
+	relayExtras      = flag.Bool("relay-extras", true, "relay: also measure the Sweep loop and the database-only drain per database")
+	relayCluster     = flag.Bool("cluster", true, "relay: also start a three-node RabbitMQ cluster (scripts/rabbitmq-cluster) and measure a quorum queue on it")
+	relayStuckN      = flag.Int("stuck-backlog", 5000, "relay: records of one stuck key in front of a keyed drain (relay_behind_stuck_key_vs_keyed); 0 skips it")
+	relayOneKey      = flag.Int("one-key", 2000, "relay: records of one key drained alone (relay_one_key_vs_raw_sequential); 0 skips it")
+	relayTracedDrain = flag.Bool("relay-traced", true, "relay: also drain with every record traced and the relay's spans on (an SDK that samples all, exporting to nothing): relay_traced_vs_untraced")
+	relayPairs       = flag.Int("relay-pairs", 1, "relay: keyed and unkeyed drains per database, in pairs of alternating order; the keyed ratio is the mean of the pairs'")
 )
 
 const (
@@ -142,11 +155,15 @@ const (
 	relayRun    relayMode = iota // f.Run in a goroutine, Stats polled
 	relaySweep                   // f.Sweep in a loop
 	relayDBOnly                  // f.Run with a destination that confirms at once
+	relayTraced                  // relayRun, every record traced and the relay making its spans
 )
 
 func (m relayMode) String() string {
-	return [...]string{"run", "sweep", "db-only"}[m]
+	return [...]string{"run", "sweep", "db-only", "traced"}[m]
 }
+
+// runs reports whether the mode drains with Run into the broker.
+func (m relayMode) runs() bool { return m == relayRun || m == relayTraced }
 
 // relayResult is one drain.
 type relayResult struct {
@@ -238,6 +255,15 @@ func runRelay(ctx context.Context, cfg config, out *reporter) error {
 			perRelay := float64(*relayCount) / float64(res.batches)
 			note("relay %s: %d batches, %.0f us per batch of which %.0f us in Publish; first claim %s",
 				kind, res.batches, micros(res.took)*perRelay, micros(res.publish)*perRelay, res.first.Round(time.Microsecond))
+		}
+		if *relayTracedDrain {
+			// Right after the plain drain: the spans' price, sampled and
+			// exported in batches (to nothing).
+			traced, err := drain(kind, relayTraced)
+			if err != nil {
+				return err
+			}
+			out.metric("relay_traced_vs_untraced_"+kind, rate(n, traced.took)/r, "ratio")
 		}
 		keyed, err := keyedDrain(kind)
 		if err != nil {
@@ -409,7 +435,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 	}
 	err = withDatabase(ctx, kind, cfg.dir, func(db *testdb.DB, d outbox.Dialect) (err error) {
 		fillStart := time.Now()
-		if err := relayFill(ctx, db, q.name, n, payload, keys); err != nil {
+		if err := relayFill(ctx, db, q.name, n, payload, keys, mode == relayTraced); err != nil {
 			return err
 		}
 		if err := relayStuck(ctx, db, q.name, stuck); err != nil {
@@ -440,8 +466,17 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 			}
 		}()
 		var runMetrics *outbox.Metrics // the other modes end otherwise, and pay nothing for it
-		if mode == relayRun {
+		if mode.runs() {
 			runMetrics = marked.metrics
+		}
+		var tracer trace.TracerProvider
+		if mode == relayTraced {
+			// An SDK that samples every span (the records' trace contexts
+			// are sampled) and exports them to nothing, in batches, as a
+			// service's would to a collector.
+			tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(tracetest.NewNoopExporter()))
+			defer func() { _ = tp.Shutdown(context.WithoutCancel(ctx)) }()
+			tracer = tp
 		}
 		for range *relayCount {
 			t := &timedDest{inner: instantDest{}, sent: sent}
@@ -457,7 +492,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 			// batch with the database's on the next. Its batches are then
 			// not timed.
 			var dest outbox.Destination = t
-			if mode == relayRun {
+			if mode.runs() {
 				dest = t.inner
 			}
 			f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{
@@ -467,9 +502,10 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 				// Run's drain is seen to end by its published counter, not
 				// by querying the database it measures (one Stats for the
 				// gauges as Run starts, none after).
-				Metrics:       runMetrics,
-				StatsInterval: time.Hour,
-				OnError:       relayErr.add,
+				Metrics:        runMetrics,
+				StatsInterval:  time.Hour,
+				OnError:        relayErr.add,
+				TracerProvider: tracer,
 			})
 			if err != nil {
 				_ = t.Close()
@@ -499,7 +535,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 		switch mode {
 		case relaySweep:
 			err = drainBySweep(ctx, fs)
-		case relayRun:
+		case relayRun, relayTraced:
 			err = drainByRun(ctx, fs, marked.reached(watchCtx, n), left)
 		default:
 			err = drainByRun(ctx, fs, sent.all, left)
@@ -545,7 +581,7 @@ func relayDrain(ctx context.Context, cfg config, kind string, q *benchQueue, n i
 // the i-th row gets key i % keys and the next sequence number of its key,
 // set by SQL in the same transaction: the keys interleave in created_at
 // order, as the events of many aggregates do.
-func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte, keys int) error {
+func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload []byte, keys int, traced bool) error {
 	setKey := db.Rebind("UPDATE acemq_outbox SET aggregate_id = ?, seq = ? WHERE id = ?")
 	for done := 0; done < n; {
 		m := min(relayFillPerTx, n-done)
@@ -554,11 +590,19 @@ func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload 
 			msgs[i] = message.NewMessage(watermill.NewUUID(), payload)
 		}
 		msgs[0].SetContext(ctx)
+		var pubCfg outbox.TxPublisherConfig
+		if traced {
+			// Each message of a request of its own: a sampled trace each.
+			for _, msg := range msgs {
+				msg.SetContext(trace.ContextWithSpanContext(ctx, sampledSpanContext()))
+			}
+			pubCfg.Propagator = propagation.TraceContext{}
+		}
 		tx, err := db.BeginTxx(ctx, nil)
 		if err != nil {
 			return fmt.Errorf("fill: begin: %w", err)
 		}
-		pub, err := outbox.NewTxPublisher(tx)
+		pub, err := outbox.NewTxPublisher(tx, pubCfg)
 		if err == nil {
 			err = pub.Publish(queue, msgs...)
 		}
@@ -576,6 +620,17 @@ func relayFill(ctx context.Context, db *testdb.DB, queue string, n int, payload 
 		done += m
 	}
 	return nil
+}
+
+// sampledSpanContext is a span context of a trace of its own, sampled, as
+// a request's span that published a message.
+func sampledSpanContext() trace.SpanContext {
+	var tid trace.TraceID
+	var sid trace.SpanID
+	binary.BigEndian.PutUint64(tid[:8], rand.Uint64())
+	binary.BigEndian.PutUint64(tid[8:], rand.Uint64()|1)
+	binary.BigEndian.PutUint64(sid[:], rand.Uint64()|1)
+	return trace.NewSpanContext(trace.SpanContextConfig{TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled})
 }
 
 // relayStuck commits n records of one key routed to queue, created an
@@ -960,7 +1015,7 @@ func rawBesideRelayDB(ctx context.Context, cfg config, q *benchQueue, n int, pay
 	err := withDatabase(ctx, cfg.kinds[0], cfg.dir, func(db *testdb.DB, d outbox.Dialect) error {
 		// Twice the rows: the relay does not run dry before the raw
 		// client is done, though the broker be faster for it.
-		if err := relayFill(ctx, db, q.name, 2*n, payload, 0); err != nil {
+		if err := relayFill(ctx, db, q.name, 2*n, payload, 0, false); err != nil {
 			return err
 		}
 		f, err := outbox.NewForwarder(db.DB, &pacedDest{rate: rate}, outbox.ForwarderConfig{Dialect: d, BatchSize: *relayBatch, MaxBatchSize: *relayMax, StatsInterval: time.Hour})
