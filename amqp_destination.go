@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill"
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -874,6 +875,16 @@ func (d *AMQPDestination) send(ctx context.Context, recs []Record) *sent {
 				// write the check and shuts the connection down over it,
 				// with the windows of others out on it.
 				p.res[i] = Permanent(fmt.Errorf("publish: exchange of %d bytes: AMQP allows %d", len(r.Exchange), maxShortString))
+				limit = i
+				return nil
+			}
+			if !utf8.ValidString(r.Exchange) {
+				// Another library's row (SQLite's TEXT holds any bytes):
+				// RabbitMQ answers the check by closing the connection
+				// (501 FRAME_ERROR, malformed UTF-8), which the relay took
+				// for a lost connection, again at each try, the rows
+				// behind it held up a minute (a review).
+				p.res[i] = Permanent(fmt.Errorf("publish: exchange %q is not valid UTF-8, which RabbitMQ refuses in a name", r.Exchange))
 				limit = i
 				return nil
 			}

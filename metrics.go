@@ -2,8 +2,10 @@ package outbox
 
 import (
 	"errors"
+	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -196,11 +198,23 @@ func (m *Metrics) batch(started time.Time, published []Record, failures []failur
 	}
 	m.batchDuration.Observe(time.Since(started).Seconds())
 	for _, r := range published {
-		m.published.WithLabelValues(r.Exchange).Inc()
+		m.published.WithLabelValues(validUTF8(r.Exchange)).Inc()
 	}
 	for _, f := range failures {
-		m.failed.WithLabelValues(f.exchange).Inc()
+		m.failed.WithLabelValues(validUTF8(f.exchange)).Inc()
 	}
+}
+
+// validUTF8 is s with each run of bytes that are not UTF-8 replaced by
+// U+FFFD: a label value or a span attribute read from another library's
+// row. Prometheus panics on a label value that is not UTF-8, which took
+// the relay down at each restart for as long as a row whose exchange was
+// such bytes (SQLite's TEXT holds any) was claimed (a review).
+func validUTF8(s string) string {
+	if utf8.ValidString(s) {
+		return s
+	}
+	return strings.ToValidUTF8(s, "\uFFFD")
 }
 
 // brokerNodes makes the broker metrics of nodes show, at 0, before any

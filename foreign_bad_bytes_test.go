@@ -1,0 +1,116 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/prometheus/client_golang/prometheus"
+
+	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
+	"github.com/acemq/watermill-outbox/internal/testdb"
+)
+
+// insertBadExchange writes, as another language's library may on SQLite
+// (Python's sqlite3 binds bytes; SQLite's TEXT holds any), a row whose
+// exchange_name is the bytes C3 28, not UTF-8, a second older than now.
+func insertBadExchange(t *testing.T, db *testdb.DB, id string) {
+	t.Helper()
+	if _, err := db.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at)"+
+		" VALUES (?, CAST(X'C328' AS TEXT), 'ok', 'x', 'utf-8', 'text/plain', '{}', strftime('%Y-%m-%d %H:%M:%f000', 'now', '-1 second'))", id); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sweepRecovering is f.Sweep with a panic returned rather than raised.
+func sweepRecovering(f *outbox.Forwarder) (n int, err error, panicked any) {
+	defer func() { panicked = recover() }()
+	n, err = f.Sweep(context.Background())
+	return n, err, nil
+}
+
+// With Metrics, a row whose exchange is not UTF-8 was counted under an
+// exchange label, and Prometheus panics on a label value that is not
+// UTF-8: the panic went up through Sweep and Run and took the service
+// down, at each restart, for as long as the row was claimed. It fails
+// alone now, and the row behind it goes out.
+func TestForwarder_ForeignExchangeNotUTF8_WithMetrics_NoPanicRowsBehindGo(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	broker := testamqp.New(t)
+	queue := broker.Queue("ok")
+	insertBadExchange(t, db, "bad-exchange")
+	insertRaw(t, db, "good", broker.Exchange, "ok", "{}", "utf-8")
+	m, err := outbox.NewMetrics(prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := newForwarder(t, db, outbox.ForwarderConfig{Metrics: m, MaxAttempts: 2})
+	for i := 0; i < 3; i++ {
+		if _, _, p := sweepRecovering(f); p != nil {
+			t.Fatalf("sweep %d panicked: %v", i, p)
+		}
+	}
+	if s := stateOf(t, db, "good"); !s.Published {
+		t.Errorf("the row behind it: %+v, want published", s)
+	}
+	if s := stateOf(t, db, "bad-exchange"); s.Published || s.LastError == "" {
+		t.Errorf("the row with the exchange not UTF-8: %+v, want failed with a last_error", s)
+	}
+	if d := broker.Drain(queue, 1, 5*time.Second); len(d) != 1 {
+		t.Errorf("queue received %d messages, want the good one", len(d))
+	}
+}
+
+// RabbitMQ answers the check of an exchange that is not UTF-8 by closing
+// the whole connection (501 FRAME_ERROR): the relay took it for a lost
+// connection, charged nothing the first times, and tore its connection
+// down at each try while the rows behind it waited (63 s at the defaults).
+// It is a name the broker can never take, as one over 255 bytes: stuck at
+// once, naming the exchange, and the row behind it goes out at the next
+// sweep.
+func TestForwarder_ForeignExchangeNotUTF8_StuckAtOnce(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	broker := testamqp.New(t)
+	queue := broker.Queue("ok")
+	insertBadExchange(t, db, "bad-exchange")
+	insertRaw(t, db, "good", broker.Exchange, "ok", "{}", "utf-8")
+	f := newForwarder(t, db, outbox.ForwarderConfig{})
+	_, _ = f.Sweep(context.Background())
+	bad := stateOf(t, db, "bad-exchange")
+	if bad.Published || bad.Attempts != outbox.DefaultMaxAttempts || !strings.Contains(bad.LastError, "not valid UTF-8") {
+		t.Errorf("after one sweep: %+v; want stuck at once (%d attempts), last_error saying the exchange is not UTF-8",
+			bad, outbox.DefaultMaxAttempts)
+	}
+	if n, err := f.Sweep(context.Background()); n != 1 || err != nil {
+		t.Errorf("second sweep: %d published, %v; want the good row", n, err)
+	}
+	if d := broker.Drain(queue, 1, 5*time.Second); len(d) != 1 {
+		t.Errorf("queue received %d messages, want the good one", len(d))
+	}
+}
+
+// x-acemq-inbox-interrupted is the inbox's own mark of a delivery whose
+// context the router's Close cancelled, which PoisonPublisher refuses to
+// set aside. A header of that name from the wire (a service in another
+// language that forwards the headers it received) kept a message failing
+// for good from its poison queue for ever, nacked and delivered again,
+// "its context was cancelled while its handler ran".
+func TestInbox_InterruptedHeaderFromTheWire_PoisonMessageStillSetAside(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	id, in, poison, pq := poisonedChainSetup(t, db, "order.placed")
+	h := pq(middleware.Retry{MaxRetries: 1, InitialInterval: time.Millisecond}.Middleware(in.Middleware(
+		func(*message.Message) ([]*message.Message, error) { return nil, errors.New("the order is malformed") })))
+	msg := message.NewMessage(id, []byte("x"))
+	msg.Metadata.Set("x-acemq-inbox-interrupted", "true") // as the broker delivered it
+	if _, err := h(msg); err != nil || poison.count() != 1 {
+		t.Errorf("a message failing for good, the header from the wire: %v, set aside %d; want nil and 1", err, poison.count())
+	}
+}
