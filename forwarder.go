@@ -832,6 +832,7 @@ func (f *Forwarder) sweep(ctx context.Context, report bool) (int, error) {
 			// leave the claim's transaction open, its rows locked for as
 			// long as the process lives.
 			_ = f.store.abandon(context.WithoutCancel(ctx), b.claim)
+			b.endSpans(spanReleased, errAbandoned, true)
 		}
 	}()
 	f.publish(ctx, b)
@@ -1268,6 +1269,9 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 	// failed; the batches in flight behind it are held back by
 	// relayLoop.settle, as released).
 	failedOne, releasedOne := false, false
+	// failedSpans are the records that failed, whose spans end once the
+	// mark says whether their failures were recorded (stuck or not).
+	var failedSpans []failedSpan
 	for i, err := range b.results {
 		rec := b.records[i]
 		failures := len(b.failures)
@@ -1348,19 +1352,21 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			failedOne = true
 			b.failHolding(rec, f.charge(b.attempts[rec.ID], err), err, f.cfg.MaxAttempts)
 		}
-		if len(b.failures) > failures {
-			outcome := spanFailed
-			if b.failures[failures].attempts >= f.cfg.MaxAttempts {
-				outcome = spanStuck
-			}
-			b.endSpan(i, outcome, err, true)
-		} else {
+		switch {
+		case b.spans == nil:
+		case len(b.failures) > failures:
+			failedSpans = append(failedSpans, failedSpan{i, err, b.failures[failures].attempts >= f.cfg.MaxAttempts})
+		default:
 			b.endSpan(i, spanHeldBack, nil, false) // not ended above: behind a record not published
 		}
 	}
 	// The marks are not cut short: the broker has the messages.
 	if err := f.mark(ctx, b, published); err != nil {
-		// Published but not marked: sent again (see below).
+		// Nothing recorded: the failed records are not stuck, and the
+		// published ones go out again.
+		for _, fs := range failedSpans {
+			b.endSpan(fs.i, spanFailed, fs.err, true)
+		}
 		b.endSpans(spanNotMarked, err, true)
 		b.parked = 0 // nothing is stuck: the attempts were not recorded
 		// Published but not marked: sent again later, and deduped by the
@@ -1372,6 +1378,13 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			return 0, true, err // a record failed too, and holds back what is behind it
 		}
 		return 0, true, &markError{err}
+	}
+	for _, fs := range failedSpans {
+		outcome := spanFailed
+		if fs.stuck {
+			outcome = spanStuck
+		}
+		b.endSpan(fs.i, outcome, fs.err, true)
 	}
 	b.endSpans(spanPublished, nil, false)
 	f.cfg.Metrics.batch(b.claimedAt, publishedRec, b.failures)

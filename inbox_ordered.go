@@ -1059,9 +1059,16 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
 		mctx = ctx // the delivery's own handler: its context (without its cancellation: see finishing)
-	} else if in.tracer != nil {
-		// Not the span of the delivery remembered, ended long ago: the
-		// apply's span is its publisher's child, or a trace's root.
+	}
+	var links []trace.Link
+	if in.tracer != nil {
+		// Not a child of the delivery that releases it (another message's,
+		// in another trace), nor of the one remembered (ended long ago):
+		// the apply's span is its own publisher's child, or a trace's
+		// root, linked to the delivery that released it.
+		if sc := trace.SpanContextFromContext(ctx); sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
 		mctx = trace.ContextWithSpanContext(mctx, trace.SpanContext{})
 	}
 	if in.cfg.Propagator != nil {
@@ -1070,7 +1077,7 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	msg.SetContext(mctx)
 	var span trace.Span
 	if in.tracer != nil {
-		span = in.startProcessSpan(msg) // its own, at its turn: the delivery that held it ended
+		span = in.startProcessSpan(msg, links...) // its own, at its turn: the delivery that held it ended
 		mctx = msg.Context()
 	}
 	outcome, err := in.applyInTx(mctx, tx, h, msg, consumer, id, key, next, true)

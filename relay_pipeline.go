@@ -331,6 +331,7 @@ func (l *relayLoop) abandon(ctx context.Context, bs []*batch) {
 	for _, b := range bs {
 		if b != nil {
 			_ = l.f.store.abandon(ctx, b.claim)
+			b.endSpans(spanReleased, errAbandoned, true)
 		}
 	}
 	l.queue, l.settling = nil, nil

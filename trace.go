@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"time"
 
@@ -77,8 +78,8 @@ const (
 type relayTracing struct {
 	tracer trace.Tracer
 	prop   propagation.TextMapPropagator
-	common []attribute.KeyValue
-	amqp   bool // the destination is RabbitMQ: routing keys are its
+	common trace.SpanStartOption // the attributes every span has
+	amqp   bool                  // the destination is RabbitMQ: routing keys are its
 }
 
 func newRelayTracing(cfg ForwarderConfig, dest Destination) *relayTracing {
@@ -88,15 +89,18 @@ func newRelayTracing(cfg ForwarderConfig, dest Destination) *relayTracing {
 	t := &relayTracing{
 		tracer: cfg.TracerProvider.Tracer(tracerName),
 		prop:   cfg.Propagator,
-		common: []attribute.KeyValue{semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish")},
 	}
+	common := []attribute.KeyValue{semconv.MessagingOperationTypeSend, semconv.MessagingOperationName("publish")}
 	if _, ok := dest.(*AMQPDestination); ok {
+		// Another Destination's broker is its own: a PublisherDestination's
+		// Watermill publisher may be any.
 		t.amqp = true
-		t.common = append(t.common, semconv.MessagingSystemRabbitMQ)
+		common = append(common, semconv.MessagingSystemRabbitMQ)
 	}
 	if cfg.RelayID != "" {
-		t.common = append(t.common, attrRelayID.String(cfg.RelayID))
+		common = append(common, attrRelayID.String(cfg.RelayID))
 	}
+	t.common = trace.WithAttributes(common...)
 	return t
 }
 
@@ -115,7 +119,9 @@ func (t *relayTracing) start(b *batch, now time.Time) {
 		if !trace.SpanContextFromContext(parent).IsValid() {
 			continue
 		}
-		_, span := t.tracer.Start(parent, "publish "+r.Exchange, trace.WithSpanKind(trace.SpanKindProducer), trace.WithTimestamp(now))
+		// The attributes that are the same for every record go in at the
+		// start, where a sampler sees them (messaging.system).
+		_, span := t.tracer.Start(parent, publishSpanName(r), trace.WithSpanKind(trace.SpanKindProducer), trace.WithTimestamp(now), t.common)
 		if !span.IsRecording() {
 			// Only a span the sampler kept is kept and pays for its
 			// attributes: a publisher that samples one trace in ten
@@ -123,22 +129,21 @@ func (t *relayTracing) start(b *batch, now time.Time) {
 			span.End()
 			continue
 		}
-		attrs := make([]attribute.KeyValue, 0, len(t.common)+8)
-		attrs = append(attrs, t.common...)
+		attrs := make([]attribute.KeyValue, 0, 8)
 		attrs = append(attrs,
-			semconv.MessagingDestinationName(r.Exchange),
-			semconv.MessagingMessageID(r.ID),
+			semconv.MessagingDestinationName(validUTF8(r.Exchange)), // "" for the default exchange, as RabbitMQ's conventions say
+			semconv.MessagingMessageID(validUTF8(r.ID)),
 			semconv.MessagingMessageBodySize(len(r.Body)),
 			attrAttempts.Int(r.Attempts),
 		)
 		if t.amqp && r.RoutingKey != "" {
-			attrs = append(attrs, semconv.MessagingRabbitMQDestinationRoutingKey(r.RoutingKey))
+			attrs = append(attrs, semconv.MessagingRabbitMQDestinationRoutingKey(validUTF8(r.RoutingKey)))
 		}
 		if !r.CreatedAt.IsZero() {
 			attrs = append(attrs, attrRecordAge.Float64(max(0, now.Sub(r.CreatedAt).Seconds())))
 		}
 		if r.AggregateID != "" {
-			attrs = append(attrs, attrAggregateID.String(r.AggregateID), attrSeq.Int64(r.Seq))
+			attrs = append(attrs, attrAggregateID.String(validUTF8(r.AggregateID)), attrSeq.Int64(r.Seq))
 		}
 		span.SetAttributes(attrs...)
 		if b.spans == nil {
@@ -147,6 +152,24 @@ func (t *relayTracing) start(b *batch, now time.Time) {
 		b.spans[i] = span
 	}
 }
+
+// publishSpanName is "publish <exchange>", or "publish <routing key>" for
+// the default exchange, where the routing key is the queue's name (every
+// topic of a service on the default exchange was one span name, "publish
+// ", a review), or "publish".
+func publishSpanName(r *Record) string {
+	switch {
+	case r.Exchange != "":
+		return "publish " + validUTF8(r.Exchange)
+	case r.RoutingKey != "":
+		return "publish " + validUTF8(r.RoutingKey)
+	}
+	return "publish"
+}
+
+// errAbandoned ends the spans of a batch whose claim a panic ended (a
+// Destination's, an OnError's), recovered by Run's caller or Sweep's.
+var errAbandoned = errors.New("outbox: the relay abandoned the claim (a panic): its records go out again")
 
 // The outcomes a relay's span ends with (acemq.outcome).
 const (
@@ -157,6 +180,14 @@ const (
 	spanStuck     = "stuck"      // its publish failed, and it is stuck (MaxAttempts, or refused for good)
 	spanNotMarked = "not_marked" // confirmed, and the mark failed: sent again
 )
+
+// failedSpan is the span of a batch's record i that failed with err, to
+// end once the batch is marked: stuck, if the mark made it so.
+type failedSpan struct {
+	i     int
+	err   error
+	stuck bool
+}
 
 // endSpan ends the span of b's record i, if it has one, with outcome. err,
 // if not nil, is recorded on it, and gives it an error status if failed.
@@ -184,39 +215,44 @@ func (b *batch) endSpans(outcome string, err error, failed bool) {
 }
 
 // startProcessSpan starts the span of a delivery the inbox handles, a child
-// of its context's (the publisher's, restored), and puts it in the
-// message's context for the handler.
-func (in *Inbox) startProcessSpan(msg *message.Message) trace.Span {
+// of its context's (the publisher's, restored), linked to links, and puts
+// it in the message's context for the handler.
+func (in *Inbox) startProcessSpan(msg *message.Message, links ...trace.Link) trace.Span {
 	ctx := msg.Context()
 	topic := message.SubscribeTopicFromCtx(ctx)
 	name := "process"
 	if topic != "" {
 		name += " " + topic
 	}
-	attrs := []attribute.KeyValue{
-		semconv.MessagingOperationTypeProcess,
-		semconv.MessagingOperationName("process"),
-		semconv.MessagingMessageBodySize(len(msg.Payload)),
+	ctx, span := in.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithLinks(links...), processStart)
+	msg.SetContext(ctx)
+	if !span.IsRecording() {
+		return span // dropped by the sampler: its attributes would go nowhere
 	}
+	attrs := []attribute.KeyValue{semconv.MessagingMessageBodySize(len(msg.Payload))}
 	if topic != "" {
 		attrs = append(attrs, semconv.MessagingDestinationName(topic))
 	}
 	if id := dedupeKey(msg); id != "" {
-		attrs = append(attrs, semconv.MessagingMessageID(id))
+		attrs = append(attrs, semconv.MessagingMessageID(validUTF8(id)))
 	}
 	if c := in.consumerIn(ctx); c != "" {
 		attrs = append(attrs, semconv.MessagingConsumerGroupName(c))
 	}
 	if key := msg.Metadata.Get(HeaderAggregateID); key != "" {
-		attrs = append(attrs, attrAggregateID.String(key))
+		attrs = append(attrs, attrAggregateID.String(validUTF8(key)))
 		if seq, err := strconv.ParseInt(msg.Metadata.Get(HeaderSeq), 10, 64); err == nil {
 			attrs = append(attrs, attrSeq.Int64(seq))
 		}
 	}
-	ctx, span := in.tracer.Start(ctx, name, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
-	msg.SetContext(ctx)
+	span.SetAttributes(attrs...)
 	return span
 }
+
+// processStart is the attributes every span of the inbox has, given at its
+// start, where a sampler sees them. The system is the broker the library
+// relays to.
+var processStart = trace.WithAttributes(semconv.MessagingSystemRabbitMQ, semconv.MessagingOperationTypeProcess, semconv.MessagingOperationName("process"))
 
 // endProcessSpan ends a delivery's span with what became of it.
 func endProcessSpan(span trace.Span, outcome inboxOutcome, err error) {
@@ -239,8 +275,6 @@ func (o inboxOutcome) String() string {
 		return "duplicate"
 	case inboxHeld:
 		return "held"
-	case inboxSetAside:
-		return "set_aside"
 	default:
 		return "failed"
 	}

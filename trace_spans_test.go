@@ -11,6 +11,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wamqp "github.com/ThreeDotsLabs/watermill-amqp/v3/pkg/amqp"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
@@ -18,7 +19,10 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	amqp "github.com/rabbitmq/amqp091-go"
+
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -355,5 +359,279 @@ func TestTrace_RelaySpans_UnsampledPublisherRecordsNone(t *testing.T) {
 	}
 	if got := spans.rec.Ended(); len(got) != 0 {
 		t.Errorf("%d spans recorded (%v), want none for an unsampled trace", len(got), names(got))
+	}
+}
+
+// publishTraced commits n records, prefix-0…, carrying the trace of a
+// sampled span, and returns that span's context.
+func publishTraced(t *testing.T, db *testdb.DB, spans recordedSpans, prefix string, n int) trace.SpanContext {
+	t.Helper()
+	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
+	msgs := make([]*message.Message, n)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(fmt.Sprintf("%s-%d", prefix, i), []byte("x"))
+		msgs[i].SetContext(ctx)
+	}
+	publishInTx(t, db, "orders", msgs, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
+	request.End()
+	return request.SpanContext()
+}
+
+type panickingDestination struct{}
+
+func (panickingDestination) Publish(context.Context, []outbox.Record) []error {
+	panic("destination bug")
+}
+
+// A Destination that panics, the panic recovered by Sweep's caller (as
+// net/http recovers a handler's): the claim is abandoned, and every span
+// the relay started for it ends, released, rather than stay open for ever
+// and never be exported.
+func TestTrace_RelaySpans_DestinationPanics_EachSpanEndsReleased(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	publishTraced(t, db, spans, "pan", 2)
+	f, err := outbox.NewForwarder(db.DB, panickingDestination{}, outbox.ForwarderConfig{TracerProvider: spans})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, p := sweepRecovering(f); p == nil {
+		t.Fatal("Sweep did not panic")
+	}
+	ended := spansOfKind(spans.rec.Ended(), trace.SpanKindProducer)
+	var started []sdktrace.ReadOnlySpan
+	for _, s := range spans.rec.Started() {
+		if s.SpanKind() == trace.SpanKindProducer {
+			started = append(started, s)
+		}
+	}
+	if len(started) != 2 || len(ended) != 2 {
+		t.Fatalf("%d relay spans started, %d ended; want 2 and 2", len(started), len(ended))
+	}
+	for _, s := range ended {
+		if got := attrOf(s, "acemq.outcome").AsString(); got != "released" || s.Status().Code != codes.Error {
+			t.Errorf("span of %s: outcome %q, status %v; want released, an error", attrOf(s, "messaging.message.id").AsString(), got, s.Status())
+		}
+	}
+}
+
+type permanentlyRefused struct{ id string }
+
+func (d permanentlyRefused) Publish(_ context.Context, records []outbox.Record) []error {
+	res := make([]error, len(records))
+	for i, r := range records {
+		if r.ID == d.id {
+			res[i] = outbox.Permanent(errors.New("refused for good (test)"))
+		}
+	}
+	return res
+}
+
+// A record refused for good is stuck once its batch is marked; when the
+// mark fails, nothing is recorded, the record is pending and goes out
+// again, and its span says failed, not stuck.
+func TestTrace_RelaySpans_MarkFails_FailedRecordNotSaidStuck(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	publishTraced(t, db, spans, "mk", 1)
+	f, err := outbox.NewForwarder(db.DB, permanentlyRefused{id: "mk-0"}, outbox.ForwarderConfig{TracerProvider: spans, MaxAttempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	outbox.SetAfterPublishHook(f, func([]string) error { return errors.New("mark failed (test)") })
+	if _, err := f.Sweep(context.Background()); err == nil {
+		t.Fatal("Sweep: nil error, want the mark's failure")
+	}
+	if s := stateOf(t, db, "mk-0"); s.Attempts != 0 {
+		t.Fatalf("mk-0: %+v, want no attempt recorded", s)
+	}
+	sends := withMessageID(spansOfKind(spans.rec.Ended(), trace.SpanKindProducer), "mk-0")
+	if len(sends) != 1 || attrOf(sends[0], "acemq.outcome").AsString() != "failed" {
+		t.Errorf("mk-0's spans %d, outcome %q; want one, failed (not stuck: its failure was not recorded)", len(sends), attrOf(sends[0], "acemq.outcome").AsString())
+	}
+}
+
+// A held message without a trace context of its own, applied in the
+// delivery of its predecessor (another request's trace), gets a root span
+// linked to that delivery's, not a child in the other request's trace.
+func TestTrace_OrderedInbox_UntracedHeldMessage_RootLinkedToTheDeliveryThatReleasedIt(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	createEffects(t, db)
+	spans := newRecordedSpans(t)
+	var l applyLog
+	h := orderedInbox(t, db, outbox.InboxConfig{TracerProvider: spans}).Middleware(l.handler(t, db))
+	if _, err := h(keyedMsg("pay-2", 2)); err != nil { // no trace context, held
+		t.Fatal(err)
+	}
+	ctx, other := spans.Tracer("test").Start(context.Background(), "other-request")
+	other.End()
+	first := keyedMsg("pay-2", 1)
+	propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(first.Metadata))
+	if _, err := h(first); err != nil {
+		t.Fatal(err)
+	}
+	if got := l.of("pay-2"); fmt.Sprint(got) != "[1 2]" {
+		t.Fatalf("applied %v, want [1 2]", got)
+	}
+	var releaser trace.SpanContext
+	for _, s := range spans.named("process") {
+		if attrOf(s, "acemq.seq").AsInt64() == 1 {
+			releaser = s.SpanContext()
+		}
+	}
+	found := false
+	for _, s := range spans.named("process") {
+		if attrOf(s, "acemq.seq").AsInt64() != 2 || attrOf(s, "acemq.outcome").AsString() != "processed" {
+			continue
+		}
+		found = true
+		if s.Parent().IsValid() || s.SpanContext().TraceID() == other.SpanContext().TraceID() {
+			t.Errorf("seq 2's apply span: parent %s in trace %s; want a root, not in seq 1's trace", s.Parent().SpanID(), s.SpanContext().TraceID())
+		}
+		if links := s.Links(); len(links) != 1 || links[0].SpanContext.SpanID() != releaser.SpanID() {
+			t.Errorf("seq 2's apply span links %v, want seq 1's delivery span %s", links, releaser.SpanID())
+		}
+	}
+	if !found {
+		t.Error("no span of seq 2's apply")
+	}
+}
+
+// The inbox's spans carry messaging.system (Required by the messaging
+// conventions; backends group messaging spans by it) from their start.
+func TestTrace_InboxSpans_MessagingSystemRabbitMQ(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	h := newInbox(t, db, outbox.InboxConfig{TracerProvider: spans}).Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })
+	if _, err := h(message.NewMessage("sys-1", []byte("x"))); err != nil {
+		t.Fatal(err)
+	}
+	got := spans.named("process")
+	if len(got) != 1 || attrOf(got[0], "messaging.system").AsString() != "rabbitmq" {
+		t.Errorf("process spans %d, messaging.system %q; want one, rabbitmq", len(got), attrOf(got[0], "messaging.system").AsString())
+	}
+}
+
+// Through the default exchange (TxPublisher's default), the span is named
+// by the routing key, the queue's name, rather than "publish " for every
+// topic; messaging.destination.name is "" as RabbitMQ's conventions say.
+func TestTrace_RelaySpans_DefaultExchange_NamedByTheQueue(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, "amqp")
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	q := "spans-default-" + testdb.RandomName()
+	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDeclare(q, true, false, false, false, nil); return err })
+	defer testamqpDeleteQueue(t, q)
+	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
+	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
+	msg.SetContext(ctx)
+	publishInTx(t, db, q, []*message.Message{msg}, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
+	request.End()
+	sweepAll(t, newForwarder(t, db, outbox.ForwarderConfig{TracerProvider: spans}))
+	sends := spansOfKind(spans.rec.Ended(), trace.SpanKindProducer)
+	if len(sends) != 1 || sends[0].Name() != "publish "+q {
+		t.Fatalf("relay spans %v, want one, %q", names(sends), "publish "+q)
+	}
+	if v := attrOf(sends[0], "messaging.destination.name"); v.Type() != attribute.STRING || v.AsString() != "" {
+		t.Errorf("messaging.destination.name %v, want \"\" (the default exchange)", v.Emit())
+	}
+}
+
+// Run, pipelined, stopped while batches are in flight, ends every span it
+// started, once each.
+func TestTrace_RelaySpans_RunStoppedMidFlow_EverySpanEndsOnce(t *testing.T) {
+	t.Parallel()
+	testdb.Require(t, "amqp")
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	q := "spans-run-" + testdb.RandomName()
+	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDeclare(q, true, false, false, false, nil); return err })
+	defer testamqpDeleteQueue(t, q)
+	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
+	msgs := make([]*message.Message, 3000)
+	for i := range msgs {
+		msgs[i] = message.NewMessage(fmt.Sprintf("run-%d", i), []byte("x"))
+		msgs[i].SetContext(ctx)
+	}
+	publishInTx(t, db, q, msgs, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
+	request.End()
+	f := newForwarder(t, db, outbox.ForwarderConfig{TracerProvider: spans, BatchSize: 50})
+	runCtx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f.Run(runCtx) }()
+	waitFor(t, 20*time.Second, "some spans", func() bool { return len(spans.rec.Ended()) > 200 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	started := 0
+	for _, s := range spans.rec.Started() {
+		if s.SpanKind() == trace.SpanKindProducer {
+			started++
+		}
+	}
+	ended := map[trace.SpanID]int{}
+	for _, s := range spansOfKind(spans.rec.Ended(), trace.SpanKindProducer) {
+		ended[s.SpanContext().SpanID()]++
+	}
+	if started != len(ended) {
+		t.Errorf("%d relay spans started, %d ended", started, len(ended))
+	}
+	for id, n := range ended {
+		if n != 1 {
+			t.Errorf("span %s ended %d times", id, n)
+		}
+	}
+}
+
+// A Retry around the inbox gives each run a span of its own, the
+// publisher's child (not the run before's), which the handler's context
+// carries; the message leaves the inbox with the context it came with.
+func TestTrace_InboxSpans_RetryAroundTheInbox_EachRunThePublishersChild(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	in := newInbox(t, db, outbox.InboxConfig{TracerProvider: spans})
+	runs := 0
+	var inHandler []trace.SpanContext
+	var after context.Context
+	h := middleware.Retry{MaxRetries: 3}.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		out, err := in.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+			inHandler = append(inHandler, trace.SpanContextFromContext(msg.Context()))
+			if runs++; runs < 3 {
+				return nil, errors.New("again")
+			}
+			return nil, nil
+		})(msg)
+		after = msg.Context()
+		return out, err
+	})
+	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
+	request.End()
+	msg := message.NewMessage("retry-1", []byte("x"))
+	propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(msg.Metadata))
+	orig := msg.Context()
+	if _, err := h(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := spans.named("process")
+	if len(got) != 3 || len(inHandler) != 3 {
+		t.Fatalf("%d spans, %d runs; want 3 and 3", len(got), len(inHandler))
+	}
+	for i, s := range got {
+		if s.Parent().SpanID() != request.SpanContext().SpanID() {
+			t.Errorf("run %d: parent %s, want the publisher's %s", i, s.Parent().SpanID(), request.SpanContext().SpanID())
+		}
+		if inHandler[i].SpanID() != s.SpanContext().SpanID() {
+			t.Errorf("run %d: the handler's span %s, want the run's %s", i, inHandler[i].SpanID(), s.SpanContext().SpanID())
+		}
+	}
+	if after != orig {
+		t.Error("the message left the inbox with another context than it came with")
 	}
 }
