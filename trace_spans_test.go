@@ -362,9 +362,14 @@ func TestTrace_RelaySpans_UnsampledPublisherRecordsNone(t *testing.T) {
 	}
 }
 
-// publishTraced commits n records, prefix-0…, carrying the trace of a
-// sampled span, and returns that span's context.
+// publishTraced commits n records to topic orders, prefix-0…, carrying
+// the trace of a sampled span, and returns that span's context.
 func publishTraced(t *testing.T, db *testdb.DB, spans recordedSpans, prefix string, n int) trace.SpanContext {
+	t.Helper()
+	return publishTracedTo(t, db, spans, "orders", prefix, n)
+}
+
+func publishTracedTo(t *testing.T, db *testdb.DB, spans recordedSpans, topic, prefix string, n int) trace.SpanContext {
 	t.Helper()
 	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
 	msgs := make([]*message.Message, n)
@@ -372,9 +377,20 @@ func publishTraced(t *testing.T, db *testdb.DB, spans recordedSpans, prefix stri
 		msgs[i] = message.NewMessage(fmt.Sprintf("%s-%d", prefix, i), []byte("x"))
 		msgs[i].SetContext(ctx)
 	}
-	publishInTx(t, db, "orders", msgs, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
+	publishInTx(t, db, topic, msgs, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
 	request.End()
 	return request.SpanContext()
+}
+
+// defaultExchangeQueue declares a durable queue named prefix…, which the
+// default exchange routes its name to, deleted when the test ends.
+func defaultExchangeQueue(t *testing.T, prefix string) string {
+	t.Helper()
+	testdb.Require(t, "amqp")
+	q := prefix + testdb.RandomName()
+	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDeclare(q, true, false, false, false, nil); return err })
+	t.Cleanup(func() { testamqpDeleteQueue(t, q) })
+	return q
 }
 
 type panickingDestination struct{}
@@ -524,14 +540,8 @@ func TestTrace_RelaySpans_DefaultExchange_NamedByTheQueue(t *testing.T) {
 	testdb.Require(t, "amqp")
 	db := migrated(t, testdb.SQLite)
 	spans := newRecordedSpans(t)
-	q := "spans-default-" + testdb.RandomName()
-	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDeclare(q, true, false, false, false, nil); return err })
-	defer testamqpDeleteQueue(t, q)
-	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
-	msg := message.NewMessage(watermill.NewUUID(), []byte("x"))
-	msg.SetContext(ctx)
-	publishInTx(t, db, q, []*message.Message{msg}, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
-	request.End()
+	q := defaultExchangeQueue(t, "spans-default-")
+	publishTracedTo(t, db, spans, q, "default", 1)
 	sweepAll(t, newForwarder(t, db, outbox.ForwarderConfig{TracerProvider: spans}))
 	sends := spansOfKind(spans.rec.Ended(), trace.SpanKindProducer)
 	if len(sends) != 1 || sends[0].Name() != "publish "+q {
@@ -549,17 +559,8 @@ func TestTrace_RelaySpans_RunStoppedMidFlow_EverySpanEndsOnce(t *testing.T) {
 	testdb.Require(t, "amqp")
 	db := migrated(t, testdb.SQLite)
 	spans := newRecordedSpans(t)
-	q := "spans-run-" + testdb.RandomName()
-	testamqp.New(t).With(func(ch *amqp.Channel) error { _, err := ch.QueueDeclare(q, true, false, false, false, nil); return err })
-	defer testamqpDeleteQueue(t, q)
-	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
-	msgs := make([]*message.Message, 3000)
-	for i := range msgs {
-		msgs[i] = message.NewMessage(fmt.Sprintf("run-%d", i), []byte("x"))
-		msgs[i].SetContext(ctx)
-	}
-	publishInTx(t, db, q, msgs, outbox.TxPublisherConfig{Propagator: propagation.TraceContext{}})
-	request.End()
+	q := defaultExchangeQueue(t, "spans-run-")
+	publishTracedTo(t, db, spans, q, "run", 3000)
 	f := newForwarder(t, db, outbox.ForwarderConfig{TracerProvider: spans, BatchSize: 50})
 	runCtx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
