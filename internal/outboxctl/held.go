@@ -543,7 +543,9 @@ func (c *cli) printSkipped(r skippedReport, asJSON bool) error {
 // bytes a terminal does not show are different keys, and --key must name
 // the right one; so are consumers, for --consumer, and ids, for retry.
 func keyText(k string) string {
-	plain := k != "" && utf8.ValidString(k) && strings.TrimSpace(k) == k && !strings.HasPrefix(k, `"`)
+	// A leading "-" is quoted too: given as it is, retry and the others
+	// parsed it as a flag (a Java library's negative snowflake id).
+	plain := k != "" && utf8.ValidString(k) && strings.TrimSpace(k) == k && !strings.HasPrefix(k, `"`) && !strings.HasPrefix(k, "-")
 	for _, r := range k {
 		if !unicode.IsPrint(r) || unicode.IsSpace(r) && r != ' ' {
 			plain = false

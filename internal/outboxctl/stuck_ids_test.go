@@ -168,3 +168,32 @@ func TestStuck_CreatedAtUnreadable_ShownAsDash(t *testing.T) {
 		t.Errorf("stuck with an unreadable created_at:\n%s", out)
 	}
 }
+
+// An id that starts with "-" (a negative snowflake a Java library wrote):
+// stuck showed it as it is, and retry parsed it as a flag ("flag provided
+// but not defined", exit 2, no word of --). It shows quoted now, and retry
+// takes it as shown; given bare, the usage error says to put it after --,
+// which works.
+func TestStuck_IDStartingWithADash_ShownQuotedRetryTakesItAsShownOrAfterDashes(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	stored := "-4611686018427387904"
+	stuckRowOf(t, db, testdb.SQLite, stored, time.Now().Add(-time.Hour))
+	var got stuckReport
+	if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--db", db.DSN, "--json")), &got); err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Rows) != 1 || got.Rows[0].ID != `"`+stored+`"` {
+		t.Fatalf("stuck --json rows %+v, want the one row, its id quoted", got.Rows)
+	}
+	if r := ctl(t, nil, "retry", "--db", db.DSN, got.Rows[0].ID); r.code != 0 || !strings.HasPrefix(r.stdout, "1 row made pending again") {
+		t.Errorf("retry %s (as stuck --json gives it): exit %d\nstdout: %s\nstderr: %s", got.Rows[0].ID, r.code, r.stdout, r.stderr)
+	}
+	execSQL(t, db, "UPDATE acemq_outbox SET attempts = 10 WHERE id = ?", stored)
+	r := ctl(t, nil, "retry", "--db", db.DSN, stored)
+	if r.code != 2 || !strings.Contains(r.stderr, "goes after --") {
+		t.Errorf("retry %s, bare: exit %d, stderr %q; want a usage error saying it goes after --", stored, r.code, r.stderr)
+	}
+	if r := ctl(t, nil, "retry", "--db", db.DSN, "--", stored); r.code != 0 || !strings.HasPrefix(r.stdout, "1 row made pending again") {
+		t.Errorf("retry -- %s: exit %d\nstdout: %s\nstderr: %s", stored, r.code, r.stdout, r.stderr)
+	}
+}
