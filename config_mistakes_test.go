@@ -268,3 +268,34 @@ func TestTxPublisher_SQLiteDeferredTransactionLocked_SaysToOpenImmediate(t *test
 		t.Errorf("Publish in a deferred transaction behind another's commit: %v; want database is locked, and to be told of _txlock=immediate", err)
 	}
 }
+
+// A *sql.Tx carries no driver name, so its Dialect is the caller's word.
+// Given another database's (a service with a pool on each, one's config on
+// the other's transaction), Publish failed with that database's bare syntax
+// error (PostgreSQL's "syntax error at or near" a backquote, MariaDB's
+// "Error 1064"), which named neither the Dialect nor what to check. It
+// names the Dialect now.
+func TestTxPublisher_TxOfAnotherDatabase_ErrorNamesTheDialect(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		kind string
+		d    outbox.Dialect
+	}{{testdb.Postgres, outbox.MySQL}, {testdb.MySQL, outbox.Postgres}, {testdb.SQLite, outbox.MySQL}} {
+		t.Run(c.kind+"-as-"+c.d.Name(), func(t *testing.T) {
+			db := migrated(t, c.kind)
+			tx, err := db.DB.DB.Begin()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback() }()
+			pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Dialect: c.d})
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = pub.Publish("orders", message.NewMessage("order-1", []byte("x")))
+			if err == nil || !strings.Contains(err.Error(), "written for Dialect "+c.d.Name()) {
+				t.Errorf("Publish through a %s transaction with Dialect %s: %v; want an error naming the Dialect", c.kind, c.d.Name(), err)
+			}
+		})
+	}
+}

@@ -114,3 +114,24 @@ func TestInbox_InterruptedHeaderFromTheWire_PoisonMessageStillSetAside(t *testin
 		t.Errorf("a message failing for good, the header from the wire: %v, set aside %d; want nil and 1", err, poison.count())
 	}
 }
+
+// A keyed row another library wrote without its number (seq NULL): stuck
+// at once, and its last_error says the column is NULL, as the row holds
+// it, not "seq 0", a value an operator would not find there.
+func TestForwarder_KeyedRowSeqNULL_StuckSayingNULL(t *testing.T) {
+	t.Parallel()
+	eachMigrated(t, func(t *testing.T, db *testdb.DB, _ outbox.Dialect) {
+		insertRaw(t, db, "keyed-no-seq", "", "ok", "{}", "utf-8")
+		if _, err := db.Exec(db.Rebind("UPDATE acemq_outbox SET aggregate_id = 'order-7', seq = NULL WHERE id = ?"), "keyed-no-seq"); err != nil {
+			t.Fatal(err)
+		}
+		_, _ = newForwarder(t, db, outbox.ForwarderConfig{}).Sweep(context.Background())
+		s := stateOf(t, db, "keyed-no-seq")
+		if s.Published || s.Attempts != outbox.DefaultMaxAttempts {
+			t.Fatalf("%+v, want stuck at once", s)
+		}
+		if !strings.Contains(s.LastError, "seq NULL") || strings.Contains(s.LastError, "seq 0") {
+			t.Errorf("last_error %q; want it to say seq is NULL", s.LastError)
+		}
+	})
+}

@@ -929,6 +929,12 @@ func (p *TxPublisher) wrapExecErr(err error) error {
 		return err
 	case errors.Is(err, sql.ErrTxDone), errors.Is(err, pgx.ErrTxClosed):
 		return fmt.Errorf("%w: %w", ErrTxDone, err)
+	case sqldialect.SyntaxError(err):
+		// A *sql.Tx carries no driver name: its Dialect is the caller's
+		// word, and another database's gave a bare syntax error that named
+		// neither (a review: a service with a pool on each).
+		return fmt.Errorf("outbox: insert into %s: %w (the statement is written for Dialect %s: is the transaction that database's? "+
+			"With a *sql.Tx or a watermill-sql Tx, TxPublisherConfig.Dialect must name its database)", p.q.Table(), err, p.cfg.Dialect.Name())
 	case p.cfg.Dialect == SQLite && sqldialect.Busy(err):
 		return fmt.Errorf("outbox: insert into %s: %w (SQLite: unless the DSN sets _txlock=immediate, which a relay beside the services requires,"+
 			" a transaction that read before this write cannot wait for the write lock: see the README's SQLite notes)", p.q.Table(), err)

@@ -67,6 +67,8 @@ func decodeRecord(r sqldialect.ClaimedRow) (Record, error) {
 	// A key without a number, or a number without a key, was not written
 	// by a publisher: the ordered inbox could not place it.
 	switch {
+	case r.AggregateID != "" && r.SeqNull:
+		return Record{}, fmt.Errorf("aggregate_id %q with seq NULL: want a sequence number from 1 (a keyed row takes its number from %s as it is written)", r.AggregateID, sqldialect.SequencesTable)
 	case r.AggregateID != "" && r.Seq < 1:
 		return Record{}, fmt.Errorf("aggregate_id %q with seq %d: want a sequence number from 1", r.AggregateID, r.Seq)
 	case r.AggregateID == "" && r.Seq != 0:

@@ -851,6 +851,9 @@ type ClaimedRow struct {
 	// the key; "" and 0 for an unkeyed row (both columns NULL).
 	AggregateID string
 	Seq         int64
+	// SeqNull: the row's seq is NULL (Seq reads 0), which an error about a
+	// keyed row without a number says as the row holds it.
+	SeqNull bool
 	// Unreadable, if not nil, names the columns of the row that could not
 	// be read and says why: a NULL in a table made by hand, a created_at
 	// that is no time, an id stored as a BLOB. Their fields are zero. No
@@ -970,7 +973,7 @@ func (o *Outbox) scanClaimed(rows *sql.Rows, extra []any, after func()) ([]Claim
 		c.text("exchange_name", &r.Exchange), c.text("routing_key", &r.RoutingKey), c.text("body", &r.Body),
 		c.text("body_encoding", &r.BodyEncoding), c.text("content_type", &r.ContentType), c.text("headers", &r.Headers),
 		c.timestamp("created_at", &r.CreatedAt), nullable(c.integer("attempts", &r.Attempts)),
-		nullable(c.text("aggregate_id", &r.AggregateID)), nullable(c.int64("seq", &r.Seq))}
+		nullable(c.text("aggregate_id", &r.AggregateID)), nullFlag{nullable(c.int64("seq", &r.Seq)), &r.SeqNull}}
 	dest = append(dest, extra...)
 	for rows.Next() {
 		r, c.failed = ClaimedRow{}, c.failed[:0]
@@ -1043,6 +1046,17 @@ func (c *columnReader) timestamp(name string, dst *time.Time) column {
 		*dst = t
 		return err
 	}}
+}
+
+// nullFlag is a nullable column that notes whether the row held NULL.
+type nullFlag struct {
+	column
+	isNull *bool
+}
+
+func (n nullFlag) Scan(v any) error {
+	*n.isNull = v == nil
+	return n.column.Scan(v)
 }
 
 // nullable makes col read NULL as its zero value rather than fail: the
