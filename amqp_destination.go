@@ -413,7 +413,7 @@ func (d *AMQPDestination) dialLocked(ctx context.Context) error {
 		d.cfg.Logger.Info("Connected to RabbitMQ", fields)
 		return nil
 	}
-	refused := len(failed) > 0 && !slices.ContainsFunc(failed, func(err error) bool { return !errors.As(err, new(*amqp.Error)) })
+	refused := len(failed) > 0 && !slices.ContainsFunc(failed, func(err error) bool { return !amqpwire.Refused(err) })
 	return connectFailed{err: fmt.Errorf("connect to RabbitMQ: %w", failed), refused: refused}
 }
 

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -134,4 +135,41 @@ func TestForwarder_KeyedRowSeqNULL_StuckSayingNULL(t *testing.T) {
 			t.Errorf("last_error %q; want it to say seq is NULL", s.LastError)
 		}
 	})
+}
+
+// A broker down behind a TCP load balancer (HAProxy in TCP mode with no
+// backend takes the connection and closes it; amqp091-go says 504
+// "channel/connection is not open") was told a refusal "(credentials, a
+// vhost, permissions)", and outboxctl relay exited at once on it rather
+// than wait for the broker. It is unreachable, as a closed port is.
+func TestAMQPDestination_LoadBalancerWithNoBroker_Unreachable(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	publishN(t, db, "x", "rk", 1)
+	lb, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lb.Close()
+	go func() {
+		for {
+			c, err := lb.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close() // no backend
+		}
+	}()
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{"amqp://guest:guest@" + lb.Addr().String() + "/"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Logger: &recordingLogger{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Sweep(context.Background()); !errors.Is(err, outbox.ErrBrokerUnreachable) {
+		t.Errorf("sweep through a load balancer with no broker: %v, want ErrBrokerUnreachable", err)
+	}
 }

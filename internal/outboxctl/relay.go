@@ -21,6 +21,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
+	"github.com/acemq/watermill-outbox/internal/amqpwire"
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
@@ -369,8 +370,7 @@ func brokerDown(err error) bool {
 
 // nodeDown is brokerDown of one node's failure.
 func nodeDown(err error) bool {
-	var amqpErr *amqp.Error
-	if errors.As(err, &amqpErr) {
+	if amqpwire.Refused(err) {
 		return false
 	}
 	var dnsErr *net.DNSError

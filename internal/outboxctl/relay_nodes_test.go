@@ -245,3 +245,40 @@ func TestRelay_OneNodeNotResolvingTheOtherDown_WaitsForTheBroker(t *testing.T) {
 		<-ran
 	}
 }
+
+// A broker down behind a TCP load balancer, which takes the connection and
+// closes it (504 from amqp091-go): outboxctl relay took it for a refusal
+// and exited at once, into CrashLoopBackOff. It waits --broker-wait, as
+// for a port with nothing on it.
+func TestRelay_LoadBalancerWithNoBrokerBehind_WaitsForTheBroker(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	lb, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lb.Close()
+	go func() {
+		for {
+			c, err := lb.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close() // no backend
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stderr := &testutil.LockedBuffer{}
+	ran := make(chan int, 1)
+	go func() {
+		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", "amqp://guest:guest@" + lb.Addr().String() + "/", "--listen", "", "--broker-wait", "30s"},
+			func(string) string { return "" }, io.Discard, stderr)
+	}()
+	select {
+	case code := <-ran:
+		t.Errorf("relay exited %d at once behind a load balancer with no broker: want it to wait --broker-wait\n%s", code, stderr.String())
+	case <-time.After(5 * time.Second):
+		cancel()
+		<-ran
+	}
+}
