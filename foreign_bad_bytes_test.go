@@ -173,3 +173,29 @@ func TestAMQPDestination_LoadBalancerWithNoBroker_Unreachable(t *testing.T) {
 		t.Errorf("sweep through a load balancer with no broker: %v, want ErrBrokerUnreachable", err)
 	}
 }
+
+// The inbox's marks by name from the wire, on a message that a middleware
+// before the inbox refuses for good (a schema check), so that the inbox
+// never drops them: PoisonPublisher refused it still ("its context was
+// cancelled", "the database did not answer"), nacked for ever. Only the
+// process's own mark counts.
+func TestInbox_MarkHeadersFromTheWire_FailedBeforeTheInbox_StillSetAside(t *testing.T) {
+	t.Parallel()
+	for _, header := range []string{"x-acemq-inbox-interrupted", "x-acemq-inbox-db-lost"} {
+		t.Run(header, func(t *testing.T) {
+			db := migrated(t, testdb.SQLite)
+			id, in, poison, pq := poisonedChainSetup(t, db, "order.placed")
+			refuse := func(message.HandlerFunc) message.HandlerFunc {
+				return func(*message.Message) ([]*message.Message, error) {
+					return nil, errors.New("schema: the order is malformed") // before the inbox
+				}
+			}
+			h := pq(refuse(in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, nil })))
+			msg := message.NewMessage(id, []byte("x"))
+			msg.Metadata.Set(header, "true") // as the broker delivered it
+			if _, err := h(msg); err != nil || poison.count() != 1 {
+				t.Errorf("refused before the inbox, %s from the wire: %v, set aside %d; want nil and 1", header, err, poison.count())
+			}
+		})
+	}
+}

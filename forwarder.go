@@ -173,8 +173,10 @@ type ForwarderConfig struct {
 	// another library's traceparent header) a span: "publish <exchange>",
 	// of kind PRODUCER, a child of the publisher's span, from the send to
 	// the record's end in the relay (acemq.outcome: published once
-	// confirmed and marked; failed, with the error; held_back behind a
-	// record that was not published; released unsent), with OpenTelemetry's
+	// confirmed and marked; failed, with the error, or stuck once marked
+	// so; held_back behind a record that was not published; released
+	// unsent, or its claim abandoned; not_marked, confirmed and its mark
+	// failed, sent again), with OpenTelemetry's
 	// messaging attributes (messaging.message.id is the record's id). A
 	// record without a trace context gets none: the relay carries traces
 	// on, and starts none. The message goes out with the publisher's trace

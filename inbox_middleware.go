@@ -639,13 +639,13 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 		// handler's failure, nor middleware.Timeout's deadline (which ends
 		// it with DeadlineExceeded; Timeout cancels it only once this
 		// returns). PoisonPublisher refuses to set it aside.
-		msg.Metadata.Set(interruptedKey, "true")
+		msg.Metadata.Set(interruptedKey, markToken)
 	}
 	if msg.Metadata != nil {
 		// This run's word alone: Retry runs the same message again.
 		delete(msg.Metadata, dbLostKey)
 		if errors.As(err, new(*dbLostError)) {
-			msg.Metadata.Set(dbLostKey, "true")
+			msg.Metadata.Set(dbLostKey, markToken)
 		}
 	}
 	if err == nil && outcome == inboxDuplicate {

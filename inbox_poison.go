@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/google/uuid"
 
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
@@ -87,6 +88,13 @@ const interruptedKey = "x-acemq-inbox-interrupted"
 // delivery's context ended): no failure of the message's, and
 // PoisonPublisher refuses it, as it refuses an interrupted one.
 const dbLostKey = "x-acemq-inbox-db-lost"
+
+// markToken is the value of the marks above, one per process: a header of
+// a mark's name from the wire (a service that forwards the headers it got)
+// kept a message failing for good from its poison queue for ever, also
+// where a middleware before the inbox failed it, so that the inbox never
+// dropped the header (a code review). Only this process's mark counts.
+var markToken = uuid.NewString()
 
 // poisonPublishTimeout bounds PoisonPublisher's publish, whose context no
 // longer ends with the message's: a broker that takes no message holds the
@@ -164,7 +172,7 @@ func (in *Inbox) toSetAside(topic string, msgs []*message.Message) ([]*message.M
 	for _, msg := range msgs {
 		why := ""
 		switch {
-		case msg.Metadata.Get(dbLostKey) != "":
+		case msg.Metadata.Get(dbLostKey) == markToken:
 			why = "the database did not answer"
 		case in.interrupted(msg):
 			why = "its context was cancelled while its handler ran"
@@ -233,7 +241,7 @@ func (in *Inbox) interrupted(msg *message.Message) bool {
 	ctx := msg.Context()
 	cause := context.Cause(ctx)
 	switch {
-	case msg.Metadata.Get(interruptedKey) != "", reason == context.Canceled.Error():
+	case msg.Metadata.Get(interruptedKey) == markToken, reason == context.Canceled.Error():
 		return true
 	case errors.Is(ctx.Err(), context.Canceled) && cause != context.Canceled && strings.HasSuffix(reason, cause.Error()):
 		// The suffix: a middleware between PoisonQueue and Retry may wrap

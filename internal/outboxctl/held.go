@@ -246,6 +246,8 @@ func (c *cli) lookUpWaiting(d *database, keys []heldKey) error {
 				w.Why += fmt.Sprintf(" (outboxctl resend --key %s --seq %d)", k.Key, *k.From)
 			case row.State == "published":
 				w.Why += fmt.Sprintf("; not applied by %s: in a queue still, or lost, or set aside by a consumer that notes nothing (outboxctl resend --key %s --seq %d sends it again)", k.Consumer, k.Key, *k.From)
+			case row.State == "stuck" && strings.HasPrefix(strings.TrimPrefix(row.ID, `"`), "-"):
+				w.Why += fmt.Sprintf(" (outboxctl retry -- %s)", row.ID) // not read as a flag
 			case row.State == "stuck":
 				w.Why += fmt.Sprintf(" (outboxctl retry %s)", row.ID)
 			}

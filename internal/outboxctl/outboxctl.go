@@ -270,12 +270,12 @@ func (c *cli) flagSet(name string) *flag.FlagSet {
 	return fs
 }
 
-// parse parses a command's arguments, flags and positional arguments in any
-// order ("retry a b --json" as well as "retry --json a b"; after "--" all
-// are positional), and returns the positional ones.
 // takesIDs are the commands whose arguments are record ids.
 var takesIDs = map[string]bool{"retry": true, "resend": true, "show": true, "discard": true, "restore": true}
 
+// parse parses a command's arguments, flags and positional arguments in any
+// order ("retry a b --json" as well as "retry --json a b"; after "--" all
+// are positional), and returns the positional ones.
 func (c *cli) parse(fs *flag.FlagSet, args []string, synopsis string) ([]string, error) {
 	var positional []string
 	for {
@@ -284,10 +284,11 @@ func (c *cli) parse(fs *flag.FlagSet, args []string, synopsis string) ([]string,
 				c.commandUsage(fs, synopsis)
 				return nil, err
 			}
-			if takesIDs[fs.Name()] && strings.HasPrefix(err.Error(), "flag provided but not defined: -") {
+			if name, ok := strings.CutPrefix(err.Error(), "flag provided but not defined: -"); ok && takesIDs[fs.Name()] && name != "" && name[0] >= '0' && name[0] <= '9' {
 				// An id that starts with "-" (a negative number another
-				// library wrote), given unquoted.
-				return nil, usagef("%s: %v (an id that starts with \"-\" goes after --, as in outboxctl %s -- -42, or quoted as stuck and show print it; see outboxctl %s -h)", fs.Name(), err, fs.Name(), fs.Name())
+				// library wrote), given bare; not a mistyped flag, which
+				// after -- would be taken for an id (a code review).
+				return nil, usagef("%s: %v (an id that starts with \"-\" goes after --, as in outboxctl %s -- -%s; see outboxctl %s -h)", fs.Name(), err, fs.Name(), name, fs.Name())
 			}
 			return nil, usagef("%s: %v (see outboxctl %s -h)", fs.Name(), err, fs.Name())
 		}

@@ -197,3 +197,13 @@ func TestStuck_IDStartingWithADash_ShownQuotedRetryTakesItAsShownOrAfterDashes(t
 		t.Errorf("retry -- %s: exit %d\nstdout: %s\nstderr: %s", stored, r.code, r.stdout, r.stderr)
 	}
 }
+
+// A mistyped flag is told so, not that an id goes after --, which would
+// have made retry -- --all-stuk retry an id of that name.
+func TestRetry_MistypedFlag_NotToldItIsAnID(t *testing.T) {
+	db := migrated(t, testdb.SQLite)
+	r := ctl(t, nil, "retry", "--db", db.DSN, "--all-stuk")
+	if r.code != 2 || strings.Contains(r.stderr, "goes after --") || !strings.Contains(r.stderr, "all-stuk") {
+		t.Errorf("retry --all-stuk: exit %d, stderr %q; want a usage error naming the flag, without the hint for ids", r.code, r.stderr)
+	}
+}

@@ -242,21 +242,6 @@ func (postgres) CannotHold(err error) bool {
 // transaction will roll back whatever its caller does.
 func TxAborted(err error) bool { return sqlState(err) == "25P02" }
 
-// SyntaxError reports whether err is a database's refusal of a
-// statement's syntax, whichever database sent it (PostgreSQL's 42601,
-// MySQL's 1064, SQLite's "syntax error"): what a statement written for
-// another dialect than the connection's database gets.
-func SyntaxError(err error) bool {
-	if err == nil {
-		return false
-	}
-	if sqlState(err) == "42601" {
-		return true
-	}
-	s := err.Error()
-	return strings.Contains(s, "Error 1064") || strings.Contains(s, "syntax error")
-}
-
 // sqlState is err's SQLSTATE, read through SQLState(), which both pgx's and
 // lib/pq's errors have, where their texts differ ("… (SQLSTATE 55P03)",
 // "pq: canceling statement due to lock timeout"); "" for another error.

@@ -1048,6 +1048,21 @@ func (c *columnReader) timestamp(name string, dst *time.Time) column {
 	}}
 }
 
+// SyntaxError reports whether err is a database's refusal of a
+// statement's syntax, whichever database sent it (PostgreSQL's 42601,
+// MySQL's 1064, SQLite's "syntax error"): what a statement written for
+// another dialect than the connection's database gets.
+func SyntaxError(err error) bool {
+	if err == nil {
+		return false
+	}
+	if sqlState(err) == "42601" {
+		return true
+	}
+	s := err.Error()
+	return strings.Contains(s, "Error 1064") || strings.Contains(s, "syntax error")
+}
+
 // nullFlag is a nullable column that notes whether the row held NULL.
 type nullFlag struct {
 	column
