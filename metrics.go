@@ -19,7 +19,7 @@ type Metrics struct {
 	failed        *prometheus.CounterVec
 	batchDuration prometheus.Histogram
 	pending       *readGauge
-	oldestPending *readGauge
+	oldestPending *ageGauge
 	stuck         *readGauge
 
 	inboxProcessed  *prometheus.CounterVec
@@ -64,6 +64,52 @@ func (g *readGauge) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
+// ageGauge is outbox_oldest_pending_age_seconds: the created_at of the
+// oldest pending record at the last reading, its age taken at each
+// scrape. Set as an age at the reading, it froze when the readings
+// stopped (the relay cut off from its database), and an alert on it never
+// fired through the outage (a review): the record read last is pending
+// still, as nothing publishes it meanwhile. Exported once read, as
+// readGauge.
+type ageGauge struct {
+	prometheus.GaugeFunc
+	// since is the oldest pending record's created_at, as the relay's
+	// clock reads it (the reading's own time less the record's age at
+	// it), in Unix nanoseconds; 0 for none.
+	since atomic.Int64
+	read  atomic.Bool
+}
+
+func newAgeGauge(opts prometheus.GaugeOpts) *ageGauge {
+	g := &ageGauge{}
+	g.GaugeFunc = prometheus.NewGaugeFunc(opts, func() float64 {
+		since := g.since.Load()
+		if since == 0 {
+			return 0
+		}
+		return max(0, time.Since(time.Unix(0, since)).Seconds())
+	})
+	return g
+}
+
+// set notes a reading at now of the oldest pending record, created at
+// oldest by the database's clock (zero: none). What it stores is the
+// record's age at now carried onto the process's clock.
+func (g *ageGauge) set(oldest, now time.Time) {
+	if oldest.IsZero() {
+		g.since.Store(0)
+	} else {
+		g.since.Store(time.Now().Add(-max(0, now.Sub(oldest))).UnixNano())
+	}
+	g.read.Store(true)
+}
+
+func (g *ageGauge) Collect(ch chan<- prometheus.Metric) {
+	if g.read.Load() {
+		g.GaugeFunc.Collect(ch)
+	}
+}
+
 // NewMetrics creates the metrics and registers them with reg. Their names
 // start with "outbox_". Registering twice on one registry fails, as
 // Prometheus does for any collector.
@@ -97,9 +143,9 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_pending",
 			Help: "Outbox records not yet published and under the attempt ceiling.",
 		}),
-		oldestPending: newReadGauge(prometheus.GaugeOpts{
+		oldestPending: newAgeGauge(prometheus.GaugeOpts{
 			Name: "outbox_oldest_pending_age_seconds",
-			Help: "Age of the oldest pending outbox record; 0 when none is pending.",
+			Help: "Age of the oldest pending outbox record at the last reading, as of the scrape (it grows while no reading comes); 0 when none was pending.",
 		}),
 		stuck: newReadGauge(prometheus.GaugeOpts{
 			Name: "outbox_stuck",
@@ -257,11 +303,7 @@ func (m *Metrics) stats(st Stats, now time.Time) {
 	}
 	m.pending.Set(float64(st.Pending))
 	m.stuck.Set(float64(st.Stuck))
-	if st.OldestPending.IsZero() {
-		m.oldestPending.Set(0)
-	} else {
-		m.oldestPending.Set(max(0, now.Sub(st.OldestPending).Seconds()))
-	}
+	m.oldestPending.set(st.OldestPending, now)
 }
 
 func (m *Metrics) inbox(consumer string, outcome inboxOutcome) {

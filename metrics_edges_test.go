@@ -12,6 +12,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jmoiron/sqlx"
 	"github.com/prometheus/client_golang/prometheus"
 
 	outbox "github.com/acemq/watermill-outbox"
@@ -375,5 +376,42 @@ func TestNewMetrics_NilRegisterer_ConfigError(t *testing.T) {
 	var cfgErr *outbox.ConfigError
 	if m != nil || !errors.As(err, &cfgErr) {
 		t.Errorf("NewMetrics(nil): %v, %v; want a *ConfigError", m, err)
+	}
+}
+
+// The relay cut off from its database: the readings fail, and the oldest
+// pending age, set as an age at each reading, froze at the last one, so an
+// alert on it never fired through the outage. It is taken at the scrape
+// from the last reading's record, which nothing publishes meanwhile, and
+// grows.
+func TestMetrics_DatabaseGone_OldestPendingAgeKeepsGrowing(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	id := publishN(t, db, "x", "rk", 1)[0]
+	relayDB, err := sqlx.Open("sqlite3", db.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(relayDB.DB, &failingOne{id: id}, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m, Logger: &recordingLogger{},
+		StatsInterval: 20 * time.Millisecond, MaxAttempts: 1000, RetryMin: 20 * time.Millisecond, RetryMax: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	defer func() { cancel(); <-ran; _ = f.Close() }()
+	age := func() float64 { return metricValue(t, reg, "outbox_oldest_pending_age_seconds", "") }
+	waitFor(t, 20*time.Second, "a reading of the pending record", func() bool { return age() > 0 })
+	_ = relayDB.Close() // every statement of the relay fails from here on
+	before := age()
+	time.Sleep(500 * time.Millisecond)
+	if after := age(); after-before < 0.4 {
+		t.Errorf("oldest pending age %.2f s, then %.2f s half a second into the outage: want it growing", before, after)
 	}
 }
