@@ -311,6 +311,14 @@ func (d *AMQPDestination) useLogger(l watermill.LoggerAdapter) {
 	d.cfg.Logger = l
 }
 
+// connected reports whether a connection and a confirm channel are open,
+// as Connect would leave them.
+func (d *AMQPDestination) connected() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.conn != nil && !d.conn.IsClosed() && d.cc != nil && !d.cc.ch.IsClosed()
+}
+
 // Connect makes sure a connection and a confirm channel are open.
 func (d *AMQPDestination) Connect(ctx context.Context) error {
 	d.mu.Lock()

@@ -290,3 +290,39 @@ func TestMetrics_GaugesAProcessNeverRead_NotExported(t *testing.T) {
 		return got[relayGauges[0]] && got[relayGauges[1]] && got[relayGauges[2]]
 	})
 }
+
+// An idle relay whose broker restarts (connections dropped, new ones
+// taken): outbox_forwarder_broker_connected dropped to 0 and stayed there
+// with the broker back until a row came, since the relay connected only to
+// claim, so an alert on it never cleared on a quiet outbox. The idle relay
+// connects again.
+func TestMetrics_IdleRelay_BrokerRestarted_ConnectedBackToOne(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	node := testamqp.NewNode(t)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{node.URL}, Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m, PollInterval: 20 * time.Millisecond,
+		RetryMin: 20 * time.Millisecond, RetryMax: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = f.Run(ctx) }()
+	<-f.Running()
+	connected := func() float64 { return metricValue(t, reg, "outbox_forwarder_broker_connected", node.Addr) }
+	waitFor(t, 20*time.Second, "a relay started with nothing to send connected", func() bool { return connected() == 1 })
+	node.Drop() // a broker restart: connections cut, new ones taken
+	waitFor(t, 20*time.Second, "the idle relay connected again", func() bool {
+		return metricValue(t, reg, "outbox_forwarder_broker_connects_total", node.Addr) >= 2 && connected() == 1
+	})
+}

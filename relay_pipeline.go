@@ -165,7 +165,15 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	s.leaseDue = !s.stopping && l.leaseRunningOut()
 	cursor := l.after
-	if !s.stopping && !s.leaseDue && l.claimNow() && !l.nothingToClaim(cut) {
+	claim := !s.stopping && !s.leaseDue && l.claimNow()
+	if claim && l.nothingToClaim(cut) {
+		claim = false
+		if err := l.keepConnected(cut); err != nil && ctx.Err() == nil {
+			f.reportError(err, ErrorContext{})
+			s.failed = true
+		}
+	}
+	if claim {
 		var (
 			err  error
 			back bool
@@ -761,6 +769,26 @@ func (l *relayLoop) nothingToClaim(ctx context.Context) bool {
 	}
 	found, err := probe(ctx)
 	return err == nil && !found
+}
+
+// keepConnected connects an idle relay's destination where it is not
+// connected: a broker restart dropped the connection, or the relay started
+// with nothing to send. The relay connected only before a claim, so on a
+// quiet outbox outbox_forwarder_broker_connected stayed 0 with the broker
+// back, and an alert on it never cleared (a review); and the first record
+// after a quiet spell waited for the connect. A connect that fails is the
+// sweep's failure, reported and backed off as a claim's would be.
+func (l *relayLoop) keepConnected(ctx context.Context) error {
+	c, ok := l.f.dest.(interface {
+		Connector
+		connected() bool
+	})
+	if !ok || c.connected() {
+		return nil
+	}
+	connectCtx, cancel := context.WithTimeout(ctx, l.f.cfg.PublishTimeout)
+	defer cancel()
+	return c.Connect(connectCtx)
 }
 
 // idleWait is how long the relay waits for a wake-up when a sweep left
