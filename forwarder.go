@@ -1370,6 +1370,7 @@ func (f *Forwarder) settle(ctx context.Context, b *batch, report bool) (int, boo
 			b.endSpan(fs.i, spanFailed, fs.err, true)
 		}
 		b.endSpans(spanNotMarked, err, true)
+		f.cfg.Metrics.unmarkedBatch(publishedRec)
 		b.parked = 0 // nothing is stuck: the attempts were not recorded
 		// Published but not marked: sent again later, and deduped by the
 		// consumers. Nothing is lost.

@@ -209,6 +209,9 @@ func (in *Inbox) loggedAside(topic string, msg *message.Message, copyID string) 
 	// lines long (an on-call drill).
 	in.log.Error("Outbox inbox: message set aside on the poison topic: its handler kept failing; once the cause is fixed, "+
 		"outboxctl resend ID on the database of the outbox it came from sends it again (a keyed message's key waits for it)", errors.New(reason), fields)
+	if in.tracer != nil {
+		in.setAsideSpan(topic, msg, copyID, reason)
+	}
 	counted := in.consumerIn(msg.Context())
 	if checkConsumer(in.dialect, counted) != nil {
 		counted = "" // as the inbox's other counts label a name it refuses

@@ -17,6 +17,7 @@ import (
 type Metrics struct {
 	published     *prometheus.CounterVec
 	failed        *prometheus.CounterVec
+	unmarked      *prometheus.CounterVec
 	batchDuration prometheus.Histogram
 	pending       *readGauge
 	oldestPending *ageGauge
@@ -134,6 +135,10 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 			Name: "outbox_forwarder_failed_total",
 			Help: "Outbox records whose publish failed, by exchange: each failure the relay records on its row (last_error). The records in flight behind the first one a lost connection took, released to go again, are not counted.",
 		}, []string{"exchange"}),
+		unmarked: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "outbox_forwarder_unmarked_total",
+			Help: "Outbox records the broker confirmed whose mark failed (the database went), by exchange: they go out again, and the consumers' inboxes drop the copies. A relay killed between the confirm and the mark counts none.",
+		}, []string{"exchange"}),
 		batchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "outbox_forwarder_batch_duration_seconds",
 			Help:    "Time from claiming a batch to marking it.",
@@ -208,7 +213,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		errs       []error
 		registered []prometheus.Collector
 	)
-	for _, c := range []prometheus.Collector{m.published, m.failed, m.batchDuration, m.pending, m.oldestPending, m.stuck,
+	for _, c := range []prometheus.Collector{m.published, m.failed, m.unmarked, m.batchDuration, m.pending, m.oldestPending, m.stuck,
 		m.inboxProcessed, m.inboxDuplicate, m.inboxFailed, m.inboxAtMostOnce, m.inboxHeld, m.inboxSetAside, m.heldMessages, m.heldGaps, m.oldestGap, m.statements,
 		m.brokerConnectedNodes, m.brokerConnects, m.brokerDialFailures} {
 		if err := reg.Register(c); err != nil {
@@ -248,6 +253,16 @@ func (m *Metrics) batch(started time.Time, published []Record, failures []failur
 	}
 	for _, f := range failures {
 		m.failed.WithLabelValues(validUTF8(f.exchange)).Inc()
+	}
+}
+
+// unmarkedBatch counts records the broker confirmed whose mark failed.
+func (m *Metrics) unmarkedBatch(published []Record) {
+	if m == nil {
+		return
+	}
+	for _, r := range published {
+		m.unmarked.WithLabelValues(validUTF8(r.Exchange)).Inc()
 	}
 }
 

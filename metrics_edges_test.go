@@ -415,3 +415,31 @@ func TestMetrics_DatabaseGone_OldestPendingAgeKeepsGrowing(t *testing.T) {
 		t.Errorf("oldest pending age %.2f s, then %.2f s half a second into the outage: want it growing", before, after)
 	}
 }
+
+// Records the broker confirmed whose mark failed go out again, and the
+// consumers count the copies as duplicates, which nothing on the relay's
+// side explained: outbox_forwarder_unmarked_total counts them.
+func TestMetrics_MarkFails_UnmarkedCounted(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	publishN(t, db, "orders-ex", "rk", 2)
+	reg := prometheus.NewRegistry()
+	m, err := outbox.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := outbox.NewForwarder(db.DB, &failingOne{}, outbox.ForwarderConfig{Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	outbox.SetAfterPublishHook(f, func([]string) error { return errors.New("mark failed (test)") })
+	if _, err := f.Sweep(context.Background()); err == nil {
+		t.Fatal("Sweep: nil error, want the mark's failure")
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_unmarked_total", "orders-ex"); got != 2 {
+		t.Errorf("outbox_forwarder_unmarked_total{exchange=orders-ex} = %v, want 2", got)
+	}
+	if got := metricValue(t, reg, "outbox_forwarder_published_total", "orders-ex"); got != 0 {
+		t.Errorf("outbox_forwarder_published_total = %v, want 0: nothing was marked", got)
+	}
+}

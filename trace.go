@@ -66,6 +66,8 @@ const (
 	attrAttempts    = attribute.Key("acemq.outbox.attempts")
 	attrRecordAge   = attribute.Key("acemq.outbox.record.age") // seconds from created_at to the send
 	attrRelayID     = attribute.Key("acemq.relay.id")
+	attrPoisonTopic = attribute.Key("acemq.poison.topic")   // where a message set aside went
+	attrPoisonCopy  = attribute.Key("acemq.poison.copy_id") // its copy's id, through PoisonOutbox
 )
 
 // relayTracing makes the relay's spans: one per record sent that carries
@@ -278,4 +280,33 @@ func (o inboxOutcome) String() string {
 	default:
 		return "failed"
 	}
+}
+
+// setAsideSpan records in its trace a message a poison publisher of the
+// inbox set aside on topic: a span "set aside <topic>", its publisher's
+// child, ended at once with acemq.outcome set_aside and the handler's last
+// error. Its trace ended with its failed runs, as of a message still tried
+// again, where the metrics and the log said it was given up (an SRE
+// review).
+func (in *Inbox) setAsideSpan(topic string, msg *message.Message, copyID, reason string) {
+	ctx := msg.Context()
+	if in.cfg.Propagator != nil {
+		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
+	}
+	_, span := in.tracer.Start(ctx, "set aside "+topic, trace.WithSpanKind(trace.SpanKindInternal))
+	if span.IsRecording() {
+		attrs := []attribute.KeyValue{semconv.MessagingSystemRabbitMQ, attrOutcome.String("set_aside"), attrPoisonTopic.String(topic)}
+		if id := dedupeKey(msg); id != "" {
+			attrs = append(attrs, semconv.MessagingMessageID(validUTF8(id)))
+		}
+		if c := in.consumerIn(msg.Context()); c != "" {
+			attrs = append(attrs, semconv.MessagingConsumerGroupName(c))
+		}
+		if copyID != "" {
+			attrs = append(attrs, attrPoisonCopy.String(copyID))
+		}
+		span.SetAttributes(attrs...)
+		span.SetStatus(codes.Error, validUTF8(reason))
+	}
+	span.End()
 }

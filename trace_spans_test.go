@@ -636,3 +636,37 @@ func TestTrace_InboxSpans_RetryAroundTheInbox_EachRunThePublishersChild(t *testi
 		t.Error("the message left the inbox with another context than it came with")
 	}
 }
+
+// A message a poison publisher of the inbox set aside: its trace ended
+// with its failed runs, as of one still tried again, where the metrics
+// and the log said it was given up. A span "set aside <topic>", its
+// publisher's child, says so.
+func TestTrace_InboxSpans_SetAsideEndsTheTrace(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	spans := newRecordedSpans(t)
+	in := newInbox(t, db, outbox.InboxConfig{TracerProvider: spans})
+	poison := &poisonRecorder{}
+	pq, err := middleware.PoisonQueue(in.PoisonPublisher(poison), "orders.poison")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := pq(in.Middleware(func(*message.Message) ([]*message.Message, error) { return nil, errors.New("the order is malformed") }))
+	ctx, request := spans.Tracer("test").Start(context.Background(), "request")
+	request.End()
+	msg := message.NewMessage("aside-1", []byte("x"))
+	propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(msg.Metadata))
+	if _, err := h(msg); err != nil || poison.count() != 1 {
+		t.Fatalf("%v, set aside %d; want nil and 1", err, poison.count())
+	}
+	aside := spans.named("set aside orders.poison")
+	if len(aside) != 1 {
+		t.Fatalf("spans %v, want one set aside orders.poison", names(spans.rec.Ended()))
+	}
+	s := aside[0]
+	if s.Parent().SpanID() != request.SpanContext().SpanID() || attrOf(s, "acemq.outcome").AsString() != "set_aside" ||
+		s.Status().Code != codes.Error || attrOf(s, "messaging.message.id").AsString() != "aside-1" {
+		t.Errorf("set-aside span: parent %s (want the publisher's %s), outcome %q, status %v, id %q",
+			s.Parent().SpanID(), request.SpanContext().SpanID(), attrOf(s, "acemq.outcome").AsString(), s.Status(), attrOf(s, "messaging.message.id").AsString())
+	}
+}
