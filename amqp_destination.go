@@ -616,7 +616,7 @@ func (d *AMQPDestination) uncountWhenClosed(conn *amqp.Connection, closed <-chan
 		// Said as it happens, with the broker's reason: the relay saw it
 		// only at its next publish, and its log said "lost" then, without
 		// why (a user review closed the connection from the broker's side).
-		d.cfg.Logger.Info("Connection to RabbitMQ closed; the relay connects again at its next publish",
+		d.cfg.Logger.Info("Connection to RabbitMQ closed; the relay connects again at its next poll or publish",
 			watermill.LogFields{"node": d.last, "connection_name": d.cfg.ConnectionName, "reason": reason.Reason, "code": reason.Code, "by_broker": reason.Server})
 	}
 }

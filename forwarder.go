@@ -494,6 +494,10 @@ func (f *Forwarder) claimRun(by *relaySubscriber) error {
 // run is Run, once the caller claimed the run.
 func (f *Forwarder) run(ctx context.Context) error {
 	defer close(f.done)
+	// Its gauges go with it: the oldest pending age, taken at the scrape,
+	// grew for as long as the process served /metrics after its relay
+	// stopped (a review), and the others stayed at their last reading.
+	defer f.cfg.Metrics.relayStopped()
 
 	if f.isClosing() {
 		return ErrForwarderClosed

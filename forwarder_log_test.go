@@ -74,7 +74,7 @@ func TestAMQPDestination_BrokerClosesTheConnection_LoggedAtOnceWithItsReason(t *
 		t.Fatal(err)
 	}
 	waitFor(t, 10*time.Second, "the broker to list the connection", func() bool { return testamqp.CloseConnections(t, name) == 1 })
-	const closed = "Connection to RabbitMQ closed; the relay connects again at its next publish"
+	const closed = "Connection to RabbitMQ closed; the relay connects again at its next poll or publish"
 	waitFor(t, 10*time.Second, "the close logged", func() bool { return len(logs.find(closed)) == 1 })
 	if got := logs.find(closed)[0]; got["reason"] != "CONNECTION_FORCED - outbox test: connection closed on purpose" || got["by_broker"] != true {
 		t.Errorf("the close logged with %v; want the broker's reason", got)

@@ -592,12 +592,15 @@ func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Me
 	// key at a prefetch of 50 nacked one delivery 21 times, past RabbitMQ
 	// 4's delivery limit of 20 for quorum queues, which then drops or
 	// dead-letters it.
-	// The inbox's own mark (see PoisonPublisher), never a producer's: one
+	// The inbox's own marks (see PoisonPublisher), never a producer's: one
 	// that came from the wire (a service that forwards the headers it got)
-	// kept a poison message from its poison queue for ever (a review). A
-	// run again of a delivery whose context ended returned above, keeping
-	// the mark its run before set.
+	// kept a poison message from its poison queue for ever (a review), and
+	// one left from the run before, seen by the handler on Retry's next
+	// run, went on in the headers it forwarded. A run again of a delivery
+	// whose context ended returned above, keeping the marks its run before
+	// set; this run sets its own after the handler.
 	delete(msg.Metadata, interruptedKey)
+	delete(msg.Metadata, dbLostKey)
 	var (
 		outcome  inboxOutcome
 		consumer string

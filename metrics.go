@@ -256,6 +256,17 @@ func (m *Metrics) batch(started time.Time, published []Record, failures []failur
 	}
 }
 
+// relayStopped stops exporting the relay's gauges (Run returned), until a
+// relay reads them again.
+func (m *Metrics) relayStopped() {
+	if m == nil {
+		return
+	}
+	m.pending.read.Store(false)
+	m.stuck.read.Store(false)
+	m.oldestPending.read.Store(false)
+}
+
 // unmarkedBatch counts records the broker confirmed whose mark failed.
 func (m *Metrics) unmarkedBatch(published []Record) {
 	if m == nil {

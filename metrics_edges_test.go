@@ -392,12 +392,28 @@ func TestMetrics_DatabaseGone_OldestPendingAgeKeepsGrowing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg := prometheus.NewRegistry()
+	reg, stop := runRefusingRelay(t, relayDB, id)
+	defer stop()
+	age := func() float64 { return metricValue(t, reg, "outbox_oldest_pending_age_seconds", "") }
+	_ = relayDB.Close() // every statement of the relay fails from here on
+	before := age()
+	time.Sleep(500 * time.Millisecond)
+	if after := age(); after-before < 0.4 {
+		t.Errorf("oldest pending age %.2f s, then %.2f s half a second into the outage: want it growing", before, after)
+	}
+}
+
+// runRefusingRelay runs a relay with Metrics over h until stop, reading
+// its gauges every 20 ms, its destination refusing record id every time
+// (pending, never stuck), and returns once a reading found it.
+func runRefusingRelay(t *testing.T, h *sqlx.DB, id string) (reg *prometheus.Registry, stop func()) {
+	t.Helper()
+	reg = prometheus.NewRegistry()
 	m, err := outbox.NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := outbox.NewForwarder(relayDB.DB, &failingOne{id: id}, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m, Logger: &recordingLogger{},
+	f, err := outbox.NewForwarder(h.DB, &failingOne{id: id}, outbox.ForwarderConfig{Dialect: outbox.SQLite, Metrics: m, Logger: &recordingLogger{},
 		StatsInterval: 20 * time.Millisecond, MaxAttempts: 1000, RetryMin: 20 * time.Millisecond, RetryMax: 50 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -405,15 +421,10 @@ func TestMetrics_DatabaseGone_OldestPendingAgeKeepsGrowing(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	ran := make(chan error, 1)
 	go func() { ran <- f.Run(ctx) }()
-	defer func() { cancel(); <-ran; _ = f.Close() }()
-	age := func() float64 { return metricValue(t, reg, "outbox_oldest_pending_age_seconds", "") }
-	waitFor(t, 20*time.Second, "a reading of the pending record", func() bool { return age() > 0 })
-	_ = relayDB.Close() // every statement of the relay fails from here on
-	before := age()
-	time.Sleep(500 * time.Millisecond)
-	if after := age(); after-before < 0.4 {
-		t.Errorf("oldest pending age %.2f s, then %.2f s half a second into the outage: want it growing", before, after)
-	}
+	waitFor(t, 20*time.Second, "a reading of the pending record", func() bool {
+		return metricValue(t, reg, "outbox_oldest_pending_age_seconds", "") > 0
+	})
+	return reg, func() { cancel(); <-ran; _ = f.Close() }
 }
 
 // Records the broker confirmed whose mark failed go out again, and the

@@ -21,13 +21,18 @@ type relayLoop struct {
 
 	// cut ends stopGrace after Run's context: the probes, connects and
 	// claims of a stopping relay run under it (see sweep).
-	cut      context.Context
-	queue    []*batch           // sent, their confirms not yet collected, oldest first
-	settling []*batch           // being settled by settle (see abandon)
-	after    *sqldialect.Cursor // where the next claim of a drain starts
-	size     int                // rows the next claim takes (see grow)
-	maxSize  int                // the most it grows to
-	delay    time.Duration      // the backoff after a failed sweep; 0 after a good one
+	cut context.Context
+	// idleDial, idleDelay: the idle relay's next connect is not before
+	// idleDial; idleDelay grows with each connect it had to make (failed, or
+	// a connection that did not last), and is reset once one lasts.
+	idleDial  time.Time
+	idleDelay time.Duration
+	queue     []*batch           // sent, their confirms not yet collected, oldest first
+	settling  []*batch           // being settled by settle (see abandon)
+	after     *sqldialect.Cursor // where the next claim of a drain starts
+	size      int                // rows the next claim takes (see grow)
+	maxSize   int                // the most it grows to
+	delay     time.Duration      // the backoff after a failed sweep; 0 after a good one
 	// poll is the adaptive poll's next wait (see idleWait); idle: the last
 	// sweep found nothing, so the next one probes before it claims.
 	poll time.Duration
@@ -169,8 +174,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	if claim && l.nothingToClaim(cut) {
 		claim = false
 		if err := l.keepConnected(cut); err != nil && ctx.Err() == nil {
+			// Reported, and paced by its own backoff (keepConnected), not
+			// the sweep's: no record failed, and a wake-up must still claim.
 			f.reportError(err, ErrorContext{})
-			s.failed = true
 		}
 	}
 	if claim {
@@ -783,9 +789,20 @@ func (l *relayLoop) keepConnected(ctx context.Context) error {
 		Connector
 		connected() bool
 	})
-	if !ok || c.connected() {
+	if !ok {
 		return nil
 	}
+	if c.connected() {
+		if !time.Now().Before(l.idleDial) {
+			l.idleDelay = 0 // the last connect lasted its backoff
+		}
+		return nil
+	}
+	if time.Now().Before(l.idleDial) {
+		return nil
+	}
+	l.idleDelay = l.f.nextDelay(l.idleDelay)
+	l.idleDial = time.Now().Add(l.idleDelay)
 	connectCtx, cancel := context.WithTimeout(ctx, l.f.cfg.PublishTimeout)
 	defer cancel()
 	return c.Connect(connectCtx)

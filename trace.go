@@ -293,9 +293,9 @@ func (in *Inbox) setAsideSpan(topic string, msg *message.Message, copyID, reason
 	if in.cfg.Propagator != nil {
 		ctx = in.cfg.Propagator.Extract(ctx, metadataCarrier(msg.Metadata))
 	}
-	_, span := in.tracer.Start(ctx, "set aside "+topic, trace.WithSpanKind(trace.SpanKindInternal))
+	_, span := in.tracer.Start(ctx, "set aside "+validUTF8(topic), trace.WithSpanKind(trace.SpanKindInternal))
 	if span.IsRecording() {
-		attrs := []attribute.KeyValue{semconv.MessagingSystemRabbitMQ, attrOutcome.String("set_aside"), attrPoisonTopic.String(topic)}
+		attrs := []attribute.KeyValue{semconv.MessagingSystemRabbitMQ, attrOutcome.String("set_aside"), attrPoisonTopic.String(validUTF8(topic))}
 		if id := dedupeKey(msg); id != "" {
 			attrs = append(attrs, semconv.MessagingMessageID(validUTF8(id)))
 		}
