@@ -377,6 +377,7 @@ func TestInbox_Router_CrashAfterCommitBeforeAck_RedeliveryAckedNoSecondEffect(t 
 		testdb.Require(t, "amqp")
 		createEffects(t, db)
 		topic := "inbox-" + testdb.RandomName()
+		t.Cleanup(func() { testamqpDeleteQueue(t, topic) }) // after the router's stop
 		amqpCfg := wamqp.NewDurableQueueConfig(testdb.AMQPURL())
 		sub, err := wamqp.NewSubscriber(amqpCfg, watermill.NopLogger{})
 		if err != nil {

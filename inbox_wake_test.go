@@ -135,6 +135,7 @@ func TestOrderedInbox_Subscriber_AfterARestart_ReadyHeldMessageAppliedWithNoDeli
 		createEffects(t, db)
 		cfg := outbox.InboxConfig{ConsumerName: "ledger", ApplyHeldEvery: time.Hour}
 		topic := "zz-wake-" + testdb.RandomName()
+		t.Cleanup(func() { testamqpDeleteQueue(t, topic) }) // after the routers' stops
 		var failed atomic.Bool
 		log := &applyLog{fail: func(msg *message.Message) error {
 			if msg.Metadata.Get(outbox.HeaderSeq) == "2" && failed.CompareAndSwap(false, true) {

@@ -83,7 +83,9 @@ func TestTrace_Spans_RelayAndInboxJoinThePublishersTrace(t *testing.T) {
 		createEffects(t, db)
 		spans := newRecordedSpans(t)
 		topic := "spans-" + testdb.RandomName()
-		defer testamqpDeleteQueue(t, topic)
+		// After the router's stop (a cleanup registered later runs first):
+		// deleted under a running subscriber, the queue was declared again.
+		t.Cleanup(func() { testamqpDeleteQueue(t, topic) })
 		sub, err := wamqp.NewSubscriber(wamqp.NewDurableQueueConfig(testdb.AMQPURL()), watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
