@@ -3,7 +3,6 @@ package outbox_test
 import (
 	"context"
 	"errors"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -17,15 +16,22 @@ import (
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// insertBadExchange writes, as another language's library may on SQLite
-// (Python's sqlite3 binds bytes; SQLite's TEXT holds any), a row whose
-// exchange_name is the bytes C3 28, not UTF-8, a second older than now.
-func insertBadExchange(t *testing.T, db *testdb.DB, id string) {
+// badExchangeBeforeAGoodRow writes, as another language's library may on
+// SQLite (Python's sqlite3 binds bytes; SQLite's TEXT holds any), a row
+// bad-exchange whose exchange_name is the bytes C3 28, not UTF-8, a second
+// older than now, and behind it a row good to the test broker's exchange,
+// routed to the returned queue.
+func badExchangeBeforeAGoodRow(t *testing.T) (db *testdb.DB, broker *testamqp.Broker, queue string) {
 	t.Helper()
-	if _, err := db.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at)"+
-		" VALUES (?, CAST(X'C328' AS TEXT), 'ok', 'x', 'utf-8', 'text/plain', '{}', strftime('%Y-%m-%d %H:%M:%f000', 'now', '-1 second'))", id); err != nil {
+	db = migrated(t, testdb.SQLite)
+	broker = testamqp.New(t)
+	queue = broker.Queue("ok")
+	if _, err := db.Exec("INSERT INTO acemq_outbox (id, exchange_name, routing_key, body, body_encoding, content_type, headers, created_at)" +
+		" VALUES ('bad-exchange', CAST(X'C328' AS TEXT), 'ok', 'x', 'utf-8', 'text/plain', '{}', strftime('%Y-%m-%d %H:%M:%f000', 'now', '-1 second'))"); err != nil {
 		t.Fatal(err)
 	}
+	insertRaw(t, db, "good", broker.Exchange, "ok", "{}", "utf-8")
+	return db, broker, queue
 }
 
 // sweepRecovering is f.Sweep with a panic returned rather than raised.
@@ -42,11 +48,7 @@ func sweepRecovering(f *outbox.Forwarder) (n int, err error, panicked any) {
 // alone now, and the row behind it goes out.
 func TestForwarder_ForeignExchangeNotUTF8_WithMetrics_NoPanicRowsBehindGo(t *testing.T) {
 	t.Parallel()
-	db := migrated(t, testdb.SQLite)
-	broker := testamqp.New(t)
-	queue := broker.Queue("ok")
-	insertBadExchange(t, db, "bad-exchange")
-	insertRaw(t, db, "good", broker.Exchange, "ok", "{}", "utf-8")
+	db, broker, queue := badExchangeBeforeAGoodRow(t)
 	m, err := outbox.NewMetrics(prometheus.NewRegistry())
 	if err != nil {
 		t.Fatal(err)
@@ -77,11 +79,7 @@ func TestForwarder_ForeignExchangeNotUTF8_WithMetrics_NoPanicRowsBehindGo(t *tes
 // sweep.
 func TestForwarder_ForeignExchangeNotUTF8_StuckAtOnce(t *testing.T) {
 	t.Parallel()
-	db := migrated(t, testdb.SQLite)
-	broker := testamqp.New(t)
-	queue := broker.Queue("ok")
-	insertBadExchange(t, db, "bad-exchange")
-	insertRaw(t, db, "good", broker.Exchange, "ok", "{}", "utf-8")
+	db, broker, queue := badExchangeBeforeAGoodRow(t)
 	f := newForwarder(t, db, outbox.ForwarderConfig{})
 	_, _ = f.Sweep(context.Background())
 	bad := stateOf(t, db, "bad-exchange")
@@ -146,21 +144,7 @@ func TestAMQPDestination_LoadBalancerWithNoBroker_Unreachable(t *testing.T) {
 	t.Parallel()
 	db := migrated(t, testdb.SQLite)
 	publishN(t, db, "x", "rk", 1)
-	lb, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lb.Close()
-	go func() {
-		for {
-			c, err := lb.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close() // no backend
-		}
-	}()
-	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{"amqp://guest:guest@" + lb.Addr().String() + "/"}})
+	dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testamqp.NoBackendNode(t)}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -224,11 +224,12 @@ func names(spans []sdktrace.ReadOnlySpan) []string {
 	return out
 }
 
-// failingOne is a Destination that fails the records of one id and
-// publishes the rest (as far as the relay can tell).
+// failingOne is a Destination that fails the records of one id (for good,
+// if permanent) and publishes the rest (as far as the relay can tell).
 type failingOne struct {
-	id string
-	mu sync.Mutex
+	id        string
+	permanent bool
+	mu        sync.Mutex
 }
 
 func (d *failingOne) Publish(_ context.Context, records []outbox.Record) []error {
@@ -236,7 +237,11 @@ func (d *failingOne) Publish(_ context.Context, records []outbox.Record) []error
 	defer d.mu.Unlock()
 	res := make([]error, len(records))
 	for i, r := range records {
-		if r.ID == d.id {
+		switch {
+		case r.ID != d.id:
+		case d.permanent:
+			res[i] = outbox.Permanent(errors.New("refused for good (test)"))
+		default:
 			res[i] = errors.New("refused by the test")
 		}
 	}
@@ -434,18 +439,6 @@ func TestTrace_RelaySpans_DestinationPanics_EachSpanEndsReleased(t *testing.T) {
 	}
 }
 
-type permanentlyRefused struct{ id string }
-
-func (d permanentlyRefused) Publish(_ context.Context, records []outbox.Record) []error {
-	res := make([]error, len(records))
-	for i, r := range records {
-		if r.ID == d.id {
-			res[i] = outbox.Permanent(errors.New("refused for good (test)"))
-		}
-	}
-	return res
-}
-
 // A record refused for good is stuck once its batch is marked; when the
 // mark fails, nothing is recorded, the record is pending and goes out
 // again, and its span says failed, not stuck.
@@ -454,7 +447,7 @@ func TestTrace_RelaySpans_MarkFails_FailedRecordNotSaidStuck(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	spans := newRecordedSpans(t)
 	publishTraced(t, db, spans, "mk", 1)
-	f, err := outbox.NewForwarder(db.DB, permanentlyRefused{id: "mk-0"}, outbox.ForwarderConfig{TracerProvider: spans, MaxAttempts: 3})
+	f, err := outbox.NewForwarder(db.DB, &failingOne{id: "mk-0", permanent: true}, outbox.ForwarderConfig{TracerProvider: spans, MaxAttempts: 3})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -252,26 +252,12 @@ func TestRelay_OneNodeNotResolvingTheOtherDown_WaitsForTheBroker(t *testing.T) {
 // for a port with nothing on it.
 func TestRelay_LoadBalancerWithNoBrokerBehind_WaitsForTheBroker(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
-	lb, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lb.Close()
-	go func() {
-		for {
-			c, err := lb.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close() // no backend
-		}
-	}()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	stderr := &testutil.LockedBuffer{}
 	ran := make(chan int, 1)
 	go func() {
-		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", "amqp://guest:guest@" + lb.Addr().String() + "/", "--listen", "", "--broker-wait", "30s"},
+		ran <- Run(ctx, []string{"relay", "--db", db.DSN, "--amqp", testamqp.NoBackendNode(t), "--listen", "", "--broker-wait", "30s"},
 			func(string) string { return "" }, io.Discard, stderr)
 	}()
 	select {

@@ -44,3 +44,27 @@ func HungNode(t testing.TB) string {
 	u.Host = ln.Addr().String()
 	return u.String()
 }
+
+// NoBackendNode is the URL of a node that takes each TCP connection and
+// closes it at once: a load balancer in TCP mode with no broker behind it.
+// It closes when the test ends.
+func NoBackendNode(t testing.TB) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	t.Cleanup(func() { _ = ln.Close() })
+	u, _ := url.Parse(testdb.AMQPURL())
+	u.Host = ln.Addr().String()
+	return u.String()
+}
