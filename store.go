@@ -1566,9 +1566,12 @@ type StuckRecord struct {
 	RoutingKey string
 	// AggregateID and Seq: the record's ordering key and its number, "" and
 	// 0 for an unkeyed record. A keyed one holds its key's later records
-	// back; an unkeyed failing one, the records behind it.
+	// back; an unkeyed failing one, the records behind it. SeqNull: the
+	// row's seq is NULL (Seq reads 0), as an unkeyed record's is and as a
+	// keyed row written without a number (not by a publisher) is.
 	AggregateID string
 	Seq         int64
+	SeqNull     bool
 	Attempts    int
 	LastError   string
 	CreatedAt   time.Time // UTC
@@ -1646,7 +1649,7 @@ func (s *Store) failedRows(ctx context.Context, q sqldialect.Query, what string)
 			return nil, fmt.Errorf("outbox: %s: %w", what, err)
 		}
 		r.Exchange, r.RoutingKey, r.LastError, r.CreatedAt = exchange.String, routingKey.String, lastErr.String, created.T
-		r.AggregateID, r.Seq = key.String, seq.Int64
+		r.AggregateID, r.Seq, r.SeqNull = key.String, seq.Int64, !seq.Valid
 		if r.Leased {
 			r.LeasedBy, r.LeasedUntil = lockedBy.String, lockedUntil.T
 		}
@@ -1660,10 +1663,10 @@ func (s *Store) failedRows(ctx context.Context, q sqldialect.Query, what string)
 // dialect's reads.
 type RecordState struct {
 	ID, Exchange, RoutingKey string
-	// AggregateID and Seq: the record's ordering key and its number, "" and
-	// 0 for an unkeyed record.
+	// AggregateID, Seq and SeqNull: as StuckRecord's.
 	AggregateID string
 	Seq         int64
+	SeqNull     bool
 	Attempts    int
 	LastError   string
 	// Published: published_at is set. CreatedAt, PublishedAt and
@@ -1708,6 +1711,7 @@ func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error
 				return nil, fmt.Errorf("outbox: lookup: %w", err)
 			}
 			r.Exchange, r.RoutingKey, r.AggregateID, r.Seq, r.Attempts, r.LastError = exchange.String, routingKey.String, key.String, seq.Int64, int(attempts.Int64), lastErr.String
+			r.SeqNull = !seq.Valid
 			r.CreatedAt, r.PublishedAt, r.ProcessedAt = created.T, published.T, processed.T
 			r.Published = !published.T.IsZero() || published.Err != nil // a value no parser reads is still set
 			r.Locked = lockedBy.Valid || !lockedUntil.T.IsZero() || lockedUntil.Err != nil

@@ -26,7 +26,7 @@ type discardedRecord struct {
 	Exchange    string `json:"exchange"`
 	RoutingKey  string `json:"routing_key"`
 	AggregateID string `json:"aggregate_id,omitempty"`
-	Seq         int64  `json:"seq,omitempty"`
+	Seq         *int64 `json:"seq,omitempty"` // absent when NULL (seqOf)
 	Attempts    int    `json:"attempts"`
 	LastError   string `json:"last_error"`
 	ContentType string `json:"content_type"`
@@ -117,8 +117,10 @@ func (c *cli) discard(args []string) error {
 	}
 	fmt.Fprintf(c.stdout, "%s discarded\n", rows(n))
 	for _, r := range records {
-		if r.AggregateID != "" {
-			fmt.Fprintf(c.stdout, "key %s seq %d discarded: its key's later records go out, and a consumer's ordered inbox waits for the number (outboxctl held on its database; skip-gap gives it up)\n", keyText(r.AggregateID), r.Seq)
+		if r.AggregateID != "" && r.Seq == nil {
+			fmt.Fprintf(c.stdout, "key %s seq NULL discarded: a row without a number, which no consumer's ordered inbox waits for\n", keyText(r.AggregateID))
+		} else if r.AggregateID != "" {
+			fmt.Fprintf(c.stdout, "key %s seq %d discarded: its key's later records go out, and a consumer's ordered inbox waits for the number (outboxctl held on its database; skip-gap gives it up)\n", keyText(r.AggregateID), *r.Seq)
 		}
 	}
 	c.printLeftAlone("discard", leftAlone, int64(len(leftAlone)), len(ids))

@@ -539,6 +539,24 @@ func (c *cli) printSkipped(r skippedReport, asJSON bool) error {
 	return writeJSON(c.stdout, r)
 }
 
+// seqOf is a row's seq as the JSON reports carry it: absent when the
+// column is NULL (an unkeyed row's, or a keyed row written without a
+// number), so that a NULL is not read as 0.
+func seqOf(seq int64, null bool) *int64 {
+	if null {
+		return nil
+	}
+	return &seq
+}
+
+// seqText is a seq from seqOf as the text reports show it.
+func seqText(seq *int64) string {
+	if seq == nil {
+		return "NULL"
+	}
+	return strconv.FormatInt(*seq, 10)
+}
+
 // keyText is a key (or a consumer, or a stuck row's id) as the table
 // shows it: as it is when that says which key it is, else quoted as Go
 // quotes it ("k ", "k\xff"). Keys that differ in trailing spaces or in

@@ -21,7 +21,7 @@ type showRow struct {
 	Exchange    string     `json:"exchange,omitempty"`
 	RoutingKey  string     `json:"routing_key,omitempty"`
 	AggregateID string     `json:"aggregate_id,omitempty"`
-	Seq         int64      `json:"seq,omitempty"`
+	Seq         *int64     `json:"seq,omitempty"` // absent when NULL (seqOf)
 	Attempts    int        `json:"attempts"`
 	LastError   string     `json:"last_error,omitempty"`
 	CreatedAt   *time.Time `json:"created_at,omitempty"`
@@ -288,7 +288,7 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 		t = t.UTC()
 		return &t
 	}
-	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = r.Exchange, r.RoutingKey, r.AggregateID, r.Seq
+	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = r.Exchange, r.RoutingKey, r.AggregateID, seqOf(r.Seq, r.SeqNull)
 	row.Attempts, row.LastError, row.locked = r.Attempts, r.LastError, r.Locked
 	if r.PoisonedID != "" {
 		row.PoisonCopyOf = keyText(r.PoisonedID)
@@ -386,7 +386,7 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	}
 	fmt.Fprintf(w, "  to %s / %s", printable(exchangeText(row.Exchange)), printable(row.RoutingKey))
 	if row.AggregateID != "" {
-		fmt.Fprintf(w, ", key %s seq %d", keyText(row.AggregateID), row.Seq)
+		fmt.Fprintf(w, ", key %s seq %s", keyText(row.AggregateID), seqText(row.Seq))
 	}
 	if row.CreatedAt != nil {
 		fmt.Fprintf(w, ", created %s", row.CreatedAt.Format("2006-01-02 15:04:05Z"))

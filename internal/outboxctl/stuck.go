@@ -27,9 +27,9 @@ type stuckRow struct {
 	RoutingKey string `json:"routing_key"`
 	// AggregateID and Seq: a keyed record's key (as keyText shows it) and
 	// number, which hold the key's later records back; absent for an
-	// unkeyed record.
+	// unkeyed record, and Seq for a keyed row whose seq is NULL.
 	AggregateID string    `json:"aggregate_id,omitempty"`
-	Seq         int64     `json:"seq,omitempty"`
+	Seq         *int64    `json:"seq,omitempty"`
 	Attempts    int       `json:"attempts"`
 	LastError   string    `json:"last_error"`
 	CreatedAt   time.Time `json:"created_at"`
@@ -89,7 +89,7 @@ func (c *cli) stuck(args []string) error {
 		r.Rows[i] = stuckRow{ID: keyText(rec.ID), Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
 			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
 		if rec.AggregateID != "" {
-			r.Rows[i].AggregateID, r.Rows[i].Seq, keyed = keyText(rec.AggregateID), rec.Seq, true
+			r.Rows[i].AggregateID, r.Rows[i].Seq, keyed = keyText(rec.AggregateID), seqOf(rec.Seq, rec.SeqNull), true
 		}
 		if rec.Leased {
 			by := rec.LeasedBy
@@ -145,7 +145,7 @@ func (c *cli) stuck(args []string) error {
 			if row.AggregateID == "" {
 				return "-\t"
 			}
-			return fmt.Sprintf("%s (%d)\t", printable(row.AggregateID), row.Seq)
+			return fmt.Sprintf("%s (%s)\t", printable(row.AggregateID), seqText(row.Seq))
 		}
 	}
 	fmt.Fprintln(tw, header)

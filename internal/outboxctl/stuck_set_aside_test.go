@@ -71,11 +71,44 @@ func TestStuck_KeyedRecord_KeyAndSeqShown(t *testing.T) {
 		for _, row := range r.Rows {
 			got[row.ID] = row
 		}
-		if row := got[keyed[1]]; row.AggregateID != "pay-9" || row.Seq != 2 {
+		if row := got[keyed[1]]; row.AggregateID != "pay-9" || row.Seq == nil || *row.Seq != 2 {
 			t.Errorf("stuck --json, the keyed record: %+v, want key pay-9 seq 2", row)
 		}
-		if row, ok := got[plain[0]]; !ok || row.AggregateID != "" || row.Seq != 0 {
+		if row, ok := got[plain[0]]; !ok || row.AggregateID != "" || row.Seq != nil {
 			t.Errorf("stuck --json, the unkeyed record: %+v (listed %v), want no key", row, ok)
+		}
+	})
+}
+
+// A keyed row written without a number (seq NULL: not by a publisher; the
+// relay sticks it at once, "seq NULL") was shown by stuck as "pay-4 (0)"
+// and by show as "seq 0", a number no row has: NULL is said as NULL, and
+// --json leaves seq out.
+func TestStuckAndShow_KeyedRowSeqNULL_SaidAsNULL(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind string) {
+		f := newFixture(t, kind)
+		db := f.db
+		ids := publishOf(t, db, 1, "payment.captured", "pay-4")
+		execSQL(t, db, "UPDATE acemq_outbox SET seq = NULL, attempts = 10, last_error = 'aggregate_id with seq NULL' WHERE id = ?", ids[0])
+
+		out := mustCtl(t, "stuck", "--db", db.DSN)
+		if !strings.Contains(out, "pay-4 (NULL)") || strings.Contains(out, "(0)") {
+			t.Errorf("stuck, a keyed row with seq NULL: want pay-4 (NULL):\n%s", out)
+		}
+		var r stuckReport
+		if err := json.Unmarshal([]byte(mustCtl(t, "stuck", "--json", "--db", db.DSN)), &r); err != nil {
+			t.Fatal(err)
+		}
+		for _, row := range r.Rows {
+			if row.ID == ids[0] && (row.AggregateID != "pay-4" || row.Seq != nil) {
+				t.Errorf("stuck --json: %+v, want key pay-4 and no seq", row)
+			}
+		}
+		if out := mustCtl(t, "show", "--db", db.DSN, ids[0]); !strings.Contains(out, "key pay-4 seq NULL") {
+			t.Errorf("show, a keyed row with seq NULL: want key pay-4 seq NULL:\n%s", out)
+		}
+		if out := mustCtl(t, "show", "--json", "--db", db.DSN, ids[0]); strings.Contains(out, `"seq"`) {
+			t.Errorf("show --json, a keyed row with seq NULL, carries a seq:\n%s", out)
 		}
 	})
 }
