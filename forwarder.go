@@ -1134,7 +1134,7 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	started := time.Now()
 	cl, err := f.store.claimBatch(ctx, n, f.cfg.RelayID, f.cfg.Lease, after, inFlight)
 	if err != nil {
-		return nil, false, err
+		return nil, false, databaseFailed{err}
 	}
 	back = cl.lookedBack
 	if f.store.leases() {
@@ -1142,7 +1142,10 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 	}
 	f.zoneChecked.Do(func() { f.checkZone(ctx, cl.tx) })
 	if len(cl.rows) == 0 {
-		return nil, back, f.store.abandon(ctx, cl)
+		if err := f.store.abandon(ctx, cl); err != nil {
+			return nil, back, databaseFailed{err}
+		}
+		return nil, back, nil
 	}
 	defer func() {
 		if p := recover(); p != nil {
@@ -1459,7 +1462,10 @@ func (f *Forwarder) mark(runCtx context.Context, b *batch, published []string) e
 		}
 		err = f.store.finish(ctx, b.claim, published, b.failures)
 	}
-	return err
+	if err != nil {
+		return databaseFailed{err}
+	}
+	return nil
 }
 
 // stopKey is the context value withStop keeps: the context whose end
@@ -1513,11 +1519,24 @@ func (f *Forwarder) lostAgain(id string) bool {
 	return f.lostN > lostRepeats
 }
 
+// databaseFailed is an error of a statement of the relay's on its
+// database (a claim, a mark), which reportError says is the database's:
+// "not for a record of its own" left the operator to read the cause out of
+// the driver's text (an SRE review). OnError gets the error inside.
+type databaseFailed struct{ err error }
+
+func (e databaseFailed) Error() string { return e.err.Error() }
+func (e databaseFailed) Unwrap() error { return e.err }
+
 // reportError reports a failure of the relay's that is no record's (a
 // claim's or a mark's statement, the destination as a whole): to OnError
 // with an empty ErrorContext, or logged without a record's fields, which
 // read as a record of the id "" (a user review).
 func (f *Forwarder) reportError(err error, dest ErrorContext) {
+	db, isDB := err.(databaseFailed)
+	if isDB {
+		err = db.err
+	}
 	if f.cfg.OnError != nil {
 		f.cfg.OnError(err, dest)
 		return
@@ -1528,6 +1547,11 @@ func (f *Forwarder) reportError(err error, dest ErrorContext) {
 	}
 	if cf := (connectFailed{}); errors.As(err, &cf) && cf.refused {
 		f.log.Error("Outbox relay: the broker refused its connection (credentials, a vhost, permissions); it claims nothing, and tries again", err, nil)
+		return
+	}
+	if isDB {
+		f.log.Error("Outbox relay: a statement on its database failed; it claims again once the database answers, and a batch published but not marked goes out again (the inbox dedupes it)", err,
+			watermill.LogFields{"table": f.store.cfg.Table, "dialect": f.store.dialect.Name()})
 		return
 	}
 	if dest.MessageID == "" {

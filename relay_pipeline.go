@@ -400,7 +400,7 @@ func (l *relayLoop) behindNextOfKeys(ctx context.Context, after *sqldialect.Curs
 	next, err := l.f.store.firstNext(ctx, recs)
 	if err != nil {
 		if !errors.Is(err, errNoConnection) { // the claim goes back to the head
-			l.f.reportError(err, ErrorContext{})
+			l.f.reportError(databaseFailed{err}, ErrorContext{})
 		}
 		return nil
 	}
@@ -485,7 +485,7 @@ func (l *relayLoop) crowded(ctx context.Context, s swept) bool {
 	}
 	n, err := l.f.store.passedOver(ctx, b.claim, b.claim.from, last)
 	if err != nil {
-		l.f.reportError(err, ErrorContext{})
+		l.f.reportError(databaseFailed{err}, ErrorContext{})
 	}
 	// The relay's own rows in flight that the claim passed over.
 	for _, q := range l.queue {
