@@ -302,8 +302,10 @@ func deliverCrashingOnce(t *testing.T, db *testdb.DB, cfg wamqp.Config, topic, i
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
+	// Registered first, so run after the router's stop: deleted under a
+	// running subscriber, the queue was declared again and left behind.
 	t.Cleanup(func() { testamqpDeleteQueue(t, topic) })
+	r := runInboxRouterCrashingOnce(t, db, newInbox(t, db, outbox.InboxConfig{}), "settle", topic, sub)
 	testamqp.New(t).With(func(ch *amqp.Channel) error {
 		return ch.PublishWithContext(context.Background(), "", topic, true, false, amqp.Publishing{
 			MessageId: id, Headers: amqp.Table{outbox.HeaderMessageID: id},
