@@ -92,6 +92,9 @@ type Store struct {
 	// locked (see poolConn). Its loop sets it at the end of each sweep,
 	// under the sweep lock, where alone its batches change.
 	holding atomic.Bool
+	// ids is what the table's id column holds (see holdable): 0 until
+	// looked up.
+	ids atomic.Int32
 
 	// busyWait is the pool's busy_timeout on SQLite, once busyKnown (see
 	// writeTx).
@@ -1691,6 +1694,7 @@ type RecordState struct {
 // why a Retry left an id alone.
 func (s *Store) Lookup(ctx context.Context, ids ...string) ([]RecordState, error) {
 	var out []RecordState
+	ids = s.holdable(ctx, ids)
 	for start := 0; start < len(ids); start += maxRowsPerStmt {
 		q := s.q.Records(ids[start:min(start+maxRowsPerStmt, len(ids))], time.Now())
 		rows, err := s.db.QueryContext(ctx, q.SQL, q.Args...)
@@ -1792,6 +1796,7 @@ func (s *Store) Retry(ctx context.Context, ids ...string) (int64, error) {
 // relays of what it changed, and returns how many.
 func (s *Store) pendingAgain(ctx context.Context, what string, ids []string, update func([]string) sqldialect.Query) (int64, error) {
 	var n int64
+	ids = s.holdable(ctx, ids)
 	for start := 0; start < len(ids); start += maxRowsPerStmt {
 		m, err := execRange(ctx, s.db, s.dialect.sql(), update(ids[start:min(start+maxRowsPerStmt, len(ids))]))
 		n += m
@@ -1830,6 +1835,7 @@ func (s *Store) Resend(ctx context.Context, ids ...string) (int64, error) {
 // lower than the relays', a record a relay still retries is deleted.
 func (s *Store) Discard(ctx context.Context, ids ...string) (int64, error) {
 	var n int64
+	ids = s.holdable(ctx, ids)
 	for start := 0; start < len(ids); start += maxRowsPerStmt {
 		m, err := execRange(ctx, s.db, s.dialect.sql(), s.q.Discard(ids[start:min(start+maxRowsPerStmt, len(ids))], s.cfg.MaxAttempts, time.Now()))
 		n += m
@@ -1838,6 +1844,39 @@ func (s *Store) Discard(ctx context.Context, ids ...string) (int64, error) {
 		}
 	}
 	return n, nil
+}
+
+// holdable is ids without those the table's id column cannot hold, which
+// name no row: another library's table may keep its ids as a uuid or an
+// integer, and on PostgreSQL one id of another form (a typo, a truncated
+// paste) failed the whole statement (22P02), the others' lookup or retry
+// undone with it (an operator review); on MySQL a BIGINT column reads
+// "17abc" as 17, another row's. Nor does PostgreSQL's text hold an id that
+// is not UTF-8 or holds a NUL. The column's type is looked up once, as the
+// inbox's marks look it up (markable); a failed look-up binds every id, as
+// before, and is tried again next time.
+func (s *Store) holdable(ctx context.Context, ids []string) []string {
+	kind := s.ids.Load()
+	if kind == 0 {
+		var typ string
+		if q, ok := s.q.IDType(); !ok {
+			kind = idsAny
+		} else if err := s.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&typ); err == nil {
+			kind = idsOfType(typ)
+		}
+		if kind != 0 {
+			s.ids.Store(kind)
+		}
+	}
+	textKeys := s.dialect.sql().TextKeys()
+	out := make([]string, 0, len(ids))
+	for _, id := range ids {
+		if textKeys && !textHolds(id) || kind != 0 && !idOf(kind, id) {
+			continue
+		}
+		out = append(out, id)
+	}
+	return out
 }
 
 // KeySeqID returns the id of key's record seq, and false where the table

@@ -101,7 +101,9 @@ func parseTarget(raw string, wal bool) (target, error) {
 		// nothing, while the real outbox filled up.
 		return target{}, usagef("--db: a key=value DSN; write PostgreSQL's as a URL, postgres://user:pass@host:5432/db?sslmode=disable (an SQLite file of such a name: file:NAME)")
 	case schemeTypo.MatchString(raw):
-		return target{}, usagef("--db %s: want scheme://, as postgres://user@host/db or mysql://user@host/db (an SQLite file of such a name: file:NAME)", raw)
+		// Not the URL itself: its password would go into the log too.
+		scheme, _, _ := strings.Cut(raw, ":")
+		return target{}, usagef("--db %s:…: want scheme://, as postgres://user@host/db or mysql://user@host/db (an SQLite file of such a name: file:NAME)", scheme)
 	}
 	return sqliteTarget(raw, wal)
 }
@@ -113,10 +115,19 @@ var (
 	schemeTypo = regexp.MustCompile(`(?i)^(postgres|postgresql|mysql):`)
 )
 
+// unparsableURL is the usage error of a --db URL that url.Parse refused,
+// without url.Parse's words: they quote the URL, or the part of it they
+// stopped at ("invalid URL escape "%wo"", "invalid port ":Pa55%word@…""),
+// password and all (a bare % in a password is the common case), into a
+// terminal's scrollback or a pod's log.
+func unparsableURL() error {
+	return usagef("--db: the URL does not parse; in a URL a password's %%, @, / and : are written %%25, %%40, %%2F and %%3A")
+}
+
 func postgresTarget(raw string) (target, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
-		return target{}, usagef("--db: %v", err)
+		return target{}, unparsableURL()
 	}
 	q := u.Query()
 	if q.Get("application_name") == "" {
@@ -132,7 +143,7 @@ func postgresTarget(raw string) (target, error) {
 func mysqlURLTarget(raw string) (target, error) {
 	u, err := url.Parse(raw)
 	if err != nil {
-		return target{}, usagef("--db: %v", err)
+		return target{}, unparsableURL()
 	}
 	host := u.Host
 	if u.Port() == "" {
@@ -347,13 +358,26 @@ func connectError(err error) error {
 // requireTable fails with the migrate hint unless table exists.
 func (d *database) requireTable(ctx context.Context, table string) error {
 	var check func(context.Context) error
-	if table == d.cli.g.inboxTable {
+	switch table {
+	case sqldialect.InboxHeldTable, sqldialect.InboxSequencesTable:
+		// The ordered inbox's: neither the outbox's nor the inbox's check
+		// looks at them (status, show and resend failed on a database
+		// without them, reading the outbox's check as theirs).
+		check = func(ctx context.Context) error {
+			for _, t := range []string{sqldialect.InboxHeldTable, sqldialect.InboxSequencesTable} {
+				if _, err := d.db.ExecContext(ctx, "SELECT 1 FROM "+t+" WHERE 1 = 0"); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+	case d.cli.g.inboxTable:
 		in, err := d.cli.inbox(d, 0)
 		if err != nil {
 			return err
 		}
 		check = in.Check
-	} else {
+	default:
 		s, err := d.cli.store(d, 0)
 		if err != nil {
 			return err

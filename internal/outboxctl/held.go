@@ -624,12 +624,21 @@ func (c *cli) parkSkipped(d *database, consumer string, m outbox.SkippedMessage,
 // unpark deletes the parked copy id, unless the relay published it
 // already, and says which.
 func (c *cli) unpark(d *database, id, topic string) string {
-	q := "DELETE FROM " + c.g.table + " WHERE id = ? AND published_at IS NULL"
-	if d.kind == kindPostgres {
-		q = sqlx.Rebind(sqlx.DOLLAR, q)
+	// Quoted as the park's publisher quotes it: a name that needs it
+	// ("OutboxMessages", a reserved word) named another table, and the
+	// copy of a message applied stayed pending (a review).
+	table, err := sqldialect.QuoteTable(d.sqlDialect(), c.g.table)
+	var (
+		res sql.Result
+		n   int64
+	)
+	if err == nil {
+		q := "DELETE FROM " + table + " WHERE id = ? AND published_at IS NULL"
+		if d.kind == kindPostgres {
+			q = sqlx.Rebind(sqlx.DOLLAR, q)
+		}
+		res, err = d.db.ExecContext(c.ctx, q, id)
 	}
-	res, err := d.db.ExecContext(c.ctx, q, id)
-	var n int64
 	if err == nil {
 		n, err = res.RowsAffected()
 	}

@@ -68,6 +68,14 @@ func (c *cli) purge(args []string) error {
 		return err
 	}
 	defer d.Close()
+	// Both tables before either purge: the inbox's missing after the
+	// outbox's rows were deleted failed the command with their count
+	// unsaid (a producer's database, whose inbox is the consumers').
+	if *processed != "" {
+		if err := d.requireTable(c.ctx, c.g.inboxTable); err != nil {
+			return err
+		}
+	}
 	var r purgeReport
 	if *published != "" {
 		s, err := c.store(d, *batch)
@@ -89,9 +97,6 @@ func (c *cli) purge(args []string) error {
 		}
 	}
 	if *processed != "" {
-		if err := d.requireTable(c.ctx, c.g.inboxTable); err != nil {
-			return err
-		}
 		in, err := c.inbox(d, *batch)
 		if err != nil {
 			return err

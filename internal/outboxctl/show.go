@@ -15,11 +15,14 @@ import (
 
 // showRow is show --json's row; like status, its names do not change.
 type showRow struct {
-	ID          string     `json:"id"` // as stuck shows it (keyText)
-	Found       bool       `json:"found"`
-	State       string     `json:"state,omitempty"` // published, pending, stuck or in_flight
-	Exchange    string     `json:"exchange,omitempty"`
-	RoutingKey  string     `json:"routing_key,omitempty"`
+	ID    string `json:"id"` // as stuck shows it (keyText)
+	Found bool   `json:"found"`
+	State string `json:"state,omitempty"` // published, pending, stuck or in_flight
+	// Exchange and RoutingKey: "" for the default exchange, as stuck
+	// --json has it, rather than left out (a script read null for one
+	// record and a name for another); left out for an id not found.
+	Exchange    *string    `json:"exchange,omitempty"`
+	RoutingKey  *string    `json:"routing_key,omitempty"`
 	AggregateID string     `json:"aggregate_id,omitempty"`
 	Seq         *int64     `json:"seq,omitempty"` // absent when NULL (seqOf)
 	Attempts    int        `json:"attempts"`
@@ -217,11 +220,13 @@ func (c *cli) lookupHeld(d *database, s *outbox.Store, ids []string) ([]showRow,
 	if err != nil {
 		return nil, d.explain(err, c.g.table)
 	}
+	// On a failure of the held messages' look, the rows still: retry
+	// counts the ids not in the table from them.
 	if ok, err := d.hasTable(c.ctx, sqldialect.InboxHeldTable); err != nil {
-		return nil, err
+		return rows, err
 	} else if ok {
 		if err := heldOf(c.ctx, d, rows, ids); err != nil {
-			return nil, d.explain(err, sqldialect.InboxHeldTable)
+			return rows, d.explain(err, sqldialect.InboxHeldTable)
 		}
 	}
 	return rows, nil
@@ -288,7 +293,7 @@ func (c *cli) showRow(id string, r outbox.RecordState, ok bool) showRow {
 		t = t.UTC()
 		return &t
 	}
-	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = r.Exchange, r.RoutingKey, r.AggregateID, seqOf(r.Seq, r.SeqNull)
+	row.Exchange, row.RoutingKey, row.AggregateID, row.Seq = &r.Exchange, &r.RoutingKey, r.AggregateID, seqOf(r.Seq, r.SeqNull)
 	row.Attempts, row.LastError, row.locked = r.Attempts, r.LastError, r.Locked
 	if r.PoisonedID != "" {
 		row.PoisonCopyOf = keyText(r.PoisonedID)
@@ -384,7 +389,7 @@ func (c *cli) printShow(w io.Writer, row showRow, failing int64) {
 	if !row.Found {
 		return
 	}
-	fmt.Fprintf(w, "  to %s / %s", printable(exchangeText(row.Exchange)), printable(row.RoutingKey))
+	fmt.Fprintf(w, "  to %s / %s", printable(exchangeText(*row.Exchange)), printable(*row.RoutingKey))
 	if row.AggregateID != "" {
 		fmt.Fprintf(w, ", key %s seq %s", keyText(row.AggregateID), seqText(row.Seq))
 	}

@@ -28,11 +28,14 @@ type stuckRow struct {
 	// AggregateID and Seq: a keyed record's key (as keyText shows it) and
 	// number, which hold the key's later records back; absent for an
 	// unkeyed record, and Seq for a keyed row whose seq is NULL.
-	AggregateID string    `json:"aggregate_id,omitempty"`
-	Seq         *int64    `json:"seq,omitempty"`
-	Attempts    int       `json:"attempts"`
-	LastError   string    `json:"last_error"`
-	CreatedAt   time.Time `json:"created_at"`
+	AggregateID string `json:"aggregate_id,omitempty"`
+	Seq         *int64 `json:"seq,omitempty"`
+	Attempts    int    `json:"attempts"`
+	LastError   string `json:"last_error"`
+	// CreatedAt is null for a time no parser of the dialect reads (a row
+	// the relay stuck for it), not year 1, which a script's age check
+	// read as 2025 years old.
+	CreatedAt *time.Time `json:"created_at"`
 	// LeasedBy and LeasedUntil: the relay that holds the row under a live
 	// lease (one with a higher ceiling, another library's say), which retry
 	// leaves alone until LeasedUntil; null when none holds it. LeasedUntil
@@ -87,7 +90,11 @@ func (c *cli) stuck(args []string) error {
 	leased, keyed := false, false
 	for i, rec := range recs {
 		r.Rows[i] = stuckRow{ID: keyText(rec.ID), Exchange: rec.Exchange, RoutingKey: rec.RoutingKey,
-			Attempts: rec.Attempts, LastError: rec.LastError, CreatedAt: rec.CreatedAt.UTC()}
+			Attempts: rec.Attempts, LastError: rec.LastError}
+		if !rec.CreatedAt.IsZero() {
+			created := rec.CreatedAt.UTC()
+			r.Rows[i].CreatedAt = &created
+		}
 		if rec.AggregateID != "" {
 			r.Rows[i].AggregateID, r.Rows[i].Seq, keyed = keyText(rec.AggregateID), seqOf(rec.Seq, rec.SeqNull), true
 		}
@@ -155,7 +162,7 @@ func (c *cli) stuck(args []string) error {
 		// space, or in a tab shown as a space, were shown alike, and
 		// retry of the id as shown found no row.
 		created := "-" // NULL, or no time the driver reads (another library's row)
-		if !row.CreatedAt.IsZero() {
+		if row.CreatedAt != nil {
 			created = row.CreatedAt.Format("2006-01-02 15:04:05Z")
 		}
 		fmt.Fprintf(tw, "%s\t%s / %s\t%s%d\t%s\t%s%s\n", row.ID, printable(exchange), printable(row.RoutingKey),
