@@ -498,6 +498,10 @@ func (inboxPublisher) Close() error { return nil }
 
 type txKey struct{}
 
+// handlingKey is the context value of a message an Inbox runs its handler
+// for: the Inbox (see handle).
+type handlingKey struct{}
+
 // TxFromContext returns the transaction the Inbox opened for the message
 // being handled. Make the handler's effect through it, and publish through
 // NewTxPublisher(tx): the effect, the outgoing messages and the dedupe key
@@ -565,6 +569,14 @@ func (e *dbLostError) Error() string {
 func (e *dbLostError) Unwrap() error { return e.err }
 
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
+	if msg.Context().Value(handlingKey{}) == in {
+		// The same inbox twice around a handler (router.AddMiddleware and
+		// a handler's, say): this delivery is the outer one's, in its
+		// transaction, deduped. The inner one began another and waited on
+		// the outer's locks for as long as the message's context lasted,
+		// the handler never run (a README review).
+		return h(msg)
+	}
 	in.restoreDelivery(msg)
 	if w := wakeOf(msg); w != nil {
 		if w != in {
@@ -701,7 +713,7 @@ func (in *Inbox) process(h message.HandlerFunc, code handlerCode, msg *message.M
 		}
 		if in.cfg.AllowMissingID {
 			msg.SetContext(ctx)
-			out, err := runRecovering(h, msg)
+			out, err := in.runRecovering(h, msg)
 			if err == nil {
 				err = in.writeReturnedAlone(ctx, out)
 			}
@@ -1245,7 +1257,7 @@ func (in *Inbox) processAtMostOnce(ctx context.Context, h message.HandlerFunc, m
 	defer msg.SetContext(orig)
 	stopRenewing := in.renewWhileRunning(ctx, consumer, key)
 	defer stopRenewing() // a handler that ends its goroutine (runtime.Goexit) gets past recover
-	out, err := runRecovering(h, msg)
+	out, err := in.runRecovering(h, msg)
 	stopRenewing()
 	// What follows finishes even if the message's context ends (the router
 	// closing): a key left behind for an effect that did not happen loses
@@ -1566,7 +1578,13 @@ func dedupeKey(msg *message.Message) string {
 // dying with the key half-written. The error is Watermill's
 // RecoveredPanicError, with the panic's stack, as middleware.Recoverer's
 // would be: a Recoverer outside the inbox never sees the panic.
-func runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.Message, err error) {
+//
+// h runs with the inbox in its message's context (see handle), and the
+// message's context is set back to what it was once h returns.
+func (in *Inbox) runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.Message, err error) {
+	entry := msg.Context()
+	msg.SetContext(context.WithValue(entry, handlingKey{}, in))
+	defer msg.SetContext(entry)
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("outbox: inbox: handler panicked: %w", middleware.RecoveredPanicError{V: r, Stacktrace: string(debug.Stack())})

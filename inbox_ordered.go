@@ -830,7 +830,7 @@ func (in *Inbox) runInTx(ctx context.Context, tx *sqlx.Tx, h message.HandlerFunc
 	orig := msg.Context()
 	hctx := context.WithValue(ctx, txKey{}, tx)
 	msg.SetContext(hctx)
-	out, err := runRecovering(h, msg)
+	out, err := in.runRecovering(h, msg)
 	msg.SetContext(orig)
 	if err != nil {
 		return err
@@ -1059,6 +1059,14 @@ func (in *Inbox) applyHeld(ctx, halt context.Context, delivery *string, consumer
 	mctx, h := rt.ctx, rt.h // the latest delivery's handler (see remember)
 	if byName && delivery != nil && heldBy == *delivery {
 		mctx = ctx // the delivery's own handler: its context (without its cancellation: see finishing)
+	} else {
+		// Another handler's values, ended as the transaction's context
+		// ends: the handler ran on, told nothing, past its transaction's
+		// rollback at the releasing delivery's deadline, and ran whole
+		// again at the next apply (a review).
+		var stop context.CancelFunc
+		mctx, stop = endingWith(mctx, ctx)
+		defer stop()
 	}
 	var links []trace.Link
 	if in.tracer != nil {
@@ -1119,6 +1127,19 @@ func (in *Inbox) noteHeldFailure(ctx context.Context, consumer, key string, seq 
 	d := in.dialect.sql()
 	if ctx.Err() != nil || in.databaseDown(err) || d.Conflict(err) || in.cfg.Isolation >= sql.LevelRepeatableRead {
 		return
+	}
+	if in.cfg.Isolation == sql.LevelDefault && in.dialect == Postgres {
+		// The database's own default, which a role, a database or the DSN
+		// may set to REPEATABLE READ: Isolation left at its default wrote
+		// the note there, and a concurrent apply that had read the row
+		// before it ran its handler again (a review). MySQL's REPEATABLE
+		// READ (its default) deletes the row as it is now, unrefused
+		// (MariaDB's innodb_snapshot_isolation, which would refuse it, not
+		// tried here).
+		var level string
+		if err := in.db.QueryRowContext(ctx, sqldialect.PostgresDefaultIsolation).Scan(&level); err != nil || level != "read committed" && level != "read uncommitted" {
+			return
+		}
 	}
 	md, derr := rowcodec.DecodeMetadata(metadata)
 	if derr != nil {
@@ -1196,7 +1217,12 @@ const applyHeldErrs = 10
 // connection is retried, as a delivery's is, while ctx lives: give it a
 // context with a deadline, or it waits out an outage.
 func (in *Inbox) ApplyHeld(ctx context.Context) (int, error) {
-	return in.applyAllHeld(ctx, ctx)
+	// ctx's end stops it between keys; a held message under way finishes
+	// (see finishing): rolled back beneath its handler, it ran whole again
+	// at the next ApplyHeld (a review).
+	work, cancel := finishing(ctx)
+	defer cancel()
+	return in.applyAllHeld(work, ctx)
 }
 
 // applyAllHeld is ApplyHeld: its statements and held messages run under ctx,
@@ -1252,6 +1278,18 @@ func (in *Inbox) drainsAtOnce() int {
 // lock. ApplyHeld's ticks kept one: the held messages another process
 // released, or whose handler had failed, went at a wake's quarter speed.
 const heldDrains = 4
+
+// endingWith is values' context (a handler's remembered one) ended when
+// ends ends: at its deadline, or with its cancellation's cause.
+func endingWith(values, ends context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(values)
+	cancelDeadline := context.CancelFunc(func() {})
+	if d, ok := ends.Deadline(); ok {
+		ctx, cancelDeadline = context.WithDeadline(ctx, d)
+	}
+	stop := context.AfterFunc(ends, func() { cancel(context.Cause(ends)) })
+	return ctx, func() { stop(); cancelDeadline(); cancel(nil) }
+}
 
 // finishing is ctx without its cancellation but with its deadline (a
 // Timeout's before the inbox): a held message's transaction begun under a
@@ -1522,7 +1560,9 @@ func (in *Inbox) drainAfterSkip(ctx context.Context, consumer, key string) {
 	if in.ordered == nil {
 		return
 	}
-	if _, err := in.drain(ctx, ctx, nil, consumer, key); err != nil {
+	work, cancel := finishing(ctx) // as ApplyHeld
+	defer cancel()
+	if _, err := in.drain(work, ctx, nil, consumer, key); err != nil {
 		in.logHeldFailure(err, watermill.LogFields{"consumer": consumer, "aggregate_id": key})
 	}
 }

@@ -613,3 +613,9 @@ END $acemq$`
 func (postgres) insertMigration() string {
 	return "INSERT INTO acemq_schema_migrations (version, name) VALUES ($1, $2)"
 }
+
+// PostgresDefaultIsolation reads the isolation level a transaction begun
+// with none named runs under in this session ("read committed",
+// "repeatable read", "serializable"): a role's, a database's or the
+// DSN's default_transaction_isolation.
+const PostgresDefaultIsolation = "SELECT current_setting('default_transaction_isolation')"
