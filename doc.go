@@ -15,14 +15,22 @@
 // Swap the service's Watermill publisher for a [TxPublisher] bound to the
 // transaction that makes the change:
 //
-//	tx, _ := db.Beginx()
+//	tx, err := db.Beginx()
+//	if err != nil {
+//		return err
+//	}
 //	defer tx.Rollback()
 //	// ... the business change, through tx ...
 //	pub, err := outbox.NewTxPublisher(tx, outbox.TxPublisherConfig{Exchange: "shop-events"})
-//	err = pub.Publish("order.placed", message.NewMessage(watermill.NewUUID(), payload))
-//	err = tx.Commit() // the row exists if and only if this succeeds
+//	if err != nil {
+//		return err
+//	}
+//	if err := pub.Publish("order.placed", message.NewMessage(watermill.NewUUID(), payload)); err != nil {
+//		return err // rolled back: never commit past a failed Publish
+//	}
+//	return tx.Commit() // the row exists if and only if this succeeds
 //
-// Publish does no network I/O and talks to no broker. The message's UUID is
+// Publish talks to no broker: it only writes into tx. The message's UUID is
 // the row's primary key, so publishing the same message again in a retried
 // transaction leaves one row.
 //
