@@ -63,7 +63,12 @@ func TestTxPublisher_Commit_RowHoldsExactColumnValues(t *testing.T) {
 
 		before := time.Now().UTC().Add(-time.Millisecond)
 		publishInTx(t, db, "order.placed", []*message.Message{msg}, outbox.TxPublisherConfig{Exchange: "shop-events"})
-		after := time.Now().UTC().Add(time.Millisecond)
+		// Stamps run ahead of the wall clock by the microseconds a call
+		// reserves for its rows, one each, and the package's other tests
+		// publish at the same moment (a CI run saw this row 15 ms after
+		// the call returned, behind a parallel test's 15,000 rows): a
+		// second's margin still catches a time zone's hours.
+		after := time.Now().UTC().Add(time.Second)
 
 		rows := readRows(t, db)
 		if len(rows) != 1 {
