@@ -499,8 +499,18 @@ func (inboxPublisher) Close() error { return nil }
 type txKey struct{}
 
 // handlingKey is the context value of a message an Inbox runs its handler
-// for: the Inbox (see handle).
+// for: a handling (see handle).
 type handlingKey struct{}
+
+// handling is the Inbox that runs a handler, and the message it runs it
+// for: the message, not the context alone, since a message the handler
+// makes with its context (published in process, a CQRS event bus) is a
+// delivery of its own (a code review: it was let through undeduped, in
+// the first message's transaction).
+type handling struct {
+	in  *Inbox
+	msg *message.Message
+}
 
 // TxFromContext returns the transaction the Inbox opened for the message
 // being handled. Make the handler's effect through it, and publish through
@@ -569,7 +579,7 @@ func (e *dbLostError) Error() string {
 func (e *dbLostError) Unwrap() error { return e.err }
 
 func (in *Inbox) handle(h message.HandlerFunc, code handlerCode, msg *message.Message) ([]*message.Message, error) {
-	if msg.Context().Value(handlingKey{}) == in {
+	if msg.Context().Value(handlingKey{}) == (handling{in, msg}) {
 		// The same inbox twice around a handler (router.AddMiddleware and
 		// a handler's, say): this delivery is the outer one's, in its
 		// transaction, deduped. The inner one began another and waited on
@@ -1583,7 +1593,7 @@ func dedupeKey(msg *message.Message) string {
 // message's context is set back to what it was once h returns.
 func (in *Inbox) runRecovering(h message.HandlerFunc, msg *message.Message) (out []*message.Message, err error) {
 	entry := msg.Context()
-	msg.SetContext(context.WithValue(entry, handlingKey{}, in))
+	msg.SetContext(context.WithValue(entry, handlingKey{}, handling{in, msg}))
 	defer msg.SetContext(entry)
 	defer func() {
 		if r := recover(); r != nil {

@@ -1285,7 +1285,9 @@ func endingWith(values, ends context.Context) (context.Context, context.CancelFu
 	ctx, cancel := context.WithCancelCause(values)
 	cancelDeadline := context.CancelFunc(func() {})
 	if d, ok := ends.Deadline(); ok {
-		ctx, cancelDeadline = context.WithDeadline(ctx, d)
+		// Its own deadline's error, DeadlineExceeded, whichever of the two
+		// ends it first.
+		ctx, cancelDeadline = context.WithDeadlineCause(ctx, d, context.DeadlineExceeded)
 	}
 	stop := context.AfterFunc(ends, func() { cancel(context.Cause(ends)) })
 	return ctx, func() { stop(); cancelDeadline(); cancel(nil) }

@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -1871,13 +1873,40 @@ func (s *Store) holdable(ctx context.Context, ids []string) []string {
 	textKeys := s.dialect.sql().TextKeys()
 	out := make([]string, 0, len(ids))
 	for _, id := range ids {
-		if textKeys && !textHolds(id) || kind != 0 && !idOf(kind, id) {
+		if textKeys && !textHolds(id) || kind != 0 && !columnReads(kind, id) {
 			continue
 		}
 		out = append(out, id)
 	}
 	return out
 }
+
+// columnReads reports whether an id column of kind (idsOfType's) reads id
+// as a value of its type, as the databases read an operator's text: an
+// integer with blanks around it, a sign or leading zeros ("017" is row
+// 17's, which Retry("017") made pending before holdable; a review), a
+// decimal in plain or exponent form; a uuid as pgUUID. Stricter than
+// idOf, which takes a message id as the relay writes it.
+func columnReads(kind int32, id string) bool {
+	s := strings.TrimSpace(id)
+	switch kind {
+	case idsUUID:
+		return pgUUID(id)
+	case idsInt8, idsInt16, idsInt32, idsInt64:
+		_, err := strconv.ParseInt(s, 10, 8<<(kind-idsInt8))
+		return err == nil
+	case idsUint8, idsUint16, idsUint32, idsUint64:
+		_, err := strconv.ParseUint(strings.TrimPrefix(s, "+"), 10, 8<<(kind-idsUint8))
+		return err == nil
+	case idsNumeric, idsDecimal, idsZerofill:
+		return s == "NaN" && kind == idsNumeric || decimalInput.MatchString(s)
+	}
+	return true
+}
+
+// decimalInput is a number as PostgreSQL's numeric and MySQL's DECIMAL read
+// it: a sign, digits with a point, an exponent.
+var decimalInput = regexp.MustCompile(`^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$`)
 
 // KeySeqID returns the id of key's record seq, and false where the table
 // holds none (purged, or the key numbered elsewhere).
