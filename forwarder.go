@@ -339,6 +339,9 @@ type Forwarder struct {
 	// zoneChecked: the session's time zone was compared with the table's
 	// TIMESTAMP columns (see checkZone).
 	zoneChecked sync.Once
+	// charsetOK: the session sends text results as stored (MySQL; see
+	// checkCharset).
+	charsetOK atomic.Bool
 
 	// afterPublish, when set (tests), runs between the broker's confirms and
 	// the marks: the window in which a relay's death duplicates a message.
@@ -1141,6 +1144,10 @@ func (f *Forwarder) claimNext(ctx context.Context, after *sqldialect.Cursor, n i
 		f.leaseChecked.Do(f.checkLease)
 	}
 	f.zoneChecked.Do(func() { f.checkZone(ctx, cl.tx) })
+	if err := f.checkCharset(ctx, cl.tx); err != nil {
+		_ = f.store.abandon(ctx, cl)
+		return nil, false, err
+	}
 	if len(cl.rows) == 0 {
 		if err := f.store.abandon(ctx, cl); err != nil {
 			return nil, back, databaseFailed{err}
@@ -1230,6 +1237,30 @@ func (f *Forwarder) checkZone(ctx context.Context, tx claimTx) {
 	f.log.Error("Outbox forwarder: TIMESTAMP columns read in a session that is not at UTC; relays of other services read its times hours off",
 		fmt.Errorf("%s of %s are TIMESTAMP, which MySQL converts to and from the session's time_zone, %+d s from UTC here: connect at UTC (DSN time_zone=%%27%%2B00%%3A00%%27, or the server's time_zone '+00:00')",
 			cols, f.store.q.Table(), offset), watermill.LogFields{"columns": cols, "offset_seconds": offset})
+}
+
+// checkCharset refuses to relay, until it is mended, through a MySQL
+// session that sends text results in a character set other than utf8mb4
+// (a DSN's charset=utf8, 3-byte, or latin1): the claim's bodies, headers,
+// keys and ids came back with what the set lacks replaced by '?', and went
+// out so, acknowledged, without an error (a review); an id so read would
+// not find its row to mark. The rows stay pending. Asked on tx, the
+// claim's, as checkZone asks; once it passes, not again. A look that
+// fails says nothing, and is asked again at the next claim.
+func (f *Forwarder) checkCharset(ctx context.Context, tx claimTx) error {
+	if f.store.dialect != MySQL || tx == nil || f.charsetOK.Load() {
+		return nil
+	}
+	var client, results string
+	if err := tx.QueryRowContext(ctx, sqldialect.MySQLSessionCharsets).Scan(&client, &results); err != nil {
+		return nil
+	}
+	if !sqldialect.FullCharset(results) {
+		return &ConfigError{Field: "db", Reason: fmt.Sprintf("the connection's character_set_results is %s: bodies, headers and ids would go out with what it lacks replaced by '?'; "+
+			"open the pool with charset=utf8mb4 (go-sql-driver's default); the relay claims nothing until then", results)}
+	}
+	f.charsetOK.Store(true)
+	return nil
 }
 
 // readRecord decodes a claimed row, or says why it cannot be read at all:

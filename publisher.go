@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -192,6 +193,9 @@ type TxPublisher struct {
 
 	mu     sync.Mutex // one call at a time; Close waits for the one in flight
 	closed bool
+	// clientCharsetOK: the connection reads a statement's arguments as
+	// utf8mb4 (MySQL; see inline).
+	clientCharsetOK bool
 }
 
 var _ message.Publisher = (*TxPublisher)(nil)
@@ -1186,7 +1190,43 @@ func reserveStamps(n int) time.Time {
 // one round trip where go-sql-driver would prepare, execute and close, for
 // every statement whatever the DSN).
 func (p *TxPublisher) exec(ctx context.Context, q sqldialect.Query) (sqldialect.Result, error) {
-	return p.tx.exec(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
+	q, err := p.inline(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return p.tx.exec(ctx, q)
+}
+
+// inline is sqldialect.Inline's q. A MySQL statement that goes with its
+// arguments (over 64 KiB, or text that is not UTF-8) and holds text
+// outside ASCII is sent only on a connection that reads its arguments as
+// utf8mb4: under a DSN's charset=utf8 an emoji failed the statement, and
+// under latin1 the text was stored garbled, without an error (a review).
+// The connection's character set is asked once per publisher.
+func (p *TxPublisher) inline(ctx context.Context, q sqldialect.Query) (sqldialect.Query, error) {
+	in, ok := sqldialect.InlineOK(p.cfg.Dialect.sql(), q)
+	if ok || p.cfg.Dialect != MySQL || p.clientCharsetOK || !sqldialect.NonASCIIText(q.Args) {
+		return in, nil
+	}
+	rows, err := p.tx.query(ctx, sqldialect.Query{SQL: sqldialect.MySQLSessionCharsets})
+	if err != nil {
+		return q, err
+	}
+	var client, results string
+	if rows.Next() {
+		err = rows.Scan(&client, &results)
+	}
+	if cerr := rows.Close(); err == nil {
+		err = cmp.Or(rows.Err(), cerr)
+	}
+	if err != nil {
+		return q, err
+	}
+	if !sqldialect.FullCharset(client) {
+		return q, fmt.Errorf("outbox: the connection's character_set_client is %s, and a statement over 64 KiB goes with its arguments, which MySQL reads in it: text outside it would be refused or stored garbled; open the pool with charset=utf8mb4 (go-sql-driver's default)", client)
+	}
+	p.clientCharsetOK = true
+	return in, nil
 }
 
 // insertedAll runs q, an insert of n rows that skips the ids already in
@@ -1200,5 +1240,9 @@ func (p *TxPublisher) insertedAll(ctx context.Context, q sqldialect.Query, n int
 }
 
 func (p *TxPublisher) query(ctx context.Context, q sqldialect.Query) (rowsScanner, error) {
-	return p.tx.query(ctx, sqldialect.Inline(p.cfg.Dialect.sql(), q))
+	q, err := p.inline(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	return p.tx.query(ctx, q)
 }

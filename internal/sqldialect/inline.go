@@ -126,3 +126,38 @@ func Inline(d Dialect, q Query) Query {
 	}
 	return q
 }
+
+// MySQLSessionCharsets reads the character set MySQL reads a statement's
+// arguments in (character_set_client) and the one it sends text results in
+// (character_set_results; binary for NULL, as stored). Text outside them
+// is refused or replaced with '?': a DSN's charset=utf8 (3-byte) or latin1
+// drops an emoji, latin1 also every character it has not.
+const MySQLSessionCharsets = "SELECT @@character_set_client, COALESCE(@@character_set_results, 'binary')"
+
+// FullCharset reports whether a MySQL session character set (as
+// MySQLSessionCharsets reads it) carries any UTF-8 text as it is.
+func FullCharset(cs string) bool { return cs == "utf8mb4" || cs == "binary" }
+
+// InlineOK is Inline, and whether it wrote q's arguments in.
+func InlineOK(d Dialect, q Query) (Query, bool) {
+	if in, ok := d.inline(q); ok {
+		return in, true
+	}
+	return q, false
+}
+
+// NonASCIIText reports whether one of args is a string with a byte outside
+// ASCII: sent as an argument, MySQL reads it in the connection's
+// character_set_client.
+func NonASCIIText(args []any) bool {
+	for _, a := range args {
+		if s, ok := a.(string); ok {
+			for i := 0; i < len(s); i++ {
+				if s[i] >= utf8.RuneSelf {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
