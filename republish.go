@@ -3,6 +3,8 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -134,6 +136,7 @@ func (c RepublisherConfig) validate() error {
 type Republisher struct {
 	store *Store
 	cfg   RepublisherConfig
+
 }
 
 // NewRepublisher returns a Republisher over db, a *sql.DB or *sqlx.DB.
@@ -187,18 +190,33 @@ func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 const wakeTimeout = 5 * time.Second
 
 func (r *Republisher) republish(ctx context.Context) (int64, error) {
+	shift := r.zoneShift(ctx)
+	since := r.cfg.PublishedAfter
+	if !since.IsZero() {
+		since = since.Add(shift)
+	}
 	var (
 		topics = r.cfg.TrackedTopics.Topics()
-		cutoff = time.Now().Add(-r.cfg.Grace)
+		cutoff = time.Now().Add(-r.cfg.Grace).Add(shift)
 		batch  = r.store.cfg.PurgeBatch
 		d      = r.store.dialect.sql()
 		after  *sqldialect.RepublishCursor
 		total  int64
 	)
 	for {
-		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, r.cfg.PublishedAfter, topics, r.cfg.Exchanges, after, batch))
+		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, since, topics, r.cfg.Exchanges, after, batch))
 		if err != nil || len(ids) == 0 {
 			return total, err
+		}
+		// A key's earlier records first, in a statement of their own: made
+		// pending after its later ones, in a later batch, they let a relay
+		// send the later ones first (see RepublishEarlier).
+		if keys := r.keysOf(ctx, ids); len(keys) > 0 {
+			n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishEarlier(keys, cutoff, since, topics, r.cfg.Exchanges))
+			total += n
+			if err != nil {
+				return total, err
+			}
 		}
 		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
 		total += n
@@ -207,6 +225,53 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		}
 		after = last
 	}
+}
+
+// zoneShift is how far the session's time_zone is ahead of UTC where
+// published_at is a MySQL TIMESTAMP (another library's table: Laravel's),
+// which MySQL reads a time's text in: the cutoff, UTC text, read as a
+// time that far off, and a session five hours behind UTC sent again at
+// every boot the records of the last five hours, inside Grace and still
+// on their way (a review). The times Republish compares are shifted by it.
+// Zero where nothing is converted, or the look fails.
+func (r *Republisher) zoneShift(ctx context.Context) time.Duration {
+	q, ok := r.store.q.ZonedTimes()
+	if !ok {
+		return 0
+	}
+	q = r.store.inline(q)
+	var (
+		cols   string
+		offset int64
+	)
+	if err := r.store.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || !slices.Contains(strings.Split(cols, ","), "published_at") {
+		return 0
+	}
+	return time.Duration(offset) * time.Second
+}
+
+// keysOf reads the keys of the keyed records among ids, each with the
+// highest seq of them. A read that fails (a table another library made,
+// without the key's columns) reads none: the batch goes on as before.
+func (r *Republisher) keysOf(ctx context.Context, ids []string) []sqldialect.KeySeq {
+	q := r.store.q.RepublishKeys(ids)
+	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return nil
+	}
+	defer func() { _ = rows.Close() }()
+	var keys []sqldialect.KeySeq
+	for rows.Next() {
+		var k sqldialect.KeySeq
+		if err := rows.Scan(&k.Key, &k.Seq); err != nil {
+			return nil
+		}
+		keys = append(keys, k)
+	}
+	if rows.Err() != nil {
+		return nil
+	}
+	return keys
 }
 
 // pick reads a batch's ids, and where the next batch goes on from.

@@ -1404,6 +1404,49 @@ type RepublishCursor struct {
 // from the oldest published row past every processed one again. Columns:
 // id, published_at.
 func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
+	where, args := o.republishable(cutoff, since, routingKeys, exchanges)
+	if after != nil {
+		// The range first, which an index bounds: PostgreSQL took the OR
+		// alone for a filter and walked every published row before the
+		// cursor at each batch (569 ms a batch at row 900,000 of 950,000;
+		// a Republish of 190,000 records overran the plugin's 30 s), and
+		// SQLite read every row after it.
+		where += " AND published_at >= ? AND (published_at > ? OR published_at = ? AND id > ?)"
+		args = append(args, after.PublishedAt, after.PublishedAt, after.PublishedAt, after.ID)
+	}
+	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+}
+
+// RepublishKeys reads the keys of the keyed records among ids, each with
+// the highest seq of them. Columns: aggregate_id, seq.
+func (o *Outbox) RepublishKeys(ids []string) Query {
+	in, args := o.idIn(ids)
+	return o.query("SELECT aggregate_id, MAX(seq) FROM "+o.table+" WHERE "+in+" AND aggregate_id IS NOT NULL AND seq IS NOT NULL GROUP BY aggregate_id", args...)
+}
+
+// RepublishEarlier makes pending again, as RepublishIDs does, the records
+// RepublishPick would pick (by cutoff, since, routingKeys and exchanges)
+// of keys's keys below each one's seq: a key's earlier records, which the
+// walk's (published_at, id) order may reach in a later batch (one sent
+// again by an earlier boot has the later published_at), and which a relay
+// must find pending no later than the key's later ones (a review: between
+// two batches a relay sent seq 2 before seq 1).
+func (o *Outbox) RepublishEarlier(keys []KeySeq, cutoff, since time.Time, routingKeys, exchanges []string) Query {
+	where, args := o.republishable(cutoff, since, routingKeys, exchanges)
+	var b strings.Builder
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteString(" OR ")
+		}
+		b.WriteString("aggregate_id = ? AND seq < ?")
+		args = append(args, k.Key, k.Seq)
+	}
+	return o.query(o.update()+"published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
+		" WHERE "+where+" AND ("+b.String()+")", args...)
+}
+
+// republishable is RepublishPick's condition, without its cursor.
+func (o *Outbox) republishable(cutoff, since time.Time, routingKeys, exchanges []string) (string, []any) {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
 	where := "published_at IS NOT NULL AND " + before + " AND processed_at IS NULL AND "
 	if !since.IsZero() {
@@ -1420,22 +1463,31 @@ func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges [
 		where += "routing_key IN (" + placeholders(len(routingKeys)) + ") AND "
 		args = stringArgs(args, routingKeys)
 	}
-	where += exact + " IN (" + placeholders(len(routingKeys)) + ")"
-	args = stringArgs(args, routingKeys)
+	in, inArgs := o.textIn("routing_key", routingKeys)
+	where += in
+	args = append(args, inArgs...)
 	if len(exchanges) > 0 {
-		where += " AND " + o.d.bytes("exchange_name") + " IN (" + placeholders(len(exchanges)) + ")"
-		args = stringArgs(args, exchanges)
+		in, inArgs := o.textIn("exchange_name", exchanges)
+		where += " AND " + in
+		args = append(args, inArgs...)
 	}
-	if after != nil {
-		// The range first, which an index bounds: PostgreSQL took the OR
-		// alone for a filter and walked every published row before the
-		// cursor at each batch (569 ms a batch at row 900,000 of 950,000;
-		// a Republish of 190,000 records overran the plugin's 30 s), and
-		// SQLite read every row after it.
-		where += " AND published_at >= ? AND (published_at > ? OR published_at = ? AND id > ?)"
-		args = append(args, after.PublishedAt, after.PublishedAt, after.PublishedAt, after.ID)
+	return where, args
+}
+
+// textIn is col IN values, compared byte for byte (see bytes). On SQLite,
+// whose TEXT and BLOB never compare equal, each value is given as a BLOB
+// too: another library may have stored the text as one (Python's sqlite3
+// given bytes), which the relay sends to the topic of its bytes, and
+// Republish never found it again (a review: a record the broker lost, never
+// sent again).
+func (o *Outbox) textIn(col string, values []string) (string, []any) {
+	args := stringArgs(nil, values)
+	if o.d.BlobIDs() {
+		for _, v := range values {
+			args = append(args, []byte(v))
+		}
 	}
-	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+	return o.d.bytes(col) + " IN (" + placeholders(len(args)) + ")", args
 }
 
 // RepublishIDs makes the records of ids pending again: those still
