@@ -136,7 +136,6 @@ func (c RepublisherConfig) validate() error {
 type Republisher struct {
 	store *Store
 	cfg   RepublisherConfig
-
 }
 
 // NewRepublisher returns a Republisher over db, a *sql.DB or *sqlx.DB.
