@@ -1222,10 +1222,10 @@ func (p *TxPublisher) inline(ctx context.Context, q sqldialect.Query) (sqldialec
 	if err != nil {
 		return q, err
 	}
-	if !sqldialect.FullCharset(client) {
+	if !sqldialect.CharsetHolds(client, q.Args) {
 		return q, fmt.Errorf("outbox: the connection's character_set_client is %s, and a statement over 64 KiB goes with its arguments, which MySQL reads in it: text outside it would be refused or stored garbled; open the pool with charset=utf8mb4 (go-sql-driver's default)", client)
 	}
-	p.clientCharsetOK = true
+	p.clientCharsetOK = sqldialect.FullCharset(client)
 	return in, nil
 }
 

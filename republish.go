@@ -207,16 +207,6 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		if err != nil || len(ids) == 0 {
 			return total, err
 		}
-		// A key's earlier records first, in a statement of their own: made
-		// pending after its later ones, in a later batch, they let a relay
-		// send the later ones first (see RepublishEarlier).
-		if keys := r.keysOf(ctx, ids); len(keys) > 0 {
-			n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishEarlier(keys, cutoff, since, topics, r.cfg.Exchanges))
-			total += n
-			if err != nil {
-				return total, err
-			}
-		}
 		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
 		total += n
 		if err != nil || len(ids) < batch {
@@ -247,30 +237,6 @@ func (r *Republisher) zoneShift(ctx context.Context) time.Duration {
 		return 0
 	}
 	return time.Duration(offset) * time.Second
-}
-
-// keysOf reads the keys of the keyed records among ids, each with the
-// highest seq of them. A read that fails (a table another library made,
-// without the key's columns) reads none: the batch goes on as before.
-func (r *Republisher) keysOf(ctx context.Context, ids []string) []sqldialect.KeySeq {
-	q := r.store.q.RepublishKeys(ids)
-	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
-	if err != nil {
-		return nil
-	}
-	defer func() { _ = rows.Close() }()
-	var keys []sqldialect.KeySeq
-	for rows.Next() {
-		var k sqldialect.KeySeq
-		if err := rows.Scan(&k.Key, &k.Seq); err != nil {
-			return nil
-		}
-		keys = append(keys, k)
-	}
-	if rows.Err() != nil {
-		return nil
-	}
-	return keys
 }
 
 // pick reads a batch's ids, and where the next batch goes on from.

@@ -2,132 +2,23 @@ package outbox_test
 
 import (
 	"context"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jmoiron/sqlx"
-	amqp "github.com/rabbitmq/amqp091-go"
 
 	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testamqp"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
-// A key's records published at different instants in the reverse of their
-// seq order (seq 1 sent again later, by an earlier boot's Republish or an
-// operator's resend, while seq 2 waited inside Grace) are made pending in
-// published_at order. With a batch's end between them, seq 2 is pending
-// while seq 1 is still published, so a relay (in another process, or
-// the one the plugin's Notify wakes) sends seq 2 again before seq 1: the
-// README allows a key's later record first only for equal published_at
-// split at a batch's end. A batch makes the earlier records of its keys
-// pending first now (RepublishEarlier).
-func TestRepublish_KeyedRecordsOfDifferentPublishedAt_EarlierSeqGoesFirst(t *testing.T) {
-	eachMigrated(t, func(t *testing.T, db *testdb.DB, d outbox.Dialect) {
-		b := testamqp.New(t)
-		topic := "orders-" + testdb.RandomName()
-		queue := b.Queue(topic)
-		key := "k-" + testdb.RandomName()
-		cfg := outbox.TxPublisherConfig{Exchange: b.Exchange}
-		var msgs []*message.Message
-		for seq := 1; seq <= 2; seq++ { // numbered 1 and 2 by the publisher
-			m := message.NewMessage(key+"-"+strconv.Itoa(seq), []byte("event"))
-			m.Metadata.Set(outbox.MetadataAggregateID, key)
-			msgs = append(msgs, m)
-		}
-		publishInTx(t, db, topic, msgs, cfg)
-		seq1, seq2 := key+"-1", key+"-2"
-		fillers := publishBatch(t, db, b.Exchange, topic, outbox.DefaultPurgeBatch)
-		f := newForwarder(t, db, outbox.ForwarderConfig{})
-		if n := sweepAll(t, f); n != outbox.DefaultPurgeBatch+2 {
-			t.Fatalf("published %d", n)
-		}
-		b.With(func(ch *amqp.Channel) error { _, err := ch.QueuePurge(queue, false); return err })
-		// seq 2 published 3 h ago; seq 1 sent again 1 h ago (an earlier
-		// boot's Republish, seq 2 then inside Grace); the fillers between.
-		at := time.Now().Add(-2 * time.Hour).UTC()
-		var arg any = at
-		if db.Kind != testdb.Postgres {
-			arg = at.Format("2006-01-02 15:04:05.000000")
-		}
-		db.MustExec(db.Rebind("UPDATE acemq_outbox SET published_at = ? WHERE id <> ? AND id <> ?"), arg, seq1, seq2)
-		_ = fillers
-		ageRecords(t, db, 3*time.Hour, seq2)
-		ageRecords(t, db, 1*time.Hour, seq1)
-		var rows []struct {
-			ID string `db:"id"`
-			P  string `db:"p"`
-		}
-		if err := db.Select(&rows, "SELECT id, CAST(published_at AS CHAR(40)) AS p FROM acemq_outbox ORDER BY published_at, id LIMIT 2"); err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("first by published_at: %+v", rows)
-
-		var atSecondBatch struct {
-			seq1Published, seq2Published, hooked bool
-		}
-		var h func(string)
-		h = func(q string) {
-			if atSecondBatch.hooked || !isRepublishPick(q, true) {
-				return
-			}
-			atSecondBatch.hooked = true
-			t.Logf("hooked: %s", q)
-			// A relay elsewhere claims between the batches.
-			t.Logf("before the relay: seq1 %+v seq2 %+v", stateOf(t, db, seq1), stateOf(t, db, seq2))
-			t.Logf("relay sent %d", sweepAll(t, f))
-			atSecondBatch.seq1Published = stateOf(t, db, seq1).Published
-			atSecondBatch.seq2Published = stateOf(t, db, seq2).Published
-		}
-		hdb := hookedDB(t, db, func(q string) { h(q) })
-		rp, err := outbox.NewRepublisher(hdb, outbox.RepublisherConfig{Dialect: d, TrackedTopics: outbox.NewTrackedTopics(topic), Grace: 10 * time.Minute})
-		if err != nil {
-			t.Fatal(err)
-		}
-		n, err := rp.Republish(context.Background())
-		if err != nil {
-			t.Fatal(err)
-		}
-		sweepAll(t, f)
-		ds := b.Drain(queue, int(n), 20*time.Second)
-		var order []string
-		for _, dl := range ds {
-			if id := toStr(dl.Headers["x-acemq-id"]); id == seq1 || id == seq2 || dl.MessageId == seq1 || dl.MessageId == seq2 {
-				if id == "" {
-					id = dl.MessageId
-				}
-				order = append(order, id)
-			}
-		}
-		t.Logf("Republish made %d pending; %d deliveries", n, len(ds))
-		if !atSecondBatch.hooked {
-			t.Fatal("no second batch")
-		}
-		if len(order) < 2 || order[0] != seq1 {
-			t.Errorf("the broker got key %s as %v (at the second batch seq 1 published %v, seq 2 %v); want seq 1 first: seq 2 was made pending, and sent, while seq 1 was not yet", key, order, atSecondBatch.seq1Published, atSecondBatch.seq2Published)
-		}
-	})
-}
-
-func toStr(v any) string {
-	switch x := v.(type) {
-	case int64:
-		return strconv.FormatInt(x, 10)
-	case string:
-		return x
-	}
-	return "?"
-}
-
 // On SQLite another library's row whose routing_key (or exchange_name) is
 // a BLOB of the topic's bytes (Python's sqlite3 binding bytes, say) is
 // sent by the relay to that topic as any other, and the consumer marks it
 // processed by its id; but Republish compared the column with TEXT, which
 // SQLite never finds equal to a BLOB: the message lost in the broker was
-// never sent again. It gives each topic as a BLOB too now (textIn).
+// never sent again. It reads the column as TEXT there now (textIn).
 func TestRepublish_SQLiteBlobRoutingKey_LostRecordSentAgain(t *testing.T) {
 	db := migrated(t, testdb.SQLite)
 	b := testamqp.New(t)

@@ -138,6 +138,30 @@ const MySQLSessionCharsets = "SELECT @@character_set_client, COALESCE(@@characte
 // MySQLSessionCharsets reads it) carries any UTF-8 text as it is.
 func FullCharset(cs string) bool { return cs == "utf8mb4" || cs == "binary" }
 
+// CharsetHolds reports whether MySQL, reading arguments in the session
+// character set cs, reads each string of args as it is: utf8mb4 any,
+// utf8 (utf8mb3, 3-byte) all but the characters beyond U+FFFF (an emoji),
+// another only ASCII.
+func CharsetHolds(cs string, args []any) bool {
+	if FullCharset(cs) {
+		return true
+	}
+	limit := byte(utf8.RuneSelf) // a byte from it on starts or goes on a character beyond ASCII
+	if cs == "utf8mb3" || cs == "utf8" {
+		limit = 0xF0 // starts a 4-byte character
+	}
+	for _, a := range args {
+		if s, ok := a.(string); ok {
+			for i := 0; i < len(s); i++ {
+				if s[i] >= limit {
+					return false
+				}
+			}
+		}
+	}
+	return true
+}
+
 // InlineOK is Inline, and whether it wrote q's arguments in.
 func InlineOK(d Dialect, q Query) (Query, bool) {
 	if in, ok := d.inline(q); ok {

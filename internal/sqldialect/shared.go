@@ -1417,34 +1417,6 @@ func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges [
 	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
 }
 
-// RepublishKeys reads the keys of the keyed records among ids, each with
-// the highest seq of them. Columns: aggregate_id, seq.
-func (o *Outbox) RepublishKeys(ids []string) Query {
-	in, args := o.idIn(ids)
-	return o.query("SELECT aggregate_id, MAX(seq) FROM "+o.table+" WHERE "+in+" AND aggregate_id IS NOT NULL AND seq IS NOT NULL GROUP BY aggregate_id", args...)
-}
-
-// RepublishEarlier makes pending again, as RepublishIDs does, the records
-// RepublishPick would pick (by cutoff, since, routingKeys and exchanges)
-// of keys's keys below each one's seq: a key's earlier records, which the
-// walk's (published_at, id) order may reach in a later batch (one sent
-// again by an earlier boot has the later published_at), and which a relay
-// must find pending no later than the key's later ones (a review: between
-// two batches a relay sent seq 2 before seq 1).
-func (o *Outbox) RepublishEarlier(keys []KeySeq, cutoff, since time.Time, routingKeys, exchanges []string) Query {
-	where, args := o.republishable(cutoff, since, routingKeys, exchanges)
-	var b strings.Builder
-	for i, k := range keys {
-		if i > 0 {
-			b.WriteString(" OR ")
-		}
-		b.WriteString("aggregate_id = ? AND seq < ?")
-		args = append(args, k.Key, k.Seq)
-	}
-	return o.query(o.update()+"published_at = NULL, attempts = 0, locked_by = NULL, locked_until = NULL"+
-		" WHERE "+where+" AND ("+b.String()+")", args...)
-}
-
 // republishable is RepublishPick's condition, without its cursor.
 func (o *Outbox) republishable(cutoff, since time.Time, routingKeys, exchanges []string) (string, []any) {
 	before, args := o.d.timeCmp("published_at", "<", cutoff)
@@ -1475,19 +1447,18 @@ func (o *Outbox) republishable(cutoff, since time.Time, routingKeys, exchanges [
 }
 
 // textIn is col IN values, compared byte for byte (see bytes). On SQLite,
-// whose TEXT and BLOB never compare equal, each value is given as a BLOB
-// too: another library may have stored the text as one (Python's sqlite3
+// whose TEXT and BLOB never compare equal, the column is read as TEXT:
+// another library may have stored the text as a BLOB (Python's sqlite3
 // given bytes), which the relay sends to the topic of its bytes, and
-// Republish never found it again (a review: a record the broker lost, never
-// sent again).
+// Republish never found it again (a review: a record the broker lost,
+// never sent again). No index of SQLite's holds routing_key or
+// exchange_name.
 func (o *Outbox) textIn(col string, values []string) (string, []any) {
-	args := stringArgs(nil, values)
+	expr := o.d.bytes(col)
 	if o.d.BlobIDs() {
-		for _, v := range values {
-			args = append(args, []byte(v))
-		}
+		expr = "CAST(" + col + " AS TEXT)"
 	}
-	return o.d.bytes(col) + " IN (" + placeholders(len(args)) + ")", args
+	return expr + " IN (" + placeholders(len(values)) + ")", stringArgs(nil, values)
 }
 
 // RepublishIDs makes the records of ids pending again: those still
