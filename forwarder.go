@@ -10,6 +10,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -1222,18 +1223,14 @@ func (f *Forwarder) checkLease() {
 // It asks on tx, the claim's (MySQL's claims are locking): on the pool it
 // would wait for a connection the claim holds, for ever with a pool of one.
 func (f *Forwarder) checkZone(ctx context.Context, tx claimTx) {
-	q, ok := f.store.q.ZonedTimes()
-	if !ok || tx == nil {
+	if tx == nil {
 		return
 	}
-	q = f.store.inline(q)
-	var (
-		cols   string
-		offset int64
-	)
-	if err := tx.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || cols == "" || offset == 0 {
+	list, offset, ok := f.store.zonedTimes(ctx, tx)
+	if !ok || len(list) == 0 || offset == 0 {
 		return // nothing to report, or nothing known: the relay goes on as before
 	}
+	cols := strings.Join(list, ",")
 	f.log.Error("Outbox forwarder: TIMESTAMP columns read in a session that is not at UTC; relays of other services read its times hours off",
 		fmt.Errorf("%s of %s are TIMESTAMP, which MySQL converts to and from the session's time_zone, %+d s from UTC here: connect at UTC (DSN time_zone=%%27%%2B00%%3A00%%27, or the server's time_zone '+00:00')",
 			cols, f.store.q.Table(), offset), watermill.LogFields{"columns": cols, "offset_seconds": offset})

@@ -19,7 +19,7 @@ import (
 
 // openWithCharset opens db's database again with the DSN's charset, as
 // an older service's DSN (charset=utf8, 3-byte; latin1) names it.
-func openWithCharset(t *testing.T, db *testdb.DB, charset string) *sqlx.DB {
+func openWithCharset(t *testing.T, db *testdb.DB, charset string) *testdb.DB {
 	t.Helper()
 	cfg, err := gomysql.ParseDSN(db.DSN)
 	if err != nil {
@@ -34,7 +34,7 @@ func openWithCharset(t *testing.T, db *testdb.DB, charset string) *sqlx.DB {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = legacy.Close() })
-	return legacy
+	return &testdb.DB{DB: legacy, Kind: db.Kind, DSN: cfg.FormatDSN(), Name: db.Name}
 }
 
 // The inline literals (_utf8mb4 X'…') read the same under every
@@ -52,19 +52,7 @@ func TestTxPublisher_MySQL_DSNCharsetNotUTF8MB4_BigBodyStoredAsGivenOrRefused(t 
 			for _, size := range []int{100, 70 << 10} {
 				body := strings.Repeat("a", size) + "😀"
 				m := message.NewMessage(watermill.NewUUID(), []byte(body))
-				tx, err := legacy.Beginx()
-				if err != nil {
-					t.Fatal(err)
-				}
-				pub, err := outbox.NewTxPublisher(tx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err = pub.Publish("orders", m); err == nil {
-					err = tx.Commit()
-				} else {
-					_ = tx.Rollback()
-				}
+				err := commitPublish(legacy, "orders", []*message.Message{m})
 				var got string
 				switch gerr := db.Get(&got, "SELECT body FROM acemq_outbox WHERE id = ?", m.UUID); {
 				case err != nil && !strings.Contains(err.Error(), "charset=utf8mb4"):
@@ -98,7 +86,7 @@ func TestForwarder_MySQL_DSNCharsetNotUTF8MB4_RefusesRowsWaitUnchanged(t *testin
 			m.Metadata.Set("note", "ünïcode 😀")
 			publishInTx(t, db, "cs", []*message.Message{m}, outbox.TxPublisherConfig{Exchange: b.Exchange})
 
-			legacy := testrelay.New(t, openWithCharset(t, db, charset), outbox.ForwarderConfig{})
+			legacy := testrelay.New(t, openWithCharset(t, db, charset).DB, outbox.ForwarderConfig{})
 			if n, err := legacy.Sweep(context.Background()); n != 0 || err == nil || !strings.Contains(err.Error(), "charset=utf8mb4") {
 				t.Fatalf("sweep on a charset=%s DSN: %d sent, %v; want none, refused naming charset=utf8mb4", charset, n, err)
 			}

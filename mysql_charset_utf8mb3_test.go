@@ -7,7 +7,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	outbox "github.com/acemq/watermill-outbox"
 	"github.com/acemq/watermill-outbox/internal/testdb"
 )
 
@@ -21,20 +20,7 @@ func TestTxPublisher_MySQL_Utf8mb3_BigBodyWithBMPText_Stored(t *testing.T) {
 	legacy := openWithCharset(t, db, "utf8")
 	body := strings.Repeat("a", 70<<10) + " café über"
 	m := message.NewMessage(watermill.NewUUID(), []byte(body))
-	tx, err := legacy.Beginx()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pub, err := outbox.NewTxPublisher(tx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err = pub.Publish("orders", m); err == nil {
-		err = tx.Commit()
-	} else {
-		_ = tx.Rollback()
-	}
-	if err != nil {
+	if err := commitPublish(legacy, "orders", []*message.Message{m}); err != nil {
 		t.Fatalf("publish of a %d-byte body with BMP text under charset=utf8: %v", len(body), err)
 	}
 	var got string

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -224,16 +223,8 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 // on their way (a review). The times Republish compares are shifted by it.
 // Zero where nothing is converted, or the look fails.
 func (r *Republisher) zoneShift(ctx context.Context) time.Duration {
-	q, ok := r.store.q.ZonedTimes()
-	if !ok {
-		return 0
-	}
-	q = r.store.inline(q)
-	var (
-		cols   string
-		offset int64
-	)
-	if err := r.store.db.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&cols, &offset); err != nil || !slices.Contains(strings.Split(cols, ","), "published_at") {
+	cols, offset, ok := r.store.zonedTimes(ctx, r.store.db)
+	if !ok || !slices.Contains(cols, "published_at") {
 		return 0
 	}
 	return time.Duration(offset) * time.Second

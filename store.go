@@ -1848,6 +1848,26 @@ func (s *Store) Discard(ctx context.Context, ids ...string) (int64, error) {
 	return n, nil
 }
 
+// zonedTimes reads, on on (the pool, or a claim's transaction), the table's time columns that MySQL converts
+// from and to the session's time_zone (TIMESTAMP: another library's
+// table), and how many seconds the session is ahead of UTC; ok is false
+// where the dialect converts none or the read fails.
+func (s *Store) zonedTimes(ctx context.Context, on rowQuerier) (cols []string, offset int64, ok bool) {
+	q, ok := s.q.ZonedTimes()
+	if !ok {
+		return nil, 0, false
+	}
+	q = s.inline(q)
+	var list string
+	if err := on.QueryRowContext(ctx, q.SQL, q.Args...).Scan(&list, &offset); err != nil {
+		return nil, 0, false
+	}
+	if list != "" {
+		cols = strings.Split(list, ",")
+	}
+	return cols, offset, true
+}
+
 // holdable is ids without those the table's id column cannot hold, which
 // name no row: another library's table may keep its ids as a uuid or an
 // integer, and on PostgreSQL one id of another form (a typo, a truncated

@@ -1426,39 +1426,21 @@ func (o *Outbox) republishable(cutoff, since time.Time, routingKeys, exchanges [
 		where += later + " AND "
 		args = append(args, laterArgs...)
 	}
-	exact := o.d.bytes("routing_key")
-	if exact != "routing_key" {
-		// The column as it is, for an index to narrow the walk to the
-		// tracked keys (MySQL's 0012): its collation may take more rows
-		// for equal than their bytes do, never fewer, and the exact test
-		// follows.
+	if _, indexed := o.d.(mysql); indexed {
+		// The column as it is, for 0012's index to narrow the walk to the
+		// tracked keys, which the conversion of bytes cannot serve: its
+		// collation may take more rows for equal than their bytes do,
+		// never fewer, and the exact test follows.
 		where += "routing_key IN (" + placeholders(len(routingKeys)) + ") AND "
 		args = stringArgs(args, routingKeys)
 	}
-	in, inArgs := o.textIn("routing_key", routingKeys)
-	where += in
-	args = append(args, inArgs...)
+	where += o.d.bytes("routing_key") + " IN (" + placeholders(len(routingKeys)) + ")"
+	args = stringArgs(args, routingKeys)
 	if len(exchanges) > 0 {
-		in, inArgs := o.textIn("exchange_name", exchanges)
-		where += " AND " + in
-		args = append(args, inArgs...)
+		where += " AND " + o.d.bytes("exchange_name") + " IN (" + placeholders(len(exchanges)) + ")"
+		args = stringArgs(args, exchanges)
 	}
 	return where, args
-}
-
-// textIn is col IN values, compared byte for byte (see bytes). On SQLite,
-// whose TEXT and BLOB never compare equal, the column is read as TEXT:
-// another library may have stored the text as a BLOB (Python's sqlite3
-// given bytes), which the relay sends to the topic of its bytes, and
-// Republish never found it again (a review: a record the broker lost,
-// never sent again). No index of SQLite's holds routing_key or
-// exchange_name.
-func (o *Outbox) textIn(col string, values []string) (string, []any) {
-	expr := o.d.bytes(col)
-	if o.d.BlobIDs() {
-		expr = "CAST(" + col + " AS TEXT)"
-	}
-	return expr + " IN (" + placeholders(len(values)) + ")", stringArgs(nil, values)
 }
 
 // RepublishIDs makes the records of ids pending again: those still

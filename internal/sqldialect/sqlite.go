@@ -272,8 +272,12 @@ func (d sqlite) instantCmp(col, op string, t time.Time) (string, []any) {
 		[]any{float64(t.UnixNano()) / 1e9, text, text}
 }
 
-// bytes: a column's default collation, BINARY, compares bytes.
-func (sqlite) bytes(col string) string { return col }
+// bytes: a column's default collation, BINARY, compares bytes; read as
+// TEXT, since TEXT and BLOB never compare equal, and another library may
+// have stored the text as a BLOB (Python's sqlite3 given bytes), which the
+// relay sends to the routing key of its bytes: Republish never found such
+// a record again (a review). No index of SQLite's holds these columns.
+func (sqlite) bytes(col string) string { return "CAST(" + col + " AS TEXT)" }
 
 func (sqlite) keepCreatedAt() string { return "" }
 
