@@ -8,6 +8,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ThreeDotsLabs/watermill"
+
 	"github.com/acemq/watermill-outbox/internal/sqldialect"
 )
 
@@ -142,6 +144,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	work := withStop(ctx)
 	s := swept{stopping: ctx.Err() != nil, size: l.size}
 	l.swept = time.Now()
+	var took sweepTook
 
 	var (
 		next     *batch   // claimed and not sent yet
@@ -184,7 +187,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 			err  error
 			back bool
 		)
+		start := time.Now()
 		s.claimed, back, err = f.claimNext(cut, cursor, s.size, l.inFlight())
+		took.claim = time.Since(start)
 		s.behind = back && err == nil && !s.claimed.full(s.size)
 		switch {
 		case errors.Is(err, errNoConnection):
@@ -195,7 +200,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		case err == nil:
 			l.dependOn(s.claimed)
 			// Not once Run's ctx ended: the look is not worth the stop's wait.
+			start := time.Now()
 			s.crowded = ctx.Err() != nil || l.crowded(work, s)
+			took.look = time.Since(start)
 		case ctx.Err() != nil:
 			s.claimed, s.stopping = nil, true // stopped while it claimed: nothing is
 		default:
@@ -206,7 +213,10 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	next = s.claimed
 	held := false // the oldest batch failed: nothing more goes out
 	if l.pipelines(next) {
-		if done, held = l.send(work, next); !held {
+		start := time.Now()
+		done, held = l.send(work, next)
+		took.send = time.Since(start)
+		if !held {
 			next = nil
 		}
 	}
@@ -223,6 +233,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	// their confirms say, and the relay backs off after. Held back, the
 	// confirmed ones would go out again.
 	claimFailed := s.failed
+	start := time.Now()
 	done, bad, parked := l.settle(work, done)
 	s.failed = s.failed || bad
 	switch {
@@ -240,6 +251,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		nextBad, s.failed = l.publish(work, next, s.failed)
 		parked = parked && (!nextBad || next.onlyParked())
 	}
+	took.settle = time.Since(start)
 	s.parked = s.failed && !claimFailed && parked
 	f.store.holding.Store(len(l.queue) > 0) // for the statements before the next sweep, and a Sweep's
 	unlocked = true
@@ -255,6 +267,7 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		l.crowdedFor = 0 // the drain is over; the next one looks afresh
 	}
 	l.drained = !s.failed && !s.full() && !s.behind
+	l.traceSweep(s, done, took)
 	l.unblocked = s.unblocked
 	l.found = s.claimed != nil
 
@@ -287,6 +300,37 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	}
 	return s
 }
+
+// sweepTook is where a sweep's time went (see traceSweep).
+type sweepTook struct {
+	claim  time.Duration // the claim: its statements, and the broker's connect if lost
+	look   time.Duration // the look at the rows a keyed claim passed over (crowded)
+	send   time.Duration // waiting for the confirms of batches before the next goes out, and its send
+	settle time.Duration // the confirms still out collected, the marks, COMMIT; a batch published unpipelined
+}
+
+// traceSweep logs, at Trace, a sweep that claimed or settled something:
+// how many rows it asked for and took, the batches in flight after it, and
+// where its time went. A drain slower than the broker takes says there
+// which side holds it: the database's claims and marks, or the confirms
+// it waits for. (Issue 16's measures of the keyed drain were made so.)
+func (l *relayLoop) traceSweep(s swept, done []*batch, took sweepTook) {
+	if s.claimed == nil && len(done) == 0 {
+		return // an idle poll
+	}
+	claimed := 0
+	if s.claimed != nil {
+		claimed = len(s.claimed.claim.rows)
+	}
+	l.f.log.Trace("Outbox relay sweep", watermill.LogFields{
+		"asked": s.size, "claimed": claimed, "settled_batches": len(done), "in_flight_batches": len(l.queue),
+		"claim_ms": ms(took.claim), "look_ms": ms(took.look), "send_ms": ms(took.send), "settle_ms": ms(took.settle),
+		"failed": s.failed,
+	})
+}
+
+// ms is d in milliseconds, to the microsecond.
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // inFlight is the ids of the keyed records this relay has sent and whose
 // confirms are not collected yet: a key's next record may be claimed while
