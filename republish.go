@@ -1,9 +1,13 @@
 package outbox
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill"
@@ -158,7 +162,11 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 // then updated on its own: none holds the locks of a large backlog for
 // long, each goes on where the last ended, and the records made pending
 // before a failure (Timeout, say) stay so, for the relay and the next
-// boot. Of two instances booting together each record is resent once.
+// boot. Keyed records are made pending after the walk (or each 50
+// batches of them), each key's in seq order, so that a relay never finds
+// a key's later record pending and an earlier one published; a walk cut
+// short makes those it found pending within 5 s more. Of two instances
+// booting together each record is resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	n, err := r.republish(ctx)
 	if n > 0 {
@@ -201,19 +209,93 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		after  *sqldialect.RepublishCursor
 		total  int64
 	)
-	for {
-		ids, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, since, topics, r.cfg.Exchanges, after, batch))
-		if err != nil || len(ids) == 0 {
-			return total, err
-		}
-		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
+	// The keyed records the walk finds are made pending once it is over
+	// (or holds keyedHeld of them), in their keys' order: made pending
+	// batch by batch in the walk's order, a key's later record went out
+	// first where it had the earlier published_at (the earlier one sent
+	// again by an earlier boot or a resend) and a batch ended between
+	// them, a relay claiming between the batches. Made pending in seq
+	// order, a key's earlier records are pending before its later ones,
+	// wherever the updates stop.
+	var keyed []keyedRecord
+	flush := func(ctx context.Context) error {
+		n, err := r.pendKeyed(ctx, keyed, cutoff, batch)
 		total += n
-		if err != nil || len(ids) < batch {
-			return total, err
+		keyed = keyed[:0]
+		return err
+	}
+	for {
+		unkeyed, found, picked, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, since, topics, r.cfg.Exchanges, after, batch))
+		if err == nil && len(unkeyed) > 0 {
+			var n int64
+			n, err = execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(unkeyed, cutoff))
+			total += n
+		}
+		keyed = append(keyed, found...)
+		if republishBatched != nil {
+			republishBatched()
+		}
+		if err != nil || picked < batch {
+			// Cut short (Timeout, say), what the walk found is still made
+			// pending, within a bound of its own, as the relay is woken.
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wakeTimeout)
+			defer cancel()
+			return total, errors.Join(err, flush(fctx))
+		}
+		if len(keyed) >= keyedHeld*batch {
+			if err := flush(ctx); err != nil {
+				return total, err
+			}
 		}
 		after = last
 	}
 }
+
+// keyedHeld is how many batches of keyed records a Republish walk holds
+// before it makes them pending (see republish): past it, a key's earlier
+// record the walk finds later may go out after its later one, as before.
+const keyedHeld = 50
+
+// keyedRecord is a keyed record a Republish walk found.
+type keyedRecord struct {
+	key string
+	seq int64
+	id  string
+}
+
+// pendKeyed makes the records of keyed pending again, in batches of batch,
+// each key's in seq order.
+func (r *Republisher) pendKeyed(ctx context.Context, keyed []keyedRecord, cutoff time.Time, batch int) (int64, error) {
+	slices.SortFunc(keyed, func(a, b keyedRecord) int {
+		if c := strings.Compare(a.key, b.key); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.seq, b.seq)
+	})
+	var total int64
+	d := r.store.dialect.sql()
+	for len(keyed) > 0 {
+		k := min(batch, len(keyed))
+		ids := make([]string, k)
+		for i, rec := range keyed[:k] {
+			ids[i] = rec.id
+		}
+		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
+		total += n
+		if err != nil {
+			return total, err
+		}
+		keyed = keyed[k:]
+		if republishBatched != nil {
+			republishBatched()
+		}
+	}
+	return total, nil
+}
+
+// republishBatched, if set (by a test), is called after each update of a
+// Republish: where a relay's claim could come between two.
+var republishBatched func()
 
 // zoneShift is how far the session's time_zone is ahead of UTC where
 // published_at is a MySQL TIMESTAMP (another library's table: Laravel's),
@@ -231,23 +313,65 @@ func (r *Republisher) zoneShift(ctx context.Context) time.Duration {
 }
 
 // pick reads a batch's ids, and where the next batch goes on from.
-func (r *Republisher) pick(ctx context.Context, q sqldialect.Query) ([]string, *sqldialect.RepublishCursor, error) {
+// pick reads a batch of the walk: the ids of its unkeyed records, its keyed
+// ones, how many it read, and where the next batch starts. A record whose
+// key or seq does not read as the relay reads them (a seq that is no
+// integer, another library's) has no place in a key's order, as for the
+// relay, and is taken as unkeyed; so is one whose key is empty.
+func (r *Republisher) pick(ctx context.Context, q sqldialect.Query) (unkeyed []string, keyed []keyedRecord, picked int, _ *sqldialect.RepublishCursor, _ error) {
 	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, 0, nil, err
 	}
 	defer func() { _ = rows.Close() }()
 	var (
-		ids  []string
-		last sqldialect.RepublishCursor
+		last     sqldialect.RepublishCursor
+		key, seq any
 	)
 	for rows.Next() {
-		if err := rows.Scan(&last.ID, &last.PublishedAt); err != nil {
-			return nil, nil, err
+		if err := rows.Scan(&last.ID, &last.PublishedAt, &key, &seq); err != nil {
+			return nil, nil, 0, nil, err
 		}
-		ids = append(ids, last.ID)
+		picked++
+		if rec, ok := keyedOf(last.ID, key, seq); ok {
+			keyed = append(keyed, rec)
+		} else {
+			unkeyed = append(unkeyed, last.ID)
+		}
 	}
-	return ids, &last, rows.Err()
+	return unkeyed, keyed, picked, &last, rows.Err()
+}
+
+// keyedOf is the record id of key and seq as the walk read them, if it has
+// a place in a key's order.
+func keyedOf(id string, key, seq any) (keyedRecord, bool) {
+	var k string
+	switch x := key.(type) {
+	case string:
+		k = x
+	case []byte:
+		k = string(x)
+	default:
+		return keyedRecord{}, false // NULL, or a number another library wrote
+	}
+	var (
+		n   int64
+		err error
+	)
+	switch x := seq.(type) {
+	case int64:
+		n = x
+	case []byte:
+		n, err = strconv.ParseInt(string(x), 10, 64)
+	case string:
+		n, err = strconv.ParseInt(x, 10, 64)
+	default:
+		return keyedRecord{}, false
+	}
+	if k == "" || err != nil {
+		return keyedRecord{}, false
+	}
+	return keyedRecord{key: k, seq: n, id: id}, true
 }
 
 // Plugin is Republish as a Watermill router plugin: router.AddPlugin runs

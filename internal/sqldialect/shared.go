@@ -1402,7 +1402,7 @@ type RepublishCursor struct {
 // published before cutoff (and after since, unless it is zero), in
 // (published_at, id) order from after (nil: from the first). Each walk goes on where the last ended, rather than
 // from the oldest published row past every processed one again. Columns:
-// id, published_at.
+// id, published_at, aggregate_id, seq.
 func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
 	where, args := o.republishable(cutoff, since, routingKeys, exchanges)
 	if after != nil {
@@ -1414,7 +1414,7 @@ func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges [
 		where += " AND published_at >= ? AND (published_at > ? OR published_at = ? AND id > ?)"
 		args = append(args, after.PublishedAt, after.PublishedAt, after.PublishedAt, after.ID)
 	}
-	return o.query("SELECT id, "+o.d.stored("published_at")+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+	return o.query("SELECT id, "+o.d.stored("published_at")+", aggregate_id, seq FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
 }
 
 // republishable is RepublishPick's condition, without its cursor.
