@@ -235,6 +235,8 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 	claimFailed := s.failed
 	start := time.Now()
 	done, bad, parked := l.settle(work, done)
+	took.settle = time.Since(start)
+	start = time.Now()
 	s.failed = s.failed || bad
 	switch {
 	case next == nil:
@@ -251,7 +253,9 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 		nextBad, s.failed = l.publish(work, next, s.failed)
 		parked = parked && (!nextBad || next.onlyParked())
 	}
-	took.settle = time.Since(start)
+	if next != nil {
+		took.publish, took.published = time.Since(start), 1
+	}
 	s.parked = s.failed && !claimFailed && parked
 	f.store.holding.Store(len(l.queue) > 0) // for the statements before the next sweep, and a Sweep's
 	unlocked = true
@@ -303,10 +307,14 @@ func (l *relayLoop) sweep(ctx context.Context) swept {
 
 // sweepTook is where a sweep's time went (see traceSweep).
 type sweepTook struct {
-	claim  time.Duration // the claim: its statements, and the broker's connect if lost
-	look   time.Duration // the look at the rows a keyed claim passed over (crowded)
-	send   time.Duration // waiting for the confirms of batches before the next goes out, and its send
-	settle time.Duration // the confirms still out collected, the marks, COMMIT; a batch published unpipelined
+	claim   time.Duration // the claim: its statements, and the broker's connect if lost
+	look    time.Duration // the look at the rows a keyed claim passed over (crowded)
+	send    time.Duration // waiting for the confirms of batches before the next goes out, and its send
+	settle  time.Duration // the confirms still out collected, the marks, COMMIT
+	publish time.Duration // the claimed batch published outside the pipeline: its send, confirms and marks
+	// published is 1 when the claimed batch went outside the pipeline
+	// (or was released unsent) and was settled in this sweep.
+	published int
 }
 
 // traceSweep logs, at Trace, a sweep that claimed or settled something:
@@ -315,7 +323,7 @@ type sweepTook struct {
 // which side holds it: the database's claims and marks, or the confirms
 // it waits for. (Issue 16's measures of the keyed drain were made so.)
 func (l *relayLoop) traceSweep(s swept, done []*batch, took sweepTook) {
-	if s.claimed == nil && len(done) == 0 {
+	if s.claimed == nil && len(done) == 0 && took.published == 0 {
 		return // an idle poll
 	}
 	claimed := 0
@@ -323,9 +331,10 @@ func (l *relayLoop) traceSweep(s swept, done []*batch, took sweepTook) {
 		claimed = len(s.claimed.claim.rows)
 	}
 	l.f.log.Trace("Outbox relay sweep", watermill.LogFields{
-		"asked": s.size, "claimed": claimed, "settled_batches": len(done), "in_flight_batches": len(l.queue),
+		"asked": s.size, "claimed": claimed, "settled_batches": len(done) + took.published, "in_flight_batches": len(l.queue),
 		"claim_ms": ms(took.claim), "look_ms": ms(took.look), "send_ms": ms(took.send), "settle_ms": ms(took.settle),
-		"failed": s.failed,
+		"publish_ms": ms(took.publish),
+		"failed":     s.failed,
 	})
 }
 

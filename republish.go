@@ -163,10 +163,12 @@ func NewRepublisher(db any, cfg RepublisherConfig) (*Republisher, error) {
 // long, each goes on where the last ended, and the records made pending
 // before a failure (Timeout, say) stay so, for the relay and the next
 // boot. Keyed records are made pending after the walk (or each 50
-// batches of them), each key's in seq order, so that a relay never finds
-// a key's later record pending and an earlier one published; a walk cut
-// short makes those it found pending within 5 s more. Of two instances
-// booting together each record is resent once.
+// batches of them), lower seqs first, so that a relay does not find a
+// key's later record pending while an earlier one this walk makes pending
+// is still published (past 50 batches' worth it can: a key's earlier
+// record found after them); a walk cut short makes those it found pending
+// within 5 s more. Of two instances booting together each record is
+// resent once.
 func (r *Republisher) Republish(ctx context.Context) (int64, error) {
 	n, err := r.republish(ctx)
 	if n > 0 {
@@ -210,22 +212,33 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		total  int64
 	)
 	// The keyed records the walk finds are made pending once it is over
-	// (or holds keyedHeld of them), in their keys' order: made pending
+	// (or holds keyedHeld batches of them), lower seqs first: made pending
 	// batch by batch in the walk's order, a key's later record went out
 	// first where it had the earlier published_at (the earlier one sent
 	// again by an earlier boot or a resend) and a batch ended between
 	// them, a relay claiming between the batches. Made pending in seq
 	// order, a key's earlier records are pending before its later ones,
-	// wherever the updates stop.
+	// wherever the updates stop, and whatever the database takes for one
+	// key (MySQL's _bin collations ignore trailing spaces): the records it
+	// numbers as one key share one sequence.
 	var keyed []keyedRecord
+	keys := r.keyColumns(ctx)
 	flush := func(ctx context.Context) error {
-		n, err := r.pendKeyed(ctx, keyed, cutoff, batch)
+		n, rest, err := r.pendKeyed(ctx, keyed, cutoff, batch)
 		total += n
+		if err != nil && ctx.Err() != nil {
+			// Cut short in the flush: the rest still goes, within a bound.
+			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wakeTimeout)
+			n, _, ferr := r.pendKeyed(fctx, rest, cutoff, batch)
+			cancel()
+			total += n
+			err = errors.Join(err, ferr)
+		}
 		keyed = keyed[:0]
 		return err
 	}
 	for {
-		unkeyed, found, picked, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, since, topics, r.cfg.Exchanges, after, batch))
+		unkeyed, found, picked, last, err := r.pick(ctx, r.store.q.RepublishPick(cutoff, since, topics, r.cfg.Exchanges, after, batch, keys))
 		if err == nil && len(unkeyed) > 0 {
 			var n int64
 			n, err = execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(unkeyed, cutoff))
@@ -236,11 +249,7 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 			republishBatched()
 		}
 		if err != nil || picked < batch {
-			// Cut short (Timeout, say), what the walk found is still made
-			// pending, within a bound of its own, as the relay is woken.
-			fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wakeTimeout)
-			defer cancel()
-			return total, errors.Join(err, flush(fctx))
+			return total, errors.Join(err, flush(ctx))
 		}
 		if len(keyed) >= keyedHeld*batch {
 			if err := flush(ctx); err != nil {
@@ -249,6 +258,21 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 		}
 		after = last
 	}
+}
+
+// keyColumns reports whether the table has aggregate_id and seq: one
+// another library made without them holds unkeyed records only, which
+// Republish walks as it did before it read the keys. A look that fails
+// for another reason says no too; the walk's own statements then fail
+// the same way.
+func (r *Republisher) keyColumns(ctx context.Context) bool {
+	q := r.store.q.KeyColumnsProbe()
+	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
+	if err != nil {
+		return false
+	}
+	_ = rows.Close()
+	return true
 }
 
 // keyedHeld is how many batches of keyed records a Republish walk holds
@@ -264,13 +288,14 @@ type keyedRecord struct {
 }
 
 // pendKeyed makes the records of keyed pending again, in batches of batch,
-// each key's in seq order.
-func (r *Republisher) pendKeyed(ctx context.Context, keyed []keyedRecord, cutoff time.Time, batch int) (int64, error) {
+// lower seqs first, and returns how many, and the records it did not get
+// to when it failed.
+func (r *Republisher) pendKeyed(ctx context.Context, keyed []keyedRecord, cutoff time.Time, batch int) (int64, []keyedRecord, error) {
 	slices.SortFunc(keyed, func(a, b keyedRecord) int {
-		if c := strings.Compare(a.key, b.key); c != 0 {
+		if c := cmp.Compare(a.seq, b.seq); c != 0 {
 			return c
 		}
-		return cmp.Compare(a.seq, b.seq)
+		return strings.Compare(a.key, b.key)
 	})
 	var total int64
 	d := r.store.dialect.sql()
@@ -283,14 +308,14 @@ func (r *Republisher) pendKeyed(ctx context.Context, keyed []keyedRecord, cutoff
 		n, err := execRange(ctx, r.store.db, d, r.store.q.RepublishIDs(ids, cutoff))
 		total += n
 		if err != nil {
-			return total, err
+			return total, keyed, err
 		}
 		keyed = keyed[k:]
 		if republishBatched != nil {
 			republishBatched()
 		}
 	}
-	return total, nil
+	return total, nil, nil
 }
 
 // republishBatched, if set (by a test), is called after each update of a
@@ -312,12 +337,12 @@ func (r *Republisher) zoneShift(ctx context.Context) time.Duration {
 	return time.Duration(offset) * time.Second
 }
 
-// pick reads a batch's ids, and where the next batch goes on from.
 // pick reads a batch of the walk: the ids of its unkeyed records, its keyed
 // ones, how many it read, and where the next batch starts. A record whose
-// key or seq does not read as the relay reads them (a seq that is no
-// integer, another library's) has no place in a key's order, as for the
-// relay, and is taken as unkeyed; so is one whose key is empty.
+// key is NULL or empty, or whose seq is NULL, has no place in a key's
+// order (as for the relay) and is taken as unkeyed; so is one whose key
+// is no text or whose seq no integer (another library's), which the relay
+// fails as malformed: it goes as it did before keys were held.
 func (r *Republisher) pick(ctx context.Context, q sqldialect.Query) (unkeyed []string, keyed []keyedRecord, picked int, _ *sqldialect.RepublishCursor, _ error) {
 	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {

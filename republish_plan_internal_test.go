@@ -48,7 +48,7 @@ func TestRepublishPick_AfterACursor_TheIndexStartsAtTheCursor(t *testing.T) {
 				t.Fatal(err)
 			}
 			q := s.q.RepublishPick(time.Now(), time.Time{}, []string{"order.placed"}, nil,
-				&sqldialect.RepublishCursor{PublishedAt: s.dialect.sql().TimeArg(time.Now().Add(-time.Hour)), ID: "m-1"}, 1000)
+				&sqldialect.RepublishCursor{PublishedAt: s.dialect.sql().TimeArg(time.Now().Add(-time.Hour)), ID: "m-1"}, 1000, true)
 			tx, err := db.DB.BeginTx(ctx, nil)
 			if err != nil {
 				t.Fatal(err)

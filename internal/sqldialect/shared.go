@@ -1402,8 +1402,9 @@ type RepublishCursor struct {
 // published before cutoff (and after since, unless it is zero), in
 // (published_at, id) order from after (nil: from the first). Each walk goes on where the last ended, rather than
 // from the oldest published row past every processed one again. Columns:
-// id, published_at, aggregate_id, seq.
-func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int) Query {
+// id, published_at, aggregate_id, seq (both NULL without keys: a table
+// without the columns).
+func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges []string, after *RepublishCursor, limit int, keys bool) Query {
 	where, args := o.republishable(cutoff, since, routingKeys, exchanges)
 	if after != nil {
 		// The range first, which an index bounds: PostgreSQL took the OR
@@ -1414,7 +1415,17 @@ func (o *Outbox) RepublishPick(cutoff, since time.Time, routingKeys, exchanges [
 		where += " AND published_at >= ? AND (published_at > ? OR published_at = ? AND id > ?)"
 		args = append(args, after.PublishedAt, after.PublishedAt, after.PublishedAt, after.ID)
 	}
-	return o.query("SELECT id, "+o.d.stored("published_at")+", aggregate_id, seq FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+	cols := ", aggregate_id, seq"
+	if !keys {
+		cols = ", NULL, NULL"
+	}
+	return o.query("SELECT id, "+o.d.stored("published_at")+cols+" FROM "+o.table+" WHERE "+where+" ORDER BY published_at, id LIMIT ?", append(args, limit)...)
+}
+
+// KeyColumnsProbe reads the table's aggregate_id and seq, and no row: it
+// fails where the table lacks them.
+func (o *Outbox) KeyColumnsProbe() Query {
+	return Query{SQL: "SELECT aggregate_id, seq FROM " + o.table + " WHERE 1 = 0"}
 }
 
 // republishable is RepublishPick's condition, without its cursor.
