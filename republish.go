@@ -263,13 +263,14 @@ func (r *Republisher) republish(ctx context.Context) (int64, error) {
 // keyColumns reports whether the table has aggregate_id and seq: one
 // another library made without them holds unkeyed records only, which
 // Republish walks as it did before it read the keys. A look that fails
-// for another reason says no too; the walk's own statements then fail
-// the same way.
+// for another reason says yes: the walk's own statements then fail the
+// same way, or read the keys (taken for no, a look that failed once made
+// that Republish's keyed records pending in the walk's order).
 func (r *Republisher) keyColumns(ctx context.Context) bool {
 	q := r.store.q.KeyColumnsProbe()
 	rows, err := r.store.db.QueryContext(ctx, q.SQL, q.Args...)
 	if err != nil {
-		return false
+		return !r.store.dialect.sql().MissingColumn(err)
 	}
 	_ = rows.Close()
 	return true

@@ -210,23 +210,38 @@ func TestRepublish_CutShortDuringHeldFlush_KeyedRecordsFoundMadePending(t *testi
 // it read the keys: selecting aggregate_id and seq, it failed on every
 // boot.
 func TestRepublish_TableWithoutKeyColumns_UnkeyedRecordsMadePending(t *testing.T) {
-	db := testdb.New(t, testdb.Postgres)
-	ctx := context.Background()
-	if err := Migrate(ctx, db.DB.DB, Postgres); err != nil {
-		t.Fatal(err)
-	}
-	// As the other library made it: no aggregate_id, no seq.
-	if _, err := db.Exec("ALTER TABLE acemq_outbox DROP COLUMN seq, DROP COLUMN aggregate_id"); err != nil {
-		t.Fatal(err)
-	}
-	msgs := []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("x")), message.NewMessage(watermill.NewUUID(), []byte("x"))}
-	base := time.Now().UTC().Add(-time.Hour)
-	publishAt(t, db, Postgres, msgs, func(i int) time.Time { return base.Add(time.Duration(i) * time.Second) })
-	r, err := NewRepublisher(db.DB, RepublisherConfig{Dialect: Postgres, TrackedTopics: NewTrackedTopics("rk"), Grace: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if n, err := r.Republish(ctx); err != nil || n != 2 {
-		t.Errorf("Republish made %d pending (%v); want 2", n, err)
+	for _, c := range []struct {
+		kind string
+		d    Dialect
+		drop []string // as the other library made it: no aggregate_id, no seq
+	}{
+		{testdb.Postgres, Postgres, []string{"ALTER TABLE acemq_outbox DROP COLUMN seq, DROP COLUMN aggregate_id"}},
+		{testdb.MySQL, MySQL, []string{"ALTER TABLE acemq_outbox DROP COLUMN seq, DROP COLUMN aggregate_id"}},
+		{testdb.SQLite, SQLite, []string{"DROP INDEX acemq_outbox_aggregate_seq", "DROP INDEX acemq_outbox_pending_key", "DROP INDEX acemq_outbox_pending_unkeyed",
+			"ALTER TABLE acemq_outbox DROP COLUMN seq", "ALTER TABLE acemq_outbox DROP COLUMN aggregate_id"}},
+	} {
+		t.Run(c.kind, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, c.kind)
+			ctx := context.Background()
+			if err := Migrate(ctx, db.DB.DB, c.d); err != nil {
+				t.Fatal(err)
+			}
+			for _, q := range c.drop {
+				if _, err := db.Exec(q); err != nil {
+					t.Fatal(err)
+				}
+			}
+			msgs := []*message.Message{message.NewMessage(watermill.NewUUID(), []byte("x")), message.NewMessage(watermill.NewUUID(), []byte("x"))}
+			base := time.Now().UTC().Add(-time.Hour)
+			publishAt(t, db, c.d, msgs, func(i int) time.Time { return base.Add(time.Duration(i) * time.Second) })
+			r, err := NewRepublisher(db.DB, RepublisherConfig{Dialect: c.d, TrackedTopics: NewTrackedTopics("rk"), Grace: time.Minute})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n, err := r.Republish(ctx); err != nil || n != 2 {
+				t.Errorf("Republish made %d pending (%v); want 2", n, err)
+			}
+		})
 	}
 }

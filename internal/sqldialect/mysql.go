@@ -96,6 +96,11 @@ func (mysql) MissingTable(err error) bool {
 	return err != nil && strings.Contains(err.Error(), "Error 1146")
 }
 
+// MissingColumn: unknown column (1054).
+func (mysql) MissingColumn(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "Error 1054")
+}
+
 // CannotHold: an illegal mix of collations (1267, 1270, 1271), MySQL's
 // refusal to compare a utf8mb3 or latin1 column with a value holding a
 // character it lacks.

@@ -230,6 +230,9 @@ func (postgres) ConnLost(err error) bool {
 // (3F000), which no migration makes.
 func (postgres) MissingTable(err error) bool { return sqlState(err) == "42P01" }
 
+// MissingColumn: undefined_column (42703).
+func (postgres) MissingColumn(err error) bool { return sqlState(err) == "42703" }
+
 // CannotHold: a character the database's encoding lacks (22021
 // character_not_in_repertoire, 22P05 untranslatable_character).
 func (postgres) CannotHold(err error) bool {

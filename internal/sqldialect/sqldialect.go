@@ -130,6 +130,9 @@ type Dialect interface {
 	// MissingTable: err says a table is not there: the library's tables
 	// were not migrated, or not made where a configuration names others.
 	MissingTable(err error) bool
+	// MissingColumn: err says a column is not there (a table another
+	// library made without one).
+	MissingColumn(err error) bool
 	// PreparesRelay: the relay prepares its claims and the mark of a full
 	// batch once rather than have the driver prepare them for every batch.
 	PreparesRelay() bool

@@ -73,6 +73,11 @@ func (sqlite) MissingTable(err error) bool {
 	return err != nil && strings.Contains(err.Error(), "no such table")
 }
 
+// MissingColumn: as MissingTable, by its message.
+func (sqlite) MissingColumn(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "no such column")
+}
+
 func (sqlite) TimeoutEnds(error) (Query, bool) { return Query{}, false }
 
 func (sqlite) AsksByBegin() bool { return true }
