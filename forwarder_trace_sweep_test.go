@@ -61,21 +61,11 @@ func TestForwarder_TraceLog_SaysEachSweepsRowsAndTimes(t *testing.T) {
 		}
 		publishInTx(t, db, "rk", msgs, outbox.TxPublisherConfig{Exchange: broker.Exchange})
 
-		log := &traceLogger{LoggerAdapter: watermill.NopLogger{}, msg: "Outbox relay sweep"}
 		dest, err := outbox.NewAMQPDestination(outbox.AMQPConfig{URLs: []string{testdb.AMQPURL()}})
 		if err != nil {
 			t.Fatal(err)
 		}
-		f, err := outbox.NewForwarder(db.DB, dest, outbox.ForwarderConfig{Dialect: d, BatchSize: 40, Logger: log, PollInterval: 20 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		ctx, cancel := context.WithCancel(context.Background())
-		ran := make(chan error, 1)
-		go func() { ran <- f.Run(ctx) }()
-		defer func() { cancel(); <-ran }()
-		waitFor(t, 30*time.Second, "the rows published", func() bool { return pendingCount(t, f) == 0 })
+		log := drainTraced(t, db, dest, outbox.ForwarderConfig{Dialect: d, BatchSize: 40})
 		if got := broker.Drain(queue, n, 10*time.Second); len(got) != n {
 			t.Fatalf("queue received %d messages, want %d", len(got), n)
 		}
@@ -119,4 +109,67 @@ func TestForwarder_TraceLog_SaysEachSweepsRowsAndTimes(t *testing.T) {
 			t.Errorf("idle polls logged %d sweep lines; want none", after-before)
 		}
 	})
+}
+
+// drainTraced runs a Forwarder of cfg into dest, its Trace sweep lines
+// kept (PollInterval 20 ms), until no row of db is pending; the relay runs
+// on until the test ends.
+func drainTraced(t *testing.T, db *testdb.DB, dest outbox.Destination, cfg outbox.ForwarderConfig) *traceLogger {
+	t.Helper()
+	log := &traceLogger{LoggerAdapter: watermill.NopLogger{}, msg: "Outbox relay sweep"}
+	cfg.Logger, cfg.PollInterval = log, 20*time.Millisecond
+	f, err := outbox.NewForwarder(db.DB, dest, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- f.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-ran; _ = f.Close() })
+	waitFor(t, 30*time.Second, "the rows published", func() bool { return pendingCount(t, f) == 0 })
+	return log
+}
+
+// confirmWaitDest is a Destination without a pipeline whose broker takes wait to
+// confirm a batch.
+type confirmWaitDest struct{ wait time.Duration }
+
+func (d confirmWaitDest) Publish(_ context.Context, recs []outbox.Record) []error {
+	time.Sleep(d.wait)
+	return make([]error, len(recs))
+}
+
+// The README: send_ms is "the wait for confirms before the next batch goes
+// out, and its send", settle_ms "the marks and COMMIT", and a drain whose
+// claim_ms and settle_ms fill the sweep waits for the database. A relay
+// whose batches go through Publish (a Destination without a pipeline, an
+// AMQPDestination with a Window, a pool too small to pipeline) publishes in
+// the settle phase. Its send, confirms and marks are publish_ms, not
+// settle_ms, and the batch counts as settled.
+func TestForwarder_TraceLog_UnpipelinedBatch_BrokerWaitNotInSettle(t *testing.T) {
+	t.Parallel()
+	db := migrated(t, testdb.SQLite)
+	publishN(t, db, "x", "rk", 5)
+	const wait = 300 * time.Millisecond
+	log := drainTraced(t, db, confirmWaitDest{wait}, outbox.ForwarderConfig{Dialect: outbox.SQLite})
+	time.Sleep(100 * time.Millisecond)
+
+	lines := log.taken()
+	if len(lines) == 0 {
+		t.Fatal("no sweep line")
+	}
+	for _, l := range lines {
+		if l["claimed"].(int) == 0 {
+			continue
+		}
+		if l["settled_batches"].(int) == 0 {
+			t.Errorf("a sweep that published and marked its batch says settled_batches 0: %v", l)
+		}
+		if p, _ := l["publish_ms"].(float64); p < float64(wait.Milliseconds()) {
+			t.Errorf("publish_ms %v for a batch whose publish waited %s: %v", l["publish_ms"], wait, l)
+		}
+		if l["settle_ms"].(float64) >= float64(wait.Milliseconds()) {
+			t.Errorf("the broker's %s wait counted as settle_ms (the marks and COMMIT, per the README), send_ms %v: %v", wait, l["send_ms"], l)
+		}
+	}
 }

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -380,20 +379,7 @@ func keyedOf(id string, key, seq any) (keyedRecord, bool) {
 	default:
 		return keyedRecord{}, false // NULL, or a number another library wrote
 	}
-	var (
-		n   int64
-		err error
-	)
-	switch x := seq.(type) {
-	case int64:
-		n = x
-	case []byte:
-		n, err = strconv.ParseInt(string(x), 10, 64)
-	case string:
-		n, err = strconv.ParseInt(x, 10, 64)
-	default:
-		return keyedRecord{}, false
-	}
+	n, err := sqldialect.ReadInt64(seq) // as the relay reads it
 	if k == "" || err != nil {
 		return keyedRecord{}, false
 	}

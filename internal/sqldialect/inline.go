@@ -150,16 +150,7 @@ func CharsetHolds(cs string, args []any) bool {
 	if cs == "utf8mb3" || cs == "utf8" {
 		limit = 0xF0 // starts a 4-byte character
 	}
-	for _, a := range args {
-		if s, ok := a.(string); ok {
-			for i := 0; i < len(s); i++ {
-				if s[i] >= limit {
-					return false
-				}
-			}
-		}
-	}
-	return true
+	return !byteFrom(args, limit)
 }
 
 // InlineOK is Inline, and whether it wrote q's arguments in.
@@ -173,11 +164,15 @@ func InlineOK(d Dialect, q Query) (Query, bool) {
 // NonASCIIText reports whether one of args is a string with a byte outside
 // ASCII: sent as an argument, MySQL reads it in the connection's
 // character_set_client.
-func NonASCIIText(args []any) bool {
+func NonASCIIText(args []any) bool { return byteFrom(args, utf8.RuneSelf) }
+
+// byteFrom reports whether one of args is a string with a byte of limit
+// or above.
+func byteFrom(args []any, limit byte) bool {
 	for _, a := range args {
 		if s, ok := a.(string); ok {
 			for i := 0; i < len(s); i++ {
-				if s[i] >= utf8.RuneSelf {
+				if s[i] >= limit {
 					return true
 				}
 			}

@@ -1083,7 +1083,7 @@ func nullable(col column) column {
 
 func (c *columnReader) integer(name string, dst *int) column {
 	return column{c: c, name: name, read: func(v any) error {
-		n, err := readInt64(v)
+		n, err := ReadInt64(v)
 		*dst = int(n)
 		return err
 	}}
@@ -1091,12 +1091,14 @@ func (c *columnReader) integer(name string, dst *int) column {
 
 func (c *columnReader) int64(name string, dst *int64) column {
 	return column{c: c, name: name, read: func(v any) (err error) {
-		*dst, err = readInt64(v)
+		*dst, err = ReadInt64(v)
 		return err
 	}}
 }
 
-func readInt64(v any) (int64, error) {
+// ReadInt64 reads an integer column's value as a driver gives it: an
+// int64, or its decimal text.
+func ReadInt64(v any) (int64, error) {
 	switch x := v.(type) {
 	case int64:
 		return x, nil
